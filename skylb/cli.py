@@ -1,0 +1,49 @@
+"""The `skylb` command: one subcommand per process kind.
+
+Each subcommand lives in its own module, which exposes ``add_arguments(parser)`` and ``main(args) -> int``;
+modules are imported only when their subcommand runs, so `skylb --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main", "SUBCOMMANDS"]
+
+#: name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "balancer": ("skylb.balancer.server", "run one region's balancer (OpenAI API in front of local replicas)"),
+    "controller": ("controller.server", "run the membership controller (SQLite store, REST API)"),
+    "emulator": ("skylb.emulator.server", "run emulated inference replicas (vLLM personality) on one or more ports"),
+    "toxiproxy": ("skylb.latency.server", "run the Toxiproxy-API-compatible latency proxy"),
+    "local": ("skylb.local", "run a whole multi-region deployment on this machine and replay a workload"),
+    "replay": ("bench.replay", "replay a workload (Mooncake trace or synthetic) against running balancers"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the top-level parser with every subcommand's arguments (imports each subcommand module)."""
+    parser = argparse.ArgumentParser(
+        prog="skylb",
+        description="SkyLB: a cross-region load balancer for LLM inference. One balancer per region; "
+        "requests go to a local replica with room, else to a peer region with room, else wait in the queue.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip().splitlines()[0])
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `skylb` console script; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args._module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

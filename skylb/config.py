@@ -1,0 +1,200 @@
+"""Configuration of a SkyLB deployment: one YAML file, validated with pydantic.
+
+The same file drives every process: `skylb controller` reads ``controller``, `skylb balancer --region R` reads
+``balancer`` (defaults for all regions) merged with ``regions.R.balancer``, and `skylb local` reads everything
+(regions, replicas per region, emulator, latency matrix, workload). Unknown keys are errors, so a typo never passes
+silently. Units are in the key names (``_ms``, ``_s``, ``_tokens``, ``_chars``).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = [
+    "ConfigError",
+    "ControllerConfig",
+    "BalancerConfig",
+    "EmulatorConfig",
+    "LatencyConfig",
+    "WorkloadConfig",
+    "RegionConfig",
+    "DeploymentConfig",
+    "load_config",
+    "default_config_path",
+]
+
+
+class ConfigError(ValueError):
+    """Raised when a config file is missing, is not YAML, or fails validation (message names the bad key)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ControllerConfig(_Strict):
+    """Where the controller listens and keeps its SQLite membership store."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8470, ge=0, le=65535)
+    db: str = ".skylb-run/controller.sqlite"
+
+
+class BalancerConfig(_Strict):
+    """One balancer's routing and probing settings (source: SkyLB paper §3.3, Algorithm 1)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    #: The URL peers and the controller use to reach this balancer; default http://host:port.
+    advertise_url: str | None = None
+    #: skylb (prefix trie + selective pushing), skylb-ch (hash ring + selective pushing),
+    #: round_robin / least_load (blind pushing baselines).
+    policy: Literal["skylb", "skylb-ch", "round_robin", "least_load"] = "skylb"
+    probe_interval_ms: float = Field(100.0, gt=0)
+    #: A probe older than this many intervals makes its replica or peer unavailable.
+    stale_after_intervals: float = Field(5.0, gt=0)
+    probe_timeout_ms: float = Field(1000.0, gt=0)
+    #: tau: the largest peer queue length at which the peer is still available (Algorithm 1, line 12).
+    tau: int = Field(2, ge=0)
+    session_header: str = "X-Session-ID"
+    trie_max_chars: int = Field(8_000_000, gt=0)
+    trie_chunk_chars: int = Field(64, gt=0)
+    hash_ring_vnodes: int = Field(160, gt=0)
+    #: How often the dispatcher re-checks the head of the queue when nothing changed (ms).
+    dispatch_tick_ms: float = Field(10.0, gt=0)
+    #: Requests waiting longer than this get 503 in the API's shape (s).
+    queue_timeout_s: float = Field(600.0, gt=0)
+    max_queue: int = Field(10_000, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    #: Longest gap between two bytes of a replica's response before the request fails (s).
+    read_timeout_s: float = Field(600.0, gt=0)
+    controller_url: str | None = None
+    #: How this balancer reaches each peer region, when not the peer's advertised URL (a latency proxy, say).
+    peer_urls: dict[str, str] = Field(default_factory=dict)
+    #: Where the last membership from the controller is kept, so a restart works while the controller is down.
+    state_dir: str = ".skylb-run"
+    #: Shared secret for balancer-to-balancer requests (peer status, forwarded requests); None disables the check.
+    peer_token: str | None = None
+
+
+class EmulatorConfig(_Strict):
+    """Emulated replicas started by `skylb local` (see skylb/emulator for the model and its defaults)."""
+
+    engine: Literal["vllm"] = "vllm"
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    #: Multiplies every emulated duration; < 1 runs faster than an L4 (for demos on a small machine).
+    time_scale: float = Field(1.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class LatencyConfig(_Strict):
+    """Injected round trips between regions (ms), keyed "a-b" (symmetric)."""
+
+    rtt_ms: dict[str, float] = Field(
+        default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0}
+    )
+    jitter_ms: float = Field(0.0, ge=0)
+
+    def rtt(self, a: str, b: str) -> float:
+        """Round trip between regions a and b in ms (0 for a == b); KeyError if the pair is not configured."""
+        if a == b:
+            return 0.0
+        for key in (f"{a}-{b}", f"{b}-{a}"):
+            if key in self.rtt_ms:
+                return self.rtt_ms[key]
+        raise KeyError(f"latency.rtt_ms has no entry for {a}-{b}")
+
+
+class WorkloadConfig(_Strict):
+    """What `skylb local` replays: a Mooncake trace (when found) or the synthetic multi-turn generator."""
+
+    trace: str | None = "../shared/traces/mooncake_conversation_trace.jsonl"
+    #: Replay only trace requests with start_s <= timestamp < start_s + window_s (trace time, s).
+    start_s: float = Field(0.0, ge=0)
+    window_s: float = Field(60.0, gt=0)
+    #: Trace time is divided by this (2 = twice as fast).
+    time_compression: float = Field(1.0, gt=0)
+    #: Scales prompt and output lengths (1 = as in the trace).
+    token_scale: float = Field(1.0, gt=0)
+    max_requests: int | None = Field(None, gt=0)
+    region_weights: dict[str, float] = Field(default_factory=lambda: {"us": 0.5, "eu": 0.25, "asia": 0.25})
+    seed: int = 0
+    #: Synthetic generator: conversations per region and turns per conversation.
+    synthetic_conversations: int = Field(24, gt=0)
+    synthetic_turns: int = Field(4, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)
+
+
+class RegionConfig(_Strict):
+    """One region of a deployment: its balancer's overrides and how many emulated replicas `skylb local` starts."""
+
+    balancer: dict = Field(default_factory=dict)
+    replicas: int = Field(4, ge=0)
+
+
+class DeploymentConfig(_Strict):
+    """A whole deployment, as in configs/local-3region.yaml."""
+
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    balancer: BalancerConfig = Field(default_factory=BalancerConfig)
+    regions: dict[str, RegionConfig] = Field(
+        default_factory=lambda: {name: RegionConfig() for name in ("us", "eu", "asia")}
+    )
+    emulator: EmulatorConfig = Field(default_factory=EmulatorConfig)
+    latency: LatencyConfig = Field(default_factory=LatencyConfig)
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
+
+    @field_validator("regions")
+    @classmethod
+    def _regions_named(cls, regions: dict[str, RegionConfig]) -> dict[str, RegionConfig]:
+        for name in regions:
+            if not name or not name.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"region name {name!r} must be letters, digits, '-' or '_'")
+        return regions
+
+    def balancer_for(self, region: str) -> BalancerConfig:
+        """The balancer settings of ``region``: the shared ``balancer`` section with the region's overrides.
+
+        Raises ConfigError if the region is not in ``regions`` or an override is invalid.
+        """
+        if region not in self.regions:
+            raise ConfigError(f"region {region!r} is not in the config (regions: {', '.join(self.regions)})")
+        merged = self.balancer.model_dump() | self.regions[region].balancer
+        try:
+            return BalancerConfig.model_validate(merged)
+        except ValidationError as exc:
+            raise ConfigError(f"regions.{region}.balancer: {_explain(exc)}") from exc
+
+
+def _explain(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+
+
+def default_config_path() -> Path:
+    """Path of the embedded default config (configs/local-3region.yaml, shipped inside the package)."""
+    return Path(str(resources.files("skylb").joinpath("configs/local-3region.yaml")))
+
+
+def load_config(path: str | Path | None) -> DeploymentConfig:
+    """Read and validate a deployment config; None reads the embedded default.
+
+    Raises ConfigError with the file name and the offending keys when the file is missing, not YAML, or invalid.
+    """
+    path = Path(path) if path is not None else default_config_path()
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping at the top level")
+    try:
+        return DeploymentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"config {path}: {_explain(exc)}") from exc
