@@ -64,6 +64,10 @@ class BalancerConfig(_Strict):
     session_header: str = "X-Session-ID"
     trie_max_chars: int = Field(8_000_000, gt=0)
     trie_chunk_chars: int = Field(64, gt=0)
+    #: The smallest matched fraction of a prompt (0-1) that routes by prefix; below it, least load.
+    match_threshold: float = Field(0.5, ge=0, le=1)
+    #: Most requests sent to one replica (or peer) between two of its probes; 0 = no cap (the paper's rule).
+    max_dispatch_per_probe: int = Field(4, ge=0)
     hash_ring_vnodes: int = Field(160, gt=0)
     #: How often the dispatcher re-checks the head of the queue when nothing changed (ms).
     dispatch_tick_ms: float = Field(10.0, gt=0)

@@ -1,0 +1,191 @@
+"""Prefix trie: an approximate map of which target has seen which prompt prefix, with bounded memory.
+
+Source: SkyLB paper §3.2 ("SkyLB with regional snapshot") and Algorithm 1 line 21 (MAXPREFIXMATCH). Each node of the
+trie stands for a prompt prefix and records the targets (replicas, or peer regions for the regional snapshot) that
+were sent a request with that prefix. A target recorded at a node is recorded at all its ancestors, so the targets of
+a child are a subset of its parent's: a match walks down the prompt and stops at the first node with no *available*
+target, because no deeper node can have one.
+
+Prompts are keyed in chunks of ``chunk_chars`` characters (one trie node per chunk, not per character), so an
+8,000-token prompt is a few hundred nodes. Matching granularity is one chunk.
+
+Memory bound: ``max_chars`` bounds the characters stored in trie nodes (each node stores one chunk). When an insert
+makes the trie exceed it, the oldest inserted records are evicted first (paper: "starting with the earliest inserted
+records") until it fits; eviction runs on every insert, never on a timer, so a burst cannot grow it past the bound.
+Each record holds its key (a tuple of chunks shared with the trie), so bookkeeping adds one tuple per record.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import pygtrie
+
+__all__ = ["PrefixTrie", "Match", "chunk_text"]
+
+
+def chunk_text(text: str, chunk_chars: int) -> tuple[str, ...]:
+    """Split ``text`` into consecutive chunks of ``chunk_chars`` characters (the last may be shorter)."""
+    return tuple(text[i:i + chunk_chars] for i in range(0, len(text), chunk_chars))
+
+
+@dataclass(frozen=True)
+class Match:
+    """The result of a longest-prefix match.
+
+    Attributes:
+        targets: the available targets at the deepest matched node (empty when nothing matched).
+        matched_chars: characters of the prompt covered by the match.
+        prompt_chars: characters of the prompt; ``ratio`` = matched_chars / prompt_chars (0 for an empty prompt).
+    """
+
+    targets: frozenset[str]
+    matched_chars: int
+    prompt_chars: int
+
+    @property
+    def ratio(self) -> float:
+        """Fraction of the prompt matched, 0-1."""
+        return self.matched_chars / self.prompt_chars if self.prompt_chars else 0.0
+
+
+class PrefixTrie:
+    """A chunked prefix trie on pygtrie mapping prompt prefixes to targets, bounded by stored characters.
+
+    Args:
+        max_chars: the most characters the trie may store in its nodes (> 0).
+        chunk_chars: characters per trie node (> 0).
+
+    Node values are ``{target: count}``: how many live records through that node went to that target.
+    """
+
+    def __init__(self, *, max_chars: int = 8_000_000, chunk_chars: int = 64):
+        if max_chars <= 0 or chunk_chars <= 0:
+            raise ValueError("max_chars and chunk_chars must be positive")
+        self.max_chars = max_chars
+        self.chunk_chars = chunk_chars
+        self._trie: pygtrie.Trie = pygtrie.Trie()
+        self._records: deque[tuple[tuple[str, ...], str]] = deque()
+        self._chars = 0
+        self._nodes = 0
+
+    @property
+    def stored_chars(self) -> int:
+        """Characters stored in trie nodes now (<= max_chars)."""
+        return self._chars
+
+    @property
+    def nodes(self) -> int:
+        """Trie nodes now, not counting the root."""
+        return self._nodes
+
+    def __len__(self) -> int:
+        """Live records (inserts not yet evicted)."""
+        return len(self._records)
+
+    def chunks(self, text: str) -> tuple[str, ...]:
+        """The trie key of ``text``: its chunks."""
+        return chunk_text(text, self.chunk_chars)
+
+    def match(self, key: tuple[str, ...], available: Collection[str]) -> Match:
+        """Longest prefix of ``key`` (from ``chunks()``) recorded for a target in ``available``.
+
+        Walks down from the root and stops at the first node with no available target (paper §3.2). Cost is
+        O(matched chunks). Returns the available targets at the deepest node reached.
+        """
+        prompt_chars = sum(map(len, key))
+        best: frozenset[str] = frozenset()
+        matched = 0
+        if not available or not key:
+            return Match(best, 0, prompt_chars)
+        walk = self._trie.walk_towards(key)
+        next(walk)  # the root stands for the empty prefix
+        depth_chars = 0
+        try:
+            for i, step in enumerate(walk):
+                counts = step.get()
+                if not counts:
+                    break
+                here = [t for t in counts if t in available]
+                if not here:
+                    break
+                depth_chars += len(key[i])
+                best, matched = frozenset(here), depth_chars
+        except KeyError:  # the prompt leaves the trie here
+            pass
+        return Match(best, matched, prompt_chars)
+
+    def insert(self, key: tuple[str, ...], target: str) -> None:
+        """Record that a request with prompt ``key`` went to ``target``; evict oldest records beyond the bound.
+
+        A key longer than the bound is truncated to fit: its leading part is what later prompts can share.
+        """
+        if not key:
+            return
+        total = 0
+        for i, chunk in enumerate(key):
+            total += len(chunk)
+            if total > self.max_chars:
+                key = key[:i]
+                break
+        if not key:
+            return
+        created_from = self._existing_depth(key)
+        self._trie[key] = self._trie.get(key) or {}
+        for step in self._walk(key):
+            counts = step.get()
+            if counts is None:
+                counts = step.value = {}
+            counts[target] = counts.get(target, 0) + 1
+        new_chunks = key[created_from:]
+        self._nodes += len(new_chunks)
+        self._chars += sum(map(len, new_chunks))
+        self._records.append((key, target))
+        while self._chars > self.max_chars and self._records:
+            self._evict_oldest()
+
+    def remove_target(self, target: str) -> None:
+        """Forget every record of ``target`` (a replica or peer that left membership)."""
+        keep = deque()
+        while self._records:
+            key, t = self._records[0]
+            if t == target:
+                self._evict_oldest()
+            else:
+                keep.append(self._records.popleft())
+        self._records = keep
+
+    def _walk(self, key: tuple[str, ...]):
+        walk = self._trie.walk_towards(key)
+        next(walk)  # skip the root
+        return walk
+
+    def _existing_depth(self, key: tuple[str, ...]) -> int:
+        depth = 0
+        try:
+            for depth, _ in enumerate(self._trie.walk_towards(key)):
+                pass
+        except KeyError:
+            pass
+        return depth
+
+    def _evict_oldest(self) -> None:
+        key, target = self._records.popleft()
+        cut = None  # depth of the first node that no live record passes through any more
+        for i, step in enumerate(self._walk(key)):
+            counts = step.value
+            n = counts[target] - 1
+            if n:
+                counts[target] = n
+            else:
+                del counts[target]
+                if not counts and cut is None:
+                    cut = i
+        if cut is not None:
+            # Nodes below a node with no records carry none either (children's targets are a subset).
+            del self._trie[key[:cut + 1]:]
+            removed = key[cut:]
+            self._nodes -= len(removed)
+            self._chars -= sum(map(len, removed))

@@ -1,0 +1,37 @@
+"""The routing core's view of a request: what routing needs, nothing about HTTP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Request"]
+
+
+@dataclass(eq=False)
+class Request:
+    """One request waiting for a routing decision.
+
+    Attributes:
+        id: unique id (the balancer's request id).
+        text: the prompt text the prefix trie keys on (chat messages flattened in order).
+        arrived_at: arrival time at this balancer, s on the caller's clock (the core never reads a clock).
+        model: the requested model name.
+        session_key: the hash-ring key (session header, OpenAI ``user`` or ``prompt_cache_key``), or None.
+        forwarded_from: the region of the peer that forwarded this request, or None when a client sent it here.
+            A forwarded request is never forwarded again (one hop; DESIGN.md decision 3).
+        prompt_tokens: an estimate of the prompt's length in tokens, when known (for reporting only).
+    """
+
+    id: str
+    text: str
+    arrived_at: float
+    model: str = ""
+    session_key: str | None = None
+    forwarded_from: str | None = None
+    prompt_tokens: int | None = None
+    chunks: tuple[str, ...] | None = field(default=None, repr=False)
+
+    @property
+    def may_forward(self) -> bool:
+        """True when this request may still go to a peer (it did not arrive from one)."""
+        return self.forwarded_from is None

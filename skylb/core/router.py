@@ -1,0 +1,208 @@
+"""The router: a balancer's FCFS queue, its view of targets, and the decision "where does the head go now".
+
+Source: SkyLB paper Algorithm 1 (HANDLEREQUEST, lines 27-30) and §4.1 "Request life cycle": a request waits in a
+first-come, first-served queue; at the head it goes to an available local replica if there is one, else to an
+available peer (never for a request that came from a peer), else it stays at the head and everything waits behind it.
+
+Pure: no I/O, no clock. Callers pass ``now`` (s, any monotonic clock) and apply the returned decisions. The live
+balancer and the trace-driven simulator both drive this class.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from skylb.core.policies import Policy
+from skylb.core.request import Request
+from skylb.core.state import AvailabilityRules, PeerState, ReplicaState
+
+__all__ = ["Router", "Decision", "QueueFull"]
+
+
+class QueueFull(Exception):
+    """Raised by ``Router.enqueue`` when the queue already holds ``max_queue`` requests."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where one request goes.
+
+    Attributes:
+        request: the request; kind: "replica" (a local replica) or "peer" (forward to another region).
+        target: the replica id or the peer region; url: the target's base URL.
+        queued_s: time the request waited in the queue, s.
+    """
+
+    request: Request
+    kind: str
+    target: str
+    url: str
+    queued_s: float
+
+
+class Router:
+    """A region's routing state and FCFS queue.
+
+    Args:
+        region: this balancer's region.
+        policy: the routing policy (see skylb.core.policies).
+        rules: the availability rules (tau, staleness, dispatch cap).
+        max_queue: the most requests the queue holds; more raise QueueFull.
+    """
+
+    def __init__(self, *, region: str, policy: Policy, rules: AvailabilityRules | None = None,
+                 max_queue: int = 10_000):
+        self.region = region
+        self.policy = policy
+        self.rules = rules or AvailabilityRules()
+        self.max_queue = max_queue
+        self.replicas: dict[str, ReplicaState] = {}
+        self.peers: dict[str, PeerState] = {}
+        self.queue: deque[Request] = deque()
+
+    # -- membership ---------------------------------------------------------------------------------------------
+    def set_replicas(self, replicas: Iterable[tuple[str, str, str]]) -> None:
+        """Make the local replicas exactly ``replicas`` ((id, url, engine) triples).
+
+        A replica that left is drained: it gets no new requests and is dropped once its in-flight ones finish.
+        A replica that comes back (same id) is un-drained.
+        """
+        wanted = {rid: (url, engine) for rid, url, engine in replicas}
+        for rid, state in list(self.replicas.items()):
+            if rid not in wanted:
+                state.draining = True
+                if state.outstanding == 0:
+                    del self.replicas[rid]
+        for rid, (url, engine) in wanted.items():
+            state = self.replicas.get(rid)
+            if state is None or state.url != url:
+                self.replicas[rid] = ReplicaState(id=rid, url=url, engine=engine,
+                                                  outstanding=state.outstanding if state else 0)
+            else:
+                state.draining = False
+                state.engine = engine
+        self._sync_policy()
+
+    def set_peers(self, peers: Iterable[tuple[str, str]]) -> None:
+        """Make the peers exactly ``peers`` ((region, url) pairs); this balancer's own region is ignored."""
+        wanted = {region: url for region, url in peers if region != self.region}
+        for region in list(self.peers):
+            if region not in wanted:
+                del self.peers[region]
+        for region, url in wanted.items():
+            state = self.peers.get(region)
+            if state is None:
+                self.peers[region] = PeerState(region=region, url=url)
+            else:
+                state.url = url
+        self._sync_policy()
+
+    def _sync_policy(self) -> None:
+        self.policy.set_members([r for r, s in self.replicas.items() if not s.draining], self.peers)
+
+    # -- the queue ----------------------------------------------------------------------------------------------
+    def enqueue(self, request: Request) -> None:
+        """Append ``request`` to the FCFS queue; raises QueueFull when the queue is at ``max_queue``."""
+        if len(self.queue) >= self.max_queue:
+            raise QueueFull(f"queue is full ({self.max_queue} requests)")
+        self.queue.append(request)
+
+    def cancel(self, request_id: str) -> bool:
+        """Remove a still-queued request (its client went away); True if it was queued."""
+        for i, r in enumerate(self.queue):
+            if r.id == request_id:
+                del self.queue[i]
+                return True
+        return False
+
+    def expire(self, now: float, timeout_s: float) -> list[Request]:
+        """Remove and return the requests that have waited longer than ``timeout_s`` at ``now``."""
+        expired = [r for r in self.queue if now - r.arrived_at > timeout_s]
+        if expired:
+            gone = {id(r) for r in expired}
+            self.queue = deque(r for r in self.queue if id(r) not in gone)
+        return expired
+
+    # -- decisions ----------------------------------------------------------------------------------------------
+    def dispatch(self, now: float) -> list[Decision]:
+        """Place requests from the head of the queue while the head can be placed; returns the decisions in order.
+
+        Each decision is already counted (outstanding, sent since probe, trie); call ``finished`` when its
+        response ends.
+        """
+        out: list[Decision] = []
+        while self.queue:
+            decision = self._place(self.queue[0], now)
+            if decision is None:
+                break
+            self.queue.popleft()
+            out.append(decision)
+        return out
+
+    def _place(self, request: Request, now: float) -> Decision | None:
+        rules = self.rules
+        if self.policy.selective:
+            local = [r for r in self.replicas.values() if rules.replica_available(r, now)]
+        else:
+            local = [r for r in self.replicas.values() if rules.replica_usable(r, now)]
+        if local:
+            replica = self.policy.pick_replica(request, local)
+            replica.outstanding += 1
+            replica.sent_since_probe += 1
+            replica.served += 1
+            self.policy.routed(request, replica=replica.id)
+            return Decision(request, "replica", replica.id, replica.url, now - request.arrived_at)
+        if request.may_forward:
+            peers = [p for p in self.peers.values() if rules.peer_available(p, now)]
+            if peers:
+                peer = self.policy.pick_peer(request, peers)
+                peer.outstanding += 1
+                peer.sent_since_probe += 1
+                peer.forwarded += 1
+                self.policy.routed(request, peer=peer.region)
+                return Decision(request, "peer", peer.region, peer.url, now - request.arrived_at)
+        return None
+
+    def finished(self, decision: Decision) -> None:
+        """The response of ``decision`` ended (any outcome): release its outstanding count (never below 0)."""
+        if decision.kind == "replica":
+            state = self.replicas.get(decision.target)
+            if state is not None:
+                state.outstanding = max(0, state.outstanding - 1)
+                if state.draining and state.outstanding == 0:
+                    del self.replicas[decision.target]
+        else:
+            peer = self.peers.get(decision.target)
+            if peer is not None:
+                peer.outstanding = max(0, peer.outstanding - 1)
+
+    # -- probes and status --------------------------------------------------------------------------------------
+    def observe_replica(self, replica_id: str, *, now: float, healthy: bool, pending: int = 0,
+                        running: int | None = None, error: str | None = None) -> None:
+        """Record a probe answer for a local replica (ignored if the replica left)."""
+        state = self.replicas.get(replica_id)
+        if state is not None:
+            state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error)
+
+    def observe_peer(self, region: str, *, now: float, ok: bool, available_replicas: int = 0, replicas: int = 0,
+                     queue_len: int = 0, error: str | None = None) -> None:
+        """Record a peer status answer (ignored if the peer left)."""
+        state = self.peers.get(region)
+        if state is not None:
+            state.observe_status(now=now, ok=ok, available_replicas=available_replicas, replicas=replicas,
+                                 queue_len=queue_len, error=error)
+
+    def available_replicas(self, now: float) -> list[ReplicaState]:
+        """Local replicas available at ``now`` under selective pushing."""
+        return [r for r in self.replicas.values() if self.rules.replica_available(r, now)]
+
+    def status(self, now: float) -> dict:
+        """What this balancer tells its peers: region, available replicas, replicas, queue length."""
+        return {
+            "region": self.region,
+            "available_replicas": len(self.available_replicas(now)),
+            "replicas": sum(1 for r in self.replicas.values() if not r.draining),
+            "queue_len": len(self.queue),
+        }

@@ -1,0 +1,155 @@
+"""What a balancer knows about its targets (local replicas and peer balancers), and the availability rules.
+
+Source: SkyLB paper §3.3 and Algorithm 1 (MONITORAVAILABILITY, lines 1-16).
+- A replica is available when it is healthy, its latest probe is fresh and showed 0 pending requests.
+- A peer is available when its latest status is fresh, it reports at least one available replica and its queue is
+  no longer than tau.
+
+One refinement beyond the paper: a probe is a snapshot, and between two probes the balancer could push any number of
+requests onto a replica that looked empty. ``max_dispatch_per_probe`` caps how many requests go to one replica (or
+peer) between two of its probes, so a burst is spread instead of piling up on the first target; 0 disables the cap
+(the paper's behaviour). Each unavailable target carries a reason, shown in status and metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ReplicaState", "PeerState", "AvailabilityRules"]
+
+
+@dataclass
+class ReplicaState:
+    """A local replica as this balancer sees it.
+
+    Attributes:
+        id: the replica id from the controller; url: its base URL.
+        healthy: the latest probe succeeded (and the engine said it is up).
+        pending: pending requests in the latest probe (accepted by the engine, not yet in its running batch).
+        running: requests in the engine's running batch in the latest probe, or None if not reported.
+        probed_at: time of the latest probe answer, s (None: never probed).
+        outstanding: requests this balancer sent there that have not finished (never negative).
+        sent_since_probe: requests sent there since the latest probe answer.
+        draining: removed from membership; gets no new requests while its in-flight ones finish.
+        error: why the latest probe failed, if it did.
+    """
+
+    id: str
+    url: str
+    engine: str = "vllm"
+    healthy: bool = False
+    pending: int = 0
+    running: int | None = None
+    probed_at: float | None = None
+    outstanding: int = 0
+    sent_since_probe: int = 0
+    draining: bool = False
+    error: str | None = None
+    served: int = 0
+
+    def observe_probe(self, *, now: float, healthy: bool, pending: int = 0, running: int | None = None,
+                      error: str | None = None) -> None:
+        """Record one probe answer taken at ``now`` (s)."""
+        self.healthy = healthy
+        self.pending = max(0, int(pending)) if healthy else self.pending
+        self.running = running if healthy else self.running
+        self.error = None if healthy else (error or "probe failed")
+        self.probed_at = now
+        self.sent_since_probe = 0
+
+
+@dataclass
+class PeerState:
+    """A peer balancer (another region) as this balancer sees it, from its msgpack status.
+
+    Attributes:
+        region: the peer's region; url: how this balancer reaches it.
+        available_replicas: available replicas the peer reported; replicas: all its replicas.
+        queue_len: the peer's queue length; probed_at: time of the latest status, s.
+        sent_since_probe: requests forwarded there since the latest status.
+    """
+
+    region: str
+    url: str
+    healthy: bool = False
+    available_replicas: int = 0
+    replicas: int = 0
+    queue_len: int = 0
+    probed_at: float | None = None
+    sent_since_probe: int = 0
+    outstanding: int = 0
+    error: str | None = None
+    forwarded: int = 0
+
+    def observe_status(self, *, now: float, ok: bool, available_replicas: int = 0, replicas: int = 0,
+                       queue_len: int = 0, error: str | None = None) -> None:
+        """Record one status answer (or failure) taken at ``now`` (s)."""
+        self.healthy = ok
+        if ok:
+            self.available_replicas = max(0, int(available_replicas))
+            self.replicas = max(0, int(replicas))
+            self.queue_len = max(0, int(queue_len))
+        self.error = None if ok else (error or "status probe failed")
+        self.probed_at = now
+        self.sent_since_probe = 0
+
+
+@dataclass
+class AvailabilityRules:
+    """The availability rules of Algorithm 1, with their parameters.
+
+    Args:
+        tau: the largest peer queue length at which a peer is still available (Algorithm 1, line 12).
+        stale_after_s: a probe older than this (s) makes its target unavailable: stale state is not trusted.
+        max_dispatch_per_probe: cap on requests sent to one replica between two probes (0 = no cap).
+    """
+
+    tau: int = 2
+    stale_after_s: float = 0.5
+    max_dispatch_per_probe: int = 4
+
+    def replica_unavailable_reason(self, r: ReplicaState, now: float) -> str | None:
+        """None when ``r`` is available at ``now``; otherwise why not (a short phrase for status and metrics)."""
+        if r.draining:
+            return "draining"
+        if r.probed_at is None:
+            return "not probed yet"
+        if now - r.probed_at > self.stale_after_s:
+            return "probe stale"
+        if not r.healthy:
+            return r.error or "unhealthy"
+        if r.pending > 0:
+            return "pending requests"
+        if self.max_dispatch_per_probe and r.sent_since_probe >= self.max_dispatch_per_probe:
+            return "awaiting probe"
+        return None
+
+    def replica_available(self, r: ReplicaState, now: float) -> bool:
+        """True when ``r`` may take a request now (selective pushing)."""
+        return self.replica_unavailable_reason(r, now) is None
+
+    def replica_usable(self, r: ReplicaState, now: float) -> bool:
+        """True when ``r`` may take a request under blind pushing: healthy, fresh, not draining; pending ignored."""
+        return (not r.draining and r.healthy and r.probed_at is not None
+                and now - r.probed_at <= self.stale_after_s)
+
+    def peer_unavailable_reason(self, p: PeerState, now: float) -> str | None:
+        """None when peer ``p`` is available at ``now``; otherwise why not."""
+        if p.probed_at is None:
+            return "not probed yet"
+        if now - p.probed_at > self.stale_after_s:
+            return "status stale"
+        if not p.healthy:
+            return p.error or "unreachable"
+        if p.available_replicas < 1:
+            return "no available replica"
+        if p.queue_len > self.tau:
+            return "queue longer than tau"
+        # Each available replica there can take at least one request before the next status says more.
+        if self.max_dispatch_per_probe and p.sent_since_probe >= p.available_replicas:
+            return "awaiting status"
+        return None
+
+    def peer_available(self, p: PeerState, now: float) -> bool:
+        """True when requests may be forwarded to ``p`` now."""
+        return self.peer_unavailable_reason(p, now) is None

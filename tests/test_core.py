@@ -1,0 +1,336 @@
+"""The routing core: prefix trie, hash ring, availability rules, selective pushing and one-hop forwarding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from skylb.core import (AvailabilityRules, HashRing, PrefixTrie, QueueFull, Request, Router, chunk_text,
+                        make_policy)
+
+# ---------------------------------------------------------------------------------------------------- prefix trie
+
+
+def _brute_match(records, key, available):
+    """Reference model: the longest common prefix (in chunks) with any live record of an available target."""
+    best, best_len = set(), 0
+    for rkey, target in records:
+        if target not in available:
+            continue
+        n = 0
+        for a, b in zip(rkey, key):
+            if a != b:
+                break
+            n += 1
+        if n > best_len:
+            best, best_len = {target}, n
+        elif n == best_len and n > 0:
+            best.add(target)
+    return best, sum(len(c) for c in key[:best_len])
+
+
+def test_trie_longest_prefix_among_available():
+    """The match returns the available target with the longest shared prefix, not an unavailable deeper one."""
+    t = PrefixTrie(max_chars=10_000, chunk_chars=4)
+    t.insert(t.chunks("abcdefgh"), "r1")
+    t.insert(t.chunks("abcdefghijklmnop"), "r2")
+    m = t.match(t.chunks("abcdefghijklmnopqrst"), {"r1", "r2"})
+    assert m.targets == {"r2"} and m.matched_chars == 16
+    m = t.match(t.chunks("abcdefghijklmnopqrst"), {"r1"})
+    assert m.targets == {"r1"} and m.matched_chars == 8
+    assert t.match(t.chunks("zzzz"), {"r1", "r2"}).matched_chars == 0
+    assert t.match(t.chunks("abcdefgh"), set()).targets == frozenset()
+
+
+def test_trie_stops_at_first_node_without_available_target():
+    """Traversal stops early: a node whose targets are all unavailable ends the match (paper §3.2)."""
+    t = PrefixTrie(max_chars=10_000, chunk_chars=2)
+    t.insert(t.chunks("aabbccdd"), "r1")
+    m = t.match(t.chunks("aabbccdd"), {"r9"})
+    assert m.targets == frozenset() and m.matched_chars == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_trie_matches_brute_force_model(seed):
+    """Differential test: random inserts (with eviction) and matches agree with a brute-force model."""
+    rng = random.Random(seed)
+    t = PrefixTrie(max_chars=400, chunk_chars=3)
+    live = []  # the records the trie should still hold, oldest first
+    alphabet = "ab"
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        target = f"r{rng.randint(0, 3)}"
+        key = t.chunks(text)
+        t.insert(key, target)
+        live.append((key, target))
+        # Model of oldest-first eviction: drop oldest records until the distinct stored chunks fit.
+        while _stored_chars(live) > 400:
+            live.pop(0)
+        assert len(t) == len(live)
+        assert t.stored_chars == _stored_chars(live) <= 400
+        probe = t.chunks("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))))
+        avail = {f"r{i}" for i in range(4) if rng.random() < 0.6}
+        want_targets, want_chars = _brute_match(live, probe, avail)
+        got = t.match(probe, avail)
+        assert got.matched_chars == want_chars
+        assert set(got.targets) == (want_targets if want_chars else set())
+
+
+def _stored_chars(records):
+    nodes = {key[:i] for key, _ in records for i in range(1, len(key) + 1)}
+    return sum(len(node[-1]) for node in nodes)
+
+
+def test_trie_bound_holds_for_long_prompts_and_evicts_oldest_first():
+    """Inserting many 8,000-token prompts keeps stored characters under the bound; the oldest go first."""
+    t = PrefixTrie(max_chars=200_000, chunk_chars=64)
+    words = [f"w{i}" for i in range(8000)]
+    for n in range(40):
+        text = f"session{n} " + " ".join(words)
+        t.insert(t.chunks(text), f"r{n % 4}")
+        assert t.stored_chars <= 200_000
+    assert t.nodes < 200_000 // 64 + 2
+    # The newest record is still matched in full; the first is gone.
+    newest = t.chunks("session39 " + " ".join(words))
+    assert t.match(newest, {"r3"}).matched_chars == sum(map(len, newest))
+    assert t.match(t.chunks("session0 " + " ".join(words)), {"r0"}).matched_chars == 0
+
+
+def test_trie_remove_target_forgets_its_records():
+    """A target that leaves membership is forgotten; others keep their records."""
+    t = PrefixTrie(max_chars=10_000, chunk_chars=4)
+    t.insert(t.chunks("hello world"), "r1")
+    t.insert(t.chunks("hello there"), "r2")
+    t.remove_target("r1")
+    assert len(t) == 1
+    assert t.match(t.chunks("hello world"), {"r1", "r2"}).targets == {"r2"}
+
+
+def test_chunking_is_by_characters():
+    """Prompts are keyed in fixed-size chunks (one node per chunk, not per character)."""
+    assert chunk_text("abcdefg", 3) == ("abc", "def", "g")
+    assert chunk_text("", 3) == ()
+
+# ------------------------------------------------------------------------------------------------------ hash ring
+
+
+def test_ring_skips_unavailable_and_is_stable():
+    """The ring walks past unavailable targets and a key returns to its owner when it is available again."""
+    ring = HashRing(["a", "b", "c", "d"])
+    owner = ring.pick("user-42", {"a", "b", "c", "d"})
+    others = {"a", "b", "c", "d"} - {owner}
+    fallback = ring.pick("user-42", others)
+    assert fallback in others
+    assert ring.pick("user-42", {"a", "b", "c", "d"}) == owner
+    assert ring.pick("user-42", set()) is None
+    # Removing an unrelated member does not move the key.
+    unrelated = next(t for t in others if t != fallback)
+    ring.set_targets({"a", "b", "c", "d"} - {unrelated})
+    assert ring.pick("user-42", {"a", "b", "c", "d"} - {unrelated}) == owner
+
+# ------------------------------------------------------------------------------------------ availability rules
+
+
+@pytest.mark.parametrize("probe, now, expected", [
+    (dict(healthy=True, pending=0), 0.1, None),
+    (dict(healthy=True, pending=1), 0.1, "pending requests"),
+    (dict(healthy=False, pending=0, error="connection refused"), 0.1, "connection refused"),
+    (dict(healthy=True, pending=0), 5.0, "probe stale"),
+])
+def test_replica_availability_rules(probe, now, expected):
+    """A replica is available only when healthy, freshly probed and showing 0 pending requests."""
+    router = Router(region="us", policy=make_policy("skylb"), rules=AvailabilityRules(stale_after_s=0.5))
+    router.set_replicas([("r1", "http://r1", "vllm")])
+    router.observe_replica("r1", now=0.0, **probe)
+    assert router.rules.replica_unavailable_reason(router.replicas["r1"], now) == expected
+
+
+@pytest.mark.parametrize("status, expected", [
+    (dict(ok=True, available_replicas=1, queue_len=0), None),
+    (dict(ok=True, available_replicas=0, queue_len=0), "no available replica"),
+    (dict(ok=True, available_replicas=2, queue_len=2), None),
+    (dict(ok=True, available_replicas=2, queue_len=3), "queue longer than tau"),
+    (dict(ok=False, error="timeout"), "timeout"),
+])
+def test_peer_availability_rules(status, expected):
+    """A peer is available when it reports >= 1 available replica and a queue no longer than tau (2)."""
+    router = Router(region="us", policy=make_policy("skylb"), rules=AvailabilityRules(tau=2))
+    router.set_peers([("eu", "http://eu")])
+    router.observe_peer("eu", now=0.0, **status)
+    assert router.rules.peer_unavailable_reason(router.peers["eu"], 0.1) == expected
+
+# ------------------------------------------------------------------------------------------------- the router
+
+
+def _router(policy="skylb", replicas=2, peers=("eu",), **rules):
+    r = Router(region="us", policy=make_policy(policy), rules=AvailabilityRules(**rules))
+    r.set_replicas([(f"r{i}", f"http://r{i}", "vllm") for i in range(replicas)])
+    r.set_peers([(p, f"http://{p}") for p in peers])
+    return r
+
+
+def test_selective_pushing_never_picks_a_replica_with_pending():
+    """With every local replica showing pending > 0, nothing goes to them; the request goes to the free peer."""
+    router = _router()
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=3)
+    router.observe_peer("eu", now=0.0, ok=True, available_replicas=1, queue_len=0)
+    router.enqueue(Request("q1", "hello", arrived_at=0.0))
+    [d] = router.dispatch(0.05)
+    assert (d.kind, d.target) == ("peer", "eu")
+
+
+def test_head_waits_when_nothing_is_available_and_fcfs_holds():
+    """With no available replica or peer the head stays queued, and later requests wait behind it (FCFS)."""
+    router = _router(peers=())
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=1)
+    for i in range(3):
+        router.enqueue(Request(f"q{i}", "x", arrived_at=0.0))
+    assert router.dispatch(0.01) == []
+    router.observe_replica("r1", now=0.02, healthy=True, pending=0)
+    decisions = router.dispatch(0.03)
+    assert [d.request.id for d in decisions][:1] == ["q0"]
+    assert all(d.target == "r1" for d in decisions)
+
+
+def test_forwarded_request_is_never_forwarded_again():
+    """A request that came from a peer waits for a local replica even when another peer is available."""
+    router = _router(peers=("eu", "asia"))
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=2)
+    for p in ("eu", "asia"):
+        router.observe_peer(p, now=0.0, ok=True, available_replicas=4, queue_len=0)
+    router.enqueue(Request("q1", "hi", arrived_at=0.0, forwarded_from="eu"))
+    assert router.dispatch(0.01) == []
+    assert len(router.queue) == 1
+
+
+def test_local_replica_preferred_over_peer():
+    """When a local replica is available the request stays local (Algorithm 1 line 28)."""
+    router = _router()
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0)
+    router.observe_replica("r1", now=0.0, healthy=True, pending=5)
+    router.observe_peer("eu", now=0.0, ok=True, available_replicas=4, queue_len=0)
+    router.enqueue(Request("q1", "hi", arrived_at=0.0))
+    [d] = router.dispatch(0.01)
+    assert (d.kind, d.target) == ("replica", "r0")
+
+
+def test_forwarding_goes_to_the_only_available_peer():
+    """Among peers, only the available one (queue within tau, a free replica) receives forwarded requests."""
+    router = _router(peers=("eu", "asia"))
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=1)
+    router.observe_peer("eu", now=0.0, ok=True, available_replicas=0, queue_len=0)
+    router.observe_peer("asia", now=0.0, ok=True, available_replicas=2, queue_len=0)
+    router.enqueue(Request("q1", "a", arrived_at=0.0))
+    router.enqueue(Request("q2", "b", arrived_at=0.0))
+    assert [(d.kind, d.target) for d in router.dispatch(0.01)] == [("peer", "asia")] * 2
+
+
+def test_prefix_policy_keeps_locality_and_snapshot_learns_forwards():
+    """A prompt extending an earlier one goes to the same replica; forwarded prompts fill the regional snapshot."""
+    router = _router(replicas=3, max_dispatch_per_probe=0)
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0)
+    base = "system prompt. " * 50
+    router.enqueue(Request("q1", base + "first question", arrived_at=0.0))
+    [d1] = router.dispatch(0.01)
+    for i in range(5):
+        router.enqueue(Request(f"q{i + 2}", base + "first question and more " * (i + 1), arrived_at=0.0))
+    assert {d.target for d in router.dispatch(0.02)} == {d1.target}
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.03, healthy=True, pending=1)
+    router.observe_peer("eu", now=0.03, ok=True, available_replicas=1, queue_len=0)
+    router.enqueue(Request("q9", "a different conversation " * 20, arrived_at=0.03))
+    [d] = router.dispatch(0.04)
+    assert d.kind == "peer"
+    policy = router.policy
+    assert policy.snapshot_trie.match(policy.snapshot_trie.chunks("a different conversation " * 20),
+                                      {"eu"}).ratio == 1.0
+
+
+def test_ch_policy_sticks_sessions_and_walks_past_unavailable():
+    """SkyLB-CH sends a session to one replica, and to the next one on the ring when that one is full."""
+    router = _router(policy="skylb-ch", replicas=4, max_dispatch_per_probe=0)
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0)
+    for i in range(4):
+        router.enqueue(Request(f"q{i}", f"turn {i}", arrived_at=0.0, session_key="alice"))
+    targets = {d.target for d in router.dispatch(0.01)}
+    assert len(targets) == 1
+    owner = targets.pop()
+    router.observe_replica(owner, now=0.02, healthy=True, pending=2)
+    router.enqueue(Request("q9", "turn 9", arrived_at=0.02, session_key="alice"))
+    [d] = router.dispatch(0.03)
+    assert d.target != owner
+
+
+def test_blind_pushing_ignores_pending():
+    """Round robin (blind pushing) sends to every healthy replica at once, pending or not."""
+    router = _router(policy="round_robin", replicas=2, peers=())
+    router.observe_replica("r0", now=0.0, healthy=True, pending=7)
+    router.observe_replica("r1", now=0.0, healthy=True, pending=7)
+    for i in range(4):
+        router.enqueue(Request(f"q{i}", "x", arrived_at=0.0))
+    assert [d.target for d in router.dispatch(0.01)] == ["r0", "r1", "r0", "r1"]
+
+
+def test_dispatch_cap_between_probes_spreads_a_burst():
+    """Between two probes one replica gets at most max_dispatch_per_probe requests; the burst spreads."""
+    router = _router(replicas=2, peers=(), max_dispatch_per_probe=2)
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0)
+    for i in range(6):
+        router.enqueue(Request(f"q{i}", "same prompt", arrived_at=0.0))
+    decisions = router.dispatch(0.01)
+    assert len(decisions) == 4 and len(router.queue) == 2
+    assert sorted(d.target for d in decisions) == ["r0", "r0", "r1", "r1"]
+
+
+def test_removed_replica_drains_and_counters_never_go_negative():
+    """A removed replica gets no new requests, is dropped after its in-flight request ends, and counts stay >= 0."""
+    router = _router(replicas=2, peers=(), max_dispatch_per_probe=0)
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0)
+    router.enqueue(Request("q0", "x", arrived_at=0.0, session_key="s"))
+    [d] = router.dispatch(0.01)
+    router.set_replicas([(rid, f"http://{rid}", "vllm") for rid in router.replicas if rid != d.target])
+    assert router.replicas[d.target].draining
+    for i in range(3):
+        router.enqueue(Request(f"q{i + 1}", "x", arrived_at=0.01))
+    assert all(x.target != d.target for x in router.dispatch(0.02))
+    router.finished(d)
+    router.finished(d)
+    assert d.target not in router.replicas
+
+
+def test_queue_bound_cancel_and_expiry():
+    """The queue refuses past max_queue, drops a cancelled request, and expires requests past the timeout."""
+    router = Router(region="us", policy=make_policy("skylb"), max_queue=2)
+    router.enqueue(Request("a", "x", arrived_at=0.0))
+    router.enqueue(Request("b", "x", arrived_at=1.0))
+    with pytest.raises(QueueFull):
+        router.enqueue(Request("c", "x", arrived_at=1.0))
+    assert router.cancel("b") and not router.cancel("b")
+    assert [r.id for r in router.expire(now=10.0, timeout_s=5.0)] == ["a"]
+    assert not router.queue
+
+
+def test_status_reports_available_replicas_and_queue():
+    """The status a balancer gives its peers counts available replicas and queued requests."""
+    router = _router(replicas=3, peers=())
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0)
+    router.observe_replica("r1", now=0.0, healthy=True, pending=2)
+    router.enqueue(Request("q", "x", arrived_at=0.0, forwarded_from="eu"))
+    router.observe_replica("r0", now=0.0, healthy=True, pending=1)
+    s = router.status(0.01)
+    assert s == {"region": "us", "available_replicas": 0, "replicas": 3, "queue_len": 1}
+
+
+def test_unknown_policy_is_a_clear_error():
+    """make_policy names the known policies when given an unknown one."""
+    with pytest.raises(ValueError, match="round_robin"):
+        make_policy("random")
