@@ -23,8 +23,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the top-level parser with every subcommand's arguments (imports each subcommand module)."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Build the top-level parser; with ``only``, import and describe just that subcommand (fast start)."""
     parser = argparse.ArgumentParser(
         prog="skylb",
         description="SkyLB: a cross-region load balancer for LLM inference. One balancer per region; "
@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
+            continue
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip().splitlines()[0])
         module.add_arguments(p)
@@ -41,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `skylb` console script; returns the process exit status."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
     return int(args._module.main(args) or 0)
 
 

@@ -1,0 +1,1 @@
+"""The per-region balancer process: API, queue, dispatcher, proxy, probers, membership, metrics."""

@@ -1,0 +1,242 @@
+"""The balancer's live state: the router, the dispatcher loop, and the probers of replicas and peers.
+
+Source: SkyLB paper Algorithm 1: MONITORAVAILABILITY (probe every local replica and every peer each probe interval)
+and HANDLEREQUEST (the head of the FCFS queue goes to an available replica, else an available peer, else waits).
+The dispatcher runs whenever something changes (a request arrives or ends, a probe answers) and at least every
+``dispatch_tick_ms`` (the prototype's 10 ms loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import structlog
+
+from skylb.balancer.membership import MembershipWatcher
+from skylb.balancer.metrics import BalancerMetrics
+from skylb.balancer.protocol import STATUS_PATH, TOKEN_HEADER, ProtocolError, decode_status
+from skylb.config import BalancerConfig
+from skylb.core import AvailabilityRules, Decision, QueueFull, Request, Router, make_policy
+from skylb.engines import adapter_for
+
+__all__ = ["Balancer", "QueueTimeout", "QueueFull"]
+
+log = structlog.get_logger("skylb.balancer")
+
+
+class QueueTimeout(Exception):
+    """A request waited longer than ``queue_timeout_s`` without an available target."""
+
+
+class Balancer:
+    """One region's balancer state and background loops.
+
+    Args:
+        cfg: the balancer's settings; region: its region; advertise_url: how peers and the controller reach it.
+    """
+
+    def __init__(self, cfg: BalancerConfig, *, region: str, advertise_url: str):
+        self.cfg = cfg
+        self.region = region
+        self.advertise_url = advertise_url
+        interval_s = cfg.probe_interval_ms / 1000
+        rules = AvailabilityRules(tau=cfg.tau, stale_after_s=interval_s * cfg.stale_after_intervals,
+                                  max_dispatch_per_probe=cfg.max_dispatch_per_probe)
+        policy = make_policy(cfg.policy, trie_max_chars=cfg.trie_max_chars, trie_chunk_chars=cfg.trie_chunk_chars,
+                             match_threshold=cfg.match_threshold, hash_ring_vnodes=cfg.hash_ring_vnodes)
+        self.router = Router(region=region, policy=policy, rules=rules, max_queue=cfg.max_queue)
+        self.metrics = BalancerMetrics(self)
+        self.models: dict[str, list[str]] = {}  # replica id -> model ids it serves
+        self.session: aiohttp.ClientSession | None = None
+        self.membership: MembershipWatcher | None = None
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    def now(self) -> float:
+        """The balancer's clock: the event loop's monotonic time, s."""
+        return asyncio.get_running_loop().time()
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the upstream session, load membership, start the dispatcher, probers and controller watch."""
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s,
+                                        sock_read=self.cfg.read_timeout_s)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                             auto_decompress=False)
+        self.membership = MembershipWatcher(
+            region=self.region, advertise_url=self.advertise_url, controller_url=self.cfg.controller_url,
+            state_dir=self.cfg.state_dir, apply=self.apply_membership, session=self.session)
+        self.membership.load_persisted()
+        self.membership.start()
+        self._tasks = [asyncio.create_task(self._dispatch_loop()), asyncio.create_task(self._probe_replicas()),
+                       asyncio.create_task(self._probe_peers())]
+
+    async def stop(self) -> None:
+        """Stop every loop, fail queued requests with QueueTimeout, close the session."""
+        if self.membership:
+            await self.membership.stop()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(QueueTimeout("balancer shutting down"))
+        if self.session:
+            await self.session.close()
+
+    def apply_membership(self, snapshot: dict) -> None:
+        """Apply a controller snapshot: this region's replicas, other regions' balancers as peers."""
+        replicas = [(r["id"], r["url"].rstrip("/"), r.get("engine", "vllm"))
+                    for r in snapshot.get("replicas", []) if r.get("region") == self.region]
+        peers = [(b["region"], self.cfg.peer_urls.get(b["region"], b["url"]).rstrip("/"))
+                 for b in snapshot.get("balancers", []) if b.get("region") != self.region]
+        self.router.set_replicas(replicas)
+        self.router.set_peers(peers)
+        for rid in list(self.models):
+            if rid not in self.router.replicas:
+                del self.models[rid]
+        self._wake.set()
+
+    # -- the queue ----------------------------------------------------------------------------------------------
+    async def acquire(self, request: Request, *, retry: bool = False) -> Decision:
+        """Queue ``request`` and wait for its routing decision.
+
+        ``retry`` puts it back at the head (its target failed before the first byte). Raises QueueFull,
+        QueueTimeout; if the waiting task is cancelled (client gone) the request leaves the queue, or, if it was
+        already placed, its decision is released.
+        """
+        fut = asyncio.get_running_loop().create_future()
+        if retry:
+            self.router.queue.appendleft(request)
+        else:
+            self.router.enqueue(request)
+        self._waiting[request.id] = fut
+        self._wake.set()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not self.router.cancel(request.id) and fut.done() and not fut.cancelled() \
+                    and fut.exception() is None:
+                self.release(fut.result())
+            raise
+        finally:
+            self._waiting.pop(request.id, None)
+
+    def release(self, decision: Decision) -> None:
+        """The response of ``decision`` ended: free its target's slot and let the queue move."""
+        self.router.finished(decision)
+        self._wake.set()
+
+    async def _dispatch_loop(self) -> None:
+        tick = self.cfg.dispatch_tick_ms / 1000
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=tick)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            now = self.now()
+            for request in self.router.expire(now, self.cfg.queue_timeout_s):
+                fut = self._waiting.get(request.id)
+                if fut and not fut.done():
+                    fut.set_exception(QueueTimeout(
+                        f"no replica in region {self.region} or its peers had room for {self.cfg.queue_timeout_s:g} s"))
+            for decision in self.router.dispatch(now):
+                fut = self._waiting.get(decision.request.id)
+                if fut is None or fut.done():  # its client left between the queue and here
+                    self.router.finished(decision)
+                    continue
+                fut.set_result(decision)
+                route = "local" if decision.kind == "replica" else "peer"
+                self.metrics.routed.labels(self.region, route, decision.target).inc()
+                self.metrics.queue_wait.labels(self.region).observe(decision.queued_s)
+
+    # -- probers ------------------------------------------------------------------------------------------------
+    async def _every_interval(self, probe_all) -> None:
+        interval = self.cfg.probe_interval_ms / 1000
+        while True:
+            started = self.now()
+            try:
+                await probe_all()
+            except Exception:  # a prober must never die: log and keep probing
+                log.exception("probe_round_failed", region=self.region)
+            self._wake.set()
+            await asyncio.sleep(max(0.0, interval - (self.now() - started)))
+
+    async def _probe_replicas(self) -> None:
+        await self._every_interval(self._probe_replicas_once)
+
+    async def _probe_peers(self) -> None:
+        await self._every_interval(self._probe_peers_once)
+
+    async def _probe_replicas_once(self) -> None:
+        timeout_s = self.cfg.probe_timeout_ms / 1000
+        replicas = list(self.router.replicas.values())
+
+        async def probe(state):
+            try:
+                adapter = adapter_for(state.engine)
+            except ValueError as exc:
+                self.router.observe_replica(state.id, now=self.now(), healthy=False, error=str(exc))
+                return
+            result = await adapter.probe(self.session, state.url, timeout_s=timeout_s)
+            self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
+                                        running=result.running, error=result.error)
+            if result.healthy and state.id not in self.models:
+                try:
+                    self.models[state.id] = await adapter.models(self.session, state.url, timeout_s=timeout_s)
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    pass  # retried at the next probe
+
+        await asyncio.gather(*(probe(r) for r in replicas))
+
+    async def _probe_peers_once(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.cfg.probe_timeout_ms / 1000)
+        headers = {TOKEN_HEADER: self.cfg.peer_token} if self.cfg.peer_token else {}
+
+        async def probe(peer):
+            try:
+                async with self.session.get(peer.url + STATUS_PATH, timeout=timeout, headers=headers) as resp:
+                    if resp.status != 200:
+                        raise ProtocolError(f"status answered HTTP {resp.status}")
+                    status = decode_status(await resp.read())
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError) as exc:
+                self.router.observe_peer(peer.region, now=self.now(), ok=False,
+                                         error=str(exc) or type(exc).__name__)
+                return
+            self.router.observe_peer(peer.region, now=self.now(), ok=True,
+                                     available_replicas=status["available_replicas"],
+                                     replicas=status["replicas"], queue_len=status["queue_len"])
+
+        await asyncio.gather(*(probe(p) for p in list(self.router.peers.values())))
+
+    # -- status -------------------------------------------------------------------------------------------------
+    def served_models(self) -> list[str]:
+        """The union of model ids the local replicas serve, sorted."""
+        return sorted({m for models in self.models.values() for m in models})
+
+    def detailed_status(self) -> dict:
+        """A JSON-able view for operators: every replica and peer with its availability and the reason."""
+        now, router = self.now(), self.router
+        return {
+            **router.status(now),
+            "policy": self.cfg.policy,
+            "controller_reachable": bool(self.membership and self.membership.controller_reachable),
+            "membership_revision": self.membership.revision if self.membership else None,
+            "replicas": [
+                {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
+                 "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
+                 "available": router.rules.replica_available(r, now),
+                 "reason": router.rules.replica_unavailable_reason(r, now),
+                 "probe_age_ms": None if r.probed_at is None else round((now - r.probed_at) * 1000, 1),
+                 "models": self.models.get(r.id, [])}
+                for r in router.replicas.values()],
+            "peers": [
+                {"region": p.region, "url": p.url, "available_replicas": p.available_replicas,
+                 "queue_len": p.queue_len, "forwarded": p.forwarded, "outstanding": p.outstanding,
+                 "available": router.rules.peer_available(p, now),
+                 "reason": router.rules.peer_unavailable_reason(p, now)}
+                for p in router.peers.values()],
+        }

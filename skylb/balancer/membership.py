@@ -1,0 +1,110 @@
+"""Membership from the controller: watch it, apply it to the router, keep it on disk.
+
+Static stability (DESIGN.md decision 5): the last membership is persisted to ``state_dir``; at start the balancer
+loads it before the controller answers, and when the controller is unreachable it keeps serving on it and says so
+(``controller_reachable`` in status and metrics). The controller is watched with a long poll from the last revision;
+every answer is a full snapshot, so a missed change is never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import aiohttp
+import structlog
+
+from controller.client import ControllerClient, ControllerError, ControllerUnavailable
+
+__all__ = ["MembershipWatcher"]
+
+log = structlog.get_logger("skylb.membership")
+
+
+class MembershipWatcher:
+    """Keeps a balancer's replicas and peers in line with the controller.
+
+    Args:
+        region: this balancer's region; advertise_url: the URL peers and the controller use for it.
+        controller_url: the controller's base URL, or None to rely on the persisted membership only.
+        state_dir: where the last membership is kept (one JSON file per region).
+        apply: called with each membership snapshot (the controller's JSON: revision, balancers, replicas).
+        wait_s: long-poll duration, s; heartbeat_s: how often the balancer re-registers, s.
+    """
+
+    def __init__(self, *, region: str, advertise_url: str, controller_url: str | None, state_dir: str,
+                 apply: Callable[[dict], None], session: aiohttp.ClientSession, wait_s: float = 20.0,
+                 heartbeat_s: float = 10.0):
+        self.region = region
+        self.advertise_url = advertise_url
+        self.apply = apply
+        self.wait_s = wait_s
+        self.heartbeat_s = heartbeat_s
+        self.path = Path(state_dir) / f"membership-{region}.json"
+        self.client = ControllerClient(controller_url, session=session, timeout_s=5.0) if controller_url else None
+        self.revision: int | None = None
+        self.controller_reachable = False
+        self._tasks: list[asyncio.Task] = []
+
+    def load_persisted(self) -> bool:
+        """Apply the membership kept on disk, if any; True when one was found and applied."""
+        try:
+            snapshot = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return False
+        self._apply(snapshot, persist=False)
+        log.info("membership_loaded_from_disk", region=self.region, revision=self.revision, path=str(self.path))
+        return True
+
+    def start(self) -> None:
+        """Start watching the controller and heartbeating (no-op without a controller URL)."""
+        if self.client is not None:
+            self._tasks = [asyncio.create_task(self._watch()), asyncio.create_task(self._heartbeat())]
+
+    async def stop(self) -> None:
+        """Stop the background tasks."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await self.client.register_balancer(self.region, self.advertise_url)
+            except (ControllerUnavailable, ControllerError) as exc:
+                log.warning("balancer_registration_failed", region=self.region, error=str(exc))
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def _watch(self) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                # The first call is a plain snapshot; later ones long-poll from the revision we hold.
+                snapshot = await self.client.get_membership(
+                    revision=self.revision, wait_s=self.wait_s if self.revision is not None else 0)
+            except (ControllerUnavailable, ControllerError) as exc:
+                if self.controller_reachable:
+                    log.warning("controller_unreachable_serving_last_membership", region=self.region,
+                                revision=self.revision, error=str(exc))
+                self.controller_reachable = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.5
+            self.controller_reachable = True
+            if snapshot.get("revision") != self.revision:
+                self._apply(snapshot, persist=True)
+
+    def _apply(self, snapshot: dict, *, persist: bool) -> None:
+        self.apply(snapshot)
+        self.revision = snapshot.get("revision")
+        if persist:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(snapshot))
+            os.replace(tmp, self.path)  # atomic: a crash never leaves half a file
+            log.info("membership_applied", region=self.region, revision=self.revision,
+                     replicas=sum(1 for r in snapshot.get("replicas", []) if r.get("region") == self.region))

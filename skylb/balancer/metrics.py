@@ -1,0 +1,88 @@
+"""The balancer's Prometheus metrics (prometheus_client, one registry per balancer).
+
+Gauges describing state (queue length, per-replica pending / availability, per-peer availability, controller
+reachability) are read from the router at scrape time by a collector, so they are never out of date and cost
+nothing between scrapes. Events (requests routed, responses, TTFT, queue wait) are counters and histograms.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from skylb.balancer.balancer import Balancer
+
+__all__ = ["BalancerMetrics", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120)
+
+
+class _StateCollector:
+    """Reads router state at scrape time."""
+
+    def __init__(self, balancer: "Balancer"):
+        self.balancer = balancer
+
+    def collect(self):
+        b = self.balancer
+        router, now = b.router, b.now()
+        region = router.region
+        queue = GaugeMetricFamily("skylb_queue_length", "Requests waiting in this balancer's queue.",
+                                  labels=["region"])
+        queue.add_metric([region], len(router.queue))
+        yield queue
+        pending = GaugeMetricFamily("skylb_replica_pending_requests",
+                                    "Pending requests at each local replica in its latest probe.",
+                                    labels=["region", "replica"])
+        outstanding = GaugeMetricFamily("skylb_replica_outstanding_requests",
+                                        "Requests this balancer sent to each replica that have not finished.",
+                                        labels=["region", "replica"])
+        available = GaugeMetricFamily("skylb_replica_available",
+                                      "1 when the replica may take a request now (selective pushing), else 0; "
+                                      "reason says why not.", labels=["region", "replica", "reason"])
+        for r in router.replicas.values():
+            pending.add_metric([region, r.id], r.pending)
+            outstanding.add_metric([region, r.id], r.outstanding)
+            reason = router.rules.replica_unavailable_reason(r, now)
+            available.add_metric([region, r.id, reason or ""], 0 if reason else 1)
+        yield pending
+        yield outstanding
+        yield available
+        peers = GaugeMetricFamily("skylb_peer_available", "1 when the peer balancer may take forwarded requests.",
+                                  labels=["region", "peer", "reason"])
+        for p in router.peers.values():
+            reason = router.rules.peer_unavailable_reason(p, now)
+            peers.add_metric([region, p.region, reason or ""], 0 if reason else 1)
+        yield peers
+        ctl = GaugeMetricFamily("skylb_controller_reachable",
+                                "1 when the latest controller call succeeded; 0: serving on the last membership.",
+                                labels=["region"])
+        ctl.add_metric([region], 1 if b.membership and b.membership.controller_reachable else 0)
+        yield ctl
+
+
+class BalancerMetrics:
+    """All metrics of one balancer; ``render()`` gives the Prometheus text."""
+
+    def __init__(self, balancer: "Balancer"):
+        self.registry = CollectorRegistry()
+        self.registry.register(_StateCollector(balancer))
+        self.routed = Counter("skylb_requests_routed", "Requests routed, by route (local or peer) and target "
+                              "(replica id or peer region).", ["region", "route", "target"], registry=self.registry)
+        self.responses = Counter("skylb_responses", "Responses sent to clients, by HTTP status.",
+                                 ["region", "status"], registry=self.registry)
+        self.ttft = Histogram("skylb_ttft_seconds", "Time from arrival at this balancer to the first streamed byte "
+                              "relayed to the client, s.", ["region", "route"], buckets=_LATENCY_BUCKETS_S,
+                              registry=self.registry)
+        self.queue_wait = Histogram("skylb_queue_wait_seconds", "Time requests waited in the queue, s.", ["region"],
+                                    buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.retries = Counter("skylb_retries", "Requests re-queued after a target failed before the first byte.",
+                               ["region"], registry=self.registry)
+
+    def render(self) -> bytes:
+        """The Prometheus exposition text of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,145 @@
+"""Relaying a request to its target (a local replica or a peer balancer) and the response back, chunk by chunk.
+
+Rules (DESIGN.md decision 6, shared/reference/reliability.md): a request is retried only before its first byte went
+to the client; once streaming has started, a failing upstream ends the stream with a well-formed error event instead
+of a retry (no spliced, duplicated generation). Closing the upstream response when the client leaves aborts the
+upstream request, so the engine frees the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from skylb.balancer.protocol import (FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER,
+                                     SERVED_BY_HEADER, TOKEN_HEADER)
+from skylb.core import Decision
+
+__all__ = ["Relay", "RelayOutcome", "RETRYABLE_STATUSES"]
+
+#: Upstream statuses that mean "this target could not take it": the request is re-queued (before any byte).
+RETRYABLE_STATUSES = frozenset({502, 503, 504})
+#: Client headers passed to the upstream (auth and session keys; hop-by-hop headers are not).
+_PASS_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "X-Session-ID", "Accept")
+_STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
+
+
+@dataclass
+class RelayOutcome:
+    """How one relay attempt ended.
+
+    Attributes:
+        response: the response sent to the client, or None when the attempt failed before any byte went out
+            (the caller may retry). status: the HTTP status sent (or the upstream's, when retryable).
+        ttft_s: time from arrival to the first streamed byte relayed, s (None when not streamed).
+        error: what went wrong, if anything.
+    """
+
+    response: web.StreamResponse | None
+    status: int
+    ttft_s: float | None = None
+    error: str | None = None
+
+
+class Relay:
+    """Sends requests to targets over one shared aiohttp session.
+
+    Args:
+        session: the upstream client session; region: this balancer's region; peer_token: sent to peers;
+        session_header: the configured session-key header name (passed through).
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, *, region: str, peer_token: str | None,
+                 session_header: str):
+        self.session = session
+        self.region = region
+        self.peer_token = peer_token
+        self.pass_headers = tuple(dict.fromkeys((*_PASS_HEADERS, session_header)))
+
+    def _upstream_headers(self, request: web.Request, decision: Decision, request_id: str) -> dict:
+        headers = {h: request.headers[h] for h in self.pass_headers if h in request.headers}
+        headers["Content-Type"] = "application/json"
+        headers[REQUEST_ID_HEADER] = request_id
+        if decision.kind == "peer":
+            headers[FORWARDED_FROM] = self.region
+            if self.peer_token:
+                headers[TOKEN_HEADER] = self.peer_token
+        return headers
+
+    def _client_headers(self, upstream: aiohttp.ClientResponse, decision: Decision, request_id: str) -> dict:
+        if decision.kind == "replica":
+            route, served_by = "local", f"{self.region}/{decision.target}"
+        else:
+            route, served_by = f"peer:{decision.target}", upstream.headers.get(SERVED_BY_HEADER, decision.target)
+        headers = {ROUTE_HEADER: route, SERVED_BY_HEADER: served_by, REQUEST_ID_HEADER: request_id,
+                   QUEUE_MS_HEADER: f"{decision.queued_s * 1000:.1f}"}
+        if "Content-Type" in upstream.headers:
+            headers["Content-Type"] = upstream.headers["Content-Type"]
+        return headers
+
+    async def relay(self, request: web.Request, body: bytes, decision: Decision, *, request_id: str,
+                    arrived_at: float, retry_allowed: bool) -> RelayOutcome:
+        """Send ``body`` to the decision's target at the client's path and relay the answer.
+
+        Returns RelayOutcome(response=None, ...) when the target failed before any byte went to the client and
+        ``retry_allowed``; otherwise the response already sent (an error in the API's shape if the target failed).
+        """
+        loop = asyncio.get_running_loop()
+        url = decision.url + request.rel_url.path_qs
+        try:
+            upstream_cm = self.session.post(url, data=body,
+                                            headers=self._upstream_headers(request, decision, request_id))
+            upstream = await upstream_cm.__aenter__()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            error = f"{decision.kind} {decision.target} unreachable: {type(exc).__name__}: {exc}"
+            if retry_allowed:
+                return RelayOutcome(None, 502, error=error)
+            return RelayOutcome(_error(502, error), 502, error=error)
+        try:
+            if upstream.status in RETRYABLE_STATUSES and retry_allowed:
+                return RelayOutcome(None, upstream.status, error=f"{decision.target} answered {upstream.status}")
+            headers = self._client_headers(upstream, decision, request_id)
+            content_type = upstream.headers.get("Content-Type", "")
+            if not content_type.startswith(_STREAM_TYPES):
+                try:
+                    data = await upstream.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    error = f"{decision.target} failed before answering: {type(exc).__name__}"
+                    if retry_allowed:
+                        return RelayOutcome(None, 502, error=error)
+                    return RelayOutcome(_error(502, error), 502, error=error)
+                return RelayOutcome(web.Response(status=upstream.status, body=data, headers=headers),
+                                    upstream.status)
+            response = web.StreamResponse(status=upstream.status, headers=headers)
+            await response.prepare(request)
+            ttft = None
+            error = None
+            try:
+                async for chunk in upstream.content.iter_any():
+                    if ttft is None:
+                        ttft = loop.time() - arrived_at
+                    await response.write(chunk)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                # Bytes already reached the client: end the stream with an error event, never retry.
+                error = f"{decision.target} failed mid-stream: {type(exc).__name__}"
+                await response.write(_stream_error_event(content_type, error))
+            await response.write_eof()
+            return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error)
+        finally:
+            await upstream_cm.__aexit__(None, None, None)
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _stream_error_event(content_type: str, message: str) -> bytes:
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": 502}}
+    if content_type.startswith("application/x-ndjson"):
+        return (json.dumps({"error": message, "done": True}) + "\n").encode()
+    return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"

@@ -1,0 +1,81 @@
+"""The engine adapter interface and the Prometheus-text helper adapters share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["EngineAdapter", "ProbeResult", "ADAPTERS", "adapter_for", "sum_gauges"]
+
+#: engine name -> adapter class, filled by ``EngineAdapter.__init_subclass__``.
+ADAPTERS: dict[str, type["EngineAdapter"]] = {}
+
+
+@dataclass
+class ProbeResult:
+    """One probe of one replica.
+
+    Attributes:
+        healthy: the replica answered and is serving.
+        pending: requests accepted but not yet in the running batch (the selective-pushing signal).
+        running: requests in the running batch, or None if the engine does not say.
+        error: why the probe failed (healthy False).
+    """
+
+    healthy: bool
+    pending: int = 0
+    running: int | None = None
+    error: str | None = None
+    models: list[str] = field(default_factory=list)
+
+
+class EngineAdapter:
+    """Reads one engine's load signal; subclasses register with ``class X(EngineAdapter, engine="name")``."""
+
+    engine: ClassVar[str]
+
+    def __init_subclass__(cls, *, engine: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if engine:
+            cls.engine = engine
+            ADAPTERS[engine] = cls
+
+    async def probe(self, session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> ProbeResult:
+        """Probe the replica at base ``url``; never raises for network errors (returns healthy=False)."""
+        raise NotImplementedError
+
+    async def models(self, session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> list[str]:
+        """The model ids the replica serves (OpenAI ``GET /v1/models``); raises aiohttp.ClientError on failure."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.get(f"{url}/v1/models", timeout=timeout) as resp:
+            resp.raise_for_status()
+            body = await resp.json(content_type=None)
+        return [m["id"] for m in body.get("data", []) if isinstance(m, dict) and "id" in m]
+
+
+def adapter_for(engine: str) -> EngineAdapter:
+    """The adapter for ``engine``; raises ValueError naming the known engines otherwise."""
+    try:
+        return ADAPTERS[engine]()
+    except KeyError:
+        raise ValueError(f"no adapter for engine {engine!r}; known: {', '.join(sorted(ADAPTERS))}") from None
+
+
+def sum_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum each metric in ``names`` over all its label sets, from Prometheus exposition ``text``.
+
+    Names match exactly (``vllm:num_requests_waiting`` does not match ``vllm:num_requests_waiting_by_reason``).
+    Lines of other metrics are dropped before parsing, because engines expose large histograms we do not need and
+    probes run every 100 ms. Parsing is prometheus_client's. Missing metrics are absent from the result.
+    """
+    wanted = tuple(f"{n}{sep}" for n in names for sep in ("{", " "))
+    lines = [ln for ln in text.splitlines() if ln.startswith(wanted)]
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            if sample.name in names:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals

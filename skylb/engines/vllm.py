@@ -1,0 +1,36 @@
+"""vLLM: pending = ``vllm:num_requests_waiting`` from ``GET /metrics``, summed over the ``engine`` label.
+
+Source: shared/reference/engines.md (vLLM V1 metrics); vLLM's waiting queue is unbounded, so this gauge is the
+only sign that its continuous batch is full. A replica whose /metrics does not answer 200 is unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from skylb.engines.base import EngineAdapter, ProbeResult, sum_gauges
+
+__all__ = ["VLLMAdapter"]
+
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+
+
+class VLLMAdapter(EngineAdapter, engine="vllm"):
+    """Probe a vLLM replica through its Prometheus endpoint."""
+
+    async def probe(self, session, url, *, timeout_s):
+        try:
+            async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    return ProbeResult(False, error=f"/metrics answered {resp.status}")
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return ProbeResult(False, error=f"/metrics unreachable: {type(exc).__name__}")
+        values = sum_gauges(text, (WAITING, RUNNING))
+        if WAITING not in values:
+            return ProbeResult(False, error=f"/metrics has no {WAITING}")
+        running = values.get(RUNNING)
+        return ProbeResult(True, pending=int(values[WAITING]), running=None if running is None else int(running))

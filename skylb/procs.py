@@ -1,0 +1,138 @@
+"""Child processes for the launcher and the tests: start them, wait until they answer, and always stop them.
+
+Every process is started in its own session (process group) and killed with its whole group at teardown, so a
+test that fails half-way leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = ["free_port", "free_ports", "Proc", "ProcGroup", "wait_http"]
+
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports on 127.0.0.1."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_http(url: str, *, timeout_s: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url`` until it answers with any HTTP status below 500; raise TimeoutError after ``timeout_s``.
+
+    Raises RuntimeError at once if ``proc`` exits first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status < 500:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer within {timeout_s} s")
+        time.sleep(0.05)
+
+
+class Proc:
+    """One subprocess in its own process group; ``stop()`` kills the group (SIGTERM, then SIGKILL after 5 s)."""
+
+    def __init__(self, args: list[str], *, name: str, log_dir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def log(self) -> str:
+        """Everything the process wrote so far (stdout and stderr)."""
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """Stop the process and every child it started; safe to call twice."""
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout=5)
+            except ProcessLookupError:
+                pass
+        else:
+            try:  # children may outlive a leader that already exited
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._log.close()
+
+
+class ProcGroup:
+    """A set of processes stopped together; use as a context manager (or a test fixture) so all are stopped."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[Proc] = []
+
+    def skylb(self, *args: str, name: str, wait_url: str | None = None, timeout_s: float = 20.0,
+              env: dict[str, str] | None = None) -> Proc:
+        """Start ``python -m skylb ARGS`` and, when ``wait_url`` is given, wait until it answers."""
+        return self.start([sys.executable, "-m", "skylb", *args], name=name, wait_url=wait_url,
+                          timeout_s=timeout_s, env=env)
+
+    def start(self, argv: list[str], *, name: str, wait_url: str | None = None, timeout_s: float = 20.0,
+              env: dict[str, str] | None = None) -> Proc:
+        """Start any command; on a failed wait, raise with the process's log in the message."""
+        proc = Proc(argv, name=name, log_dir=self.log_dir, env=env)
+        self.procs.append(proc)
+        if wait_url:
+            try:
+                wait_http(wait_url, timeout_s=timeout_s, proc=proc.popen)
+            except (TimeoutError, RuntimeError) as exc:
+                raise RuntimeError(f"{name}: {exc}\n--- log ---\n{proc.log()[-4000:]}") from exc
+        return proc
+
+    def stop_all(self) -> None:
+        """Stop every process started through this group, newest first."""
+        for proc in reversed(self.procs):
+            proc.stop()
+
+    def __enter__(self) -> "ProcGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()

@@ -1,0 +1,151 @@
+"""Build small SkyLB deployments from real processes for end-to-end tests.
+
+Each helper starts one real process (`python -m skylb ...`) through the test's ProcGroup, so every process is
+stopped when the test ends, also on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from tests.procs import ProcGroup, free_port, free_ports, wait_http
+
+__all__ = ["Cluster", "get_json", "post_json", "emulator_gauge"]
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def get_json(url: str, timeout: float = 5.0) -> dict:
+    """GET ``url`` and decode its JSON body."""
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def post_json(url: str, body: dict, *, headers: dict | None = None, timeout: float = 30.0) -> tuple[int, dict, dict]:
+    """POST JSON; returns (status, body, headers) also for error statuses."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}"), dict(exc.headers)
+
+
+def emulator_gauge(url: str, name: str) -> float:
+    """Sum of the samples of metric ``name`` on a replica's /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Cluster:
+    """A deployment under test: controller, emulated replicas, latency proxy, balancers."""
+
+    def __init__(self, procs: ProcGroup, tmp_path: Path, *, balancer: dict | None = None):
+        self.procs = procs
+        self.tmp = tmp_path
+        self.balancer_cfg = {"probe_interval_ms": 50, "max_dispatch_per_probe": 4, **(balancer or {})}
+        self.controller_url: str | None = None
+        self.balancers: dict[str, str] = {}
+        self.toxiproxy_url: str | None = None
+
+    def config(self, regions: list[str]) -> Path:
+        """Write the deployment YAML the processes read; returns its path."""
+        data = {
+            "controller": {"db": str(self.tmp / "controller.sqlite")},
+            "balancer": {**self.balancer_cfg, "state_dir": str(self.tmp / "state")},
+            "regions": {r: {"replicas": 0} for r in regions},
+        }
+        path = self.tmp / "deployment.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    def start_controller(self, regions: list[str], *, port: int | None = None) -> str:
+        """Start the controller; returns its URL."""
+        port = port or free_port()
+        self.controller_url = f"http://127.0.0.1:{port}"
+        self.procs.skylb("controller", "--config", str(self.config(regions)), "--port", str(port),
+                         name=f"controller-{port}", wait_url=f"{self.controller_url}/healthz")
+        return self.controller_url
+
+    def start_emulator(self, n: int, *args: str, name: str = "emulator") -> list[str]:
+        """Start one emulator process serving ``n`` replicas; returns their URLs."""
+        ports = free_ports(n)
+        port_args = [a for p in ports for a in ("--port", str(p))]
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        self.procs.skylb("emulator", "--engine", "vllm", "--model", MODEL, *port_args, *args, name=name,
+                         wait_url=f"{urls[0]}/health")
+        for url in urls[1:]:
+            wait_http(f"{url}/health", timeout_s=10)
+        return urls
+
+    def start_toxiproxy(self) -> str:
+        """Start the latency proxy (Toxiproxy API); returns its API URL."""
+        port = free_port()
+        self.toxiproxy_url = f"http://127.0.0.1:{port}"
+        self.procs.skylb("toxiproxy", "--port", str(port), name="toxiproxy", wait_url=f"{self.toxiproxy_url}/version")
+        return self.toxiproxy_url
+
+    def start_balancer(self, region: str, regions: list[str], *, port: int | None = None,
+                       peer_urls: dict[str, str] | None = None, policy: str | None = None,
+                       name: str | None = None) -> str:
+        """Start ``region``'s balancer against the controller; returns its URL."""
+        port = port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = ["balancer", "--config", str(self.config(regions)), "--region", region, "--port", str(port),
+                "--controller", self.controller_url or "http://127.0.0.1:1"]
+        for peer, peer_url in (peer_urls or {}).items():
+            args += ["--peer-url", f"{peer}={peer_url}"]
+        if policy:
+            args += ["--policy", policy]
+        self.procs.skylb(*args, name=name or f"balancer-{region}", wait_url=f"{url}/healthz")
+        self.balancers[region] = url
+        return url
+
+    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """Run `skylb-ctl --controller URL ARGS` as a real subprocess."""
+        return subprocess.run([sys.executable, "-m", "controller.ctl", "--controller", self.controller_url, *args],
+                              capture_output=True, text=True, timeout=30, check=check)
+
+    def add_replica(self, region: str, url: str, *, replica_id: str | None = None) -> None:
+        """Register a replica through `skylb-ctl replica add`."""
+        extra = ["--id", replica_id] if replica_id else []
+        self.ctl("replica", "add", "--region", region, "--url", url, "--engine", "vllm", *extra)
+
+    def status(self, region: str) -> dict:
+        """The balancer's operator status (JSON)."""
+        return get_json(f"{self.balancers[region]}/skylb/v1/status?format=json")
+
+    def wait_until(self, predicate, *, timeout_s: float = 10.0, what: str = "condition"):
+        """Poll ``predicate()`` every 50 ms until it returns a truthy value; raise AssertionError after timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            time.sleep(0.05)
+
+    def wait_replicas_healthy(self, region: str, n: int, timeout_s: float = 10.0) -> None:
+        """Wait until ``region``'s balancer has probed ``n`` healthy replicas."""
+        self.wait_until(lambda: sum(r["healthy"] for r in self.status(region)["replicas"]) >= n,
+                        timeout_s=timeout_s, what=f"{n} healthy replicas in {region}")
+
+    def wait_peers_probed(self, region: str, n: int, timeout_s: float = 10.0) -> None:
+        """Wait until ``region``'s balancer has a fresh status from ``n`` peers."""
+        self.wait_until(lambda: sum(p["reason"] not in ("not probed yet", "status stale")
+                                    for p in self.status(region)["peers"]) >= n,
+                        timeout_s=timeout_s, what=f"{n} peers probed by {region}")

@@ -1,0 +1,308 @@
+"""The balancer end to end, with real processes: controller, emulated vLLM replicas, latency proxy, balancers."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+
+from tests.cluster import MODEL, Cluster, emulator_gauge, get_json, post_json
+from tests.procs import free_ports
+
+# Emulated durations x 0.2: a 60-token generation lasts about 0.7 s.
+FAST = ("--time-scale", "0.2")
+
+
+def _complete(url: str, prompt: str, *, max_tokens: int = 8, headers: dict | None = None, timeout: float = 30):
+    """A streamed /v1/completions call; returns (status, route, served_by, ttft_s, text, done)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    with requests.post(f"{url}/v1/completions", json=body, headers=headers or {}, stream=True,
+                       timeout=timeout) as resp:
+        ttft, text, done = None, "", False
+        for line in resp.iter_lines():
+            if not line.startswith(b"data: "):
+                continue
+            if ttft is None:
+                ttft = time.monotonic() - start
+            payload = line[6:]
+            if payload == b"[DONE]":
+                done = True
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                break
+            text += "".join(c.get("text", "") for c in chunk.get("choices", []))
+        return (resp.status_code, resp.headers.get("X-SkyLB-Route"), resp.headers.get("X-SkyLB-Served-By"),
+                ttft, text, done)
+
+
+@pytest.fixture
+def one_region(procs, tmp_path):
+    """A controller, one balancer (us) and two emulated replicas."""
+    cluster = Cluster(procs, tmp_path)
+    cluster.start_controller(["us"])
+    replicas = cluster.start_emulator(2, *FAST)
+    url = cluster.start_balancer("us", ["us"])
+    for i, r in enumerate(replicas):
+        cluster.add_replica("us", r, replica_id=f"us-{i}")
+    cluster.wait_replicas_healthy("us", 2)
+    return cluster, url, replicas
+
+
+def test_openai_client_streaming_and_non_streaming(one_region):
+    """The official openai client gets chat and completions, streamed and not, through a balancer."""
+    cluster, url, _ = one_region
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}],
+                                          max_tokens=5, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "stream please"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) >= 6 and text and chunks[-1].usage.completion_tokens == 6
+    comp = client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=4,
+                                     extra_body={"ignore_eos": True})
+    assert comp.choices[0].text and comp.usage.prompt_tokens == 4
+    streamed = list(client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=4, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=1)
+    assert raw.headers["X-SkyLB-Route"] == "local" and raw.headers["X-SkyLB-Served-By"].startswith("us/us-")
+
+
+def test_bad_input_gets_openai_errors_never_500(one_region):
+    """Invalid JSON, missing fields and unknown paths get 4xx errors in OpenAI's shape."""
+    _, url, _ = one_region
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400 and "JSON" in json.loads(err.value.read())["error"]["message"]
+    status, body, _ = post_json(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and body["error"]["param"] == "model"
+    status, body, _ = post_json(f"{url}/v1/chat/completions", {"model": MODEL})
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, body, _ = post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": 5})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    status, body, _ = post_json(f"{url}/v1/nothing", {"model": MODEL})
+    assert status in (404, 405) and "message" in body["error"]
+
+
+def test_metrics_and_status_describe_replicas(one_region):
+    """/metrics exposes queue length, per-replica pending and availability, routed counts and TTFT."""
+    cluster, url, _ = one_region
+    _complete(url, "metrics please")
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    for name in ("skylb_queue_length", "skylb_replica_pending_requests", "skylb_replica_available",
+                 "skylb_requests_routed_total", "skylb_ttft_seconds_bucket", "skylb_peer_available"):
+        assert name in text
+    status = cluster.status("us")
+    assert {r["id"] for r in status["replicas"]} == {"us-0", "us-1"}
+    assert status["controller_reachable"] is True
+
+
+def _peak_waiting_under_load(cluster, url, replicas, n_requests=16):
+    """Send n concurrent long requests; sample replicas' vllm:num_requests_waiting and the balancer queue."""
+    peak_waiting, peak_queue, stop = [0.0], [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak_waiting[0] = max([peak_waiting[0]] + [emulator_gauge(r, "vllm:num_requests_waiting")
+                                                       for r in replicas])
+            peak_queue[0] = max(peak_queue[0], cluster.status("us")["queue_len"])
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(n_requests) as pool:
+            results = list(pool.map(lambda i: _complete(url, f"request {i} " * 20, max_tokens=40),
+                                    range(n_requests)))
+    finally:
+        stop.set()
+        sampler.join(timeout=10)
+    assert all(r[0] == 200 and r[5] for r in results)
+    return peak_waiting[0], peak_queue[0]
+
+
+def test_selective_pushing_keeps_engines_free_of_pending(procs, tmp_path):
+    """With selective pushing, requests wait at the balancer and replicas never build a pending queue."""
+    cluster = Cluster(procs, tmp_path, balancer={"max_dispatch_per_probe": 1, "probe_interval_ms": 50})
+    cluster.start_controller(["us"])
+    replicas = cluster.start_emulator(2, *FAST, "--max-num-seqs", "2")
+    url = cluster.start_balancer("us", ["us"])
+    for r in replicas:
+        cluster.add_replica("us", r)
+    cluster.wait_replicas_healthy("us", 2)
+    peak_waiting, peak_queue = _peak_waiting_under_load(cluster, url, replicas)
+    assert peak_queue >= 4  # the excess waited at the balancer ...
+    assert peak_waiting <= 2  # ... not in the engines (at most a probe-interval race)
+
+
+def test_blind_pushing_builds_pending_in_engines(procs, tmp_path):
+    """The round-robin baseline (blind pushing) piles requests up as pending inside the engines."""
+    cluster = Cluster(procs, tmp_path)
+    cluster.start_controller(["us"])
+    replicas = cluster.start_emulator(2, *FAST, "--max-num-seqs", "2")
+    url = cluster.start_balancer("us", ["us"], policy="round_robin")
+    for r in replicas:
+        cluster.add_replica("us", r)
+    cluster.wait_replicas_healthy("us", 2)
+    peak_waiting, _ = _peak_waiting_under_load(cluster, url, replicas)
+    assert peak_waiting >= 4
+
+
+def _saturate(replica_url: str, n: int, max_tokens: int) -> list[threading.Thread]:
+    """Fill a replica directly (not through a balancer) with n long requests, in background threads."""
+    def call():
+        post_json(f"{replica_url}/v1/completions",
+                  {"model": MODEL, "prompt": "busy", "max_tokens": max_tokens, "ignore_eos": True}, timeout=60)
+    threads = [threading.Thread(target=call, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.fixture
+def three_regions(procs, tmp_path):
+    """us, eu, asia with one max-num-seqs=1 replica each in us and eu, two in asia; latency links from us."""
+    cluster = Cluster(procs, tmp_path)
+    regions = ["us", "eu", "asia"]
+    cluster.start_controller(regions)
+    us_r = cluster.start_emulator(1, *FAST, "--max-num-seqs", "1", name="emu-us")
+    eu_r = cluster.start_emulator(1, *FAST, "--max-num-seqs", "1", name="emu-eu")
+    asia_r = cluster.start_emulator(2, *FAST, name="emu-asia")
+    api = cluster.start_toxiproxy()
+    from skylb.latency.links import LatencyLinks
+    links = LatencyLinks(api)
+    ports = dict(zip(regions, free_ports(3)))
+    to_eu = links.link("us-to-eu", f"127.0.0.1:{ports['eu']}", rtt_ms=80)
+    to_asia = links.link("us-to-asia", f"127.0.0.1:{ports['asia']}", rtt_ms=150)
+    cluster.start_balancer("eu", regions, port=ports["eu"])
+    cluster.start_balancer("asia", regions, port=ports["asia"])
+    cluster.start_balancer("us", regions, port=ports["us"],
+                           peer_urls={"eu": f"http://{to_eu}", "asia": f"http://{to_asia}"})
+    for region, urls in (("us", us_r), ("eu", eu_r), ("asia", asia_r)):
+        for u in urls:
+            cluster.add_replica(region, u)
+    for region, n in (("us", 1), ("eu", 1), ("asia", 2)):
+        cluster.wait_replicas_healthy(region, n)
+        cluster.wait_peers_probed(region, 2)
+    yield cluster, {"us": us_r, "eu": eu_r, "asia": asia_r}
+    links.close()
+
+
+def test_forwarding_to_the_only_available_peer_pays_the_round_trip(three_regions):
+    """With us and eu full, us forwards to asia, the only available peer, and TTFT includes the 150 ms RTT."""
+    cluster, replicas = three_regions
+    for region in ("us", "eu"):
+        _saturate(replicas[region][0], 2, max_tokens=400)  # one running, one pending, for about 5 s
+    cluster.wait_until(lambda: cluster.status("us")["available_replicas"] == 0, what="us full")
+    cluster.wait_until(lambda: {p["region"]: p["available"] for p in cluster.status("us")["peers"]}
+                       == {"eu": False, "asia": True}, what="only asia available to us")
+    results = [_complete(cluster.balancers["us"], f"overflow {i}", max_tokens=4) for i in range(3)]
+    for status, route, served_by, ttft, _, done in results:
+        assert status == 200 and done
+        assert route == "peer:asia" and served_by.startswith("asia/")
+        assert ttft >= 0.150
+    local = _complete(cluster.balancers["asia"], "served in asia", max_tokens=4)
+    assert local[1] == "local" and local[3] < 0.150
+
+
+def test_a_forwarded_request_is_never_forwarded_again(three_regions):
+    """A request marked as forwarded waits for a local replica even while a peer is available."""
+    cluster, replicas = three_regions
+    _saturate(replicas["eu"][0], 2, max_tokens=150)  # busy for about 2 s
+    cluster.wait_until(lambda: cluster.status("eu")["available_replicas"] == 0, what="eu full")
+    assert any(p["available"] for p in cluster.status("eu")["peers"])
+    status, route, served_by, _, _, done = _complete(cluster.balancers["eu"], "from us", max_tokens=2,
+                                                     headers={"X-SkyLB-Forwarded-From": "us"})
+    assert status == 200 and done and route == "local" and served_by.startswith("eu/")
+
+
+def test_replica_add_and_remove_while_traffic_flows(procs, tmp_path):
+    """An added replica takes requests within 2 s; a removed one gets no new requests and its stream finishes."""
+    cluster = Cluster(procs, tmp_path)
+    cluster.start_controller(["us"])
+    a, b = cluster.start_emulator(2, *FAST)
+    url = cluster.start_balancer("us", ["us"])
+    cluster.add_replica("us", a, replica_id="a")
+    cluster.wait_replicas_healthy("us", 1)
+    long_result = {}
+    long_stream = threading.Thread(target=lambda: long_result.update(r=_complete(url, "long", max_tokens=250)))
+    long_stream.start()  # only replica a exists: this stream runs on a for about 3 s
+    time.sleep(0.3)
+    log, stop = [], threading.Event()
+
+    def traffic():
+        for i in range(400):  # bounded: at most 400 requests or until stopped
+            if stop.is_set():
+                return
+            sent = time.monotonic()
+            log.append((sent, _complete(url, f"short {i}", max_tokens=2)))
+
+    sender = threading.Thread(target=traffic)
+    sender.start()
+    try:
+        time.sleep(0.5)
+        added = time.monotonic()
+        cluster.add_replica("us", b, replica_id="b")
+        cluster.wait_until(lambda: any(r[2] == "us/b" for _, r in log), timeout_s=5, what="b serving")
+        first_b = min(t for t, r in log if r[2] == "us/b")
+        assert first_b - added <= 2.0
+        removed = time.monotonic()
+        cluster.ctl("replica", "remove", "a")
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        sender.join(timeout=30)
+        long_stream.join(timeout=30)
+    assert all(r[0] == 200 and r[5] for _, r in log)
+    assert not [r for t, r in log if t > removed + 0.5 and r[2] == "us/a"]
+    status, _, served_by, _, text, done = long_result["r"]
+    assert status == 200 and done and served_by == "us/a" and len(text.split()) == 250
+
+
+def test_balancer_keeps_serving_on_last_membership_without_controller(procs, tmp_path):
+    """With the controller gone, the balancer serves on its last membership, also after a restart."""
+    cluster = Cluster(procs, tmp_path)
+    cluster.start_controller(["us"])
+    [replica] = cluster.start_emulator(1, *FAST)
+    url = cluster.start_balancer("us", ["us"], name="balancer-1")
+    cluster.add_replica("us", replica)
+    cluster.wait_replicas_healthy("us", 1)
+    procs.procs[0].stop()  # the controller
+    cluster.wait_until(lambda: not cluster.status("us")["controller_reachable"], timeout_s=30,
+                       what="controller seen as unreachable")
+    assert _complete(url, "still here")[0] == 200
+    procs.procs[-1].stop()  # the balancer
+    url = cluster.start_balancer("us", ["us"], name="balancer-2")
+    cluster.wait_replicas_healthy("us", 1)
+    status, route, _, _, _, done = _complete(url, "after restart")
+    assert status == 200 and done and route == "local"
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    assert 'skylb_controller_reachable{region="us"} 0.0' in text
+
+
+def test_client_disconnect_removes_a_queued_request(procs, tmp_path):
+    """A client that gives up while its request is queued leaves the queue (nothing is sent for it later)."""
+    cluster = Cluster(procs, tmp_path)
+    cluster.start_controller(["us"])
+    [replica] = cluster.start_emulator(1, *FAST, "--max-num-seqs", "1")
+    url = cluster.start_balancer("us", ["us"])
+    cluster.add_replica("us", replica)
+    cluster.wait_replicas_healthy("us", 1)
+    _saturate(replica, 2, max_tokens=200)
+    cluster.wait_until(lambda: cluster.status("us")["available_replicas"] == 0, what="us full")
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "impatient", "max_tokens": 1},
+                      timeout=0.5)
+    cluster.wait_until(lambda: cluster.status("us")["queue_len"] == 0, timeout_s=5, what="queue emptied")
