@@ -1,0 +1,457 @@
+"""Workloads to replay: a Mooncake trace turned into text, sessions and regions, or synthetic conversations.
+
+Token convention (shared with the engine emulator): ONE TOKEN = ONE WHITESPACE-SEPARATED WORD. A prompt of
+``prompt_tokens`` tokens is a string of exactly that many words, so the emulator counts prompt and cached tokens
+without a tokenizer.
+
+Mooncake trace (format: shared/traces/NOTICE.md; DESIGN.md "Workloads"): each line has ``timestamp`` (ms),
+``input_length`` and ``output_length`` (tokens) and ``hash_ids`` (ids of the prompt's 512-token blocks). The trace
+has no text, users or regions, so they are derived here:
+
+* Text: block ``i`` of a prompt is ``block_words`` words drawn from ``random.Random(f"block-{id}")`` over a fixed
+  vocabulary, so equal ids at equal positions give equal text and the trace's prefix sharing survives. The last
+  block is cut (or, after rounding, stretched) so the word count equals the (scaled) ``input_length``; a cut block
+  is a prefix of the full block, because the words come from the same seeded sequence.
+* Sessions: request B continues the session of an earlier request A when A's *full* blocks (A's last block is
+  dropped when it is partial, i.e. input_length < len(hash_ids) * 512) are a prefix of B's hash_ids and that
+  shared prefix is at least 2 blocks long. Block 0 alone does not count: it is the system prompt nearly every
+  request shares. Among several such A, the one sharing the most blocks wins (ties: the latest). A request with
+  no such A starts a new session. Sessions are derived over the whole trace up to the end of the window, so a
+  window that starts mid-conversation keeps the conversation's session id.
+* Regions: each session is assigned to one region, drawn with ``region_weights`` from a generator seeded by
+  ``(seed, session id)``; every request of the session goes to that region.
+
+Synthetic conversations (no trace): see :func:`synthetic_workload`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import structlog
+
+from skylb.config import WorkloadConfig
+
+__all__ = [
+    "Request",
+    "TraceRow",
+    "TraceError",
+    "TRACE_BLOCK_TOKENS",
+    "VOCABULARY",
+    "block_text",
+    "prompt_from_blocks",
+    "read_trace",
+    "derive_sessions",
+    "region_weights",
+    "assign_region",
+    "trace_workload",
+    "synthetic_workload",
+    "load_workload",
+    "describe",
+]
+
+log = structlog.get_logger(__name__)
+
+#: Tokens per hash block in the Mooncake trace (NOTICE.md).
+TRACE_BLOCK_TOKENS = 512
+
+#: Short words for generated text: one word is one token. Fixed forever, because the text of a block must not
+#: change between runs (cached prefixes and recorded results depend on it).
+VOCABULARY: tuple[str, ...] = tuple(
+    """
+    able acid aged also area army away baby back ball band bank base bath bear beat been beer bell belt best bill
+    bird blow blue boat body bomb bond bone book boom born boss both bowl bulk burn bush busy call calm came camp
+    card care case cash cast cell chat chip city club coal coat code cold come cook cool cope copy core cost crew
+    crop dark data date dawn days dead deal dean dear debt deep deny desk dial diet disc disk does done door dose
+    down draw drew drop drug dual duke dust duty each earn ease east easy edge else even ever evil exit face fact
+    fail fair fall farm fast fate fear feed feel feet fell felt file fill film find fine fire firm fish five flat
+    flow food foot ford form fort four free from fuel full fund gain game gate gave gear gene gift girl give glad
+    goal goes gold golf gone good gray grew grey grow gulf hair half hall hand hang hard harm hate have head hear
+    heat held hell help here hero high hill hire hold hole holy home hope host hour huge hung hunt hurt idea inch
+    into iron item jack jane jean john join jump jury just keen keep kent kept kick kill kind king knee knew know
+    lack lady laid lake land lane last late lead left less life lift like line link list live load loan lock long
+    look lord lose loss lost love luck made mail main make male many mark mass matt meal mean meat meet menu mere
+    """.split()
+)
+
+_WORD_LIMIT_PER_CALL = 50_000_000  # words; a sanity bound so a corrupt length cannot exhaust memory
+
+
+class TraceError(ValueError):
+    """A trace file is missing or a line is malformed; the message names the file and the 1-based line number."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a workload, as the replayer sends it.
+
+    Attributes:
+        id: unique id ("trace-000042" = line 42 of the trace; "syn-us-003-t1" = synthetic conversation us/3, turn 1).
+        arrival_s: when to send it, s after the replay starts. For a closed-loop turn (``after`` set) it is only a
+            lower bound: the turn is sent ``think_s`` after the turn ``after`` completed.
+        region: the client region; the request goes to this region's balancer.
+        session_id: the conversation it belongs to (sent as ``X-Session-ID`` and OpenAI ``user``).
+        prompt_tokens: prompt length in tokens (= words, see the module docstring).
+        output_tokens: tokens to generate (sent as ``max_tokens`` with ``ignore_eos``).
+        hash_ids: the trace's block ids (empty for synthetic requests).
+        turn: 0-based position of the request in its session.
+        after: id of the request that must complete before this one is sent (closed loop), or None (open loop).
+        think_s: pause after ``after`` completed before sending, s.
+        block_words: words per hash block after ``token_scale`` (512 at scale 1).
+        text: the prompt text when stored (synthetic); None means it is generated from ``hash_ids`` on demand,
+            which keeps a long trace (12k requests x 12k tokens) out of memory.
+    """
+
+    id: str
+    arrival_s: float
+    region: str
+    session_id: str
+    prompt_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] = ()
+    turn: int = 0
+    after: str | None = None
+    think_s: float = 0.0
+    block_words: int = TRACE_BLOCK_TOKENS
+    text: str | None = None
+
+    @property
+    def prompt(self) -> str:
+        """The prompt text: exactly ``prompt_tokens`` words (generated from ``hash_ids`` when not stored)."""
+        if self.text is not None:
+            return self.text
+        return prompt_from_blocks(self.hash_ids, self.prompt_tokens, self.block_words)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One validated line of a Mooncake trace (units as in the file: ms and tokens)."""
+
+    line: int
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+# ---------------------------------------------------------------------------------------------------------- text
+
+
+@functools.lru_cache(maxsize=4096)
+def block_text(block_id: int, words: int) -> str:
+    """The text of one hash block: ``words`` words drawn from a generator seeded by ``f"block-{block_id}"``.
+
+    Deterministic across processes (string seeds are hashed with SHA-512, not Python's salted hash). Fewer words
+    give a prefix of more words, since ``choices`` draws them one after another. Cached: ~2.5 kB per 512-word block,
+    so the cache holds at most ~10 MB.
+    """
+    if words <= 0:
+        return ""
+    return " ".join(random.Random(f"block-{block_id}").choices(VOCABULARY, k=words))
+
+
+def prompt_from_blocks(hash_ids: Sequence[int], total_words: int, block_words: int) -> str:
+    """Prompt text of ``total_words`` words (tokens) from hash blocks of ``block_words`` words each.
+
+    Every block but the last contributes ``block_words`` words; the last one takes what is left (fewer when the
+    trace's last block is partial, more when rounding after ``token_scale`` left a few extra words). Blocks not
+    needed to reach ``total_words`` are dropped.
+    """
+    if total_words > _WORD_LIMIT_PER_CALL:
+        raise ValueError(f"prompt of {total_words} words is beyond the sanity limit {_WORD_LIMIT_PER_CALL}")
+    parts: list[str] = []
+    remaining = total_words
+    for i, block_id in enumerate(hash_ids):
+        if remaining <= 0:
+            break
+        take = remaining if i == len(hash_ids) - 1 else min(block_words, remaining)
+        parts.append(block_text(block_id, take))
+        remaining -= take
+    return " ".join(parts)
+
+
+def _words(seed: str, count: int) -> list[str]:
+    """``count`` words from a generator seeded by ``seed`` (synthetic text)."""
+    return random.Random(seed).choices(VOCABULARY, k=count)
+
+
+# --------------------------------------------------------------------------------------------------------- trace
+
+
+def read_trace(path: str | Path) -> list[TraceRow]:
+    """Read and validate every line of a Mooncake trace (blank lines are skipped).
+
+    Raises TraceError naming ``path`` and the line number for a line that is not a JSON object with
+    ``timestamp`` >= 0 (ms), ``input_length`` >= 1 and ``output_length`` >= 0 (integers, tokens) and ``hash_ids``
+    (a non-empty list of integers).
+    """
+    path = Path(path)
+    rows: list[TraceRow] = []
+    try:
+        handle = path.open(encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror}") from exc
+    with handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            rows.append(_parse_line(line, path, line_no))
+    return rows
+
+
+def _parse_line(line: str, path: Path, line_no: int) -> TraceRow:
+    where = f"{path}:{line_no}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+        if key not in obj:
+            raise TraceError(f"{where}: missing key {key!r}")
+    ts = obj["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise TraceError(f"{where}: timestamp must be a number >= 0 (ms), got {ts!r}")
+    for key, low in (("input_length", 1), ("output_length", 0)):
+        value = obj[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise TraceError(f"{where}: {key} must be an integer >= {low} (tokens), got {value!r}")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        raise TraceError(f"{where}: hash_ids must be a non-empty list of integers")
+    return TraceRow(line_no, float(ts), obj["input_length"], obj["output_length"], tuple(ids))
+
+
+def _full_blocks(row: TraceRow) -> tuple[int, ...]:
+    """The row's hash ids without its last block when that block is partial (it will not be extended as is)."""
+    if row.input_length < len(row.hash_ids) * TRACE_BLOCK_TOKENS:
+        return row.hash_ids[:-1]
+    return row.hash_ids
+
+
+def derive_sessions(rows: Sequence[TraceRow]) -> list[str]:
+    """Session id of each row (same order): "trace-s<line of the session's first request>".
+
+    Rule (module docstring): row B joins the session of the earlier row A whose full blocks are the longest prefix
+    (>= 2 blocks) of B's hash_ids. Each row's full-block sequence is indexed by a rolling hash of its prefix, so
+    a lookup costs O(len(hash_ids)) and the index holds one entry per row; candidates are verified exactly, so a
+    hash collision cannot join unrelated rows.
+    """
+    index: dict[int, int] = {}  # rolling prefix key of a row's full blocks -> index of the latest such row
+    sessions: list[str] = []
+    for i, row in enumerate(rows):
+        parent = None
+        keys = _prefix_keys(row.hash_ids)
+        for length in range(len(keys), 1, -1):  # longest shared prefix first; length >= 2 blocks
+            j = index.get(keys[length - 1])
+            if j is not None and _full_blocks(rows[j]) == row.hash_ids[:length]:
+                parent = j
+                break
+        sessions.append(sessions[parent] if parent is not None else f"trace-s{row.line:06d}")
+        full = _full_blocks(row)
+        if len(full) >= 2:
+            index[_prefix_keys(full)[-1]] = i
+    return sessions
+
+
+def _prefix_keys(ids: Sequence[int]) -> list[int]:
+    """keys[k] identifies ids[:k+1] (a rolling hash; equal prefixes give equal keys)."""
+    keys, key = [], 0
+    for x in ids:
+        key = hash((key, x))
+        keys.append(key)
+    return keys
+
+
+# ------------------------------------------------------------------------------------------------------- regions
+
+
+def region_weights(weights: dict[str, float], regions: Sequence[str]) -> list[tuple[str, float]]:
+    """(region, weight) for each of ``regions`` in order: configured weights, 0 for regions not configured.
+
+    Weights of regions not in ``regions`` are ignored. When no listed region has a positive weight, every region
+    gets weight 1. Raises ValueError for an empty region list or a negative weight.
+    """
+    if not regions:
+        raise ValueError("at least one region is needed")
+    pairs = [(r, float(weights.get(r, 0.0))) for r in regions]
+    for r, w in pairs:
+        if w < 0 or not math.isfinite(w):
+            raise ValueError(f"region weight of {r!r} must be a finite number >= 0, got {w}")
+    if sum(w for _, w in pairs) <= 0:
+        return [(r, 1.0) for r in regions]
+    return pairs
+
+
+def assign_region(session_id: str, weighted: Sequence[tuple[str, float]], seed: int) -> str:
+    """The region of a session: a draw with the given weights, seeded by ``(seed, session_id)``.
+
+    Seeding per session (not one sequence over all sessions) keeps a session's region the same whatever window or
+    ``max_requests`` selects.
+    """
+    total = sum(w for _, w in weighted)
+    u = random.Random(f"{seed}:region:{session_id}").random() * total
+    for region, w in weighted:
+        if u < w:
+            return region
+        u -= w
+    return next(r for r, w in reversed(weighted) if w > 0)  # float rounding at the top end
+
+
+# -------------------------------------------------------------------------------------------------- the builders
+
+
+def _scaled(tokens: int, scale: float) -> int:
+    """Tokens after token_scale, at least 1."""
+    return max(1, round(tokens * scale))
+
+
+def trace_workload(cfg: WorkloadConfig, regions: Sequence[str], path: str | Path) -> list[Request]:
+    """Requests of the trace at ``path`` in the window of ``cfg``, sorted by arrival.
+
+    Window: rows with ``start_s <= timestamp / 1000 < start_s + window_s`` (trace time, s); arrival_s =
+    (timestamp / 1000 - start_s) / time_compression; then the first ``max_requests`` by arrival. Lengths are
+    scaled by ``token_scale`` (prompt and output tokens and the block size, at least 1 each).
+    """
+    weighted = region_weights(cfg.region_weights, regions)
+    end_s = cfg.start_s + cfg.window_s
+    rows = [r for r in read_trace(path) if r.timestamp_ms / 1000.0 < end_s]
+    sessions = derive_sessions(rows)
+    block_words = _scaled(TRACE_BLOCK_TOKENS, cfg.token_scale)
+    turns: dict[str, int] = {}
+    region_of: dict[str, str] = {}
+    out: list[Request] = []
+    for row, session in zip(rows, sessions):
+        turn = turns.get(session, 0)  # turns count from the session's first request in the trace, not the window
+        turns[session] = turn + 1
+        t_s = row.timestamp_ms / 1000.0
+        if t_s < cfg.start_s:
+            continue
+        if session not in region_of:
+            region_of[session] = assign_region(session, weighted, cfg.seed)
+        out.append(
+            Request(
+                id=f"trace-{row.line:06d}",
+                arrival_s=(t_s - cfg.start_s) / cfg.time_compression,
+                region=region_of[session],
+                session_id=session,
+                prompt_tokens=_scaled(row.input_length, cfg.token_scale),
+                output_tokens=_scaled(row.output_length, cfg.token_scale),
+                hash_ids=row.hash_ids,
+                turn=turn,
+                block_words=block_words,
+            )
+        )
+    out.sort(key=lambda r: (r.arrival_s, r.session_id, r.turn, r.id))
+    return out[: cfg.max_requests] if cfg.max_requests else out
+
+
+#: Synthetic generator constants (tokens before token_scale; s). Sizes are in the range of chat datasets such as
+#: ShareGPT/WildChat: short user turns, answers of a few hundred tokens, a shared system prompt.
+SYSTEM_PROMPT_TOKENS = 256
+USER_TOKENS = (32, 160)
+ANSWER_TOKENS = (64, 256)
+START_SPREAD_S = 5.0
+THINK_S = (0.2, 1.0)
+
+
+def synthetic_workload(cfg: WorkloadConfig, regions: Sequence[str]) -> list[Request]:
+    """Multi-turn conversations, closed loop per conversation (DESIGN.md "Workloads"; paper §5.1 multi-turn).
+
+    Conversations: ``synthetic_conversations * len(regions)`` in all, split by the region weights (at least 1 per
+    region with a positive weight), so with equal weights each region gets ``synthetic_conversations``; with
+    the default 0.5/0.25/0.25 and 24 it is 36/18/18. Each has ``synthetic_turns`` turns. Turn k's prompt is the
+    shared system prompt, then every earlier (user message, answer placeholder) pair, then a new user message, so
+    turn k extends turn k-1's prompt. The placeholder stands for the answer (as many words as that turn's
+    ``output_tokens``); it is generated here, not taken from the server, to keep prompts deterministic. Turn 0
+    starts uniformly in [0, START_SPREAD_S) s; turn k > 0 is sent THINK_S after turn k-1 completed. Seeded.
+    """
+    weighted = region_weights(cfg.region_weights, regions)
+    total_w = sum(w for _, w in weighted)
+    total_conversations = cfg.synthetic_conversations * len(regions)
+    scale = cfg.token_scale
+    system = _words(f"{cfg.seed}:system", _scaled(SYSTEM_PROMPT_TOKENS, scale))
+    out: list[Request] = []
+    for region, w in weighted:
+        if w <= 0:
+            continue
+        count = max(1, round(total_conversations * w / total_w))
+        for k in range(count):
+            session = f"syn-{region}-{k:03d}"
+            rng = random.Random(f"{cfg.seed}:{session}")
+            start = rng.uniform(0.0, START_SPREAD_S)
+            words = ["system:", *system]
+            previous: str | None = None
+            for turn in range(cfg.synthetic_turns):
+                user = _words(f"{cfg.seed}:{session}:{turn}:user", _scaled(rng.randint(*USER_TOKENS), scale))
+                words += ["user:", *user]
+                output = _scaled(rng.randint(*ANSWER_TOKENS), scale)
+                rid = f"{session}-t{turn}"
+                out.append(
+                    Request(
+                        id=rid,
+                        arrival_s=start,
+                        region=region,
+                        session_id=session,
+                        prompt_tokens=len(words),
+                        output_tokens=output,
+                        turn=turn,
+                        after=previous,
+                        think_s=rng.uniform(*THINK_S) if previous else 0.0,
+                        text=" ".join(words),
+                    )
+                )
+                words += ["assistant:", *_words(f"{cfg.seed}:{session}:{turn}:answer", output)]
+                previous = rid
+    out.sort(key=lambda r: (r.arrival_s, r.session_id, r.turn, r.id))
+    return out[: cfg.max_requests] if cfg.max_requests else out
+
+
+def load_workload(cfg: WorkloadConfig, regions: Sequence[str], *, base_dir: str | Path | None = None) -> list[Request]:
+    """The workload to replay: the trace when ``cfg.trace`` names an existing file, else synthetic conversations.
+
+    A relative ``cfg.trace`` is tried against the working directory, then against ``base_dir`` (the config file's
+    folder). Logs one ``workload_loaded`` event saying which source was used. Raises TraceError for a malformed
+    trace and ValueError for bad region weights.
+    """
+    path = _find_trace(cfg.trace, base_dir)
+    if path is not None:
+        requests = trace_workload(cfg, regions, path)
+        log.info("workload_loaded", source="trace", trace=str(path), summary=describe(requests))
+        return requests
+    if cfg.trace:
+        log.warning("trace_not_found", trace=cfg.trace, fallback="synthetic")
+    requests = synthetic_workload(cfg, regions)
+    log.info("workload_loaded", source="synthetic", summary=describe(requests))
+    return requests
+
+
+def _find_trace(trace: str | None, base_dir: str | Path | None) -> Path | None:
+    if not trace:
+        return None
+    candidates = [Path(trace)]
+    if base_dir is not None and not Path(trace).is_absolute():
+        candidates.append(Path(base_dir) / trace)
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def describe(requests: Iterable[Request]) -> str:
+    """One line about a workload: source, requests, sessions, requests per region, span of arrivals (s)."""
+    requests = list(requests)
+    if not requests:
+        return "empty workload (0 requests)"
+    source = "synthetic" if requests[0].text is not None else "trace"
+    per_region: dict[str, int] = {}
+    for r in requests:
+        per_region[r.region] = per_region.get(r.region, 0) + 1
+    sessions = len({r.session_id for r in requests})
+    regions = ", ".join(f"{k} {v}" for k, v in sorted(per_region.items()))
+    span = max(r.arrival_s for r in requests)
+    return f"{source}: {len(requests)} requests in {sessions} sessions ({regions}); arrivals over {span:.1f} s"
