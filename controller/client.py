@@ -1,0 +1,84 @@
+"""An async client of the controller's REST API, for balancers: watch membership and register (heartbeat).
+
+Balancers must keep serving on their last membership when the controller is down (static stability), so every
+failure that says "the controller is not there right now" is one exception, ControllerUnavailable, which callers
+catch to keep what they have and retry later. A 4xx answer is a different thing (this balancer sent something
+wrong) and raises ControllerError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+__all__ = ["ControllerUnavailable", "ControllerError", "ControllerClient"]
+
+
+class ControllerUnavailable(Exception):
+    """The controller could not be reached, timed out, answered 5xx, or answered something that is not its API."""
+
+
+class ControllerError(Exception):
+    """The controller refused the request (4xx); ``status`` is the HTTP status, the message is the controller's."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class ControllerClient:
+    """Talks to the controller at ``base_url`` (e.g. "http://10.0.0.2:8470") over the caller's ``session``.
+
+    ``timeout_s`` bounds each request in seconds; a long poll gets ``wait_s`` on top of it. The caller owns the
+    session and closes it.
+    """
+
+    def __init__(self, base_url: str, *, session: aiohttp.ClientSession, timeout_s: float = 5):
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._timeout_s = timeout_s
+
+    async def get_membership(self, revision: int | None = None, wait_s: float = 0) -> dict:
+        """The full membership snapshot.
+
+        With ``revision`` and ``wait_s`` > 0, a long poll: returns as soon as the controller's revision is above
+        ``revision``, or after ``wait_s`` seconds (the controller caps it at 60) with the unchanged state; compare
+        the answer's "revision" to tell which. Shape: {"revision": int, "regions": [str], "balancers":
+        [{"region", "url", "last_seen"}], "replicas": [{"id", "region", "url", "engine", ...}]}.
+        """
+        params: dict[str, str] = {}
+        if revision is not None:
+            params["revision"] = str(revision)
+            if wait_s > 0:
+                params["wait"] = str(wait_s)
+        body = await self._request("GET", "/v1/membership", params=params, extra_s=max(wait_s, 0))
+        if not isinstance(body.get("revision"), int) or not isinstance(body.get("replicas"), list):
+            raise ControllerUnavailable(f"{self.base_url}/v1/membership: answer is not a membership snapshot")
+        return body
+
+    async def register_balancer(self, region: str, url: str) -> None:
+        """Register this balancer (``url`` is how peers reach it) or, when already registered, refresh last_seen."""
+        await self._request("POST", "/v1/balancers", json={"region": region, "url": url})
+
+    async def _request(self, method: str, path: str, *, extra_s: float = 0, **kwargs: Any) -> dict:
+        url = self.base_url + path
+        timeout = aiohttp.ClientTimeout(total=self._timeout_s + extra_s)
+        try:
+            async with self._session.request(method, url, timeout=timeout, **kwargs) as resp:
+                if resp.status >= 500:
+                    raise ControllerUnavailable(f"{method} {url}: HTTP {resp.status}")
+                try:
+                    body = await resp.json(content_type=None)
+                except ValueError:  # includes json.JSONDecodeError
+                    raise ControllerUnavailable(f"{method} {url}: HTTP {resp.status} with a body that is not JSON")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise ControllerUnavailable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ControllerUnavailable(f"{method} {url}: answer is not a JSON object")
+        if resp.status >= 400:
+            error = body.get("error")
+            message = error.get("message") if isinstance(error, dict) else None
+            raise ControllerError(resp.status, message or f"{method} {url}: HTTP {resp.status}")
+        return body

@@ -1,0 +1,275 @@
+"""The membership controller: a JSON REST API over the SQLite membership store, with long-poll watches.
+
+Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH]``. Endpoints:
+
+- ``GET /healthz`` -> {"status": "ok", "revision": N}
+- ``GET /v1/membership[?revision=N&wait=S]`` -> full snapshot; with both, a long poll that answers as soon as the
+  revision is > N, or after S seconds (at most 60) with the unchanged state
+- ``GET /v1/replicas[?region=R]``, ``POST /v1/replicas``, ``DELETE /v1/replicas/{id}``
+- ``GET /v1/balancers``, ``POST /v1/balancers`` (register or heartbeat)
+
+Errors are always {"error": {"message", "type", "code"}}. Each membership change logs one structlog JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sqlite3
+import sys
+from typing import Any, Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from controller.store import InvalidInput, MembershipStore, StoreError
+from skylb.config import ConfigError, ControllerConfig, load_config
+
+__all__ = ["MAX_WAIT_S", "RevisionWatch", "create_app", "serve", "configure_logging", "add_arguments", "main"]
+
+#: Longest long poll a client may ask for (s); longer asks are cut to this.
+MAX_WAIT_S = 60.0
+#: How long shutdown waits for in-flight requests after waking every watcher (s).
+_SHUTDOWN_GRACE_S = 2.0
+
+log = structlog.get_logger("skylb.controller")
+
+
+class RevisionWatch:
+    """Wakes long-poll watchers when the revision moves; ``close()`` releases them all at shutdown."""
+
+    def __init__(self, revision: int):
+        self._revision = revision
+        self._closed = False
+        self._cond = asyncio.Condition()
+
+    async def publish(self, revision: int) -> None:
+        """Record a new revision and wake every watcher waiting below it."""
+        async with self._cond:
+            self._revision = revision
+            self._cond.notify_all()
+
+    async def close(self) -> None:
+        """Wake every watcher now (they answer with the current state) and make later waits return at once."""
+        async with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    async def wait_beyond(self, revision: int, timeout_s: float) -> None:
+        """Return when the revision is > ``revision``, after ``timeout_s`` seconds, or at shutdown."""
+        async with self._cond:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._cond.wait_for(lambda: self._closed or self._revision > revision)
+            except TimeoutError:
+                pass
+
+
+STORE = web.AppKey("store", MembershipStore)
+WATCH = web.AppKey("watch", RevisionWatch)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(code: int, message: str, type_: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": type_, "code": code}}, status=code)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn every failure into the JSON error shape: store errors keep their code, HTTP errors theirs, bugs 500."""
+    try:
+        return await handler(request)
+    except StoreError as exc:
+        return _error(exc.code, str(exc), exc.type)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = f"{request.method} {request.path}: {exc.reason}"
+        return _error(exc.status, message, "not_found" if exc.status == 404 else "http_error")
+    except Exception as exc:  # a bug: log it with its traceback, answer in the API's shape
+        log.exception("request_failed", method=request.method, path=request.path)
+        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidInput("body", "is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidInput("body", "must be a JSON object")
+    return body
+
+
+_KIND = {int: "an integer", float: "a number"}
+
+
+def _query_number(request: web.Request, name: str, cast: type, minimum: float) -> Any:
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    try:
+        value = cast(raw)
+    except ValueError:
+        raise InvalidInput(name, f"{raw!r} is not {_KIND[cast]}") from None
+    if not value >= minimum:  # also rejects NaN
+        raise InvalidInput(name, f"must be >= {minimum}")
+    return value
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """GET /healthz -> {"status": "ok", "revision": N}."""
+    return web.json_response({"status": "ok", "revision": request.app[STORE].revision})
+
+
+async def get_membership(request: web.Request) -> web.Response:
+    """GET /v1/membership[?revision=N&wait=S] -> the full snapshot, after a long poll when both are given."""
+    store = request.app[STORE]
+    revision = _query_number(request, "revision", int, 0)
+    wait_s = _query_number(request, "wait", float, 0.0)
+    # A revision above ours means the store was replaced under the client: answer at once so it re-lists.
+    if revision is not None and wait_s and revision <= store.revision:
+        await request.app[WATCH].wait_beyond(revision, min(wait_s, MAX_WAIT_S))
+    return web.json_response(store.snapshot().to_dict())
+
+
+async def list_replicas(request: web.Request) -> web.Response:
+    """GET /v1/replicas[?region=R] -> {"replicas": [...]}."""
+    replicas = request.app[STORE].list_replicas(request.query.get("region"))
+    return web.json_response({"replicas": [r.to_dict() for r in replicas]})
+
+
+async def add_replica(request: web.Request) -> web.Response:
+    """POST /v1/replicas {"region", "url", "engine"="vllm", "id"?} -> 201 with the replica."""
+    body = await _json_object(request)
+    unknown = set(body) - {"region", "url", "engine", "id"}
+    if unknown:
+        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, engine, id)")
+    store = request.app[STORE]
+    replica = store.add_replica(body.get("region"), body.get("url"), body.get("engine", "vllm"), body.get("id"))
+    await _changed(request.app, "replica_added", **replica.to_dict())
+    return web.json_response(replica.to_dict(), status=201)
+
+
+async def remove_replica(request: web.Request) -> web.Response:
+    """DELETE /v1/replicas/{id} -> 200 with the removed replica; 404 when unknown."""
+    replica = request.app[STORE].remove_replica(request.match_info["id"])
+    await _changed(request.app, "replica_removed", **replica.to_dict())
+    return web.json_response(replica.to_dict())
+
+
+async def list_balancers(request: web.Request) -> web.Response:
+    """GET /v1/balancers -> {"balancers": [...]}."""
+    return web.json_response({"balancers": [b.to_dict() for b in request.app[STORE].list_balancers()]})
+
+
+async def register_balancer(request: web.Request) -> web.Response:
+    """POST /v1/balancers {"region", "url"} -> 200 with the balancer (register, or heartbeat when known)."""
+    body = await _json_object(request)
+    balancer, changed = request.app[STORE].register_balancer(body.get("region"), body.get("url"))
+    if changed:
+        await _changed(request.app, "balancer_registered", **balancer.to_dict())
+    return web.json_response(balancer.to_dict())
+
+
+async def _changed(app: web.Application, action: str, **fields: Any) -> None:
+    revision = app[STORE].revision
+    log.info("membership_change", action=action, revision=revision, **fields)
+    await app[WATCH].publish(revision)
+
+
+def create_app(store: MembershipStore) -> web.Application:
+    """The controller's aiohttp application over ``store`` (the caller owns and closes the store)."""
+    app = web.Application(middlewares=[_errors])
+    app[STORE] = store
+    app[WATCH] = RevisionWatch(store.revision)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/membership", get_membership)
+    app.router.add_get("/v1/replicas", list_replicas)
+    app.router.add_post("/v1/replicas", add_replica)
+    app.router.add_delete("/v1/replicas/{id}", remove_replica)
+    app.router.add_get("/v1/balancers", list_balancers)
+    app.router.add_post("/v1/balancers", register_balancer)
+    return app
+
+
+async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set, then wake every watcher, finish in-flight requests and close the store.
+
+    Without ``stop``, SIGTERM and SIGINT stop it (the `skylb controller` process); pass an event to embed the
+    controller in another asyncio program, which keeps its own signal handling.
+    """
+    store = MembershipStore(config.db)
+    app = create_app(store)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT) if stop is None else ()
+    stop = stop or asyncio.Event()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        port = runner.addresses[0][1] if runner.addresses else config.port
+        log.info("controller_started", host=config.host, port=port, db=config.db, revision=store.revision)
+        await stop.wait()
+        log.info("controller_stopping")
+        await app[WATCH].close()  # long polls answer now instead of holding shutdown for up to a minute
+    finally:
+        await runner.cleanup()
+        store.close()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+    log.info("controller_stopped")
+
+
+def configure_logging() -> None:
+    """One JSON object per line on stdout: timestamp, level, event and the event's fields."""
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `skylb controller`: flags override the ``controller`` section of the config file."""
+    parser.add_argument("--config", metavar="FILE", help="deployment YAML; its `controller` section is used "
+                        "(default: built-in defaults, 127.0.0.1:8470)")
+    parser.add_argument("--host", help="address to listen on (overrides the config)")
+    parser.add_argument("--port", type=int, help="TCP port to listen on, 0 for any free port (overrides the config)")
+    parser.add_argument("--db", metavar="PATH", help="SQLite membership file; its directory is created if missing "
+                        "(overrides the config)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the controller until SIGTERM/SIGINT; returns 0, or 2 for a bad config or flag."""
+    try:
+        config = load_config(args.config).controller if args.config else ControllerConfig()
+        overrides = {k: v for k in ("host", "port", "db") if (v := getattr(args, k)) is not None}
+        config = ControllerConfig.model_validate(config.model_dump() | overrides)
+    except (ConfigError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        print(f"skylb controller: {exc}", file=sys.stderr)
+        return 2
+    configure_logging()
+    try:
+        asyncio.run(serve(config))
+    except (OSError, sqlite3.Error) as exc:  # address in use, db directory not writable, ...
+        print(f"skylb controller: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # `python -m controller.server`, same flags as `skylb controller`
+    _parser = argparse.ArgumentParser(prog="python -m controller.server", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

@@ -1,0 +1,360 @@
+"""Durable membership: regions, balancers and replicas in one SQLite file, versioned by a revision number.
+
+The controller is the only writer of membership, and this store is where it writes. Every write runs in one
+transaction that also bumps ``revision``, so a reader that saw revision N and later sees N + k knows exactly that
+something changed, and a restart resumes from the same revision (balancers watch from a revision; see
+shared/reference/reliability.md, "Control-plane durability").
+
+Calls are synchronous and short (one local transaction, well under a millisecond on an SSD); the server calls them
+from its event loop directly rather than from a thread, which keeps every write strictly ordered.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = [
+    "ENGINES",
+    "StoreError",
+    "InvalidInput",
+    "Conflict",
+    "NotFound",
+    "Replica",
+    "Balancer",
+    "Membership",
+    "MembershipStore",
+    "normalize_url",
+    "validate_region",
+    "validate_engine",
+]
+
+#: Engine names a replica may declare ("auto": the balancer detects the engine by probing it).
+ENGINES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "tgi", "ollama", "openai", "auto")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS regions (
+    name TEXT PRIMARY KEY,
+    next_replica_n INTEGER NOT NULL DEFAULT 1  -- ids are never reused, so a stale balancer cannot confuse two
+);
+CREATE TABLE IF NOT EXISTS balancers (
+    url TEXT PRIMARY KEY,
+    region TEXT NOT NULL REFERENCES regions(name),
+    last_seen REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS replicas (
+    id TEXT PRIMARY KEY,
+    region TEXT NOT NULL REFERENCES regions(name),
+    url TEXT NOT NULL UNIQUE,
+    engine TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+INSERT OR IGNORE INTO meta (key, value) VALUES ('revision', 0);
+"""
+
+
+class StoreError(Exception):
+    """Base of the store's expected failures; ``code`` is the HTTP status and ``type`` the error type to report."""
+
+    code = 500
+    type = "store_error"
+
+
+class InvalidInput(StoreError):
+    """A field is missing or malformed; ``field`` names it and the message says why."""
+
+    code = 400
+    type = "invalid_request_error"
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class Conflict(StoreError):
+    """The replica's URL or id already exists."""
+
+    code = 409
+    type = "conflict"
+
+
+class NotFound(StoreError):
+    """No replica has the given id."""
+
+    code = 404
+    type = "not_found"
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One inference engine endpoint; ``created_at`` is unix time in seconds."""
+
+    id: str
+    region: str
+    url: str
+    engine: str
+    created_at: float
+
+    def to_dict(self) -> dict:
+        """JSON shape: {"id", "region", "url", "engine", "created_at"}."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Balancer:
+    """One region's balancer as last registered; ``last_seen`` is unix time in seconds of its latest heartbeat."""
+
+    region: str
+    url: str
+    last_seen: float
+
+    def to_dict(self) -> dict:
+        """JSON shape: {"region", "url", "last_seen"}."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A consistent snapshot of the whole membership at one revision."""
+
+    revision: int
+    regions: list[str]
+    balancers: list[Balancer]
+    replicas: list[Replica]
+
+    def to_dict(self) -> dict:
+        """JSON shape: {"revision": int, "regions": [str], "balancers": [dict], "replicas": [dict]}."""
+        return {
+            "revision": self.revision,
+            "regions": list(self.regions),
+            "balancers": [b.to_dict() for b in self.balancers],
+            "replicas": [r.to_dict() for r in self.replicas],
+        }
+
+
+def normalize_url(url: object, *, field: str = "url") -> str:
+    """Validate an endpoint URL and return its canonical form (lower-case scheme and host, no trailing slash).
+
+    Accepts http/https with a host and an optional port in 1..65535; a path (such as ``/v1``) is kept. Raises
+    InvalidInput naming ``field`` otherwise. Canonical forms make "http://A:8000/" and "http://a:8000" one URL.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidInput(field, "required, a URL such as http://10.0.0.5:8000")
+    url = url.strip()
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises ValueError when not a number in 0..65535
+    except ValueError as exc:
+        raise InvalidInput(field, f"{url!r} is not a valid URL ({exc})") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise InvalidInput(field, f"{url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise InvalidInput(field, f"{url!r} has no host")
+    if port == 0:
+        raise InvalidInput(field, f"{url!r} has port 0; use a port in 1..65535")
+    if parts.username is not None or parts.password is not None:
+        # Membership is logged and served to every balancer; credentials do not belong in it.
+        raise InvalidInput(field, f"{url!r} must not contain credentials")
+    if parts.query or parts.fragment:
+        raise InvalidInput(field, f"{url!r} must not have a query or fragment")
+    host = parts.hostname
+    if ":" in host:  # IPv6 literal: urlsplit drops the brackets
+        host = f"[{host}]"
+    netloc = host if port is None else f"{host}:{port}"
+    return urlunsplit((parts.scheme.lower(), netloc, parts.path.rstrip("/"), "", ""))
+
+
+def validate_region(region: object) -> str:
+    """Return ``region`` if it is a valid region name (letters, digits, '-', '_'; 1-64 chars), else InvalidInput."""
+    if region is None:
+        raise InvalidInput("region", "required, a region name such as us")
+    if not isinstance(region, str) or not _NAME_RE.match(region):
+        raise InvalidInput("region", f"{region!r} must be 1-64 letters, digits, '-' or '_'")
+    return region
+
+
+def validate_engine(engine: object) -> str:
+    """Return ``engine`` if it is one of ENGINES, else InvalidInput listing the known names."""
+    if engine not in ENGINES:
+        raise InvalidInput("engine", f"{engine!r} is not a known engine (one of: {', '.join(ENGINES)})")
+    return engine  # type: ignore[return-value]
+
+
+def _validate_id(replica_id: object) -> str:
+    if not isinstance(replica_id, str) or not _ID_RE.match(replica_id):
+        raise InvalidInput("id", f"{replica_id!r} must be 1-128 letters, digits, '.', '-' or '_'")
+    return replica_id
+
+
+class MembershipStore:
+    """Membership in a SQLite file at ``path`` (its directory is created if missing; ":memory:" for tests).
+
+    Not thread-safe: use one store from one thread (the controller's event loop).
+    """
+
+    def __init__(self, path: str | Path):
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so every write and its revision bump commit as
+        # one transaction, and a second process writing the same file waits rather than interleaving.
+        self._db = sqlite3.connect(str(path), isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a write the API acknowledged survives a power loss
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        """Close the database file; the store is unusable afterwards."""
+        self._db.close()
+
+    # --- reads -------------------------------------------------------------------------------------------------
+
+    @property
+    def revision(self) -> int:
+        """The current revision: 0 for a new store, +1 for every write that changed membership."""
+        return int(self._db.execute("SELECT value FROM meta WHERE key = 'revision'").fetchone()[0])
+
+    def regions(self) -> list[str]:
+        """Every region ever used, sorted by name."""
+        return [row[0] for row in self._db.execute("SELECT name FROM regions ORDER BY name")]
+
+    def get_replica(self, replica_id: str) -> Replica | None:
+        """The replica with this id, or None."""
+        row = self._db.execute("SELECT * FROM replicas WHERE id = ?", (replica_id,)).fetchone()
+        return _replica(row) if row else None
+
+    def find_replica_by_url(self, url: str) -> Replica | None:
+        """The replica with this URL (compared in canonical form), or None; InvalidInput if ``url`` is malformed."""
+        row = self._db.execute("SELECT * FROM replicas WHERE url = ?", (normalize_url(url),)).fetchone()
+        return _replica(row) if row else None
+
+    def list_replicas(self, region: str | None = None) -> list[Replica]:
+        """Replicas sorted by region then id; only ``region``'s when given."""
+        if region is None:
+            rows = self._db.execute("SELECT * FROM replicas ORDER BY region, created_at, id")
+        else:
+            rows = self._db.execute("SELECT * FROM replicas WHERE region = ? ORDER BY created_at, id", (region,))
+        return [_replica(row) for row in rows]
+
+    def list_balancers(self) -> list[Balancer]:
+        """Registered balancers sorted by region then URL."""
+        rows = self._db.execute("SELECT region, url, last_seen FROM balancers ORDER BY region, url")
+        return [Balancer(region=r["region"], url=r["url"], last_seen=r["last_seen"]) for r in rows]
+
+    def snapshot(self) -> Membership:
+        """Everything at one revision (read in one transaction, so the parts agree with each other)."""
+        self._db.execute("BEGIN")
+        try:
+            return Membership(
+                revision=self.revision, regions=self.regions(),
+                balancers=self.list_balancers(), replicas=self.list_replicas(),
+            )
+        finally:
+            self._db.execute("COMMIT")
+
+    # --- writes (each one transaction that bumps the revision) --------------------------------------------------
+
+    def add_replica(self, region: str, url: str, engine: str = "vllm", replica_id: str | None = None,
+                    *, now: float | None = None) -> Replica:
+        """Add a replica; the region is created on first use; the id defaults to ``<region>-<n>``.
+
+        ``now`` is unix time in seconds (default: the clock). Raises InvalidInput for a bad region, URL, engine
+        or id, and Conflict when the URL or the id already exists.
+        """
+        region = validate_region(region)
+        url = normalize_url(url)
+        engine = validate_engine(engine)
+        if replica_id is not None:
+            replica_id = _validate_id(replica_id)
+        created_at = time.time() if now is None else now
+        with self._write():
+            clash = self._db.execute("SELECT id FROM replicas WHERE url = ?", (url,)).fetchone()
+            if clash:
+                raise Conflict(f"url: {url} is already registered as replica {clash[0]}")
+            if replica_id is not None and self.get_replica(replica_id):
+                raise Conflict(f"id: replica {replica_id} already exists")
+            self._db.execute("INSERT OR IGNORE INTO regions (name) VALUES (?)", (region,))
+            if replica_id is None:
+                replica_id = self._next_id(region)
+            self._db.execute(
+                "INSERT INTO replicas (id, region, url, engine, created_at) VALUES (?, ?, ?, ?, ?)",
+                (replica_id, region, url, engine, created_at),
+            )
+            self._bump()
+        return Replica(id=replica_id, region=region, url=url, engine=engine, created_at=created_at)
+
+    def remove_replica(self, replica_id: str) -> Replica:
+        """Remove a replica by id and return it; NotFound if no replica has that id."""
+        with self._write():
+            replica = self.get_replica(replica_id)
+            if replica is None:
+                raise NotFound(f"id: no replica {replica_id!r}")
+            self._db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
+            self._bump()
+        return replica
+
+    def register_balancer(self, region: str, url: str, *, now: float | None = None) -> tuple[Balancer, bool]:
+        """Register or refresh (heartbeat) the balancer at ``url``; returns (balancer, changed).
+
+        A balancer is identified by its URL. ``changed`` is True, and the revision bumped, only when the balancer
+        is new or moved to another region; a plain heartbeat updates ``last_seen`` (unix s) and nothing else, so
+        heartbeats do not wake every watcher.
+        """
+        region = validate_region(region)
+        url = normalize_url(url)
+        last_seen = time.time() if now is None else now
+        with self._write():
+            row = self._db.execute("SELECT region FROM balancers WHERE url = ?", (url,)).fetchone()
+            changed = row is None or row[0] != region
+            self._db.execute("INSERT OR IGNORE INTO regions (name) VALUES (?)", (region,))
+            self._db.execute(
+                "INSERT INTO balancers (url, region, last_seen) VALUES (?, ?, ?) "
+                "ON CONFLICT(url) DO UPDATE SET region = excluded.region, last_seen = excluded.last_seen",
+                (url, region, last_seen),
+            )
+            if changed:
+                self._bump()
+        return Balancer(region=region, url=url, last_seen=last_seen), changed
+
+    # --- helpers ------------------------------------------------------------------------------------------------
+
+    def _write(self) -> "_Transaction":
+        return _Transaction(self._db)
+
+    def _bump(self) -> None:
+        self._db.execute("UPDATE meta SET value = value + 1 WHERE key = 'revision'")
+
+    def _next_id(self, region: str) -> str:
+        # Skip ids an operator already chose by hand (e.g. "us-3" given explicitly before the counter got there).
+        n = self._db.execute("SELECT next_replica_n FROM regions WHERE name = ?", (region,)).fetchone()[0]
+        while self._db.execute("SELECT 1 FROM replicas WHERE id = ?", (f"{region}-{n}",)).fetchone():
+            n += 1
+        self._db.execute("UPDATE regions SET next_replica_n = ? WHERE name = ?", (n + 1, region))
+        return f"{region}-{n}"
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK when the body raises (so a refused write changes nothing)."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _replica(row: sqlite3.Row) -> Replica:
+    return Replica(id=row["id"], region=row["region"], url=row["url"], engine=row["engine"],
+                   created_at=row["created_at"])

@@ -1,0 +1,385 @@
+"""The membership controller: its SQLite store, its REST API (a real subprocess), skylb-ctl and ControllerClient."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import requests
+from aiohttp import web
+
+from controller.client import ControllerClient, ControllerError, ControllerUnavailable
+from controller.store import Conflict, InvalidInput, MembershipStore, NotFound
+from tests.procs import free_port
+
+ROOT = Path(__file__).resolve().parent.parent  # skylb-ctl runs from the repository root, like an operator's shell
+pytestmark = pytest.mark.timeout(30)
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------
+
+class Controller:
+    """A real controller subprocess on a free port, with its config file and SQLite file under ``tmp_path``."""
+
+    def __init__(self, procs, tmp_path: Path):
+        self.procs = procs
+        self.db = tmp_path / "state" / "controller.sqlite"  # "state/" does not exist: the store must create it
+        self.port = free_port()
+        self.config = tmp_path / "skylb.yaml"
+        self.config.write_text(f"controller:\n  host: 127.0.0.1\n  port: {self.port}\n  db: {self.db}\n")
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *flags: str) -> "Controller":
+        args = ("controller", "--config", str(self.config), *flags)
+        wait_url = f"{self.url}/healthz"
+        self.proc = self.procs.skylb(*args, name=f"controller-{self.port}", wait_url=wait_url)
+        return self
+
+    def stop(self) -> int:
+        """SIGTERM the controller and return its exit status."""
+        self.proc.stop()
+        return self.proc.popen.returncode
+
+
+@pytest.fixture
+def controller(procs, tmp_path) -> Controller:
+    """A started controller with an empty store."""
+    return Controller(procs, tmp_path).start()
+
+
+def ctl(url: str, *args: str) -> subprocess.CompletedProcess:
+    """Run the real `skylb-ctl --controller URL ARGS` as a subprocess."""
+    return subprocess.run([sys.executable, "-m", "controller.ctl", "--controller", url, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=20)
+
+
+def revision(url: str) -> int:
+    return requests.get(f"{url}/healthz", timeout=5).json()["revision"]
+
+
+# --- store ------------------------------------------------------------------------------------------------------
+
+def test_store_assigns_region_ids_and_bumps_revision(tmp_path):
+    """add_replica creates the region, numbers ids <region>-<n> per region, and bumps the revision once per write."""
+    store = MembershipStore(tmp_path / "m.sqlite")
+    assert store.revision == 0
+    a = store.add_replica("us", "http://10.0.0.1:8000")
+    b = store.add_replica("us", "http://10.0.0.2:8000", "sglang")
+    c = store.add_replica("eu", "http://10.0.0.3:8000", replica_id="eu-custom")
+    d = store.add_replica("eu", "http://10.0.0.4:8000")
+    assert [r.id for r in (a, b, c, d)] == ["us-1", "us-2", "eu-custom", "eu-1"]
+    assert store.revision == 4
+    assert store.regions() == ["eu", "us"]
+    assert [r.id for r in store.list_replicas("us")] == ["us-1", "us-2"]
+    snap = store.snapshot().to_dict()
+    assert snap["revision"] == 4 and len(snap["replicas"]) == 4
+    assert set(snap["replicas"][0]) >= {"id", "region", "url", "engine"}
+
+
+def test_store_conflicts_change_nothing(tmp_path):
+    """A duplicate URL (also in another spelling) or id raises Conflict and leaves the revision unchanged."""
+    store = MembershipStore(tmp_path / "m.sqlite")
+    store.add_replica("us", "http://host-a:8000")
+    for url in ("http://host-a:8000", "HTTP://Host-A:8000/"):
+        with pytest.raises(Conflict, match="already registered as replica us-1"):
+            store.add_replica("eu", url)
+    with pytest.raises(Conflict, match="us-1 already exists"):
+        store.add_replica("us", "http://host-b:8000", replica_id="us-1")
+    assert store.revision == 1
+    assert store.regions() == ["us"]  # the refused add in "eu" rolled back the region it created
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"url": "ftp://a:1"}, "url"),
+    ({"url": "http://:8000"}, "url"),
+    ({"url": "http://a:99999"}, "url"),
+    ({"url": "http://a:0"}, "url"),
+    ({"url": "http://user:pw@a:1"}, "url"),
+    ({"url": "not a url"}, "url"),
+    ({"url": None}, "url"),
+    ({"engine": "triton"}, "engine"),
+    ({"region": "us east"}, "region"),
+    ({"region": None}, "region"),
+    ({"replica_id": "a/b"}, "id"),
+])
+def test_store_rejects_invalid_fields(tmp_path, kwargs, field):
+    """Malformed URLs, engines, regions and ids raise InvalidInput naming the field."""
+    store = MembershipStore(tmp_path / "m.sqlite")
+    args = {"region": "us", "url": "http://a:1", "engine": "vllm"} | kwargs
+    with pytest.raises(InvalidInput) as info:
+        store.add_replica(**args)
+    assert info.value.field == field and str(info.value).startswith(f"{field}: ")
+    assert store.revision == 0
+
+
+def test_store_remove_and_ids_are_not_reused(tmp_path):
+    """remove_replica returns the replica, NotFound for unknown ids, and a later add gets a fresh id."""
+    store = MembershipStore(tmp_path / "m.sqlite")
+    store.add_replica("us", "http://a:1")
+    assert store.remove_replica("us-1").url == "http://a:1"
+    with pytest.raises(NotFound):
+        store.remove_replica("us-1")
+    assert store.add_replica("us", "http://a:1").id == "us-2"
+    assert store.revision == 3
+
+
+def test_store_survives_reopen(tmp_path):
+    """Replicas, balancers, regions, the revision and the id counter survive closing and reopening the file."""
+    path = tmp_path / "new-dir" / "m.sqlite"
+    store = MembershipStore(path)
+    store.add_replica("us", "http://a:1")
+    store.register_balancer("us", "http://lb-us:9000", now=100.0)
+    before = store.snapshot()
+    store.close()
+    store = MembershipStore(path)
+    assert store.snapshot() == before and before.revision == 2
+    assert store.add_replica("us", "http://a:2").id == "us-2"
+
+
+def test_store_balancer_heartbeat_does_not_bump_revision(tmp_path):
+    """register_balancer bumps the revision for a new balancer or a region move, not for a heartbeat."""
+    store = MembershipStore(tmp_path / "m.sqlite")
+    assert store.register_balancer("us", "http://lb:9000", now=1.0)[1] is True
+    balancer, changed = store.register_balancer("us", "http://lb:9000/", now=2.0)
+    assert (changed, balancer.last_seen, store.revision) == (False, 2.0, 1)
+    assert store.list_balancers()[0].last_seen == 2.0
+    assert store.register_balancer("eu", "http://lb:9000", now=3.0)[1] is True
+    assert store.revision == 2
+
+
+# --- REST API and skylb-ctl against a real controller -----------------------------------------------------------
+
+def test_cli_add_list_remove(controller):
+    """skylb-ctl adds, lists (table and JSON, by region) and removes replicas by id and URL; each write bumps the
+    revision and logs one JSON membership_change line."""
+    url = controller.url
+    r = ctl(url, "replica", "add", "--region", "us", "--url", "http://10.0.0.1:8000", "--engine", "vllm")
+    assert r.returncode == 0 and "us-1" in r.stdout, r.stderr
+    r = ctl(url, "replica", "add", "--region", "eu", "--url", "http://10.0.0.2:8000/", "--engine", "sglang",
+            "--id", "eu-gpu")
+    assert r.returncode == 0, r.stderr
+    assert revision(url) == 2
+
+    table = ctl(url, "replica", "list").stdout
+    assert "us-1" in table and "eu-gpu" in table and "sglang" in table and "ENGINE" in table
+    listed = json.loads(ctl(url, "replica", "list", "--region", "eu", "--json").stdout)
+    assert listed == [{"id": "eu-gpu", "region": "eu", "url": "http://10.0.0.2:8000", "engine": "sglang",
+                       "created_at": listed[0]["created_at"]}]
+    membership = json.loads(ctl(url, "membership", "--json").stdout)
+    assert membership["revision"] == 2 and membership["regions"] == ["eu", "us"]
+    assert "revision: 2" in ctl(url, "membership").stdout
+
+    assert ctl(url, "replica", "remove", "us-1").returncode == 0
+    r = ctl(url, "replica", "remove", "--url", "http://10.0.0.2:8000")
+    assert r.returncode == 0 and "eu-gpu" in r.stdout, r.stderr
+    assert revision(url) == 4
+    assert json.loads(ctl(url, "replica", "list", "--json").stdout) == []
+
+    changes = [json.loads(line) for line in controller.proc.log().splitlines() if "membership_change" in line]
+    assert [(c["action"], c["revision"]) for c in changes] == [
+        ("replica_added", 1), ("replica_added", 2), ("replica_removed", 3), ("replica_removed", 4)]
+
+
+def test_duplicate_url_is_409_and_cli_fails(controller):
+    """A second add of the same URL (or id) is 409 in the API's error shape; skylb-ctl prints it and exits 1."""
+    body = {"region": "us", "url": "http://10.0.0.1:8000"}
+    assert requests.post(f"{controller.url}/v1/replicas", json=body, timeout=5).status_code == 201
+    resp = requests.post(f"{controller.url}/v1/replicas", json=body | {"region": "eu"}, timeout=5)
+    assert resp.status_code == 409
+    error = resp.json()["error"]
+    assert error["code"] == 409 and error["type"] == "conflict" and "already registered" in error["message"]
+    resp = requests.post(f"{controller.url}/v1/replicas", json={"region": "us", "url": "http://b:1", "id": "us-1"},
+                         timeout=5)
+    assert resp.status_code == 409
+
+    r = ctl(controller.url, "replica", "add", "--region", "us", "--url", "http://10.0.0.1:8000")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "skylb-ctl: error: url: http://10.0.0.1:8000 is already registered as replica us-1"]
+    assert revision(controller.url) == 1
+
+
+BAD_REPLICA_BODIES = [  # (request body: a dict is sent as JSON, a str as raw bytes; the field the error names)
+    ({"region": "us", "url": "localhost:8000"}, "url"),
+    ({"region": "us", "url": "http://a:1", "engine": "nim"}, "engine"),
+    ({"url": "http://a:1"}, "region"),
+    ({"region": "us", "url": "http://a:1", "replicas": 3}, "replicas"),
+    ("{not json", "body"),
+    ("[1, 2]", "body"),
+    ("", "body"),
+]
+
+
+def test_bad_replica_input_is_400(controller):
+    """Bad fields, unknown fields and invalid JSON are 400 with a message naming the field; nothing changes."""
+    for data, field in BAD_REPLICA_BODIES:
+        kwargs = {"json": data} if isinstance(data, dict) else {"data": data}
+        resp = requests.post(f"{controller.url}/v1/replicas", timeout=5, **kwargs)
+        assert resp.status_code == 400, data
+        error = resp.json()["error"]
+        assert error["code"] == 400 and error["message"].startswith(f"{field}: "), (data, error)
+    assert revision(controller.url) == 0
+
+
+def test_unknown_id_and_bad_queries(controller):
+    """Removing an unknown id is 404 (CLI exit 1); a bad long-poll query is 400; an unknown path is a JSON 404."""
+    resp = requests.delete(f"{controller.url}/v1/replicas/nope", timeout=5)
+    assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found"
+    r = ctl(controller.url, "replica", "remove", "nope")
+    assert r.returncode == 1 and "no replica 'nope'" in r.stderr
+    for query in ("revision=x&wait=1", "revision=1&wait=-1", "revision=-2"):
+        resp = requests.get(f"{controller.url}/v1/membership?{query}", timeout=5)
+        assert resp.status_code == 400, query
+    resp = requests.get(f"{controller.url}/v2/nothing", timeout=5)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == 404
+
+
+def test_membership_persists_across_restart(procs, tmp_path):
+    """After SIGTERM and a restart on the same SQLite file (with --port overriding the config), membership and
+    revision are unchanged and the next write continues from them."""
+    c = Controller(procs, tmp_path).start()
+    requests.post(f"{c.url}/v1/replicas", json={"region": "us", "url": "http://a:1"}, timeout=5)
+    requests.post(f"{c.url}/v1/balancers", json={"region": "us", "url": "http://lb:9000"}, timeout=5)
+    before = requests.get(f"{c.url}/v1/membership", timeout=5).json()
+    assert c.stop() == 0
+    assert c.db.exists()
+
+    c.port = free_port()  # the config file still names the old port: the flag must win
+    c.start("--port", str(c.port))
+    assert requests.get(f"{c.url}/v1/membership", timeout=5).json() == before
+    resp = requests.post(f"{c.url}/v1/replicas", json={"region": "us", "url": "http://a:2"}, timeout=5)
+    assert resp.json()["id"] == "us-2" and revision(c.url) == before["revision"] + 1
+
+
+async def test_long_poll_wakes_on_change_and_times_out(controller):
+    """A watch from revision N answers within ~1 s of a change with revision > N, and otherwise answers after its
+    wait with the same revision."""
+    async with aiohttp.ClientSession() as session:
+        client = ControllerClient(controller.url, session=session)
+        first = await client.get_membership()
+        start = time.monotonic()
+        quiet = await client.get_membership(first["revision"], wait_s=0.5)
+        assert quiet["revision"] == first["revision"]
+        assert 0.45 <= time.monotonic() - start < 2.0
+
+        watch = asyncio.create_task(client.get_membership(first["revision"], wait_s=20))
+        await asyncio.sleep(0.3)
+        assert not watch.done()
+        changed_at = time.monotonic()
+        async with session.post(f"{controller.url}/v1/replicas", json={"region": "asia", "url": "http://c:1"}) as r:
+            assert r.status == 201
+        woke = await asyncio.wait_for(watch, timeout=5)
+        assert time.monotonic() - changed_at < 1.0
+        assert woke["revision"] == first["revision"] + 1 and woke["replicas"][0]["region"] == "asia"
+
+        # A client ahead of the controller (its store was replaced) gets the snapshot at once, to re-list.
+        start = time.monotonic()
+        ahead = await client.get_membership(woke["revision"] + 100, wait_s=20)
+        assert ahead["revision"] == woke["revision"] and time.monotonic() - start < 1.0
+
+
+async def test_balancer_registration(controller):
+    """register_balancer registers then heartbeats (last_seen moves, revision does not); skylb-ctl lists it."""
+    async with aiohttp.ClientSession() as session:
+        client = ControllerClient(controller.url, session=session)
+        await client.register_balancer("eu", "http://127.0.0.1:9001")
+        rev = (await client.get_membership())["revision"]
+        first_seen = (await client.get_membership())["balancers"][0]["last_seen"]
+        await asyncio.sleep(0.05)
+        await client.register_balancer("eu", "http://127.0.0.1:9001")
+        m = await client.get_membership()
+        assert m["revision"] == rev == 1 and m["regions"] == ["eu"]
+        assert m["balancers"][0]["last_seen"] > first_seen
+        with pytest.raises(ControllerError) as info:
+            await client.register_balancer("eu", "not-a-url")
+        assert info.value.status == 400 and info.value.args[0].startswith("url: ")
+
+    r = ctl(controller.url, "balancer", "list", "--json")
+    assert r.returncode == 0 and [b["url"] for b in json.loads(r.stdout)] == ["http://127.0.0.1:9001"]
+    assert "http://127.0.0.1:9001" in ctl(controller.url, "balancer", "list").stdout
+
+
+def test_sigterm_stops_promptly_during_a_watch(controller):
+    """SIGTERM ends the controller with status 0 within a few seconds even while a 60 s long poll is waiting."""
+    watcher = subprocess.Popen([sys.executable, "-c", (
+        "import sys, urllib.request; "
+        f"urllib.request.urlopen('{controller.url}/v1/membership?revision=0&wait=60', timeout=30).read()")])
+    try:
+        time.sleep(0.5)  # let the watcher connect and start waiting
+        start = time.monotonic()
+        os.kill(controller.proc.popen.pid, signal.SIGTERM)
+        assert controller.proc.popen.wait(timeout=10) == 0
+        assert time.monotonic() - start < 5.0
+        assert watcher.wait(timeout=10) == 0  # it got an answer, not a reset connection
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+    assert "controller_stopped" in controller.proc.log()
+
+
+# --- failures without a controller ------------------------------------------------------------------------------
+
+async def test_client_unavailable_when_nothing_listens():
+    """ControllerClient raises ControllerUnavailable (not an aiohttp error) when no controller listens."""
+    url = f"http://127.0.0.1:{free_port()}"
+    async with aiohttp.ClientSession() as session:
+        client = ControllerClient(url, session=session, timeout_s=2)
+        with pytest.raises(ControllerUnavailable):
+            await client.get_membership()
+        with pytest.raises(ControllerUnavailable):
+            await client.register_balancer("us", "http://127.0.0.1:9000")
+
+
+async def test_client_unavailable_on_5xx_and_non_json():
+    """A 5xx answer or a 200 that is not a membership snapshot raises ControllerUnavailable."""
+    async def fail(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="overloaded")
+
+    async def garbage(request: web.Request) -> web.Response:
+        return web.Response(text="<html>hello</html>")
+
+    app = web.Application()
+    app.router.add_get("/v1/membership", fail)
+    app.router.add_post("/v1/balancers", garbage)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = ControllerClient(f"http://127.0.0.1:{port}", session=session, timeout_s=2)
+            with pytest.raises(ControllerUnavailable, match="503"):
+                await client.get_membership()
+            with pytest.raises(ControllerUnavailable, match="not JSON"):
+                await client.register_balancer("us", "http://127.0.0.1:9000")
+    finally:
+        await runner.cleanup()
+
+
+def test_cli_unreachable_and_usage_errors():
+    """skylb-ctl exits 1 with one "cannot reach" line when no controller listens, and 2 for usage errors."""
+    url = f"http://127.0.0.1:{free_port()}"
+    r = ctl(url, "replica", "list")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"skylb-ctl: error: cannot reach the controller at {url}: "
+                                             "connection refused"]
+    assert ctl(url, "replica", "add", "--region", "us").returncode == 2  # --url missing
+    assert ctl(url, "replica", "remove").returncode == 2  # neither id nor --url
+    r = ctl("not-a-url", "membership")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "controller.ctl", "membership"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=20, env={**os.environ, "SKYLB_CONTROLLER": url})
+    assert r.returncode == 1 and url in r.stderr  # the URL came from the environment
