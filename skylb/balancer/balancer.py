@@ -92,7 +92,9 @@ class Balancer:
                     for r in snapshot.get("replicas", []) if r.get("region") == self.region]
         peers = [(b["region"], self.cfg.peer_urls.get(b["region"], b["url"]).rstrip("/"))
                  for b in snapshot.get("balancers", []) if b.get("region") != self.region]
-        self.router.set_replicas(replicas)
+        limits = {r["id"]: r.get("max_concurrency") for r in snapshot.get("replicas", [])
+                  if r.get("region") == self.region}
+        self.router.set_replicas(replicas, max_concurrency=limits)
         self.router.set_peers(peers)
         for rid in list(self.models):
             if rid not in self.router.replicas:
@@ -181,7 +183,8 @@ class Balancer:
             except ValueError as exc:
                 self.router.observe_replica(state.id, now=self.now(), healthy=False, error=str(exc))
                 return
-            result = await adapter.probe(self.session, state.url, timeout_s=timeout_s)
+            result = await adapter.probe(self.session, state.url, timeout_s=timeout_s,
+                                         outstanding=state.outstanding, max_concurrency=state.max_concurrency)
             self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
                                         running=result.running, error=result.error)
             if result.healthy and state.id not in self.models:

@@ -63,8 +63,11 @@ class Router:
         self.queue: deque[Request] = deque()
 
     # -- membership ---------------------------------------------------------------------------------------------
-    def set_replicas(self, replicas: Iterable[tuple[str, str, str]]) -> None:
+    def set_replicas(self, replicas: Iterable[tuple[str, str, str]], *,
+                     max_concurrency: dict[str, int | None] | None = None) -> None:
         """Make the local replicas exactly ``replicas`` ((id, url, engine) triples).
+
+        ``max_concurrency`` gives replicas' configured parallel slots by id (engines without a pending metric).
 
         A replica that left is drained: it gets no new requests and is dropped once its in-flight ones finish.
         A replica that comes back (same id) is un-drained.
@@ -83,6 +86,7 @@ class Router:
             else:
                 state.draining = False
                 state.engine = engine
+            self.replicas[rid].max_concurrency = (max_concurrency or {}).get(rid)
         self._sync_policy()
 
     def set_peers(self, peers: Iterable[tuple[str, str]]) -> None:

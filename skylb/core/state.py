@@ -31,6 +31,7 @@ class ReplicaState:
         outstanding: requests this balancer sent there that have not finished (never negative).
         sent_since_probe: requests sent there since the latest probe answer.
         draining: removed from membership; gets no new requests while its in-flight ones finish.
+        max_concurrency: the replica's parallel slots when configured (engines without a pending metric).
         error: why the latest probe failed, if it did.
     """
 
@@ -46,6 +47,7 @@ class ReplicaState:
     draining: bool = False
     error: str | None = None
     served: int = 0
+    max_concurrency: int | None = None
 
     def observe_probe(self, *, now: float, healthy: bool, pending: int = 0, running: int | None = None,
                       error: str | None = None) -> None:

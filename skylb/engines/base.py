@@ -43,8 +43,14 @@ class EngineAdapter:
             cls.engine = engine
             ADAPTERS[engine] = cls
 
-    async def probe(self, session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> ProbeResult:
-        """Probe the replica at base ``url``; never raises for network errors (returns healthy=False)."""
+    async def probe(self, session: aiohttp.ClientSession, url: str, *, timeout_s: float, outstanding: int = 0,
+                    max_concurrency: int | None = None) -> ProbeResult:
+        """Probe the replica at base ``url``; never raises for network errors (returns healthy=False).
+
+        ``outstanding`` is the number of requests this balancer has in flight there and ``max_concurrency`` the
+        replica's configured parallel slots (None: not configured); engines without a pending metric (Ollama, a
+        generic OpenAI server) derive pending from them: pending = max(0, outstanding - max_concurrency).
+        """
         raise NotImplementedError
 
     async def models(self, session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> list[str]:

@@ -21,7 +21,7 @@ RUNNING = "vllm:num_requests_running"
 class VLLMAdapter(EngineAdapter, engine="vllm"):
     """Probe a vLLM replica through its Prometheus endpoint."""
 
-    async def probe(self, session, url, *, timeout_s):
+    async def probe(self, session, url, *, timeout_s, outstanding=0, max_concurrency=None):
         try:
             async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 if resp.status != 200:
