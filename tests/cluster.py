@@ -146,6 +146,5 @@ class Cluster:
 
     def wait_peers_probed(self, region: str, n: int, timeout_s: float = 10.0) -> None:
         """Wait until ``region``'s balancer has a fresh status from ``n`` peers."""
-        self.wait_until(lambda: sum(p["reason"] not in ("not probed yet", "status stale")
-                                    for p in self.status(region)["peers"]) >= n,
+        self.wait_until(lambda: sum(p["healthy"] for p in self.status(region)["peers"]) >= n,
                         timeout_s=timeout_s, what=f"{n} peers probed by {region}")

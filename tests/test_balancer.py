@@ -163,8 +163,11 @@ def test_blind_pushing_builds_pending_in_engines(procs, tmp_path):
 def _saturate(replica_url: str, n: int, max_tokens: int) -> list[threading.Thread]:
     """Fill a replica directly (not through a balancer) with n long requests, in background threads."""
     def call():
-        post_json(f"{replica_url}/v1/completions",
-                  {"model": MODEL, "prompt": "busy", "max_tokens": max_tokens, "ignore_eos": True}, timeout=60)
+        try:
+            post_json(f"{replica_url}/v1/completions",
+                      {"model": MODEL, "prompt": "busy", "max_tokens": max_tokens, "ignore_eos": True}, timeout=60)
+        except OSError:  # the replica is stopped at teardown while this filler may still run
+            pass
     threads = [threading.Thread(target=call, daemon=True) for _ in range(n)]
     for t in threads:
         t.start()

@@ -237,7 +237,7 @@ class Balancer:
                  "models": self.models.get(r.id, [])}
                 for r in router.replicas.values()],
             "peers": [
-                {"region": p.region, "url": p.url, "available_replicas": p.available_replicas,
+                {"region": p.region, "url": p.url, "healthy": p.healthy, "available_replicas": p.available_replicas,
                  "queue_len": p.queue_len, "forwarded": p.forwarded, "outstanding": p.outstanding,
                  "available": router.rules.peer_available(p, now),
                  "reason": router.rules.peer_unavailable_reason(p, now)}

@@ -27,6 +27,8 @@ SERVED_BY_HEADER = "X-SkyLB-Served-By"
 #: On responses: time the request waited in the balancer's queue, ms.
 QUEUE_MS_HEADER = "X-SkyLB-Queue-Ms"
 REQUEST_ID_HEADER = "X-Request-Id"
+#: A status is a few hundred bytes; anything much larger is not one.
+MAX_STATUS_BYTES = 1 << 20
 
 
 class ProtocolError(ValueError):
@@ -44,8 +46,10 @@ def decode_status(data: bytes) -> dict:
     Returns a dict with at least region (str), available_replicas (int >= 0), replicas (int >= 0), queue_len
     (int >= 0). Raises ProtocolError on bad msgpack, a missing or mistyped field, or another protocol version.
     """
+    if len(data) > MAX_STATUS_BYTES:
+        raise ProtocolError(f"peer status is {len(data)} bytes, more than {MAX_STATUS_BYTES}")
     try:
-        status = msgpack.unpackb(data, raw=False, max_buffer_size=1 << 20)
+        status = msgpack.unpackb(data, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(f"peer status is not msgpack: {exc}") from exc
     if not isinstance(status, dict):

@@ -1,0 +1,53 @@
+"""The balancer-to-balancer protocol: msgpack peer status encoding, validation and tokens."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from skylb.balancer.protocol import ProtocolError, decode_status, encode_status, token_ok
+
+
+def test_status_round_trip():
+    """A status encoded by one balancer decodes to the same fields on its peer."""
+    status = {"region": "eu", "available_replicas": 2, "replicas": 4, "queue_len": 1, "models": ["m"]}
+    assert decode_status(encode_status(status)) == {"v": 1, **status}
+
+
+@pytest.mark.parametrize("bad", [
+    {"v": 2, "region": "eu", "available_replicas": 1, "replicas": 1, "queue_len": 0},
+    {"v": 1, "available_replicas": 1, "replicas": 1, "queue_len": 0},
+    {"v": 1, "region": "eu", "available_replicas": -1, "replicas": 1, "queue_len": 0},
+    {"v": 1, "region": "eu", "available_replicas": True, "replicas": 1, "queue_len": 0},
+    {"v": 1, "region": "eu", "available_replicas": 1, "replicas": 1, "queue_len": "0"},
+    [1, 2, 3],
+])
+def test_invalid_status_is_a_protocol_error(bad):
+    """Another version, a missing or mistyped field, or a non-map is rejected with ProtocolError."""
+    with pytest.raises(ProtocolError):
+        decode_status(msgpack.packb(bad))
+
+
+def test_random_bytes_never_crash_the_decoder():
+    """Fuzz: arbitrary bytes give a status or ProtocolError, never another exception."""
+    rng = random.Random(7)
+    good = encode_status({"region": "us", "available_replicas": 1, "replicas": 2, "queue_len": 0})
+    for _ in range(2000):
+        data = bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+        if rng.random() < 0.5:  # mutate a valid status
+            pos = rng.randrange(len(good))
+            data = good[:pos] + bytes([rng.randrange(256)]) + good[pos + 1:]
+        try:
+            decode_status(data)
+        except ProtocolError:
+            pass
+    with pytest.raises(ProtocolError):
+        decode_status(b"\x00" * (2 << 20))
+
+
+def test_peer_token_check():
+    """Without a configured token anything passes; with one, only the same token does."""
+    assert token_ok(None, None) and token_ok(None, "x")
+    assert token_ok("s3cret", "s3cret") and not token_ok("s3cret", "other") and not token_ok("s3cret", None)
