@@ -1,0 +1,265 @@
+"""`skylb local`: a whole multi-region SkyLB deployment on this machine, a workload replay, and the report.
+
+It starts, as real processes talking real HTTP: the controller; one emulator process per region serving that
+region's replicas; the latency proxy (Toxiproxy API; a real Toxiproxy when TOXIPROXY_URL is set) with one link per
+ordered pair of regions carrying the configured round trip; one balancer per region, reaching each peer through its
+link. It registers the replicas through the controller's API, waits until every balancer sees them, replays the
+workload with each region's clients calling their own region's balancer (the launcher plays DNS), prints the report
+and writes it as JSON. Every process it started is stopped at the end, also on Ctrl-C, SIGTERM or failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from bench.replay import replay_and_report
+from bench.report import format_table
+from skylb.config import ConfigError, DeploymentConfig, load_config
+from skylb.latency.links import LatencyLinks
+from skylb.procs import ProcGroup, free_ports, wait_http
+
+__all__ = ["add_arguments", "main", "Deployment"]
+
+
+def _say(msg: str) -> None:
+    print(f"[skylb local] {msg}", flush=True)
+
+
+class Deployment:
+    """The processes of one local deployment.
+
+    Args:
+        cfg: the deployment config; run_dir: where logs, the controller's DB and balancer state go.
+    """
+
+    def __init__(self, cfg: DeploymentConfig, run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.procs = ProcGroup(run_dir / "logs")
+        self.links: LatencyLinks | None = None
+        self.controller_url = ""
+        self.balancer_urls: dict[str, str] = {}
+        self.replica_urls: dict[str, list[str]] = {}
+
+    def start(self) -> None:
+        """Start every process and register the replicas; raises RuntimeError naming the part that failed."""
+        cfg, regions = self.cfg, list(self.cfg.regions)
+        n_replicas = sum(r.replicas for r in cfg.regions.values())
+        ports = iter(free_ports(2 + len(regions) + n_replicas))
+        controller_port, proxy_port = next(ports), next(ports)
+        balancer_ports = {r: next(ports) for r in regions}
+        self.replica_urls = {r: [f"http://127.0.0.1:{next(ports)}" for _ in range(cfg.regions[r].replicas)]
+                             for r in regions}
+        config_path = self._write_config()
+
+        self.controller_url = f"http://127.0.0.1:{controller_port}"
+        _say(f"controller on {self.controller_url}")
+        self.procs.skylb("controller", "--config", str(config_path), "--port", str(controller_port),
+                         "--db", str(self.run_dir / "controller.sqlite"), name="controller",
+                         wait_url=f"{self.controller_url}/healthz")
+
+        for region, urls in self.replica_urls.items():
+            if not urls:
+                continue
+            port_args = [a for u in urls for a in ("--port", u.rsplit(":", 1)[1])]
+            _say(f"{region}: {len(urls)} emulated {cfg.emulator.engine} replicas on ports "
+                 f"{', '.join(u.rsplit(':', 1)[1] for u in urls)}")
+            self.procs.skylb("emulator", "--engine", cfg.emulator.engine, "--model", cfg.emulator.model,
+                             "--time-scale", str(cfg.emulator.time_scale), *port_args, *cfg.emulator.extra_args,
+                             name=f"emulator-{region}", wait_url=f"{urls[0]}/health")
+            for url in urls[1:]:
+                wait_http(f"{url}/health", timeout_s=20)
+
+        api_url = os.environ.get("TOXIPROXY_URL")
+        if not api_url:
+            api_url = f"http://127.0.0.1:{proxy_port}"
+            self.procs.skylb("toxiproxy", "--port", str(proxy_port), name="toxiproxy",
+                             wait_url=f"{api_url}/version")
+        _say(f"latency proxy (Toxiproxy API) at {api_url}")
+        self.links = LatencyLinks(api_url)
+        peer_args: dict[str, list[str]] = {r: [] for r in regions}
+        for a in regions:
+            for b in regions:
+                if a == b:
+                    continue
+                rtt = cfg.latency.rtt(a, b)
+                listen = self.links.link(f"skylb-{a}-to-{b}", f"127.0.0.1:{balancer_ports[b]}", rtt_ms=rtt,
+                                         jitter_ms=cfg.latency.jitter_ms)
+                peer_args[a] += ["--peer-url", f"{b}=http://{listen}"]
+                _say(f"link {a} -> {b}: round trip {rtt:g} ms via {listen}")
+
+        for region in regions:
+            url = f"http://127.0.0.1:{balancer_ports[region]}"
+            self.balancer_urls[region] = url
+            self.procs.skylb("balancer", "--config", str(config_path), "--region", region,
+                             "--port", str(balancer_ports[region]), "--controller", self.controller_url,
+                             *peer_args[region], name=f"balancer-{region}", wait_url=f"{url}/healthz")
+            _say(f"{region}: balancer on {url}")
+
+        for region, urls in self.replica_urls.items():
+            for url in urls:
+                _post_json(f"{self.controller_url}/v1/replicas",
+                           {"region": region, "url": url, "engine": cfg.emulator.engine})
+        _say(f"registered {n_replicas} replicas through the controller")
+        self._wait_ready()
+
+    def _write_config(self) -> Path:
+        data = self.cfg.model_dump()
+        data["balancer"]["state_dir"] = str(self.run_dir / "state")
+        path = self.run_dir / "config.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    def _wait_ready(self, timeout_s: float = 20.0) -> None:
+        """Wait until every balancer sees all its replicas and every peer answered a status probe."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            waiting = []
+            for region, url in self.balancer_urls.items():
+                status = _get_json(f"{url}/skylb/v1/status?format=json")
+                healthy = sum(1 for r in status["replicas"] if r["healthy"])
+                peers_seen = sum(1 for p in status["peers"] if p["healthy"])
+                if healthy < len(self.replica_urls[region]) or peers_seen < len(self.balancer_urls) - 1:
+                    waiting.append(region)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"balancers not ready after {timeout_s:g} s: {', '.join(waiting)}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Remove the latency links and stop every process (newest first)."""
+        if self.links is not None:
+            try:
+                self.links.close()
+            except Exception as exc:  # the proxy may already be gone; stopping must go on
+                _say(f"could not remove latency links: {exc}")
+        self.procs.stop_all()
+
+
+def _post_json(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def deployment_checks(doc: dict, cfg: DeploymentConfig) -> list[tuple[str, bool, str]]:
+    """What a local run must show, from the replay's records: (check, passed, evidence) triples.
+
+    Every region served requests; some requests were forwarded across regions (the balancer forwards only when no
+    local replica is available); no request was lost (completed + failed = sent, failed = 0); each forwarded
+    request's TTFT is at least the injected round trip between its region and the peer that served it.
+    """
+    records, total = doc["records"], doc["report"]["total"]
+    by_region = {r: sum(1 for x in records if x["region"] == r and x["error"] is None) for r in cfg.regions}
+    forwarded = [x for x in records if x["error"] is None and (x["route"] or "").startswith("peer:")]
+    short = [x for x in forwarded
+             if x["ttft_ms"] is None or x["ttft_ms"] < cfg.latency.rtt(x["region"], x["route"][5:])]
+    min_margin = min((x["ttft_ms"] - cfg.latency.rtt(x["region"], x["route"][5:]) for x in forwarded
+                      if x["ttft_ms"] is not None), default=None)
+    return [
+        ("every region served requests", all(by_region.values()),
+         ", ".join(f"{r}: {n}" for r, n in by_region.items())),
+        ("requests forwarded across regions", bool(forwarded), f"{len(forwarded)} forwarded"),
+        ("no request lost", total["completed"] + total["failed"] == total["sent"] and total["failed"] == 0,
+         f"sent {total['sent']}, completed {total['completed']}, failed {total['failed']}"),
+        ("forwarded TTFT includes the round trip", bool(forwarded) and not short,
+         f"{len(short)} below their RTT" + ("" if min_margin is None else
+                                             f"; smallest TTFT - RTT = {min_margin:.0f} ms")),
+    ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `skylb local`."""
+    parser.add_argument("--config", help="deployment YAML (default: the embedded configs/local-3region.yaml)")
+    parser.add_argument("--trace", help="Mooncake trace to replay (default: workload.trace of the config, "
+                        "when the file exists)")
+    parser.add_argument("--synthetic", action="store_true", help="replay the synthetic multi-turn workload")
+    parser.add_argument("--policy", choices=["skylb", "skylb-ch", "round_robin", "least_load"],
+                        help="routing policy of every balancer")
+    parser.add_argument("--replicas", type=int, help="emulated replicas per region (overrides the config)")
+    parser.add_argument("--window-s", type=float, help="trace window to replay (trace time, s)")
+    parser.add_argument("--max-requests", type=int, help="replay at most this many requests")
+    parser.add_argument("--out", help="where to write the report JSON (default: in the run directory)")
+    parser.add_argument("--run-dir", help="where logs and state go (default: a new directory under .skylb-run/)")
+    parser.add_argument("--keep-running", action="store_true",
+                        help="after the replay, keep the deployment up until Ctrl-C (to try it by hand)")
+
+
+def _apply_overrides(cfg: DeploymentConfig, args: argparse.Namespace) -> DeploymentConfig:
+    data = cfg.model_dump()
+    if args.policy:
+        data["balancer"]["policy"] = args.policy
+    if args.replicas is not None:
+        for region in data["regions"].values():
+            region["replicas"] = args.replicas
+    if args.synthetic:
+        data["workload"]["trace"] = None
+    elif args.trace:
+        data["workload"]["trace"] = args.trace
+    if args.window_s is not None:
+        data["workload"]["window_s"] = args.window_s
+    if args.max_requests is not None:
+        data["workload"]["max_requests"] = args.max_requests
+    return DeploymentConfig.model_validate(data)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the deployment and the replay; 0 when every request completed, 1 otherwise, 2 on a config error."""
+    try:
+        cfg = _apply_overrides(load_config(args.config), args)
+    except (ConfigError, ValueError) as exc:
+        print(f"skylb local: {exc}", file=sys.stderr)
+        return 2
+    Path(".skylb-run").mkdir(exist_ok=True)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="local-", dir=".skylb-run")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else run_dir / "report.json"
+
+    def _terminate(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
+    deployment = Deployment(cfg, run_dir)
+    _say(f"run directory {run_dir} (process logs in logs/)")
+    try:
+        deployment.start()
+        doc = asyncio.run(replay_and_report(cfg.workload, deployment.balancer_urls, out=out, base_dir=Path.cwd()))
+        print(doc["workload"]["summary"])
+        print(format_table(doc["report"]))
+        checks = deployment_checks(doc, cfg)
+        for name, ok, evidence in checks:
+            print(f"  [{'ok' if ok else 'FAILED'}] {name}: {evidence}")
+        print(f"report written to {out}")
+        if args.keep_running:
+            _say("deployment is up; balancers: " + ", ".join(f"{r}={u}" for r, u in
+                                                              deployment.balancer_urls.items()) + "; Ctrl-C stops")
+            while True:
+                time.sleep(3600)
+        return 0 if all(ok for _, ok, _ in checks) else 1
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
+    except RuntimeError as exc:
+        print(f"skylb local: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        _say("stopping every process")
+        deployment.stop()
