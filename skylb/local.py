@@ -46,7 +46,7 @@ class Deployment:
     def __init__(self, cfg: DeploymentConfig, run_dir: Path):
         self.cfg = cfg
         self.run_dir = run_dir
-        self.procs = ProcGroup(run_dir / "logs")
+        self.procs = ProcGroup(run_dir / "logs", pid_file=run_dir / "pids")
         self.links: LatencyLinks | None = None
         self.controller_url = ""
         self.balancer_urls: dict[str, str] = {}

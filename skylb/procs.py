@@ -101,11 +101,15 @@ class Proc:
 
 
 class ProcGroup:
-    """A set of processes stopped together; use as a context manager (or a test fixture) so all are stopped."""
+    """A set of processes stopped together; use as a context manager (or a test fixture) so all are stopped.
 
-    def __init__(self, log_dir: Path):
+    With ``pid_file``, the group keeps a file of "PID name" lines of every process it started.
+    """
+
+    def __init__(self, log_dir: Path, *, pid_file: Path | None = None):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.pid_file = pid_file
         self.procs: list[Proc] = []
 
     def skylb(self, *args: str, name: str, wait_url: str | None = None, timeout_s: float = 20.0,
@@ -119,6 +123,8 @@ class ProcGroup:
         """Start any command; on a failed wait, raise with the process's log in the message."""
         proc = Proc(argv, name=name, log_dir=self.log_dir, env=env)
         self.procs.append(proc)
+        if self.pid_file is not None:  # lets an outside observer check that nothing outlives the group
+            self.pid_file.write_text("".join(f"{p.popen.pid} {p.name}\n" for p in self.procs))
         if wait_url:
             try:
                 wait_http(wait_url, timeout_s=timeout_s, proc=proc.popen)

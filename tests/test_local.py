@@ -1,0 +1,85 @@
+"""`skylb local`: the whole deployment as real processes, a replay, the report, and a clean stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+
+def _config(tmp_path: Path) -> Path:
+    """A small deployment that overloads us (one replica, two slots) so it must forward to eu."""
+    cfg = {
+        "balancer": {"probe_interval_ms": 50},
+        "regions": {"us": {"replicas": 1}, "eu": {"replicas": 2}},
+        "emulator": {"time_scale": 0.2, "extra_args": ["--max-num-seqs", "2"]},
+        "latency": {"rtt_ms": {"us-eu": 80}},
+        "workload": {"trace": None, "region_weights": {"us": 0.8, "eu": 0.2}, "synthetic_conversations": 8,
+                     "synthetic_turns": 2, "request_timeout_s": 60},
+    }
+    path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead but not yet reaped by its parent.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _pids(run_dir: Path) -> list[int]:
+    return [int(line.split()[0]) for line in (run_dir / "pids").read_text().splitlines()]
+
+
+def test_local_deployment_replays_forwards_and_stops_everything(tmp_path):
+    """A local run serves every request, forwards us overflow to eu, writes the report, leaves no process."""
+    run_dir = tmp_path / "run"
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "skylb", "local", "--config", str(_config(tmp_path)),
+                           "--run-dir", str(run_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    total = doc["report"]["total"]
+    assert total["sent"] == total["completed"] > 0 and total["failed"] == 0
+    assert doc["report"]["regions"]["us"]["forwarded"].get("eu", 0) > 0
+    assert "[ok] forwarded TTFT includes the round trip" in proc.stdout
+    pids = _pids(run_dir)
+    assert len(pids) == 6  # controller, 2 emulators, latency proxy, 2 balancers
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_local_stops_every_process_on_ctrl_c(tmp_path):
+    """Ctrl-C (SIGINT) on the launcher stops every process it started."""
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "skylb", "local", "--config", str(_config(tmp_path)),
+                                 "--run-dir", str(run_dir), "--keep-running", "--max-requests", "2"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in launcher.stdout:  # bounded by the deadline and by the launcher's own output
+            if "deployment is up" in line or time.monotonic() > deadline:
+                break
+        pids = _pids(run_dir)
+        assert pids and all(_alive(p) for p in pids)
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=60) == 130
+        time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
