@@ -92,6 +92,8 @@ def _replica_add(api: _Api, args: argparse.Namespace) -> None:
     body = {"region": args.region, "url": args.url, "engine": args.engine}
     if args.id:
         body["id"] = args.id
+    if args.max_concurrency is not None:
+        body["max_concurrency"] = args.max_concurrency
     r = api.call("POST", "/v1/replicas", json=body)
     if args.json:
         _print_json(r)
@@ -148,8 +150,9 @@ def _membership(api: _Api, args: argparse.Namespace) -> None:
 def _replica_table(replicas: list[dict]) -> str:
     if not replicas:
         return "(no replicas)"
-    rows = [(r["id"], r["region"], r["engine"], r["url"]) for r in replicas]
-    return tabulate(rows, headers=["ID", "REGION", "ENGINE", "URL"])
+    rows = [(r["id"], r["region"], r["engine"], r["url"],
+             "-" if r.get("max_concurrency") is None else r["max_concurrency"]) for r in replicas]
+    return tabulate(rows, headers=["ID", "REGION", "ENGINE", "URL", "MAX CONCURRENCY"])
 
 
 def _balancer_table(balancers: list[dict]) -> str:
@@ -186,7 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Register a replica in a region; the region is created on first use.")
     add.add_argument("--region", required=True, help="region name, e.g. us")
     add.add_argument("--url", required=True, help="the engine's base URL, e.g. http://10.0.0.5:8000")
-    add.add_argument("--engine", default="vllm", help=f"one of: {', '.join(ENGINES)} (default: vllm)")
+    add.add_argument("--engine", default="vllm", choices=ENGINES, metavar="ENGINE",
+                     help=f"one of: {', '.join(ENGINES)}; auto detects it by probing (default: vllm)")
+    add.add_argument("--max-concurrency", type=int, metavar="N",
+                     help="parallel slots of an engine without a pending metric: Ollama's OLLAMA_NUM_PARALLEL, "
+                          "or a generic OpenAI server's concurrency limit (default: the adapter's, 1 for ollama, "
+                          "8 for openai)")
     add.add_argument("--id", help="replica id (default: <region>-<n>, chosen by the controller)")
     add.add_argument("--json", action="store_true", help="print the new replica as JSON")
     add.set_defaults(run=_replica_add)

@@ -31,6 +31,7 @@ __all__ = [
     "normalize_url",
     "validate_region",
     "validate_engine",
+    "validate_max_concurrency",
 ]
 
 #: Engine names a replica may declare ("auto": the balancer detects the engine by probing it).
@@ -55,7 +56,8 @@ CREATE TABLE IF NOT EXISTS replicas (
     region TEXT NOT NULL REFERENCES regions(name),
     url TEXT NOT NULL UNIQUE,
     engine TEXT NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    max_concurrency INTEGER  -- parallel slots of an engine without a pending metric; NULL: the adapter's default
 );
 INSERT OR IGNORE INTO meta (key, value) VALUES ('revision', 0);
 """
@@ -95,16 +97,22 @@ class NotFound(StoreError):
 
 @dataclass(frozen=True)
 class Replica:
-    """One inference engine endpoint; ``created_at`` is unix time in seconds."""
+    """One inference engine endpoint; ``created_at`` is unix time in seconds.
+
+    ``max_concurrency`` (requests, >= 1, or None) is the replica's parallel slots, for engines that expose no
+    pending metric (Ollama's OLLAMA_NUM_PARALLEL, a generic OpenAI server's limit): the balancer counts its own
+    in-flight requests against it. None lets the engine adapter use its default.
+    """
 
     id: str
     region: str
     url: str
     engine: str
     created_at: float
+    max_concurrency: int | None = None
 
     def to_dict(self) -> dict:
-        """JSON shape: {"id", "region", "url", "engine", "created_at"}."""
+        """JSON shape: {"id", "region", "url", "engine", "created_at", "max_concurrency" (int or null)}."""
         return asdict(self)
 
 
@@ -188,6 +196,15 @@ def validate_engine(engine: object) -> str:
     return engine  # type: ignore[return-value]
 
 
+def validate_max_concurrency(value: object) -> int | None:
+    """Return ``value`` if it is None or an int >= 1 (not a bool), else InvalidInput naming max_concurrency."""
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        raise InvalidInput("max_concurrency", f"{value!r} must be an integer of at least 1 (parallel requests)")
+    return value
+
+
 def _validate_id(replica_id: object) -> str:
     if not isinstance(replica_id, str) or not _ID_RE.match(replica_id):
         raise InvalidInput("id", f"{replica_id!r} must be 1-128 letters, digits, '.', '-' or '_'")
@@ -211,6 +228,7 @@ class MembershipStore:
         self._db.execute("PRAGMA synchronous=FULL")  # a write the API acknowledged survives a power loss
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        self._migrate()
 
     def close(self) -> None:
         """Close the database file; the store is unusable afterwards."""
@@ -264,15 +282,17 @@ class MembershipStore:
     # --- writes (each one transaction that bumps the revision) --------------------------------------------------
 
     def add_replica(self, region: str, url: str, engine: str = "vllm", replica_id: str | None = None,
-                    *, now: float | None = None) -> Replica:
+                    *, max_concurrency: int | None = None, now: float | None = None) -> Replica:
         """Add a replica; the region is created on first use; the id defaults to ``<region>-<n>``.
 
-        ``now`` is unix time in seconds (default: the clock). Raises InvalidInput for a bad region, URL, engine
-        or id, and Conflict when the URL or the id already exists.
+        ``max_concurrency`` is the replica's parallel slots (int >= 1) or None. ``now`` is unix time in seconds
+        (default: the clock). Raises InvalidInput for a bad region, URL, engine, id or max_concurrency, and
+        Conflict when the URL or the id already exists.
         """
         region = validate_region(region)
         url = normalize_url(url)
         engine = validate_engine(engine)
+        max_concurrency = validate_max_concurrency(max_concurrency)
         if replica_id is not None:
             replica_id = _validate_id(replica_id)
         created_at = time.time() if now is None else now
@@ -286,11 +306,12 @@ class MembershipStore:
             if replica_id is None:
                 replica_id = self._next_id(region)
             self._db.execute(
-                "INSERT INTO replicas (id, region, url, engine, created_at) VALUES (?, ?, ?, ?, ?)",
-                (replica_id, region, url, engine, created_at),
+                "INSERT INTO replicas (id, region, url, engine, created_at, max_concurrency) VALUES (?, ?, ?, ?, ?, ?)",
+                (replica_id, region, url, engine, created_at, max_concurrency),
             )
             self._bump()
-        return Replica(id=replica_id, region=region, url=url, engine=engine, created_at=created_at)
+        return Replica(id=replica_id, region=region, url=url, engine=engine, created_at=created_at,
+                       max_concurrency=max_concurrency)
 
     def remove_replica(self, replica_id: str) -> Replica:
         """Remove a replica by id and return it; NotFound if no replica has that id."""
@@ -327,6 +348,12 @@ class MembershipStore:
 
     # --- helpers ------------------------------------------------------------------------------------------------
 
+    def _migrate(self) -> None:
+        """Bring a file written by an older controller up to this schema (adding a column keeps every row)."""
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(replicas)")}
+        if "max_concurrency" not in columns:
+            self._db.execute("ALTER TABLE replicas ADD COLUMN max_concurrency INTEGER")
+
     def _write(self) -> "_Transaction":
         return _Transaction(self._db)
 
@@ -357,4 +384,4 @@ class _Transaction:
 
 def _replica(row: sqlite3.Row) -> Replica:
     return Replica(id=row["id"], region=row["region"], url=row["url"], engine=row["engine"],
-                   created_at=row["created_at"])
+                   created_at=row["created_at"], max_concurrency=row["max_concurrency"])

@@ -16,7 +16,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "balancer": ("skylb.balancer.server", "run one region's balancer (OpenAI API in front of local replicas)"),
     "controller": ("controller.server", "run the membership controller (SQLite store, REST API)"),
-    "emulator": ("skylb.emulator.server", "run emulated inference replicas (vLLM personality) on one or more ports"),
+    "emulator": ("skylb.emulator.server", "run emulated inference replicas (vLLM, SGLang, llama.cpp, TGI or Ollama dialect) on one or more ports"),
     "toxiproxy": ("skylb.latency.server", "run the Toxiproxy-API-compatible latency proxy"),
     "local": ("skylb.local", "run a whole multi-region deployment on this machine and replay a workload"),
     "replay": ("bench.replay", "replay a workload (Mooncake trace or synthetic) against running balancers"),

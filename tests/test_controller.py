@@ -176,7 +176,7 @@ def test_cli_add_list_remove(controller):
     assert "us-1" in table and "eu-gpu" in table and "sglang" in table and "ENGINE" in table
     listed = json.loads(ctl(url, "replica", "list", "--region", "eu", "--json").stdout)
     assert listed == [{"id": "eu-gpu", "region": "eu", "url": "http://10.0.0.2:8000", "engine": "sglang",
-                       "created_at": listed[0]["created_at"]}]
+                       "created_at": listed[0]["created_at"], "max_concurrency": None}]
     membership = json.loads(ctl(url, "membership", "--json").stdout)
     assert membership["revision"] == 2 and membership["regions"] == ["eu", "us"]
     assert "revision: 2" in ctl(url, "membership").stdout
@@ -383,3 +383,83 @@ def test_cli_unreachable_and_usage_errors():
     r = subprocess.run([sys.executable, "-m", "controller.ctl", "membership"], cwd=ROOT, capture_output=True,
                        text=True, timeout=20, env={**os.environ, "SKYLB_CONTROLLER": url})
     assert r.returncode == 1 and url in r.stderr  # the URL came from the environment
+
+
+# --- max_concurrency (engines without a pending metric) -----------------------------------------------------------
+
+def test_store_keeps_max_concurrency_and_defaults_to_none(tmp_path):
+    """add_replica stores an optional max_concurrency (None when unset) and every read returns it."""
+    store = MembershipStore(tmp_path / "m.sqlite")
+    plain = store.add_replica("us", "http://a:1")
+    slots = store.add_replica("us", "http://b:11434", "ollama", max_concurrency=4)
+    assert plain.max_concurrency is None and slots.max_concurrency == 4
+    assert [r.max_concurrency for r in store.list_replicas()] == [None, 4]
+    assert store.get_replica(slots.id) == slots
+    assert store.snapshot().to_dict()["replicas"][1]["max_concurrency"] == 4
+
+
+@pytest.mark.parametrize("value", [0, -2, True, "4", 2.5])
+def test_store_rejects_bad_max_concurrency(tmp_path, value):
+    """max_concurrency must be an int >= 1 (not a bool, string or float); a refused add changes nothing."""
+    store = MembershipStore(tmp_path / "m.sqlite")
+    with pytest.raises(InvalidInput) as info:
+        store.add_replica("us", "http://a:1", "openai", max_concurrency=value)
+    assert info.value.field == "max_concurrency" and store.revision == 0
+
+
+def test_store_migrates_a_file_without_max_concurrency(tmp_path):
+    """A SQLite file from before the column existed opens with its rows intact (max_concurrency None)."""
+    import sqlite3
+
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+        CREATE TABLE regions (name TEXT PRIMARY KEY, next_replica_n INTEGER NOT NULL DEFAULT 1);
+        CREATE TABLE balancers (url TEXT PRIMARY KEY, region TEXT NOT NULL REFERENCES regions(name),
+                                last_seen REAL NOT NULL);
+        CREATE TABLE replicas (id TEXT PRIMARY KEY, region TEXT NOT NULL REFERENCES regions(name),
+                               url TEXT NOT NULL UNIQUE, engine TEXT NOT NULL, created_at REAL NOT NULL);
+        INSERT INTO meta VALUES ('revision', 1);
+        INSERT INTO regions VALUES ('us', 2);
+        INSERT INTO replicas VALUES ('us-1', 'us', 'http://a:1', 'vllm', 5.0);
+    """)
+    db.commit()
+    db.close()
+    store = MembershipStore(path)
+    assert store.get_replica("us-1").max_concurrency is None and store.revision == 1
+    assert store.add_replica("us", "http://b:1", "ollama", max_concurrency=2).max_concurrency == 2
+    store.close()
+    assert MembershipStore(path).get_replica("us-2").max_concurrency == 2  # a second open migrates nothing
+
+
+def test_max_concurrency_over_rest_and_cli(controller):
+    """POST /v1/replicas and `skylb-ctl replica add --max-concurrency N` set it; membership shows it or null."""
+    url = controller.url
+    r = ctl(url, "replica", "add", "--region", "us", "--url", "http://10.0.0.9:11434", "--engine", "ollama",
+            "--max-concurrency", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["max_concurrency"] == 4
+    resp = requests.post(f"{url}/v1/replicas", json={"region": "us", "url": "http://10.0.0.8:8000",
+                                                     "engine": "auto"}, timeout=5)
+    assert resp.status_code == 201 and resp.json()["max_concurrency"] is None
+    membership = requests.get(f"{url}/v1/membership", timeout=5).json()
+    assert {r["url"]: r["max_concurrency"] for r in membership["replicas"]} == {
+        "http://10.0.0.9:11434": 4, "http://10.0.0.8:8000": None}
+    assert "MAX CONCURRENCY" in ctl(url, "replica", "list").stdout
+    resp = requests.post(f"{url}/v1/replicas", json={"region": "us", "url": "http://c:1", "max_concurrency": 0},
+                         timeout=5)
+    assert resp.status_code == 400 and "max_concurrency" in resp.json()["error"]["message"]
+    r = ctl(url, "replica", "add", "--region", "us", "--url", "http://d:1", "--max-concurrency", "-1")
+    assert r.returncode == 1 and "max_concurrency" in r.stderr
+
+
+def test_cli_engine_choices_cover_every_adapter():
+    """skylb-ctl's --engine accepts every registered engine adapter (auto included) and refuses others."""
+    from controller.store import ENGINES
+    from skylb.engines import ADAPTERS
+
+    assert set(ENGINES) == set(ADAPTERS)
+    url = f"http://127.0.0.1:{free_port()}"
+    r = ctl(url, "replica", "add", "--region", "us", "--url", "http://a:1", "--engine", "triton")
+    assert r.returncode == 2 and "invalid choice" in r.stderr

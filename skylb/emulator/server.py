@@ -2,52 +2,35 @@
 
 Each ``--port`` is one independent replica: its own :class:`~skylb.emulator.model.EngineModel` (continuous
 batching, KV cache, prefix cache), driven in real time by an asyncio task (:class:`Replica`), behind an HTTP app
-built by the engine's *personality* (:class:`Personality`; only vLLM for now, see :class:`VllmPersonality`). The
-personality owns everything an engine's clients see (routes, request parsing, response and error shapes,
-/metrics); the replica owns the timing. Adding SGLang, llama.cpp, TGI or Ollama is adding a Personality subclass
-(``class SglangPersonality(Personality, name="sglang")``) and listing it in ``--engine``.
-
-Sources for the vLLM personality: vLLM's OpenAI server (``vllm/entrypoints/openai``: error shape, the "model does
-not exist" and context-length messages) and its Prometheus logger (``vllm/v1/metrics/loggers.py``: metric names,
-help texts, labels ``model_name`` and ``engine``); shared/reference/engines.md.
-
-Not emulated: ``n`` > 1 (400), ``stop`` sequences, ``logprobs`` (always null), ``echo``, tools, images, embeddings.
+built by the engine's *personality* (:mod:`skylb.emulator.personalities`: vllm, sglang, llamacpp, tgi, ollama).
+The personality owns everything an engine's clients see (routes, request parsing, response and error shapes,
+metrics); the replica owns the timing. Adding an engine is adding a Personality subclass
+(``class XPersonality(Personality, name="x")``) in that package; ``--engine`` lists every registered one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
 import sys
 import time
-import uuid
-from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import structlog
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from skylb.emulator.model import (
-    EngineModel,
-    EngineParams,
-    FinishedRequest,
-    TokenOutput,
-    chat_tokens,
-    text_tokens,
-)
+from skylb.emulator.model import EngineModel, EngineParams, FinishedRequest, TokenOutput
+from skylb.emulator.personalities import PERSONALITIES, ApiError, Personality, PersonalityOptions
 
 __all__ = [
     "Replica",
     "Personality",
-    "VllmPersonality",
+    "PersonalityOptions",
     "PERSONALITIES",
     "ApiError",
     "serve",
     "params_from_args",
+    "options_from_args",
     "add_arguments",
     "main",
 ]
@@ -56,7 +39,6 @@ log = structlog.get_logger("skylb.emulator")
 
 #: How long shutdown waits for in-flight requests before cancelling them (s).
 SHUTDOWN_TIMEOUT_S = 2.0
-DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 class Replica:
@@ -117,341 +99,9 @@ class Replica:
                  ttft_ms=round(f.ttft_s * 1000, 3), e2e_ms=round(f.e2e_s * 1000, 3))
 
 
-class ApiError(Exception):
-    """A client error, answered in the personality's error shape with HTTP ``status``."""
-
-    def __init__(self, status: int, message: str, *, err_type: str = "BadRequestError", param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-        self.param = param
-
-
-class Personality:
-    """What one engine's clients see. Subclasses register with ``class X(Personality, name="engine")``."""
-
-    name: ClassVar[str]
-
-    def __init_subclass__(cls, *, name: str, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.name = name
-        PERSONALITIES[name] = cls
-
-    def __init__(self, replica: Replica, *, model_name: str):
-        self.replica = replica
-        self.model_name = model_name
-
-    def build_app(self) -> web.Application:
-        """The aiohttp application serving this replica."""
-        raise NotImplementedError
-
-
-#: engine name -> Personality subclass (filled by ``__init_subclass__``).
-PERSONALITIES: dict[str, type[Personality]] = {}
-
-
-# ---- vLLM ---------------------------------------------------------------------------------------------------------
-
-#: The vLLM release whose API and metric names this personality follows (kv_cache_usage_perc, no gpu_cache_*).
-VLLM_VERSION = "0.12.0"
-
-
-@dataclass(frozen=True)
-class _GenerateRequest:
-    """A validated /v1/completions or /v1/chat/completions body."""
-
-    prompt_tokens: list[str]
-    max_tokens: int | None
-    stream: bool
-    include_usage: bool
-    ignore_eos: bool
-
-
-class _VllmCollector:
-    """Reads one replica's model at scrape time, as vLLM's PrometheusStatLogger reports it (engine index 0)."""
-
-    _LABELS = ["model_name", "engine"]
-
-    def __init__(self, model: EngineModel, model_name: str):
-        self._model = model
-        self._values = [model_name, "0"]
-
-    def _one(self, family: type, name: str, doc: str, value: float):
-        metric = family(name, doc, labels=self._LABELS)
-        metric.add_metric(self._values, value)
-        return metric
-
-    def collect(self):
-        """Yield the metric families (prometheus_client Collector protocol)."""
-        m = self._model
-        yield self._one(GaugeMetricFamily, "vllm:num_requests_running",
-                        "Number of requests in model execution batches.", m.num_running)
-        yield self._one(GaugeMetricFamily, "vllm:num_requests_waiting",
-                        "Number of requests waiting to be processed.", m.num_waiting)
-        yield self._one(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
-                        "KV-cache usage. 1 means 100 percent usage.", m.kv_usage)
-        yield self._one(CounterMetricFamily, "vllm:prefix_cache_queries",
-                        "Prefix cache queries, in terms of number of queried tokens.", m.prefix_cache_queries)
-        yield self._one(CounterMetricFamily, "vllm:prefix_cache_hits",
-                        "Prefix cache hits, in terms of number of cached tokens.", m.prefix_cache_hits)
-        yield self._one(CounterMetricFamily, "vllm:prompt_tokens",
-                        "Number of prefill tokens processed.", m.prompt_tokens_total)
-        yield self._one(CounterMetricFamily, "vllm:generation_tokens",
-                        "Number of generation tokens processed.", m.generation_tokens_total)
-        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                      labels=[*self._LABELS, "finished_reason"])
-        for reason, count in m.requests_finished.items():
-            success.add_metric([*self._values, reason], count)
-        yield success
-
-
-class VllmPersonality(Personality, name="vllm"):
-    """vLLM's OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, /metrics, /health,
-    /version. Errors are ``{"error": {"message", "type", "param", "code"}}`` with code = the HTTP status."""
-
-    def __init__(self, replica: Replica, *, model_name: str):
-        super().__init__(replica, model_name=model_name)
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_VllmCollector(replica.model, model_name))
-        self.created = int(time.time())
-
-    def build_app(self) -> web.Application:
-        """Routes of vLLM's API server that a balancer or an OpenAI client uses."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)  # long trace prompts are megabytes of words
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/version", self.version)
-        return app
-
-    # ---- small endpoints ------------------------------------------------------------------------------------
-
-    async def health(self, request: web.Request) -> web.Response:
-        """200 with an empty body, as vLLM (it answers 503 only when the engine died)."""
-        return web.Response(status=200)
-
-    async def version(self, request: web.Request) -> web.Response:
-        """``{"version": ...}`` like vLLM, plus a marker that this is the emulator."""
-        return web.json_response({"version": VLLM_VERSION, "emulator": "skylb"})
-
-    async def models(self, request: web.Request) -> web.Response:
-        """The OpenAI model list with the one served model."""
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "vllm",
-                "root": self.model_name, "parent": None, "max_model_len": self.replica.model.params.model_len,
-                "permission": []}
-        return web.json_response({"object": "list", "data": [card]})
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text format, read from the model at scrape time."""
-        return web.Response(body=generate_latest(self.registry),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-    # ---- generation -----------------------------------------------------------------------------------------
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/completions (``prompt``: a string, a one-string list, or token ids)."""
-        return await self._generate(request, chat=False)
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/chat/completions (``messages``: role and text content)."""
-        return await self._generate(request, chat=True)
-
-    @staticmethod
-    def error_response(err: ApiError) -> web.Response:
-        """vLLM's nested error body."""
-        body = {"error": {"message": err.message, "type": err.err_type, "param": err.param, "code": err.status}}
-        return web.json_response(body, status=err.status)
-
-    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        try:
-            parsed = self._parse(await request.read(), chat=chat)
-            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            try:
-                queue = self.replica.submit(request_id, parsed.prompt_tokens, parsed.max_tokens,
-                                            ignore_eos=parsed.ignore_eos)
-            except ValueError as exc:  # RequestTooLong (prompt + max_tokens > model length): the client's fault
-                raise ApiError(400, str(exc)) from exc
-        except ApiError as err:
-            return self.error_response(err)
-        try:
-            if parsed.stream:
-                return await self._stream(request, queue, request_id, parsed, chat=chat)
-            return await self._collect(queue, request_id, chat=chat)
-        finally:
-            # Runs on normal completion and when the handler is cancelled (client disconnect): a request still
-            # in the model is cancelled there, so its slot and blocks free at once.
-            self.replica.release(request_id)
-
-    async def _collect(self, queue: asyncio.Queue[TokenOutput], request_id: str, *, chat: bool) -> web.Response:
-        words: list[str] = []
-        while True:
-            out = await queue.get()
-            words.append(out.text)
-            if out.finished is not None:
-                break
-        fin = out.finished
-        text = " ".join(words)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
-                                              "tool_calls": [], "reasoning_content": None},
-                      "logprobs": None, "finish_reason": fin.finish_reason, "stop_reason": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fin.finish_reason,
-                      "stop_reason": None, "prompt_logprobs": None}
-        body = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": [choice],
-                "usage": _usage(fin), "system_fingerprint": None}
-        return web.json_response(body)
-
-    async def _stream(self, request: web.Request, queue: asyncio.Queue[TokenOutput], request_id: str,
-                      parsed: _GenerateRequest, *, chat: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        async def send(choices: list[dict], **extra: Any) -> None:
-            chunk = {"id": request_id, "object": obj, "created": created, "model": self.model_name,
-                     "choices": choices, **extra}
-            # One write per chunk: aiohttp sends it at once (chunked transfer), so tokens stream as produced.
-            await resp.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
-
-        try:
-            if chat:
-                await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
-            while True:
-                out = await queue.get()
-                text = out.text if out.index == 0 else " " + out.text  # chunks concatenate to the full text
-                reason = out.finished.finish_reason if out.finished is not None else None
-                if chat:
-                    choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
-                else:
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
-                              "stop_reason": None}
-                await send([choice])
-                if out.finished is not None:
-                    break
-            if parsed.include_usage:
-                await send([], usage=_usage(out.finished))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-        except ConnectionResetError:
-            pass  # the client went away mid-stream: _generate's finally cancels the request; nothing to log
-        return resp
-
-    # ---- request parsing ------------------------------------------------------------------------------------
-
-    def _parse(self, raw: bytes, *, chat: bool) -> _GenerateRequest:
-        """Validate a body the way vLLM's pydantic models do, for the fields the emulator uses."""
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-            raise ApiError(400, f"Invalid JSON body: {exc}") from exc
-        if not isinstance(body, dict):
-            raise ApiError(400, "The request body must be a JSON object.")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise ApiError(400, "`model` must be a string.", param="model")
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", err_type="NotFoundError", param="model")
-        tokens = _chat_prompt(body) if chat else _completion_prompt(body)
-        # vLLM: max_completion_tokens wins over the deprecated max_tokens.
-        max_tokens = None
-        for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
-            value = body.get(key)
-            if value is not None:
-                if type(value) is not int or value < 1:
-                    raise ApiError(400, f"`{key}` must be an integer of at least 1, got {value!r}.", param=key)
-                max_tokens = value
-        n = body.get("n")
-        if n is not None and (type(n) is not int or n < 1):
-            raise ApiError(400, f"`n` must be a positive integer, got {n!r}.", param="n")
-        if n is not None and n > 1:
-            raise ApiError(400, f"n={n} is not supported by the SkyLB emulator (only n=1).", param="n")
-        stream = _optional_bool(body, "stream")
-        ignore_eos = _optional_bool(body, "ignore_eos")
-        options = body.get("stream_options")
-        if options is not None and not isinstance(options, dict):
-            raise ApiError(400, "`stream_options` must be an object.", param="stream_options")
-        if options and not stream:
-            raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
-        include_usage = _optional_bool(options or {}, "include_usage")
-        return _GenerateRequest(prompt_tokens=tokens, max_tokens=max_tokens, stream=stream,
-                                include_usage=include_usage, ignore_eos=ignore_eos)
-
-
-def _usage(fin: FinishedRequest) -> dict[str, Any]:
-    """OpenAI usage with vLLM's ``prompt_tokens_details.cached_tokens`` (always present here)."""
-    return {"prompt_tokens": fin.prompt_tokens, "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-            "completion_tokens": fin.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
-
-
-def _optional_bool(body: dict, key: str) -> bool:
-    value = body.get(key)
-    if value is None:
-        return False
-    if type(value) is not bool:
-        raise ApiError(400, f"`{key}` must be a boolean, got {value!r}.", param=key)
-    return value
-
-
-def _completion_prompt(body: dict) -> list[str]:
-    """Tokens of ``prompt``: a string, a list of one string, token ids (each id is one token), or [[ids]]."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        tokens = text_tokens(prompt)
-    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        tokens = [str(t) for t in prompt]
-    elif prompt is None:
-        raise ApiError(400, "Field required: `prompt`.", param="prompt")
-    else:
-        raise ApiError(400, "`prompt` must be a string, a list of one string, or a list of token ids "
-                            "(batched prompts are not supported by the SkyLB emulator).", param="prompt")
-    if not tokens:
-        raise ApiError(400, "The prompt cannot be empty.", param="prompt")
-    return tokens
-
-
-def _chat_prompt(body: dict) -> list[str]:
-    """Tokens of ``messages``: ``<role>:`` then the words of the text content, per message."""
-    messages = body.get("messages")
-    if messages is None:
-        raise ApiError(400, "Field required: `messages`.", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "`messages` must be a non-empty list.", param="messages")
-    pairs: list[tuple[str, str]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string `role`.", param="messages")
-        content = message.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            parts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported by the SkyLB "
-                                        "emulator.", param="messages")
-                parts.append(part["text"])
-            text = " ".join(parts)
-        else:
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts.", param="messages")
-        pairs.append((message["role"], text))
-    return chat_tokens(pairs)
-
-
 # ---- process ------------------------------------------------------------------------------------------------------
 
-async def serve(*, engine: str, host: str, ports: list[int], model_name: str, params: EngineParams,
+async def serve(*, engine: str, host: str, ports: list[int], params: EngineParams, options: PersonalityOptions,
                 log_requests: bool = True, stop: asyncio.Event | None = None) -> int:
     """Serve one replica per port until ``stop`` is set (or SIGTERM/SIGINT); returns the exit status."""
     loop = asyncio.get_running_loop()
@@ -471,7 +121,7 @@ async def serve(*, engine: str, host: str, ports: list[int], model_name: str, pa
     try:
         for port in ports:
             replica = Replica(EngineModel(params), name=f"{host}:{port}", log_requests=log_requests)
-            app = PERSONALITIES[engine](replica, model_name=model_name).build_app()
+            app = PERSONALITIES[engine](replica, options=options).build_app()
             # handler_cancellation: a client that disconnects cancels its handler, which cancels the request.
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
@@ -481,7 +131,7 @@ async def serve(*, engine: str, host: str, ports: list[int], model_name: str, pa
             task = asyncio.create_task(replica.run(), name=f"replica {host}:{port}")
             task.add_done_callback(replica_died)
             tasks.append(task)
-        log.info("emulator_started", engine=engine, host=host, ports=ports, model=model_name,
+        log.info("emulator_started", engine=engine, host=host, ports=ports, models=list(options.models),
                  time_scale=params.time_scale, max_num_seqs=params.max_num_seqs,
                  kv_cache_tokens=params.kv_cache_tokens, block_size=params.block_size)
         await stop.wait()
@@ -499,22 +149,30 @@ async def serve(*, engine: str, host: str, ports: list[int], model_name: str, pa
     return status
 
 
+#: Engine-specific PersonalityOptions fields -> the flag that sets them (refused for engines that ignore them).
+_ENGINE_FLAGS = {"metrics": "--no-metrics", "load_seconds": "--load-seconds", "max_queue": "--max-queue",
+                 "max_concurrent_requests": "--max-concurrent-requests"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `skylb emulator` (defaults: EngineParams, Llama-3.1-8B on one NVIDIA L4)."""
+    """Flags of `skylb emulator` (timing defaults: EngineParams, Llama-3.1-8B on one NVIDIA L4)."""
     d = EngineParams()
     parser.add_argument("--engine", choices=sorted(PERSONALITIES), default="vllm",
                         help="which engine's HTTP API, metrics and errors to speak (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, action="append", required=True, metavar="PORT",
                         help="TCP port of one replica; repeat for several independent replicas in this process")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="served model name: /v1/models id, the metrics' model_name label; requests naming "
-                             "another model get 404 (default: %(default)s)")
+    parser.add_argument("--model", action="append", default=None, metavar="NAME",
+                        help="served model name (/v1/models id, Ollama tag, metrics label); repeat for a replica "
+                             "serving several models in one batch; a request naming another model gets the "
+                             "engine's 404 (default: meta-llama/Llama-3.1-8B-Instruct, for ollama llama3.1:8b)")
     parser.add_argument("--time-scale", type=float, default=d.time_scale,
                         help="multiplies every emulated duration; 0.01 runs 100x faster than an L4 "
                              "(default: %(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                        help="running-batch slots, vLLM --max-num-seqs (requests; default: %(default)s, vLLM's)")
+    parser.add_argument("--max-num-seqs", "--parallel", dest="max_num_seqs", type=int, default=None,
+                        help="running-batch slots: vLLM --max-num-seqs, SGLang --max-running-requests, llama.cpp "
+                             "--parallel, Ollama OLLAMA_NUM_PARALLEL (requests; default: 256, llamacpp 4, "
+                             "ollama 1)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="token budget per iteration for decodes plus prefill chunks, vLLM "
                              f"--max-num-batched-tokens (tokens; default: max({d.max_num_batched_tokens}, "
@@ -542,19 +200,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokens (tokens; default: %(default)s)")
     parser.add_argument("--no-request-log", dest="log_requests", action="store_false",
                         help="do not write a JSON log line per finished or cancelled request")
+    streaming = parser.add_argument_group("streaming fidelity (for testing relays)")
+    streaming.add_argument("--sse-keepalive-ms", type=float, default=None, metavar="MS",
+                           help="send ': keep-alive' SSE comment lines while a stream is idle this long (ms; "
+                                "default: never)")
+    streaming.add_argument("--fail-after-tokens", type=int, default=None, metavar="K",
+                           help="fail every generation after K tokens: streamed, with the engine's mid-stream "
+                                "error under HTTP 200 (vLLM 'data: {\"error\": ...}', llama.cpp 'error: {...}', "
+                                "Ollama an {\"error\"} line); not streamed, HTTP 500 (default: never)")
+    streaming.add_argument("--disable-endpoint", action="append", default=[], metavar="PATH",
+                           help="do not serve PATH (404), as an engine version that lacks it (e.g. /v1/loads); "
+                                "repeatable")
+    engine = parser.add_argument_group("engine-specific")
+    engine.add_argument("--no-metrics", dest="metrics", action="store_false",
+                        help="sglang, llamacpp: serve as if started without --enable-metrics / --metrics "
+                             "(SGLang /metrics 404, llama.cpp /metrics 501)")
+    engine.add_argument("--load-seconds", type=float, default=None, metavar="S",
+                        help="llamacpp: answer 503 'Loading model' for S seconds after start (default: 0)")
+    engine.add_argument("--max-queue", type=int, default=None, metavar="N",
+                        help="ollama: OLLAMA_MAX_QUEUE, pending requests beyond N get 503 'server busy' "
+                             "(default: 512)")
+    engine.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
+                        help="tgi: in-flight requests beyond N get 429 'Model is overloaded' (default: 128)")
 
 
 def params_from_args(args: argparse.Namespace) -> EngineParams:
-    """EngineParams from parsed flags; raises ValueError on inconsistent values."""
+    """EngineParams from parsed flags (slots default per engine); raises ValueError on inconsistent values."""
+    seqs = args.max_num_seqs
+    if seqs is None:
+        seqs = PERSONALITIES[getattr(args, "engine", "vllm")].default_max_num_seqs
     batched = args.max_num_batched_tokens
     if batched is None:
-        batched = max(EngineParams.max_num_batched_tokens, args.max_num_seqs)
+        batched = max(EngineParams.max_num_batched_tokens, seqs)
     return EngineParams(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched, kv_cache_tokens=args.kv_cache_tokens,
+        max_num_seqs=seqs, max_num_batched_tokens=batched, kv_cache_tokens=args.kv_cache_tokens,
         block_size=args.block_size, max_model_len=args.max_model_len,
         prefill_ms_per_token=args.prefill_ms_per_token, decode_base_ms=args.decode_base_ms,
         decode_ms_per_seq=args.decode_ms_per_seq, decode_ms_per_kv_token=args.decode_ms_per_kv_token,
         eos_max_tokens=args.eos_max_tokens, time_scale=args.time_scale)
+
+
+def options_from_args(args: argparse.Namespace) -> PersonalityOptions:
+    """PersonalityOptions from parsed flags; ValueError for bad values or a flag the engine does not honour."""
+    personality = PERSONALITIES[args.engine]
+    given = {"metrics": not args.metrics, "load_seconds": args.load_seconds is not None,
+             "max_queue": args.max_queue is not None,
+             "max_concurrent_requests": args.max_concurrent_requests is not None}
+    for field_name, is_given in given.items():
+        if is_given and field_name not in personality.engine_flags:
+            raise ValueError(f"{_ENGINE_FLAGS[field_name]} does not apply to --engine {args.engine}")
+    at_least = {"--sse-keepalive-ms": (args.sse_keepalive_ms, 0.001), "--load-seconds": (args.load_seconds, 0),
+                "--fail-after-tokens": (args.fail_after_tokens, 0), "--max-queue": (args.max_queue, 0),
+                "--max-concurrent-requests": (args.max_concurrent_requests, 1)}
+    for flag, (value, low) in at_least.items():
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    models = tuple(dict.fromkeys(args.model or [personality.default_model]))  # repeated names count once
+    return PersonalityOptions(
+        models=models, sse_keepalive_ms=args.sse_keepalive_ms, fail_after_tokens=args.fail_after_tokens,
+        load_seconds=args.load_seconds or 0.0, metrics=args.metrics,
+        disabled_paths=frozenset(args.disable_endpoint), max_queue=args.max_queue,
+        max_concurrent_requests=args.max_concurrent_requests)
 
 
 def _configure_logging() -> None:
@@ -570,6 +276,7 @@ def main(args: argparse.Namespace) -> int:
     """Run `skylb emulator`; returns the exit status (2 for bad flags)."""
     try:
         params = params_from_args(args)
+        options = options_from_args(args)
     except ValueError as exc:
         print(f"skylb emulator: {exc}", file=sys.stderr)
         return 2
@@ -578,5 +285,5 @@ def main(args: argparse.Namespace) -> int:
         print(f"skylb emulator: --port values must be distinct and in 1-65535, got {args.port}", file=sys.stderr)
         return 2
     _configure_logging()
-    return asyncio.run(serve(engine=args.engine, host=args.host, ports=args.port, model_name=args.model,
-                             params=params, log_requests=args.log_requests))
+    return asyncio.run(serve(engine=args.engine, host=args.host, ports=args.port, params=params, options=options,
+                             log_requests=args.log_requests))

@@ -1,0 +1,48 @@
+"""Ollama: no load metric at all, so pending comes from the balancer's own in-flight count at the replica.
+
+pending = max(0, outstanding - slots) and running = min(outstanding, slots), where slots = the replica's
+``max_concurrency`` (its ``OLLAMA_NUM_PARALLEL``) or 1, Ollama's default. Health is ``GET /`` answering
+"Ollama is running"; served models come from ``GET /api/tags`` (``models[].name``).
+
+Sources: shared/reference/engines.md (Ollama row: no queue or load metric, ollama/ollama issue #3144 still open;
+``OLLAMA_NUM_PARALLEL`` default 1); ollama/ollama ``server/routes.go`` (``GET /`` and ``HEAD /`` answer "Ollama is
+running"; ``ListHandler`` for /api/tags).
+"""
+
+from __future__ import annotations
+
+from skylb.engines.base import EngineAdapter, ProbeResult
+from skylb.engines.fetch import FetchError, get, json_or_none
+
+__all__ = ["OllamaAdapter", "DEFAULT_SLOTS", "RUNNING_TEXT"]
+
+#: OLLAMA_NUM_PARALLEL's default: one request at a time per loaded model.
+DEFAULT_SLOTS = 1
+RUNNING_TEXT = "Ollama is running"
+
+
+class OllamaAdapter(EngineAdapter, engine="ollama"):
+    """Probe an Ollama server: liveness from ``GET /``, load from the balancer's own count."""
+
+    async def probe(self, session, url, *, timeout_s, outstanding=0, max_concurrency=None):
+        try:
+            answer = await get(session, url, "/", timeout_s=timeout_s)
+        except FetchError as exc:
+            return ProbeResult(False, error=exc.reason)
+        if answer.status != 200:
+            return ProbeResult(False, error=f"GET / answered HTTP {answer.status}")
+        if RUNNING_TEXT not in answer.text:
+            return ProbeResult(False, error=f"GET / did not say {RUNNING_TEXT!r}: not an Ollama server?")
+        slots = max_concurrency or DEFAULT_SLOTS
+        return ProbeResult(True, pending=max(0, outstanding - slots), running=min(outstanding, slots))
+
+    async def models(self, session, url, *, timeout_s):
+        """Model names from ``GET /api/tags``; raises FetchError (an aiohttp.ClientError), ValueError if malformed."""
+        answer = await get(session, url, "/api/tags", timeout_s=timeout_s)
+        if answer.status != 200:
+            raise FetchError(f"GET /api/tags answered HTTP {answer.status}")
+        body = json_or_none(answer.text)
+        if not isinstance(body, dict) or not isinstance(body.get("models"), list):
+            raise ValueError("malformed /api/tags answer: expected {\"models\": [...]}")
+        return [m.get("name") or m.get("model") for m in body["models"]
+                if isinstance(m, dict) and (m.get("name") or m.get("model"))]

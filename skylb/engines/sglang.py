@@ -1,0 +1,121 @@
+"""SGLang: pending = ``sglang:num_queue_reqs`` from ``GET /metrics`` (summed over rank labels), else the JSON load
+endpoints ``GET /v1/loads`` (``loads[].num_waiting_reqs``) and the legacy ``GET /get_load`` (a list of
+``{"dp_rank", "num_reqs", "num_waiting_reqs", ...}``).
+
+Sources: shared/reference/engines.md (SGLang row); sgl-project/sglang ``python/sglang/srt/metrics/collector.py``
+("sglang:num_queue_reqs: The number of requests in the waiting queue", labels ``model_name``, ``engine_type``,
+``tp_rank``, ``pp_rank`` and ``dp_rank`` with data parallelism), ``entrypoints/v1_loads.py`` and
+``entrypoints/http_server.py`` (``/get_load``). /metrics exists only with ``--enable-metrics``; /v1/loads only in
+recent releases. The source that worked is remembered per URL, so a healthy replica costs one request a probe;
+when it stops answering 200 the others are tried again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from skylb.engines.base import EngineAdapter, ProbeResult, sum_gauges
+from skylb.engines.fetch import FetchError, get, json_or_none
+
+__all__ = ["SGLangAdapter", "WAITING", "RUNNING"]
+
+WAITING = "sglang:num_queue_reqs"
+RUNNING = "sglang:num_running_reqs"
+#: HTTP statuses meaning "this server has no such endpoint" (FastAPI's 404 and 405).
+_ABSENT = (404, 405)
+
+#: url -> the source ("metrics", "loads", "get_load") that answered last; process-wide because the balancer
+#: makes a new adapter object for every probe.
+_SOURCE_BY_URL: dict[str, str] = {}
+
+# A reader returns a ProbeResult (a load was read), None (this source is absent: try the next), or a string
+# (the source answered, but wrongly: that is the probe's failure reason).
+Reader = Callable[..., Awaitable["ProbeResult | str | None"]]
+
+
+async def _from_metrics(session, url: str, timeout_s: float) -> ProbeResult | str | None:
+    answer = await get(session, url, "/metrics", timeout_s=timeout_s)
+    if answer.status in _ABSENT:
+        return None
+    if answer.status != 200:
+        return f"/metrics answered HTTP {answer.status}"
+    try:
+        values = sum_gauges(answer.text, (WAITING, RUNNING))
+    except ValueError as exc:
+        return f"malformed /metrics: {exc}"[:200]
+    if WAITING not in values:
+        return None  # metrics on, but this gauge not (yet) exported: the JSON endpoints may still say
+    running = values.get(RUNNING)
+    return ProbeResult(True, pending=int(values[WAITING]), running=None if running is None else int(running))
+
+
+def _sum_ranks(ranks: Any, path: str, *, running_of: Callable[[dict], int | None]) -> ProbeResult | str:
+    """Sum ``num_waiting_reqs`` (and the running count) over a list of per-rank dicts."""
+    if isinstance(ranks, dict):
+        ranks = [ranks]
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
+        return f"malformed {path} answer: expected a list of per-rank loads"
+    pending, running = 0, 0
+    for rank in ranks:
+        waiting = rank.get("num_waiting_reqs")
+        if type(waiting) is not int or waiting < 0:
+            return f"malformed {path} answer: num_waiting_reqs is {waiting!r}"
+        pending += waiting
+        r = running_of(rank)
+        running = None if r is None or running is None else running + r
+    return ProbeResult(True, pending=pending, running=running)
+
+
+async def _from_loads(session, url: str, timeout_s: float) -> ProbeResult | str | None:
+    answer = await get(session, url, "/v1/loads", timeout_s=timeout_s)
+    if answer.status in _ABSENT:
+        return None
+    if answer.status != 200:
+        return f"/v1/loads answered HTTP {answer.status}"
+    body = json_or_none(answer.text)
+    loads = body.get("loads") if isinstance(body, dict) else None
+
+    def running_of(rank: dict) -> int | None:
+        value = rank.get("num_running_reqs")
+        return value if type(value) is int else None
+
+    return _sum_ranks(loads, "/v1/loads", running_of=running_of)
+
+
+async def _from_get_load(session, url: str, timeout_s: float) -> ProbeResult | str | None:
+    answer = await get(session, url, "/get_load", timeout_s=timeout_s)
+    if answer.status in _ABSENT:
+        return None
+    if answer.status != 200:
+        return f"/get_load answered HTTP {answer.status}"
+
+    def running_of(rank: dict) -> int | None:  # num_reqs counts running and waiting requests
+        total, waiting = rank.get("num_reqs"), rank.get("num_waiting_reqs")
+        return total - waiting if type(total) is int and type(waiting) is int else None
+
+    return _sum_ranks(json_or_none(answer.text), "/get_load", running_of=running_of)
+
+
+_READERS: dict[str, Reader] = {"metrics": _from_metrics, "loads": _from_loads, "get_load": _from_get_load}
+
+
+class SGLangAdapter(EngineAdapter, engine="sglang"):
+    """Probe an SGLang replica: /metrics, else /v1/loads, else /get_load (the one that worked is tried first)."""
+
+    async def probe(self, session, url, *, timeout_s, outstanding=0, max_concurrency=None):
+        remembered = _SOURCE_BY_URL.get(url)
+        order = sorted(_READERS, key=lambda s: s != remembered)  # stable: the remembered one first
+        for source in order:
+            try:
+                outcome = await _READERS[source](session, url, timeout_s)
+            except FetchError as exc:
+                return ProbeResult(False, error=exc.reason)
+            if outcome is None:
+                continue
+            if isinstance(outcome, str):
+                return ProbeResult(False, error=outcome)
+            _SOURCE_BY_URL[url] = source
+            return outcome
+        _SOURCE_BY_URL.pop(url, None)
+        return ProbeResult(False, error=f"no load signal: /metrics has no {WAITING} (start SGLang with "
+                                        "--enable-metrics) and /v1/loads and /get_load are absent")

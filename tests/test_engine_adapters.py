@@ -1,0 +1,266 @@
+"""Engine adapters probing real emulator processes in each engine's dialect (and a canned server for odd answers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from skylb.engines import ADAPTERS, adapter_for, detect_engine
+from skylb.engines.openai import DEFAULT_MAX_CONCURRENCY
+from skylb.procs import ProcGroup, free_port, free_ports, wait_http
+
+pytestmark = pytest.mark.timeout(60)
+
+#: 0.02: a decode step is about 1.1 ms.
+TIME_SCALE = "0.02"
+SLOTS = 2
+TIMEOUT_S = 2.0
+OLLAMA_MODELS = ["llama3.2:1b", "qwen2.5:0.5b"]
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+#: name -> (engine, extra flags): one emulator process each.
+EMULATORS = {
+    "vllm": ("vllm", []),
+    "sglang": ("sglang", []),
+    "sglang-loads": ("sglang", ["--no-metrics"]),
+    "sglang-get-load": ("sglang", ["--no-metrics", "--disable-endpoint", "/v1/loads"]),
+    "llamacpp": ("llamacpp", []),
+    "llamacpp-no-metrics": ("llamacpp", ["--no-metrics"]),
+    "llamacpp-loading": ("llamacpp", ["--load-seconds", "120"]),
+    "tgi": ("tgi", []),
+    "ollama": ("ollama", [arg for m in OLLAMA_MODELS for arg in ("--model", m)]),
+}
+
+
+@pytest.fixture(scope="module")
+def emulators(tmp_path_factory):
+    """Every emulator of EMULATORS, started together (2 running slots each); name -> base URL."""
+    ports = dict(zip(EMULATORS, free_ports(len(EMULATORS))))
+    group = ProcGroup(tmp_path_factory.mktemp("adapter-emulators"))
+    try:
+        procs = {name: group.skylb("emulator", "--engine", engine, "--port", str(ports[name]), "--time-scale",
+                                   TIME_SCALE, "--max-num-seqs", str(SLOTS), "--no-request-log", *extra, name=name)
+                 for name, (engine, extra) in EMULATORS.items()}
+        for name, port in ports.items():  # /v1/models answers on every engine, even while llama.cpp loads
+            wait_http(f"http://127.0.0.1:{port}/v1/models", timeout_s=20, proc=procs[name].popen)
+        yield {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture
+async def session():
+    """One aiohttp session per test."""
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+class CannedServer:
+    """An in-process HTTP server answering canned ``(status, body)`` per path and counting the hits."""
+
+    def __init__(self):
+        self.answers: dict[str, tuple[int, str]] = {}
+        self.hits: list[str] = []
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.hits.append(request.path)
+        status, body = self.answers.get(request.path, (404, '{"detail":"Not Found"}'))
+        return web.Response(status=status, text=body)
+
+
+@pytest.fixture
+async def canned():
+    """A CannedServer on a free port for the length of the test."""
+    server = CannedServer()
+    app = web.Application()
+    app.router.add_route("GET", "/{tail:.*}", server.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    server.url = f"http://127.0.0.1:{port}"
+    try:
+        yield server
+    finally:
+        await runner.cleanup()
+
+
+async def probe(session, engine: str, url: str, **kwargs):
+    """One probe of ``url`` with ``engine``'s adapter."""
+    return await adapter_for(engine).probe(session, url, timeout_s=TIMEOUT_S, **kwargs)
+
+
+async def stream(session, url: str, tag: str, n_tokens: int = 400) -> None:
+    """A streaming completion that decodes about n_tokens x 1.1 ms (read to the end)."""
+    body = {"model": MODEL, "prompt": f"{tag} " * 10, "max_tokens": n_tokens, "ignore_eos": True, "stream": True}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        async for _ in resp.content:
+            pass
+
+
+METRIC_ENGINES = [("vllm", "vllm"), ("sglang", "sglang"), ("sglang-loads", "sglang"),
+                  ("sglang-get-load", "sglang"), ("llamacpp", "llamacpp"), ("tgi", "tgi")]
+
+
+@pytest.mark.parametrize(("emulator", "engine"), METRIC_ENGINES + [("ollama", "ollama"), ("vllm", "openai")])
+async def test_idle_replica_is_healthy_with_zero_pending(emulators, session, emulator, engine):
+    """An idle replica of each engine (sglang through each of its three sources) probes healthy, pending 0."""
+    result = await probe(session, engine, emulators[emulator])
+    assert result.healthy, result.error
+    assert result.pending == 0 and result.running == 0
+
+
+@pytest.mark.parametrize(("emulator", "engine"), METRIC_ENGINES)
+async def test_pending_rises_when_more_requests_than_slots(emulators, session, emulator, engine):
+    """With more concurrent requests than the batch has slots, the engine's own signal reads pending > 0."""
+    url = emulators[emulator]
+    tasks = [asyncio.create_task(stream(session, url, f"{emulator}{i}")) for i in range(SLOTS + 2)]
+    try:
+        seen, deadline = None, time.monotonic() + 5
+        while time.monotonic() < deadline:
+            seen = await probe(session, engine, url)
+            if seen.healthy and seen.pending >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert seen.healthy and seen.pending == 2 and seen.running == SLOTS, seen
+    finally:
+        for task in tasks:
+            task.cancel()  # closing the connections cancels the requests in the engine
+        await asyncio.gather(*tasks, return_exceptions=True)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (await probe(session, engine, url)).pending:
+        await asyncio.sleep(0.02)
+    assert (await probe(session, engine, url)).pending == 0
+
+
+@pytest.mark.parametrize(("outstanding", "max_concurrency", "pending", "running"), [
+    (0, None, 0, 0), (1, None, 0, 1), (3, None, 2, 1), (3, 2, 1, 2), (4, 8, 0, 4)])
+async def test_ollama_pending_comes_from_outstanding(emulators, session, outstanding, max_concurrency, pending,
+                                                     running):
+    """Ollama has no metric: pending = outstanding - slots, slots = max_concurrency or OLLAMA_NUM_PARALLEL's 1."""
+    result = await probe(session, "ollama", emulators["ollama"], outstanding=outstanding,
+                         max_concurrency=max_concurrency)
+    assert result.healthy and (result.pending, result.running) == (pending, running)
+
+
+@pytest.mark.parametrize(("outstanding", "max_concurrency", "pending"), [
+    (DEFAULT_MAX_CONCURRENCY, None, 0), (DEFAULT_MAX_CONCURRENCY + 3, None, 3), (5, 4, 1), (5, 5, 0)])
+async def test_openai_pending_comes_from_outstanding(emulators, session, outstanding, max_concurrency, pending):
+    """A generic OpenAI server: pending = outstanding - max_concurrency (default 8); healthy by /v1/models."""
+    result = await probe(session, "openai", emulators["vllm"], outstanding=outstanding,
+                         max_concurrency=max_concurrency)
+    assert result.healthy and result.pending == pending
+    assert result.running == min(outstanding, max_concurrency or DEFAULT_MAX_CONCURRENCY)
+
+
+@pytest.mark.parametrize("engine", sorted(ADAPTERS))
+async def test_down_server_is_unhealthy_with_a_reason(session, engine):
+    """Every adapter (auto too) reports a replica that refuses connections as unhealthy, saying so."""
+    result = await probe(session, engine, f"http://127.0.0.1:{free_port()}", outstanding=1)
+    assert not result.healthy
+    assert "connection refused" in result.error or "ClientConnectorError" in result.error
+
+
+async def test_llamacpp_loading_is_unhealthy_loading_model(emulators, session):
+    """A llama-server still loading its model (503 "Loading model") is unhealthy with reason "loading model"."""
+    async with session.get(f"{emulators['llamacpp-loading']}/health") as resp:
+        assert resp.status == 503
+    result = await probe(session, "llamacpp", emulators["llamacpp-loading"])
+    assert (result.healthy, result.error) == (False, "loading model")
+
+
+async def test_llamacpp_without_metrics_says_to_start_with_metrics(emulators, session):
+    """A llama-server without --metrics (501) is unhealthy and the reason names the missing flag."""
+    result = await probe(session, "llamacpp", emulators["llamacpp-no-metrics"])
+    assert not result.healthy and "start llama-server with --metrics" in result.error and "501" in result.error
+
+
+@pytest.mark.parametrize(("engine", "text", "reason"), [
+    ("vllm", 'vllm:num_requests_waiting_by_reason{reason="capacity"} 5\n', "no vllm:num_requests_waiting"),
+    ("llamacpp", "llamacpp:requests_processing 2\n", "no llamacpp:requests_deferred"),
+    ("tgi", "tgi_batch_current_size 2\ntgi_queue_size_total 3\n", "no tgi_queue_size"),
+    ("sglang", "sglang:num_running_reqs 1\n", "no load signal"),
+])
+async def test_metrics_without_the_pending_metric_is_unhealthy(session, canned, engine, text, reason):
+    """/metrics answering 200 without the exact pending metric (look-alike names do not count) is unhealthy."""
+    canned.answers["/metrics"] = (200, text)
+    result = await probe(session, engine, canned.url)
+    assert not result.healthy and reason in result.error
+
+
+@pytest.mark.parametrize(("engine", "text", "pending", "running"), [
+    ("vllm", 'vllm:num_requests_waiting_by_reason{reason="x"} 50\nvllm:num_requests_waiting{engine="0"} 1\n'
+             'vllm:num_requests_waiting{engine="1"} 2\nvllm:num_requests_running{engine="0"} 4\n', 3, 4),
+    ("sglang", 'sglang:num_queue_reqs{dp_rank="0",tp_rank="0"} 2\nsglang:num_queue_reqs{dp_rank="1",tp_rank="0"} 3\n'
+               'sglang:num_queue_reqs_by_reason{reason="x"} 40\nsglang:num_running_reqs{dp_rank="0"} 7\n', 5, 7),
+    ("llamacpp", "llamacpp:requests_deferred 3\nllamacpp:requests_deferred_total 99\n", 3, None),
+    ("tgi", "tgi_queue_size 4\ntgi_queue_size_total 99\ntgi_batch_current_size 8\n", 4, 8),
+])
+async def test_pending_sums_label_sets_of_the_exact_name_only(session, canned, engine, text, pending, running):
+    """Pending sums every label set (engine, tp/dp ranks) of the exact metric name; longer names are ignored."""
+    canned.answers["/metrics"] = (200, text)
+    result = await probe(session, engine, canned.url)
+    assert result.healthy and (result.pending, result.running) == (pending, running), result
+
+
+async def test_sglang_remembers_the_source_that_worked(session, canned):
+    """SGLang falls back /metrics -> /v1/loads -> /get_load once, then probes only the source that worked."""
+    canned.answers["/get_load"] = (200, '[{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 9},'
+                                        ' {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 1, "num_tokens": 3}]')
+    result = await probe(session, "sglang", canned.url)
+    assert result.healthy and (result.pending, result.running) == (3, 3)
+    assert canned.hits == ["/metrics", "/v1/loads", "/get_load"]
+    canned.hits.clear()
+    assert (await probe(session, "sglang", canned.url)).pending == 3
+    assert canned.hits == ["/get_load"]
+    del canned.answers["/get_load"]  # the remembered source disappears: the others are tried again
+    canned.answers["/v1/loads"] = (200, '{"loads": [{"dp_rank": 0, "num_running_reqs": 1, "num_waiting_reqs": 0}]}')
+    canned.hits.clear()
+    assert (await probe(session, "sglang", canned.url)).healthy
+    assert canned.hits == ["/get_load", "/metrics", "/v1/loads"]
+
+
+@pytest.mark.parametrize(("path", "body", "reason"), [
+    ("/v1/loads", '{"loads": [{"num_waiting_reqs": "many"}]}', "malformed /v1/loads"),
+    ("/v1/loads", "not json", "malformed /v1/loads"),
+    ("/get_load", '{"oops": 1}', "malformed /get_load"),
+])
+async def test_sglang_malformed_load_answer_is_unhealthy(session, canned, path, body, reason):
+    """A JSON load endpoint answering nonsense makes the replica unhealthy with a reason naming the endpoint."""
+    canned.answers[path] = (200, body)
+    result = await probe(session, "sglang", canned.url)
+    assert not result.healthy and reason in result.error
+
+
+@pytest.mark.parametrize(("emulator", "engine"), [
+    ("vllm", "vllm"), ("sglang", "sglang"), ("sglang-loads", "sglang"), ("llamacpp", "llamacpp"),
+    ("llamacpp-no-metrics", "llamacpp"), ("llamacpp-loading", "llamacpp"), ("tgi", "tgi"), ("ollama", "ollama")])
+async def test_auto_detects_each_personality(emulators, session, emulator, engine):
+    """--engine auto tells every personality apart (with or without metrics, even while loading)."""
+    assert await detect_engine(session, emulators[emulator], timeout_s=TIMEOUT_S) == engine
+
+
+async def test_auto_falls_back_to_openai_and_delegates(emulators, session, canned):
+    """A server that is none of the known engines is "openai"; auto's probe is the detected engine's probe."""
+    canned.answers["/v1/models"] = (200, '{"object": "list", "data": [{"id": "gpt-x"}]}')
+    assert await detect_engine(session, canned.url, timeout_s=TIMEOUT_S) == "openai"
+    result = await probe(session, "auto", canned.url, outstanding=DEFAULT_MAX_CONCURRENCY + 1)
+    assert result.healthy and result.pending == 1
+    assert await adapter_for("auto").models(session, canned.url, timeout_s=TIMEOUT_S) == ["gpt-x"]
+    result = await probe(session, "auto", emulators["ollama"], outstanding=3, max_concurrency=2)
+    assert result.healthy and (result.pending, result.running) == (1, 2)
+
+
+@pytest.mark.parametrize(("emulator", "engine", "models"), [
+    ("vllm", "vllm", [MODEL]), ("sglang", "sglang", [MODEL]), ("llamacpp", "llamacpp", [MODEL]),
+    ("tgi", "tgi", [MODEL]), ("ollama", "ollama", OLLAMA_MODELS), ("ollama", "auto", OLLAMA_MODELS),
+    ("vllm", "openai", [MODEL])])
+async def test_models_lists_each_personalitys_models(emulators, session, emulator, engine, models):
+    """models() returns the served model names in each engine's own listing (Ollama: /api/tags)."""
+    assert await adapter_for(engine).models(session, emulators[emulator], timeout_s=TIMEOUT_S) == models
