@@ -327,10 +327,54 @@ def test_status_reports_available_replicas_and_queue():
     router.enqueue(Request("q", "x", arrived_at=0.0, forwarded_from="eu"))
     router.observe_replica("r0", now=0.0, healthy=True, pending=1)
     s = router.status(0.01)
-    assert s == {"region": "us", "available_replicas": 0, "replicas": 3, "queue_len": 1}
+    assert s == {"region": "us", "available_replicas": 0, "replicas": 3, "queue_len": 1, "models": {}}
 
 
 def test_unknown_policy_is_a_clear_error():
     """make_policy names the known policies when given an unknown one."""
     with pytest.raises(ValueError, match="round_robin"):
         make_policy("random")
+
+
+# ---------------------------------------------------------------------------------------------- model-aware routing
+
+
+def test_requests_go_only_to_replicas_serving_their_model():
+    """A request is placed only on a replica that serves its model; a replica with unknown models gets none."""
+    router = _router(replicas=3, peers=(), max_dispatch_per_probe=0)
+    router.set_replica_models("r0", ["llama"])
+    router.set_replica_models("r1", ["qwen"])  # r2: models not learned yet
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0)
+    for i in range(4):
+        router.enqueue(Request(f"q{i}", "x", arrived_at=0.0, model="qwen"))
+    assert {d.target for d in router.dispatch(0.01)} == {"r1"}
+    router.enqueue(Request("m", "x", arrived_at=0.0, model="mistral"))
+    assert router.dispatch(0.02) == [] and len(router.queue) == 1
+
+
+def test_model_served_only_by_a_peer_is_forwarded_there():
+    """A model no local replica serves goes to the peer whose status lists it as available."""
+    router = _router(replicas=1, peers=("eu", "asia"))
+    router.set_replica_models("r0", ["llama"])
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0)
+    router.observe_peer("eu", now=0.0, ok=True, available_replicas=2, models={"openai": {"llama": 2}})
+    router.observe_peer("asia", now=0.0, ok=True, available_replicas=1, models={"openai": {"qwen": 1}})
+    router.enqueue(Request("q", "x", arrived_at=0.0, model="qwen"))
+    [d] = router.dispatch(0.01)
+    assert (d.kind, d.target) == ("peer", "asia")
+    assert router.served_models() == {"llama", "qwen"} and router.models_known()
+    assert router.rules.peer_unavailable_reason(router.peers["eu"], 0.01, "qwen") == "does not serve qwen"
+
+
+def test_ollama_api_requests_need_an_ollama_replica():
+    """A request in the Ollama dialect is not placed on a replica that speaks only the OpenAI API."""
+    router = _router(replicas=2, peers=(), max_dispatch_per_probe=0)
+    for rid in router.replicas:
+        router.set_replica_models(rid, ["llama3"])
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0)
+    router.replicas["r1"].apis = frozenset({"openai", "ollama"})
+    for i in range(3):
+        router.enqueue(Request(f"q{i}", "x", arrived_at=0.0, model="llama3", api="ollama"))
+    assert {d.target for d in router.dispatch(0.01)} == {"r1"}
+    assert router.status(0.02)["models"] == {"openai": {"llama3": 2}, "ollama": {"llama3": 1}}

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API as the balancer reads it: parse a request into routing fields, and error responses.
+"""The APIs as the balancer reads them (OpenAI and Ollama): parse a request into routing fields; error responses.
 
 Only the fields routing needs are read (model, stream, the prompt text, the session key); the body is forwarded
 unchanged so engine extras (vLLM ``ignore_eos``, llama.cpp ``cache_prompt``, ...) pass through.
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-__all__ = ["ParsedRequest", "BadRequest", "parse_openai", "openai_error"]
+__all__ = ["ParsedRequest", "BadRequest", "parse_openai", "parse_ollama", "openai_error", "ollama_error",
+           "error_response"]
 
 
 class BadRequest(ValueError):
@@ -34,6 +35,28 @@ class ParsedRequest:
     body: bytes
 
 
+def _load_object(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    return data
+
+
+def _messages_text(messages) -> str:
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest("each message must be an object with a string 'role'", param="messages")
+        parts.append(f"{m['role']}: {_content_text(m.get('content'))}\n")
+    return "".join(parts)
+
+
 def _content_text(content) -> str:
     if isinstance(content, str):
         return content
@@ -50,25 +73,13 @@ def parse_openai(path: str, body: bytes, *, session_header_value: str | None) ->
     The session key is the session header when present, else ``prompt_cache_key``, else ``user``.
     Raises BadRequest with a message naming the field for invalid JSON or missing / mistyped fields.
     """
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    data = _load_object(body)
+    model = data["model"]
     if path.endswith("/chat/completions"):
         messages = data.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' is required and must be a non-empty list", param="messages")
-        parts = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise BadRequest("each message must be an object with a string 'role'", param="messages")
-            parts.append(f"{m['role']}: {_content_text(m.get('content'))}\n")
-        text = "".join(parts)
+        text = _messages_text(messages)
     else:
         field = "input" if path.endswith("/embeddings") else "prompt"
         prompt = data.get(field)
@@ -87,6 +98,52 @@ def parse_openai(path: str, body: bytes, *, session_header_value: str | None) ->
     key = session_header_value or data.get("prompt_cache_key") or data.get("user")
     return ParsedRequest(model=model, text=text, session_key=key if isinstance(key, str) else None,
                          stream=stream, body=body)
+
+
+def parse_ollama(path: str, body: bytes, *, session_header_value: str | None) -> ParsedRequest:
+    """Parse an Ollama ``/api/generate``, ``/api/chat``, ``/api/embed`` or ``/api/embeddings`` body.
+
+    ``stream`` defaults to true as in Ollama (embeddings never stream). An empty prompt or message list is valid
+    (Ollama loads the model). Source: shared/reference/engines.md, "Ollama API, as a balancer sees it".
+    Raises BadRequest naming the field.
+    """
+    data = _load_object(body)
+    if path.endswith("/chat"):
+        messages = data.get("messages", [])
+        if not isinstance(messages, list):
+            raise BadRequest("'messages' must be a list", param="messages")
+        text = _messages_text(messages)
+    elif path.endswith("/embed"):
+        value = data.get("input", "")
+        if isinstance(value, str):
+            text = value
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            text = "\n".join(value)
+        else:
+            raise BadRequest("'input' must be a string or a list of strings", param="input")
+    else:  # /api/generate, /api/embeddings
+        prompt, system = data.get("prompt", ""), data.get("system", "")
+        if not isinstance(prompt, str) or not isinstance(system, str):
+            raise BadRequest("'prompt' and 'system' must be strings", param="prompt")
+        text = f"{system}\n{prompt}" if system else prompt
+    stream = data.get("stream", not path.endswith(("/embed", "/embeddings")))
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    return ParsedRequest(model=data["model"], text=text, session_key=session_header_value, stream=stream,
+                         body=body)
+
+
+def ollama_error(status: int, message: str, *, headers: dict | None = None) -> web.Response:
+    """A JSON error response in Ollama's shape ``{"error": "message"}``."""
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def error_response(api: str, status: int, message: str, *, type_: str | None = None,
+                   param: str | None = None) -> web.Response:
+    """An error in the shape of ``api`` ("openai" or "ollama")."""
+    if api == "ollama":
+        return ollama_error(status, message)
+    return openai_error(status, message, type_=type_, param=param)
 
 
 def openai_error(status: int, message: str, *, type_: str | None = None, param: str | None = None,

@@ -19,6 +19,7 @@ from skylb.balancer.protocol import STATUS_PATH, TOKEN_HEADER, ProtocolError, de
 from skylb.config import BalancerConfig
 from skylb.core import AvailabilityRules, Decision, QueueFull, Request, Router, make_policy
 from skylb.engines import adapter_for
+from skylb.engines.auto import detected_engine
 
 __all__ = ["Balancer", "QueueTimeout", "QueueFull"]
 
@@ -47,7 +48,6 @@ class Balancer:
                              match_threshold=cfg.match_threshold, hash_ring_vnodes=cfg.hash_ring_vnodes)
         self.router = Router(region=region, policy=policy, rules=rules, max_queue=cfg.max_queue)
         self.metrics = BalancerMetrics(self)
-        self.models: dict[str, list[str]] = {}  # replica id -> model ids it serves
         self.session: aiohttp.ClientSession | None = None
         self.membership: MembershipWatcher | None = None
         self._waiting: dict[str, asyncio.Future] = {}
@@ -96,9 +96,6 @@ class Balancer:
                   if r.get("region") == self.region}
         self.router.set_replicas(replicas, max_concurrency=limits)
         self.router.set_peers(peers)
-        for rid in list(self.models):
-            if rid not in self.router.replicas:
-                del self.models[rid]
         self._wake.set()
 
     # -- the queue ----------------------------------------------------------------------------------------------
@@ -187,11 +184,15 @@ class Balancer:
                                          outstanding=state.outstanding, max_concurrency=state.max_concurrency)
             self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
                                         running=result.running, error=result.error)
-            if result.healthy and state.id not in self.models:
+            if result.healthy and state.models is None:
+                engine = detected_engine(state.url) if state.engine == "auto" else state.engine
+                if engine == "ollama":  # Ollama serves its own API besides the OpenAI one
+                    state.apis = frozenset({"openai", "ollama"})
                 try:
-                    self.models[state.id] = await adapter.models(self.session, state.url, timeout_s=timeout_s)
+                    models = await adapter.models(self.session, state.url, timeout_s=timeout_s)
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                    pass  # retried at the next probe
+                    return  # retried at the next probe
+                self.router.set_replica_models(state.id, models)
 
         await asyncio.gather(*(probe(r) for r in replicas))
 
@@ -211,14 +212,15 @@ class Balancer:
                 return
             self.router.observe_peer(peer.region, now=self.now(), ok=True,
                                      available_replicas=status["available_replicas"],
-                                     replicas=status["replicas"], queue_len=status["queue_len"])
+                                     replicas=status["replicas"], queue_len=status["queue_len"],
+                                     models=status.get("models"))
 
         await asyncio.gather(*(probe(p) for p in list(self.router.peers.values())))
 
     # -- status -------------------------------------------------------------------------------------------------
-    def served_models(self) -> list[str]:
-        """The union of model ids the local replicas serve, sorted."""
-        return sorted({m for models in self.models.values() for m in models})
+    def served_models(self, api: str = "openai") -> list[str]:
+        """The models this region can serve in dialect ``api``: its replicas' and, by forwarding, its peers'."""
+        return sorted(self.router.served_models(api))
 
     def detailed_status(self) -> dict:
         """A JSON-able view for operators: every replica and peer with its availability and the reason."""
@@ -234,11 +236,11 @@ class Balancer:
                  "available": router.rules.replica_available(r, now),
                  "reason": router.rules.replica_unavailable_reason(r, now),
                  "probe_age_ms": None if r.probed_at is None else round((now - r.probed_at) * 1000, 1),
-                 "models": self.models.get(r.id, [])}
+                 "models": sorted(r.models or ()), "apis": sorted(r.apis)}
                 for r in router.replicas.values()],
             "peers": [
                 {"region": p.region, "url": p.url, "healthy": p.healthy, "available_replicas": p.available_replicas,
-                 "queue_len": p.queue_len, "forwarded": p.forwarded, "outstanding": p.outstanding,
+                 "queue_len": p.queue_len, "forwarded": p.forwarded, "models": p.models, "outstanding": p.outstanding,
                  "available": router.rules.peer_available(p, now),
                  "reason": router.rules.peer_unavailable_reason(p, now)}
                 for p in router.peers.values()],

@@ -44,7 +44,7 @@ def decode_status(data: bytes) -> dict:
     """Unpack and validate a peer status.
 
     Returns a dict with at least region (str), available_replicas (int >= 0), replicas (int >= 0), queue_len
-    (int >= 0). Raises ProtocolError on bad msgpack, a missing or mistyped field, or another protocol version.
+    (int >= 0), and optionally models ({api: {model: available replicas}}). Raises ProtocolError on bad msgpack, a missing or mistyped field, or another protocol version.
     """
     if len(data) > MAX_STATUS_BYTES:
         raise ProtocolError(f"peer status is {len(data)} bytes, more than {MAX_STATUS_BYTES}")
@@ -62,6 +62,15 @@ def decode_status(data: bytes) -> dict:
         value = status.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ProtocolError(f"peer status field {key} must be a non-negative integer, got {value!r}")
+    models = status.get("models")
+    if models is not None:
+        ok = isinstance(models, dict) and all(
+            isinstance(api, str) and isinstance(per, dict) and all(
+                isinstance(m, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                for m, n in per.items())
+            for api, per in models.items())
+        if not ok:
+            raise ProtocolError("peer status field models must map API -> model -> available replicas")
     return status
 
 

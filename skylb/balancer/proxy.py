@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from skylb.balancer.api import error_response
 from skylb.balancer.protocol import (FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER,
                                      SERVED_BY_HEADER, TOKEN_HEADER)
 from skylb.core import Decision
@@ -82,7 +83,7 @@ class Relay:
         return headers
 
     async def relay(self, request: web.Request, body: bytes, decision: Decision, *, request_id: str,
-                    arrived_at: float, retry_allowed: bool) -> RelayOutcome:
+                    arrived_at: float, retry_allowed: bool, api: str = "openai") -> RelayOutcome:
         """Send ``body`` to the decision's target at the client's path and relay the answer.
 
         Returns RelayOutcome(response=None, ...) when the target failed before any byte went to the client and
@@ -98,7 +99,7 @@ class Relay:
             error = f"{decision.kind} {decision.target} unreachable: {type(exc).__name__}: {exc}"
             if retry_allowed:
                 return RelayOutcome(None, 502, error=error)
-            return RelayOutcome(_error(502, error), 502, error=error)
+            return RelayOutcome(error_response(api, 502, error), 502, error=error)
         try:
             if upstream.status in RETRYABLE_STATUSES and retry_allowed:
                 return RelayOutcome(None, upstream.status, error=f"{decision.target} answered {upstream.status}")
@@ -111,7 +112,7 @@ class Relay:
                     error = f"{decision.target} failed before answering: {type(exc).__name__}"
                     if retry_allowed:
                         return RelayOutcome(None, 502, error=error)
-                    return RelayOutcome(_error(502, error), 502, error=error)
+                    return RelayOutcome(error_response(api, 502, error), 502, error=error)
                 return RelayOutcome(web.Response(status=upstream.status, body=data, headers=headers),
                                     upstream.status)
             response = web.StreamResponse(status=upstream.status, headers=headers)
@@ -131,11 +132,6 @@ class Relay:
             return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error)
         finally:
             await upstream_cm.__aexit__(None, None, None)
-
-
-def _error(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
-    return web.json_response(body, status=status)
 
 
 def _stream_error_event(content_type: str, message: str) -> bytes:

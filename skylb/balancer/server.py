@@ -1,8 +1,10 @@
-"""`skylb balancer --config FILE --region NAME`: one region's balancer, an OpenAI-compatible HTTP server.
+"""`skylb balancer --config FILE --region NAME`: one region's balancer, speaking the OpenAI and Ollama APIs.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings`` (queued and routed),
-``GET /v1/models``, ``GET /healthz``, ``GET /metrics`` (Prometheus), ``GET /skylb/v1/status`` (msgpack for peers;
-JSON with ``?format=json`` for operators).
+Queued and routed: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/api/generate``,
+``/api/chat``, ``/api/embed``, ``/api/embeddings``. Answered without queueing: ``GET /v1/models``, the Ollama
+metadata endpoints (``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/version``, ``GET``/``HEAD /``),
+``GET /healthz``, ``GET /metrics`` (Prometheus), ``GET /skylb/v1/status`` (msgpack for peers; JSON with
+``?format=json`` for operators).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import uuid
 import structlog
 from aiohttp import web
 
-from skylb.balancer.api import BadRequest, openai_error, parse_openai
+from skylb.balancer import ollama_api
+from skylb.balancer.api import BadRequest, error_response, openai_error, parse_ollama, parse_openai
 from skylb.balancer.balancer import Balancer, QueueFull, QueueTimeout
 from skylb.balancer.metrics import CONTENT_TYPE
 from skylb.balancer.protocol import (FORWARDED_FROM, REQUEST_ID_HEADER, TOKEN_HEADER, encode_status, token_ok)
@@ -47,36 +50,46 @@ def configure_logging() -> None:
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
-    """Queue, route and relay one OpenAI generation or embedding request."""
+    """Queue, route and relay one generation or embedding request (OpenAI ``/v1/*`` or Ollama ``/api/*``)."""
     balancer, relay = request.app[BALANCER], request.app[RELAY]
     cfg = balancer.cfg
     arrived_at = balancer.now()
     started = time.time()
     request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    api = "ollama" if request.path.startswith("/api/") else "openai"
+    parse = parse_ollama if api == "ollama" else parse_openai
     body = await request.read()
     try:
-        parsed = parse_openai(request.path, body, session_header_value=request.headers.get(cfg.session_header))
+        parsed = parse(request.path, body, session_header_value=request.headers.get(cfg.session_header))
     except BadRequest as exc:
-        return _finish(balancer, openai_error(400, str(exc), param=exc.param), request_id, None, started)
+        return _finish(balancer, error_response(api, 400, str(exc), param=exc.param), request_id, None, started)
     forwarded_from = request.headers.get(FORWARDED_FROM)
     if forwarded_from is not None and not token_ok(cfg.peer_token, request.headers.get(TOKEN_HEADER)):
-        return _finish(balancer, openai_error(403, "forwarded request with a missing or wrong peer token",
-                                              type_="permission_error"), request_id, parsed.model, started)
+        return _finish(balancer, error_response(api, 403, "forwarded request with a missing or wrong peer token",
+                                                type_="permission_error"), request_id, parsed.model, started)
+    router = balancer.router
+    served = router.served_models(api, with_peers=forwarded_from is None)
+    if parsed.model not in served and router.models_known():
+        message = (f"model '{parsed.model}' not found" if api == "ollama" else
+                   f"The model `{parsed.model}` does not exist.")
+        hint = f" Models served here: {', '.join(sorted(served)) or 'none'}."
+        return _finish(balancer, error_response(api, 404, message + hint, param="model"), request_id,
+                       parsed.model, started)
     routed = Request(id=request_id, text=parsed.text, arrived_at=arrived_at, model=parsed.model,
-                     session_key=parsed.session_key, forwarded_from=forwarded_from)
+                     session_key=parsed.session_key, forwarded_from=forwarded_from, api=api)
     attempt = 0
     while True:
         try:
             decision = await balancer.acquire(routed, retry=attempt > 0)
         except QueueFull as exc:
-            return _finish(balancer, openai_error(503, f"{exc}; retry later", type_="overloaded_error"),
+            return _finish(balancer, error_response(api, 503, f"{exc}; retry later", type_="overloaded_error"),
                            request_id, parsed.model, started)
         except QueueTimeout as exc:
-            return _finish(balancer, openai_error(503, str(exc), type_="overloaded_error"),
+            return _finish(balancer, error_response(api, 503, str(exc), type_="overloaded_error"),
                            request_id, parsed.model, started)
         try:
             outcome = await relay.relay(request, body, decision, request_id=request_id, arrived_at=arrived_at,
-                                        retry_allowed=attempt < MAX_RETRIES)
+                                        retry_allowed=attempt < MAX_RETRIES, api=api)
         finally:
             balancer.release(decision)
         if outcome.response is None:  # failed before any byte reached the client: mark and re-queue
@@ -140,23 +153,19 @@ async def handle_status(request: web.Request) -> web.Response:
     if not token_ok(balancer.cfg.peer_token, request.headers.get(TOKEN_HEADER)):
         return openai_error(403, "missing or wrong peer token", type_="permission_error")
     status = balancer.router.status(balancer.now())
-    status["models"] = balancer.served_models()
     return web.Response(body=encode_status(status), content_type="application/msgpack")
-
-
-async def _json_404(request: web.Request) -> web.Response:
-    return openai_error(404, f"no route for {request.method} {request.path}")
 
 
 @web.middleware
 async def _errors_in_api_shape(request: web.Request, handler):
-    """Turn aiohttp's HTTP errors (404, 405, 413) into OpenAI-shaped JSON, never HTML."""
+    """Turn aiohttp's HTTP errors (404, 405, 413) into JSON in the API's shape, never HTML."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return openai_error(exc.status, exc.reason or "error")
+        api = "ollama" if request.path.startswith("/api/") else "openai"
+        return error_response(api, exc.status, f"{exc.reason}: {request.method} {request.path}")
 
 
 def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str) -> web.Application:
@@ -173,8 +182,10 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str) -> web.Ap
         await balancer.stop()
 
     app.cleanup_ctx.append(lifecycle)
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                 "/api/generate", "/api/chat", "/api/embed", "/api/embeddings"):
         app.router.add_post(path, handle_generate)
+    ollama_api.add_metadata_routes(app, BALANCER)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/healthz", handle_healthz)
     app.router.add_get("/metrics", handle_metrics)

@@ -20,6 +20,8 @@ class Request:
         forwarded_from: the region of the peer that forwarded this request, or None when a client sent it here.
             A forwarded request is never forwarded again (one hop; DESIGN.md decision 3).
         prompt_tokens: an estimate of the prompt's length in tokens, when known (for reporting only).
+        api: the API dialect the request must be served in: "openai" (every engine) or "ollama" (Ollama replicas
+            and peer balancers only).
     """
 
     id: str
@@ -29,6 +31,7 @@ class Request:
     session_key: str | None = None
     forwarded_from: str | None = None
     prompt_tokens: int | None = None
+    api: str = "openai"
     chunks: tuple[str, ...] | None = field(default=None, repr=False)
 
     @property

@@ -146,11 +146,9 @@ class Router:
         return out
 
     def _place(self, request: Request, now: float) -> Decision | None:
-        rules = self.rules
-        if self.policy.selective:
-            local = [r for r in self.replicas.values() if rules.replica_available(r, now)]
-        else:
-            local = [r for r in self.replicas.values() if rules.replica_usable(r, now)]
+        rules, model, api = self.rules, request.model, request.api
+        usable = rules.replica_available if self.policy.selective else rules.replica_usable
+        local = [r for r in self.replicas.values() if r.serves(model, api) and usable(r, now)]
         if local:
             replica = self.policy.pick_replica(request, local)
             replica.outstanding += 1
@@ -159,7 +157,7 @@ class Router:
             self.policy.routed(request, replica=replica.id)
             return Decision(request, "replica", replica.id, replica.url, now - request.arrived_at)
         if request.may_forward:
-            peers = [p for p in self.peers.values() if rules.peer_available(p, now)]
+            peers = [p for p in self.peers.values() if rules.peer_available(p, now, model, api)]
             if peers:
                 peer = self.policy.pick_peer(request, peers)
                 peer.outstanding += 1
@@ -191,22 +189,60 @@ class Router:
             state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error)
 
     def observe_peer(self, region: str, *, now: float, ok: bool, available_replicas: int = 0, replicas: int = 0,
-                     queue_len: int = 0, error: str | None = None) -> None:
-        """Record a peer status answer (ignored if the peer left)."""
+                     queue_len: int = 0, error: str | None = None,
+                     models: dict[str, dict[str, int]] | None = None) -> None:
+        """Record a peer status answer (ignored if the peer left); ``models`` as in ``status()``."""
         state = self.peers.get(region)
         if state is not None:
             state.observe_status(now=now, ok=ok, available_replicas=available_replicas, replicas=replicas,
-                                 queue_len=queue_len, error=error)
+                                 queue_len=queue_len, error=error, models=models)
+
+    def set_replica_models(self, replica_id: str, models: list[str]) -> None:
+        """Record the model ids a local replica serves (learned from the replica)."""
+        state = self.replicas.get(replica_id)
+        if state is not None:
+            state.models = frozenset(models)
+
+    def served_models(self, api: str = "openai", *, with_peers: bool = True) -> set[str]:
+        """Models some local replica (and, ``with_peers``, some healthy peer) serves in dialect ``api``."""
+        models = {m for r in self.replicas.values() if not r.draining and r.models and api in r.apis
+                  for m in r.models}
+        if with_peers:
+            for p in self.peers.values():
+                if p.healthy and p.models:
+                    models.update(p.models.get(api, {}))
+        return models
+
+    def models_known(self) -> bool:
+        """True when every healthy local replica and healthy peer has told which models it serves."""
+        return (all(r.models is not None for r in self.replicas.values() if r.healthy and not r.draining)
+                and all(p.models is not None for p in self.peers.values() if p.healthy))
 
     def available_replicas(self, now: float) -> list[ReplicaState]:
         """Local replicas available at ``now`` under selective pushing."""
         return [r for r in self.replicas.values() if self.rules.replica_available(r, now)]
 
     def status(self, now: float) -> dict:
-        """What this balancer tells its peers: region, available replicas, replicas, queue length."""
+        """What this balancer tells its peers.
+
+        ``{"region", "available_replicas", "replicas", "queue_len", "models": {api: {model: available}}}``,
+        where ``models`` lists every model a local replica serves, per API dialect, with how many of those
+        replicas are available now (0 included, so a peer knows the model is served here even when all are busy).
+        """
+        available = self.available_replicas(now)
+        available_ids = {r.id for r in available}
+        models: dict[str, dict[str, int]] = {}
+        for r in self.replicas.values():
+            if r.draining or not r.models:
+                continue
+            for api in r.apis:
+                per_api = models.setdefault(api, {})
+                for m in r.models:
+                    per_api[m] = per_api.get(m, 0) + (r.id in available_ids)
         return {
             "region": self.region,
-            "available_replicas": len(self.available_replicas(now)),
+            "available_replicas": len(available),
             "replicas": sum(1 for r in self.replicas.values() if not r.draining),
             "queue_len": len(self.queue),
+            "models": models,
         }

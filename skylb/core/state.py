@@ -32,6 +32,7 @@ class ReplicaState:
         sent_since_probe: requests sent there since the latest probe answer.
         draining: removed from membership; gets no new requests while its in-flight ones finish.
         max_concurrency: the replica's parallel slots when configured (engines without a pending metric).
+        models: the model ids it serves (None until learned from the replica); apis: the API dialects it speaks.
         error: why the latest probe failed, if it did.
     """
 
@@ -48,6 +49,12 @@ class ReplicaState:
     error: str | None = None
     served: int = 0
     max_concurrency: int | None = None
+    models: frozenset[str] | None = None
+    apis: frozenset[str] = frozenset({"openai"})
+
+    def serves(self, model: str, api: str) -> bool:
+        """True when this replica serves ``model`` ("" = any model) in dialect ``api``."""
+        return api in self.apis and (not model or (self.models is not None and model in self.models))
 
     def observe_probe(self, *, now: float, healthy: bool, pending: int = 0, running: int | None = None,
                       error: str | None = None) -> None:
@@ -69,6 +76,8 @@ class PeerState:
         available_replicas: available replicas the peer reported; replicas: all its replicas.
         queue_len: the peer's queue length; probed_at: time of the latest status, s.
         sent_since_probe: requests forwarded there since the latest status.
+        models: per API dialect, model -> the peer's available replicas serving it (every model it serves is a
+            key, with 0 when none is available); None when the peer did not report models.
     """
 
     region: str
@@ -82,15 +91,18 @@ class PeerState:
     outstanding: int = 0
     error: str | None = None
     forwarded: int = 0
+    models: dict[str, dict[str, int]] | None = None
 
     def observe_status(self, *, now: float, ok: bool, available_replicas: int = 0, replicas: int = 0,
-                       queue_len: int = 0, error: str | None = None) -> None:
+                       queue_len: int = 0, error: str | None = None,
+                       models: dict[str, dict[str, int]] | None = None) -> None:
         """Record one status answer (or failure) taken at ``now`` (s)."""
         self.healthy = ok
         if ok:
             self.available_replicas = max(0, int(available_replicas))
             self.replicas = max(0, int(replicas))
             self.queue_len = max(0, int(queue_len))
+            self.models = models
         self.error = None if ok else (error or "status probe failed")
         self.probed_at = now
         self.sent_since_probe = 0
@@ -135,23 +147,29 @@ class AvailabilityRules:
         return (not r.draining and r.healthy and r.probed_at is not None
                 and now - r.probed_at <= self.stale_after_s)
 
-    def peer_unavailable_reason(self, p: PeerState, now: float) -> str | None:
-        """None when peer ``p`` is available at ``now``; otherwise why not."""
+    def peer_unavailable_reason(self, p: PeerState, now: float, model: str = "", api: str = "openai") -> str | None:
+        """None when peer ``p`` is available at ``now`` (for ``model`` in dialect ``api``); otherwise why not."""
         if p.probed_at is None:
             return "not probed yet"
         if now - p.probed_at > self.stale_after_s:
             return "status stale"
         if not p.healthy:
             return p.error or "unreachable"
-        if p.available_replicas < 1:
+        available = p.available_replicas
+        if model and p.models is not None:
+            by_model = p.models.get(api, {})
+            if model not in by_model:
+                return f"does not serve {model}"
+            available = by_model[model]
+        if available < 1:
             return "no available replica"
         if p.queue_len > self.tau:
             return "queue longer than tau"
         # Each available replica there can take at least one request before the next status says more.
-        if self.max_dispatch_per_probe and p.sent_since_probe >= p.available_replicas:
+        if self.max_dispatch_per_probe and p.sent_since_probe >= available:
             return "awaiting status"
         return None
 
-    def peer_available(self, p: PeerState, now: float) -> bool:
-        """True when requests may be forwarded to ``p`` now."""
-        return self.peer_unavailable_reason(p, now) is None
+    def peer_available(self, p: PeerState, now: float, model: str = "", api: str = "openai") -> bool:
+        """True when requests (for ``model`` in dialect ``api``) may be forwarded to ``p`` now."""
+        return self.peer_unavailable_reason(p, now, model, api) is None
