@@ -81,12 +81,13 @@ class Cluster:
         return self.controller_url
 
     def start_emulator(self, n: int, *args: str, name: str = "emulator") -> list[str]:
-        """Start one emulator process serving ``n`` replicas; returns their URLs."""
+        """Start one emulator process serving ``n`` replicas (vLLM serving MODEL unless ``args`` say otherwise)."""
         ports = free_ports(n)
         port_args = [a for p in ports for a in ("--port", str(p))]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        self.procs.skylb("emulator", "--engine", "vllm", "--model", MODEL, *port_args, *args, name=name,
-                         wait_url=f"{urls[0]}/health")
+        defaults = [*(() if "--engine" in args else ("--engine", "vllm")),
+                    *(() if "--model" in args else ("--model", MODEL))]
+        self.procs.skylb("emulator", *defaults, *port_args, *args, name=name, wait_url=f"{urls[0]}/health")
         for url in urls[1:]:
             wait_http(f"{url}/health", timeout_s=10)
         return urls
@@ -119,10 +120,10 @@ class Cluster:
         return subprocess.run([sys.executable, "-m", "controller.ctl", "--controller", self.controller_url, *args],
                               capture_output=True, text=True, timeout=30, check=check)
 
-    def add_replica(self, region: str, url: str, *, replica_id: str | None = None) -> None:
-        """Register a replica through `skylb-ctl replica add`."""
+    def add_replica(self, region: str, url: str, *, replica_id: str | None = None, engine: str = "vllm") -> None:
+        """Register a replica through `skylb-ctl replica add` (``engine``: the adapter that probes it)."""
         extra = ["--id", replica_id] if replica_id else []
-        self.ctl("replica", "add", "--region", region, "--url", url, "--engine", "vllm", *extra)
+        self.ctl("replica", "add", "--region", region, "--url", url, "--engine", engine, *extra)
 
     def status(self, region: str) -> dict:
         """The balancer's operator status (JSON)."""
