@@ -317,6 +317,10 @@ def test_queue_bound_cancel_and_expiry():
     assert router.cancel("b") and not router.cancel("b")
     assert [r.id for r in router.expire(now=10.0, timeout_s=5.0)] == ["a"]
     assert not router.queue
+    router.enqueue(Request("d", "x", arrived_at=20.0))
+    router.requeue(Request("old", "x", arrived_at=15.0))  # a retried request goes back to the head
+    assert [r.id for r in router.expire(now=25.5, timeout_s=5.0)] == ["old"]
+    assert [r.id for r in router.queue] == ["d"]
 
 
 def test_status_reports_available_replicas_and_queue():

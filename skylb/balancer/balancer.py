@@ -108,7 +108,7 @@ class Balancer:
         """
         fut = asyncio.get_running_loop().create_future()
         if retry:
-            self.router.queue.appendleft(request)
+            self.router.requeue(request)
         else:
             self.router.enqueue(request)
         self._waiting[request.id] = fut

@@ -107,6 +107,10 @@ class Router:
         self.policy.set_members([r for r, s in self.replicas.items() if not s.draining], self.peers)
 
     # -- the queue ----------------------------------------------------------------------------------------------
+    def requeue(self, request: Request) -> None:
+        """Put ``request`` back at the head (its target failed before the first byte); ignores ``max_queue``."""
+        self.queue.appendleft(request)
+
     def enqueue(self, request: Request) -> None:
         """Append ``request`` to the FCFS queue; raises QueueFull when the queue is at ``max_queue``."""
         if len(self.queue) >= self.max_queue:
@@ -122,11 +126,14 @@ class Router:
         return False
 
     def expire(self, now: float, timeout_s: float) -> list[Request]:
-        """Remove and return the requests that have waited longer than ``timeout_s`` at ``now``."""
-        expired = [r for r in self.queue if now - r.arrived_at > timeout_s]
-        if expired:
-            gone = {id(r) for r in expired}
-            self.queue = deque(r for r in self.queue if id(r) not in gone)
+        """Remove and return the requests that have waited longer than ``timeout_s`` at ``now``.
+
+        Arrival times never decrease from the head (a re-queued request goes back to the head and is older than
+        everything behind it), so only the head needs looking at: O(expired), not O(queue), per dispatch tick.
+        """
+        expired = []
+        while self.queue and now - self.queue[0].arrived_at > timeout_s:
+            expired.append(self.queue.popleft())
         return expired
 
     # -- decisions ----------------------------------------------------------------------------------------------
