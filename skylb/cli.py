@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "toxiproxy": ("skylb.latency.server", "run the Toxiproxy-API-compatible latency proxy"),
     "local": ("skylb.local", "run a whole multi-region deployment on this machine and replay a workload"),
     "replay": ("bench.replay", "replay a workload (Mooncake trace or synthetic) against running balancers"),
+    "bench": ("bench.bench_cli", "run benchmarks: the simulated SkyLB evaluation (sim, all)"),
 }
 
 

@@ -176,3 +176,108 @@ def make_policy(name: str, **options) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
     return cls(**options)
+
+
+# -- baselines for the simulated evaluation (bench/sim), appended: blind consistent hashing and SGLang's router -------
+
+
+class ConsistentHashPolicy(HashRingPolicy, name="consistent_hash"):
+    """Blind pushing by consistent hashing of the session key (baseline CH).
+
+    Source: SkyLB paper §5.1 "Consistent Hashing (CH): a ring hash based consistent hashing algorithm, using the
+    user's IP address and session ID as hash key", deployed as one balancer with blind pushing (Envoy's ring hash,
+    peers.md). The ring is the same as SkyLB-CH's; the difference is that every healthy replica is a candidate, so a
+    key always lands on its owner however loaded it is.
+    """
+
+    selective = False
+
+
+class SGLangCacheAwarePolicy(Policy, name="sglang"):
+    """SGLang router's ``cache_aware`` policy with blind pushing (baseline SGL; SkyLB paper §5.1, Fig. 9 "BP").
+
+    Source: sgl-project/sglang ``sgl-router/src/policies/cache_aware.rs`` and reference/peers.md. Per request:
+
+    1. Load = this balancer's in-flight requests per worker (``ReplicaState.outstanding``). When the candidates are
+       imbalanced, ``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold * min``, route to the
+       least loaded (ties: replica id) and still record the prompt in the tree.
+    2. Otherwise match the prompt in the approximate tree; when the matched fraction is at least ``cache_threshold``
+       route to a matched worker (several tie: the least loaded, then id; SGLang takes one tenant of the node).
+    3. Otherwise route to the worker with the smallest tree (characters recorded for it; ties: id).
+
+    Approximations: the tree is the core's chunked PrefixTrie (``trie_chunk_chars`` characters per node instead of
+    single characters); a worker's tree size grows by the characters of each prompt it did not already hold and is
+    not reduced by eviction (SGLang evicts by LRU every 120 s beyond ``max_tree_chars``; a simulated run stays far
+    below 2^26 characters, so eviction does not happen there).
+
+    Args:
+        cache_threshold: smallest match ratio (0-1) routed by prefix (SGLang default 0.3 in recent releases).
+        balance_abs_threshold, balance_rel_threshold: the imbalance test (defaults 64 and 1.5).
+        max_tree_chars: bound of the tree in characters (SGLang's max tree size, 2^26).
+        trie_chunk_chars: characters per tree node.
+    """
+
+    selective = False
+
+    def __init__(self, *, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, max_tree_chars: int = 2 ** 26, trie_chunk_chars: int = 64,
+                 **options):
+        super().__init__(**options)
+        self.tree = PrefixTrie(max_chars=max_tree_chars, chunk_chars=trie_chunk_chars)
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        #: replica id -> characters recorded for it in the tree (SGLang's per-tenant size).
+        self.tree_chars: dict[str, int] = {}
+
+    def _key(self, request: Request) -> tuple[str, ...]:
+        if request.chunks is None:
+            request.chunks = self.tree.chunks(request.text)
+        return request.chunks
+
+    def imbalanced(self, candidates: Sequence[ReplicaState]) -> bool:
+        """True when SGLang's imbalance test holds over ``candidates``' outstanding requests."""
+        loads = [c.outstanding for c in candidates]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
+
+    def pick_replica(self, request, candidates):
+        if self.imbalanced(candidates):
+            return min(candidates, key=lambda c: (c.outstanding, c.id))
+        by_id = {c.id: c for c in candidates}
+        m = self.tree.match(self._key(request), by_id)
+        if m.targets and m.ratio >= self.cache_threshold:
+            return min((by_id[t] for t in m.targets), key=lambda c: (c.outstanding, c.id))
+        return min(candidates, key=lambda c: (self.tree_chars.get(c.id, 0), c.id))
+
+    def routed(self, request, *, replica=None, peer=None):
+        if replica is None:
+            return
+        key = self._key(request)
+        held = self.tree.match(key, (replica,)).matched_chars
+        self.tree_chars[replica] = self.tree_chars.get(replica, 0) + sum(map(len, key)) - held
+        self.tree.insert(key, replica)
+
+    def set_members(self, replicas, peers):
+        replicas = set(replicas)
+        for gone in set(self.tree_chars) - replicas:
+            self.tree.remove_target(gone)
+            del self.tree_chars[gone]
+        for r in replicas:
+            self.tree_chars.setdefault(r, 0)
+
+
+class SGLangSelectivePolicy(SGLangCacheAwarePolicy, name="sglang-selective"):
+    """SGLang's ``cache_aware`` choice with selective pushing (SkyLB paper §5.2, Fig. 9 "SP-P" and "SP-O").
+
+    The paper extends SGLang's router with a queue: a request waits at the balancer until some replica is
+    available, and the cache-aware rule chooses among the available ones only. With engines that report pending
+    requests this is SP-P (available = 0 pending); with replicas configured by ``max_concurrency`` and no pending
+    metric, the balancer derives pending = outstanding - max_concurrency (skylb/engines/openai.py), which is SP-O,
+    a fixed cap on outstanding requests per replica.
+    """
+
+    selective = True
+
+
+__all__ += ["ConsistentHashPolicy", "SGLangCacheAwarePolicy", "SGLangSelectivePolicy"]

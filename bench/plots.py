@@ -1,0 +1,135 @@
+"""PNG plots of the simulated evaluation, mirroring the SkyLB paper's Fig. 8, 9 and 10 (matplotlib, Agg backend).
+
+* Fig. 8: service throughput (req/s) per system per workload; TTFT and E2E latency box plots (box p25-p75, red
+  median, whiskers p10-p90, triangle = mean; TTFT log-scaled), as in the paper.
+* Fig. 9: BP / SP-O / SP-P throughput and latency.
+* Fig. 10: throughput vs replicas, SkyLB vs region-local, with the region-local 12-replica level dashed.
+
+Each function takes RunSummary records (bench.sim.metrics) and writes one PNG, returning its path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+
+from bench.sim.metrics import RunSummary  # noqa: E402
+
+__all__ = ["plot_fig8", "plot_fig9", "plot_fig10"]
+
+#: One colour per system, stable across figures.
+COLORS = {
+    "GKE": "#8c8c8c", "RR": "#1f77b4", "LL": "#ff7f0e", "CH": "#2ca02c", "SGL": "#9467bd", "SkyLB-CH": "#e377c2",
+    "SkyLB": "#d62728", "Oracle": "#17becf", "RegionLocal": "#7f7f7f", "BP": "#9467bd", "SP-O": "#bcbd22",
+    "SP-P": "#d62728",
+}
+
+
+def _box_stats(r: RunSummary, metric: str) -> dict:
+    """matplotlib ``bxp`` statistics from a run's percentiles (whiskers at p10 / p90, as in the paper)."""
+    g = lambda k: getattr(r, f"{metric}_{k}")  # noqa: E731
+    return {"label": r.system, "whislo": g("p10"), "q1": g("p25"), "med": g("p50"), "q3": g("p75"),
+            "whishi": g("p90"), "mean": g("mean"), "fliers": []}
+
+
+def _bars(ax, rows: Sequence[RunSummary], title: str, ylabel: str = "throughput (req/s)") -> None:
+    xs = range(len(rows))
+    ax.bar(xs, [r.throughput_rps for r in rows], color=[COLORS.get(r.system, "#333") for r in rows])
+    ax.set_xticks(list(xs), [r.system for r in rows], rotation=45, ha="right", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel, fontsize=9)
+    top = max((r.throughput_rps for r in rows), default=1.0)
+    ax.set_ylim(0, top * 1.15)
+    for x, r in zip(xs, rows):
+        ax.text(x, r.throughput_rps, f"{r.throughput_rps:.1f}", ha="center", va="bottom", fontsize=7)
+
+
+def _boxes(ax, rows: Sequence[RunSummary], metric: str, title: str, *, log: bool) -> None:
+    stats = [_box_stats(r, metric) for r in rows]
+    bp = ax.bxp(stats, showmeans=True, showfliers=False, patch_artist=True,
+                medianprops={"color": "red"},
+                meanprops={"marker": "v", "markerfacecolor": "black", "markeredgecolor": "black", "markersize": 5})
+    for patch, r in zip(bp["boxes"], rows):
+        patch.set_facecolor(COLORS.get(r.system, "#333"))
+        patch.set_alpha(0.6)
+    ax.set_xticks(range(1, len(rows) + 1), [r.system for r in rows], rotation=45, ha="right", fontsize=8)
+    if log:
+        ax.set_yscale("log")
+        # plain numbers (0.2, 0.5, 1, 2) instead of 2x10^-1: seconds read at a glance
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(f"{metric.upper()} (s)", fontsize=9)
+    ax.grid(axis="y", alpha=0.3, which="both")
+
+
+def _ordered(results: Sequence[RunSummary], scenario: str, systems: Sequence[str]) -> list[RunSummary]:
+    rows = {r.system: r for r in results if r.scenario == scenario}
+    return [rows[s] for s in systems if s in rows]
+
+
+def plot_fig8(results: Sequence[RunSummary], workloads: Sequence[tuple[str, str]], systems: Sequence[str],
+              out: Path) -> Path:
+    """Fig. 8: one column per (scenario, title) in ``workloads``; rows: throughput, TTFT (log), E2E."""
+    workloads = [(w, t) for w, t in workloads if _ordered(results, w, systems)]
+    n = max(len(workloads), 1)
+    fig, axes = plt.subplots(3, n, figsize=(3.6 * n, 10), squeeze=False)
+    for col, (wl, title) in enumerate(workloads):
+        rows = _ordered(results, wl, systems)
+        _bars(axes[0][col], rows, f"({chr(97 + col)}) {title}")
+        _boxes(axes[1][col], rows, "ttft", f"({chr(97 + n + col)}) TTFT, {title}", log=True)
+        _boxes(axes[2][col], rows, "e2e", f"({chr(97 + 2 * n + col)}) E2E, {title}", log=False)
+    fig.suptitle("Simulated Fig. 8: throughput, TTFT and end-to-end latency "
+                 "(box p25-p75, red median, whiskers p10-p90, triangle mean)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_fig9(results: Sequence[RunSummary], scenario: str, systems: Sequence[str], out: Path,
+              title: str = "") -> Path:
+    """Fig. 9: throughput, TTFT (log) and E2E of BP / SP-O / SP-P in ``scenario``."""
+    rows = _ordered(results, scenario, systems)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.8))
+    _bars(axes[0], rows, "(a) throughput")
+    _boxes(axes[1], rows, "ttft", "(b) TTFT", log=True)
+    _boxes(axes[2], rows, "e2e", "(c) E2E latency", log=False)
+    fig.suptitle(title or f"Simulated Fig. 9 ({scenario})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_fig10(results: Sequence[RunSummary], scenario: str, out: Path) -> Path:
+    """Fig. 10: throughput vs total replicas, SkyLB vs region-local, with the region-local 12-replica level."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    curves = {}
+    for system, marker in (("RegionLocal", "s"), ("SkyLB", "o")):
+        pts = sorted((r.replicas, r.throughput_rps) for r in results if r.scenario == scenario and r.system == system)
+        if pts:
+            curves[system] = dict(pts)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=COLORS[system],
+                    label="Region-local" if system == "RegionLocal" else system)
+    if 12 in curves.get("RegionLocal", {}):
+        level = curves["RegionLocal"][12]
+        ax.axhline(level, ls="--", color="#555", lw=1)
+        ax.text(min(curves["RegionLocal"]), level, " region-local @ 12",
+                va="bottom", fontsize=8, color="#555")
+    ax.set_xlabel("replicas (spread evenly over us / eu / asia)")
+    ax.set_ylabel("throughput (req/s)")
+    ax.set_title("Simulated Fig. 10: regionally skewed load (120/40/40 clients)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,479 @@
+"""The simulated deployment: replicas (the emulator's engine model), balancers (the routing core), clients, network.
+
+Source: SkyLB paper §3-§4 and Algorithm 1; the loop of each balancer mirrors skylb/balancer/balancer.py in simulated
+time, so the decisions are made by the same ``skylb.core.Router`` and policy objects that serve live traffic:
+
+* Probes: every ``probe_interval_s`` (100 ms) a balancer probes each of its replicas. The probe reaches the replica
+  after the one-way latency, reads its pending and running counts *there and then*, and the answer is recorded
+  (``Router.observe_replica``) one more one-way latency later. Between two probes the balancer works on the last
+  answer, so its view is stale by up to one interval plus the round trip. Peers are probed the same way: the
+  status (``Router.status``) is computed at the peer and recorded with ``Router.observe_peer``.
+* Dispatch: after every event that can change a decision (a request arrives, a probe or status answer is recorded,
+  a response ends) the balancer calls ``Router.dispatch(now)`` and applies the decisions: a request goes to a
+  replica (one-way latency to the replica's region) or to a peer balancer (one-way inter-region latency), where it
+  is queued again, marked as forwarded. The live balancer's 10 ms tick only re-runs the same check, so it is not
+  needed here.
+* Responses: the first token and the end of the stream travel back along the request's path; each balancer on the
+  path releases its decision (``Router.finished``) when the stream end passes it.
+* Replicas: one ``skylb.emulator.model.EngineModel`` each (continuous batching, KV capacity, block prefix cache
+  with LRU; L4 / Llama-3.1-8B timings). One event per engine iteration, never one per token.
+* The oracle balancer (``fresh_view``) re-reads every replica's real state before each placement, with zero
+  network latency: no staleness at all.
+* Not modelled: failures and membership changes (every replica and peer stays healthy), the balancer's queue
+  timeout (600 s by default: a simulated request waits as long as it must) and client cancellations.
+
+Units: seconds of simulated time everywhere; latencies in the Network in milliseconds (as quoted in the paper).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from bench.sim.engine import EventLoop
+from bench.sim.workloads import ClientSpec, SimRequest, Workload
+from skylb.core import AvailabilityRules, Decision, Request, Router, make_policy
+from skylb.emulator.model import EngineModel, EngineParams, FinishedRequest
+
+__all__ = ["Network", "DEFAULT_RTT_MS", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
+
+#: Round-trip latencies between regions, ms (SkyLB paper §2.1 and §2.3: cross-region latency up to 200 ms).
+DEFAULT_RTT_MS: dict[tuple[str, str], float] = {("us", "eu"): 80.0, ("us", "asia"): 150.0, ("eu", "asia"): 200.0}
+
+
+@dataclass(frozen=True)
+class Network:
+    """Round-trip latencies: ``rtt_ms`` between regions (symmetric) and ``local_rtt_ms`` within a region.
+
+    ``scale`` multiplies every latency (0 = the oracle's free network).
+    """
+
+    rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=lambda: dict(DEFAULT_RTT_MS))
+    local_rtt_ms: float = 2.0
+    scale: float = 1.0
+
+    def one_way_s(self, a: str, b: str) -> float:
+        """One-way latency from region ``a`` to region ``b``, s (half the round trip)."""
+        if self.scale == 0.0:
+            return 0.0
+        if a == b:
+            rtt = self.local_rtt_ms
+        else:
+            rtt = self.rtt_ms.get((a, b), self.rtt_ms.get((b, a)))
+            if rtt is None:
+                raise KeyError(f"no round-trip latency between {a!r} and {b!r}")
+        return rtt * self.scale / 2000.0
+
+
+@dataclass(frozen=True)
+class BalancerSetup:
+    """How one simulated balancer is built: where it runs, its policy, its replicas, and its rules.
+
+    Attributes:
+        region: where it runs (its clients are the ones whose entry it is).
+        replicas: the replica ids it routes to as *local* replicas (a single-region balancer may hold replicas
+            of every region: the single-balancer baselines).
+        policy, policy_options: the core policy by registry name (skylb.core.policies).
+        rules: the availability rules (tau, staleness, dispatch cap).
+        forwarding: whether it has the other balancers as peers (SkyLB's cross-region traffic handling).
+        max_concurrency: when set, its replicas report no pending metric and the balancer derives
+            pending = max(0, outstanding - max_concurrency) at each probe, as skylb/engines/openai.py does (SP-O).
+        fresh_view: the oracle: every placement sees every replica's real state (no probes, no staleness).
+    """
+
+    region: str
+    replicas: tuple[str, ...]
+    policy: str
+    policy_options: Mapping[str, object] = field(default_factory=dict)
+    rules: AvailabilityRules = field(default_factory=AvailabilityRules)
+    forwarding: bool = False
+    max_concurrency: int | None = None
+    fresh_view: bool = False
+
+
+class Flight:
+    """One request's journey: client -> balancer (-> peer balancer) -> replica, and its response back.
+
+    Times are simulated seconds at the client (``sent_at``, ``first_token_at``, ``done_at``).
+    """
+
+    __slots__ = ("req", "client", "region", "sent_at", "origin", "origin_decision", "peer", "peer_decision",
+                 "replica", "first_token_at", "done_at", "result", "back_s")
+
+    def __init__(self, req: SimRequest, client: "_Client", region: str, sent_at: float):
+        self.req = req
+        self.client = client
+        self.region = region
+        self.sent_at = sent_at
+        self.origin: SimBalancer | None = None
+        self.origin_decision: Decision | None = None
+        self.peer: SimBalancer | None = None
+        self.peer_decision: Decision | None = None
+        self.replica: SimReplica | None = None
+        self.first_token_at: float | None = None
+        self.done_at: float | None = None
+        self.result: FinishedRequest | None = None
+        self.back_s = 0.0  # latency of the response path, replica -> client, s
+
+    @property
+    def forwarded(self) -> bool:
+        """True when a peer balancer (another region) placed it."""
+        return self.peer is not None
+
+    @property
+    def dispatcher(self) -> "SimBalancer":
+        """The balancer that sent it to its replica."""
+        return self.peer if self.peer is not None else self.origin
+
+
+class SimReplica:
+    """One inference replica: an EngineModel stepped by the event loop (one event per iteration)."""
+
+    __slots__ = ("id", "region", "engine", "loop", "cluster", "flights", "busy")
+
+    def __init__(self, cluster: "Cluster", replica_id: str, region: str, params: EngineParams):
+        self.id = replica_id
+        self.region = region
+        self.engine = EngineModel(params)
+        self.loop = cluster.loop
+        self.cluster = cluster
+        self.flights: dict[str, Flight] = {}
+        self.busy = False
+
+    def submit(self, flight: Flight) -> None:
+        """The request reached the replica now: queue it in the engine and start stepping if idle."""
+        flight.replica = self
+        req = flight.req
+        self.flights[req.id] = flight
+        self.engine.submit(req.id, req.tokens, req.output_tokens, ignore_eos=True, now=self.loop.now)
+        if not self.busy:
+            self._start()
+
+    def _start(self) -> None:
+        step = self.engine.start_step(self.loop.now)
+        if step is None:
+            self.busy = False
+            return
+        self.busy = True
+        self.loop.at(step.end, self._complete, step)
+
+    def _complete(self, step) -> None:
+        self.engine.complete_step(step)
+        for out in step.outputs:
+            if out.index == 0:
+                self.cluster.first_token(self.flights[out.request_id], step.end)
+            if out.finished is not None:
+                self.cluster.replica_finished(self.flights.pop(out.request_id), out.finished)
+        self._start()
+        for hook in self.cluster.step_hooks:
+            hook()
+
+
+class SimBalancer:
+    """One balancer process in simulated time: a ``skylb.core.Router`` plus its probe loops.
+
+    Mirrors skylb/balancer/balancer.py: ``receive`` is ``acquire`` (enqueue, then dispatch), ``release`` is
+    ``release``, and the two probe loops call ``observe_replica`` / ``observe_peer``.
+    """
+
+    def __init__(self, cluster: "Cluster", setup: BalancerSetup):
+        self.cluster = cluster
+        self.loop = cluster.loop
+        self.setup = setup
+        self.region = setup.region
+        policy = make_policy(setup.policy, **dict(setup.policy_options))
+        self.router = Router(region=setup.region, policy=policy, rules=setup.rules, max_queue=10 ** 9)
+        self.replicas = [cluster.replicas[r] for r in setup.replicas]
+        limits = {r.id: setup.max_concurrency for r in self.replicas} if setup.max_concurrency else None
+        engine = "openai" if setup.max_concurrency else "vllm"
+        self.router.set_replicas([(r.id, f"sim://{r.id}", engine) for r in self.replicas], max_concurrency=limits)
+        by_region: dict[str, list[SimReplica]] = {}
+        for r in self.replicas:
+            by_region.setdefault(r.region, []).append(r)
+        self._by_region = by_region
+        self.peers: list[SimBalancer] = []
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def receive(self, flight: Flight, from_region: str | None) -> None:
+        """A request arrived now, from a client (``from_region`` None) or forwarded by the peer in ``from_region``."""
+        req = flight.req
+        if from_region is None:
+            flight.origin = self
+        else:
+            flight.peer = self
+        self.router.enqueue(Request(id=req.id, text=req.text, arrived_at=self.loop.now,
+                                    session_key=req.session_key, forwarded_from=from_region,
+                                    prompt_tokens=len(req.tokens)))
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Place what the router lets go now and send each request on its way."""
+        if not self.router.queue:
+            return
+        if self.setup.fresh_view:
+            self._dispatch_fresh()
+            return
+        now, net, cluster = self.loop.now, self.cluster.network, self.cluster
+        for d in self.router.dispatch(now):
+            flight = cluster.flights[d.request.id]
+            if flight.peer is self:
+                flight.peer_decision = d
+            else:
+                flight.origin_decision = d
+            if d.kind == "replica":
+                replica = cluster.replicas[d.target]
+                self.loop.at(now + net.one_way_s(self.region, replica.region), replica.submit, flight)
+            else:
+                peer = cluster.balancers[d.target]
+                self.loop.at(now + net.one_way_s(self.region, peer.region), peer.receive, flight, self.region)
+
+    def _dispatch_fresh(self) -> None:
+        """The oracle: observe every replica's true state, place at most one request per replica, repeat."""
+        cluster, router = self.cluster, self.router
+        while router.queue:
+            now = self.loop.now
+            for r in self.replicas:
+                router.observe_replica(r.id, now=now, healthy=True, pending=r.engine.num_waiting,
+                                       running=r.engine.num_running)
+            decisions = router.dispatch(now)
+            if not decisions:
+                return
+            for d in decisions:
+                flight = cluster.flights[d.request.id]
+                flight.origin_decision = d
+                cluster.replicas[d.target].submit(flight)
+
+    def release(self, decision: Decision) -> None:
+        """The stream of ``decision`` ended here: free its slot and let the queue move."""
+        self.router.finished(decision)
+        self.dispatch()
+
+    # -- probes -------------------------------------------------------------------------------------------------
+    def start_probing(self, phase_s: float) -> None:
+        """Start the replica and peer probe loops, first round at ``phase_s`` (s)."""
+        if self.setup.fresh_view:
+            return
+        self.loop.at(phase_s, self._probe_round)
+
+    def _probe_round(self) -> None:
+        if self.cluster.finished:
+            return
+        now, net = self.loop.now, self.cluster.network
+        for region, replicas in self._by_region.items():
+            self.loop.at(now + net.one_way_s(self.region, region), self._sample_replicas, replicas,
+                         net.one_way_s(region, self.region))
+        for peer in self.peers:
+            self.loop.at(now + net.one_way_s(self.region, peer.region), self._sample_peer, peer,
+                         net.one_way_s(peer.region, self.region))
+        self.loop.at(now + self.cluster.probe_interval_s, self._probe_round)
+
+    def _sample_replicas(self, replicas: list[SimReplica], back_s: float) -> None:
+        snapshot = [(r.id, r.engine.num_waiting, r.engine.num_running) for r in replicas]
+        self.loop.at(self.loop.now + back_s, self._observe_replicas, snapshot)
+
+    def _observe_replicas(self, snapshot: list[tuple[str, int, int]]) -> None:
+        now, router, cap = self.loop.now, self.router, self.setup.max_concurrency
+        for rid, pending, running in snapshot:
+            if cap:  # no pending metric: derive it from this balancer's own in-flight count (engines/openai.py)
+                outstanding = router.replicas[rid].outstanding
+                pending, running = max(0, outstanding - cap), min(outstanding, cap)
+            router.observe_replica(rid, now=now, healthy=True, pending=pending, running=running)
+        self.dispatch()
+
+    def _sample_peer(self, peer: "SimBalancer", back_s: float) -> None:
+        status = peer.router.status(self.loop.now)
+        self.loop.at(self.loop.now + back_s, self._observe_peer, status)
+
+    def _observe_peer(self, status: dict) -> None:
+        self.router.observe_peer(status["region"], now=self.loop.now, ok=True,
+                                 available_replicas=status["available_replicas"], replicas=status["replicas"],
+                                 queue_len=status["queue_len"])
+        self.dispatch()
+
+
+class _Client:
+    """A closed-loop client: runs its programs one after another; a request leaves when its parent completed."""
+
+    __slots__ = ("cluster", "spec", "k", "children", "in_flight")
+
+    def __init__(self, cluster: "Cluster", spec: ClientSpec):
+        self.cluster = cluster
+        self.spec = spec
+        self.k = 0
+        self.children: dict[str, list[SimRequest]] = {}
+        self.in_flight = 0
+
+    def next_program(self) -> None:
+        cluster = self.cluster
+        if cluster.loop.now >= cluster.stop_at:
+            cluster.client_stopped()
+            return
+        program = self.spec.programs(self.k)
+        self.k += 1
+        self.children = {}
+        roots = []
+        for r in program:
+            if r.parent is None:
+                roots.append(r)
+            else:
+                self.children.setdefault(r.parent, []).append(r)
+        for r in roots:
+            self.send(r)
+        if not roots:
+            self.next_program()
+
+    def send(self, req: SimRequest) -> None:
+        self.in_flight += 1
+        self.cluster.send(req, self, self.spec.region)
+
+    def done(self, flight: Flight) -> None:
+        self.in_flight -= 1
+        if self.cluster.loop.now < self.cluster.stop_at:
+            for child in self.children.pop(flight.req.id, ()):
+                self.send(child)
+        if self.in_flight == 0:
+            self.next_program()
+
+
+class _OpenLoopClient:
+    """The trace replayer: sends every request at its arrival time (before ``stop_at``), ignoring completions."""
+
+    __slots__ = ("cluster",)
+
+    def __init__(self, cluster: "Cluster"):
+        self.cluster = cluster
+
+    def start(self, arrivals: list[SimRequest]) -> None:
+        sent = [r for r in arrivals if r.arrival_s < self.cluster.stop_at]
+        for r in sent:
+            self.cluster.loop.at(r.arrival_s, self.cluster.send, r, self, r.region)
+        self.cluster.loop.at(sent[-1].arrival_s if sent else 0.0, self.cluster.client_stopped)
+
+    def done(self, flight: Flight) -> None:
+        pass
+
+
+class Cluster:
+    """A whole simulated deployment running one workload.
+
+    Args:
+        workload: what the clients send. replicas: replica id -> region. balancers: one setup per balancer.
+        entry: client region -> region of the balancer its requests go to (DNS, or the one central balancer).
+        network: latencies. params: engine parameters of every replica (L4 / Llama-3.1-8B defaults).
+        seed: seeds the client start times and probe phases. stop_at: no request is sent at or after this time
+            (s); requests already sent run to completion (nothing is lost or duplicated).
+        probe_interval_s: the probe interval of every balancer (paper §3.3 and the prototype: 0.1 s).
+        sample_every_s: how often replica load is sampled for the time-averaged statistics.
+
+    After ``run()``: ``records`` (completed flights, in completion order) and ``samples``
+    (time, per-replica outstanding, per-replica pending, per-balancer queue length).
+    """
+
+    def __init__(self, *, workload: Workload, replicas: Mapping[str, str], balancers: list[BalancerSetup],
+                 entry: Mapping[str, str], network: Network | None = None, params: EngineParams | None = None,
+                 seed: int = 0, stop_at: float = 120.0, probe_interval_s: float = 0.1, sample_every_s: float = 0.1):
+        self.loop = EventLoop()
+        self.workload = workload
+        self.network = network or Network()
+        self.params = params or EngineParams()
+        self.seed = seed
+        self.stop_at = stop_at
+        self.probe_interval_s = probe_interval_s
+        self.sample_every_s = sample_every_s
+        self.replicas = {rid: SimReplica(self, rid, region, self.params) for rid, region in replicas.items()}
+        self.step_hooks: list = []
+        self.balancers: dict[str, SimBalancer] = {}
+        for setup in balancers:
+            if setup.region in self.balancers:
+                raise ValueError(f"two balancers in region {setup.region!r}")
+            self.balancers[setup.region] = SimBalancer(self, setup)
+        for b in self.balancers.values():
+            if b.setup.forwarding:
+                b.peers = [p for p in self.balancers.values() if p is not b]
+                b.router.set_peers([(p.region, f"sim://{p.region}") for p in b.peers])
+            if b.setup.fresh_view:
+                self.step_hooks.append(b.dispatch)  # the oracle reacts to every change of replica state
+        self.entry = {region: self.balancers[b] for region, b in entry.items()}
+        self.flights: dict[str, Flight] = {}
+        self.records: list[Flight] = []
+        self.samples: list[tuple[float, list[int], list[int], list[int]]] = []
+        self._clients_running = 0
+        self.finished = False
+
+    # -- running ------------------------------------------------------------------------------------------------
+    def run(self) -> "Cluster":
+        """Run the workload to the end (every sent request completed); returns self."""
+        rng = random.Random(f"{self.seed}:cluster")
+        for b in self.balancers.values():
+            b.start_probing(rng.uniform(0.0, self.probe_interval_s))
+        if self.workload.arrivals:
+            self._clients_running = 1
+            _OpenLoopClient(self).start(self.workload.arrivals)
+        for spec in self.workload.clients:
+            self._clients_running += 1
+            client = _Client(self, spec)
+            self.loop.at(rng.uniform(0.0, self.workload.start_spread_s), client.next_program)
+        self.loop.at(0.0, self._sample)
+        self.loop.run()
+        if self.flights:
+            raise RuntimeError(f"{len(self.flights)} requests never completed (first: {next(iter(self.flights))})")
+        return self
+
+    def client_stopped(self) -> None:
+        """A client will send nothing more; the run ends when all have stopped and nothing is in flight."""
+        self._clients_running -= 1
+        self._check_finished()
+
+    def _check_finished(self) -> None:
+        if self._clients_running == 0 and not self.flights:
+            self.finished = True
+
+    def _sample(self) -> None:
+        if self.finished:
+            return
+        reps = self.replicas.values()
+        self.samples.append((self.loop.now, [r.engine.num_waiting + r.engine.num_running for r in reps],
+                             [r.engine.num_waiting for r in reps], [len(b.router.queue) for b in self.balancers.values()]))
+        self.loop.at(self.loop.now + self.sample_every_s, self._sample)
+
+    # -- the request path ---------------------------------------------------------------------------------------
+    def send(self, req: SimRequest, client, region: str) -> None:
+        """A client in ``region`` sends ``req`` now to its entry balancer."""
+        if req.id in self.flights:
+            raise ValueError(f"request id {req.id!r} sent twice")
+        flight = Flight(req, client, region, self.loop.now)
+        self.flights[req.id] = flight
+        balancer = self.entry[region]
+        self.loop.at(self.loop.now + self.network.one_way_s(region, balancer.region), balancer.receive, flight, None)
+
+    def first_token(self, flight: Flight, t: float) -> None:
+        """The replica produced the first token at ``t``; it reaches the client after the response path latency."""
+        net = self.network
+        replica, dispatcher, origin = flight.replica, flight.dispatcher, flight.origin
+        back = net.one_way_s(replica.region, dispatcher.region)
+        if flight.peer is not None:
+            back += net.one_way_s(flight.peer.region, origin.region)
+        back += net.one_way_s(origin.region, flight.region)
+        flight.back_s = back
+        flight.first_token_at = t + back
+
+    def replica_finished(self, flight: Flight, result: FinishedRequest) -> None:
+        """The replica produced the last token now: release each balancer on the way back, then the client."""
+        now, net = self.loop.now, self.network
+        flight.result = result
+        to_dispatcher = now + net.one_way_s(flight.replica.region, flight.dispatcher.region)
+        if flight.peer is not None:
+            self.loop.at(to_dispatcher, flight.peer.release, flight.peer_decision)
+            self.loop.at(to_dispatcher + net.one_way_s(flight.peer.region, flight.origin.region),
+                         flight.origin.release, flight.origin_decision)
+        else:
+            self.loop.at(to_dispatcher, flight.origin.release, flight.origin_decision)
+        self.loop.at(now + flight.back_s, self._client_done, flight)
+
+    def _client_done(self, flight: Flight) -> None:
+        flight.done_at = self.loop.now
+        del self.flights[flight.req.id]
+        self.records.append(flight)
+        flight.client.done(flight)
+        self._check_finished()

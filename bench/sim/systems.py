@@ -1,0 +1,165 @@
+"""The systems compared in the SkyLB evaluation, each a configuration of the one routing core (paper §5.1-§5.2).
+
+A system says where balancers run, which core policy each uses, which replicas each sees and whether balancers
+forward to each other; ``build`` turns it plus a replica deployment into a ``Cluster``. No system re-implements
+routing: every decision is ``skylb.core.Router.dispatch`` with a policy from ``skylb.core.policies``.
+
+Single balancer in the US (paper §5.1: "For the baselines RR, LL, CH, and SGL, we deploy a single load balancer in
+the US"): every client, wherever it is, sends to that balancer, which pushes blindly to all replicas of all regions.
+A European request served in Europe therefore crosses the Atlantic twice each way (paper §3.1).
+
+* RR: ``round_robin`` (stateless rotation). LL: ``least_load`` (fewest outstanding requests from this balancer).
+* CH: ``consistent_hash``: ring hash of the session key (user id / question id; Envoy ring hash), blind.
+* SGL: ``sglang``: SGLang router's cache_aware policy (sgl-router cache_aware.rs: approximate tree, match >= 0.3
+  routes by prefix, else the smallest tree, least load when max - min > 64 and max > 1.5 min), blind.
+
+One balancer per region (clients reach their own region's, as DNS would send them):
+
+* GKE: the GKE multi-cluster Gateway stand-in (paper §5.1 and §6). Modelled as what that product does for this
+  traffic without extra configuration: each client reaches the gateway of its nearest cluster, and GCP backend
+  services spread requests over that cluster's endpoints round robin (``localityLbPolicy`` ROUND_ROBIN, the
+  default); no prefix awareness, no queue, no cross-region spill-over while the local cluster is healthy
+  (capacity-based spill-over needs a configured max rate per endpoint, which the paper does not mention).
+* RegionLocal: region-local deployment (paper §5.2, Fig. 10, Fig. 1a): each region's balancer serves only its own
+  replicas and never forwards. It uses SkyLB's own policy, so the comparison with SkyLB isolates cross-region
+  traffic handling.
+* SkyLB-CH: ``skylb-ch`` (hash ring + selective pushing) with forwarding to peers.
+* SkyLB: ``skylb`` (prefix trie + regional snapshot + selective pushing) with forwarding to peers.
+
+Upper bound:
+
+* Oracle: one scheduler over all replicas with a global, fresh view and a free network: SkyLB's ``skylb`` policy
+  in a single balancer that re-reads every replica's true pending count before each placement (no probe
+  staleness, at most one placement per replica per look), and zero latency between clients, scheduler and
+  replicas. Its prefix trie sees every request (a global prefix view, paper Fig. 6 "optimal with a global view").
+  It is not an optimum of the scheduling problem, only SkyLB's algorithm without the costs of being distributed.
+
+Selective pushing microbenchmark (paper §5.2, Fig. 9: "we extend the original [SGLang] router"): one balancer and
+its replicas in one region.
+
+* BP: ``sglang``, blind pushing (the original router).
+* SP-O: ``sglang-selective`` with a fixed cap of 10 outstanding requests per replica: the replicas are configured
+  with ``max_concurrency`` 10 and no pending metric, so the balancer derives pending = outstanding - 10 at each
+  probe (skylb/engines/openai.py, as the live balancer does for engines without that metric). 10 is the SkyLB
+  prototype's cap for replicas without an engine metric (reference/peers.md). Between two probes up to
+  ``max_dispatch_per_probe`` (4) more requests may go to a replica that showed room, as in the live balancer.
+* SP-P: ``sglang-selective`` on the engines' pending count (SkyLB's selective pushing).
+
+Every balancer uses the live defaults (skylb/config.py ``BalancerConfig``): probe interval 100 ms, state stale after
+5 intervals, tau 2, at most 4 requests per replica between two probes, trie chunks of 64 characters, prefix match
+threshold 0.5, 160 virtual nodes per ring member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from bench.sim.cluster import BalancerSetup, Cluster, Network
+from bench.sim.workloads import Workload
+from skylb.config import BalancerConfig
+from skylb.core import AvailabilityRules
+from skylb.emulator.model import EngineParams
+
+__all__ = ["System", "SYSTEMS", "FIG8_SYSTEMS", "FIG9_SYSTEMS", "replica_layout", "build"]
+
+_DEFAULTS = BalancerConfig()
+PROBE_INTERVAL_S = _DEFAULTS.probe_interval_ms / 1000
+
+
+def _rules(**overrides) -> AvailabilityRules:
+    """The live balancer's availability rules (BalancerConfig defaults), with ``overrides``."""
+    base = dict(tau=_DEFAULTS.tau, stale_after_s=PROBE_INTERVAL_S * _DEFAULTS.stale_after_intervals,
+                max_dispatch_per_probe=_DEFAULTS.max_dispatch_per_probe)
+    return AvailabilityRules(**(base | overrides))
+
+
+def _policy_options() -> dict:
+    """The live balancer's policy options (what skylb/balancer/balancer.py passes to make_policy)."""
+    return dict(trie_max_chars=_DEFAULTS.trie_max_chars, trie_chunk_chars=_DEFAULTS.trie_chunk_chars,
+                match_threshold=_DEFAULTS.match_threshold, hash_ring_vnodes=_DEFAULTS.hash_ring_vnodes)
+
+
+@dataclass(frozen=True)
+class System:
+    """One compared system.
+
+    Attributes:
+        key: short name used in tables and plots. label: a longer description for the report.
+        layout: "single" (one balancer in ``home`` over every replica), "per_region" (one balancer per region over
+            that region's replicas) or "global" (the oracle: one scheduler, fresh view, free network).
+        policy: core policy name. forwarding: per-region balancers forward to each other.
+        max_concurrency: replicas report no pending metric; the cap of SP-O. home: region of the single balancer.
+    """
+
+    key: str
+    label: str
+    layout: str
+    policy: str
+    forwarding: bool = False
+    max_concurrency: int | None = None
+    home: str = "us"
+    policy_options: Mapping[str, object] = field(default_factory=_policy_options)
+
+
+SYSTEMS: dict[str, System] = {s.key: s for s in (
+    System("RR", "single balancer (US), round robin, blind pushing", "single", "round_robin"),
+    System("LL", "single balancer (US), least load, blind pushing", "single", "least_load"),
+    System("CH", "single balancer (US), consistent hashing, blind pushing", "single", "consistent_hash"),
+    System("SGL", "single balancer (US), SGLang cache_aware, blind pushing", "single", "sglang"),
+    System("GKE", "per-region gateway, round robin, no prefix awareness, no spill-over", "per_region",
+           "round_robin"),
+    System("RegionLocal", "per-region SkyLB balancer, own replicas only (no forwarding)", "per_region", "skylb"),
+    System("SkyLB-CH", "per-region balancers, hash ring + selective pushing + forwarding", "per_region",
+           "skylb-ch", forwarding=True),
+    System("SkyLB", "per-region balancers, prefix trie + selective pushing + forwarding", "per_region", "skylb",
+           forwarding=True),
+    System("Oracle", "one scheduler, global fresh view, zero network latency, SkyLB policy", "global", "skylb"),
+    System("BP", "SGLang cache_aware, blind pushing", "single", "sglang"),
+    System("SP-O", "SGLang cache_aware, selective pushing by a cap of 10 outstanding per replica", "single",
+           "sglang-selective", max_concurrency=10),
+    System("SP-P", "SGLang cache_aware, selective pushing by pending requests", "single", "sglang-selective"),
+)}
+
+#: The systems of paper Fig. 8 (plus the oracle), in plotting order.
+FIG8_SYSTEMS = ("GKE", "RR", "LL", "CH", "SGL", "SkyLB-CH", "SkyLB", "Oracle")
+#: The systems of paper Fig. 9.
+FIG9_SYSTEMS = ("BP", "SP-O", "SP-P")
+
+
+def replica_layout(counts: Mapping[str, int]) -> dict[str, str]:
+    """Replica id -> region for ``counts`` (region -> replicas), ids like "us-r0"."""
+    return {f"{region}-r{i}": region for region, n in counts.items() for i in range(n)}
+
+
+def build(system: System, workload: Workload, counts: Mapping[str, int], *, seed: int, stop_at: float,
+          network: Network | None = None, params: EngineParams | None = None) -> Cluster:
+    """The Cluster of ``system`` over replicas ``counts`` (region -> replicas) running ``workload``."""
+    replicas = replica_layout(counts)
+    client_regions = workload.regions()
+    regions = list(dict.fromkeys([*counts, *client_regions]))
+    network = network or Network()
+    opts = dict(system.policy_options)
+    if system.layout == "single":
+        setups = [BalancerSetup(system.home, tuple(replicas), system.policy, opts, _rules(),
+                                max_concurrency=system.max_concurrency)]
+        entry = {r: system.home for r in client_regions}
+    elif system.layout == "per_region":
+        setups = [BalancerSetup(region, tuple(rid for rid, reg in replicas.items() if reg == region), system.policy,
+                                opts, _rules(), forwarding=system.forwarding, max_concurrency=system.max_concurrency)
+                  for region in regions]
+        entry = {r: r for r in client_regions}
+        if not system.forwarding:
+            empty = [s.region for s in setups if not s.replicas and s.region in client_regions]
+            if empty:
+                raise ValueError(f"{system.key}: regions {empty} have clients but no replicas and no forwarding")
+    elif system.layout == "global":
+        # Fresh view: a probe before every placement, so staleness and the dispatch cap are moot (cap 1 per look).
+        setups = [BalancerSetup("global", tuple(replicas), system.policy, opts,
+                                _rules(stale_after_s=float("inf"), max_dispatch_per_probe=1), fresh_view=True)]
+        entry = {r: "global" for r in client_regions}
+        network = Network(scale=0.0)
+    else:
+        raise ValueError(f"unknown layout {system.layout!r}")
+    return Cluster(workload=workload, replicas=replicas, balancers=setups, entry=entry, network=network,
+                   params=params, seed=seed, stop_at=stop_at, probe_interval_s=PROBE_INTERVAL_S)

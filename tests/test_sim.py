@@ -1,0 +1,235 @@
+"""The trace-driven simulator (bench/sim): determinism, the core in the loop, probe staleness, network costs,
+selective vs blind pushing, closed-loop clients, conservation, and a smoke run of every system."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.sim.cluster import BalancerSetup, Cluster, Network
+from bench.sim.metrics import replicas_needed, summarize
+from bench.sim.scenarios import SCENARIOS, even_split, execute, runs_of
+from bench.sim.systems import SYSTEMS, build
+from bench.sim.workloads import ARENA, TOT_2, SimRequest, Workload, conversations, trees
+from skylb.core import AvailabilityRules, Router
+
+
+def _small_conversations(seed: int = 0) -> Workload:
+    return conversations(ARENA, {"us": 6, "eu": 3, "asia": 3}, seed=seed)
+
+
+def _run(system: str, workload: Workload, counts: dict, *, seed: int = 0, stop_at: float = 20.0) -> Cluster:
+    return build(SYSTEMS[system], workload, counts, seed=seed, stop_at=stop_at).run()
+
+
+def _fingerprint(cluster: Cluster) -> list[tuple]:
+    return [(f.req.id, round(f.sent_at, 9), round(f.first_token_at, 9), round(f.done_at, 9), f.replica.id)
+            for f in cluster.records]
+
+
+def _burst(n: int, *, at: float, prompt: int, output: int, region: str = "us", prefix: str = "b") -> list[SimRequest]:
+    return [SimRequest(f"{prefix}{i}", f"k{i}", [f"w{i}"] + ["tok"] * (prompt - 1), output, arrival_s=at,
+                       region=region) for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------- determinism
+
+
+def test_same_seed_same_run_and_other_seed_differs():
+    """A run is a deterministic function of its seed: same seed, identical timings; another seed, other ones."""
+    counts = {"us": 1, "eu": 1, "asia": 1}
+    a = _run("SkyLB", _small_conversations(0), counts, seed=0)
+    b = _run("SkyLB", _small_conversations(0), counts, seed=0)
+    c = _run("SkyLB", _small_conversations(1), counts, seed=1)
+    assert _fingerprint(a) == _fingerprint(b)
+    assert _fingerprint(a) != _fingerprint(c)
+
+
+# ----------------------------------------------------------------------------------------------- the core drives
+
+
+def test_simulator_drives_the_core_router():
+    """Every balancer is a skylb.core.Router; its decisions account for every request; a policy swap changes outcomes."""
+    counts = {"us": 2, "eu": 1, "asia": 1}
+    rr = _run("RR", _small_conversations(), counts)
+    ch = _run("CH", _small_conversations(), counts)
+    router = rr.balancers["us"].router
+    assert isinstance(router, Router)
+    assert sum(r.served for r in router.replicas.values()) == len(rr.records)
+    assert all(r.outstanding == 0 for r in router.replicas.values())  # every decision was released
+    placement = lambda c: {f.req.id: f.replica.id for f in c.records}  # noqa: E731
+    assert placement(rr) != placement(ch)
+    # consistent hashing keeps each user on one replica; round robin spreads a user's turns
+    for cluster in (rr, ch):
+        spread: dict[str, set] = {}
+        for f in cluster.records:
+            if f.sent_at > 1.0:  # before every replica answered its first probe, the ring skips unprobed ones
+                spread.setdefault(f.req.session_key, set()).add(f.replica.id)
+        if cluster is ch:
+            assert all(len(s) == 1 for s in spread.values())
+        else:
+            assert any(len(s) > 1 for s in spread.values())
+
+
+# --------------------------------------------------------------------------------------------------- staleness
+
+
+def _probe_cluster(burst: list[SimRequest]) -> Cluster:
+    workload = Workload("burst", "burst", arrivals=burst)
+    setup = BalancerSetup("us", ("us-r0",), "skylb", rules=AvailabilityRules(max_dispatch_per_probe=0))
+    return Cluster(workload=workload, replicas={"us-r0": "us"}, balancers=[setup], entry={"us": "us"},
+                   stop_at=10.0)
+
+
+def test_replica_is_not_seen_full_before_its_next_probe():
+    """Probes are snapshots: a replica that fills up looks available until the next probe answer (<= interval + RTT)."""
+    burst = _burst(30, at=1.0, prompt=3000, output=50)
+    cluster = _probe_cluster(burst)
+    balancer = cluster.balancers["us"]
+    replica = cluster.replicas["us-r0"]
+    seen: list[tuple[float, int]] = []
+    observe = balancer.router.observe_replica
+
+    def spy(rid, **kw):
+        seen.append((kw["now"], kw["pending"]))
+        observe(rid, **kw)
+
+    balancer.router.observe_replica = spy
+    checks: list[tuple[float, int, int]] = []
+
+    def check():
+        checks.append((cluster.loop.now, replica.engine.num_waiting, balancer.router.replicas["us-r0"].pending))
+
+    full_at = 1.0 + 0.002  # client -> balancer 1 ms, balancer -> replica 1 ms: the burst is at the engine
+    for dt in (0.0005, 0.02, 0.05, 0.09):
+        cluster.loop.at(full_at + dt, check)
+    cluster.run()
+    first_seen = min(t for t, pending in seen if pending > 0)
+    assert 0 < first_seen - full_at <= cluster.probe_interval_s + 0.002 + 1e-9
+    for t, waiting, router_pending in checks:
+        assert waiting > 0  # the engine is full ...
+        if t < first_seen:
+            assert router_pending == 0  # ... but the balancer still sees the last probe
+    # with no dispatch cap and a stale view, the whole burst went to the replica that looked empty
+    assert max(p for _, p in seen) >= 20
+
+
+# ------------------------------------------------------------------------------------------------------ network
+
+
+def test_forwarded_request_ttft_includes_the_round_trip():
+    """A request forwarded from us to eu pays the us-eu RTT (there and back) on top of the engine's own TTFT."""
+    net = Network()
+    rtt = 2 * net.one_way_s("us", "eu")
+    workload = Workload("fwd", "fwd", arrivals=[*_burst(1, at=1.0, prompt=200, output=20, region="us", prefix="u"),
+                                                *_burst(1, at=3.0, prompt=200, output=20, region="eu", prefix="e")])
+    cluster = build(SYSTEMS["SkyLB"], workload, {"us": 0, "eu": 1}, seed=0, stop_at=10.0).run()
+    by_id = {f.req.id: f for f in cluster.records}
+    fwd, local = by_id["u0"], by_id["e0"]
+    assert fwd.forwarded and not local.forwarded
+    fwd_overhead = (fwd.first_token_at - fwd.sent_at) - fwd.result.ttft_s
+    local_overhead = (local.first_token_at - local.sent_at) - local.result.ttft_s
+    assert fwd_overhead >= rtt + 2 * 0.001
+    assert local_overhead == pytest.approx(4 * 0.001, abs=1e-9)  # client->LB->replica and back, 1 ms each
+    # the stream back crosses the ocean too: E2E overhead over the engine's own E2E is at least the RTT
+    assert (fwd.done_at - fwd.sent_at) - fwd.result.e2e_s >= rtt
+
+
+def test_single_us_balancer_makes_remote_clients_cross_twice():
+    """Through one US balancer, an EU client served in the EU pays two us-eu round trips in its TTFT."""
+    net = Network()
+    workload = Workload("remote", "remote", arrivals=_burst(1, at=1.0, prompt=200, output=20, region="eu"))
+    cluster = build(SYSTEMS["LL"], workload, {"eu": 1}, seed=0, stop_at=10.0).run()
+    f = cluster.records[0]
+    assert (f.first_token_at - f.sent_at) - f.result.ttft_s == pytest.approx(4 * net.one_way_s("us", "eu"))
+
+
+# ------------------------------------------------------------------------------------------- selective pushing
+
+
+def test_selective_pushing_keeps_replica_pending_near_zero():
+    """Under overload, selective pushing holds requests at the balancer; blind pushing queues them at replicas."""
+    def overload() -> Workload:  # 200 requests of 1,200 tokens in 5 s at 2 replicas that hold about 27 each
+        arrivals = [r for i in range(50) for r in _burst(4, at=0.5 + 0.1 * i, prompt=1000, output=200,
+                                                         prefix=f"o{i}-")]
+        return Workload("overload", "overload", arrivals=arrivals)
+
+    summaries = {}
+    for system in ("LL", "SkyLB"):
+        cluster = build(SYSTEMS[system], overload(), {"us": 2}, seed=0, stop_at=10.0).run()
+        summaries[system] = summarize(cluster, scenario="t", system=system, layout="", warmup_s=3.0)
+    blind, selective = summaries["LL"], summaries["SkyLB"]
+    assert blind.pending_mean > 30.0 and blind.queue_mean == 0.0
+    assert selective.pending_mean < 2.0 and selective.queue_mean > 60.0
+
+
+# ---------------------------------------------------------------------------------------- clients and conservation
+
+
+def test_closed_loop_clients_wait_for_the_previous_request():
+    """A conversation turn is sent only after the previous turn completed; a tree node only after its parent."""
+    for workload in (_small_conversations(), trees(TOT_2, {"us": 4}, seed=0)):
+        cluster = _run("SkyLB", workload, {"us": 1, "eu": 1, "asia": 1} if workload.name != "tot" else {"us": 2})
+        done = {f.req.id: f.done_at for f in cluster.records}
+        children = 0
+        for f in cluster.records:
+            if f.req.parent is not None:
+                children += 1
+                assert f.sent_at >= done[f.req.parent]
+        assert children > 0
+        # a conversation client never has two requests in flight
+        if workload.name != "tot":
+            per_client: dict[str, list] = {}
+            for f in cluster.records:
+                per_client.setdefault(f.req.session_key, []).append((f.sent_at, f.done_at))
+            for spans in per_client.values():
+                spans.sort()
+                assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_every_request_completes_exactly_once():
+    """Conservation: every sent request completes once, at one replica, and the engines finished as many."""
+    cluster = build(SYSTEMS["SkyLB"], _small_conversations(), {"us": 1, "eu": 1, "asia": 1}, seed=0, stop_at=20.0)
+    sent: list[str] = []
+    send = cluster.send
+    cluster.send = lambda req, client, region: (sent.append(req.id), send(req, client, region))
+    cluster.run()
+    ids = [f.req.id for f in cluster.records]
+    assert sorted(ids) == sorted(sent) and len(set(ids)) == len(ids) > 0
+    finished = sum(sum(r.engine.requests_finished.values()) for r in cluster.replicas.values())
+    assert finished == len(ids)
+    assert all(f.done_at >= f.first_token_at >= f.sent_at for f in cluster.records)
+    assert not cluster.flights and cluster.finished
+
+
+# ------------------------------------------------------------------------------------------------------- smoke
+
+
+@pytest.mark.parametrize("spec", runs_of("smoke"), ids=lambda s: s.system)
+def test_smoke_run_of_each_system(spec):
+    """Each system runs the smoke scenario to completion with sane metrics."""
+    r = execute(spec)
+    assert r.completed > 0 and r.throughput_rps > 0
+    assert 0 < r.ttft_p50 <= r.ttft_p90 and r.e2e_p50 > r.ttft_p50
+    assert 0.0 <= r.hit_rate <= 1.0 and 0.0 <= r.forwarded_frac <= 1.0
+    if SYSTEMS[spec.system].layout == "global":
+        assert r.network_mean == 0.0
+
+
+def test_scenario_helpers():
+    """Replica counts spread evenly; replicas_needed finds the smallest count that reaches a target."""
+    assert even_split(7) == {"us": 3, "eu": 2, "asia": 2}
+    assert sum(even_split(11).values()) == 11
+    assert replicas_needed({6: 5.0, 9: 7.9, 12: 9.0}, 8.0) == 12
+    assert replicas_needed({6: 5.0, 9: 7.9, 12: 9.0}, 8.0, tolerance=0.03) == 9
+    assert replicas_needed({6: 5.0}, 8.0) is None
+    assert {s.system for s in runs_of("smoke")} == set(SYSTEMS)
+    assert "smoke" in SCENARIOS
+
+
+def test_cli_bench_sim_writes_a_report(tmp_path):
+    """`skylb bench sim --scenario smoke` writes its markdown report and JSON results."""
+    from skylb.cli import main
+    assert main(["bench", "sim", "--scenario", "smoke", "--out", str(tmp_path), "--jobs", "1",
+                 "--no-progress"]) == 0
+    report = (tmp_path / "smoke.md").read_text()
+    assert "| SkyLB " in report and (tmp_path / "smoke.json").is_file()
