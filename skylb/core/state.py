@@ -134,6 +134,9 @@ class AvailabilityRules:
             return r.error or "unhealthy"
         if r.pending > 0:
             return "pending requests"
+        # Engines without a pending metric: the balancer's own in-flight count is exact and live, no probe needed.
+        if r.max_concurrency is not None and r.outstanding >= r.max_concurrency:
+            return "at max concurrency"
         if self.max_dispatch_per_probe and r.sent_since_probe >= self.max_dispatch_per_probe:
             return "awaiting probe"
         return None
