@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean llama-server
 
 install: $(STAMP)
 
@@ -19,7 +19,16 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/skylb local --config configs/local-3region.yaml $(if $(TRACE),--trace $(TRACE))
 
-test: install
+# The real llama.cpp replica that tests/test_llamacpp.py runs: built from source once per machine (about 5 minutes
+# on 2 cores) and cached under ~/.cache/skylb; instant when cached. SKYLB_LLAMA_SERVER=path uses an existing binary.
+llama-server: install
+ifdef SKYLB_LLAMA_SERVER
+	@test -x "$(SKYLB_LLAMA_SERVER)" || { echo "SKYLB_LLAMA_SERVER=$(SKYLB_LLAMA_SERVER) is not executable"; exit 1; }
+else
+	PYTHON=$(abspath $(PY)) deploy/llamacpp/build-llama-server.sh
+endif
+
+test: install llama-server
 	$(PY) -m pytest -q
 
 clean:

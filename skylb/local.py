@@ -1,9 +1,10 @@
 """`skylb local`: a whole multi-region SkyLB deployment on this machine, a workload replay, and the report.
 
 It starts, as real processes talking real HTTP: the controller; one emulator process per region serving that
-region's replicas; the latency proxy (Toxiproxy API; a real Toxiproxy when TOXIPROXY_URL is set) with one link per
-ordered pair of regions carrying the configured round trip; one balancer per region, reaching each peer through its
-link. It registers the replicas through the controller's API, waits until every balancer sees them, replays the
+region's replicas (or, with ``emulator.engine: llamacpp`` or ``--llamacpp``, one real llama.cpp ``llama-server``
+per replica, see skylb/llamacpp.py); the latency proxy (Toxiproxy API; a real Toxiproxy when TOXIPROXY_URL is set)
+with one link per ordered pair of regions carrying the configured round trip; one balancer per region, reaching
+each peer through its link. It registers the replicas through the controller's API, waits until every balancer sees them, replays the
 workload with each region's clients calling their own region's balancer (the launcher plays DNS), prints the report
 and writes it as JSON. Every process it started is stopped at the end, also on Ctrl-C, SIGTERM or failure.
 """
@@ -26,10 +27,21 @@ import yaml
 from bench.replay import replay_and_report
 from bench.report import format_table
 from skylb.config import ConfigError, DeploymentConfig, load_config
+from skylb.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
+                            model_alias)
 from skylb.latency.links import LatencyLinks
 from skylb.procs import ProcGroup, free_ports, wait_http
 
-__all__ = ["add_arguments", "main", "Deployment"]
+__all__ = ["add_arguments", "main", "Deployment", "LLAMACPP_REPLICAS", "LLAMACPP_MAX_TOKEN_SCALE"]
+
+#: With --llamacpp: llama-server replicas per region (unless --replicas says otherwise); each runs on the CPU.
+LLAMACPP_REPLICAS = 1
+#: With --llamacpp: the workload's token_scale is capped at this, so that prompts (a Mooncake request has up to
+#: ~120k tokens; at 0.01 about 1.2k) fit one slot's context (2048 tokens by default) and a replay on real CPU
+#: inference (~80 tokens/s decode, ~350 tokens/s prefill on 2 cores, shared/reference/engines.md) ends in minutes.
+LLAMACPP_MAX_TOKEN_SCALE = 0.01
+#: How long one llama-server may take to load its model before /health answers 200 (s).
+LLAMACPP_START_TIMEOUT_S = 120.0
 
 
 def _say(msg: str) -> None:
@@ -69,8 +81,10 @@ class Deployment:
                          "--db", str(self.run_dir / "controller.sqlite"), name="controller",
                          wait_url=f"{self.controller_url}/healthz")
 
+        if cfg.emulator.engine == "llamacpp":
+            self._start_llama_servers()
         for region, urls in self.replica_urls.items():
-            if not urls:
+            if not urls or cfg.emulator.engine == "llamacpp":
                 continue
             port_args = [a for u in urls for a in ("--port", u.rsplit(":", 1)[1])]
             _say(f"{region}: {len(urls)} emulated {cfg.emulator.engine} replicas on ports "
@@ -113,6 +127,43 @@ class Deployment:
                            {"region": region, "url": url, "engine": cfg.emulator.engine})
         _say(f"registered {n_replicas} replicas through the controller")
         self._wait_ready()
+
+    def _start_llama_servers(self) -> None:
+        """Start one real llama-server per replica (all loading at once), wait until each answers /health with 200,
+        and check that each reports the expected model id on /v1/models.
+
+        Raises RuntimeError when llama-server or the model cannot be had, or a server does not come up.
+        """
+        emu = self.cfg.emulator
+        try:
+            binary = Path(emu.llamacpp_binary) if emu.llamacpp_binary else llama_server_binary(build=True)
+            model = Path(emu.llamacpp_model) if emu.llamacpp_model else gemma_model_path()
+        except (LlamaCppUnavailable, ValueError, OSError) as exc:
+            raise RuntimeError(f"cannot start llama-server replicas: {exc}") from exc
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            raise RuntimeError(f"llama-server binary {binary} is not an executable file")
+        if not model.is_file():
+            raise RuntimeError(f"model file {model} does not exist")
+        alias = model_alias(model)
+        _say(f"llama-server {binary}, model {model} (id {alias})")
+        started = []
+        for region, urls in self.replica_urls.items():
+            if urls:
+                _say(f"{region}: {len(urls)} llama-server replicas ({emu.llamacpp_parallel} slots, "
+                     f"{emu.llamacpp_threads} threads each) on ports {', '.join(u.rsplit(':', 1)[1] for u in urls)}")
+            for i, url in enumerate(urls):
+                argv = llama_server_command(int(url.rsplit(":", 1)[1]), model_path=model, binary=binary,
+                                            parallel=emu.llamacpp_parallel, ctx_size=emu.llamacpp_ctx_size,
+                                            threads=emu.llamacpp_threads, alias=alias, extra_args=emu.extra_args)
+                started.append((self.procs.start(argv, name=f"llama-server-{region}-{i}"), url))
+        for proc, url in started:
+            try:  # /health answers 503 "Loading model" until the model is loaded
+                wait_http(f"{url}/health", timeout_s=LLAMACPP_START_TIMEOUT_S, proc=proc.popen)
+            except (TimeoutError, RuntimeError) as exc:
+                raise RuntimeError(f"{proc.name}: {exc}\n--- log ---\n{proc.log()[-4000:]}") from exc
+            served = [m.get("id") for m in _get_json(f"{url}/v1/models").get("data", [])]
+            if alias not in served:
+                raise RuntimeError(f"llama-server at {url} reports models {served}, expected {alias}")
 
     def _write_config(self) -> Path:
         data = self.cfg.model_dump()
@@ -195,6 +246,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=["skylb", "skylb-ch", "round_robin", "least_load"],
                         help="routing policy of every balancer")
     parser.add_argument("--replicas", type=int, help="emulated replicas per region (overrides the config)")
+    parser.add_argument("--llamacpp", action="store_true",
+                        help=f"real llama.cpp llama-server replicas (gemma-3-270m on the CPU) instead of emulated "
+                        f"ones: {LLAMACPP_REPLICAS} per region unless --replicas, workload token_scale at most "
+                        f"{LLAMACPP_MAX_TOKEN_SCALE:g}; builds llama-server first when missing (~5 min)")
     parser.add_argument("--window-s", type=float, help="trace window to replay (trace time, s)")
     parser.add_argument("--max-requests", type=int, help="replay at most this many requests")
     parser.add_argument("--out", help="where to write the report JSON (default: in the run directory)")
@@ -207,6 +262,11 @@ def _apply_overrides(cfg: DeploymentConfig, args: argparse.Namespace) -> Deploym
     data = cfg.model_dump()
     if args.policy:
         data["balancer"]["policy"] = args.policy
+    if getattr(args, "llamacpp", False):
+        data["emulator"]["engine"] = "llamacpp"
+        data["workload"]["token_scale"] = min(data["workload"]["token_scale"], LLAMACPP_MAX_TOKEN_SCALE)
+        for region in data["regions"].values():
+            region["replicas"] = min(region["replicas"], LLAMACPP_REPLICAS)
     if args.replicas is not None:
         for region in data["regions"].values():
             region["replicas"] = args.replicas
