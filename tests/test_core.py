@@ -412,3 +412,28 @@ def test_max_concurrency_caps_outstanding_without_waiting_for_a_probe():
     assert router.rules.replica_unavailable_reason(router.replicas["r0"], 0.01) == "at max concurrency"
     router.finished(first[0])
     assert len(router.dispatch(0.02)) == 1
+
+
+def test_replica_at_capacity_is_full_before_anything_is_pending():
+    """When the engine reports its slot count, running == slots makes the replica unavailable (llama.cpp)."""
+    router = _router(replicas=1, peers=(), max_dispatch_per_probe=0)
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=1, capacity=2)
+    for i in range(3):
+        router.enqueue(Request(f"q{i}", "x", arrived_at=0.0))
+    assert len(router.dispatch(0.01)) == 1  # one free slot: one request
+    assert router.rules.replica_unavailable_reason(router.replicas["r0"], 0.01) == "batch full"
+    router.observe_replica("r0", now=0.1, healthy=True, pending=0, running=1, capacity=2)
+    assert len(router.dispatch(0.11)) == 1
+
+
+def test_a_probe_sent_before_a_dispatch_does_not_clear_it():
+    """A probe answer only clears dispatches made before the probe left; later ones stay counted."""
+    router = _router(replicas=1, peers=(), max_dispatch_per_probe=1)
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0)
+    router.enqueue(Request("q0", "x", arrived_at=0.0))
+    router.enqueue(Request("q1", "x", arrived_at=0.0))
+    assert len(router.dispatch(0.05)) == 1
+    router.observe_replica("r0", now=0.06, healthy=True, pending=0, probe_sent_at=0.04)  # left before q0
+    assert router.dispatch(0.07) == [] and router.replicas["r0"].sent_since_probe == 1
+    router.observe_replica("r0", now=0.16, healthy=True, pending=0, probe_sent_at=0.14)
+    assert len(router.dispatch(0.17)) == 1

@@ -265,19 +265,15 @@ def _one_region(procs, tmp_path, llama, *, policy: str | None, balancer: dict | 
 
 
 def test_selective_pushing_keeps_llama_server_from_deferring(procs, tmp_path, llama):
-    """With the skylb policy, 8 concurrent requests on a 2-slot llama-server wait in the balancer's queue, and the
-    engine's requests_deferred stays at 2 or less (it is 6 under blind pushing, see the next test)."""
-    # Why not 0: llama-server reports deferred = 0 while both slots run, so a replica that is full but has no
-    # deferred request yet looks available; at most max_dispatch_per_probe (1 here) request goes to it per probe
-    # and waits there until a slot frees (deferred 1). A second one can slip through when a probe that was already
-    # under way when that request left answers "0" (the probe race): 2. The default cap (4) lets a burst of 8 put
-    # 6 into the engine before the first probe sees them, so this test sets 1, as test_balancer's does.
-    cluster, replica = _one_region(procs, tmp_path, llama, policy=None,
-                                   balancer={"probe_interval_ms": 100, "max_dispatch_per_probe": 1})
+    """With the skylb policy and default settings, 8 concurrent requests on a 2-slot llama-server wait in the
+    balancer's queue, and the engine's requests_deferred stays 0 (it is 6 under blind pushing, see the next test)."""
+    # llama-server reports deferred = 0 while both slots run; the balancer knows the slot count (/props total_slots)
+    # and treats running == slots as full, and a probe only clears dispatches sent before it left.
+    cluster, replica = _one_region(procs, tmp_path, llama, policy=None, balancer={"probe_interval_ms": 100})
     deferred, queue, _ = _peak_deferred_under_load(cluster, replica, llama["id"])
     print(f"\n[selective pushing, skylb] peak llamacpp:requests_deferred = {deferred}, peak balancer queue = {queue}")
     assert queue >= 4  # the excess over the 2 slots waited at the balancer ...
-    assert deferred <= 2  # ... not in llama-server (one request per probe, plus at most one of a probe race)
+    assert deferred == 0  # ... not in llama-server
 
 
 def test_blind_pushing_makes_llama_server_defer(procs, tmp_path, llama):

@@ -181,10 +181,12 @@ class Balancer:
             except ValueError as exc:
                 self.router.observe_replica(state.id, now=self.now(), healthy=False, error=str(exc))
                 return
+            sent_at = self.now()
             result = await adapter.probe(self.session, state.url, timeout_s=timeout_s,
                                          outstanding=state.outstanding, max_concurrency=state.max_concurrency)
             self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
-                                        running=result.running, error=result.error)
+                                        running=result.running, error=result.error, capacity=result.capacity,
+                                        probe_sent_at=sent_at)
             if result.healthy and state.models is None:
                 engine = detected_engine(state.url) if state.engine == "auto" else state.engine
                 if engine == "ollama":  # Ollama serves its own API besides the OpenAI one

@@ -159,7 +159,7 @@ class Router:
         if local:
             replica = self.policy.pick_replica(request, local)
             replica.outstanding += 1
-            replica.sent_since_probe += 1
+            replica.dispatch_times.append(now)
             replica.served += 1
             self.policy.routed(request, replica=replica.id)
             return Decision(request, "replica", replica.id, replica.url, now - request.arrived_at)
@@ -189,11 +189,13 @@ class Router:
 
     # -- probes and status --------------------------------------------------------------------------------------
     def observe_replica(self, replica_id: str, *, now: float, healthy: bool, pending: int = 0,
-                        running: int | None = None, error: str | None = None) -> None:
-        """Record a probe answer for a local replica (ignored if the replica left)."""
+                        running: int | None = None, error: str | None = None, capacity: int | None = None,
+                        probe_sent_at: float | None = None) -> None:
+        """Record a probe answer for a local replica (ignored if the replica left); see ReplicaState.observe_probe."""
         state = self.replicas.get(replica_id)
         if state is not None:
-            state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error)
+            state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error,
+                                capacity=capacity, probe_sent_at=probe_sent_at)
 
     def observe_peer(self, region: str, *, now: float, ok: bool, available_replicas: int = 0, replicas: int = 0,
                      queue_len: int = 0, error: str | None = None,

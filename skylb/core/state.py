@@ -13,7 +13,8 @@ peer) between two of its probes, so a burst is spread instead of piling up on th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 __all__ = ["ReplicaState", "PeerState", "AvailabilityRules"]
 
@@ -29,7 +30,9 @@ class ReplicaState:
         running: requests in the engine's running batch in the latest probe, or None if not reported.
         probed_at: time of the latest probe answer, s (None: never probed).
         outstanding: requests this balancer sent there that have not finished (never negative).
-        sent_since_probe: requests sent there since the latest probe answer.
+        sent_since_probe: requests sent there that the latest probe may not have seen (sent after it was sent).
+        capacity: the most requests the engine runs at once, when the engine says (llama.cpp slots); a replica
+            whose latest probe shows ``running`` at capacity is full even before a request is pending.
         draining: removed from membership; gets no new requests while its in-flight ones finish.
         max_concurrency: the replica's parallel slots when configured (engines without a pending metric).
         models: the model ids it serves (None until learned from the replica); apis: the API dialects it speaks.
@@ -44,27 +47,42 @@ class ReplicaState:
     running: int | None = None
     probed_at: float | None = None
     outstanding: int = 0
-    sent_since_probe: int = 0
+    dispatch_times: deque = field(default_factory=deque, repr=False)
     draining: bool = False
     error: str | None = None
     served: int = 0
     max_concurrency: int | None = None
     models: frozenset[str] | None = None
     apis: frozenset[str] = frozenset({"openai"})
+    capacity: int | None = None
+
+    @property
+    def sent_since_probe(self) -> int:
+        """Requests sent here after the latest probe was sent (so possibly unseen by it)."""
+        return len(self.dispatch_times)
 
     def serves(self, model: str, api: str) -> bool:
         """True when this replica serves ``model`` ("" = any model) in dialect ``api``."""
         return api in self.apis and (not model or (self.models is not None and model in self.models))
 
     def observe_probe(self, *, now: float, healthy: bool, pending: int = 0, running: int | None = None,
-                      error: str | None = None) -> None:
-        """Record one probe answer taken at ``now`` (s)."""
+                      error: str | None = None, capacity: int | None = None,
+                      probe_sent_at: float | None = None) -> None:
+        """Record one probe answer received at ``now`` (s).
+
+        ``probe_sent_at`` (s): when the probe left; requests dispatched after that may be missing from the answer,
+        so they stay counted in ``sent_since_probe`` (None: the answer covers everything sent before ``now``).
+        """
         self.healthy = healthy
         self.pending = max(0, int(pending)) if healthy else self.pending
         self.running = running if healthy else self.running
+        if capacity is not None:
+            self.capacity = capacity
         self.error = None if healthy else (error or "probe failed")
         self.probed_at = now
-        self.sent_since_probe = 0
+        cutoff = now if probe_sent_at is None else probe_sent_at
+        while self.dispatch_times and self.dispatch_times[0] < cutoff:
+            self.dispatch_times.popleft()
 
 
 @dataclass
@@ -134,6 +152,11 @@ class AvailabilityRules:
             return r.error or "unhealthy"
         if r.pending > 0:
             return "pending requests"
+        if r.capacity is not None and r.running is not None:
+            # The probe may miss a request that raced it on another connection; this balancer's own in-flight
+            # count never does (it only errs high, by responses still draining).
+            if max(r.running + r.sent_since_probe, r.outstanding) >= r.capacity:
+                return "batch full"
         # Engines without a pending metric: the balancer's own in-flight count is exact and live, no probe needed.
         if r.max_concurrency is not None and r.outstanding >= r.max_concurrency:
             return "at max concurrency"
