@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test clean llama-server
+.PHONY: install demo test bench clean llama-server
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ endif
 
 test: install llama-server
 	$(PY) -m pytest -q
+
+# The simulated SkyLB evaluation (paper Fig. 8-10): writes bench/results/README.md and PNG plots (about 3 minutes).
+bench: install
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(VENV)/bin/skylb bench all
 
 clean:
 	rm -rf $(VENV) .skylb-run .pytest_cache

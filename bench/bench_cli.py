@@ -180,7 +180,12 @@ def _replicas_needed_table(rows) -> list[str]:
 
 
 def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
-    from bench.plots import plot_fig8, plot_fig9, plot_fig10
+    try:
+        from bench.plots import plot_fig8, plot_fig9, plot_fig10
+    except ModuleNotFoundError as exc:  # matplotlib comes with the bench extra, not the core install
+        print(f"skylb bench: no plots ({exc.name} is not installed; `pip install -e '.[bench]'` or `make bench`)",
+              file=sys.stderr)
+        return {}
     from bench.sim.scenarios import SCENARIOS
     from bench.sim.systems import FIG8_SYSTEMS, FIG9_SYSTEMS
     plots: dict[str, str] = {}
