@@ -12,7 +12,8 @@ from skylb.balancer.protocol import ProtocolError, decode_status, encode_status,
 
 def test_status_round_trip():
     """A status encoded by one balancer decodes to the same fields on its peer."""
-    status = {"region": "eu", "available_replicas": 2, "replicas": 4, "queue_len": 1, "models": ["m"]}
+    status = {"region": "eu", "available_replicas": 2, "replicas": 4, "queue_len": 1,
+              "models": {"openai": {"m": 2}, "ollama": {}}}
     assert decode_status(encode_status(status)) == {"v": 1, **status}
 
 
@@ -22,6 +23,8 @@ def test_status_round_trip():
     {"v": 1, "region": "eu", "available_replicas": -1, "replicas": 1, "queue_len": 0},
     {"v": 1, "region": "eu", "available_replicas": True, "replicas": 1, "queue_len": 0},
     {"v": 1, "region": "eu", "available_replicas": 1, "replicas": 1, "queue_len": "0"},
+    {"v": 1, "region": "eu", "available_replicas": 1, "replicas": 1, "queue_len": 0, "models": ["m"]},
+    {"v": 1, "region": "eu", "available_replicas": 1, "replicas": 1, "queue_len": 0, "models": {"openai": {"m": -1}}},
     [1, 2, 3],
 ])
 def test_invalid_status_is_a_protocol_error(bad):
