@@ -1,0 +1,288 @@
+"""The paper's multi-region scenario scaled down and run live: SkyLB's policies on the local three-region deployment.
+
+Entry points:
+
+* ``.venv/bin/python -m bench.live [--systems NAME ...] [--out-md bench/results/live.md] [--out-json PATH]``;
+  :func:`main` ``(argv) -> int`` is the same for a ``skylb bench live`` subcommand.
+* :func:`run_live` runs every system and returns the result dict; :func:`format_markdown` renders the report with
+  the ranking (throughput and P90 TTFT per system), to be set beside the simulator's ranking.
+
+Each system gets its own fresh deployment (skylb/local.py ``Deployment``: controller, one emulator process per
+region, the latency proxy with the configured round trips between regions, one balancer per region, all real
+processes) and the same multi-region workload: closed-loop multi-turn conversations (bench/workload.py), regionally
+skewed like the paper's 120/40/40 clients (§5.2 "Diurnal pattern"): weights us 0.6, eu 0.2, asia 0.2.
+
+Systems (:data:`LIVE_SYSTEMS`): the balancer's policies ``skylb`` (prefix trie + selective pushing), ``skylb-ch``
+(hash ring + selective pushing), ``round_robin`` and ``least_load`` (blind pushing), and ``region-local`` (``skylb``
+policy, but no balancer accepts another's status probes, so nothing is ever forwarded: the paper's region-local
+deployment, Fig. 10). Note that blind-pushing balancers always find a healthy local replica, so they never forward
+either; in the paper RR and LL are one global balancer in the US instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench.peers import MODEL, MachineLoad, conditions_lines, now_label, summarize
+from bench.replay import replay
+from bench.report import build_report, write_json
+from bench.workload import describe, synthetic_workload
+from skylb.config import DeploymentConfig, WorkloadConfig, load_config
+from skylb.local import Deployment
+
+__all__ = ["LIVE_SYSTEMS", "LiveSetup", "RegionLocalDeployment", "deployment_config", "run_system", "run_live",
+           "ranking", "format_markdown", "main"]
+
+#: name -> (balancer policy, region-local?)
+LIVE_SYSTEMS: dict[str, tuple[str, bool]] = {
+    "skylb": ("skylb", False),
+    "skylb-ch": ("skylb-ch", False),
+    "round_robin": ("round_robin", False),
+    "least_load": ("least_load", False),
+    "region-local": ("skylb", True),
+}
+REGIONS = ("us", "eu", "asia")
+
+
+@dataclass
+class LiveSetup:
+    """The shared setup of a live run.
+
+    Attributes:
+        replicas: emulated vLLM replicas per region. max_num_seqs: running-batch slots per replica (requests).
+        time_scale: emulated durations x this (1 = Llama-3.1-8B on an L4). conversations: conversations per
+            region on average (``synthetic_conversations``; split 0.6/0.2/0.2). turns: per conversation.
+        token_scale: prompt and answer lengths x this. seed: workload seed. deadline_s: bound of one replay, s.
+        rtt_ms: round trips between regions (ms), as in the default config.
+    """
+
+    replicas: int = 2
+    max_num_seqs: int = 4
+    time_scale: float = 1.0
+    conversations: int = 10
+    turns: int = 5
+    token_scale: float = 0.25
+    seed: int = 0
+    deadline_s: float = 180.0
+    request_timeout_s: float = 120.0
+    rtt_ms: dict | None = None
+
+    def workload_config(self) -> WorkloadConfig:
+        """The synthetic, regionally skewed workload (us 0.6, eu 0.2, asia 0.2)."""
+        return WorkloadConfig(trace=None, synthetic_conversations=self.conversations, synthetic_turns=self.turns,
+                              token_scale=self.token_scale, region_weights={"us": 0.6, "eu": 0.2, "asia": 0.2},
+                              seed=self.seed, request_timeout_s=self.request_timeout_s)
+
+
+def deployment_config(setup: LiveSetup, *, policy: str, region_local: bool) -> DeploymentConfig:
+    """The deployment of one system: the embedded default config with the setup's sizes and ``policy``.
+
+    Region-local: each region's balancer gets its own peer token, so every peer answers its status probes with
+    403 and no peer is ever available (the balancer is unchanged; it simply never forwards).
+    """
+    data = load_config(None).model_dump()
+    data["regions"] = {r: {"replicas": setup.replicas,
+                           "balancer": {"peer_token": f"region-local-{r}"} if region_local else {}}
+                       for r in REGIONS}
+    data["emulator"].update(engine="vllm", model=MODEL, time_scale=setup.time_scale,
+                            extra_args=["--max-num-seqs", str(setup.max_num_seqs), "--no-request-log"])
+    data["balancer"]["policy"] = policy
+    if setup.rtt_ms:
+        data["latency"]["rtt_ms"] = dict(setup.rtt_ms)
+    data["workload"] = setup.workload_config().model_dump()
+    return DeploymentConfig.model_validate(data)
+
+
+class RegionLocalDeployment(Deployment):
+    """A Deployment whose readiness check does not wait for peers (in a region-local run none is reachable)."""
+
+    def _wait_ready(self, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            waiting = []
+            for region, url in self.balancer_urls.items():
+                with urllib.request.urlopen(f"{url}/skylb/v1/status?format=json", timeout=10) as resp:
+                    status = json.loads(resp.read())
+                if sum(1 for r in status["replicas"] if r["healthy"]) < len(self.replica_urls[region]):
+                    waiting.append(region)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"balancers not ready after {timeout_s:g} s: {', '.join(waiting)}")
+            time.sleep(0.2)
+
+
+def run_system(name: str, setup: LiveSetup, *, run_dir: Path, progress: bool | None = None) -> dict[str, Any]:
+    """Run the workload on a fresh deployment of system ``name``; returns its row.
+
+    Row: ``{"system", "status": "ok"|"failed", "reason", "report": build_report(...), "figures": summarize(...)
+    + "forwarded_frac", "load"}``. Every process is stopped before it returns.
+    """
+    policy, region_local = LIVE_SYSTEMS[name]
+    cfg = deployment_config(setup, policy=policy, region_local=region_local)
+    requests = synthetic_workload(cfg.workload, list(REGIONS))
+    sys_dir = Path(run_dir) / name
+    sys_dir.mkdir(parents=True, exist_ok=True)
+    deployment = (RegionLocalDeployment if region_local else Deployment)(cfg, sys_dir)
+    load = MachineLoad().start()
+    try:
+        deployment.start()
+        result = asyncio.run(replay(requests, deployment.balancer_urls, model=MODEL,
+                                    request_timeout_s=setup.request_timeout_s, deadline_s=setup.deadline_s,
+                                    progress=progress))
+    except (RuntimeError, OSError) as exc:
+        return {"system": name, "status": "failed", "reason": str(exc)[:2000], "load": load.stop()}
+    finally:
+        deployment.stop()
+    report = build_report(result.records, result.wall_s)
+    figures = summarize(result.records, result.wall_s)
+    done = figures["completed"]
+    figures["forwarded_frac"] = figures["forwarded_total"] / done if done else None
+    return {"system": name, "status": "ok", "report": report, "figures": figures, "load": load.stop()}
+
+
+def run_live(systems: Sequence[str] | None = None, *, setup: LiveSetup | None = None, run_dir: Path | None = None,
+             progress: bool | None = None) -> dict[str, Any]:
+    """Run every system of ``systems`` (default all of :data:`LIVE_SYSTEMS`) one after the other.
+
+    Returns ``{"setup", "workload", "rows", "ranking": ranking(rows), "wall_s", "load", "run_dir", "rtt_ms"}``.
+    """
+    setup = setup or LiveSetup()
+    names = list(systems or LIVE_SYSTEMS)
+    unknown = [n for n in names if n not in LIVE_SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(LIVE_SYSTEMS)}")
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="live-"))
+    load = MachineLoad().start()
+    t0 = time.monotonic()
+    rows = []
+    for name in names:
+        print(f"[bench.live] {name} ...", file=sys.stderr, flush=True)
+        rows.append(run_system(name, setup, run_dir=run_dir, progress=progress))
+        print(f"[bench.live] {name}: {rows[-1]['status']} {rows[-1].get('reason', '')}".rstrip(), file=sys.stderr,
+              flush=True)
+    cfg = deployment_config(setup, policy="skylb", region_local=False)
+    return {"setup": setup.__dict__.copy(), "workload": describe(synthetic_workload(cfg.workload, list(REGIONS))),
+            "rtt_ms": cfg.latency.rtt_ms, "rows": rows, "ranking": ranking(rows), "wall_s": time.monotonic() - t0,
+            "load": load.stop(), "run_dir": str(run_dir), "generated": now_label()}
+
+
+def ranking(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Systems that ran, best first: ``{"throughput": by req/s descending, "ttft_p90": by P90 TTFT ascending}``."""
+    ok = [r for r in rows if r["status"] == "ok" and r["figures"]["completed"]]
+    return {
+        "throughput": [r["system"] for r in sorted(ok, key=lambda r: -r["figures"]["throughput_rps"])],
+        "ttft_p90": [r["system"] for r in sorted(ok, key=lambda r: r["figures"]["ttft_p90_ms"])],
+    }
+
+
+def _f(v, fmt="{:.0f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def format_markdown(result: dict[str, Any], notes: str = "") -> str:
+    """The live result as the Markdown report bench/results/live.md; ``notes`` (Markdown) is appended as is."""
+    s = result["setup"]
+    lines = ["# Live multi-region run: SkyLB's policies on the local three-region deployment", "",
+             f"Generated by `python -m bench.live` on {result.get('generated') or now_label()}; whole run "
+             f"{result['wall_s']:.0f} s.", "",
+             "## Ranking", "",
+             f"- By throughput (best first): {' > '.join(result['ranking']['throughput']) or '-'}",
+             f"- By P90 TTFT (best first): {' < '.join(result['ranking']['ttft_p90']) or '-'}", "",
+             "| system | ok/sent | req/s | out tok/s | TTFT p50 | TTFT p90 | E2E p50 | E2E p90 | prefix hit "
+             "| forwarded | us TTFT p90 | eu TTFT p90 | asia TTFT p90 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        if row["status"] != "ok":
+            reason = (row.get("reason") or "").splitlines()[0][:160].replace("|", "/")
+            lines.append(f"| {row['system']} | failed: {reason} |" + " |" * 11)
+            continue
+        f, regions = row["figures"], row["report"]["regions"]
+        per = [_f(regions.get(r, {}).get("ttft_p90_ms")) for r in REGIONS]
+        hit = f["prefix_hit_rate"]
+        lines.append(
+            f"| {row['system']} | {f['completed']}/{f['sent']} | {_f(f['throughput_rps'], '{:.2f}')} "
+            f"| {_f(f['output_tokens_per_s'])} | {_f(f['ttft_p50_ms'])} | {_f(f['ttft_p90_ms'])} "
+            f"| {_f(f['e2e_p50_ms'])} | {_f(f['e2e_p90_ms'])} | {_f(hit and 100 * hit, '{:.1f}%')} "
+            f"| {_f(f['forwarded_frac'] and 100 * f['forwarded_frac'], '{:.1f}%')} | {' | '.join(per)} |")
+    rtt = ", ".join(f"{k} {v:g} ms" for k, v in result["rtt_ms"].items())
+    lines += ["", "Latencies in ms at the client (TTFT: first SSE chunk with text; a forwarded request's TTFT "
+              "includes the round trip to the peer). Throughput: completed requests (output tokens) per second of "
+              "the replay's wall time. Forwarded: completed requests served by a peer region.", "",
+              "## Setup", "",
+              f"- Per system a fresh `skylb local` deployment (skylb/local.py `Deployment`, real processes): "
+              f"regions us, eu, asia with {s['replicas']} emulated vLLM replicas each (`--max-num-seqs "
+              f"{s['max_num_seqs']}`, `--time-scale {s['time_scale']:g}`), controller, one balancer per region "
+              f"(default config: probe every 100 ms, tau 2, `max_dispatch_per_probe 4`), the latency proxy "
+              f"between balancers with round trips {rtt}.",
+              f"- Workload: {result['workload']}; closed loop (turn k+1 is sent 0.2-1.0 s after turn k "
+              f"completed), `token_scale {s['token_scale']:g}`, seed {s['seed']}; each region's clients call their "
+              "own region's balancer. The skew 0.6/0.2/0.2 is the paper's 120/40/40 clients (§5.2).",
+              "- Systems: `skylb` (prefix trie + selective pushing), `skylb-ch` (hash ring on the session id + "
+              "selective pushing), `round_robin` and `least_load` (blind pushing to local replicas: a blind "
+              "balancer always finds a healthy local replica, so it never forwards), `region-local` (`skylb` "
+              "policy with forwarding impossible: each balancer has its own peer token, so peers refuse its status "
+              "probes).", ""]
+    lines += conditions_lines(result["load"], [(r["system"], r["load"]) for r in result["rows"] if r.get("load")],
+                              f"all {3 * s['replicas']} replicas (3 emulator processes), 3 balancers, the "
+                              "controller, the latency proxy and the client share them")
+    errors = {r["system"]: r["figures"]["errors"] for r in result["rows"] if r["status"] == "ok"
+              and r["figures"]["errors"]}
+    if errors:
+        lines += ["## Errors", ""] + [f"- {k}: {v}" for k, v in errors.items()] + [""]
+    if notes:
+        lines += [notes.rstrip(), ""]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `python -m bench.live`."""
+    d = LiveSetup()
+    p = argparse.ArgumentParser(prog="python -m bench.live", description=__doc__.splitlines()[0])
+    p.add_argument("--systems", nargs="+", choices=list(LIVE_SYSTEMS), help="systems to run (default: all)")
+    p.add_argument("--replicas", type=int, default=d.replicas, help="replicas per region")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--time-scale", type=float, default=d.time_scale)
+    p.add_argument("--conversations", type=int, default=d.conversations,
+                   help="conversations per region on average (split us 0.6, eu 0.2, asia 0.2)")
+    p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument("--token-scale", type=float, default=d.token_scale)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out-md", default="bench/results/live.md", help="Markdown report ('' for none)")
+    p.add_argument("--out-json", default=None, help="also write the raw result as JSON here")
+    p.add_argument("--notes", default=None, help="a Markdown file appended to the report (analysis)")
+    p.add_argument("--run-dir", default=None, help="logs and state (default: a new temporary directory)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the live comparison and write the report; 0 when every system completed every request."""
+    args = build_parser().parse_args(argv)
+    setup = LiveSetup(replicas=args.replicas, max_num_seqs=args.max_num_seqs, time_scale=args.time_scale,
+                      conversations=args.conversations, turns=args.turns, token_scale=args.token_scale,
+                      seed=args.seed)
+    result = run_live(args.systems, setup=setup, run_dir=Path(args.run_dir) if args.run_dir else None,
+                      progress=False if args.no_progress else None)
+    text = format_markdown(result, Path(args.notes).read_text() if args.notes else "")
+    print(text)
+    if args.out_md:
+        Path(args.out_md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out_md).write_text(text)
+    if args.out_json:
+        write_json(result, args.out_json)
+    bad = [r for r in result["rows"] if r["status"] != "ok" or r["figures"]["failed"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

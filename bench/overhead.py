@@ -1,0 +1,871 @@
+"""The balancer's own cost: added latency, highest sustained request rate, SSE relay rate, routing decision time and
+the memory of a full prefix trie, with HAProxy and the SGLang router measured beside SkyLB where that makes sense.
+
+Entry points:
+
+* ``.venv/bin/python -m bench.overhead [--parts a b c d e] [--out-md bench/results/overhead.md] [--quick]``;
+  :func:`main` ``(argv) -> int`` is the same for a ``skylb bench overhead`` subcommand.
+* One function per part, each returning a JSON-ready dict: :func:`added_latency` (a), :func:`max_rate` (b),
+  :func:`sse_rate` (c), :func:`decision_time` (d, in-process, no I/O), :func:`trie_memory` (e, in a child
+  process); :func:`run_overhead` runs the chosen parts and :func:`format_markdown` renders the report.
+
+Targets (from the issue): p50 added latency <= 1 ms; routing decision p99 <= 1 ms at 32k-token prompts with a full
+trie. They are reported as measured, never tuned for: the core is not changed here.
+
+"Through a balancer" systems: ``direct`` (the client calls the replica), SkyLB with its default config
+(``skylb``: probe every 100 ms, ``max_dispatch_per_probe 4``) and without the dispatch cap (``skylb-nocap``:
+``max_dispatch_per_probe 0``), HAProxy (``roundrobin``) and the SGLang router (``cache_aware``, its default).
+Every process of a part is stopped when the part ends, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import http.client
+import io
+import json
+import os
+import pstats
+import random
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import aiohttp
+from tqdm import tqdm
+
+from bench.peers import (MODEL, SYSTEMS, MachineLoad, System, Unavailable, conditions_lines, now_label,
+                         process_cpu_s, start_emulator, start_skylb, start_system, unavailable_reason, versions)
+from bench.report import percentile, write_json
+from bench.workload import VOCABULARY
+from skylb.core import AvailabilityRules, Request, Router, make_policy
+from skylb.procs import ProcGroup, free_ports
+
+__all__ = [
+    "OVERHEAD_SYSTEMS", "RATES", "added_latency", "balancer_profile", "max_rate", "sse_rate", "decision_time",
+    "chunk_whatif", "GcPauses", "trie_memory", "conversation_words", "fill_trie", "rss_kib", "run_overhead",
+    "format_markdown", "main",
+]
+
+#: The systems of parts (a)-(c), by name; "direct" means no balancer.
+OVERHEAD_SYSTEMS: dict[str, System | None] = {
+    "direct": None,
+    "skylb": SYSTEMS["skylb"],
+    "skylb-nocap": System("skylb-nocap", "skylb", "skylb", {"max_dispatch_per_probe": 0}),
+    "haproxy": SYSTEMS["haproxy-roundrobin"],
+    "sglang": SYSTEMS["sglang-cache_aware"],
+}
+#: Emulated durations x this in parts (a)-(c): a replica that answers at once (the model's floor is a few us).
+FAST_TIME_SCALE = 1e-4
+#: Words per user turn appended to a known conversation in part (d): the new text the trie has not seen.
+NEW_TURN_WORDS = 100
+#: Shared system prompt of every conversation in part (d) (words).
+SYSTEM_PROMPT_WORDS = 500
+
+_Progress = Callable[[str], None]
+
+
+def _say(msg: str) -> None:
+    print(f"[bench.overhead] {msg}", file=sys.stderr, flush=True)
+
+
+def _start(procs: ProcGroup, name: str, replica_urls: list[str], run_dir: Path) -> tuple[str, int | None]:
+    """Start system ``name`` of OVERHEAD_SYSTEMS in front of ``replica_urls``: (URL, balancer pid or None)."""
+    system = OVERHEAD_SYSTEMS[name]
+    if system is None:
+        return replica_urls[0], None
+    url = start_system(procs, System(name, system.kind, system.policy, system.skylb_overrides), replica_urls,
+                       run_dir=run_dir)
+    # The balancer is the newest process of the group (SkyLB starts its controller first).
+    return url, procs.procs[-1].popen.pid
+
+
+def _available(names: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """(names that can run here, {name: why not} for the others)."""
+    ok, skipped = [], {}
+    for name in names:
+        system = OVERHEAD_SYSTEMS[name]
+        reason = unavailable_reason(system.kind) if system is not None else None
+        if reason:
+            skipped[name] = reason
+        else:
+            ok.append(name)
+    return ok, skipped
+
+
+def _prompt(i: int, words: int = 48) -> str:
+    """A small prompt: a fixed shared prefix and a request number (so prefix tries see distinct prompts)."""
+    return " ".join(VOCABULARY[:words]) + f" request {i}"
+
+
+# ------------------------------------------------------------------------------------------ (a) added latency
+
+
+def added_latency(*, n: int = 500, systems: Sequence[str] = tuple(OVERHEAD_SYSTEMS), run_dir: Path,
+                  warmup: int = 20) -> dict[str, Any]:
+    """Part (a): latency of small non-streamed completions, direct and through each balancer.
+
+    One emulated replica (time scale :data:`FAST_TIME_SCALE`, so it answers in about a millisecond); ``n``
+    sequential requests per system over one keep-alive connection each (``http.client``), interleaved: request
+    i goes to every system in turn, so a burst of machine load hits all systems alike. ``max_tokens`` 1, a
+    ~50-word prompt. Returns ``{"n", "systems": {name: {"p50_ms", "p99_ms", "mean_ms", "errors",
+    "added_p50_ms", "added_p99_ms"}}, "skipped": {name: reason}, "load"}``; added = the system's percentile minus
+    the direct one's.
+    """
+    names, skipped = _available(systems)
+    if "direct" not in names:
+        names.insert(0, "direct")
+    load = MachineLoad().start()
+    with ProcGroup(Path(run_dir) / "a-logs") as procs:
+        replicas = start_emulator(procs, free_ports(1), time_scale=FAST_TIME_SCALE, max_num_seqs=256,
+                                  name="a-emulator")
+        urls = {name: _start(procs, name, replicas, Path(run_dir) / "a")[0] for name in names}
+        conns = {name: http.client.HTTPConnection(url.removeprefix("http://"), timeout=10) for name, url in
+                 urls.items()}
+        lat: dict[str, list[float]] = {name: [] for name in names}
+        errors = {name: 0 for name in names}
+        try:
+            for i in tqdm(range(warmup + n), desc="(a) added latency", unit="round", file=sys.stderr,
+                          disable=not sys.stderr.isatty()):
+                order = names[:]
+                random.Random(i).shuffle(order)  # no system always goes first after the others warmed caches
+                for name in order:
+                    ms = _timed_completion(conns[name], i)
+                    if ms is None:
+                        errors[name] += 1
+                        conns[name] = http.client.HTTPConnection(urls[name].removeprefix("http://"), timeout=10)
+                    elif i >= warmup:
+                        lat[name].append(ms)
+        finally:
+            for c in conns.values():
+                c.close()
+    base = lat["direct"]
+    out = {}
+    for name in names:
+        v = lat[name]
+        out[name] = {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99),
+                     "mean_ms": sum(v) / len(v) if v else None, "errors": errors[name], "n": len(v)}
+        if v and base:
+            out[name]["added_p50_ms"] = percentile(v, 50) - percentile(base, 50)
+            out[name]["added_p99_ms"] = percentile(v, 99) - percentile(base, 99)
+    return {"n": n, "systems": out, "skipped": skipped, "load": load.stop()}
+
+
+def _timed_completion(conn: http.client.HTTPConnection, i: int) -> float | None:
+    """Time one non-streamed completion on ``conn`` (ms), or None when it failed."""
+    body = json.dumps({"model": MODEL, "prompt": _prompt(i), "max_tokens": 1, "stream": False}).encode()
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        ms = (time.perf_counter() - t0) * 1000.0
+    except (OSError, http.client.HTTPException):
+        conn.close()
+        return None
+    return ms if resp.status == 200 else None
+
+
+def balancer_profile(*, n: int = 2000, run_dir: Path, top: int = 18) -> dict[str, Any]:
+    """Where a SkyLB balancer's CPU goes on part (a)'s requests: cProfile (CPU-time clock) of the balancer process.
+
+    Starts SkyLB (``max_dispatch_per_probe 0``, so no request waits for a probe) under cProfile in front of one
+    fast emulated replica, sends ``n`` sequential small non-streamed completions, stops the balancer (SIGTERM,
+    so cProfile writes its file) and returns ``{"n", "text": the top ``top`` entries by own time, "total_s"}``.
+    """
+    run_dir = Path(run_dir) / "profile"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prof_path = run_dir / "balancer.prof"
+    with ProcGroup(run_dir / "logs") as procs:
+        replicas = start_emulator(procs, free_ports(1), time_scale=FAST_TIME_SCALE, max_num_seqs=256,
+                                  name="p-emulator")
+        url = start_skylb(procs, replicas, run_dir=run_dir, overrides={"max_dispatch_per_probe": 0},
+                          name="profiled", profile_to=prof_path)
+        balancer = procs.procs[-1]
+        conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
+        try:
+            for i in range(50):  # warm-up, not profiled
+                _timed_completion(conn, i)
+            os.kill(balancer.popen.pid, signal.SIGUSR1)  # start profiling
+            time.sleep(0.2)
+            for i in range(n):
+                _timed_completion(conn, i)
+        finally:
+            conn.close()
+        balancer.stop()  # SIGTERM: the balancer exits cleanly and the profiler writes its file
+    buf = io.StringIO()
+    stats = pstats.Stats(str(prof_path), stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    own = _pstats_table(buf.getvalue())
+    buf = io.StringIO()
+    stats.stream = buf
+    stats.sort_stats("cumulative").print_stats(r"skylb/(balancer|core)/", top)
+    return {"n": n, "text": own, "skylb_cumulative": _pstats_table(buf.getvalue()), "total_s": stats.total_tt}
+
+
+def _pstats_table(text: str) -> str:
+    """pstats output without its header lines, paths shortened."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    lines = [ln.replace(stdlib, "<stdlib>").replace(str(Path(sys.prefix)), "<venv>").replace(str(Path.cwd()) + "/", "")
+             for ln in text.splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
+    head = next((ln.strip() for ln in lines if "function calls" in ln), "")
+    return "\n".join([head, *lines[start:]])
+
+
+# ---------------------------------------------------------------------------------------------- (b) max rate
+
+
+#: Part (b)'s ramp: offered request rates, requests/s.
+RATES = (50, 100, 200, 300, 400, 600, 800, 1200, 1600, 2400)
+
+
+def max_rate(*, systems: Sequence[str] = tuple(OVERHEAD_SYSTEMS), rates: Sequence[int] = RATES,
+             step_s: float = 3.0, replicas: int = 4,
+             run_dir: Path, p99_limit_ms: float = 500.0, error_limit: float = 0.01) -> dict[str, Any]:
+    """Part (b): the highest request rate one balancer process sustains (open loop, stepped ramp).
+
+    ``replicas`` fast emulated replicas (one process, ``--max-num-seqs 1024``, so they never queue). For each
+    system the client sends non-streamed 1-token completions at each rate of ``rates`` (requests/s, evenly
+    spaced) for ``step_s`` s, and stops at the first step that is not sustained: more than ``error_limit`` of
+    requests failed, the p99 latency exceeded ``p99_limit_ms``, or fewer than 95% of the offered requests per
+    second completed. Direct calls spread over the replicas round robin (the client and emulator ceiling).
+    Returns ``{"systems": {name: {"sustained_rps", "steps": [{"rate", "sent", "ok", "errors", "achieved_rps",
+    "p50_ms", "p99_ms", "send_lag_p99_ms", "balancer_cpu_ms_per_req"}]}}, "skipped", "load", ...}``.
+    """
+    names, skipped = _available(systems)
+    load = MachineLoad().start()
+    out: dict[str, Any] = {}
+    for name in names:
+        with ProcGroup(Path(run_dir) / f"b-{name}-logs") as procs:
+            urls = start_emulator(procs, free_ports(replicas), time_scale=FAST_TIME_SCALE, max_num_seqs=1024,
+                                  name=f"b-{name}-emulator")
+            url, pid = _start(procs, name, urls, Path(run_dir) / "b")
+            targets = urls if name == "direct" else [url]
+            steps, sustained = [], 0
+            for rate in rates:
+                cpu0 = process_cpu_s(pid) if pid else 0.0
+                step = asyncio.run(_open_loop_step(targets, rate, step_s))
+                if pid:
+                    step["balancer_cpu_ms_per_req"] = ((process_cpu_s(pid) - cpu0) * 1000.0 / step["ok"]
+                                                       if step["ok"] else None)
+                steps.append(step)
+                ok = (step["errors"] <= error_limit * step["sent"] and step["p99_ms"] is not None
+                      and step["p99_ms"] <= p99_limit_ms and step["achieved_rps"] >= 0.95 * rate)
+                _say(f"(b) {name} @ {rate}/s: achieved {step['achieved_rps']:.0f}/s, p99 "
+                     f"{step['p99_ms'] or 0:.0f} ms, errors {step['errors']} -> {'ok' if ok else 'not sustained'}")
+                if not ok:
+                    break
+                sustained = rate
+            out[name] = {"sustained_rps": sustained, "steps": steps}
+    return {"systems": out, "skipped": skipped, "rates": list(rates), "step_s": step_s, "replicas": replicas,
+            "p99_limit_ms": p99_limit_ms, "error_limit": error_limit, "load": load.stop()}
+
+
+async def _open_loop_step(targets: list[str], rate: int, step_s: float, timeout_s: float = 10.0) -> dict:
+    """Send ``rate`` x ``step_s`` requests at evenly spaced times; the step's figures (see :func:`max_rate`)."""
+    n = max(1, int(rate * step_s))
+    lat: list[float] = []
+    lags: list[float] = []
+    errors = 0
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(limit=512)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        t0 = loop.time() + 0.05
+
+        async def one(k: int) -> None:
+            nonlocal errors
+            due = t0 + k / rate
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            start = loop.time()
+            lags.append((start - due) * 1000.0)
+            body = {"model": MODEL, "prompt": _prompt(k), "max_tokens": 1, "stream": False}
+            try:
+                async with s.post(f"{targets[k % len(targets)]}/v1/completions", json=body) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        errors += 1
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                errors += 1
+                return
+            lat.append((loop.time() - start) * 1000.0)
+
+        await asyncio.gather(*(one(k) for k in range(n)))
+        wall = loop.time() - t0
+    return {"rate": rate, "sent": n, "ok": len(lat), "errors": errors, "achieved_rps": len(lat) / wall,
+            "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99), "send_lag_p99_ms": percentile(lags, 99)}
+
+
+# -------------------------------------------------------------------------------------------- (c) SSE relay
+
+
+def sse_rate(*, systems: Sequence[str] = tuple(OVERHEAD_SYSTEMS), streams: int = 16, duration_s: float = 5.0,
+             run_dir: Path) -> dict[str, Any]:
+    """Part (c): SSE chunks per second relayed to the client, direct and through each balancer.
+
+    One fast emulated replica (``--max-num-seqs 256``) streams ``streams`` concurrent completions of 4000
+    tokens each (restarted when one ends); the client counts ``data:`` events received during ``duration_s``
+    s after a 1 s warm-up. The emulator, the balancer and the client share the machine's cores, so the direct
+    figure is the ceiling the setup allows. Returns ``{"systems": {name: {"chunks_per_s",
+    "balancer_cpu_us_per_chunk"}}, "skipped", "streams", "duration_s", "load"}``.
+    """
+    names, skipped = _available(systems)
+    load = MachineLoad().start()
+    out = {}
+    for name in names:
+        with ProcGroup(Path(run_dir) / f"c-{name}-logs") as procs:
+            urls = start_emulator(procs, free_ports(1), time_scale=FAST_TIME_SCALE, max_num_seqs=256,
+                                  name=f"c-{name}-emulator")
+            url, pid = _start(procs, name, urls, Path(run_dir) / "c")
+            result = asyncio.run(_count_chunks(url, streams, duration_s, pid))
+            out[name] = result
+            _say(f"(c) {name}: {result['chunks_per_s']:.0f} chunks/s")
+    return {"systems": out, "skipped": skipped, "streams": streams, "duration_s": duration_s, "load": load.stop()}
+
+
+async def _count_chunks(url: str, streams: int, duration_s: float, pid: int | None, warmup_s: float = 1.0) -> dict:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    t_begin, t_end = start + warmup_s, start + warmup_s + duration_s
+    counted = 0
+    cpu = {}
+    body = {"model": MODEL, "prompt": _prompt(0), "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    timeout = aiohttp.ClientTimeout(total=duration_s + warmup_s + 30)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def reader() -> None:
+            nonlocal counted
+            while loop.time() < t_end:
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    tail = b""
+                    async for data in resp.content.iter_any():
+                        buf = tail + data
+                        # Count event starts; keep the last 5 bytes so a "data:" split across reads counts once.
+                        n = buf.count(b"data:") - tail.count(b"data:")
+                        tail = buf[-5:]
+                        now = loop.time()
+                        if t_begin <= now < t_end:
+                            counted += n
+                        elif now >= t_end:
+                            break
+
+        async def cpu_marks() -> None:
+            await asyncio.sleep(max(0.0, t_begin - loop.time()))
+            cpu["begin"] = process_cpu_s(pid) if pid else 0.0
+            await asyncio.sleep(max(0.0, t_end - loop.time()))
+            cpu["end"] = process_cpu_s(pid) if pid else 0.0
+
+        await asyncio.gather(cpu_marks(), *(reader() for _ in range(streams)))
+    rate = counted / duration_s
+    per_chunk = ((cpu["end"] - cpu["begin"]) * 1e6 / counted) if pid and counted else None
+    return {"chunks_per_s": rate, "balancer_cpu_us_per_chunk": per_chunk, "chunks": counted}
+
+
+# ----------------------------------------------------------------------------------------- (d) decision time
+
+
+def conversation_words(conversation: int, words: int, *, seed: int = 0) -> list[str]:
+    """The word stream of one synthetic conversation: a shared system prompt, then its own words.
+
+    ``words`` words in all (tokens: one word = one token, the workload convention); the first
+    :data:`SYSTEM_PROMPT_WORDS` are the same for every conversation, so prompts share a prefix the way chat
+    prompts share a system prompt. Every turn of a conversation is a prefix of this stream.
+    """
+    system = random.Random(f"{seed}:system").choices(VOCABULARY, k=SYSTEM_PROMPT_WORDS)
+    own = random.Random(f"{seed}:conv:{conversation}").choices(VOCABULARY, k=max(0, words - SYSTEM_PROMPT_WORDS))
+    return (system + own)[:words]
+
+
+#: Turn lengths (words) recorded for each conversation while filling a trie: a conversation growing turn by turn.
+FILL_TURNS = (1000, 2000, 4000, 8000, 16000, 32000)
+
+
+def fill_trie(trie, fraction: float, *, targets: Sequence[str], first_conversation: int = 0,
+              stream_words: int = 32000 + NEW_TURN_WORDS, seed: int = 0) -> list[int]:
+    """Insert conversations into ``trie`` (a PrefixTrie) until it stores ``fraction`` of its ``max_chars``.
+
+    Each conversation is recorded at every length of :data:`FILL_TURNS` below ``stream_words`` and at
+    ``stream_words``, as its turns would be, to target ``targets[conversation % len(targets)]``. At
+    ``fraction >= 1`` it goes on until the trie has evicted records (the steady state of a full trie: the bound
+    is never exceeded, so "stored == max_chars" may never happen). Returns the conversation numbers inserted,
+    oldest first.
+    """
+    goal = min(fraction, 1.0) * trie.max_chars
+    inserted: list[int] = []
+    records = 0
+    c = first_conversation
+    while True:
+        full = len(trie) < records  # something was evicted
+        if (fraction >= 1.0 and full) or (fraction < 1.0 and trie.stored_chars >= goal):
+            return inserted
+        words = conversation_words(c, stream_words, seed=seed)
+        target = targets[c % len(targets)]
+        for n in (*(t for t in FILL_TURNS if t < stream_words), stream_words):
+            trie.insert(trie.chunks(" ".join(words[:n])), target)
+            records += 1
+        inserted.append(c)
+        c += 1
+
+
+class GcPauses:
+    """Records the garbage collector's pauses while active (a context manager on ``gc.callbacks``).
+
+    ``pauses``: (generation, ms) of every collection that ran inside the ``with`` block.
+    """
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._t0: int | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        elif self._t0 is not None:
+            self.pauses.append((info.get("generation", -1), (time.perf_counter_ns() - self._t0) / 1e6))
+            self._t0 = None
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+    def summary(self) -> dict[str, Any]:
+        """``{"gc_runs", "gc_max_ms", "gc_total_ms", "gc_gen2_runs"}`` over the recorded pauses."""
+        ms = [p for _, p in self.pauses]
+        return {"gc_runs": len(ms), "gc_max_ms": max(ms, default=0.0), "gc_total_ms": sum(ms),
+                "gc_gen2_runs": sum(1 for g, _ in self.pauses if g == 2)}
+
+
+def _router(trie_max_chars: int, replicas: int, chunk_chars: int = 64) -> Router:
+    """A routing core with the "skylb" policy and ``replicas`` always-available local replicas."""
+    router = Router(region="us", policy=make_policy("skylb", trie_max_chars=trie_max_chars,
+                                                    trie_chunk_chars=chunk_chars),
+                    rules=AvailabilityRules(max_dispatch_per_probe=0))
+    router.set_replicas([(f"r{i}", f"http://r{i}", "vllm") for i in range(replicas)])
+    for i in range(replicas):
+        router.observe_replica(f"r{i}", now=0.0, healthy=True, pending=0)
+    return router
+
+
+def _time_dispatch(router: Router, text: str, k: int) -> float:
+    """Time one enqueue + dispatch of a fresh request with prompt ``text`` (ms); releases its decision."""
+    req = Request(id=f"q{k}", text=text, arrived_at=0.1)
+    t0 = time.perf_counter_ns()
+    router.enqueue(req)
+    decisions = router.dispatch(0.1)
+    dt = (time.perf_counter_ns() - t0) / 1e6
+    for d in decisions:
+        router.finished(d)
+    return dt
+
+
+def decision_time(*, lengths: Sequence[int] = (1000, 4000, 8000, 16000, 32000),
+                  fills: Sequence[float] = (0.0, 0.5, 1.0), trie_max_chars: int = 8_000_000, replicas: int = 4,
+                  samples: Callable[[int], int] | None = None, seed: int = 0, profile: bool = True,
+                  chunk_chars: int = 64, progress: _Progress = _say) -> dict[str, Any]:
+    """Part (d): time of ``Router.dispatch`` with the "skylb" policy, in-process, by prompt length and trie fill.
+
+    For each fill fraction a router is built and its replica trie filled (:func:`fill_trie`) to that fraction
+    of ``trie_max_chars``. A sample is one fresh request (its prompt not chunked yet) enqueued and dispatched:
+    at fill 0 on an empty trie; otherwise the next turn of a conversation already in the trie (its first
+    L - :data:`NEW_TURN_WORDS` words seen, then a new user turn), so the match walks almost the whole prompt
+    and the insert adds the new turn. Column "new" (at the full trie only): a new conversation sharing only the
+    system prompt, whose insert makes the trie evict old records. Lengths are in words (= tokens, about 5
+    characters each). ``samples(L)`` gives the samples per cell (default 200 up to 4k, 60 to 16k, 30 above).
+    ``chunk_chars``: characters per trie node (the balancer's ``trie_chunk_chars``, default 64).
+    Returns ``{"cells": {f"{L}@{fill}": {"p50_ms", "p99_ms", "mean_ms", "n", "fill_before", "fill_after",
+    "gc_runs", "gc_max_ms", "gc_total_ms", "gc_gen2_runs"}}, "fill_s": {fill: s}, "profile": top cProfile
+    entries of the longest prompts' dispatches at the full trie, "load", ...}``. The gc_* figures are the
+    garbage collector's pauses during the cell's samples (they explain most of the p99).
+    """
+    load = MachineLoad().start()
+    samples = samples or (lambda L: 200 if L <= 4000 else 60 if L <= 16000 else 30)
+    cells: dict[str, Any] = {}
+    fill_s = {}
+    longest = max(lengths)
+    stream_words = longest + NEW_TURN_WORDS
+    profile_text = None
+    for fill in fills:
+        t0 = time.monotonic()
+        router = _router(trie_max_chars, replicas, chunk_chars)
+        trie = router.policy.replica_trie
+        targets = [f"r{i}" for i in range(replicas)]
+        convs = fill_trie(trie, fill, targets=targets, stream_words=stream_words, seed=seed) if fill > 0 else []
+        fill_s[str(fill)] = time.monotonic() - t0
+        progress(f"(d) trie filled to {trie.stored_chars / trie_max_chars:.0%} of {trie_max_chars:,} chars "
+                 f"({len(convs)} conversations, {trie.nodes:,} nodes) in {fill_s[str(fill)]:.1f} s")
+        recent = convs[len(convs) // 2:] or [0]  # the newest half: surely not evicted yet
+        k = 0
+        for L in lengths:
+            before = trie.stored_chars / trie_max_chars
+            times = []
+            with GcPauses() as pauses:
+                for j in range(samples(L)):
+                    c = recent[j % len(recent)]
+                    words = conversation_words(c, L - NEW_TURN_WORDS, seed=seed)
+                    words += random.Random(f"{seed}:turn:{L}:{j}").choices(VOCABULARY, k=NEW_TURN_WORDS)
+                    if fill == 0:
+                        router = _router(trie_max_chars, replicas, chunk_chars)  # one sample per empty trie
+                    times.append(_time_dispatch(router, " ".join(words), k))
+                    k += 1
+            cells[f"{L}@{fill}"] = _summary(times, before, router.policy.replica_trie.stored_chars / trie_max_chars,
+                                            pauses)
+        if fill >= 1.0:
+            for L in lengths:
+                before = trie.stored_chars / trie_max_chars
+                times = []
+                with GcPauses() as pauses:
+                    for j in range(samples(L)):
+                        words = conversation_words(10_000_000 + k, L, seed=seed)
+                        times.append(_time_dispatch(router, " ".join(words), k))
+                        k += 1
+                cells[f"{L}@new"] = _summary(times, before, trie.stored_chars / trie_max_chars, pauses)
+            if profile:
+                profile_text = _profile_dispatch(router, recent, longest, seed)
+        progress(f"(d) fill {fill:.0%}: " + ", ".join(f"{L}: p50 {cells[f'{L}@{fill}']['p50_ms']:.2f} ms"
+                                                      for L in lengths))
+        del router, trie
+    return {"cells": cells, "fill_s": fill_s, "lengths": list(lengths), "fills": list(fills),
+            "trie_max_chars": trie_max_chars, "replicas": replicas, "profile": profile_text,
+            "chunk_chars": chunk_chars, "load": load.stop()}
+
+
+def chunk_whatif(*, chunk_sizes: Sequence[int] = (64, 256, 1024), length: int = 32000,
+                 trie_max_chars: int = 8_000_000, samples: int = 30, progress: _Progress = _say) -> dict[str, Any]:
+    """What the trie's chunk size (the ``trie_chunk_chars`` setting, not a code change) does to part (d)'s worst
+    cell: ``length``-token prompts at the full trie. Returns ``{chunk: {"next": cell, "new": cell}}``."""
+    out = {}
+    for chunk in chunk_sizes:
+        d = decision_time(lengths=(length,), fills=(1.0,), trie_max_chars=trie_max_chars, chunk_chars=chunk,
+                          samples=lambda L: samples, profile=False, progress=progress)
+        out[str(chunk)] = {"next": d["cells"][f"{length}@1.0"], "new": d["cells"][f"{length}@new"]}
+    return {"length": length, "chunks": out}
+
+
+def _summary(times: list[float], before: float, after: float, pauses: GcPauses) -> dict[str, Any]:
+    return {"p50_ms": percentile(times, 50), "p99_ms": percentile(times, 99), "mean_ms": sum(times) / len(times),
+            "max_ms": max(times), "n": len(times), "fill_before": before, "fill_after": after, **pauses.summary()}
+
+
+def _profile_dispatch(router: Router, recent: list[int], length: int, seed: int, n: int = 20) -> str:
+    """cProfile of ``n`` next-turn dispatches of ``length`` words: the top entries by own time, as text."""
+    texts = []
+    for j in range(n):
+        words = conversation_words(recent[j % len(recent)], length - NEW_TURN_WORDS, seed=seed)
+        words += random.Random(f"{seed}:profile:{j}").choices(VOCABULARY, k=NEW_TURN_WORDS)
+        texts.append(" ".join(words))
+    prof = cProfile.Profile()
+    for j, text in enumerate(texts):
+        req = Request(id=f"p{j}", text=text, arrived_at=0.1)
+        prof.enable()
+        router.enqueue(req)
+        decisions = router.dispatch(0.1)
+        prof.disable()
+        for d in decisions:
+            router.finished(d)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    return _pstats_table(buf.getvalue())
+
+
+# ------------------------------------------------------------------------------------------- (e) trie memory
+
+
+def rss_kib() -> dict[str, int]:
+    """This process's resident memory from /proc/self/status: ``{"rss_kib": VmRSS, "hwm_kib": VmHWM}`` (KiB)."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            key = "rss_kib" if line.startswith("VmRSS") else "hwm_kib"
+            out[key] = int(line.split()[1])
+    return out
+
+
+def _trie_memory_child(trie_max_chars: int) -> dict[str, Any]:
+    """Run in a fresh interpreter: fill both tries of a "skylb" policy to their bound and measure RSS."""
+    policy = make_policy("skylb", trie_max_chars=trie_max_chars)
+    gc.collect()
+    before = rss_kib()
+    t0 = time.monotonic()
+    fill_trie(policy.replica_trie, 1.0, targets=["r0", "r1", "r2", "r3"])
+    # The regional snapshot holds other conversations, forwarded to the peers.
+    fill_trie(policy.snapshot_trie, 1.0, targets=["eu", "asia"], first_conversation=100_000)
+    fill_s = time.monotonic() - t0
+    gc.collect()
+    after = rss_kib()
+    tries = (policy.replica_trie, policy.snapshot_trie)
+    return {"before": before, "after": after, "fill_s": fill_s, "stored_chars": [t.stored_chars for t in tries],
+            "nodes": [t.nodes for t in tries], "records": [len(t) for t in tries], "max_chars": trie_max_chars}
+
+
+def trie_memory(*, trie_max_chars: int = 8_000_000, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Part (e): resident memory of a process whose two tries (replicas, regional snapshot) are at their bound.
+
+    Runs :func:`_trie_memory_child` in a fresh interpreter (so nothing else this process allocated counts) and
+    returns its dict: RSS before and after (KiB) the fill, stored characters, nodes and records per trie.
+    """
+    load = MachineLoad().start()
+    code = (f"import json, bench.overhead as o; "
+            f"print(json.dumps(o._trie_memory_child({int(trie_max_chars)})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                          cwd=Path(__file__).resolve().parent.parent)
+    if done.returncode != 0:
+        raise RuntimeError(f"trie memory child failed: {done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["load"] = load.stop()
+    result["added_mib"] = (result["after"]["rss_kib"] - result["before"]["rss_kib"]) / 1024
+    result["bytes_per_stored_char"] = ((result["after"]["rss_kib"] - result["before"]["rss_kib"]) * 1024
+                                       / max(1, sum(result["stored_chars"])))
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def _part_d(quick: bool) -> dict[str, Any]:
+    """Part (d) with its chunk-size what-if (quick: tiny trie and prompts)."""
+    d = decision_time(lengths=(1000, 4000) if quick else (1000, 4000, 8000, 16000, 32000),
+                      trie_max_chars=200_000 if quick else 8_000_000, samples=(lambda L: 5) if quick else None)
+    d["chunk_whatif"] = chunk_whatif(length=4000 if quick else 32000, trie_max_chars=d["trie_max_chars"],
+                                     samples=5 if quick else 30)
+    return d
+
+
+PARTS = ("a", "b", "c", "d", "e")
+
+
+def run_overhead(parts: Sequence[str] = PARTS, *, run_dir: Path | None = None, quick: bool = False) -> dict:
+    """Run the chosen parts; returns ``{"parts": {letter: result}, "errors": {letter: message}, "versions",
+    "wall_s", "load"}``. ``quick`` shrinks every part (for a smoke run: a few seconds each)."""
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="overhead-"))
+    load = MachineLoad().start()
+    t0 = time.monotonic()
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    jobs = {
+        "a": lambda: {**added_latency(n=30 if quick else 500, run_dir=run_dir, warmup=5 if quick else 20),
+                      "profile": balancer_profile(n=50 if quick else 2000, run_dir=run_dir)},
+        "b": lambda: max_rate(run_dir=run_dir, rates=(20, 50) if quick else RATES,
+                              step_s=1.0 if quick else 3.0),
+        "c": lambda: sse_rate(run_dir=run_dir, duration_s=1.0 if quick else 5.0),
+        "d": lambda: _part_d(quick),
+        "e": lambda: trie_memory(trie_max_chars=200_000 if quick else 8_000_000),
+    }
+    for part in parts:
+        _say(f"part ({part}) ...")
+        started = time.monotonic()
+        try:
+            results[part] = jobs[part]()
+            results[part]["wall_s"] = time.monotonic() - started
+        except (RuntimeError, Unavailable, OSError, subprocess.TimeoutExpired) as exc:
+            errors[part] = str(exc)[:2000]
+            _say(f"part ({part}) failed: {exc}")
+        _say(f"part ({part}) done in {time.monotonic() - started:.0f} s")
+    return {"parts": results, "errors": errors, "versions": versions(), "wall_s": time.monotonic() - t0,
+            "load": load.stop(), "run_dir": str(run_dir), "quick": quick, "generated": now_label()}
+
+
+# ----------------------------------------------------------------------------------------------------- report
+
+
+def _f(v, fmt="{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("MET" if ok else "MISSED")
+
+
+def format_markdown(result: dict[str, Any], notes: str = "") -> str:
+    """The overhead result as the Markdown report bench/results/overhead.md; ``notes`` is appended as is."""
+    parts, v = result["parts"], result["versions"]
+    lines = ["# The balancer's own cost", "",
+             f"Generated by `python -m bench.overhead` on {result.get('generated') or now_label()}; whole run "
+             f"{result['wall_s']:.0f} s{' (QUICK run: small sizes, not the real figures)' if result['quick'] else ''}. "
+             f"Versions: sglang-router {v['sglang-router']}, {v['haproxy']}, Python {v['python']}.", ""]
+    lines += _targets(parts)
+    if "a" in parts:
+        a = parts["a"]
+        lines += ["## (a) Added latency (small non-streamed requests, sequential)", "",
+                  f"{a['n']} requests per system, interleaved (request i goes to every system in a shuffled order), "
+                  "one keep-alive connection each, `max_tokens` 1, ~50-word prompt, one emulated replica answering "
+                  "in about 1 ms. Added = the system's percentile minus the direct one's.", "",
+                  "| system | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, s in a["systems"].items():
+            lines.append(f"| {name} | {_f(s['p50_ms'])} | {_f(s['p99_ms'])} | {_f(s['mean_ms'])} "
+                         f"| {_f(s.get('added_p50_ms'))} | {_f(s.get('added_p99_ms'))} | {s['errors']} |")
+        lines += _skipped(a) + [""]
+        if a.get("profile"):
+            p = a["profile"]
+            lines += [f"Where the SkyLB balancer's CPU goes on these requests: cProfile (clock: the process's CPU "
+                      f"time, so waiting does not count; from after a warm-up) of the balancer process "
+                      f"(`max_dispatch_per_probe 0`) serving {p['n']} sequential requests: {p['total_s']:.2f} CPU-s, "
+                      f"{1000 * p['total_s'] / p['n']:.2f} ms per request. Top entries by own time:", "", "```",
+                      p["text"], "```", "", "The balancer's own functions (skylb/balancer, skylb/core) by cumulative "
+                      "CPU time:", "", "```", p["skylb_cumulative"], "```", ""]
+    if "b" in parts:
+        b = parts["b"]
+        lines += ["## (b) Highest sustained request rate of one balancer process", "",
+                  f"Open loop, evenly spaced non-streamed 1-token completions, steps of {b['step_s']:g} s at "
+                  f"{', '.join(map(str, b['rates']))} req/s until a step is not sustained (errors > "
+                  f"{100 * b['error_limit']:g}%, p99 > {b['p99_limit_ms']:g} ms, or < 95% of the offered rate "
+                  f"completed); {b['replicas']} fast emulated replicas that never queue. The client (one Python "
+                  "process) and the emulator share the 2 cores with the balancer: `direct` is the ceiling of this "
+                  "setup.", "",
+                  "| system | sustained req/s | first failing step | balancer CPU ms/request (last ok step) |",
+                  "|---|---|---|---|"]
+        for name, s in b["systems"].items():
+            ok_steps = [st for st in s["steps"] if st["rate"] <= s["sustained_rps"]]
+            bad = next((st for st in s["steps"] if st["rate"] > s["sustained_rps"]), None)
+            fail = ("none (ramp ended)" if bad is None else
+                    f"{bad['rate']}/s: achieved {bad['achieved_rps']:.0f}/s, p99 {_f(bad['p99_ms'], '{:.0f}')} ms, "
+                    f"{bad['errors']} errors, client send lag p99 {_f(bad['send_lag_p99_ms'], '{:.0f}')} ms")
+            cpu = ok_steps[-1].get("balancer_cpu_ms_per_req") if ok_steps else None
+            lines.append(f"| {name} | {s['sustained_rps']} | {fail} | {_f(cpu, '{:.3f}')} |")
+        lines += _skipped(b) + [""]
+    if "c" in parts:
+        c = parts["c"]
+        lines += ["## (c) SSE chunks relayed per second", "",
+                  f"{c['streams']} concurrent streamed completions of 4000 tokens from one fast emulated replica, "
+                  f"chunks (`data:` events) counted at the client for {c['duration_s']:g} s after a 1 s warm-up.", "",
+                  "| system | chunks/s at the client | balancer CPU us/chunk |", "|---|---|---|"]
+        for name, s in c["systems"].items():
+            lines.append(f"| {name} | {s['chunks_per_s']:.0f} | {_f(s['balancer_cpu_us_per_chunk'], '{:.1f}')} |")
+        lines += _skipped(c) + [""]
+    if "d" in parts:
+        lines += _decision_section(parts["d"])
+    if "e" in parts:
+        e = parts["e"]
+        lines += ["## (e) Resident memory with both tries at their bound", "",
+                  f"A fresh interpreter builds a `skylb` policy (trie_max_chars {e['max_chars']:,}, chunks of 64 "
+                  "characters) and fills the replica trie and the regional snapshot with the conversations of part "
+                  f"(d) until each reaches its bound ({e['fill_s']:.0f} s).", "",
+                  "| | replica trie | regional snapshot |", "|---|---|---|",
+                  f"| stored characters | {e['stored_chars'][0]:,} | {e['stored_chars'][1]:,} |",
+                  f"| nodes | {e['nodes'][0]:,} | {e['nodes'][1]:,} |",
+                  f"| records | {e['records'][0]:,} | {e['records'][1]:,} |", "",
+                  f"RSS before the fill {e['before']['rss_kib'] / 1024:.0f} MiB, after "
+                  f"{e['after']['rss_kib'] / 1024:.0f} MiB (peak {e['after']['hwm_kib'] / 1024:.0f} MiB): "
+                  f"**{e['added_mib']:.0f} MiB for both tries**, {e['bytes_per_stored_char']:.1f} bytes of RSS per "
+                  "stored character.", ""]
+    if result["errors"]:
+        lines += ["## Parts that failed", ""] + [f"- ({k}): {m.splitlines()[0]}" for k, m in result["errors"].items()]
+        lines += [""]
+    windows = [(f"part ({k}), {r['wall_s']:.0f} s", r["load"]) for k, r in parts.items() if "load" in r]
+    cond = conditions_lines(result["load"], windows, "client, emulator and balancer share them; parts (d) and (e) "
+                            "run in one process (one core)")
+    lines += cond
+    if notes:
+        lines += [notes.rstrip(), ""]
+    return "\n".join(lines)
+
+
+def _skipped(part: dict) -> list[str]:
+    return [f"\nSkipped: {name} ({why})." for name, why in part.get("skipped", {}).items()]
+
+
+def _targets(parts: dict) -> list[str]:
+    a_ok = d_ok = None
+    a_val = d_val = None
+    if "a" in parts and "skylb" in parts["a"]["systems"]:
+        a_val = parts["a"]["systems"]["skylb"].get("added_p50_ms")
+        a_ok = a_val is not None and a_val <= 1.0
+    if "d" in parts:
+        cell = parts["d"]["cells"].get(f"{max(parts['d']['lengths'])}@1.0")
+        if cell and max(parts["d"]["lengths"]) >= 32000:
+            d_val = cell["p99_ms"]
+            d_ok = d_val <= 1.0
+    return ["## Targets", "", "| target | measured | verdict |", "|---|---|---|",
+            f"| p50 added latency through SkyLB <= 1 ms | {_f(a_val)} ms | {_verdict(a_ok)} |",
+            f"| routing decision p99 <= 1 ms at 32k-token prompts, full trie | {_f(d_val)} ms | {_verdict(d_ok)} |",
+            ""]
+
+
+def _decision_section(d: dict) -> list[str]:
+    fills = d["fills"]
+    heads = [f"{int(100 * f)}% full" for f in fills] + (["full, new conversation"] if 1.0 in fills else [])
+    lines = ["## (d) Routing decision time (routing core, in-process, no I/O)", "",
+             "`Router.dispatch` with the `skylb` policy and 4 available replicas, one fresh request per sample "
+             "(chunking, trie match, least-load pick and trie insert included; eviction too when the trie is "
+             f"full). Trie bound {d['trie_max_chars']:,} characters, 64-character chunks. A prompt of L tokens is L "
+             "words (~5 characters each). At a fill > 0 the request is the next turn of a conversation already in "
+             f"the trie (the first L - {NEW_TURN_WORDS} words known, then a new user turn); at 0% the trie is empty; "
+             "'new conversation' shares only the 500-word system prompt. Cells: p50 / p99 ms.", "",
+             "| prompt tokens | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for L in d["lengths"]:
+        row = [f"{_f(d['cells'][f'{L}@{f}']['p50_ms'])} / {_f(d['cells'][f'{L}@{f}']['p99_ms'])}" for f in fills]
+        if 1.0 in fills:
+            c = d["cells"][f"{L}@new"]
+            row.append(f"{_f(c['p50_ms'])} / {_f(c['p99_ms'])}")
+        lines.append(f"| {L:,} | " + " | ".join(row) + " |")
+    lines += ["", "Garbage-collector pauses during each cell's samples (collections (of which gen-2) / largest pause, "
+              "ms):",
+              "", "| prompt tokens | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for L in d["lengths"]:
+        keys = [f"{L}@{f}" for f in fills] + ([f"{L}@new"] if 1.0 in fills else [])
+        lines.append(f"| {L:,} | " + " | ".join(
+            f"{d['cells'][k]['gc_runs']} ({d['cells'][k]['gc_gen2_runs']}) / {d['cells'][k]['gc_max_ms']:.1f}"
+            for k in keys) + " |")
+    w = d.get("chunk_whatif")
+    if w:
+        lines += ["", f"What-if, `trie_chunk_chars` (a setting, not a code change): {w['length']:,}-token prompts at "
+                  "the full trie, p50 / p99 ms.", "",
+                  "| chunk chars | next turn | new conversation |", "|---|---|---|"]
+        for chunk, c in w["chunks"].items():
+            lines.append(f"| {chunk} | {_f(c['next']['p50_ms'])} / {_f(c['next']['p99_ms'])} "
+                         f"| {_f(c['new']['p50_ms'])} / {_f(c['new']['p99_ms'])} |")
+    lines += ["", "Fill of the trie during each column (fraction of the bound, before -> after the samples): " +
+              "; ".join(f"{int(100 * f)}%: {min(d['cells'][f'{L}@{f}']['fill_before'] for L in d['lengths']):.2f}"
+                        f" -> {max(d['cells'][f'{L}@{f}']['fill_after'] for L in d['lengths']):.2f}" for f in fills)
+              + ". Fill time: " + ", ".join(f"{int(100 * float(k))}%: {v:.1f} s" for k, v in d["fill_s"].items())
+              + ".", ""]
+    if d.get("profile"):
+        lines += [f"Profile (cProfile, 20 next-turn dispatches of {max(d['lengths']):,}-token prompts at the full "
+                  "trie, by own time):", "", "```", d["profile"], "```", ""]
+    return lines
+
+
+# -------------------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `python -m bench.overhead`."""
+    p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run (default: all)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run; the figures mean little)")
+    p.add_argument("--out-md", default="bench/results/overhead.md", help="Markdown report ('' for none)")
+    p.add_argument("--out-json", default=None, help="also write the raw result as JSON here")
+    p.add_argument("--notes", default=None, help="a Markdown file appended to the report (analysis, suggestions)")
+    p.add_argument("--run-dir", default=None, help="logs and configs (default: a new temporary directory)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the parts and write the report; 0 when every part ran (targets missed still give 0)."""
+    args = build_parser().parse_args(argv)
+    result = run_overhead(args.parts, run_dir=Path(args.run_dir) if args.run_dir else None, quick=args.quick)
+    notes = Path(args.notes).read_text() if args.notes else ""
+    text = format_markdown(result, notes)
+    print(text)
+    if args.out_md:
+        Path(args.out_md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out_md).write_text(text)
+    if args.out_json:
+        write_json(result, args.out_json)
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
