@@ -113,7 +113,7 @@ class Balancer:
         else:
             self.router.enqueue(request)
         self._waiting[request.id] = fut
-        self._wake.set()
+        self._dispatch_once()  # place it now if it can be: no round trip through the dispatcher task
         try:
             return await fut
         except asyncio.CancelledError:
@@ -133,25 +133,30 @@ class Balancer:
         tick = self.cfg.dispatch_tick_ms / 1000
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=tick)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(tick):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
-            now = self.now()
-            for request in self.router.expire(now, self.cfg.queue_timeout_s):
-                fut = self._waiting.get(request.id)
-                if fut and not fut.done():
-                    fut.set_exception(QueueTimeout(
-                        f"no replica in region {self.region} or its peers had room for {self.cfg.queue_timeout_s:g} s"))
-            for decision in self.router.dispatch(now):
-                fut = self._waiting.get(decision.request.id)
-                if fut is None or fut.done():  # its client left between the queue and here
-                    self.router.finished(decision)
-                    continue
-                fut.set_result(decision)
-                route = "local" if decision.kind == "replica" else "peer"
-                self.metrics.routed.labels(self.region, route, decision.target).inc()
-                self.metrics.queue_wait.labels(self.region).observe(decision.queued_s)
+            self._dispatch_once()
+
+    def _dispatch_once(self) -> None:
+        """Expire overdue requests and place every request the head of the queue lets through (synchronous)."""
+        now = self.now()
+        for request in self.router.expire(now, self.cfg.queue_timeout_s):
+            fut = self._waiting.get(request.id)
+            if fut and not fut.done():
+                fut.set_exception(QueueTimeout(
+                    f"no replica in region {self.region} or its peers had room for {self.cfg.queue_timeout_s:g} s"))
+        for decision in self.router.dispatch(now):
+            fut = self._waiting.get(decision.request.id)
+            if fut is None or fut.done():  # its client left between the queue and here
+                self.router.finished(decision)
+                continue
+            fut.set_result(decision)
+            route = "local" if decision.kind == "replica" else "peer"
+            self.metrics.routed.labels(self.region, route, decision.target).inc()
+            self.metrics.queue_wait.labels(self.region).observe(decision.queued_s)
 
     # -- probers ------------------------------------------------------------------------------------------------
     async def _every_interval(self, probe_all) -> None:

@@ -85,7 +85,7 @@ class PrefixPolicy(Policy, name="skylb"):
         balance_abs, balance_rel: the imbalance thresholds (prototype: 32 and 1.0001).
     """
 
-    def __init__(self, *, trie_max_chars: int = 8_000_000, trie_chunk_chars: int = 64,
+    def __init__(self, *, trie_max_chars: int = 8_000_000, trie_chunk_chars: int = 256,
                  match_threshold: float = 0.5, balance_abs: int = 32, balance_rel: float = 1.0001, **options):
         super().__init__(**options)
         self.balance_abs = balance_abs

@@ -7,7 +7,8 @@ a child are a subset of its parent's: a match walks down the prompt and stops at
 target, because no deeper node can have one.
 
 Prompts are keyed in chunks of ``chunk_chars`` characters (one trie node per chunk, not per character), so an
-8,000-token prompt is a few hundred nodes. Matching granularity is one chunk.
+8,000-token prompt is about 200 nodes at the default 256 characters (about 50 tokens, three 16-token KV blocks: the
+granularity of a match). Longer chunks make matching cheaper (bench/results/overhead.md) and matches coarser.
 
 Memory bound: ``max_chars`` bounds the characters stored in trie nodes (each node stores one chunk). When an insert
 makes the trie exceed it, the oldest inserted records are evicted first (paper: "starting with the earliest inserted
@@ -61,7 +62,7 @@ class PrefixTrie:
     Node values are ``{target: count}``: how many live records through that node went to that target.
     """
 
-    def __init__(self, *, max_chars: int = 8_000_000, chunk_chars: int = 64):
+    def __init__(self, *, max_chars: int = 8_000_000, chunk_chars: int = 256):
         if max_chars <= 0 or chunk_chars <= 0:
             raise ValueError("max_chars and chunk_chars must be positive")
         self.max_chars = max_chars
@@ -132,16 +133,17 @@ class PrefixTrie:
                 break
         if not key:
             return
-        created_from = self._existing_depth(key)
-        self._trie[key] = self._trie.get(key) or {}
-        for step in self._walk(key):
+        # Two walks: setdefault creates the missing nodes; the second walk counts the target at every node. Every
+        # pre-existing node holds a non-empty dict, so an empty or missing value marks a node created just now.
+        self._trie.setdefault(key, {})
+        for i, step in enumerate(self._walk(key)):
             counts = step.get()
-            if counts is None:
-                counts = step.value = {}
+            if not counts:
+                if counts is None:
+                    counts = step.value = {}
+                self._nodes += 1
+                self._chars += len(key[i])
             counts[target] = counts.get(target, 0) + 1
-        new_chunks = key[created_from:]
-        self._nodes += len(new_chunks)
-        self._chars += sum(map(len, new_chunks))
         self._records.append((key, target))
         while self._chars > self.max_chars and self._records:
             self._evict_oldest()
@@ -161,15 +163,6 @@ class PrefixTrie:
         walk = self._trie.walk_towards(key)
         next(walk)  # skip the root
         return walk
-
-    def _existing_depth(self, key: tuple[str, ...]) -> int:
-        depth = 0
-        try:
-            for depth, _ in enumerate(self._trie.walk_towards(key)):
-                pass
-        except KeyError:
-            pass
-        return depth
 
     def _evict_oldest(self) -> None:
         key, target = self._records.popleft()

@@ -160,7 +160,8 @@ class AvailabilityRules:
         # Engines without a pending metric: the balancer's own in-flight count is exact and live, no probe needed.
         if r.max_concurrency is not None and r.outstanding >= r.max_concurrency:
             return "at max concurrency"
-        if self.max_dispatch_per_probe and r.sent_since_probe >= self.max_dispatch_per_probe:
+        # Only requests still in flight count against the cap: one that already finished cannot fill the batch.
+        if self.max_dispatch_per_probe and min(r.sent_since_probe, r.outstanding) >= self.max_dispatch_per_probe:
             return "awaiting probe"
         return None
 
@@ -192,7 +193,7 @@ class AvailabilityRules:
         if p.queue_len > self.tau:
             return "queue longer than tau"
         # Each available replica there can take at least one request before the next status says more.
-        if self.max_dispatch_per_probe and p.sent_since_probe >= available:
+        if self.max_dispatch_per_probe and min(p.sent_since_probe, p.outstanding) >= available:
             return "awaiting status"
         return None
 
