@@ -46,8 +46,12 @@ from bench.peers import (MODEL, SYSTEMS, MachineLoad, System, Unavailable, condi
                          process_cpu_s, start_emulator, start_skylb, start_system, unavailable_reason, versions)
 from bench.report import percentile, write_json
 from bench.workload import VOCABULARY
+from skylb.config import BalancerConfig
 from skylb.core import AvailabilityRules, Request, Router, make_policy
 from skylb.procs import ProcGroup, free_ports
+
+#: The shipped default of ``trie_chunk_chars``, so part (d) measures what users run.
+DEFAULT_CHUNK_CHARS = BalancerConfig().trie_chunk_chars
 
 __all__ = [
     "OVERHEAD_SYSTEMS", "RATES", "added_latency", "balancer_profile", "max_rate", "sse_rate", "decision_time",
@@ -447,7 +451,7 @@ class GcPauses:
                 "gc_gen2_runs": sum(1 for g, _ in self.pauses if g == 2)}
 
 
-def _router(trie_max_chars: int, replicas: int, chunk_chars: int = 64) -> Router:
+def _router(trie_max_chars: int, replicas: int, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Router:
     """A routing core with the "skylb" policy and ``replicas`` always-available local replicas."""
     router = Router(region="us", policy=make_policy("skylb", trie_max_chars=trie_max_chars,
                                                     trie_chunk_chars=chunk_chars),
@@ -473,7 +477,7 @@ def _time_dispatch(router: Router, text: str, k: int) -> float:
 def decision_time(*, lengths: Sequence[int] = (1000, 4000, 8000, 16000, 32000),
                   fills: Sequence[float] = (0.0, 0.5, 1.0), trie_max_chars: int = 8_000_000, replicas: int = 4,
                   samples: Callable[[int], int] | None = None, seed: int = 0, profile: bool = True,
-                  chunk_chars: int = 64, progress: _Progress = _say) -> dict[str, Any]:
+                  chunk_chars: int = DEFAULT_CHUNK_CHARS, progress: _Progress = _say) -> dict[str, Any]:
     """Part (d): time of ``Router.dispatch`` with the "skylb" policy, in-process, by prompt length and trie fill.
 
     For each fill fraction a router is built and its replica trie filled (:func:`fill_trie`) to that fraction
@@ -483,7 +487,7 @@ def decision_time(*, lengths: Sequence[int] = (1000, 4000, 8000, 16000, 32000),
     and the insert adds the new turn. Column "new" (at the full trie only): a new conversation sharing only the
     system prompt, whose insert makes the trie evict old records. Lengths are in words (= tokens, about 5
     characters each). ``samples(L)`` gives the samples per cell (default 200 up to 4k, 60 to 16k, 30 above).
-    ``chunk_chars``: characters per trie node (the balancer's ``trie_chunk_chars``, default 64).
+    ``chunk_chars``: characters per trie node (the balancer's ``trie_chunk_chars``; default: the config's).
     Returns ``{"cells": {f"{L}@{fill}": {"p50_ms", "p99_ms", "mean_ms", "n", "fill_before", "fill_after",
     "gc_runs", "gc_max_ms", "gc_total_ms", "gc_gen2_runs"}}, "fill_s": {fill: s}, "profile": top cProfile
     entries of the longest prompts' dispatches at the full trie, "load", ...}``. The gc_* figures are the
@@ -749,8 +753,8 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
     if "e" in parts:
         e = parts["e"]
         lines += ["## (e) Resident memory with both tries at their bound", "",
-                  f"A fresh interpreter builds a `skylb` policy (trie_max_chars {e['max_chars']:,}, chunks of 64 "
-                  "characters) and fills the replica trie and the regional snapshot with the conversations of part "
+                  f"A fresh interpreter builds a `skylb` policy (trie_max_chars {e['max_chars']:,}, chunks of "
+                  f"{DEFAULT_CHUNK_CHARS} characters, the default) and fills the replica trie and the regional snapshot with the conversations of part "
                   f"(d) until each reaches its bound ({e['fill_s']:.0f} s).", "",
                   "| | replica trie | regional snapshot |", "|---|---|---|",
                   f"| stored characters | {e['stored_chars'][0]:,} | {e['stored_chars'][1]:,} |",
@@ -799,7 +803,7 @@ def _decision_section(d: dict) -> list[str]:
     lines = ["## (d) Routing decision time (routing core, in-process, no I/O)", "",
              "`Router.dispatch` with the `skylb` policy and 4 available replicas, one fresh request per sample "
              "(chunking, trie match, least-load pick and trie insert included; eviction too when the trie is "
-             f"full). Trie bound {d['trie_max_chars']:,} characters, 64-character chunks. A prompt of L tokens is L "
+             f"full). Trie bound {d['trie_max_chars']:,} characters, {d['chunk_chars']}-character chunks. A prompt of L tokens is L "
              "words (~5 characters each). At a fill > 0 the request is the next turn of a conversation already in "
              f"the trie (the first L - {NEW_TURN_WORDS} words known, then a new user turn); at 0% the trie is empty; "
              "'new conversation' shares only the 500-word system prompt. Cells: p50 / p99 ms.", "",
