@@ -33,7 +33,7 @@ def _scenario_help() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `skylb bench` options: subcommands `sim` and `all`."""
+    """The `skylb bench` options: `sim` and `all` (simulated), `peers`, `overhead` and `live` (real processes)."""
     from bench.sim.scenarios import SCENARIOS
     sub = parser.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
     sim = sub.add_parser("sim", help="run one simulated scenario",
@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     everything = sub.add_parser("all", help="run the whole simulated evaluation and write the report",
                                 description="Run every scenario but 'smoke' and write README.md, results.json "
                                             "and the PNG plots.")
+    for name, help_text in LIVE_BENCHMARKS.items():
+        live = sub.add_parser(name, help=help_text, add_help=False,
+                              description=f"{help_text}. Options are those of `python -m bench.{name} --help`.")
+        live.set_defaults(passes_options=True, rest=[])  # skylb.cli hands the unknown options over in order
     for p in (sim, everything):
         p.add_argument("--seed", type=int, default=0, help="seed of workloads, start times and probe phases")
         p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
@@ -203,8 +207,19 @@ def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
     return plots
 
 
+#: Live benchmarks on real processes: `skylb bench NAME ARGS` runs `python -m bench.NAME ARGS`.
+LIVE_BENCHMARKS = {
+    "peers": "SkyLB beside the SGLang router and HAProxy on the same replicas and workload (bench/results/peers.md)",
+    "overhead": "the balancer's own cost: added latency, request rate, SSE relay, decision time, memory",
+    "live": "the paper's scenarios scaled down on the local three-region deployment (bench/results/live.md)",
+}
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run `skylb bench sim` or `skylb bench all`; returns the exit status."""
+    """Run `skylb bench sim|all` (simulated) or a live benchmark; returns the exit status."""
+    if args.bench_command in LIVE_BENCHMARKS:
+        import importlib
+        return int(importlib.import_module(f"bench.{args.bench_command}").main(args.rest) or 0)
     from bench.sim.scenarios import SCENARIOS, SUITE, runs_of, trace_available
     names = [args.scenario] if args.bench_command == "sim" else list(SUITE)
     skipped = [n for n in names if SCENARIOS[n].needs_trace and not trace_available()]

@@ -47,7 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `skylb` console script; returns the process exit status."""
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(chosen if chosen in SUBCOMMANDS else None).parse_args(argv)
+    parser = build_parser(chosen if chosen in SUBCOMMANDS else None)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # only subcommands that hand their options to another program take unknown ones
+        if not getattr(args, "passes_options", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.rest = [*getattr(args, "rest", []), *extra]
     return int(args._module.main(args) or 0)
 
 

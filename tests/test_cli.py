@@ -1,0 +1,56 @@
+"""The `skylb` and `skylb-ctl` commands: help for every subcommand, clear usage errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from skylb.cli import SUBCOMMANDS
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "skylb", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_top_level_help_lists_every_subcommand():
+    """`skylb --help` names every subcommand."""
+    out = _run("--help")
+    assert out.returncode == 0
+    for name in SUBCOMMANDS:
+        assert name in out.stdout
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_each_subcommand_has_help(name):
+    """`skylb NAME --help` explains the subcommand and exits 0."""
+    out = _run(name, "--help")
+    assert out.returncode == 0 and "usage:" in out.stdout
+
+
+def test_unknown_option_is_a_usage_error():
+    """An unknown option fails with exit status 2 and names the option."""
+    out = _run("balancer", "--region", "us", "--no-such-flag")
+    assert out.returncode == 2 and "--no-such-flag" in out.stderr
+
+
+def test_live_benchmarks_receive_their_options_in_order():
+    """`skylb bench overhead ARGS` hands ARGS to `python -m bench.overhead` unchanged."""
+    out = _run("bench", "overhead", "--help")
+    assert out.returncode == 0 and "--parts" in out.stdout
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    """A config with an unknown key fails with the key named, not a traceback."""
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("balancer:\n  polcy: skylb\n")
+    out = _run("balancer", "--config", str(cfg), "--region", "us")
+    assert out.returncode == 2 and "polcy" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_ctl_help():
+    """`skylb-ctl --help` explains the operator commands."""
+    out = subprocess.run([sys.executable, "-m", "controller.ctl", "--help"], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0 and "replica" in out.stdout
