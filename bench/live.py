@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 from bench.peers import MODEL, MachineLoad, conditions_lines, now_label, summarize
 from bench.replay import replay
-from bench.report import build_report, write_json
+from bench.report import build_report, emit_markdown
 from bench.workload import describe, synthetic_workload
 from skylb.config import DeploymentConfig, WorkloadConfig, load_config
 from skylb.local import Deployment
@@ -274,12 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_live(args.systems, setup=setup, run_dir=Path(args.run_dir) if args.run_dir else None,
                       progress=False if args.no_progress else None)
     text = format_markdown(result, Path(args.notes).read_text() if args.notes else "")
-    print(text)
-    if args.out_md:
-        Path(args.out_md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out_md).write_text(text)
-    if args.out_json:
-        write_json(result, args.out_json)
+    emit_markdown(text, result, out_md=args.out_md, out_json=args.out_json)
     bad = [r for r in result["rows"] if r["status"] != "ok" or r["figures"]["failed"]]
     return 1 if bad else 0
 

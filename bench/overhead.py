@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from bench.peers import (MODEL, SYSTEMS, MachineLoad, System, Unavailable, conditions_lines, now_label,
                          process_cpu_s, start_emulator, start_skylb, start_system, unavailable_reason, versions)
-from bench.report import percentile, write_json
+from bench.report import emit_markdown, percentile
 from bench.workload import VOCABULARY
 from skylb.config import BalancerConfig
 from skylb.core import AvailabilityRules, Request, Router, make_policy
@@ -862,12 +862,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_overhead(args.parts, run_dir=Path(args.run_dir) if args.run_dir else None, quick=args.quick)
     notes = Path(args.notes).read_text() if args.notes else ""
     text = format_markdown(result, notes)
-    print(text)
-    if args.out_md:
-        Path(args.out_md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out_md).write_text(text)
-    if args.out_json:
-        write_json(result, args.out_json)
+    emit_markdown(text, result, out_md=args.out_md, out_json=args.out_json)
     return 1 if result["errors"] else 0
 
 

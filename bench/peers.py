@@ -40,7 +40,7 @@ import aiohttp
 import yaml
 
 from bench.replay import replay
-from bench.report import RequestRecord, build_report, percentile, write_json
+from bench.report import RequestRecord, build_report, emit_markdown, percentile
 from bench.workload import describe, synthetic_workload
 from skylb.config import WorkloadConfig
 from skylb.procs import ProcGroup, free_ports, wait_http
@@ -749,12 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_peers(args.systems, setup=setup, run_dir=Path(args.run_dir) if args.run_dir else None,
                        progress=False if args.no_progress else None)
     text = format_markdown(result, Path(args.notes).read_text() if args.notes else "")
-    print(text)
-    if args.out_md:
-        Path(args.out_md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out_md).write_text(text)
-    if args.out_json:
-        write_json(result, args.out_json)
+    emit_markdown(text, result, out_md=args.out_md, out_json=args.out_json)
     bad = [r for r in result["rows"] if r["status"] == "failed"
            or (r["status"] == "ok" and r["figures"]["failed"])]
     return 1 if bad else 0

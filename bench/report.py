@@ -16,7 +16,8 @@ from typing import Any, Iterable, Sequence
 
 from tabulate import tabulate
 
-__all__ = ["RequestRecord", "percentile", "parse_route", "build_report", "format_table", "write_json"]
+__all__ = [
+    "RequestRecord", "percentile", "parse_route", "build_report", "format_table", "write_json", "emit_markdown"]
 
 
 @dataclass(slots=True)
@@ -186,6 +187,16 @@ def format_table(report: dict[str, Any]) -> str:
     for message, n in report.get("errors", {}).items():
         lines.append(f"  {n} x {message}")
     return "\n".join(lines)
+
+
+def emit_markdown(text: str, result: dict[str, Any], *, out_md: str | None, out_json: str | None) -> None:
+    """Print a benchmark's Markdown report and write it to ``out_md`` (and ``result`` as JSON to ``out_json``)."""
+    print(text)
+    if out_md:
+        Path(out_md).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_md).write_text(text)
+    if out_json:
+        write_json(result, out_json)
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> Path:
