@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -105,20 +103,7 @@ def deployment_config(setup: LiveSetup, *, policy: str, region_local: bool) -> D
 class RegionLocalDeployment(Deployment):
     """A Deployment whose readiness check does not wait for peers (in a region-local run none is reachable)."""
 
-    def _wait_ready(self, timeout_s: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            waiting = []
-            for region, url in self.balancer_urls.items():
-                with urllib.request.urlopen(f"{url}/skylb/v1/status?format=json", timeout=10) as resp:
-                    status = json.loads(resp.read())
-                if sum(1 for r in status["replicas"] if r["healthy"]) < len(self.replica_urls[region]):
-                    waiting.append(region)
-            if not waiting:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"balancers not ready after {timeout_s:g} s: {', '.join(waiting)}")
-            time.sleep(0.2)
+    expects_peers = False
 
 
 def run_system(name: str, setup: LiveSetup, *, run_dir: Path, progress: bool | None = None) -> dict[str, Any]:

@@ -55,6 +55,9 @@ class Deployment:
         cfg: the deployment config; run_dir: where logs, the controller's DB and balancer state go.
     """
 
+    #: Wait, before the replay, until every balancer has a status from every peer (False: region-local runs).
+    expects_peers = True
+
     def __init__(self, cfg: DeploymentConfig, run_dir: Path):
         self.cfg = cfg
         self.run_dir = run_dir
@@ -173,15 +176,16 @@ class Deployment:
         return path
 
     def _wait_ready(self, timeout_s: float = 20.0) -> None:
-        """Wait until every balancer sees all its replicas and every peer answered a status probe."""
+        """Wait until every balancer sees all its replicas and (``expects_peers``) every peer answered a status."""
         deadline = time.monotonic() + timeout_s
         while True:
             waiting = []
             for region, url in self.balancer_urls.items():
                 status = _get_json(f"{url}/skylb/v1/status?format=json")
                 healthy = sum(1 for r in status["replicas"] if r["healthy"])
+                peers_needed = len(self.balancer_urls) - 1 if self.expects_peers else 0
                 peers_seen = sum(1 for p in status["peers"] if p["healthy"])
-                if healthy < len(self.replica_urls[region]) or peers_seen < len(self.balancer_urls) - 1:
+                if healthy < len(self.replica_urls[region]) or peers_seen < peers_needed:
                     waiting.append(region)
             if not waiting:
                 return
