@@ -437,3 +437,12 @@ def test_a_probe_sent_before_a_dispatch_does_not_clear_it():
     assert router.dispatch(0.07) == [] and router.replicas["r0"].sent_since_probe == 1
     router.observe_replica("r0", now=0.16, healthy=True, pending=0, probe_sent_at=0.14)
     assert len(router.dispatch(0.17)) == 1
+
+
+def test_trie_key_is_recut_for_another_chunk_size():
+    """A request's cached trie key is reused for the same chunk size and recut for a different one."""
+    from skylb.core.policies import trie_key
+    request = Request("q", "abcdefgh", arrived_at=0.0)
+    assert trie_key(request, PrefixTrie(chunk_chars=4)) == ("abcd", "efgh")
+    assert trie_key(request, PrefixTrie(chunk_chars=3)) == ("abc", "def", "gh")
+    assert trie_key(request, PrefixTrie(chunk_chars=3)) is request.chunks

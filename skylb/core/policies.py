@@ -23,7 +23,8 @@ from skylb.core.prefix_trie import PrefixTrie
 from skylb.core.request import Request
 from skylb.core.state import PeerState, ReplicaState
 
-__all__ = ["Policy", "PrefixPolicy", "HashRingPolicy", "RoundRobinPolicy", "LeastLoadPolicy", "make_policy",
+__all__ = ["Policy", "PrefixPolicy", "HashRingPolicy", "RoundRobinPolicy", "LeastLoadPolicy", "ConsistentHashPolicy",
+           "SGLangCacheAwarePolicy", "SGLangSelectivePolicy", "make_policy", "trie_key", "loads_imbalanced",
            "POLICIES"]
 
 #: name -> policy class, filled by ``Policy.__init_subclass__``.
@@ -71,6 +72,20 @@ class Policy:
         return tied[next(self._rotation) % len(tied)]
 
 
+def trie_key(request: Request, trie: PrefixTrie) -> tuple[str, ...]:
+    """``request``'s prompt cut into ``trie``'s chunks, computed once per request and chunk size."""
+    if request.chunks is None or request.chunk_chars != trie.chunk_chars:
+        request.chunks, request.chunk_chars = trie.chunks(request.text), trie.chunk_chars
+    return request.chunks
+
+
+def loads_imbalanced(candidates: Sequence[ReplicaState], abs_threshold: float, rel_threshold: float) -> bool:
+    """SGLang's imbalance test over outstanding requests: max - min > abs and max > rel x min."""
+    loads = [c.outstanding for c in candidates]
+    high, low = max(loads), min(loads)
+    return high - low > abs_threshold and high > rel_threshold * low
+
+
 class PrefixPolicy(Policy, name="skylb"):
     """Longest prefix match over the available candidates (replica trie, or regional snapshot for peers).
 
@@ -97,15 +112,11 @@ class PrefixPolicy(Policy, name="skylb"):
         self._peers: set[str] = set()
 
     def _key(self, request: Request) -> tuple[str, ...]:
-        if request.chunks is None:
-            request.chunks = self.replica_trie.chunks(request.text)
-        return request.chunks
+        return trie_key(request, self.replica_trie)
 
     def imbalanced(self, candidates: Sequence[ReplicaState]) -> bool:
         """True when the candidates' outstanding requests differ enough to route by load instead of prefix."""
-        loads = [c.outstanding for c in candidates]
-        low, high = min(loads), max(loads)
-        return high - low > self.balance_abs and high > self.balance_rel * low
+        return loads_imbalanced(candidates, self.balance_abs, self.balance_rel)
 
     def pick_replica(self, request, candidates):
         if len(candidates) > 1 and self.imbalanced(candidates):
@@ -247,15 +258,11 @@ class SGLangCacheAwarePolicy(Policy, name="sglang"):
         self.tree_chars: dict[str, int] = {}
 
     def _key(self, request: Request) -> tuple[str, ...]:
-        if request.chunks is None:
-            request.chunks = self.tree.chunks(request.text)
-        return request.chunks
+        return trie_key(request, self.tree)
 
     def imbalanced(self, candidates: Sequence[ReplicaState]) -> bool:
         """True when SGLang's imbalance test holds over ``candidates``' outstanding requests."""
-        loads = [c.outstanding for c in candidates]
-        hi, lo = max(loads), min(loads)
-        return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
+        return loads_imbalanced(candidates, self.balance_abs_threshold, self.balance_rel_threshold)
 
     def pick_replica(self, request, candidates):
         if self.imbalanced(candidates):
@@ -296,4 +303,3 @@ class SGLangSelectivePolicy(SGLangCacheAwarePolicy, name="sglang-selective"):
     selective = True
 
 
-__all__ += ["ConsistentHashPolicy", "SGLangCacheAwarePolicy", "SGLangSelectivePolicy"]
