@@ -104,6 +104,10 @@ def test_metrics_and_status_describe_replicas(one_region):
     for name in ("skylb_queue_length", "skylb_replica_pending_requests", "skylb_replica_available",
                  "skylb_requests_routed_total", "skylb_ttft_seconds_bucket", "skylb_peer_available"):
         assert name in text
+    # The TTFT is observed at the first byte, so it is counted before the client can read the stream's end.
+    [count] = [line for line in text.splitlines() if line.startswith("skylb_ttft_seconds_count{")
+               and 'route="local"' in line]
+    assert float(count.rsplit(" ", 1)[1]) >= 1
     status = cluster.status("us")
     assert {r["id"] for r in status["replicas"]} == {"us-0", "us-1"}
     assert status["controller_reachable"] is True

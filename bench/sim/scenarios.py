@@ -259,15 +259,14 @@ def observations(results: list[RunSummary]) -> list[str]:
     imb = [(wl, rows[(wl, "SkyLB")].outstanding_var, rows[(wl, "SGL")].outstanding_var)
            for wl in ("tot", "mixed_tree", "mooncake") if (wl, "SkyLB") in rows and (wl, "SGL") in rows]
     if imb:
-        out.append("SkyLB's prefix policy (skylb/core/policies.py `PrefixPolicy.pick_replica`) balances load only "
-                   "through availability (0 pending at the last probe) and, among the replicas holding the longest "
-                   "match, the least loaded. A shared prefix above the 0.5 match threshold (the ToT template, the "
-                   "trace's sessions) keeps sending work to one replica for as long as its KV cache admits it, and "
-                   "prefix sharing lets a replica admit many requests. Outstanding variance across replicas, SkyLB "
-                   "vs SGL (cache-aware too, but with SGLang's imbalance guard): "
-                   + ", ".join(f"{wl} {a:.0f} vs {b:.0f}" for wl, a, b in imb) + ". The SkyLB prototype's "
-                   "SGLang-derived policy also switched to least load on imbalance (abs 32, rel 1.0001; "
-                   "reference/peers.md); the core's policy has no such guard.")
+        out.append("SkyLB's prefix policy (skylb/core/policies.py `PrefixPolicy.pick_replica`) considers only "
+                   "available replicas (0 pending at the last probe); among them it follows the longest prefix match "
+                   "unless their outstanding requests are imbalanced (the prototype's SGLang-derived guard: max - min "
+                   "> 32 and max > 1.0001 x min; reference/peers.md). A shared prefix above the 0.5 match threshold "
+                   "(the ToT template, the trace's sessions) keeps sending work to one replica until that guard "
+                   "trips, and prefix sharing lets a replica admit many requests before its KV cache fills. "
+                   "Outstanding variance across replicas, SkyLB vs SGL (SGLang's guard is abs 64, rel 1.5): "
+                   + ", ".join(f"{wl} {a:.0f} vs {b:.0f}" for wl, a, b in imb) + ".")
     sat = [r for r in results if r.scenario == "skewed" and r.system == "SkyLB"]
     rl = {r.replicas: r for r in results if r.scenario == "skewed" and r.system == "RegionLocal"}
     if sat and rl:

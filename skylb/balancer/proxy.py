@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from typing import Callable
 
 import aiohttp
 from aiohttp import web
@@ -83,8 +84,12 @@ class Relay:
         return headers
 
     async def relay(self, request: web.Request, body: bytes, decision: Decision, *, request_id: str,
-                    arrived_at: float, retry_allowed: bool, api: str = "openai") -> RelayOutcome:
+                    arrived_at: float, retry_allowed: bool, api: str = "openai",
+                    on_first_byte: Callable[[float], None] | None = None) -> RelayOutcome:
         """Send ``body`` to the decision's target at the client's path and relay the answer.
+
+        ``on_first_byte(ttft_s)`` is called when the first streamed byte has been written to the client, so the
+        TTFT histogram is current while a long stream is still running (and before the client can see its end).
 
         Returns RelayOutcome(response=None, ...) when the target failed before any byte went to the client and
         ``retry_allowed``; otherwise the response already sent (an error in the API's shape if the target failed).
@@ -121,9 +126,11 @@ class Relay:
             error = None
             try:
                 async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
                     if ttft is None:
                         ttft = loop.time() - arrived_at
-                    await response.write(chunk)
+                        if on_first_byte is not None:
+                            on_first_byte(ttft)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 # Bytes already reached the client: end the stream with an error event, never retry.
                 error = f"{decision.target} failed mid-stream: {type(exc).__name__}"

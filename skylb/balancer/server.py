@@ -87,9 +87,12 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         except QueueTimeout as exc:
             return _finish(balancer, error_response(api, 503, str(exc), type_="overloaded_error"),
                            request_id, parsed.model, started)
+        route = "local" if decision.kind == "replica" else "peer"
+        ttft_histogram = balancer.metrics.ttft.labels(balancer.region, route)
         try:
             outcome = await relay.relay(request, body, decision, request_id=request_id, arrived_at=arrived_at,
-                                        retry_allowed=attempt < MAX_RETRIES, api=api)
+                                        retry_allowed=attempt < MAX_RETRIES, api=api,
+                                        on_first_byte=ttft_histogram.observe)
         finally:
             balancer.release(decision)
         if outcome.response is None:  # failed before any byte reached the client: mark and re-queue
@@ -103,9 +106,6 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             log.warning("retrying", id=request_id, region=balancer.region, target=decision.target,
                         error=outcome.error, attempt=attempt)
             continue
-        route = "local" if decision.kind == "replica" else "peer"
-        if outcome.ttft_s is not None:
-            balancer.metrics.ttft.labels(balancer.region, route).observe(outcome.ttft_s)
         return _finish(balancer, outcome.response, request_id, parsed.model, started, decision=decision,
                        ttft_s=outcome.ttft_s, error=outcome.error, status=outcome.status)
 
