@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable
 import structlog
 from aiohttp import web
 
+from skylb import aio
 from controller.store import InvalidInput, MembershipStore, StoreError
 from skylb.config import ConfigError, ControllerConfig, load_config
 
@@ -263,7 +264,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     configure_logging()
     try:
-        asyncio.run(serve(config))
+        aio.run(serve(config))
     except (OSError, sqlite3.Error) as exc:  # address in use, db directory not writable, ...
         print(f"skylb controller: {exc}", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ import uuid
 import structlog
 from aiohttp import web
 
+from skylb import aio
 from skylb.balancer import ollama_api
 from skylb.balancer.api import BadRequest, error_response, openai_error, parse_ollama, parse_openai
 from skylb.balancer.balancer import Balancer, QueueFull, QueueTimeout
@@ -234,7 +235,7 @@ def main(args: argparse.Namespace) -> int:
             s.bind((cfg.host, 0))
             cfg.port = s.getsockname()[1]
     advertise_url = cfg.advertise_url or f"http://{cfg.host}:{cfg.port}"
-    return asyncio.run(_serve(cfg, region=args.region, advertise_url=advertise_url))
+    return aio.run(_serve(cfg, region=args.region, advertise_url=advertise_url))
 
 
 async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str) -> int:
@@ -246,7 +247,8 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str) -> int
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
     structlog.get_logger("skylb.balancer").info("balancer_started", region=region, listen=f"{cfg.host}:{cfg.port}",
-                                                policy=cfg.policy, controller=cfg.controller_url)
+                                                policy=cfg.policy, controller=cfg.controller_url,
+                                                event_loop=aio.loop_name())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -19,6 +19,7 @@ import time
 import structlog
 from aiohttp import web
 
+from skylb import aio
 from skylb.emulator.model import EngineModel, EngineParams, FinishedRequest, TokenOutput
 from skylb.emulator.personalities import PERSONALITIES, ApiError, Personality, PersonalityOptions
 
@@ -285,5 +286,5 @@ def main(args: argparse.Namespace) -> int:
         print(f"skylb emulator: --port values must be distinct and in 1-65535, got {args.port}", file=sys.stderr)
         return 2
     _configure_logging()
-    return asyncio.run(serve(engine=args.engine, host=args.host, ports=args.port, params=params, options=options,
+    return aio.run(serve(engine=args.engine, host=args.host, ports=args.port, params=params, options=options,
                              log_requests=args.log_requests))

@@ -39,6 +39,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from skylb import aio
 from skylb.latency.toxics import DOWNSTREAM, STREAMS, UPSTREAM, ApiError, Chunk, ToxicSpec, ToxicState, bad_request
 
 __all__ = ["VERSION", "Proxy", "ProxyCollection", "build_app", "serve", "add_arguments", "main"]
@@ -645,7 +646,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a clean stop, 1 if the API port cannot be bound."""
     _configure_logging()
     try:
-        asyncio.run(serve(args.host, args.port))
+        aio.run(serve(args.host, args.port))
     except OSError as exc:
         log.error("toxiproxy_failed", error=str(exc))
         return 1

@@ -1,0 +1,37 @@
+"""One way to run a server's event loop: uvloop when it is installed, asyncio's own loop otherwise.
+
+uvloop (libuv under asyncio's API) cut the balancer's CPU per proxied request by about a third in
+bench/results/overhead.md part (a). ``SKYLB_EVENT_LOOP=asyncio`` forces the standard loop (to rule uvloop out when
+debugging).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["run", "loop_name"]
+
+T = TypeVar("T")
+
+
+def loop_name() -> str:
+    """``"uvloop"`` or ``"asyncio"``: the loop :func:`run` will use."""
+    if os.environ.get("SKYLB_EVENT_LOOP", "uvloop").lower() == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:  # not built for this platform (Windows): the standard loop works, only slower
+        return "asyncio"
+    return "uvloop"
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to completion on a new event loop (like ``asyncio.run``) and return its result."""
+    if loop_name() == "uvloop":
+        import uvloop
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main)
+    return asyncio.run(main)
