@@ -52,6 +52,8 @@ from skylb.procs import ProcGroup, free_ports
 
 #: The shipped default of ``trie_chunk_chars``, so part (d) measures what users run.
 DEFAULT_CHUNK_CHARS = BalancerConfig().trie_chunk_chars
+#: ... and of ``trie_chunk_doubling`` (chunks double in length after every this many).
+DEFAULT_CHUNK_DOUBLING = BalancerConfig().trie_chunk_doubling
 
 __all__ = [
     "OVERHEAD_SYSTEMS", "RATES", "added_latency", "balancer_profile", "max_rate", "sse_rate", "decision_time",
@@ -454,7 +456,8 @@ class GcPauses:
 def _router(trie_max_chars: int, replicas: int, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Router:
     """A routing core with the "skylb" policy and ``replicas`` always-available local replicas."""
     router = Router(region="us", policy=make_policy("skylb", trie_max_chars=trie_max_chars,
-                                                    trie_chunk_chars=chunk_chars),
+                                                    trie_chunk_chars=chunk_chars,
+                                                    trie_chunk_doubling=DEFAULT_CHUNK_DOUBLING),
                     rules=AvailabilityRules(max_dispatch_per_probe=0))
     router.set_replicas([(f"r{i}", f"http://r{i}", "vllm") for i in range(replicas)])
     for i in range(replicas):
@@ -598,7 +601,8 @@ def rss_kib() -> dict[str, int]:
 
 def _trie_memory_child(trie_max_chars: int) -> dict[str, Any]:
     """Run in a fresh interpreter: fill both tries of a "skylb" policy to their bound and measure RSS."""
-    policy = make_policy("skylb", trie_max_chars=trie_max_chars)
+    policy = make_policy("skylb", trie_max_chars=trie_max_chars, trie_chunk_chars=DEFAULT_CHUNK_CHARS,
+                         trie_chunk_doubling=DEFAULT_CHUNK_DOUBLING)
     gc.collect()
     before = rss_kib()
     t0 = time.monotonic()
@@ -754,7 +758,7 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
         e = parts["e"]
         lines += ["## (e) Resident memory with both tries at their bound", "",
                   f"A fresh interpreter builds a `skylb` policy (trie_max_chars {e['max_chars']:,}, chunks of "
-                  f"{DEFAULT_CHUNK_CHARS} characters, the default) and fills the replica trie and the regional snapshot with the conversations of part "
+                  f"{DEFAULT_CHUNK_CHARS} characters doubling after every {DEFAULT_CHUNK_DOUBLING}, the defaults) and fills the replica trie and the regional snapshot with the conversations of part "
                   f"(d) until each reaches its bound ({e['fill_s']:.0f} s).", "",
                   "| | replica trie | regional snapshot |", "|---|---|---|",
                   f"| stored characters | {e['stored_chars'][0]:,} | {e['stored_chars'][1]:,} |",
@@ -803,7 +807,8 @@ def _decision_section(d: dict) -> list[str]:
     lines = ["## (d) Routing decision time (routing core, in-process, no I/O)", "",
              "`Router.dispatch` with the `skylb` policy and 4 available replicas, one fresh request per sample "
              "(chunking, trie match, least-load pick and trie insert included; eviction too when the trie is "
-             f"full). Trie bound {d['trie_max_chars']:,} characters, {d['chunk_chars']}-character chunks. A prompt of L tokens is L "
+             f"full). Trie bound {d['trie_max_chars']:,} characters; chunks of {d['chunk_chars']} characters, doubling in "
+             f"length after every {DEFAULT_CHUNK_DOUBLING} (`trie_chunk_doubling`). A prompt of L tokens is L "
              "words (~5 characters each). At a fill > 0 the request is the next turn of a conversation already in "
              f"the trie (the first L - {NEW_TURN_WORDS} words known, then a new user turn); at 0% the trie is empty; "
              "'new conversation' shares only the 500-word system prompt. Cells: p50 / p99 ms.", "",

@@ -63,8 +63,10 @@ class BalancerConfig(_Strict):
     tau: int = Field(2, ge=0)
     session_header: str = "X-Session-ID"
     trie_max_chars: int = Field(8_000_000, gt=0)
-    #: Characters per trie node: the granularity of prefix matches (256 chars, about 50 tokens).
+    #: Characters per trie node at the start of a prompt: the granularity of prefix matches (256, ~50 tokens) ...
     trie_chunk_chars: int = Field(256, gt=0)
+    #: ... doubling after every this many nodes, so a long prompt is O(log n) nodes (0: fixed-size chunks).
+    trie_chunk_doubling: int = Field(16, ge=0)
     #: The smallest matched fraction of a prompt (0-1) that routes by prefix; below it, least load.
     match_threshold: float = Field(0.5, ge=0, le=1)
     #: Route by least load instead of prefix when candidates' outstanding requests differ by more than this ...

@@ -446,3 +446,24 @@ def test_trie_key_is_recut_for_another_chunk_size():
     assert trie_key(request, PrefixTrie(chunk_chars=4)) == ("abcd", "efgh")
     assert trie_key(request, PrefixTrie(chunk_chars=3)) == ("abc", "def", "gh")
     assert trie_key(request, PrefixTrie(chunk_chars=3)) is request.chunks
+
+
+def test_chunks_double_in_length_and_keep_shared_prefixes_shared():
+    """With double_every, chunk i has chunk_chars * 2**(i // double_every) characters; boundaries depend only on
+    position, so two prompts sharing a prefix share every chunk that ends inside it."""
+    text = "".join(chr(97 + i % 26) for i in range(100))
+    chunks = chunk_text(text, 2, double_every=3)
+    assert [len(c) for c in chunks] == [2, 2, 2, 4, 4, 4, 8, 8, 8, 16, 16, 16, 10]
+    assert "".join(chunks) == text
+    assert chunk_text(text, 2) == chunk_text(text, 2, double_every=0)
+    other = text[:60] + "different tail"
+    shared = [a for a, b in zip(chunks, chunk_text(other, 2, double_every=3)) if a == b]
+    assert "".join(shared) == text[:58]  # the chunks that end at or before character 60
+    t = PrefixTrie(max_chars=10_000, chunk_chars=2, double_every=3)
+    t.insert(t.chunks(text), "r1")
+    m = t.match(t.chunks(other), {"r1"})
+    assert (m.targets, m.matched_chars) == ({"r1"}, 58)
+    # 160,000 characters (a 32,000-token prompt) in 85 nodes with the defaults, instead of 625.
+    assert len(chunk_text("x" * 160_000, 256, double_every=16)) == 85
+    with pytest.raises(ValueError):
+        PrefixTrie(double_every=-1)

@@ -77,6 +77,7 @@ def _rules(**overrides) -> AvailabilityRules:
 def _policy_options() -> dict:
     """The live balancer's policy options (what skylb/balancer/balancer.py passes to make_policy)."""
     return dict(trie_max_chars=_DEFAULTS.trie_max_chars, trie_chunk_chars=_DEFAULTS.trie_chunk_chars,
+                trie_chunk_doubling=_DEFAULTS.trie_chunk_doubling,
                 match_threshold=_DEFAULTS.match_threshold, hash_ring_vnodes=_DEFAULTS.hash_ring_vnodes)
 
 

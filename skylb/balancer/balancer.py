@@ -45,7 +45,7 @@ class Balancer:
         rules = AvailabilityRules(tau=cfg.tau, stale_after_s=interval_s * cfg.stale_after_intervals,
                                   max_dispatch_per_probe=cfg.max_dispatch_per_probe)
         policy = make_policy(cfg.policy, trie_max_chars=cfg.trie_max_chars, trie_chunk_chars=cfg.trie_chunk_chars,
-                             match_threshold=cfg.match_threshold, hash_ring_vnodes=cfg.hash_ring_vnodes,
+                             trie_chunk_doubling=cfg.trie_chunk_doubling, match_threshold=cfg.match_threshold, hash_ring_vnodes=cfg.hash_ring_vnodes,
                              balance_abs=cfg.balance_abs, balance_rel=cfg.balance_rel)
         self.router = Router(region=region, policy=policy, rules=rules, max_queue=cfg.max_queue)
         self.metrics = BalancerMetrics(self)

@@ -73,9 +73,9 @@ class Policy:
 
 
 def trie_key(request: Request, trie: PrefixTrie) -> tuple[str, ...]:
-    """``request``'s prompt cut into ``trie``'s chunks, computed once per request and chunk size."""
-    if request.chunks is None or request.chunk_chars != trie.chunk_chars:
-        request.chunks, request.chunk_chars = trie.chunks(request.text), trie.chunk_chars
+    """``request``'s prompt cut into ``trie``'s chunks, computed once per request and trie chunking."""
+    if request.chunks is None or request.chunking != trie.chunking:
+        request.chunks, request.chunking = trie.chunks(request.text), trie.chunking
     return request.chunks
 
 
@@ -95,18 +95,21 @@ class PrefixPolicy(Policy, name="skylb"):
     replica, which stays "available" for a long time because shared KV blocks let it admit many requests.
 
     Args:
-        trie_max_chars: bound of each trie, in stored characters. trie_chunk_chars: characters per trie node.
+        trie_max_chars: bound of each trie, in stored characters. trie_chunk_chars: characters of a prompt's first
+        trie nodes; trie_chunk_doubling: chunks double in length after every this many (0: never; prefix_trie.py).
         match_threshold: the smallest matched fraction of the prompt (0-1) that routes by prefix.
         balance_abs, balance_rel: the imbalance thresholds (prototype: 32 and 1.0001).
     """
 
-    def __init__(self, *, trie_max_chars: int = 8_000_000, trie_chunk_chars: int = 256,
+    def __init__(self, *, trie_max_chars: int = 8_000_000, trie_chunk_chars: int = 256, trie_chunk_doubling: int = 16,
                  match_threshold: float = 0.5, balance_abs: int = 32, balance_rel: float = 1.0001, **options):
         super().__init__(**options)
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
-        self.replica_trie = PrefixTrie(max_chars=trie_max_chars, chunk_chars=trie_chunk_chars)
-        self.snapshot_trie = PrefixTrie(max_chars=trie_max_chars, chunk_chars=trie_chunk_chars)
+        self.replica_trie = PrefixTrie(max_chars=trie_max_chars, chunk_chars=trie_chunk_chars,
+                                       double_every=trie_chunk_doubling)
+        self.snapshot_trie = PrefixTrie(max_chars=trie_max_chars, chunk_chars=trie_chunk_chars,
+                                        double_every=trie_chunk_doubling)
         self.match_threshold = match_threshold
         self._replicas: set[str] = set()
         self._peers: set[str] = set()

@@ -6,9 +6,13 @@ were sent a request with that prefix. A target recorded at a node is recorded at
 a child are a subset of its parent's: a match walks down the prompt and stops at the first node with no *available*
 target, because no deeper node can have one.
 
-Prompts are keyed in chunks of ``chunk_chars`` characters (one trie node per chunk, not per character), so an
-8,000-token prompt is about 200 nodes at the default 256 characters (about 50 tokens, three 16-token KV blocks: the
-granularity of a match). Longer chunks make matching cheaper (bench/results/overhead.md) and matches coarser.
+Prompts are keyed in chunks (one trie node per chunk, not per character). The first ``double_every`` chunks have
+``chunk_chars`` characters (256 by default: about 50 tokens, three 16-token KV blocks), the next ``double_every``
+twice that, and so on: a match is fine-grained near the start of a prompt, where prompts diverge, and about 1/16 of
+the matched length deeper in (``double_every`` 16). A chunk's boundaries depend only on its position, so prompts
+that share a prefix share its chunks. Nodes grow as O(log n) in the prompt's length: a 32,000-token prompt
+(~160,000 characters) is 85 nodes instead of 625 at a fixed 256 characters, and the routing decision's walks are
+that much shorter (bench/results/overhead.md part (d)). ``double_every`` 0 keeps every chunk at ``chunk_chars``.
 
 Memory bound: ``max_chars`` bounds the characters stored in trie nodes (each node stores one chunk). When an insert
 makes the trie exceed it, the oldest inserted records are evicted first (paper: "starting with the earliest inserted
@@ -27,9 +31,23 @@ import pygtrie
 __all__ = ["PrefixTrie", "Match", "chunk_text"]
 
 
-def chunk_text(text: str, chunk_chars: int) -> tuple[str, ...]:
-    """Split ``text`` into consecutive chunks of ``chunk_chars`` characters (the last may be shorter)."""
-    return tuple(text[i:i + chunk_chars] for i in range(0, len(text), chunk_chars))
+def chunk_text(text: str, chunk_chars: int, double_every: int = 0) -> tuple[str, ...]:
+    """Split ``text`` into consecutive chunks (the last may be shorter).
+
+    Chunk ``i`` has ``chunk_chars * 2 ** (i // double_every)`` characters; with ``double_every`` 0, ``chunk_chars``.
+    """
+    if not double_every:
+        return tuple(text[i:i + chunk_chars] for i in range(0, len(text), chunk_chars))
+    chunks = []
+    pos, size, n = 0, chunk_chars, len(text)
+    while pos < n:
+        for _ in range(double_every):
+            if pos >= n:
+                break
+            chunks.append(text[pos:pos + size])
+            pos += size
+        size *= 2
+    return tuple(chunks)
 
 
 @dataclass(frozen=True)
@@ -57,16 +75,21 @@ class PrefixTrie:
 
     Args:
         max_chars: the most characters the trie may store in its nodes (> 0).
-        chunk_chars: characters per trie node (> 0).
+        chunk_chars: characters of the first chunks of a prompt (> 0).
+        double_every: chunks double in length after every ``double_every`` chunks (>= 0; 0: never).
 
-    Node values are ``{target: count}``: how many live records through that node went to that target.
+    Raises ValueError for sizes out of range. Node values are ``{target: count}``: how many live records through
+    that node went to that target.
     """
 
-    def __init__(self, *, max_chars: int = 8_000_000, chunk_chars: int = 256):
+    def __init__(self, *, max_chars: int = 8_000_000, chunk_chars: int = 256, double_every: int = 0):
         if max_chars <= 0 or chunk_chars <= 0:
             raise ValueError("max_chars and chunk_chars must be positive")
+        if double_every < 0:
+            raise ValueError("double_every must not be negative")
         self.max_chars = max_chars
         self.chunk_chars = chunk_chars
+        self.double_every = double_every
         self._trie: pygtrie.Trie = pygtrie.Trie()
         self._records: deque[tuple[tuple[str, ...], str]] = deque()
         self._chars = 0
@@ -86,9 +109,14 @@ class PrefixTrie:
         """Live records (inserts not yet evicted)."""
         return len(self._records)
 
+    @property
+    def chunking(self) -> tuple[int, int]:
+        """``(chunk_chars, double_every)``: how this trie cuts prompts into keys."""
+        return self.chunk_chars, self.double_every
+
     def chunks(self, text: str) -> tuple[str, ...]:
         """The trie key of ``text``: its chunks."""
-        return chunk_text(text, self.chunk_chars)
+        return chunk_text(text, self.chunk_chars, self.double_every)
 
     def match(self, key: tuple[str, ...], available: Collection[str]) -> Match:
         """Longest prefix of ``key`` (from ``chunks()``) recorded for a target in ``available``.

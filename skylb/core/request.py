@@ -32,9 +32,9 @@ class Request:
     forwarded_from: str | None = None
     prompt_tokens: int | None = None
     api: str = "openai"
-    #: The prompt's trie key, cached for the trie chunk size it was cut with (``chunk_chars``).
+    #: The prompt's trie key, cached with the trie's ``chunking`` it was cut with.
     chunks: tuple[str, ...] | None = field(default=None, repr=False)
-    chunk_chars: int | None = field(default=None, repr=False)
+    chunking: tuple[int, int] | None = field(default=None, repr=False)
 
     @property
     def may_forward(self) -> bool:
