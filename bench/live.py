@@ -5,7 +5,8 @@ Entry points:
 * ``.venv/bin/python -m bench.live [--systems NAME ...] [--out-md bench/results/live.md] [--out-json PATH]``;
   :func:`main` ``(argv) -> int`` is the same for a ``skylb bench live`` subcommand.
 * :func:`run_live` runs every system and returns the result dict; :func:`format_markdown` renders the report with
-  the ranking (throughput and P90 TTFT per system), to be set beside the simulator's ranking.
+  the ranking (throughput and P90 TTFT per system) beside the simulator's, from :func:`simulate_setup`: the same
+  requests, replicas and round trips in bench/sim (bench/sim/twin.py), and Kendall's tau between the two orders.
 
 Each system gets its own fresh deployment (skylb/local.py ``Deployment``: controller, one emulator process per
 region, the latency proxy with the configured round trips between regions, one balancer per region, all real
@@ -33,12 +34,13 @@ from typing import Any, Sequence
 from bench.peers import MODEL, MachineLoad, conditions_lines, now_label, summarize
 from bench.replay import replay
 from bench.report import build_report, emit_markdown
+from bench.sim.twin import simulate
 from bench.workload import describe, synthetic_workload
 from skylb.config import DeploymentConfig, WorkloadConfig, load_config
 from skylb.local import Deployment
 
 __all__ = ["LIVE_SYSTEMS", "LiveSetup", "RegionLocalDeployment", "deployment_config", "run_system", "run_live",
-           "ranking", "format_markdown", "main"]
+           "simulate_setup", "ranking", "order", "kendall_tau", "format_markdown", "main"]
 
 #: name -> (balancer policy, region-local?)
 LIVE_SYSTEMS: dict[str, tuple[str, bool]] = {
@@ -156,18 +158,43 @@ def run_live(systems: Sequence[str] | None = None, *, setup: LiveSetup | None = 
         print(f"[bench.live] {name}: {rows[-1]['status']} {rows[-1].get('reason', '')}".rstrip(), file=sys.stderr,
               flush=True)
     cfg = deployment_config(setup, policy="skylb", region_local=False)
+    sim = simulate_setup(setup, names)
     return {"setup": setup.__dict__.copy(), "workload": describe(synthetic_workload(cfg.workload, list(REGIONS))),
-            "rtt_ms": cfg.latency.rtt_ms, "rows": rows, "ranking": ranking(rows), "wall_s": time.monotonic() - t0,
-            "load": load.stop(), "run_dir": str(run_dir), "generated": now_label()}
+            "rtt_ms": cfg.latency.rtt_ms, "rows": rows, "ranking": ranking(rows), "sim": sim,
+            "sim_ranking": order(sim), "wall_s": time.monotonic() - t0, "load": load.stop(), "run_dir": str(run_dir),
+            "generated": now_label()}
+
+
+def simulate_setup(setup: LiveSetup, systems: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The live run of ``systems`` replayed in the simulator (bench/sim/twin.py): system -> figures (seconds)."""
+    cfg = deployment_config(setup, policy="skylb", region_local=False)
+    return simulate(synthetic_workload(cfg.workload, list(REGIONS)), systems=systems,
+                    replicas_per_region={r: setup.replicas for r in REGIONS}, max_num_seqs=setup.max_num_seqs,
+                    time_scale=setup.time_scale, rtt_ms=cfg.latency.rtt_ms, seed=setup.seed)
+
+
+def order(figures: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """Systems best first from ``{system: figures}``: ``{"throughput": by req/s descending, "ttft_p90": by P90
+    TTFT ascending}`` (systems that completed nothing are left out)."""
+    ok = {name: f for name, f in figures.items() if f.get("completed")}
+    return {"throughput": sorted(ok, key=lambda n: -ok[n]["throughput_rps"]),
+            "ttft_p90": sorted(ok, key=lambda n: ok[n]["ttft_p90_ms"])}
 
 
 def ranking(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
-    """Systems that ran, best first: ``{"throughput": by req/s descending, "ttft_p90": by P90 TTFT ascending}``."""
-    ok = [r for r in rows if r["status"] == "ok" and r["figures"]["completed"]]
-    return {
-        "throughput": [r["system"] for r in sorted(ok, key=lambda r: -r["figures"]["throughput_rps"])],
-        "ttft_p90": [r["system"] for r in sorted(ok, key=lambda r: r["figures"]["ttft_p90_ms"])],
-    }
+    """:func:`order` of the live rows that ran."""
+    return order({r["system"]: r["figures"] for r in rows if r["status"] == "ok"})
+
+
+def kendall_tau(a: Sequence[str], b: Sequence[str]) -> float | None:
+    """Kendall's rank correlation of two orders of the same items (1 = same order, -1 = reversed); None if fewer
+    than two items are in both."""
+    common = [x for x in a if x in b]
+    pos = {x: i for i, x in enumerate(b)}
+    pairs = [(x, y) for i, x in enumerate(common) for y in common[i + 1:]]
+    if not pairs:
+        return None
+    return sum(1 if pos[x] < pos[y] else -1 for x, y in pairs) / len(pairs)
 
 
 def _f(v, fmt="{:.0f}") -> str:
@@ -200,6 +227,7 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
             f"| {_f(f['e2e_p50_ms'])} | {_f(f['e2e_p90_ms'])} | {_f(hit and 100 * hit, '{:.1f}%')} "
             f"| {_f(f['forwarded_frac'] and 100 * f['forwarded_frac'], '{:.1f}%')} | {' | '.join(per)} |")
     rtt = ", ".join(f"{k} {v:g} ms" for k, v in result["rtt_ms"].items())
+    lines += _sim_section(result)
     lines += ["", "Latencies in ms at the client (TTFT: first SSE chunk with text; a forwarded request's TTFT "
               "includes the round trip to the peer). Throughput: completed requests (output tokens) per second of "
               "the replay's wall time. Forwarded: completed requests served by a peer region.", "",
@@ -227,6 +255,44 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
     if notes:
         lines += [notes.rstrip(), ""]
     return "\n".join(lines)
+
+
+def _pair(live, sim, fmt="{:.0f}") -> str:
+    return f"{_f(live, fmt)} / {_f(sim, fmt)}"
+
+
+def _sim_section(result: dict[str, Any]) -> list[str]:
+    """The simulator's figures for the same setup beside the live ones, and how the two rankings agree."""
+    sim = result.get("sim")
+    if not sim:
+        return []
+    live = {r["system"]: r for r in result["rows"] if r["status"] == "ok"}
+    lines = ["", "## The simulator beside the live run", "",
+             "The same requests (sessions, prompts, output lengths, start and think times), replicas, batch size and "
+             "round trips, replayed in bench/sim (bench/sim/twin.py: the routing core and the emulator's engine "
+             "model in simulated time). Cells: live / simulated.", "",
+             "| system | simulated as | req/s | TTFT p50 | TTFT p90 | E2E p90 | prefix hit | forwarded "
+             "| us TTFT p90 | eu TTFT p90 | asia TTFT p90 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda v: v and 100 * v  # noqa: E731
+    for name, s in sim.items():
+        row = live.get(name)
+        f = row["figures"] if row else {}
+        regions = row["report"]["regions"] if row else {}
+        per = [_pair(regions.get(r, {}).get("ttft_p90_ms"), s["region_ttft_p90_ms"].get(r)) for r in REGIONS]
+        lines.append(
+            f"| {name} | {s['sim_system']} | {_pair(f.get('throughput_rps'), s['throughput_rps'], '{:.2f}')} "
+            f"| {_pair(f.get('ttft_p50_ms'), s['ttft_p50_ms'])} | {_pair(f.get('ttft_p90_ms'), s['ttft_p90_ms'])} "
+            f"| {_pair(f.get('e2e_p90_ms'), s['e2e_p90_ms'])} "
+            f"| {_pair(pct(f.get('prefix_hit_rate')), pct(s['prefix_hit_rate']), '{:.1f}%')} "
+            f"| {_pair(pct(f.get('forwarded_frac')), pct(s['forwarded_frac']), '{:.1f}%')} | {' | '.join(per)} |")
+    live_rank, sim_rank = result["ranking"], result["sim_ranking"]
+    lines.append("")
+    for key, label, sep in (("throughput", "throughput", " > "), ("ttft_p90", "P90 TTFT", " < ")):
+        tau = kendall_tau(live_rank[key], sim_rank[key])
+        lines.append(f"- By {label}: live {sep.join(live_rank[key]) or '-'}; simulated "
+                     f"{sep.join(sim_rank[key]) or '-'}; Kendall's tau {_f(tau, '{:+.2f}')} (1 = the same order).")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from bench import peers
-from bench.live import REGIONS, LiveSetup, deployment_config, ranking
+from bench import live
+from bench.live import LIVE_SYSTEMS, REGIONS, LiveSetup, deployment_config, kendall_tau, ranking, simulate_setup
 from bench.overhead import added_latency, decision_time, fill_trie, trie_memory
 from bench.peers import PeersSetup, format_markdown, run_peers, unavailable_reason
 from skylb.core import PrefixTrie
@@ -108,3 +109,46 @@ def test_ranking_orders_by_throughput_and_p90_ttft():
             {"system": "b", "status": "ok", "figures": {"completed": 1, "throughput_rps": 2.0, "ttft_p90_ms": 90}},
             {"system": "c", "status": "failed", "reason": "x"}]
     assert ranking(rows) == {"throughput": ["b", "a"], "ttft_p90": ["a", "b"]}
+
+
+def test_simulated_twin_runs_every_live_system():
+    """The live setup replayed in the simulator: every system completes every request; only the forwarding ones
+    (skylb, skylb-ch) may forward."""
+    setup = LiveSetup(conversations=2, turns=2, token_scale=0.1)
+    sim = simulate_setup(setup, list(LIVE_SYSTEMS))
+    assert list(sim) == list(LIVE_SYSTEMS)
+    sent = 2 * 3 * 2  # conversations per region x regions x turns
+    for name, f in sim.items():
+        assert f["completed"] == sent and f["throughput_rps"] > 0, name
+        assert 0 < f["ttft_p50_ms"] <= f["ttft_p90_ms"] <= f["e2e_p90_ms"], name
+        assert set(f["region_ttft_p90_ms"]) == set(REGIONS)
+        if name not in ("skylb", "skylb-ch"):
+            assert f["forwarded_frac"] == 0, name
+
+
+def test_kendall_tau():
+    """1 for the same order, -1 for the reverse, None with fewer than two common items."""
+    assert kendall_tau(["a", "b", "c"], ["a", "b", "c"]) == 1
+    assert kendall_tau(["a", "b", "c"], ["c", "b", "a"]) == -1
+    assert kendall_tau(["a", "b", "c"], ["b", "a", "c"]) == pytest.approx(1 / 3)
+    assert kendall_tau(["a"], ["a", "b"]) is None
+
+
+def test_report_sets_the_simulator_beside_live():
+    """The live report has a live / simulated table and both rankings with Kendall's tau."""
+    setup = LiveSetup(conversations=2, turns=2, token_scale=0.1)
+    sim = simulate_setup(setup, ["skylb", "round_robin"])
+    figures = {"completed": 12, "sent": 12, "throughput_rps": 1.5, "output_tokens_per_s": 10, "ttft_p50_ms": 100,
+               "ttft_p90_ms": 200, "e2e_p50_ms": 300, "e2e_p90_ms": 400, "prefix_hit_rate": 0.5,
+               "forwarded_frac": 0.25, "errors": {}}
+    rows = [{"system": "skylb", "status": "ok", "figures": figures,
+             "report": {"regions": {r: {"ttft_p90_ms": 150} for r in REGIONS}}},
+            {"system": "round_robin", "status": "failed", "reason": "boom"}]
+    result = {"setup": setup.__dict__.copy(), "workload": "w", "rtt_ms": {"us-eu": 80}, "rows": rows,
+              "ranking": ranking(rows), "sim": sim, "sim_ranking": live.order(sim), "wall_s": 1.0,
+              "load": peers.MachineLoad().start().stop(), "generated": "now"}
+    text = live.format_markdown(result)
+    assert "## The simulator beside the live run" in text
+    assert f"| skylb | SkyLB | 1.50 / {sim['skylb']['throughput_rps']:.2f} |" in text
+    assert "| round_robin | GKE | - / " in text  # the live run failed; the simulated figures still show
+    assert "Kendall's tau" in text

@@ -9,7 +9,9 @@ from bench.sim.cluster import BalancerSetup, Cluster, Network
 from bench.sim.metrics import replicas_needed, summarize
 from bench.sim.scenarios import SCENARIOS, even_split, execute, runs_of
 from bench.sim.systems import SYSTEMS, build
-from bench.sim.workloads import ARENA, TOT_2, SimRequest, Workload, conversations, trees
+from bench.sim.workloads import ARENA, TOT_2, SimRequest, Workload, conversations, replayed, trees
+from bench.workload import synthetic_workload
+from skylb.config import WorkloadConfig
 from skylb.core import AvailabilityRules, Router
 
 
@@ -184,6 +186,29 @@ def test_closed_loop_clients_wait_for_the_previous_request():
             for spans in per_client.values():
                 spans.sort()
                 assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_replayed_workload_keeps_start_and_think_times_and_ends():
+    """The live replayer's closed-loop sessions in the simulator: turn 0 leaves at its arrival time, turn k at least
+    think_s after turn k-1 completed, every turn is sent exactly once, and the finite clients end the run."""
+    cfg = WorkloadConfig(trace=None, synthetic_conversations=2, synthetic_turns=3, token_scale=0.1,
+                         region_weights={"us": 0.5, "eu": 0.25, "asia": 0.25}, seed=3)
+    requests = synthetic_workload(cfg, ["us", "eu", "asia"])
+    cluster = _run("SkyLB", replayed(requests), {"us": 1, "eu": 1, "asia": 1}, stop_at=600.0)
+    by_id = {f.req.id: f for f in cluster.records}
+    assert sorted(by_id) == sorted(r.id for r in requests) and len(cluster.records) == len(requests)
+    for r in requests:
+        f = by_id[r.id]
+        assert f.region == r.region and f.result.prompt_tokens == r.prompt_tokens
+        if r.after is None:
+            assert f.sent_at == pytest.approx(r.arrival_s)
+        else:
+            assert r.think_s > 0 and f.sent_at == pytest.approx(by_id[r.after].done_at + r.think_s)
+    assert cluster.finished and cluster.loop.now < 600.0
+    with pytest.raises(ValueError, match="closed-loop"):
+        replayed([r for r in requests if r.after is None] + [type(requests[0])(
+            id="x", arrival_s=1.0, region="us", session_id=requests[0].session_id, prompt_tokens=1,
+            output_tokens=1, text="x")])
 
 
 def test_every_request_completes_exactly_once():

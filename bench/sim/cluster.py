@@ -310,6 +310,9 @@ class _Client:
             cluster.client_stopped()
             return
         program = self.spec.programs(self.k)
+        if program is None:  # a finite workload: this client is done
+            cluster.client_stopped()
+            return
         self.k += 1
         self.children = {}
         roots = []
@@ -327,11 +330,25 @@ class _Client:
         self.in_flight += 1
         self.cluster.send(req, self, self.spec.region)
 
+    def _send_later(self, req: SimRequest) -> None:
+        # in_flight was counted when it was scheduled; past stop_at nothing more is sent.
+        if self.cluster.loop.now < self.cluster.stop_at:
+            self.cluster.send(req, self, self.spec.region)
+            return
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.next_program()
+
     def done(self, flight: Flight) -> None:
         self.in_flight -= 1
-        if self.cluster.loop.now < self.cluster.stop_at:
+        loop = self.cluster.loop
+        if loop.now < self.cluster.stop_at:
             for child in self.children.pop(flight.req.id, ()):
-                self.send(child)
+                if child.think_s > 0:
+                    self.in_flight += 1  # counted now, so the program is not over while the child waits
+                    loop.after(child.think_s, self._send_later, child)
+                else:
+                    self.send(child)
         if self.in_flight == 0:
             self.next_program()
 
@@ -413,7 +430,8 @@ class Cluster:
         for spec in self.workload.clients:
             self._clients_running += 1
             client = _Client(self, spec)
-            self.loop.at(rng.uniform(0.0, self.workload.start_spread_s), client.next_program)
+            start = rng.uniform(0.0, self.workload.start_spread_s)  # drawn always: seeds stay comparable
+            self.loop.at(start if spec.start_s is None else spec.start_s, client.next_program)
         self.loop.at(0.0, self._sample)
         self.loop.run()
         if self.flights:

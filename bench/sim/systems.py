@@ -46,8 +46,8 @@ its replicas in one region.
 * SP-P: ``sglang-selective`` on the engines' pending count (SkyLB's selective pushing).
 
 Every balancer uses the live defaults (skylb/config.py ``BalancerConfig``): probe interval 100 ms, state stale after
-5 intervals, tau 2, at most 4 requests per replica between two probes, trie chunks of 64 characters, prefix match
-threshold 0.5, 160 virtual nodes per ring member.
+5 intervals, tau 2, at most 4 requests per replica between two probes, trie chunks of 256 characters doubling after
+every 16, prefix match threshold 0.5, 160 virtual nodes per ring member (SGLang's tree: 64-character chunks).
 """
 
 from __future__ import annotations

@@ -44,12 +44,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.workload import VOCABULARY, read_trace, trace_workload
+from bench.workload import VOCABULARY, Request, read_trace, trace_workload
 from skylb.config import WorkloadConfig
 
 __all__ = [
     "SimRequest", "Program", "ClientSpec", "Workload", "ConversationShape", "TreeShape", "ARENA", "WILDCHAT", "TOT_2",
-    "TOT_4", "conversations", "trees", "mixed_trees", "mooncake", "DEFAULT_TRACE",
+    "TOT_4", "conversations", "trees", "mixed_trees", "mooncake", "replayed", "DEFAULT_TRACE",
 ]
 
 #: Where the real Mooncake trace lives in this workspace (skipped cleanly when absent).
@@ -64,6 +64,7 @@ class SimRequest:
         id: unique in the run. session_key: the hash-ring key (user id, question id, trace session).
         tokens: the prompt, one word per token. output_tokens: tokens the engine generates (exactly).
         parent: id of the request in the same program that must complete before this one is sent (closed loop).
+        think_s: closed loop: the pause between the parent's completion and this request's send, s.
         arrival_s: open loop only: when the client sends it, s after the start.
         region: open loop only: the client's region (closed-loop requests take their client's).
     """
@@ -73,6 +74,7 @@ class SimRequest:
     tokens: list[str]
     output_tokens: int
     parent: str | None = None
+    think_s: float = 0.0
     arrival_s: float | None = None
     region: str = ""
     _text: str | None = field(default=None, repr=False)
@@ -91,11 +93,16 @@ Program = list[SimRequest]
 
 @dataclass(frozen=True)
 class ClientSpec:
-    """A closed-loop client: its id, region, and ``programs(k)`` -> the k-th program it runs (deterministic)."""
+    """A closed-loop client: its id, region, and ``programs(k)`` -> the k-th program it runs (deterministic).
+
+    ``programs(k)`` returning None ends the client (a finite workload). ``start_s``: when it sends its first
+    program, s; None means a uniform time in the workload's ``start_spread_s``.
+    """
 
     id: str
     region: str
-    programs: Callable[[int], Program]
+    programs: Callable[[int], Program | None]
+    start_s: float | None = None
 
 
 @dataclass
@@ -323,3 +330,29 @@ def mooncake(*, seed: int = 0, path: str | Path = DEFAULT_TRACE, window_s: float
                                    region=r.region))
     return Workload("mooncake", f"Mooncake trace, {window_s:g} s from {start_s:g} s at {time_compression:g}x, "
                     f"prompts x{prompt_scale:g}: {len(arrivals)} requests", arrivals=arrivals)
+
+
+def replayed(requests: Sequence[Request], *, name: str = "replayed", description: str = "") -> Workload:
+    """The closed-loop workload the live replayer (bench/replay.py) sends, for the simulator: one client per session.
+
+    Each session's turns form one program, sent once: turn 0 at its ``arrival_s``, each later turn ``think_s``
+    after the turn it follows (``after``) completed, as bench/replay.py does. Prompts are the same words (one word
+    per token). Raises ValueError for a session with more than one turn that waits for nothing (an open-loop
+    trace: use :func:`mooncake`).
+    """
+    sessions: dict[str, list[Request]] = {}
+    for r in requests:
+        sessions.setdefault(r.session_id, []).append(r)
+    clients = []
+    for session, turns in sessions.items():
+        turns.sort(key=lambda r: r.turn)  # a program lists a parent before its child
+        roots = [r for r in turns if r.after is None]
+        if len(roots) != 1:
+            raise ValueError(f"session {session!r} has {len(roots)} turns that wait for no other; "
+                             "replayed() takes closed-loop sessions only")
+        program = [SimRequest(r.id, session, r.prompt.split(), r.output_tokens, parent=r.after,
+                              think_s=r.think_s if r.after else 0.0) for r in turns]
+        clients.append(ClientSpec(session, turns[0].region, lambda k, p=program: p if k == 0 else None,
+                                  start_s=roots[0].arrival_s))
+    return Workload(name, description or f"{len(requests)} replayed requests in {len(sessions)} sessions",
+                    clients=clients)
