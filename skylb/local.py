@@ -218,20 +218,26 @@ def _get_json(url: str) -> dict:
 def deployment_checks(doc: dict, cfg: DeploymentConfig) -> list[tuple[str, bool, str]]:
     """What a local run must show, from the replay's records: (check, passed, evidence) triples.
 
-    Every region served requests; some requests were forwarded across regions (the balancer forwards only when no
-    local replica is available); no request was lost (completed + failed = sent, failed = 0); each forwarded
-    request's TTFT is at least the injected round trip between its region and the peer that served it.
+    Every region served requests (its replicas completed some: its own clients' or forwarded ones, so a region
+    without clients in a short replay still counts when it took overflow); some requests were forwarded across
+    regions (the balancer forwards only when no local replica is available); no request was lost (completed +
+    failed = sent, failed = 0); each forwarded request's TTFT is at least the injected round trip between its
+    region and the peer that served it.
     """
     records, total = doc["records"], doc["report"]["total"]
-    by_region = {r: sum(1 for x in records if x["region"] == r and x["error"] is None) for r in cfg.regions}
+    ok = [x for x in records if x["error"] is None]
+    served_in = {r: sum(1 for x in ok if (x["route"][5:] if (x["route"] or "").startswith("peer:")
+                                          else x["region"]) == r) for r in cfg.regions}
+    sent_from = {r: sum(1 for x in records if x["region"] == r) for r in cfg.regions}
     forwarded = [x for x in records if x["error"] is None and (x["route"] or "").startswith("peer:")]
     short = [x for x in forwarded
              if x["ttft_ms"] is None or x["ttft_ms"] < cfg.latency.rtt(x["region"], x["route"][5:])]
     min_margin = min((x["ttft_ms"] - cfg.latency.rtt(x["region"], x["route"][5:]) for x in forwarded
                       if x["ttft_ms"] is not None), default=None)
     return [
-        ("every region served requests", all(by_region.values()),
-         ", ".join(f"{r}: {n}" for r, n in by_region.items())),
+        ("every region served requests", all(served_in.values()),
+         "served by each region's replicas: " + ", ".join(f"{r} {n}" for r, n in served_in.items())
+         + "; sent from: " + ", ".join(f"{r} {n}" for r, n in sent_from.items())),
         ("requests forwarded across regions", bool(forwarded), f"{len(forwarded)} forwarded"),
         ("no request lost", total["completed"] + total["failed"] == total["sent"] and total["failed"] == 0,
          f"sent {total['sent']}, completed {total['completed']}, failed {total['failed']}"),

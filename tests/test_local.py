@@ -83,3 +83,21 @@ def test_local_stops_every_process_on_ctrl_c(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_region_that_only_took_overflow_counts_as_serving():
+    """"Every region served" counts where requests were served: asia sent nothing but served forwarded requests;
+    a region whose replicas served nothing fails the check."""
+    from skylb.config import load_config
+    from skylb.local import deployment_checks
+
+    cfg = load_config(None)
+    records = [{"region": "us", "route": "local", "error": None, "ttft_ms": 50.0},
+               {"region": "us", "route": "peer:asia", "error": None, "ttft_ms": 400.0},
+               {"region": "eu", "route": "local", "error": None, "ttft_ms": 40.0}]
+    doc = {"records": records, "report": {"total": {"sent": 3, "completed": 3, "failed": 0}}}
+    checks = {name: (ok, evidence) for name, ok, evidence in deployment_checks(doc, cfg)}
+    ok, evidence = checks["every region served requests"]
+    assert ok and "us 1, eu 1, asia 1" in evidence and "sent from: us 2, eu 1, asia 0" in evidence
+    doc["records"] = records[:1] + records[2:]
+    assert not dict((n, ok) for n, ok, _ in deployment_checks(doc, cfg))["every region served requests"]
