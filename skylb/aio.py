@@ -2,7 +2,8 @@
 
 uvloop (libuv under asyncio's API) cut the balancer's CPU per proxied request by about a third in
 bench/results/overhead.md part (a). ``SKYLB_EVENT_LOOP=asyncio`` forces the standard loop (to rule uvloop out when
-debugging).
+debugging). libuv keeps time in whole milliseconds (``loop.time()`` and timers), so a uvloop sleep can end up to
+1 ms early; a server whose job is exact delays (the latency proxy) asks for ``precise_timers``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ __all__ = ["run", "loop_name"]
 T = TypeVar("T")
 
 
-def loop_name() -> str:
+def loop_name(*, precise_timers: bool = False) -> str:
     """``"uvloop"`` or ``"asyncio"``: the loop :func:`run` will use."""
-    if os.environ.get("SKYLB_EVENT_LOOP", "uvloop").lower() == "asyncio":
+    if precise_timers or os.environ.get("SKYLB_EVENT_LOOP", "uvloop").lower() == "asyncio":
         return "asyncio"
     try:
         import uvloop  # noqa: F401
@@ -28,9 +29,12 @@ def loop_name() -> str:
     return "uvloop"
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main`` to completion on a new event loop (like ``asyncio.run``) and return its result."""
-    if loop_name() == "uvloop":
+def run(main: Coroutine[Any, Any, T], *, precise_timers: bool = False) -> T:
+    """Run ``main`` to completion on a new event loop (like ``asyncio.run``) and return its result.
+
+    ``precise_timers``: use asyncio's own loop (monotonic clock at full resolution) even when uvloop is installed.
+    """
+    if loop_name(precise_timers=precise_timers) == "uvloop":
         import uvloop
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(main)

@@ -22,3 +22,10 @@ def test_environment_selects_the_standard_loop(monkeypatch):
     monkeypatch.setenv("SKYLB_EVENT_LOOP", "asyncio")
     assert aio.loop_name() == "asyncio"
     assert aio.run(_loop_module()).startswith("asyncio")
+
+
+def test_precise_timers_keep_the_standard_loop(monkeypatch):
+    """uvloop keeps time in whole milliseconds; precise_timers (the latency proxy) always gets asyncio's loop."""
+    monkeypatch.delenv("SKYLB_EVENT_LOOP", raising=False)
+    assert aio.loop_name(precise_timers=True) == "asyncio"
+    assert aio.run(_loop_module(), precise_timers=True).startswith("asyncio")

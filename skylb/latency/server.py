@@ -646,7 +646,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a clean stop, 1 if the API port cannot be bound."""
     _configure_logging()
     try:
-        aio.run(serve(args.host, args.port))
+        aio.run(serve(args.host, args.port), precise_timers=True)  # injected delays must never be short
     except OSError as exc:
         log.error("toxiproxy_failed", error=str(exc))
         return 1
