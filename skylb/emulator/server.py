@@ -82,8 +82,10 @@ class Replica:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            # Sleep to the step's planned end, not for its duration, so loop overhead does not accumulate.
-            await asyncio.sleep(max(0.0, step.end - time.monotonic()))
+            # Sleep to the step's planned end, not for its duration, so loop overhead does not accumulate; again if
+            # woken early (uvloop's timers have 1 ms resolution), so no step is shorter than the model says.
+            while (remaining := step.end - time.monotonic()) > 0:
+                await asyncio.sleep(remaining)
             model.complete_step(step)
             for out in step.outputs:
                 queue = self._streams.get(out.request_id)
