@@ -226,10 +226,13 @@ def deployment_checks(doc: dict, cfg: DeploymentConfig) -> list[tuple[str, bool,
     """
     records, total = doc["records"], doc["report"]["total"]
     ok = [x for x in records if x["error"] is None]
-    served_in = {r: sum(1 for x in ok if (x["route"][5:] if (x["route"] or "").startswith("peer:")
-                                          else x["region"]) == r) for r in cfg.regions}
+    forwarded = [x for x in ok if (x["route"] or "").startswith("peer:")]
+    served_in = dict.fromkeys(cfg.regions, 0)
+    for x in ok:  # a forwarded request was served in the peer's region ("peer:eu"), any other in the client's
+        route = x["route"] or ""
+        where = route[5:] if route.startswith("peer:") else x["region"]
+        served_in[where] = served_in.get(where, 0) + 1
     sent_from = {r: sum(1 for x in records if x["region"] == r) for r in cfg.regions}
-    forwarded = [x for x in records if x["error"] is None and (x["route"] or "").startswith("peer:")]
     short = [x for x in forwarded
              if x["ttft_ms"] is None or x["ttft_ms"] < cfg.latency.rtt(x["region"], x["route"][5:])]
     min_margin = min((x["ttft_ms"] - cfg.latency.rtt(x["region"], x["route"][5:]) for x in forwarded
