@@ -149,6 +149,7 @@ def run_live(systems: Sequence[str] | None = None, *, setup: LiveSetup | None = 
     if unknown:
         raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(LIVE_SYSTEMS)}")
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="live-"))
+    sim = simulate_setup(setup, names)  # first: about a second, and a failure here costs no live run
     load = MachineLoad().start()
     t0 = time.monotonic()
     rows = []
@@ -158,7 +159,6 @@ def run_live(systems: Sequence[str] | None = None, *, setup: LiveSetup | None = 
         print(f"[bench.live] {name}: {rows[-1]['status']} {rows[-1].get('reason', '')}".rstrip(), file=sys.stderr,
               flush=True)
     cfg = deployment_config(setup, policy="skylb", region_local=False)
-    sim = simulate_setup(setup, names)
     return {"setup": setup.__dict__.copy(), "workload": describe(synthetic_workload(cfg.workload, list(REGIONS))),
             "rtt_ms": cfg.latency.rtt_ms, "rows": rows, "ranking": ranking(rows), "sim": sim,
             "sim_ranking": order(sim), "wall_s": time.monotonic() - t0, "load": load.stop(), "run_dir": str(run_dir),
