@@ -12,6 +12,8 @@
 * Forwarded fraction: requests placed by a peer balancer; remote fraction: requests served by a replica outside
   the client's region (a single US balancer serves remotely without forwarding); network mean: the network
   latency in each request's TTFT (the request path there and the first token's path back), s.
+* Served / sent share by region: the fraction of the window's requests served by each region's replicas, and sent
+  by each region's clients (where the load landed, against where it came from).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class RunSummary:
     remote_frac: float
     network_mean: float
     sim_end_s: float
+    served_share: dict[str, float]
+    sent_share: dict[str, float]
     wall_s: float = 0.0
     events: int = 0
 
@@ -107,7 +111,17 @@ def summarize(cluster, *, scenario: str, system: str, layout: str, warmup_s: flo
         remote_frac=sum(f.replica.region != f.region for f in sent_in) / n,
         network_mean=sum(2 * f.back_s for f in sent_in) / n,
         sim_end_s=cluster.loop.now, wall_s=wall_s, events=cluster.loop.events,
+        served_share=_shares(f.replica.region for f in sent_in), sent_share=_shares(f.region for f in sent_in),
     )
+
+
+def _shares(regions) -> dict[str, float]:
+    """Fraction of the items per region, regions sorted by name."""
+    counts: dict[str, int] = {}
+    for r in regions:
+        counts[r] = counts.get(r, 0) + 1
+    total = sum(counts.values()) or 1
+    return {r: counts[r] / total for r in sorted(counts)}
 
 
 def replicas_needed(throughput_by_replicas: dict[int, float], target: float, *, tolerance: float = 0.0) -> int | None:

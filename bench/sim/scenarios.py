@@ -178,10 +178,14 @@ def evaluate_targets(results: list[RunSummary]) -> list[Target]:
         tratio = sky.ttft_p90 / best.ttft_p90
         why = ""
         if tratio > 1.0:
+            top = max(sky.sent_share, key=sky.sent_share.get)
             why = (f"SkyLB's P90 is the higher one: its replicas are less balanced (outstanding variance "
-                   f"{sky.outstanding_var:.1f} vs {best.outstanding_var:.1f}); availability looks only at pending "
-                   f"requests, so prefix affinity keeps feeding a replica whose KV cache still admits work while "
-                   f"long prefills slow every request on it")
+                   f"{sky.outstanding_var:.1f} vs {best.outstanding_var:.1f}). {top}'s replicas served "
+                   f"{sky.served_share.get(top, 0):.0%} of the requests ({top}'s clients sent "
+                   f"{sky.sent_share[top]:.0%}; {best.system}: {best.served_share.get(top, 0):.0%}) and SkyLB "
+                   f"forwarded {sky.forwarded_frac:.1%}: a peer is used only when no local replica is available "
+                   f"(0 pending), which at this load {top}'s replicas rarely show while long prefills slow every "
+                   f"request on them")
         elif tratio > 0.25:
             why = (f"mean network time in TTFT {best.system} {best.network_mean:.2f} s vs SkyLB "
                    f"{sky.network_mean:.2f} s; mean pending per replica {best.system} {best.pending_mean:.2f}, "
