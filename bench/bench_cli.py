@@ -93,10 +93,10 @@ def _f(x: float, digits: int = 2) -> str:
 
 def _table(rows) -> str:
     headers = ["system", "replicas", "req/s", "tok/s", "TTFT mean", "TTFT p50", "TTFT p90", "E2E p50", "E2E p90",
-               "hit rate", "outst. var", "pending", "LB queue", "fwd", "remote", "net (s)", "done"]
+               "hit rate", "outst. var", "pending", "KV used", "LB queue", "fwd", "remote", "net (s)", "done"]
     body = [[r.system, r.replicas, _f(r.throughput_rps), _f(r.throughput_tps, 0), _f(r.ttft_mean), _f(r.ttft_p50),
              _f(r.ttft_p90), _f(r.e2e_p50, 1), _f(r.e2e_p90, 1), f"{r.hit_rate:.1%}", _f(r.outstanding_var, 1),
-             _f(r.pending_mean), _f(r.queue_mean, 1), f"{r.forwarded_frac:.1%}", f"{r.remote_frac:.1%}",
+             _f(r.pending_mean), f"{r.kv_usage_mean:.0%}", _f(r.queue_mean, 1), f"{r.forwarded_frac:.1%}", f"{r.remote_frac:.1%}",
              _f(r.network_mean), r.completed] for r in rows]
     return tabulate(body, headers=headers, tablefmt="github")
 
@@ -123,7 +123,8 @@ def render_report(results: list, *, seed: int, wall_s: float, jobs: int, plots: 
     lines += ["**Metrics.** req/s and tok/s: completions per second in the window. TTFT / E2E (s): from the "
               "client's send, over requests sent in the window. hit rate: cached / prompt tokens at the engine. "
               "outst. var: variance across replicas of outstanding (waiting + running) requests, averaged over "
-              "100 ms samples. pending: mean requests waiting at each replica's engine. LB queue: mean requests "
+              "100 ms samples. pending: mean requests waiting at each replica's engine. KV used: mean fraction of a "
+              "replica's KV blocks held by its running requests. LB queue: mean requests "
               "queued at all balancers. fwd: forwarded to a peer balancer. remote: served outside the client's "
               "region. net: network time inside TTFT. done: requests completed in the run.", ""]
     targets = evaluate_targets(results)
@@ -190,7 +191,7 @@ def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
         print(f"skylb bench: no plots ({exc.name} is not installed; `pip install -e '.[bench]'` or `make bench`)",
               file=sys.stderr)
         return {}
-    from bench.sim.scenarios import SCENARIOS
+    from bench.sim.scenarios import FIG9_SCENARIOS, SCENARIOS
     from bench.sim.systems import FIG8_SYSTEMS, FIG9_SYSTEMS
     plots: dict[str, str] = {}
     present = {r.scenario for r in results}
@@ -198,7 +199,7 @@ def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
                                 ("mixed_tree", "Mixed Tree"), ("mooncake", "Mooncake")) if w in present]
     if fig8:
         plots["fig8:all"] = plot_fig8(results, fig8, FIG8_SYSTEMS, out / f"{prefix}fig8.png").name
-    for sc in ("selective_pushing", "selective_pushing_90"):
+    for sc in FIG9_SCENARIOS:
         if sc in present:
             plots[f"{sc}:fig9"] = plot_fig9(results, sc, FIG9_SYSTEMS, out / f"{prefix}{sc}.png",
                                             title=f"Simulated Fig. 9: {SCENARIOS[sc].title}").name

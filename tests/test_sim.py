@@ -9,7 +9,7 @@ from bench.sim.cluster import BalancerSetup, Cluster, Network
 from bench.sim.metrics import replicas_needed, summarize
 from bench.sim.scenarios import SCENARIOS, even_split, execute, runs_of
 from bench.sim.systems import SYSTEMS, build
-from bench.sim.workloads import ARENA, TOT_2, SimRequest, Workload, conversations, replayed, trees
+from bench.sim.workloads import ARENA, TOT_2, TOT_2_LONG, SimRequest, Workload, conversations, replayed, trees
 from bench.workload import synthetic_workload
 from skylb.config import WorkloadConfig
 from skylb.core import AvailabilityRules, Router
@@ -224,6 +224,19 @@ def test_every_request_completes_exactly_once():
     assert finished == len(ids)
     assert all(f.done_at >= f.first_token_at >= f.sent_at for f in cluster.records)
     assert not cluster.flights and cluster.finished
+
+
+def test_kv_usage_and_regional_shares():
+    """KV used is a mean fraction in (0, 1] that grows with the load; served and sent shares each sum to 1, and a
+    single US balancer serves clients of every region on every region's replicas."""
+    light, heavy = (summarize(_run("SP-P", trees(TOT_2_LONG, {"us": n}, seed=0), {"us": 1}, stop_at=30.0),
+                              scenario="x", system="SP-P", layout="single", warmup_s=10.0).kv_usage_mean
+                    for n in (3, 30))
+    assert 0 < light < heavy <= 1
+    r = summarize(_run("LL", _small_conversations(), {"us": 1, "eu": 1, "asia": 1}), scenario="x", system="LL",
+                  layout="single", warmup_s=5.0)
+    assert sum(r.served_share.values()) == pytest.approx(1) and sum(r.sent_share.values()) == pytest.approx(1)
+    assert set(r.served_share) == set(r.sent_share) == {"us", "eu", "asia"}
 
 
 # ------------------------------------------------------------------------------------------------------- smoke

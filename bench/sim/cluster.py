@@ -384,7 +384,7 @@ class Cluster:
         sample_every_s: how often replica load is sampled for the time-averaged statistics.
 
     After ``run()``: ``records`` (completed flights, in completion order) and ``samples``
-    (time, per-replica outstanding, per-replica pending, per-balancer queue length).
+    (time, per-replica outstanding, per-replica pending, per-balancer queue length, per-replica KV usage 0-1).
     """
 
     def __init__(self, *, workload: Workload, replicas: Mapping[str, str], balancers: list[BalancerSetup],
@@ -414,7 +414,7 @@ class Cluster:
         self.entry = {region: self.balancers[b] for region, b in entry.items()}
         self.flights: dict[str, Flight] = {}
         self.records: list[Flight] = []
-        self.samples: list[tuple[float, list[int], list[int], list[int]]] = []
+        self.samples: list[tuple[float, list[int], list[int], list[int], list[float]]] = []
         self._clients_running = 0
         self.finished = False
 
@@ -452,7 +452,8 @@ class Cluster:
             return
         reps = self.replicas.values()
         self.samples.append((self.loop.now, [r.engine.num_waiting + r.engine.num_running for r in reps],
-                             [r.engine.num_waiting for r in reps], [len(b.router.queue) for b in self.balancers.values()]))
+                             [r.engine.num_waiting for r in reps], [len(b.router.queue) for b in self.balancers.values()],
+                             [r.engine.kv_usage for r in reps]))
         self.loop.at(self.loop.now + self.sample_every_s, self._sample)
 
     # -- the request path ---------------------------------------------------------------------------------------

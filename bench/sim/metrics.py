@@ -9,6 +9,8 @@
 * Outstanding variance: the variance across replicas of their outstanding requests (waiting + running at the
   engine), averaged over samples taken every 100 ms in the window (paper §5.1 "variance in outstanding requests").
 * Mean pending per replica (waiting at the engine, i.e. blind-pushing queues), and the balancers' mean queue.
+* KV usage: the mean over samples and replicas of the fraction of KV blocks held by running requests (is the
+  replica memory-bound?).
 * Forwarded fraction: requests placed by a peer balancer; remote fraction: requests served by a replica outside
   the client's region (a single US balancer serves remotely without forwarding); network mean: the network
   latency in each request's TTFT (the request path there and the first token's path back), s.
@@ -57,6 +59,7 @@ class RunSummary:
     outstanding_var: float
     pending_mean: float
     queue_mean: float
+    kv_usage_mean: float
     forwarded_frac: float
     remote_frac: float
     network_mean: float
@@ -93,6 +96,7 @@ def summarize(cluster, *, scenario: str, system: str, layout: str, warmup_s: flo
         else 0.0
     pending = statistics.fmean(statistics.fmean(s[2]) for s in samples) if samples else 0.0
     queue = statistics.fmean(sum(s[3]) for s in samples) if samples else 0.0
+    kv = statistics.fmean(statistics.fmean(s[4]) for s in samples) if samples else 0.0
     n = max(len(sent_in), 1)
     return RunSummary(
         scenario=scenario, system=system, replicas=len(cluster.replicas), layout=layout, seed=seed,
@@ -106,7 +110,7 @@ def summarize(cluster, *, scenario: str, system: str, layout: str, warmup_s: flo
         e2e_p10=_pct(e2e, 10), e2e_p25=_pct(e2e, 25), e2e_p50=_pct(e2e, 50), e2e_p75=_pct(e2e, 75),
         e2e_p90=_pct(e2e, 90),
         hit_rate=cached / prompt if prompt else 0.0,
-        outstanding_var=var, pending_mean=pending, queue_mean=queue,
+        outstanding_var=var, pending_mean=pending, queue_mean=queue, kv_usage_mean=kv,
         forwarded_frac=sum(f.forwarded for f in sent_in) / n,
         remote_frac=sum(f.replica.region != f.region for f in sent_in) / n,
         network_mean=sum(2 * f.back_s for f in sent_in) / n,

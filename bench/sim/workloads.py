@@ -49,7 +49,7 @@ from skylb.config import WorkloadConfig
 
 __all__ = [
     "SimRequest", "Program", "ClientSpec", "Workload", "ConversationShape", "TreeShape", "ARENA", "WILDCHAT", "TOT_2",
-    "TOT_4", "conversations", "trees", "mixed_trees", "mooncake", "replayed", "DEFAULT_TRACE",
+    "TOT_4", "TOT_2_LONG", "conversations", "trees", "mixed_trees", "mooncake", "replayed", "DEFAULT_TRACE",
 ]
 
 #: Where the real Mooncake trace lives in this workspace (skipped cleanly when absent).
@@ -248,6 +248,8 @@ class TreeShape:
 
 TOT_2 = TreeShape(branches=2)
 TOT_4 = TreeShape(branches=4)
+#: ToT with long thoughts (median 400 tokens, up to 1,600): memory-bound simulated L4s at the paper's 30 clients.
+TOT_2_LONG = TreeShape(branches=2, thought_median=400, thought_max=1600)
 
 
 def _tree_program(shape: TreeShape, seed: int, client: str, k: int) -> Program:
