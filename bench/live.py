@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.peers import MODEL, MachineLoad, conditions_lines, now_label, summarize
+from bench.peers import (MODEL, MachineLoad, benchmark_parser, now_label, report_tail, setup_from_args,
+                         summarize)
 from bench.replay import replay
 from bench.report import build_report, emit_markdown
 from bench.sim.twin import simulate
@@ -245,15 +246,8 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
               "balancer always finds a healthy local replica, so it never forwards), `region-local` (`skylb` "
               "policy with forwarding impossible: each balancer has its own peer token, so peers refuse its status "
               "probes).", ""]
-    lines += conditions_lines(result["load"], [(r["system"], r["load"]) for r in result["rows"] if r.get("load")],
-                              f"all {3 * s['replicas']} replicas (3 emulator processes), 3 balancers, the "
-                              "controller, the latency proxy and the client share them")
-    errors = {r["system"]: r["figures"]["errors"] for r in result["rows"] if r["status"] == "ok"
-              and r["figures"]["errors"]}
-    if errors:
-        lines += ["## Errors", ""] + [f"- {k}: {v}" for k, v in errors.items()] + [""]
-    if notes:
-        lines += [notes.rstrip(), ""]
+    lines += report_tail(result, f"all {3 * s['replicas']} replicas (3 emulator processes), 3 balancers, the "
+                                 "controller, the latency proxy and the client share them", notes)
     return "\n".join(lines)
 
 
@@ -297,31 +291,17 @@ def _sim_section(result: dict[str, Any]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of `python -m bench.live`."""
-    d = LiveSetup()
-    p = argparse.ArgumentParser(prog="python -m bench.live", description=__doc__.splitlines()[0])
-    p.add_argument("--systems", nargs="+", choices=list(LIVE_SYSTEMS), help="systems to run (default: all)")
-    p.add_argument("--replicas", type=int, default=d.replicas, help="replicas per region")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--time-scale", type=float, default=d.time_scale)
-    p.add_argument("--conversations", type=int, default=d.conversations,
-                   help="conversations per region on average (split us 0.6, eu 0.2, asia 0.2)")
-    p.add_argument("--turns", type=int, default=d.turns)
-    p.add_argument("--token-scale", type=float, default=d.token_scale)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out-md", default="bench/results/live.md", help="Markdown report ('' for none)")
-    p.add_argument("--out-json", default=None, help="also write the raw result as JSON here")
-    p.add_argument("--notes", default=None, help="a Markdown file appended to the report (analysis)")
-    p.add_argument("--run-dir", default=None, help="logs and state (default: a new temporary directory)")
-    p.add_argument("--no-progress", action="store_true")
-    return p
+    return benchmark_parser("python -m bench.live", __doc__.splitlines()[0], systems=LIVE_SYSTEMS,
+                            defaults=LiveSetup(), out_md="bench/results/live.md",
+                            helps={"replicas": "replicas per region",
+                                   "conversations": "conversations per region on average (split us 0.6, eu 0.2, "
+                                                    "asia 0.2)"})
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the live comparison and write the report; 0 when every system completed every request."""
     args = build_parser().parse_args(argv)
-    setup = LiveSetup(replicas=args.replicas, max_num_seqs=args.max_num_seqs, time_scale=args.time_scale,
-                      conversations=args.conversations, turns=args.turns, token_scale=args.token_scale,
-                      seed=args.seed)
+    setup = setup_from_args(LiveSetup, args)
     result = run_live(args.systems, setup=setup, run_dir=Path(args.run_dir) if args.run_dir else None,
                       progress=False if args.no_progress else None)
     text = format_markdown(result, Path(args.notes).read_text() if args.notes else "")

@@ -48,7 +48,8 @@ from skylb.procs import ProcGroup, free_ports, wait_http
 __all__ = [
     "MODEL", "System", "SYSTEMS", "Unavailable", "MachineLoad", "PendingSampler", "PeersSetup",
     "conditions_lines", "now_label", "process_cpu_s", "haproxy_binary", "haproxy_version", "sglang_router_version",
-    "unavailable_reason", "summarize", "run_system", "versions",
+    "unavailable_reason", "summarize", "run_system", "versions", "SETUP_FLAGS", "benchmark_parser", "setup_from_args",
+    "report_tail",
     "start_emulator", "start_skylb", "start_sglang", "start_haproxy", "start_system", "warm_up",
     "run_peers", "format_markdown", "main",
 ]
@@ -683,15 +684,21 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
               "the kernel holds small SSE chunks up to 200 ms: TTFT p50 203 ms instead of 13 ms in a trial run).",
               ""]
     lines += _observations(result)
-    lines += conditions_lines(result["load"], [(r["system"], r["load"]) for r in result["rows"] if r.get("load")],
-                              "every process of the run (client, emulator, balancer) shares them")
-    errors = {r["system"]: r["figures"]["errors"] for r in result["rows"] if r["status"] == "ok"
-              and r["figures"]["errors"]}
+    lines += report_tail(result, "every process of the run (client, emulator, balancer) shares them", notes)
+    return "\n".join(lines)
+
+
+def report_tail(result: dict[str, Any], sharing: str, notes: str) -> list[str]:
+    """The end of a live benchmark report: the Conditions section (``sharing``: what shares the machine), the
+    errors of rows that ran, then the hand-written ``notes`` (Markdown) as they are."""
+    rows = result["rows"]
+    lines = conditions_lines(result["load"], [(r["system"], r["load"]) for r in rows if r.get("load")], sharing)
+    errors = {r["system"]: r["figures"]["errors"] for r in rows if r["status"] == "ok" and r["figures"]["errors"]}
     if errors:
         lines += ["## Errors", ""] + [f"- {k}: {v}" for k, v in errors.items()] + [""]
     if notes:
         lines += [notes.rstrip(), ""]
-    return "\n".join(lines)
+    return lines
 
 
 #: Other processes' share of the machine above which a row is flagged as measured under load.
@@ -720,32 +727,44 @@ def _observations(result: dict[str, Any]) -> list[str]:
 # -------------------------------------------------------------------------------------------------------- CLI
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The flags of `python -m bench.peers`."""
-    d = PeersSetup()
-    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.splitlines()[0])
-    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="systems to run (default: all)")
-    p.add_argument("--replicas", type=int, default=d.replicas)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--time-scale", type=float, default=d.time_scale)
-    p.add_argument("--conversations", type=int, default=d.conversations)
-    p.add_argument("--turns", type=int, default=d.turns)
-    p.add_argument("--token-scale", type=float, default=d.token_scale)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out-md", default="bench/results/peers.md", help="Markdown report ('' for none)")
+#: The setup fields the live benchmark CLIs (bench.peers, bench.live) take as flags: PeersSetup and LiveSetup
+#: both have them.
+SETUP_FLAGS = ("replicas", "max_num_seqs", "time_scale", "conversations", "turns", "token_scale", "seed")
+
+
+def benchmark_parser(prog: str, description: str, *, systems, defaults, out_md: str,
+                     helps: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The flags shared by the live benchmark CLIs: ``--systems``, one flag per :data:`SETUP_FLAGS` field (its
+    default from ``defaults``, a setup dataclass), and the report paths (``--out-md`` defaults to ``out_md``)."""
+    helps = helps or {}
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--systems", nargs="+", choices=list(systems), help="systems to run (default: all)")
+    for name in SETUP_FLAGS:
+        default = getattr(defaults, name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=helps.get(name))
+    p.add_argument("--out-md", default=out_md, help="Markdown report ('' for none)")
     p.add_argument("--out-json", default=None, help="also write the raw result as JSON here")
     p.add_argument("--notes", default=None, help="a Markdown file appended to the report (analysis)")
-    p.add_argument("--run-dir", default=None, help="logs and configs (default: a new temporary directory)")
+    p.add_argument("--run-dir", default=None, help="logs and state (default: a new temporary directory)")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def setup_from_args(cls, args: argparse.Namespace):
+    """A ``cls`` setup (PeersSetup, LiveSetup) from the :data:`SETUP_FLAGS` of parsed ``args``."""
+    return cls(**{name: getattr(args, name) for name in SETUP_FLAGS})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `python -m bench.peers`."""
+    return benchmark_parser("python -m bench.peers", __doc__.splitlines()[0], systems=SYSTEMS,
+                            defaults=PeersSetup(), out_md="bench/results/peers.md")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison and write the report; 0 when every system that could run completed all requests."""
     args = build_parser().parse_args(argv)
-    setup = PeersSetup(replicas=args.replicas, max_num_seqs=args.max_num_seqs, time_scale=args.time_scale,
-                       conversations=args.conversations, turns=args.turns, token_scale=args.token_scale,
-                       seed=args.seed)
+    setup = setup_from_args(PeersSetup, args)
     result = run_peers(args.systems, setup=setup, run_dir=Path(args.run_dir) if args.run_dir else None,
                        progress=False if args.no_progress else None)
     text = format_markdown(result, Path(args.notes).read_text() if args.notes else "")

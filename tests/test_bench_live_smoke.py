@@ -152,3 +152,14 @@ def test_report_sets_the_simulator_beside_live():
     assert f"| skylb | SkyLB | 1.50 / {sim['skylb']['throughput_rps']:.2f} |" in text
     assert "| round_robin | GKE | - / " in text  # the live run failed; the simulated figures still show
     assert "Kendall's tau" in text
+
+
+def test_benchmark_clis_map_flags_to_their_setup():
+    """bench.peers and bench.live share one flag set: each flag lands in its setup field, defaults included."""
+    args = live.build_parser().parse_args(["--replicas", "3", "--time-scale", "0.5", "--systems", "skylb"])
+    setup = peers.setup_from_args(LiveSetup, args)
+    assert (setup.replicas, setup.time_scale, setup.turns, args.systems) == (3, 0.5, LiveSetup().turns, ["skylb"])
+    assert args.out_md == "bench/results/live.md"
+    args = peers.build_parser().parse_args(["--conversations", "7"])
+    assert peers.setup_from_args(PeersSetup, args) == PeersSetup(conversations=7)
+    assert args.out_md == "bench/results/peers.md"
