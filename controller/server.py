@@ -27,8 +27,9 @@ from aiohttp import web
 from skylb import aio
 from controller.store import InvalidInput, MembershipStore, StoreError
 from skylb.config import ConfigError, ControllerConfig, load_config
+from skylb.logs import configure_logging
 
-__all__ = ["MAX_WAIT_S", "RevisionWatch", "create_app", "serve", "configure_logging", "add_arguments", "main"]
+__all__ = ["MAX_WAIT_S", "RevisionWatch", "create_app", "serve", "add_arguments", "main"]
 
 #: Longest long poll a client may ask for (s); longer asks are cut to this.
 MAX_WAIT_S = 60.0
@@ -227,20 +228,6 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) 
         for sig in signals:
             loop.remove_signal_handler(sig)
     log.info("controller_stopped")
-
-
-def configure_logging() -> None:
-    """One JSON object per line on stdout: timestamp, level, event and the event's fields."""
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
-        cache_logger_on_first_use=True,
-    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

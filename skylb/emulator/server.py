@@ -22,6 +22,7 @@ from aiohttp import web
 from skylb import aio
 from skylb.emulator.model import EngineModel, EngineParams, FinishedRequest, TokenOutput
 from skylb.emulator.personalities import PERSONALITIES, ApiError, Personality, PersonalityOptions
+from skylb.logs import configure_logging
 
 __all__ = [
     "Replica",
@@ -266,15 +267,6 @@ def options_from_args(args: argparse.Namespace) -> PersonalityOptions:
         max_concurrent_requests=args.max_concurrent_requests)
 
 
-def _configure_logging() -> None:
-    structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
-                    structlog.processors.JSONRenderer()],
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
-        cache_logger_on_first_use=True,
-    )
-
-
 def main(args: argparse.Namespace) -> int:
     """Run `skylb emulator`; returns the exit status (2 for bad flags)."""
     try:
@@ -287,6 +279,6 @@ def main(args: argparse.Namespace) -> int:
     if bad or len(set(args.port)) != len(args.port):
         print(f"skylb emulator: --port values must be distinct and in 1-65535, got {args.port}", file=sys.stderr)
         return 2
-    _configure_logging()
+    configure_logging()
     return aio.run(serve(engine=args.engine, host=args.host, ports=args.port, params=params, options=options,
                              log_requests=args.log_requests))

@@ -41,6 +41,7 @@ from aiohttp import web
 
 from skylb import aio
 from skylb.latency.toxics import DOWNSTREAM, STREAMS, UPSTREAM, ApiError, Chunk, ToxicSpec, ToxicState, bad_request
+from skylb.logs import configure_logging
 
 __all__ = ["VERSION", "Proxy", "ProxyCollection", "build_app", "serve", "add_arguments", "main"]
 
@@ -627,15 +628,6 @@ async def serve(host: str = "127.0.0.1", port: int = 8474) -> None:
             loop.remove_signal_handler(sig)
 
 
-def _configure_logging() -> None:
-    """One JSON object per line on stderr, like the other SkyLB processes."""
-    structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
-                    structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `skylb toxiproxy`: where the HTTP API listens (Toxiproxy's default port is 8474)."""
     parser.add_argument("--host", default="127.0.0.1", help="address of the HTTP API (default: %(default)s)")
@@ -644,7 +636,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a clean stop, 1 if the API port cannot be bound."""
-    _configure_logging()
+    configure_logging()
     try:
         aio.run(serve(args.host, args.port), precise_timers=True)  # injected delays must never be short
     except OSError as exc:
