@@ -250,11 +250,6 @@ class MembershipStore:
         row = self._db.execute("SELECT * FROM replicas WHERE id = ?", (replica_id,)).fetchone()
         return _replica(row) if row else None
 
-    def find_replica_by_url(self, url: str) -> Replica | None:
-        """The replica with this URL (compared in canonical form), or None; InvalidInput if ``url`` is malformed."""
-        row = self._db.execute("SELECT * FROM replicas WHERE url = ?", (normalize_url(url),)).fetchone()
-        return _replica(row) if row else None
-
     def list_replicas(self, region: str | None = None) -> list[Replica]:
         """Replicas sorted by region then id; only ``region``'s when given."""
         if region is None:

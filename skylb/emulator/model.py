@@ -351,11 +351,6 @@ class EngineModel:
         """Blocks currently in the prefix cache (in use or evictable)."""
         return len(self._cache)
 
-    @property
-    def step_in_flight(self) -> bool:
-        """True between ``start_step`` and ``complete_step``."""
-        return self._in_flight is not None
-
     def cached_prefix_tokens(self, prompt_tokens: list[str]) -> int:
         """Tokens of this prompt the prefix cache would serve if it were admitted now (full blocks; no side effects)."""
         n = len(prompt_tokens)
