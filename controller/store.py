@@ -11,12 +11,15 @@ from its event loop directly rather than from a thread, which keeps every write 
 
 from __future__ import annotations
 
-import re
 import sqlite3
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StringConstraints, TypeAdapter,
+                      ValidationError)
 
 __all__ = [
     "ENGINES",
@@ -36,9 +39,6 @@ __all__ = [
 
 #: Engine names a replica may declare ("auto": the balancer detects the engine by probing it).
 ENGINES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "tgi", "ollama", "openai", "auto")
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -148,31 +148,41 @@ class Membership:
         }
 
 
-def normalize_url(url: object, *, field: str = "url") -> str:
-    """Validate an endpoint URL and return its canonical form (lower-case scheme and host, no trailing slash).
+# --- input validation (pydantic) ----------------------------------------------------------------------------------
 
-    Accepts http/https with a host and an optional port in 1..65535; a path (such as ``/v1``) is kept. Raises
-    InvalidInput naming ``field`` otherwise. Canonical forms make "http://A:8000/" and "http://a:8000" one URL.
-    """
-    if not isinstance(url, str) or not url.strip():
-        raise InvalidInput(field, "required, a URL such as http://10.0.0.5:8000")
+#: What a valid value of each field looks like, for messages "<field>: <value> <rule>".
+_RULES = {
+    "region": "must be 1-64 letters, digits, '-' or '_'",
+    "url": "is not a URL such as http://10.0.0.5:8000",
+    "engine": f"is not a known engine (one of: {', '.join(ENGINES)})",
+    "id": "must be 1-128 letters, digits, '.', '-' or '_'",
+    "max_concurrency": "must be an integer of at least 1 (parallel requests)",
+}
+#: The message for a required field that is missing, null or blank.
+_REQUIRED = {"region": "required, a region name such as us", "url": "required, a URL such as http://10.0.0.5:8000"}
+
+
+def _canonical_url(url: str) -> str:
+    """``url`` in canonical form (see normalize_url); ValueError with the message to show otherwise."""
     url = url.strip()
+    if not url:
+        raise ValueError(_REQUIRED["url"])
     try:
         parts = urlsplit(url)
         port = parts.port  # raises ValueError when not a number in 0..65535
     except ValueError as exc:
-        raise InvalidInput(field, f"{url!r} is not a valid URL ({exc})") from None
+        raise ValueError(f"{url!r} is not a valid URL ({exc})") from None
     if parts.scheme.lower() not in ("http", "https"):
-        raise InvalidInput(field, f"{url!r} must start with http:// or https://")
+        raise ValueError(f"{url!r} must start with http:// or https://")
     if not parts.hostname:
-        raise InvalidInput(field, f"{url!r} has no host")
+        raise ValueError(f"{url!r} has no host")
     if port == 0:
-        raise InvalidInput(field, f"{url!r} has port 0; use a port in 1..65535")
+        raise ValueError(f"{url!r} has port 0; use a port in 1..65535")
     if parts.username is not None or parts.password is not None:
         # Membership is logged and served to every balancer; credentials do not belong in it.
-        raise InvalidInput(field, f"{url!r} must not contain credentials")
+        raise ValueError(f"{url!r} must not contain credentials")
     if parts.query or parts.fragment:
-        raise InvalidInput(field, f"{url!r} must not have a query or fragment")
+        raise ValueError(f"{url!r} must not have a query or fragment")
     host = parts.hostname
     if ":" in host:  # IPv6 literal: urlsplit drops the brackets
         host = f"[{host}]"
@@ -180,35 +190,93 @@ def normalize_url(url: object, *, field: str = "url") -> str:
     return urlunsplit((parts.scheme.lower(), netloc, parts.path.rstrip("/"), "", ""))
 
 
+# Strict: values come from JSON as they are, and "4" or true where a count belongs is a mistake to report.
+_Region = Annotated[str, StringConstraints(strict=True, pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+_ReplicaId = Annotated[str, StringConstraints(strict=True, pattern=r"^[A-Za-z0-9._-]{1,128}$")]
+_Url = Annotated[str, Strict(), AfterValidator(_canonical_url)]
+_Engine = Literal[ENGINES]  # type: ignore[valid-type]
+_MaxConcurrency = Annotated[int, Strict(), Field(ge=1)]
+
+
+class _ReplicaInput(BaseModel):
+    """A replica as add_replica receives it; fields are checked in this order and the first bad one is reported."""
+
+    model_config = ConfigDict(frozen=True)
+
+    region: _Region
+    url: _Url
+    engine: _Engine = "vllm"
+    max_concurrency: _MaxConcurrency | None = None
+    id: _ReplicaId | None = None
+
+
+class _BalancerInput(BaseModel):
+    """A balancer as register_balancer receives it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    region: _Region
+    url: _Url
+
+
+_FIELDS = {"region": TypeAdapter(_Region), "url": TypeAdapter(_Url), "engine": TypeAdapter(_Engine),
+           "max_concurrency": TypeAdapter(_MaxConcurrency | None)}
+
+
+def _invalid(exc: ValidationError, *, field: str | None = None, kind: str | None = None) -> InvalidInput:
+    """The first error in ``exc`` as InvalidInput naming ``field`` (default: the error's own field).
+
+    ``kind`` picks the wording (a key of _RULES; default: the field's name).
+    """
+    error = exc.errors()[0]
+    field = field or str(error["loc"][0])
+    kind = kind or field
+    value = error["input"]
+    if error["type"] == "missing" or (value is None and kind in _REQUIRED):
+        return InvalidInput(field, _REQUIRED[kind])
+    if error["type"] == "value_error":  # raised by _canonical_url, whose message says what is wrong
+        return InvalidInput(field, str(error["ctx"]["error"]))
+    return InvalidInput(field, f"{value!r} {_RULES[kind]}")
+
+
+def _parse(model: type[BaseModel], **fields: Any) -> Any:
+    """``model`` built from ``fields``; InvalidInput naming the first bad field."""
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _check(kind: str, value: object, *, field: str | None = None) -> Any:
+    """``value`` validated as a ``kind`` field (a key of _FIELDS); InvalidInput naming ``field`` (default: kind)."""
+    try:
+        return _FIELDS[kind].validate_python(value)
+    except ValidationError as exc:
+        raise _invalid(exc, field=field or kind, kind=kind) from None
+
+
+def normalize_url(url: object, *, field: str = "url") -> str:
+    """Validate an endpoint URL and return its canonical form (lower-case scheme and host, no trailing slash).
+
+    Accepts http/https with a host and an optional port in 1..65535; a path (such as ``/v1``) is kept. Raises
+    InvalidInput naming ``field`` otherwise. Canonical forms make "http://A:8000/" and "http://a:8000" one URL.
+    """
+    return _check("url", url, field=field)
+
+
 def validate_region(region: object) -> str:
     """Return ``region`` if it is a valid region name (letters, digits, '-', '_'; 1-64 chars), else InvalidInput."""
-    if region is None:
-        raise InvalidInput("region", "required, a region name such as us")
-    if not isinstance(region, str) or not _NAME_RE.match(region):
-        raise InvalidInput("region", f"{region!r} must be 1-64 letters, digits, '-' or '_'")
-    return region
+    return _check("region", region)
 
 
 def validate_engine(engine: object) -> str:
     """Return ``engine`` if it is one of ENGINES, else InvalidInput listing the known names."""
-    if engine not in ENGINES:
-        raise InvalidInput("engine", f"{engine!r} is not a known engine (one of: {', '.join(ENGINES)})")
-    return engine  # type: ignore[return-value]
+    return _check("engine", engine)
 
 
 def validate_max_concurrency(value: object) -> int | None:
     """Return ``value`` if it is None or an int >= 1 (not a bool), else InvalidInput naming max_concurrency."""
-    if value is None:
-        return None
-    if type(value) is not int or value < 1:
-        raise InvalidInput("max_concurrency", f"{value!r} must be an integer of at least 1 (parallel requests)")
-    return value
-
-
-def _validate_id(replica_id: object) -> str:
-    if not isinstance(replica_id, str) or not _ID_RE.match(replica_id):
-        raise InvalidInput("id", f"{replica_id!r} must be 1-128 letters, digits, '.', '-' or '_'")
-    return replica_id
+    return _check("max_concurrency", value)
 
 
 class MembershipStore:
@@ -284,12 +352,10 @@ class MembershipStore:
         (default: the clock). Raises InvalidInput for a bad region, URL, engine, id or max_concurrency, and
         Conflict when the URL or the id already exists.
         """
-        region = validate_region(region)
-        url = normalize_url(url)
-        engine = validate_engine(engine)
-        max_concurrency = validate_max_concurrency(max_concurrency)
-        if replica_id is not None:
-            replica_id = _validate_id(replica_id)
+        spec = _parse(_ReplicaInput, region=region, url=url, engine=engine, max_concurrency=max_concurrency,
+                      id=replica_id)
+        region, url, engine, max_concurrency, replica_id = (
+            spec.region, spec.url, spec.engine, spec.max_concurrency, spec.id)
         created_at = time.time() if now is None else now
         with self._write():
             clash = self._db.execute("SELECT id FROM replicas WHERE url = ?", (url,)).fetchone()
@@ -325,8 +391,8 @@ class MembershipStore:
         is new or moved to another region; a plain heartbeat updates ``last_seen`` (unix s) and nothing else, so
         heartbeats do not wake every watcher.
         """
-        region = validate_region(region)
-        url = normalize_url(url)
+        spec = _parse(_BalancerInput, region=region, url=url)
+        region, url = spec.region, spec.url
         last_seen = time.time() if now is None else now
         with self._write():
             row = self._db.execute("SELECT region FROM balancers WHERE url = ?", (url,)).fetchone()

@@ -112,7 +112,10 @@ def test_store_conflicts_change_nothing(tmp_path):
     ({"engine": "triton"}, "engine"),
     ({"region": "us east"}, "region"),
     ({"region": None}, "region"),
+    ({"region": "us\n"}, "region"),
     ({"replica_id": "a/b"}, "id"),
+    ({"replica_id": "us-1\n"}, "id"),
+    ({"replica_id": 7}, "id"),
 ])
 def test_store_rejects_invalid_fields(tmp_path, kwargs, field):
     """Malformed URLs, engines, regions and ids raise InvalidInput naming the field."""
@@ -122,6 +125,27 @@ def test_store_rejects_invalid_fields(tmp_path, kwargs, field):
         store.add_replica(**args)
     assert info.value.field == field and str(info.value).startswith(f"{field}: ")
     assert store.revision == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"region": None}, "region: required, a region name such as us"),
+    ({"region": "us east"}, "region: 'us east' must be 1-64 letters, digits, '-' or '_'"),
+    ({"url": ""}, "url: required, a URL such as http://10.0.0.5:8000"),
+    ({"url": 8000}, "url: 8000 is not a URL such as http://10.0.0.5:8000"),
+    ({"url": "ftp://a:1"}, "url: 'ftp://a:1' must start with http:// or https://"),
+    ({"url": "http://a:99999"}, "url: 'http://a:99999' is not a valid URL (Port out of range 0-65535)"),
+    ({"engine": None}, "engine: None is not a known engine (one of: vllm, sglang, llamacpp, tgi, ollama, openai, "
+                       "auto)"),
+    ({"replica_id": "a/b"}, "id: 'a/b' must be 1-128 letters, digits, '.', '-' or '_'"),
+    ({"max_concurrency": "4"}, "max_concurrency: '4' must be an integer of at least 1 (parallel requests)"),
+    ({"url": "bad", "engine": "nim", "replica_id": "a/b"}, "url: 'bad' must start with http:// or https://"),
+])
+def test_store_error_messages_say_what_is_expected(kwargs, message):
+    """InvalidInput names the first bad field, quotes its value and says what a valid one looks like."""
+    store = MembershipStore(":memory:")
+    with pytest.raises(InvalidInput) as info:
+        store.add_replica(**({"region": "us", "url": "http://a:1"} | kwargs))
+    assert str(info.value) == message
 
 
 def test_store_remove_and_ids_are_not_reused(tmp_path):
@@ -215,6 +239,9 @@ BAD_REPLICA_BODIES = [  # (request body: a dict is sent as JSON, a str as raw by
     ({"region": "us", "url": "localhost:8000"}, "url"),
     ({"region": "us", "url": "http://a:1", "engine": "nim"}, "engine"),
     ({"url": "http://a:1"}, "region"),
+    ({"region": "us", "url": 8000}, "url"),
+    ({"region": "us", "url": "http://a:1", "id": 7}, "id"),
+    ({"region": "us", "url": "http://a:1", "max_concurrency": True}, "max_concurrency"),
     ({"region": "us", "url": "http://a:1", "replicas": 3}, "replicas"),
     ("{not json", "body"),
     ("[1, 2]", "body"),
