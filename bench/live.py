@@ -34,7 +34,7 @@ from typing import Any, Sequence
 from bench.peers import (MODEL, MachineLoad, benchmark_parser, now_label, report_tail, setup_from_args,
                          summarize)
 from bench.replay import replay
-from bench.report import build_report, emit_markdown
+from bench.report import build_report, emit_markdown, markdown_table
 from bench.sim.twin import simulate
 from bench.workload import describe, synthetic_workload
 from skylb.config import DeploymentConfig, WorkloadConfig, load_config
@@ -202,6 +202,20 @@ def _f(v, fmt="{:.0f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _row(row: dict[str, Any]) -> list[str]:
+    """One system's cells of the live table; a failed row says why in its second cell."""
+    if row["status"] != "ok":
+        reason = (row.get("reason") or "").splitlines()[0][:160].replace("|", "/")
+        return [row["system"], f"failed: {reason}"]
+    f, regions = row["figures"], row["report"]["regions"]
+    hit = f["prefix_hit_rate"]
+    return [row["system"], f"{f['completed']}/{f['sent']}", _f(f["throughput_rps"], "{:.2f}"),
+            _f(f["output_tokens_per_s"]), _f(f["ttft_p50_ms"]), _f(f["ttft_p90_ms"]), _f(f["e2e_p50_ms"]),
+            _f(f["e2e_p90_ms"]), _f(hit and 100 * hit, "{:.1f}%"),
+            _f(f["forwarded_frac"] and 100 * f["forwarded_frac"], "{:.1f}%"),
+            *(_f(regions.get(r, {}).get("ttft_p90_ms")) for r in REGIONS)]
+
+
 def format_markdown(result: dict[str, Any], notes: str = "") -> str:
     """The live result as the Markdown report bench/results/live.md; ``notes`` (Markdown) is appended as is."""
     s = result["setup"]
@@ -211,22 +225,9 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
              "## Ranking", "",
              f"- By throughput (best first): {' > '.join(result['ranking']['throughput']) or '-'}",
              f"- By P90 TTFT (best first): {' < '.join(result['ranking']['ttft_p90']) or '-'}", "",
-             "| system | ok/sent | req/s | out tok/s | TTFT p50 | TTFT p90 | E2E p50 | E2E p90 | prefix hit "
-             "| forwarded | us TTFT p90 | eu TTFT p90 | asia TTFT p90 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in result["rows"]:
-        if row["status"] != "ok":
-            reason = (row.get("reason") or "").splitlines()[0][:160].replace("|", "/")
-            lines.append(f"| {row['system']} | failed: {reason} |" + " |" * 11)
-            continue
-        f, regions = row["figures"], row["report"]["regions"]
-        per = [_f(regions.get(r, {}).get("ttft_p90_ms")) for r in REGIONS]
-        hit = f["prefix_hit_rate"]
-        lines.append(
-            f"| {row['system']} | {f['completed']}/{f['sent']} | {_f(f['throughput_rps'], '{:.2f}')} "
-            f"| {_f(f['output_tokens_per_s'])} | {_f(f['ttft_p50_ms'])} | {_f(f['ttft_p90_ms'])} "
-            f"| {_f(f['e2e_p50_ms'])} | {_f(f['e2e_p90_ms'])} | {_f(hit and 100 * hit, '{:.1f}%')} "
-            f"| {_f(f['forwarded_frac'] and 100 * f['forwarded_frac'], '{:.1f}%')} | {' | '.join(per)} |")
+             markdown_table(["system", "ok/sent", "req/s", "out tok/s", "TTFT p50", "TTFT p90", "E2E p50", "E2E p90",
+                             "prefix hit", "forwarded", *(f"{r} TTFT p90" for r in REGIONS)],
+                            [_row(row) for row in result["rows"]])]
     rtt = ", ".join(f"{k} {v:g} ms" for k, v in result["rtt_ms"].items())
     lines += _sim_section(result)
     lines += ["", "Latencies in ms at the client (TTFT: first SSE chunk with text; a forwarded request's TTFT "
@@ -264,22 +265,22 @@ def _sim_section(result: dict[str, Any]) -> list[str]:
     lines = ["", "## The simulator beside the live run", "",
              "The same requests (sessions, prompts, output lengths, start and think times), replicas, batch size and "
              "round trips, replayed in bench/sim (bench/sim/twin.py: the routing core and the emulator's engine "
-             "model in simulated time). Cells: live / simulated.", "",
-             "| system | simulated as | req/s | TTFT p50 | TTFT p90 | E2E p90 | prefix hit | forwarded "
-             "| us TTFT p90 | eu TTFT p90 | asia TTFT p90 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "model in simulated time). Cells: live / simulated.", ""]
     pct = lambda v: v and 100 * v  # noqa: E731
+    body = []
     for name, s in sim.items():
         row = live.get(name)
         f = row["figures"] if row else {}
         regions = row["report"]["regions"] if row else {}
-        per = [_pair(regions.get(r, {}).get("ttft_p90_ms"), s["region_ttft_p90_ms"].get(r)) for r in REGIONS]
-        lines.append(
-            f"| {name} | {s['sim_system']} | {_pair(f.get('throughput_rps'), s['throughput_rps'], '{:.2f}')} "
-            f"| {_pair(f.get('ttft_p50_ms'), s['ttft_p50_ms'])} | {_pair(f.get('ttft_p90_ms'), s['ttft_p90_ms'])} "
-            f"| {_pair(f.get('e2e_p90_ms'), s['e2e_p90_ms'])} "
-            f"| {_pair(pct(f.get('prefix_hit_rate')), pct(s['prefix_hit_rate']), '{:.1f}%')} "
-            f"| {_pair(pct(f.get('forwarded_frac')), pct(s['forwarded_frac']), '{:.1f}%')} | {' | '.join(per)} |")
+        body.append([name, s["sim_system"], _pair(f.get("throughput_rps"), s["throughput_rps"], "{:.2f}"),
+                     _pair(f.get("ttft_p50_ms"), s["ttft_p50_ms"]), _pair(f.get("ttft_p90_ms"), s["ttft_p90_ms"]),
+                     _pair(f.get("e2e_p90_ms"), s["e2e_p90_ms"]),
+                     _pair(pct(f.get("prefix_hit_rate")), pct(s["prefix_hit_rate"]), "{:.1f}%"),
+                     _pair(pct(f.get("forwarded_frac")), pct(s["forwarded_frac"]), "{:.1f}%"),
+                     *(_pair(regions.get(r, {}).get("ttft_p90_ms"), s["region_ttft_p90_ms"].get(r))
+                       for r in REGIONS)])
+    lines.append(markdown_table(["system", "simulated as", "req/s", "TTFT p50", "TTFT p90", "E2E p90", "prefix hit",
+                                 "forwarded", *(f"{r} TTFT p90" for r in REGIONS)], body))
     live_rank, sim_rank = result["ranking"], result["sim_ranking"]
     lines.append("")
     for key, label, sep in (("throughput", "throughput", " > "), ("ttft_p90", "P90 TTFT", " < ")):

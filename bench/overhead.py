@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from bench.peers import (MODEL, SYSTEMS, MachineLoad, System, Unavailable, conditions_lines, now_label,
                          process_cpu_s, start_emulator, start_skylb, start_system, unavailable_reason, versions)
-from bench.report import emit_markdown, percentile
+from bench.report import emit_markdown, markdown_table, percentile
 from bench.workload import VOCABULARY
 from skylb.config import BalancerConfig
 from skylb.core import AvailabilityRules, Request, Router, make_policy
@@ -709,11 +709,10 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
                   f"{a['n']} requests per system, interleaved (request i goes to every system in a shuffled order), "
                   "one keep-alive connection each, `max_tokens` 1, ~50-word prompt, one emulated replica answering "
                   "in about 1 ms. Added = the system's percentile minus the direct one's.", "",
-                  "| system | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors |",
-                  "|---|---|---|---|---|---|---|"]
-        for name, s in a["systems"].items():
-            lines.append(f"| {name} | {_f(s['p50_ms'])} | {_f(s['p99_ms'])} | {_f(s['mean_ms'])} "
-                         f"| {_f(s.get('added_p50_ms'))} | {_f(s.get('added_p99_ms'))} | {s['errors']} |")
+                  markdown_table(["system", "p50 ms", "p99 ms", "mean ms", "added p50 ms", "added p99 ms", "errors"],
+                                 [[name, _f(s["p50_ms"]), _f(s["p99_ms"]), _f(s["mean_ms"]),
+                                   _f(s.get("added_p50_ms")), _f(s.get("added_p99_ms")), s["errors"]]
+                                  for name, s in a["systems"].items()])]
         lines += _skipped(a) + [""]
         if a.get("profile"):
             p = a["profile"]
@@ -731,9 +730,8 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
                   f"{100 * b['error_limit']:g}%, p99 > {b['p99_limit_ms']:g} ms, or < 95% of the offered rate "
                   f"completed); {b['replicas']} fast emulated replicas that never queue. The client (one Python "
                   "process) and the emulator share the 2 cores with the balancer: `direct` is the ceiling of this "
-                  "setup.", "",
-                  "| system | sustained req/s | first failing step | balancer CPU ms/request (last ok step) |",
-                  "|---|---|---|---|"]
+                  "setup.", ""]
+        body = []
         for name, s in b["systems"].items():
             ok_steps = [st for st in s["steps"] if st["rate"] <= s["sustained_rps"]]
             bad = next((st for st in s["steps"] if st["rate"] > s["sustained_rps"]), None)
@@ -741,16 +739,18 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
                     f"{bad['rate']}/s: achieved {bad['achieved_rps']:.0f}/s, p99 {_f(bad['p99_ms'], '{:.0f}')} ms, "
                     f"{bad['errors']} errors, client send lag p99 {_f(bad['send_lag_p99_ms'], '{:.0f}')} ms")
             cpu = ok_steps[-1].get("balancer_cpu_ms_per_req") if ok_steps else None
-            lines.append(f"| {name} | {s['sustained_rps']} | {fail} | {_f(cpu, '{:.3f}')} |")
+            body.append([name, s["sustained_rps"], fail, _f(cpu, "{:.3f}")])
+        lines.append(markdown_table(["system", "sustained req/s", "first failing step",
+                                     "balancer CPU ms/request (last ok step)"], body))
         lines += _skipped(b) + [""]
     if "c" in parts:
         c = parts["c"]
         lines += ["## (c) SSE chunks relayed per second", "",
                   f"{c['streams']} concurrent streamed completions of 4000 tokens from one fast emulated replica, "
                   f"chunks (`data:` events) counted at the client for {c['duration_s']:g} s after a 1 s warm-up.", "",
-                  "| system | chunks/s at the client | balancer CPU us/chunk |", "|---|---|---|"]
-        for name, s in c["systems"].items():
-            lines.append(f"| {name} | {s['chunks_per_s']:.0f} | {_f(s['balancer_cpu_us_per_chunk'], '{:.1f}')} |")
+                  markdown_table(["system", "chunks/s at the client", "balancer CPU us/chunk"],
+                                 [[name, f"{s['chunks_per_s']:.0f}", _f(s["balancer_cpu_us_per_chunk"], "{:.1f}")]
+                                  for name, s in c["systems"].items()])]
         lines += _skipped(c) + [""]
     if "d" in parts:
         lines += _decision_section(parts["d"])
@@ -760,10 +760,10 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
                   f"A fresh interpreter builds a `skylb` policy (trie_max_chars {e['max_chars']:,}, chunks of "
                   f"{DEFAULT_CHUNK_CHARS} characters doubling after every {DEFAULT_CHUNK_DOUBLING}, the defaults) and fills the replica trie and the regional snapshot with the conversations of part "
                   f"(d) until each reaches its bound ({e['fill_s']:.0f} s).", "",
-                  "| | replica trie | regional snapshot |", "|---|---|---|",
-                  f"| stored characters | {e['stored_chars'][0]:,} | {e['stored_chars'][1]:,} |",
-                  f"| nodes | {e['nodes'][0]:,} | {e['nodes'][1]:,} |",
-                  f"| records | {e['records'][0]:,} | {e['records'][1]:,} |", "",
+                  markdown_table(["", "replica trie", "regional snapshot"],
+                                 [[label, f"{e[key][0]:,}", f"{e[key][1]:,}"] for label, key in
+                                  (("stored characters", "stored_chars"), ("nodes", "nodes"),
+                                   ("records", "records"))]), "",
                   f"RSS before the fill {e['before']['rss_kib'] / 1024:.0f} MiB, after "
                   f"{e['after']['rss_kib'] / 1024:.0f} MiB (peak {e['after']['hwm_kib'] / 1024:.0f} MiB): "
                   f"**{e['added_mib']:.0f} MiB for both tries**, {e['bytes_per_stored_char']:.1f} bytes of RSS per "
@@ -795,9 +795,11 @@ def _targets(parts: dict) -> list[str]:
         if cell and max(parts["d"]["lengths"]) >= 32000:
             d_val = cell["p99_ms"]
             d_ok = d_val <= 1.0
-    return ["## Targets", "", "| target | measured | verdict |", "|---|---|---|",
-            f"| p50 added latency through SkyLB <= 1 ms | {_f(a_val)} ms | {_verdict(a_ok)} |",
-            f"| routing decision p99 <= 1 ms at 32k-token prompts, full trie | {_f(d_val)} ms | {_verdict(d_ok)} |",
+    return ["## Targets", "",
+            markdown_table(["target", "measured", "verdict"],
+                           [["p50 added latency through SkyLB <= 1 ms", f"{_f(a_val)} ms", _verdict(a_ok)],
+                            ["routing decision p99 <= 1 ms at 32k-token prompts, full trie", f"{_f(d_val)} ms",
+                             _verdict(d_ok)]]),
             ""]
 
 
@@ -811,30 +813,26 @@ def _decision_section(d: dict) -> list[str]:
              f"length after every {DEFAULT_CHUNK_DOUBLING} (`trie_chunk_doubling`). A prompt of L tokens is L "
              "words (~5 characters each). At a fill > 0 the request is the next turn of a conversation already in "
              f"the trie (the first L - {NEW_TURN_WORDS} words known, then a new user turn); at 0% the trie is empty; "
-             "'new conversation' shares only the 500-word system prompt. Cells: p50 / p99 ms.", "",
-             "| prompt tokens | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
-    for L in d["lengths"]:
-        row = [f"{_f(d['cells'][f'{L}@{f}']['p50_ms'])} / {_f(d['cells'][f'{L}@{f}']['p99_ms'])}" for f in fills]
-        if 1.0 in fills:
-            c = d["cells"][f"{L}@new"]
-            row.append(f"{_f(c['p50_ms'])} / {_f(c['p99_ms'])}")
-        lines.append(f"| {L:,} | " + " | ".join(row) + " |")
+             "'new conversation' shares only the 500-word system prompt. Cells: p50 / p99 ms.", ""]
+    # One row per prompt length: a column per fill, then the new-conversation column (full trie only).
+    cells = {L: [d["cells"][f"{L}@{f}"] for f in fills] + ([d["cells"][f"{L}@new"]] if 1.0 in fills else [])
+             for L in d["lengths"]}
+    lines.append(markdown_table(["prompt tokens", *heads],
+                                [[f"{L:,}", *(f"{_f(c['p50_ms'])} / {_f(c['p99_ms'])}" for c in row)]
+                                 for L, row in cells.items()]))
     lines += ["", "Garbage-collector pauses during each cell's samples (collections (of which gen-2) / largest pause, "
-              "ms):",
-              "", "| prompt tokens | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
-    for L in d["lengths"]:
-        keys = [f"{L}@{f}" for f in fills] + ([f"{L}@new"] if 1.0 in fills else [])
-        lines.append(f"| {L:,} | " + " | ".join(
-            f"{d['cells'][k]['gc_runs']} ({d['cells'][k]['gc_gen2_runs']}) / {d['cells'][k]['gc_max_ms']:.1f}"
-            for k in keys) + " |")
+              "ms):", "",
+              markdown_table(["prompt tokens", *heads],
+                             [[f"{L:,}", *(f"{c['gc_runs']} ({c['gc_gen2_runs']}) / {c['gc_max_ms']:.1f}" for c in row)]
+                              for L, row in cells.items()])]
     w = d.get("chunk_whatif")
     if w:
         lines += ["", f"What-if, `trie_chunk_chars` (a setting, not a code change): {w['length']:,}-token prompts at "
                   "the full trie, p50 / p99 ms.", "",
-                  "| chunk chars | next turn | new conversation |", "|---|---|---|"]
-        for chunk, c in w["chunks"].items():
-            lines.append(f"| {chunk} | {_f(c['next']['p50_ms'])} / {_f(c['next']['p99_ms'])} "
-                         f"| {_f(c['new']['p50_ms'])} / {_f(c['new']['p99_ms'])} |")
+                  markdown_table(["chunk chars", "next turn", "new conversation"],
+                                 [[chunk, f"{_f(c['next']['p50_ms'])} / {_f(c['next']['p99_ms'])}",
+                                   f"{_f(c['new']['p50_ms'])} / {_f(c['new']['p99_ms'])}"]
+                                  for chunk, c in w["chunks"].items()])]
     lines += ["", "Fill of the trie during each column (fraction of the bound, before -> after the samples): " +
               "; ".join(f"{int(100 * f)}%: {min(d['cells'][f'{L}@{f}']['fill_before'] for L in d['lengths']):.2f}"
                         f" -> {max(d['cells'][f'{L}@{f}']['fill_after'] for L in d['lengths']):.2f}" for f in fills)

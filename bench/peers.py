@@ -40,7 +40,7 @@ import aiohttp
 import yaml
 
 from bench.replay import replay
-from bench.report import RequestRecord, build_report, emit_markdown, percentile
+from bench.report import RequestRecord, build_report, emit_markdown, markdown_table, percentile
 from bench.workload import describe, synthetic_workload
 from skylb.config import WorkloadConfig
 from skylb.procs import ProcGroup, free_ports, wait_http
@@ -630,6 +630,19 @@ def _f(value, fmt: str = "{:.0f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _row(row: dict[str, Any]) -> list[str]:
+    """One system's cells of the report table; a row that did not run says why in its second cell."""
+    if row["status"] != "ok":
+        reason = (row.get("reason") or "").splitlines()[0][:160].replace("|", "/")
+        return [row["system"], f"{row['status']}: {reason}"]
+    f = row["figures"]
+    return [row["system"], f"{f['completed']}/{f['sent']}", _f(f["throughput_rps"], "{:.2f}"),
+            _f(f["output_tokens_per_s"]), _f(f["ttft_mean_ms"]), _f(f["ttft_p50_ms"]), _f(f["ttft_p90_ms"]),
+            _f(f["e2e_p50_ms"]), _f(f["e2e_p90_ms"]),
+            _f(f["prefix_hit_rate"] and 100 * f["prefix_hit_rate"], "{:.1f}%"),
+            f"{f['pending_peak_max']} ({'/'.join(map(str, f['pending_peak']))})", f"{f['pending_mean_total']:.1f}"]
+
+
 def format_markdown(result: dict[str, Any], notes: str = "") -> str:
     """The peers result as the Markdown report bench/results/peers.md (table, setup, conditions); ``notes``
     (Markdown written after looking at the figures) is appended as is."""
@@ -641,23 +654,10 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
         f"whole run {result['wall_s']:.0f} s. Versions: sglang-router {result['versions']['sglang-router']}, "
         f"{result['versions']['haproxy']}, Python {result['versions']['python']}.",
         "",
-        "| system | ok/sent | req/s | out tok/s | TTFT mean | TTFT p50 | TTFT p90 | E2E p50 | E2E p90 "
-        "| prefix hit | peak pending (max; per replica) | mean pending (sum) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        markdown_table(["system", "ok/sent", "req/s", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p90", "E2E p50",
+                        "E2E p90", "prefix hit", "peak pending (max; per replica)", "mean pending (sum)"],
+                       [_row(row) for row in result["rows"]]),
     ]
-    for row in result["rows"]:
-        if row["status"] != "ok":
-            reason = (row.get("reason") or "").splitlines()[0][:160].replace("|", "/")
-            lines.append(f"| {row['system']} | {row['status']}: {reason} |" + " |" * 10)
-            continue
-        f = row["figures"]
-        lines.append(
-            f"| {row['system']} | {f['completed']}/{f['sent']} | {_f(f['throughput_rps'], '{:.2f}')} "
-            f"| {_f(f['output_tokens_per_s'])} | {_f(f['ttft_mean_ms'])} | {_f(f['ttft_p50_ms'])} "
-            f"| {_f(f['ttft_p90_ms'])} | {_f(f['e2e_p50_ms'])} | {_f(f['e2e_p90_ms'])} "
-            f"| {_f(f['prefix_hit_rate'] and 100 * f['prefix_hit_rate'], '{:.1f}%')} "
-            f"| {f['pending_peak_max']} ({'/'.join(map(str, f['pending_peak']))}) "
-            f"| {f['pending_mean_total']:.1f} |")
     lines += ["", "Latencies in ms, measured at the client (TTFT: to the first SSE chunk with text). "
               "Throughput: completed requests (output tokens) per second of the replay's wall time. "
               "Prefix hit: cached prompt tokens / prompt tokens, as the replicas report them in `usage`. "

@@ -17,7 +17,8 @@ from typing import Any, Iterable, Sequence
 from tabulate import tabulate
 
 __all__ = [
-    "RequestRecord", "percentile", "parse_route", "build_report", "format_table", "write_json", "emit_markdown"]
+    "RequestRecord", "percentile", "parse_route", "build_report", "format_table", "markdown_table", "write_json",
+    "emit_markdown"]
 
 
 @dataclass(slots=True)
@@ -187,6 +188,17 @@ def format_table(report: dict[str, Any]) -> str:
     for message, n in report.get("errors", {}).items():
         lines.append(f"  {n} x {message}")
     return "\n".join(lines)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub-flavoured Markdown table (tabulate's ``github`` format) of already formatted cells.
+
+    Cells are printed as given (``str()``; tabulate's number parsing is off, so "1.50" stays "1.50" and "1,000"
+    stays "1,000"); a row shorter than ``headers`` is padded with empty cells. A "|" inside a cell is not escaped:
+    callers replace it when the text is free-form.
+    """
+    rows = [[str(c) for c in row] + [""] * (len(headers) - len(row)) for row in rows]
+    return tabulate(rows, headers=list(headers), tablefmt="github", disable_numparse=True)
 
 
 def emit_markdown(text: str, result: dict[str, Any], *, out_md: str | None, out_json: str | None) -> None:

@@ -15,7 +15,8 @@ from aiohttp import web
 
 from bench import replay as replay_mod
 from bench.replay import ReplayError, parse_balancers, replay
-from bench.report import RequestRecord, build_report, format_table, parse_route, percentile, write_json
+from bench.report import (RequestRecord, build_report, format_table, markdown_table, parse_route, percentile,
+                          write_json)
 from bench.workload import Request
 
 pytestmark = pytest.mark.timeout(30)
@@ -315,3 +316,12 @@ def test_empty_report_has_no_numbers():
     assert report["total"]["sent"] == 0 and report["total"]["ttft_p50_ms"] is None
     assert report["total"]["throughput_rps"] is None
     assert "total" in format_table(report)
+
+
+def test_markdown_table_keeps_cells_as_given_and_pads_short_rows():
+    """markdown_table prints formatted cells unchanged ("1.50", "1,000"), pads a short row, and is valid GFM."""
+    lines = markdown_table(["system", "req/s", "tokens", "note"], [["a", "1.50", "1,000", "x"], ["b", "skipped"]])
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines.splitlines()]
+    assert rows[0] == ["system", "req/s", "tokens", "note"]
+    assert all(set(c) <= {"-", ":"} for c in rows[1]) and len(rows[1]) == 4
+    assert rows[2:] == [["a", "1.50", "1,000", "x"], ["b", "skipped", "", ""]]
