@@ -63,13 +63,15 @@ class CannedServer:
     """An in-process HTTP server answering canned ``(status, body)`` per path and counting the hits."""
 
     def __init__(self):
-        self.answers: dict[str, tuple[int, str]] = {}
+        self.answers: dict[str, tuple[int, str | bytes]] = {}
         self.hits: list[str] = []
         self.url = ""
 
     async def handle(self, request: web.Request) -> web.Response:
         self.hits.append(request.path)
         status, body = self.answers.get(request.path, (404, '{"detail":"Not Found"}'))
+        if isinstance(body, bytes):  # sent as it is, even when it is not UTF-8
+            return web.Response(status=status, body=body, content_type="text/plain")
         return web.Response(status=status, text=body)
 
 
@@ -192,6 +194,22 @@ async def test_metrics_without_the_pending_metric_is_unhealthy(session, canned, 
     canned.answers["/metrics"] = (200, text)
     result = await probe(session, engine, canned.url)
     assert not result.healthy and reason in result.error
+
+
+@pytest.mark.parametrize(("engine", "text"), [
+    ("vllm", 'vllm:num_requests_waiting{engine="0" 1\n'),
+    ("vllm", "vllm:num_requests_waiting many\n"),
+    ("vllm", b"vllm:num_requests_waiting \xff\n"),
+    ("sglang", "sglang:num_queue_reqs many\n"),
+    ("llamacpp", "llamacpp:requests_deferred many\n"),
+    ("tgi", 'tgi_queue_size{shard="0" 1\n'),
+    ("tgi", b"tgi_queue_size \xff\n"),
+])
+async def test_malformed_metrics_is_unhealthy_with_the_reason(session, canned, engine, text):
+    """/metrics answering 200 with an unparsable pending metric is unhealthy, the reason saying "malformed"."""
+    canned.answers["/metrics"] = (200, text)
+    result = await probe(session, engine, canned.url)
+    assert not result.healthy and result.error.startswith("malformed /metrics: "), result
 
 
 @pytest.mark.parametrize(("engine", "text", "pending", "running"), [

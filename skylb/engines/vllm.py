@@ -1,7 +1,8 @@
 """vLLM: pending = ``vllm:num_requests_waiting`` from ``GET /metrics``, summed over the ``engine`` label.
 
 Source: shared/reference/engines.md (vLLM V1 metrics); vLLM's waiting queue is unbounded, so this gauge is the
-only sign that its continuous batch is full. A replica whose /metrics does not answer 200 is unhealthy.
+only sign that its continuous batch is full. A replica whose /metrics does not answer 200, or answers text that
+is not Prometheus exposition, is unhealthy.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ class VLLMAdapter(EngineAdapter, engine="vllm"):
             async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 if resp.status != 200:
                     return ProbeResult(False, error=f"/metrics answered {resp.status}")
-                text = await resp.text()
+                text = await resp.text(errors="replace")  # undecodable bytes then read as malformed, below
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return ProbeResult(False, error=f"/metrics unreachable: {type(exc).__name__}")
-        values = sum_gauges(text, (WAITING, RUNNING))
+        try:
+            values = sum_gauges(text, (WAITING, RUNNING))
+        except ValueError as exc:  # the reason shows in the status, rather than a stale probe
+            return ProbeResult(False, error=f"malformed /metrics: {exc}"[:200])
         if WAITING not in values:
             return ProbeResult(False, error=f"/metrics has no {WAITING}")
         running = values.get(RUNNING)
