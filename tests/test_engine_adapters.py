@@ -204,6 +204,11 @@ async def test_metrics_without_the_pending_metric_is_unhealthy(session, canned, 
     ("llamacpp", "llamacpp:requests_deferred many\n"),
     ("tgi", 'tgi_queue_size{shard="0" 1\n'),
     ("tgi", b"tgi_queue_size \xff\n"),
+    ("vllm", "vllm:num_requests_waiting NaN\n"),  # parses as a float, but is no count of requests
+    ("vllm", "vllm:num_requests_waiting 1\nvllm:num_requests_running +Inf\n"),
+    ("sglang", "sglang:num_queue_reqs NaN\n"),
+    ("llamacpp", "llamacpp:requests_deferred +Inf\n"),
+    ("tgi", "tgi_queue_size 0\ntgi_batch_current_size NaN\n"),
 ])
 async def test_malformed_metrics_is_unhealthy_with_the_reason(session, canned, engine, text):
     """/metrics answering 200 with an unparsable pending metric is unhealthy, the reason saying "malformed"."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -78,6 +79,7 @@ def sum_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     Names match exactly (``vllm:num_requests_waiting`` does not match ``vllm:num_requests_waiting_by_reason``).
     Lines of other metrics are dropped before parsing, because engines expose large histograms we do not need and
     probes run every 100 ms. Parsing is prometheus_client's. Missing metrics are absent from the result.
+    Raises ValueError for text that does not parse, or a wanted sample that is NaN or infinite (no count).
     """
     wanted = tuple(f"{n}{sep}" for n in names for sep in ("{", " "))
     lines = [ln for ln in text.splitlines() if ln.startswith(wanted)]
@@ -85,5 +87,7 @@ def sum_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
             if sample.name in names:
+                if not math.isfinite(sample.value):
+                    raise ValueError(f"{sample.name} is {sample.value}")
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
