@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from skylb.core.policies import options_class, policy_options
 
 __all__ = [
     "ConfigError",
@@ -52,9 +54,13 @@ class BalancerConfig(_Strict):
     port: int = Field(0, ge=0, le=65535)
     #: The URL peers and the controller use to reach this balancer; default http://host:port.
     advertise_url: str | None = None
-    #: skylb (prefix trie + selective pushing), skylb-ch (hash ring + selective pushing),
-    #: round_robin / least_load (blind pushing baselines).
-    policy: Literal["skylb", "skylb-ch", "round_robin", "least_load"] = "skylb"
+    #: The routing policy, a name from the registry (skylb.core.policies): skylb (prefix trie + selective pushing,
+    #: the default), skylb-ch (hash ring + selective pushing), and the baselines round-robin, least-load,
+    #: consistent-hash, sglang (blind pushing) and sglang-selective.
+    policy: str = "skylb"
+    #: Options per policy name, used when that policy is chosen (so switching policy needs no edit here); each
+    #: policy declares its options and unknown ones are errors, e.g. ``{skylb: {match_threshold: 0.5}}``.
+    policies: dict[str, dict[str, Any]] = Field(default_factory=dict)
     probe_interval_ms: float = Field(100.0, gt=0)
     #: A probe older than this many intervals makes its replica or peer unavailable.
     stale_after_intervals: float = Field(5.0, gt=0)
@@ -62,20 +68,8 @@ class BalancerConfig(_Strict):
     #: tau: the largest peer queue length at which the peer is still available (Algorithm 1, line 12).
     tau: int = Field(2, ge=0)
     session_header: str = "X-Session-ID"
-    trie_max_chars: int = Field(8_000_000, gt=0)
-    #: Characters per trie node at the start of a prompt: the granularity of prefix matches (256, ~50 tokens) ...
-    trie_chunk_chars: int = Field(256, gt=0)
-    #: ... doubling after every this many nodes, so a long prompt is O(log n) nodes (0: fixed-size chunks).
-    trie_chunk_doubling: int = Field(16, ge=0)
-    #: The smallest matched fraction of a prompt (0-1) that routes by prefix; below it, least load.
-    match_threshold: float = Field(0.5, ge=0, le=1)
-    #: Route by least load instead of prefix when candidates' outstanding requests differ by more than this ...
-    balance_abs: int = Field(32, ge=0)
-    #: ... and the most loaded has more than this times the least (the prototype's SGLang-derived rule).
-    balance_rel: float = Field(1.0001, ge=1)
     #: Most requests sent to one replica (or peer) between two of its probes; 0 = no cap (the paper's rule).
     max_dispatch_per_probe: int = Field(4, ge=0)
-    hash_ring_vnodes: int = Field(160, gt=0)
     #: How often the dispatcher re-checks the head of the queue when nothing changed (ms).
     dispatch_tick_ms: float = Field(10.0, gt=0)
     #: Requests waiting longer than this get 503 in the API's shape (s).
@@ -91,6 +85,19 @@ class BalancerConfig(_Strict):
     state_dir: str = ".skylb-run"
     #: Shared secret for balancer-to-balancer requests (peer status, forwarded requests); None disables the check.
     peer_token: str | None = None
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_registered(cls, name: str) -> str:
+        options_class(name)  # raises PolicyError (a ValueError) naming the known policies
+        return name
+
+    @field_validator("policies")
+    @classmethod
+    def _policy_options_valid(cls, policies: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for name, options in policies.items():
+            policy_options(name, options)  # raises PolicyError naming the bad option and the declared ones
+        return policies
 
 
 class EmulatorConfig(_Strict):

@@ -156,7 +156,7 @@ def test_blind_pushing_builds_pending_in_engines(procs, tmp_path):
     cluster = Cluster(procs, tmp_path)
     cluster.start_controller(["us"])
     replicas = cluster.start_emulator(2, *FAST, "--max-num-seqs", "2")
-    url = cluster.start_balancer("us", ["us"], policy="round_robin")
+    url = cluster.start_balancer("us", ["us"], policy="round-robin")
     for r in replicas:
         cluster.add_replica("us", r)
     cluster.wait_replicas_healthy("us", 2)

@@ -270,7 +270,7 @@ def test_ch_policy_sticks_sessions_and_walks_past_unavailable():
 
 def test_blind_pushing_ignores_pending():
     """Round robin (blind pushing) sends to every healthy replica at once, pending or not."""
-    router = _router(policy="round_robin", replicas=2, peers=())
+    router = _router(policy="round-robin", replicas=2, peers=())
     router.observe_replica("r0", now=0.0, healthy=True, pending=7)
     router.observe_replica("r1", now=0.0, healthy=True, pending=7)
     for i in range(4):
@@ -336,7 +336,7 @@ def test_status_reports_available_replicas_and_queue():
 
 def test_unknown_policy_is_a_clear_error():
     """make_policy names the known policies when given an unknown one."""
-    with pytest.raises(ValueError, match="round_robin"):
+    with pytest.raises(ValueError, match="round-robin"):
         make_policy("random")
 
 
@@ -385,8 +385,8 @@ def test_ollama_api_requests_need_an_ollama_replica():
 
 
 def test_prefix_policy_routes_by_load_when_candidates_are_imbalanced():
-    """A strong prefix match loses to the least loaded replica once loads differ by more than balance_abs."""
-    router = Router(region="us", policy=make_policy("skylb", balance_abs=3), rules=AvailabilityRules(
+    """A strong prefix match loses to the least loaded replica once loads differ by more than balance_abs_threshold."""
+    router = Router(region="us", policy=make_policy("skylb", balance_abs_threshold=3), rules=AvailabilityRules(
         max_dispatch_per_probe=0))
     router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
     for rid in router.replicas:

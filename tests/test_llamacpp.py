@@ -278,9 +278,9 @@ def test_selective_pushing_keeps_llama_server_from_deferring(procs, tmp_path, ll
 
 def test_blind_pushing_makes_llama_server_defer(procs, tmp_path, llama):
     """With round robin (blind pushing), the same 8 concurrent requests pile up as deferred inside llama-server."""
-    cluster, replica = _one_region(procs, tmp_path, llama, policy="round_robin")
+    cluster, replica = _one_region(procs, tmp_path, llama, policy="round-robin")
     deferred, queue, _ = _peak_deferred_under_load(cluster, replica, llama["id"])
-    print(f"\n[blind pushing, round_robin] peak llamacpp:requests_deferred = {deferred}, "
+    print(f"\n[blind pushing, round-robin] peak llamacpp:requests_deferred = {deferred}, "
           f"peak balancer queue = {queue}")
     assert deferred >= 4
 

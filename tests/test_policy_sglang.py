@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from skylb.core import Request, make_policy
+from skylb.core.state import ReplicaState
 from tests.policy_table import picks
 
 A, B, C = "alpha " * 200, "bravo " * 200, "charlie " * 150
@@ -26,3 +28,54 @@ CASES = [
 def test_sglang_policy_picks(name, case, options, history, loads, asks, expected):
     """Both SGLang variants choose alike among the candidates they are offered."""
     assert picks(name, options, history, loads, asks) == expected
+
+
+PROMPT_A = "alpha " * 40  # 240 characters
+PROMPT_B = "bravo " * 40
+
+
+def _replicas(loads: dict[str, int]) -> list[ReplicaState]:
+    return [ReplicaState(id=rid, url=f"sim://{rid}", healthy=True, probed_at=0.0, outstanding=n)
+            for rid, n in loads.items()]
+
+
+def _req(text: str, rid: str = "q", key: str | None = None) -> Request:
+    return Request(id=rid, text=text, arrived_at=0.0, session_key=key)
+
+
+def _sglang(history: list[tuple[str, str]], **options):
+    """An sglang policy whose tree has seen ``history`` ((prompt, replica) pairs)."""
+    policy = make_policy("sglang", trie_chunk_chars=8, **options)
+    policy.set_members(["r1", "r2", "r3"], [])
+    for i, (text, replica) in enumerate(history):
+        policy.routed(_req(text, f"h{i}"), replica=replica)
+    return policy
+
+
+@pytest.mark.parametrize("case, history, loads, prompt, expected", [
+    ("strong match routes to the matched replica",
+     [(PROMPT_A, "r2")], {"r1": 0, "r2": 5, "r3": 0}, PROMPT_A + "tail", "r2"),
+    ("several matched replicas: the least loaded of them",
+     [(PROMPT_A, "r2"), (PROMPT_A, "r3")], {"r1": 0, "r2": 5, "r3": 3}, PROMPT_A, "r3"),
+    ("weak match goes to the smallest tree",
+     [(PROMPT_A, "r1"), (PROMPT_B, "r2")], {"r1": 0, "r2": 0, "r3": 9}, "zulu " * 40, "r3"),
+    ("match below 0.3 of the prompt is weak",
+     [(PROMPT_A[:40], "r1")], {"r1": 0, "r2": 0, "r3": 0}, PROMPT_A[:40] + "x" * 200, "r2"),
+    ("imbalance (max - min > 64 and max > 1.5 min) routes by least load despite a match",
+     [(PROMPT_A, "r1")], {"r1": 100, "r2": 20, "r3": 30}, PROMPT_A, "r2"),
+    ("large but relatively balanced loads keep the prefix route",
+     [(PROMPT_A, "r1")], {"r1": 150, "r2": 120, "r3": 110}, PROMPT_A, "r1"),
+])
+def test_sglang_cache_aware_choice(case, history, loads, prompt, expected):
+    """SGLang's cache_aware rule: prefix match >= 0.3, else smallest tree; least load when imbalanced."""
+    policy = _sglang(history)
+    assert policy.pick_replica(_req(prompt), _replicas(loads)).id == expected, case
+
+
+def test_sglang_tree_size_counts_only_new_characters():
+    """A replica's tree grows by the characters of a prompt it did not already hold (SGLang tenant size)."""
+    policy = _sglang([(PROMPT_A, "r1")])
+    assert policy.tree_chars["r1"] == len(PROMPT_A)
+    policy.routed(_req(PROMPT_A + "more text", "x"), replica="r1")
+    assert policy.tree_chars["r1"] == len(PROMPT_A) + len("more text")
+    assert policy.tree_chars["r2"] == 0

@@ -12,7 +12,8 @@ from bench.sim.systems import SYSTEMS, build
 from bench.sim.workloads import ARENA, TOT_2, TOT_2_LONG, SimRequest, Workload, conversations, replayed, trees
 from bench.workload import synthetic_workload
 from skylb.config import WorkloadConfig
-from skylb.core import AvailabilityRules, Router
+from skylb.config import BalancerConfig
+from skylb.core import Router
 
 
 def _small_conversations(seed: int = 0) -> Workload:
@@ -77,7 +78,7 @@ def test_simulator_drives_the_core_router():
 
 def _probe_cluster(burst: list[SimRequest]) -> Cluster:
     workload = Workload("burst", "burst", arrivals=burst)
-    setup = BalancerSetup("us", ("us-r0",), "skylb", rules=AvailabilityRules(max_dispatch_per_probe=0))
+    setup = BalancerSetup("us", ("us-r0",), BalancerConfig(max_dispatch_per_probe=0))
     return Cluster(workload=workload, replicas={"us-r0": "us"}, balancers=[setup], entry={"us": "us"},
                    stop_at=10.0)
 

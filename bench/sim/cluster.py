@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 from bench.sim.engine import EventLoop
 from bench.sim.workloads import ClientSpec, SimRequest, Workload
-from skylb.core import AvailabilityRules, Decision, Request, Router, make_policy
+from skylb.config import BalancerConfig
+from skylb.core import Decision, Request, build_router
 from skylb.emulator.model import EngineModel, EngineParams, FinishedRequest
 
 __all__ = ["Network", "DEFAULT_RTT_MS", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
@@ -68,14 +69,14 @@ class Network:
 
 @dataclass(frozen=True)
 class BalancerSetup:
-    """How one simulated balancer is built: where it runs, its policy, its replicas, and its rules.
+    """How one simulated balancer is built: where it runs, its settings, its replicas.
 
     Attributes:
         region: where it runs (its clients are the ones whose entry it is).
         replicas: the replica ids it routes to as *local* replicas (a single-region balancer may hold replicas
             of every region: the single-balancer baselines).
-        policy, policy_options: the core policy by registry name (skylb.core.policies).
-        rules: the availability rules (tau, staleness, dispatch cap).
+        settings: the balancer's settings (policy, policy options, availability rules), turned into a Router by
+            ``skylb.core.build_router`` exactly as the live balancer does.
         forwarding: whether it has the other balancers as peers (SkyLB's cross-region traffic handling).
         max_concurrency: when set, its replicas report no pending metric and the balancer derives
             pending = max(0, outstanding - max_concurrency) at each probe, as skylb/engines/openai.py does (SP-O).
@@ -84,9 +85,7 @@ class BalancerSetup:
 
     region: str
     replicas: tuple[str, ...]
-    policy: str
-    policy_options: Mapping[str, object] = field(default_factory=dict)
-    rules: AvailabilityRules = field(default_factory=AvailabilityRules)
+    settings: BalancerConfig = field(default_factory=BalancerConfig)
     forwarding: bool = False
     max_concurrency: int | None = None
     fresh_view: bool = False
@@ -182,8 +181,8 @@ class SimBalancer:
         self.loop = cluster.loop
         self.setup = setup
         self.region = setup.region
-        policy = make_policy(setup.policy, **dict(setup.policy_options))
-        self.router = Router(region=setup.region, policy=policy, rules=setup.rules, max_queue=10 ** 9)
+        # The queue bound is lifted: a simulated client is never refused, it waits (its latency is the figure).
+        self.router = build_router(setup.region, setup.settings, max_queue=10 ** 9)
         self.replicas = [cluster.replicas[r] for r in setup.replicas]
         limits = {r.id: setup.max_concurrency for r in self.replicas} if setup.max_concurrency else None
         engine = "openai" if setup.max_concurrency else "vllm"

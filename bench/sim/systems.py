@@ -8,8 +8,8 @@ Single balancer in the US (paper §5.1: "For the baselines RR, LL, CH, and SGL, 
 the US"): every client, wherever it is, sends to that balancer, which pushes blindly to all replicas of all regions.
 A European request served in Europe therefore crosses the Atlantic twice each way (paper §3.1).
 
-* RR: ``round_robin`` (stateless rotation). LL: ``least_load`` (fewest outstanding requests from this balancer).
-* CH: ``consistent_hash``: ring hash of the session key (user id / question id; Envoy ring hash), blind.
+* RR: ``round-robin`` (stateless rotation). LL: ``least-load`` (fewest outstanding requests from this balancer).
+* CH: ``consistent-hash``: ring hash of the session key (user id / question id; Envoy ring hash), blind.
 * SGL: ``sglang``: SGLang router's cache_aware policy (sgl-router cache_aware.rs: approximate tree, match >= 0.3
   routes by prefix, else the smallest tree, least load when max - min > 64 and max > 1.5 min), blind.
 
@@ -45,40 +45,36 @@ its replicas in one region.
   ``max_dispatch_per_probe`` (4) more requests may go to a replica that showed room, as in the live balancer.
 * SP-P: ``sglang-selective`` on the engines' pending count (SkyLB's selective pushing).
 
-Every balancer uses the live defaults (skylb/config.py ``BalancerConfig``): probe interval 100 ms, state stale after
-5 intervals, tau 2, at most 4 requests per replica between two probes, trie chunks of 256 characters doubling after
-every 16, prefix match threshold 0.5, 160 virtual nodes per ring member (SGLang's tree: 64-character chunks).
+Every balancer is built by ``skylb.core.build_router`` from the live defaults (skylb/config.py ``BalancerConfig``,
+``settings_for``): probe interval 100 ms, state stale after 5 intervals, tau 2, at most 4 requests per replica
+between two probes, and each policy's own defaults (skylb: trie chunks of 256 characters doubling after every 16,
+prefix match threshold 0.5, load guard 32 / 1.0001; hash rings: 160 virtual nodes per member; SGLang: its defaults
+but 256-character tree nodes, ``SIM_POLICY_OPTIONS``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from bench.sim.cluster import BalancerSetup, Cluster, Network
 from bench.sim.workloads import Workload
 from skylb.config import BalancerConfig
-from skylb.core import AvailabilityRules
 from skylb.emulator.model import EngineParams
 
-__all__ = ["System", "SYSTEMS", "FIG8_SYSTEMS", "FIG9_SYSTEMS", "replica_layout", "build"]
+__all__ = ["System", "SYSTEMS", "FIG8_SYSTEMS", "FIG9_SYSTEMS", "SIM_POLICY_OPTIONS", "replica_layout", "build",
+           "settings_for"]
 
-_DEFAULTS = BalancerConfig()
-PROBE_INTERVAL_S = _DEFAULTS.probe_interval_ms / 1000
-
-
-def _rules(**overrides) -> AvailabilityRules:
-    """The live balancer's availability rules (BalancerConfig defaults), with ``overrides``."""
-    base = dict(tau=_DEFAULTS.tau, stale_after_s=PROBE_INTERVAL_S * _DEFAULTS.stale_after_intervals,
-                max_dispatch_per_probe=_DEFAULTS.max_dispatch_per_probe)
-    return AvailabilityRules(**(base | overrides))
+PROBE_INTERVAL_S = BalancerConfig().probe_interval_ms / 1000
+#: Options the simulated SGLang policies run with: 256-character tree nodes, the size every simulated run so far
+#: has used (SGLang's per-character tree approximated; the policy's own default is 64), so figures stay comparable.
+SIM_POLICY_OPTIONS = {"sglang": {"trie_chunk_chars": 256}, "sglang-selective": {"trie_chunk_chars": 256}}
 
 
-def _policy_options() -> dict:
-    """The live balancer's policy options (what skylb/balancer/balancer.py passes to make_policy)."""
-    return dict(trie_max_chars=_DEFAULTS.trie_max_chars, trie_chunk_chars=_DEFAULTS.trie_chunk_chars,
-                trie_chunk_doubling=_DEFAULTS.trie_chunk_doubling,
-                match_threshold=_DEFAULTS.match_threshold, hash_ring_vnodes=_DEFAULTS.hash_ring_vnodes)
+def settings_for(policy: str, **overrides) -> BalancerConfig:
+    """A balancer's settings in the simulator: the live defaults (``BalancerConfig``) with ``policy``, the simulated
+    policies' options and ``overrides``; ``skylb.core.build_router`` turns them into the Router."""
+    return BalancerConfig(policy=policy, policies=SIM_POLICY_OPTIONS, **overrides)
 
 
 @dataclass(frozen=True)
@@ -100,16 +96,15 @@ class System:
     forwarding: bool = False
     max_concurrency: int | None = None
     home: str = "us"
-    policy_options: Mapping[str, object] = field(default_factory=_policy_options)
 
 
 SYSTEMS: dict[str, System] = {s.key: s for s in (
-    System("RR", "single balancer (US), round robin, blind pushing", "single", "round_robin"),
-    System("LL", "single balancer (US), least load, blind pushing", "single", "least_load"),
-    System("CH", "single balancer (US), consistent hashing, blind pushing", "single", "consistent_hash"),
+    System("RR", "single balancer (US), round robin, blind pushing", "single", "round-robin"),
+    System("LL", "single balancer (US), least load, blind pushing", "single", "least-load"),
+    System("CH", "single balancer (US), consistent hashing, blind pushing", "single", "consistent-hash"),
     System("SGL", "single balancer (US), SGLang cache_aware, blind pushing", "single", "sglang"),
     System("GKE", "per-region gateway, round robin, no prefix awareness, no spill-over", "per_region",
-           "round_robin"),
+           "round-robin"),
     System("RegionLocal", "per-region SkyLB balancer, own replicas only (no forwarding)", "per_region", "skylb"),
     System("SkyLB-CH", "per-region balancers, hash ring + selective pushing + forwarding", "per_region",
            "skylb-ch", forwarding=True),
@@ -140,14 +135,13 @@ def build(system: System, workload: Workload, counts: Mapping[str, int], *, seed
     client_regions = workload.regions()
     regions = list(dict.fromkeys([*counts, *client_regions]))
     network = network or Network()
-    opts = dict(system.policy_options)
+    settings = settings_for(system.policy)
     if system.layout == "single":
-        setups = [BalancerSetup(system.home, tuple(replicas), system.policy, opts, _rules(),
-                                max_concurrency=system.max_concurrency)]
+        setups = [BalancerSetup(system.home, tuple(replicas), settings, max_concurrency=system.max_concurrency)]
         entry = {r: system.home for r in client_regions}
     elif system.layout == "per_region":
-        setups = [BalancerSetup(region, tuple(rid for rid, reg in replicas.items() if reg == region), system.policy,
-                                opts, _rules(), forwarding=system.forwarding, max_concurrency=system.max_concurrency)
+        setups = [BalancerSetup(region, tuple(rid for rid, reg in replicas.items() if reg == region), settings,
+                                forwarding=system.forwarding, max_concurrency=system.max_concurrency)
                   for region in regions]
         entry = {r: r for r in client_regions}
         if not system.forwarding:
@@ -156,8 +150,8 @@ def build(system: System, workload: Workload, counts: Mapping[str, int], *, seed
                 raise ValueError(f"{system.key}: regions {empty} have clients but no replicas and no forwarding")
     elif system.layout == "global":
         # Fresh view: a probe before every placement, so staleness and the dispatch cap are moot (cap 1 per look).
-        setups = [BalancerSetup("global", tuple(replicas), system.policy, opts,
-                                _rules(stale_after_s=float("inf"), max_dispatch_per_probe=1), fresh_view=True)]
+        setups = [BalancerSetup("global", tuple(replicas), settings_for(
+            system.policy, stale_after_intervals=float("inf"), max_dispatch_per_probe=1), fresh_view=True)]
         entry = {r: "global" for r in client_regions}
         network = Network(scale=0.0)
     else:

@@ -6,7 +6,7 @@ speeds), same round trips between regions, and the live balancer's defaults (ben
 system maps to a simulated one:
 
 * ``skylb`` -> SkyLB, ``skylb-ch`` -> SkyLB-CH, ``region-local`` -> RegionLocal (bench/sim/systems.py).
-* ``round_robin`` and ``least_load`` -> one balancer per region pushing blindly to its own replicas. Live, a blind
+* ``round-robin`` and ``least-load`` -> one balancer per region pushing blindly to its own replicas. Live, a blind
   balancer always finds a healthy local replica, so it never forwards; GKE (per-region round robin) is that
   system for round robin, and ``LL-region`` below for least load.
 
@@ -33,9 +33,9 @@ __all__ = ["TWIN_SYSTEMS", "simulate"]
 TWIN_SYSTEMS: dict[str, System] = {
     "skylb": SYSTEMS["SkyLB"],
     "skylb-ch": SYSTEMS["SkyLB-CH"],
-    "round_robin": SYSTEMS["GKE"],
-    "least_load": System("LL-region", "per-region balancer, least load, blind pushing, no spill-over", "per_region",
-                         "least_load"),
+    "round-robin": SYSTEMS["GKE"],
+    "least-load": System("LL-region", "per-region balancer, least load, blind pushing, no spill-over", "per_region",
+                         "least-load"),
     "region-local": SYSTEMS["RegionLocal"],
 }
 #: Round trip within a region (client -> balancer -> replica on one machine's loopback), ms.

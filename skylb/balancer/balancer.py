@@ -17,7 +17,7 @@ from skylb.balancer.membership import MembershipWatcher
 from skylb.balancer.metrics import BalancerMetrics
 from skylb.balancer.protocol import STATUS_PATH, TOKEN_HEADER, ProtocolError, decode_status
 from skylb.config import BalancerConfig
-from skylb.core import AvailabilityRules, Decision, QueueFull, Request, Router, make_policy
+from skylb.core import Decision, QueueFull, Request, build_router
 from skylb.engines import adapter_for
 from skylb.engines.auto import detected_engine
 
@@ -41,13 +41,7 @@ class Balancer:
         self.cfg = cfg
         self.region = region
         self.advertise_url = advertise_url
-        interval_s = cfg.probe_interval_ms / 1000
-        rules = AvailabilityRules(tau=cfg.tau, stale_after_s=interval_s * cfg.stale_after_intervals,
-                                  max_dispatch_per_probe=cfg.max_dispatch_per_probe)
-        policy = make_policy(cfg.policy, trie_max_chars=cfg.trie_max_chars, trie_chunk_chars=cfg.trie_chunk_chars,
-                             trie_chunk_doubling=cfg.trie_chunk_doubling, match_threshold=cfg.match_threshold, hash_ring_vnodes=cfg.hash_ring_vnodes,
-                             balance_abs=cfg.balance_abs, balance_rel=cfg.balance_rel)
-        self.router = Router(region=region, policy=policy, rules=rules, max_queue=cfg.max_queue)
+        self.router = build_router(region, cfg)
         self.metrics = BalancerMetrics(self)
         self.session: aiohttp.ClientSession | None = None
         self.membership: MembershipWatcher | None = None

@@ -28,7 +28,7 @@ from skylb.balancer.metrics import CONTENT_TYPE
 from skylb.balancer.protocol import (FORWARDED_FROM, REQUEST_ID_HEADER, TOKEN_HEADER, encode_status, token_ok)
 from skylb.balancer.proxy import Relay
 from skylb.config import BalancerConfig, ConfigError, load_config
-from skylb.core import Request
+from skylb.core import Request, policy_names
 
 __all__ = ["build_app", "add_arguments", "main", "BALANCER", "configure_logging"]
 
@@ -202,8 +202,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="listen port (overrides the config)")
     parser.add_argument("--controller", help="controller base URL (overrides balancer.controller_url)")
     parser.add_argument("--advertise-url", help="URL peers and the controller use to reach this balancer")
-    parser.add_argument("--policy", choices=["skylb", "skylb-ch", "round_robin", "least_load"],
-                        help="routing policy (overrides the config)")
+    parser.add_argument("--policy", choices=policy_names(), metavar="NAME",
+                        help="routing policy (overrides the config): " + ", ".join(policy_names()))
     parser.add_argument("--peer-url", action="append", default=[], metavar="REGION=URL",
                         help="reach peer REGION at URL (e.g. through a latency proxy); repeatable")
 

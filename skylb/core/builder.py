@@ -1,0 +1,59 @@
+"""The one translation from settings to routing-core objects, used by the balancer, the simulator and benchmarks.
+
+``build_router(region, settings)`` is the only place that turns a balancer's settings (``skylb.config.
+BalancerConfig``, or any object with the same attributes) into a ``Router``: the policy by registry name with its
+validated options, and the availability rules. So the simulated SkyLB and the live balancer built from the same
+config route with equal routers (tests/test_builder.py), and a setting cannot be passed in one place and forgotten
+in another (DESIGN.md decision 9).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from skylb.core.policies import Policy, make_policy
+from skylb.core.router import Router
+from skylb.core.state import AvailabilityRules
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = ["RouterSettings", "build_router", "build_policy", "build_rules"]
+
+
+class RouterSettings(Protocol):
+    """What the builder reads from a balancer's settings (skylb.config.BalancerConfig has all of it).
+
+    Attributes:
+        policy: a registered policy name. policies: per policy name, its options (validated by the policy).
+        probe_interval_ms: probe period, ms. stale_after_intervals: a probe older than this many intervals is
+        stale. tau: the longest peer queue that keeps a peer available. max_dispatch_per_probe: cap between two
+        probes (0: none). max_queue: the most requests the queue holds.
+    """
+
+    policy: str
+    policies: "Mapping[str, Mapping[str, Any]]"
+    probe_interval_ms: float
+    stale_after_intervals: float
+    tau: int
+    max_dispatch_per_probe: int
+    max_queue: int
+
+
+def build_policy(settings: RouterSettings) -> Policy:
+    """The policy ``settings.policy`` with its options from ``settings.policies``; raises PolicyError if invalid."""
+    return make_policy(settings.policy, **dict(settings.policies.get(settings.policy, {})))
+
+
+def build_rules(settings: RouterSettings) -> AvailabilityRules:
+    """The availability rules: tau, staleness (``stale_after_intervals`` probe intervals, s) and the dispatch cap."""
+    return AvailabilityRules(tau=settings.tau,
+                             stale_after_s=settings.probe_interval_ms / 1000 * settings.stale_after_intervals,
+                             max_dispatch_per_probe=settings.max_dispatch_per_probe)
+
+
+def build_router(region: str, settings: RouterSettings, *, max_queue: int | None = None) -> Router:
+    """A Router for ``region`` from ``settings``; ``max_queue`` overrides ``settings.max_queue`` (the simulator
+    never refuses a request, so it passes a bound no run reaches). Raises PolicyError on an invalid policy."""
+    return Router(region=region, policy=build_policy(settings), rules=build_rules(settings),
+                  max_queue=settings.max_queue if max_queue is None else max_queue)

@@ -1,0 +1,118 @@
+"""The policy interface, its registry, and typed options.
+
+A policy answers two narrow questions (pick a local replica, pick a peer) among candidates the router already
+filtered, and learns from each decision. Each policy registers itself by name (``class X(Policy, name="x")``;
+SkyServe's registry pattern) and declares its options as a frozen pydantic dataclass ``Options``: unknown and
+ill-typed options are errors, so a misspelt setting never falls back to a default silently (DESIGN.md decision 9).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+from pydantic import ConfigDict, ValidationError
+from pydantic.dataclasses import dataclass
+
+from skylb.core.policies import scoring
+from skylb.core.request import Request
+from skylb.core.state import PeerState, ReplicaState
+
+__all__ = ["Policy", "POLICIES", "PolicyError", "make_policy", "policy_options", "policy_names", "options_class"]
+
+#: name -> policy class, filled by ``Policy.__init_subclass__``.
+POLICIES: dict[str, type["Policy"]] = {}
+
+#: What every policy's Options dataclass is declared with: frozen, unknown keys rejected.
+OPTIONS_CONFIG = ConfigDict(extra="forbid")
+
+
+class PolicyError(ValueError):
+    """An unknown policy name, or options a policy does not declare or that fail its validation."""
+
+
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
+class NoOptions:
+    """Options of a policy that has none."""
+
+
+class Policy:
+    """Base class: chooses among candidates the router already filtered; subclasses register with ``name=``.
+
+    Class attributes:
+        name: the registry name (one spelling: lower case, words joined by '-').
+        selective: True when the router offers only available replicas (selective pushing), False when it offers
+            every healthy one (blind pushing).
+        Options: the policy's options dataclass; ``self.options`` holds the instance it was built with.
+    """
+
+    name: ClassVar[str]
+    selective: ClassVar[bool] = True
+    Options: ClassVar[type] = NoOptions
+
+    def __init_subclass__(cls, *, name: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if name:
+            if name != name.lower() or "_" in name or " " in name:
+                raise ValueError(f"policy name {name!r}: lower case, words joined by '-'")
+            cls.name = name
+            POLICIES[name] = cls
+
+    def __init__(self, options: Any = None):
+        self.options = options if options is not None else self.Options()
+        self._rotation = itertools.count()
+
+    def pick_replica(self, request: Request, candidates: Sequence[ReplicaState]) -> ReplicaState:
+        """Choose one of ``candidates`` (non-empty) for ``request``; default: the least loaded."""
+        return self.least_loaded(candidates)
+
+    def pick_peer(self, request: Request, candidates: Sequence[PeerState]) -> PeerState:
+        """Choose one of ``candidates`` (non-empty, all available peers) for ``request``; default: most room."""
+        return scoring.most_room(candidates)
+
+    def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
+        """Learn from a decision: ``request`` went to local replica ``replica`` or to peer region ``peer``."""
+
+    def set_members(self, replicas: Iterable[str], peers: Iterable[str]) -> None:
+        """The current local replica ids and peer regions (members that left are forgotten)."""
+
+    def least_loaded(self, candidates: Sequence[ReplicaState]) -> ReplicaState:
+        """Fewest outstanding requests from this balancer, ties rotated so idle replicas share the load."""
+        return scoring.least_loaded(candidates, next(self._rotation))
+
+
+def policy_names() -> list[str]:
+    """Every registered policy name, sorted (the choices of the ``policy`` setting and ``--policy``)."""
+    return sorted(POLICIES)
+
+
+def _policy_class(name: str) -> type[Policy]:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}") from None
+
+
+def options_class(name: str) -> type:
+    """The Options dataclass of policy ``name``; raises PolicyError for an unknown name."""
+    return _policy_class(name).Options
+
+
+def policy_options(name: str, options: Mapping[str, Any] | None = None) -> Any:
+    """Validate ``options`` for policy ``name`` into its Options instance.
+
+    Raises PolicyError naming the policy, the offending options and the ones it declares.
+    """
+    cls = options_class(name)
+    try:
+        return cls(**dict(options or {}))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'options'}: {e['msg']}" for e in exc.errors())
+        known = ", ".join(cls.__dataclass_fields__) or "none"
+        raise PolicyError(f"policy {name!r}: {problems} (its options: {known})") from None
+
+
+def make_policy(name: str, **options: Any) -> Policy:
+    """Build the policy registered as ``name`` with ``options``; raises PolicyError on an unknown name or option."""
+    return _policy_class(name)(policy_options(name, options))
