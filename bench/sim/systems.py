@@ -65,16 +65,18 @@ from skylb.emulator.model import EngineParams
 __all__ = ["System", "SYSTEMS", "FIG8_SYSTEMS", "FIG9_SYSTEMS", "SIM_POLICY_OPTIONS", "replica_layout", "build",
            "settings_for"]
 
-PROBE_INTERVAL_S = BalancerConfig().probe_interval_ms / 1000
 #: Options the simulated SGLang policies run with: 256-character tree nodes, the size every simulated run so far
 #: has used (SGLang's per-character tree approximated; the policy's own default is 64), so figures stay comparable.
 SIM_POLICY_OPTIONS = {"sglang": {"trie_chunk_chars": 256}, "sglang-selective": {"trie_chunk_chars": 256}}
 
 
-def settings_for(policy: str, **overrides) -> BalancerConfig:
-    """A balancer's settings in the simulator: the live defaults (``BalancerConfig``) with ``policy``, the simulated
-    policies' options and ``overrides``; ``skylb.core.build_router`` turns them into the Router."""
-    return BalancerConfig(policy=policy, policies=SIM_POLICY_OPTIONS, **overrides)
+def settings_for(policy: str, base: BalancerConfig | None = None, **overrides) -> BalancerConfig:
+    """A balancer's settings in the simulator: ``base`` (default: the live defaults, ``BalancerConfig()``) with
+    ``policy``, the simulated SGLang options unless ``base`` sets its own, and ``overrides``;
+    ``skylb.core.build_router`` turns them into the Router. Raises pydantic.ValidationError on a bad override."""
+    base = base or BalancerConfig()
+    data = base.model_dump() | {"policy": policy, "policies": SIM_POLICY_OPTIONS | base.policies} | overrides
+    return BalancerConfig.model_validate(data)
 
 
 @dataclass(frozen=True)
@@ -129,13 +131,16 @@ def replica_layout(counts: Mapping[str, int]) -> dict[str, str]:
 
 
 def build(system: System, workload: Workload, counts: Mapping[str, int], *, seed: int, stop_at: float,
-          network: Network | None = None, params: EngineParams | None = None) -> Cluster:
-    """The Cluster of ``system`` over replicas ``counts`` (region -> replicas) running ``workload``."""
+          network: Network | None = None, params: EngineParams | None = None,
+          settings: BalancerConfig | None = None) -> Cluster:
+    """The Cluster of ``system`` over replicas ``counts`` (region -> replicas) running ``workload``; every balancer
+    uses ``settings`` (default: the live defaults) with the system's policy (``settings_for``)."""
+    base = settings
     replicas = replica_layout(counts)
     client_regions = workload.regions()
     regions = list(dict.fromkeys([*counts, *client_regions]))
     network = network or Network()
-    settings = settings_for(system.policy)
+    settings = settings_for(system.policy, base)
     if system.layout == "single":
         setups = [BalancerSetup(system.home, tuple(replicas), settings, max_concurrency=system.max_concurrency)]
         entry = {r: system.home for r in client_regions}
@@ -151,10 +156,10 @@ def build(system: System, workload: Workload, counts: Mapping[str, int], *, seed
     elif system.layout == "global":
         # Fresh view: a probe before every placement, so staleness and the dispatch cap are moot (cap 1 per look).
         setups = [BalancerSetup("global", tuple(replicas), settings_for(
-            system.policy, stale_after_intervals=float("inf"), max_dispatch_per_probe=1), fresh_view=True)]
+            system.policy, base, stale_after_intervals=float("inf"), max_dispatch_per_probe=1), fresh_view=True)]
         entry = {r: "global" for r in client_regions}
         network = Network(scale=0.0)
     else:
         raise ValueError(f"unknown layout {system.layout!r}")
     return Cluster(workload=workload, replicas=replicas, balancers=setups, entry=entry, network=network,
-                   params=params, seed=seed, stop_at=stop_at, probe_interval_s=PROBE_INTERVAL_S)
+                   params=params, seed=seed, stop_at=stop_at, probe_interval_s=settings.probe_interval_ms / 1000)
