@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from skylb.core import (AvailabilityRules, HashRing, PrefixTrie, QueueFull, Request, Router, chunk_text,
-                        make_policy)
+from skylb.core import (AvailabilityRules, HashRing, PeerStatus, PrefixTrie, QueueFull, Request, Router,
+                        chunk_text, make_policy)
 
 # ---------------------------------------------------------------------------------------------------- prefix trie
 
@@ -147,11 +147,11 @@ def test_replica_availability_rules(probe, now, expected):
 
 
 @pytest.mark.parametrize("status, expected", [
-    (dict(ok=True, available_replicas=1, queue_len=0), None),
-    (dict(ok=True, available_replicas=0, queue_len=0), "no available replica"),
-    (dict(ok=True, available_replicas=2, queue_len=2), None),
-    (dict(ok=True, available_replicas=2, queue_len=3), "queue longer than tau"),
-    (dict(ok=False, error="timeout"), "timeout"),
+    (dict(status=PeerStatus("eu", available_replicas=1, replicas=4, queue_len=0)), None),
+    (dict(status=PeerStatus("eu", available_replicas=0, replicas=4, queue_len=0)), "no available replica"),
+    (dict(status=PeerStatus("eu", available_replicas=2, replicas=4, queue_len=2)), None),
+    (dict(status=PeerStatus("eu", available_replicas=2, replicas=4, queue_len=3)), "queue longer than tau"),
+    (dict(status=None, error="timeout"), "timeout"),
 ])
 def test_peer_availability_rules(status, expected):
     """A peer is available when it reports >= 1 available replica and a queue no longer than tau (2)."""
@@ -175,7 +175,7 @@ def test_selective_pushing_never_picks_a_replica_with_pending():
     router = _router()
     for rid in router.replicas:
         router.observe_replica(rid, now=0.0, healthy=True, pending=3)
-    router.observe_peer("eu", now=0.0, ok=True, available_replicas=1, queue_len=0)
+    router.observe_peer("eu", now=0.0, status=PeerStatus("eu", available_replicas=1, replicas=0, queue_len=0))
     router.enqueue(Request("q1", "hello", arrived_at=0.0))
     [d] = router.dispatch(0.05)
     assert (d.kind, d.target) == ("peer", "eu")
@@ -201,7 +201,7 @@ def test_forwarded_request_is_never_forwarded_again():
     for rid in router.replicas:
         router.observe_replica(rid, now=0.0, healthy=True, pending=2)
     for p in ("eu", "asia"):
-        router.observe_peer(p, now=0.0, ok=True, available_replicas=4, queue_len=0)
+        router.observe_peer(p, now=0.0, status=PeerStatus(p, available_replicas=4, replicas=0, queue_len=0))
     router.enqueue(Request("q1", "hi", arrived_at=0.0, forwarded_from="eu"))
     assert router.dispatch(0.01) == []
     assert len(router.queue) == 1
@@ -212,7 +212,7 @@ def test_local_replica_preferred_over_peer():
     router = _router()
     router.observe_replica("r0", now=0.0, healthy=True, pending=0)
     router.observe_replica("r1", now=0.0, healthy=True, pending=5)
-    router.observe_peer("eu", now=0.0, ok=True, available_replicas=4, queue_len=0)
+    router.observe_peer("eu", now=0.0, status=PeerStatus("eu", available_replicas=4, replicas=0, queue_len=0))
     router.enqueue(Request("q1", "hi", arrived_at=0.0))
     [d] = router.dispatch(0.01)
     assert (d.kind, d.target) == ("replica", "r0")
@@ -223,8 +223,8 @@ def test_forwarding_goes_to_the_only_available_peer():
     router = _router(peers=("eu", "asia"))
     for rid in router.replicas:
         router.observe_replica(rid, now=0.0, healthy=True, pending=1)
-    router.observe_peer("eu", now=0.0, ok=True, available_replicas=0, queue_len=0)
-    router.observe_peer("asia", now=0.0, ok=True, available_replicas=2, queue_len=0)
+    router.observe_peer("eu", now=0.0, status=PeerStatus("eu", available_replicas=0, replicas=0, queue_len=0))
+    router.observe_peer("asia", now=0.0, status=PeerStatus("asia", available_replicas=2, replicas=0, queue_len=0))
     router.enqueue(Request("q1", "a", arrived_at=0.0))
     router.enqueue(Request("q2", "b", arrived_at=0.0))
     assert [(d.kind, d.target) for d in router.dispatch(0.01)] == [("peer", "asia")] * 2
@@ -243,7 +243,7 @@ def test_prefix_policy_keeps_locality_and_snapshot_learns_forwards():
     assert {d.target for d in router.dispatch(0.02)} == {d1.target}
     for rid in router.replicas:
         router.observe_replica(rid, now=0.03, healthy=True, pending=1)
-    router.observe_peer("eu", now=0.03, ok=True, available_replicas=1, queue_len=0)
+    router.observe_peer("eu", now=0.03, status=PeerStatus("eu", available_replicas=1, replicas=0, queue_len=0))
     router.enqueue(Request("q9", "a different conversation " * 20, arrived_at=0.03))
     [d] = router.dispatch(0.04)
     assert d.kind == "peer"
@@ -331,7 +331,7 @@ def test_status_reports_available_replicas_and_queue():
     router.enqueue(Request("q", "x", arrived_at=0.0, forwarded_from="eu"))
     router.observe_replica("r0", now=0.0, healthy=True, pending=1)
     s = router.status(0.01)
-    assert s == {"region": "us", "available_replicas": 0, "replicas": 3, "queue_len": 1, "models": {}}
+    assert s == PeerStatus(region="us", available_replicas=0, replicas=3, queue_len=1, models={})
 
 
 def test_unknown_policy_is_a_clear_error():
@@ -362,8 +362,10 @@ def test_model_served_only_by_a_peer_is_forwarded_there():
     router = _router(replicas=1, peers=("eu", "asia"))
     router.set_replica_models("r0", ["llama"])
     router.observe_replica("r0", now=0.0, healthy=True, pending=0)
-    router.observe_peer("eu", now=0.0, ok=True, available_replicas=2, models={"openai": {"llama": 2}})
-    router.observe_peer("asia", now=0.0, ok=True, available_replicas=1, models={"openai": {"qwen": 1}})
+    router.observe_peer("eu", now=0.0, status=PeerStatus("eu", available_replicas=2, replicas=0, queue_len=0,
+                                                         models={"openai": {"llama": 2}}))
+    router.observe_peer("asia", now=0.0, status=PeerStatus("asia", available_replicas=1, replicas=0, queue_len=0,
+                                                           models={"openai": {"qwen": 1}}))
     router.enqueue(Request("q", "x", arrived_at=0.0, model="qwen"))
     [d] = router.dispatch(0.01)
     assert (d.kind, d.target) == ("peer", "asia")
@@ -381,7 +383,7 @@ def test_ollama_api_requests_need_an_ollama_replica():
     for i in range(3):
         router.enqueue(Request(f"q{i}", "x", arrived_at=0.0, model="llama3", api="ollama"))
     assert {d.target for d in router.dispatch(0.01)} == {"r1"}
-    assert router.status(0.02)["models"] == {"openai": {"llama3": 2}, "ollama": {"llama3": 1}}
+    assert router.status(0.02).models == {"openai": {"llama3": 2}, "ollama": {"llama3": 1}}
 
 
 def test_prefix_policy_routes_by_load_when_candidates_are_imbalanced():

@@ -8,13 +8,20 @@ import msgpack
 import pytest
 
 from skylb.balancer.protocol import ProtocolError, decode_status, encode_status, token_ok
+from skylb.core import PeerStatus
 
 
 def test_status_round_trip():
     """A status encoded by one balancer decodes to the same fields on its peer."""
-    status = {"region": "eu", "available_replicas": 2, "replicas": 4, "queue_len": 1,
-              "models": {"openai": {"m": 2}, "ollama": {}}}
-    assert decode_status(encode_status(status)) == {"v": 1, **status}
+    status = PeerStatus(region="eu", available_replicas=2, replicas=4, queue_len=1,
+                        models={"openai": {"m": 2}, "ollama": {}})
+    assert decode_status(encode_status(status)) == status
+
+
+def test_status_without_models_decodes_to_unknown_models():
+    """A peer that does not report models (an older balancer) decodes with models None: not "serves none"."""
+    raw = {"v": 1, "region": "eu", "available_replicas": 1, "replicas": 1, "queue_len": 0}
+    assert decode_status(msgpack.packb(raw)).models is None
 
 
 @pytest.mark.parametrize("bad", [
@@ -36,7 +43,7 @@ def test_invalid_status_is_a_protocol_error(bad):
 def test_random_bytes_never_crash_the_decoder():
     """Fuzz: arbitrary bytes give a status or ProtocolError, never another exception."""
     rng = random.Random(7)
-    good = encode_status({"region": "us", "available_replicas": 1, "replicas": 2, "queue_len": 0})
+    good = encode_status(PeerStatus(region="us", available_replicas=1, replicas=2, queue_len=0))
     for _ in range(2000):
         data = bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
         if rng.random() < 0.5:  # mutate a valid status

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from bench.sim.engine import EventLoop
 from bench.sim.workloads import ClientSpec, SimRequest, Workload
 from skylb.config import BalancerConfig
-from skylb.core import Decision, Request, build_router
+from skylb.core import Decision, PeerStatus, Request, build_router
 from skylb.emulator.model import EngineModel, EngineParams, FinishedRequest
 
 __all__ = ["Network", "DEFAULT_RTT_MS", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
@@ -284,10 +284,8 @@ class SimBalancer:
         status = peer.router.status(self.loop.now)
         self.loop.at(self.loop.now + back_s, self._observe_peer, status)
 
-    def _observe_peer(self, status: dict) -> None:
-        self.router.observe_peer(status["region"], now=self.loop.now, ok=True,
-                                 available_replicas=status["available_replicas"], replicas=status["replicas"],
-                                 queue_len=status["queue_len"])
+    def _observe_peer(self, status: PeerStatus) -> None:
+        self.router.observe_peer(status.region, now=self.loop.now, status=status)
         self.dispatch()
 
 

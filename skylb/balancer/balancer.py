@@ -9,6 +9,7 @@ The dispatcher runs whenever something changes (a request arrives or ends, a pro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import aiohttp
 import structlog
@@ -209,13 +210,10 @@ class Balancer:
                         raise ProtocolError(f"status answered HTTP {resp.status}")
                     status = decode_status(await resp.read())
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError) as exc:
-                self.router.observe_peer(peer.region, now=self.now(), ok=False,
+                self.router.observe_peer(peer.region, now=self.now(), status=None,
                                          error=str(exc) or type(exc).__name__)
                 return
-            self.router.observe_peer(peer.region, now=self.now(), ok=True,
-                                     available_replicas=status["available_replicas"],
-                                     replicas=status["replicas"], queue_len=status["queue_len"],
-                                     models=status.get("models"))
+            self.router.observe_peer(peer.region, now=self.now(), status=status)
 
         await asyncio.gather(*(probe(p) for p in list(self.router.peers.values())))
 
@@ -228,7 +226,7 @@ class Balancer:
         """A JSON-able view for operators: every replica and peer with its availability and the reason."""
         now, router = self.now(), self.router
         return {
-            **router.status(now),
+            **dataclasses.asdict(router.status(now)),
             "policy": self.cfg.policy,
             "controller_reachable": bool(self.membership and self.membership.controller_reachable),
             "membership_revision": self.membership.revision if self.membership else None,

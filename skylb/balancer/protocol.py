@@ -6,11 +6,15 @@ Source: DESIGN.md decision 3 (msgpack, versioned, authenticated; one hop) and Sk
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+from typing import Annotated, Literal
 
 import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skylb import PROTOCOL_VERSION
+from skylb.core import PeerStatus
 
 __all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SERVED_BY_HEADER", "QUEUE_MS_HEADER",
            "REQUEST_ID_HEADER", "ProtocolError", "encode_status", "decode_status", "token_ok"]
@@ -35,43 +39,48 @@ class ProtocolError(ValueError):
     """Raised when a peer's status is not valid msgpack of our protocol (or of an incompatible version)."""
 
 
-def encode_status(status: dict) -> bytes:
-    """Pack a status dict (``Router.status()`` plus extras) with the protocol version as msgpack bytes."""
-    return msgpack.packb({"v": PROTOCOL_VERSION, **status}, use_bin_type=True)
+class _StatusMessage(BaseModel):
+    """The wire shape of a peer status (strict: no coercion; an int field is a non-negative int, not a bool)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    v: Literal[PROTOCOL_VERSION]  # type: ignore[valid-type]
+    region: str
+    available_replicas: Annotated[int, Field(ge=0)]
+    replicas: Annotated[int, Field(ge=0)]
+    queue_len: Annotated[int, Field(ge=0)]
+    models: dict[str, dict[str, Annotated[int, Field(ge=0)]]] | None = None
 
 
-def decode_status(data: bytes) -> dict:
-    """Unpack and validate a peer status.
+def encode_status(status: PeerStatus) -> bytes:
+    """Pack ``status`` (``Router.status()``) with the protocol version as msgpack bytes."""
+    return msgpack.packb({"v": PROTOCOL_VERSION, **dataclasses.asdict(status)}, use_bin_type=True)
 
-    Returns a dict with at least region (str), available_replicas (int >= 0), replicas (int >= 0), queue_len
-    (int >= 0), and optionally models ({api: {model: available replicas}}). Raises ProtocolError on bad msgpack, a missing or mistyped field, or another protocol version.
+
+def decode_status(data: bytes) -> PeerStatus:
+    """Unpack and validate a peer status into a PeerStatus.
+
+    Raises ProtocolError on more than MAX_STATUS_BYTES, bad msgpack, a non-map, another protocol version, or a
+    missing or mistyped field (counts must be non-negative integers; ``models`` maps API -> model -> count).
     """
     if len(data) > MAX_STATUS_BYTES:
         raise ProtocolError(f"peer status is {len(data)} bytes, more than {MAX_STATUS_BYTES}")
     try:
-        status = msgpack.unpackb(data, raw=False)
+        raw = msgpack.unpackb(data, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(f"peer status is not msgpack: {exc}") from exc
-    if not isinstance(status, dict):
+    if not isinstance(raw, dict):
         raise ProtocolError("peer status must be a map")
-    if status.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"peer speaks protocol version {status.get('v')!r}, we speak {PROTOCOL_VERSION}")
-    if not isinstance(status.get("region"), str):
-        raise ProtocolError("peer status has no region")
-    for key in ("available_replicas", "replicas", "queue_len"):
-        value = status.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ProtocolError(f"peer status field {key} must be a non-negative integer, got {value!r}")
-    models = status.get("models")
-    if models is not None:
-        ok = isinstance(models, dict) and all(
-            isinstance(api, str) and isinstance(per, dict) and all(
-                isinstance(m, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                for m, n in per.items())
-            for api, per in models.items())
-        if not ok:
-            raise ProtocolError("peer status field models must map API -> model -> available replicas")
-    return status
+    if raw.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"peer speaks protocol version {raw.get('v')!r}, we speak {PROTOCOL_VERSION}")
+    try:
+        msg = _StatusMessage.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ProtocolError(f"peer status field {where}: {first['msg']}") from None
+    return PeerStatus(region=msg.region, available_replicas=msg.available_replicas, replicas=msg.replicas,
+                      queue_len=msg.queue_len, models=msg.models)
 
 
 def token_ok(configured: str | None, given: str | None) -> bool:

@@ -103,7 +103,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
                 balancer.router.observe_replica(decision.target, now=balancer.now(), healthy=False,
                                                 error=outcome.error)
             else:
-                balancer.router.observe_peer(decision.target, now=balancer.now(), ok=False, error=outcome.error)
+                balancer.router.observe_peer(decision.target, now=balancer.now(), status=None, error=outcome.error)
             log.warning("retrying", id=request_id, region=balancer.region, target=decision.target,
                         error=outcome.error, attempt=attempt)
             continue

@@ -9,10 +9,11 @@ from skylb.core.policies import POLICIES, Policy, PolicyError, make_policy, poli
 from skylb.core.prefix_trie import Match, PrefixTrie, chunk_text
 from skylb.core.request import Request
 from skylb.core.router import Decision, QueueFull, Router
-from skylb.core.state import AvailabilityRules, PeerState, ReplicaState
+from skylb.core.state import AvailabilityRules, PeerState, PeerStatus, ReplicaState
 
 __all__ = [
-    "AvailabilityRules", "Decision", "HashRing", "Match", "POLICIES", "PeerState", "Policy", "PolicyError",
+    "AvailabilityRules", "Decision", "HashRing", "Match", "POLICIES", "PeerState", "PeerStatus", "Policy",
+    "PolicyError",
     "PrefixTrie", "QueueFull", "ReplicaState", "Request", "Router", "RouterSettings", "build_policy",
     "build_router", "build_rules", "chunk_text", "make_policy", "policy_names", "policy_options",
 ]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from skylb.core.policies import Policy
 from skylb.core.request import Request
-from skylb.core.state import AvailabilityRules, PeerState, ReplicaState
+from skylb.core.state import AvailabilityRules, PeerState, PeerStatus, ReplicaState
 
 __all__ = ["Router", "Decision", "QueueFull"]
 
@@ -197,14 +197,13 @@ class Router:
             state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error,
                                 capacity=capacity, probe_sent_at=probe_sent_at)
 
-    def observe_peer(self, region: str, *, now: float, ok: bool, available_replicas: int = 0, replicas: int = 0,
-                     queue_len: int = 0, error: str | None = None,
-                     models: dict[str, dict[str, int]] | None = None) -> None:
-        """Record a peer status answer (ignored if the peer left); ``models`` as in ``status()``."""
+    def observe_peer(self, region: str, *, now: float, status: PeerStatus | None,
+                     error: str | None = None) -> None:
+        """Record a peer's status (``status``) or that it failed (``status`` None, ``error`` why); ignored if the
+        peer left."""
         state = self.peers.get(region)
         if state is not None:
-            state.observe_status(now=now, ok=ok, available_replicas=available_replicas, replicas=replicas,
-                                 queue_len=queue_len, error=error, models=models)
+            state.observe_status(now=now, status=status, error=error)
 
     def set_replica_models(self, replica_id: str, models: list[str]) -> None:
         """Record the model ids a local replica serves (learned from the replica)."""
@@ -231,13 +230,10 @@ class Router:
         """Local replicas available at ``now`` under selective pushing."""
         return [r for r in self.replicas.values() if self.rules.replica_available(r, now)]
 
-    def status(self, now: float) -> dict:
-        """What this balancer tells its peers.
-
-        ``{"region", "available_replicas", "replicas", "queue_len", "models": {api: {model: available}}}``,
-        where ``models`` lists every model a local replica serves, per API dialect, with how many of those
-        replicas are available now (0 included, so a peer knows the model is served here even when all are busy).
-        """
+    def status(self, now: float) -> PeerStatus:
+        """What this balancer tells its peers: its available replicas, replicas and queue length, and per API
+        dialect every model a local replica serves with how many of those replicas are available now (0 included,
+        so a peer knows the model is served here even when all are busy)."""
         available = self.available_replicas(now)
         available_ids = {r.id for r in available}
         models: dict[str, dict[str, int]] = {}
@@ -248,10 +244,6 @@ class Router:
                 per_api = models.setdefault(api, {})
                 for m in r.models:
                     per_api[m] = per_api.get(m, 0) + (r.id in available_ids)
-        return {
-            "region": self.region,
-            "available_replicas": len(available),
-            "replicas": sum(1 for r in self.replicas.values() if not r.draining),
-            "queue_len": len(self.queue),
-            "models": models,
-        }
+        return PeerStatus(region=self.region, available_replicas=len(available),
+                          replicas=sum(1 for r in self.replicas.values() if not r.draining),
+                          queue_len=len(self.queue), models=models)

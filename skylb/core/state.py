@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["ReplicaState", "PeerState", "AvailabilityRules"]
+__all__ = ["ReplicaState", "PeerState", "PeerStatus", "AvailabilityRules"]
 
 
 @dataclass
@@ -85,6 +85,26 @@ class ReplicaState:
             self.dispatch_times.popleft()
 
 
+@dataclass(frozen=True)
+class PeerStatus:
+    """What a balancer tells its peers (SkyLB paper Algorithm 1 line 10, PROBELB), produced by ``Router.status``
+    and consumed by ``Router.observe_peer``; on the wire it is msgpack (skylb/balancer/protocol.py).
+
+    Attributes:
+        region: the reporting balancer's region.
+        available_replicas: its replicas available now; replicas: all its replicas (draining ones excluded).
+        queue_len: requests waiting in its queue.
+        models: per API dialect ("openai", "ollama"), model id -> how many of its replicas serving that model
+            are available now (0 included: the model is served there, all busy); None when the peer did not say.
+    """
+
+    region: str
+    available_replicas: int
+    replicas: int
+    queue_len: int
+    models: dict[str, dict[str, int]] | None = None
+
+
 @dataclass
 class PeerState:
     """A peer balancer (another region) as this balancer sees it, from its msgpack status.
@@ -111,17 +131,15 @@ class PeerState:
     forwarded: int = 0
     models: dict[str, dict[str, int]] | None = None
 
-    def observe_status(self, *, now: float, ok: bool, available_replicas: int = 0, replicas: int = 0,
-                       queue_len: int = 0, error: str | None = None,
-                       models: dict[str, dict[str, int]] | None = None) -> None:
-        """Record one status answer (or failure) taken at ``now`` (s)."""
-        self.healthy = ok
-        if ok:
-            self.available_replicas = max(0, int(available_replicas))
-            self.replicas = max(0, int(replicas))
-            self.queue_len = max(0, int(queue_len))
-            self.models = models
-        self.error = None if ok else (error or "status probe failed")
+    def observe_status(self, *, now: float, status: PeerStatus | None, error: str | None = None) -> None:
+        """Record one status answer taken at ``now`` (s), or its failure (``status`` None, ``error`` why)."""
+        self.healthy = status is not None
+        if status is not None:
+            self.available_replicas = max(0, int(status.available_replicas))
+            self.replicas = max(0, int(status.replicas))
+            self.queue_len = max(0, int(status.queue_len))
+            self.models = status.models
+        self.error = None if status is not None else (error or "status probe failed")
         self.probed_at = now
         self.sent_since_probe = 0
 
