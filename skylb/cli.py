@@ -14,7 +14,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "balancer": ("skylb.balancer.server", "run one region's balancer (OpenAI API in front of local replicas)"),
+    "balancer": ("skylb.balancer.process", "run one region's balancer (OpenAI API in front of local replicas)"),
     "controller": ("controller.server", "run the membership controller (SQLite store, REST API)"),
     "emulator": ("skylb.emulator.server", "run emulated inference replicas (vLLM, SGLang, llama.cpp, TGI or Ollama dialect) on one or more ports"),
     "toxiproxy": ("skylb.latency.server", "run the Toxiproxy-API-compatible latency proxy"),

@@ -21,6 +21,8 @@ __all__ = [
     "ConfigError",
     "ControllerConfig",
     "BalancerConfig",
+    "RetryPolicy",
+    "OutlierDetection",
     "EmulatorConfig",
     "LatencyConfig",
     "WorkloadConfig",
@@ -45,6 +47,23 @@ class ControllerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8470, ge=0, le=65535)
     db: str = ".skylb-run/controller.sqlite"
+
+
+class RetryPolicy(_Strict):
+    """Retries before the first byte (Envoy's ``retry_policy``): a request whose target refused it or answered
+    502/503/504 before any byte reached the client is put back at the head of the queue and routed again."""
+
+    #: How many times one request is retried (Envoy's ``num_retries``; SkyLB's default 2).
+    num_retries: int = Field(2, ge=0)
+
+
+class OutlierDetection(_Strict):
+    """Passive health checking (Envoy's ``outlier_detection``): a target that fails requests is ejected, that is
+    unavailable, until its next probe answer says it is healthy again."""
+
+    #: Consecutive gateway failures (refused, 502, 503, 504 before the first byte) that eject a replica or peer
+    #: (Envoy's ``consecutive_gateway_failure``); 1 ejects at the first one, 0 never ejects.
+    consecutive_gateway_failure: int = Field(1, ge=0)
 
 
 class BalancerConfig(_Strict):
@@ -85,6 +104,8 @@ class BalancerConfig(_Strict):
     state_dir: str = ".skylb-run"
     #: Shared secret for balancer-to-balancer requests (peer status, forwarded requests); None disables the check.
     peer_token: str | None = None
+    retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
+    outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
 
     @field_validator("policy")
     @classmethod

@@ -178,7 +178,7 @@ def test_selective_pushing_never_picks_a_replica_with_pending():
     router.observe_peer("eu", now=0.0, status=PeerStatus("eu", available_replicas=1, replicas=0, queue_len=0))
     router.enqueue(Request("q1", "hello", arrived_at=0.0))
     [d] = router.dispatch(0.05)
-    assert (d.kind, d.target) == ("peer", "eu")
+    assert (d.route, d.target) == ("peer", "eu")
 
 
 def test_head_waits_when_nothing_is_available_and_fcfs_holds():
@@ -215,7 +215,7 @@ def test_local_replica_preferred_over_peer():
     router.observe_peer("eu", now=0.0, status=PeerStatus("eu", available_replicas=4, replicas=0, queue_len=0))
     router.enqueue(Request("q1", "hi", arrived_at=0.0))
     [d] = router.dispatch(0.01)
-    assert (d.kind, d.target) == ("replica", "r0")
+    assert (d.route, d.target) == ("local", "r0")
 
 
 def test_forwarding_goes_to_the_only_available_peer():
@@ -227,7 +227,7 @@ def test_forwarding_goes_to_the_only_available_peer():
     router.observe_peer("asia", now=0.0, status=PeerStatus("asia", available_replicas=2, replicas=0, queue_len=0))
     router.enqueue(Request("q1", "a", arrived_at=0.0))
     router.enqueue(Request("q2", "b", arrived_at=0.0))
-    assert [(d.kind, d.target) for d in router.dispatch(0.01)] == [("peer", "asia")] * 2
+    assert [(d.route, d.target) for d in router.dispatch(0.01)] == [("peer", "asia")] * 2
 
 
 def test_prefix_policy_keeps_locality_and_snapshot_learns_forwards():
@@ -246,7 +246,7 @@ def test_prefix_policy_keeps_locality_and_snapshot_learns_forwards():
     router.observe_peer("eu", now=0.03, status=PeerStatus("eu", available_replicas=1, replicas=0, queue_len=0))
     router.enqueue(Request("q9", "a different conversation " * 20, arrived_at=0.03))
     [d] = router.dispatch(0.04)
-    assert d.kind == "peer"
+    assert d.route == "peer"
     policy = router.policy
     assert policy.snapshot_trie.match(policy.snapshot_trie.chunks("a different conversation " * 20),
                                       {"eu"}).ratio == 1.0
@@ -368,7 +368,7 @@ def test_model_served_only_by_a_peer_is_forwarded_there():
                                                            models={"openai": {"qwen": 1}}))
     router.enqueue(Request("q", "x", arrived_at=0.0, model="qwen"))
     [d] = router.dispatch(0.01)
-    assert (d.kind, d.target) == ("peer", "asia")
+    assert (d.route, d.target) == ("peer", "asia")
     assert router.served_models() == {"llama", "qwen"} and router.models_known()
     assert router.rules.peer_unavailable_reason(router.peers["eu"], 0.01, "qwen") == "does not serve qwen"
 

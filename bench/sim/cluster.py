@@ -220,7 +220,7 @@ class SimBalancer:
                 flight.peer_decision = d
             else:
                 flight.origin_decision = d
-            if d.kind == "replica":
+            if d.route == "local":
                 replica = cluster.replicas[d.target]
                 self.loop.at(now + net.one_way_s(self.region, replica.region), replica.submit, flight)
             else:

@@ -7,13 +7,12 @@ nothing between scrapes. Events (requests routed, responses, TTFT, queue wait) a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from skylb.balancer.balancer import Balancer
+from skylb.core import Router
 
 __all__ = ["BalancerMetrics", "CONTENT_TYPE"]
 
@@ -22,14 +21,15 @@ _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3,
 
 
 class _StateCollector:
-    """Reads router state at scrape time."""
+    """Reads router state at scrape time (the router, the clock and the controller's reachability: nothing else)."""
 
-    def __init__(self, balancer: "Balancer"):
-        self.balancer = balancer
+    def __init__(self, router: Router, now: Callable[[], float], controller_reachable: Callable[[], bool]):
+        self.router = router
+        self.now = now
+        self.controller_reachable = controller_reachable
 
     def collect(self):
-        b = self.balancer
-        router, now = b.router, b.now()
+        router, now = self.router, self.now()
         region = router.region
         queue = GaugeMetricFamily("skylb_queue_length", "Requests waiting in this balancer's queue.",
                                   labels=["region"])
@@ -61,16 +61,21 @@ class _StateCollector:
         ctl = GaugeMetricFamily("skylb_controller_reachable",
                                 "1 when the latest controller call succeeded; 0: serving on the last membership.",
                                 labels=["region"])
-        ctl.add_metric([region], 1 if b.membership and b.membership.controller_reachable else 0)
+        ctl.add_metric([region], 1 if self.controller_reachable() else 0)
         yield ctl
 
 
 class BalancerMetrics:
-    """All metrics of one balancer; ``render()`` gives the Prometheus text."""
+    """All metrics of one balancer; ``render()`` gives the Prometheus text.
 
-    def __init__(self, balancer: "Balancer"):
+    Args:
+        router: the region's routing core (read at scrape time); now: the balancer's clock (s);
+        controller_reachable: whether the latest controller call succeeded.
+    """
+
+    def __init__(self, router: Router, *, now: Callable[[], float], controller_reachable: Callable[[], bool]):
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(balancer))
+        self.registry.register(_StateCollector(router, now, controller_reachable))
         self.routed = Counter("skylb_requests_routed", "Requests routed, by route (local or peer) and target "
                               "(replica id or peer region).", ["region", "route", "target"], registry=self.registry)
         self.responses = Counter("skylb_responses", "Responses sent to clients, by HTTP status.",
@@ -82,6 +87,9 @@ class BalancerMetrics:
                                     buckets=_LATENCY_BUCKETS_S, registry=self.registry)
         self.retries = Counter("skylb_retries", "Requests re-queued after a target failed before the first byte.",
                                ["region"], registry=self.registry)
+        self.ejections = Counter("skylb_outlier_ejections", "Targets ejected by outlier detection (consecutive "
+                                 "gateway failures), by route (local or peer) and target.",
+                                 ["region", "route", "target"], registry=self.registry)
 
     def render(self) -> bytes:
         """The Prometheus exposition text of every metric."""

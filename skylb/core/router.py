@@ -30,13 +30,14 @@ class Decision:
     """Where one request goes.
 
     Attributes:
-        request: the request; kind: "replica" (a local replica) or "peer" (forward to another region).
+        request: the request; route: "local" (a local replica) or "peer" (forward to another region's balancer),
+            the same word in the metric label, the log line and the ``X-SkyLB-Route`` header.
         target: the replica id or the peer region; url: the target's base URL.
         queued_s: time the request waited in the queue, s.
     """
 
     request: Request
-    kind: str
+    route: str
     target: str
     url: str
     queued_s: float
@@ -162,7 +163,7 @@ class Router:
             replica.dispatch_times.append(now)
             replica.served += 1
             self.policy.routed(request, replica=replica.id)
-            return Decision(request, "replica", replica.id, replica.url, now - request.arrived_at)
+            return Decision(request, "local", replica.id, replica.url, now - request.arrived_at)
         if request.may_forward:
             peers = [p for p in self.peers.values() if rules.peer_available(p, now, model, api)]
             if peers:
@@ -176,7 +177,7 @@ class Router:
 
     def finished(self, decision: Decision) -> None:
         """The response of ``decision`` ended (any outcome): release its outstanding count (never below 0)."""
-        if decision.kind == "replica":
+        if decision.route == "local":
             state = self.replicas.get(decision.target)
             if state is not None:
                 state.outstanding = max(0, state.outstanding - 1)
@@ -186,6 +187,30 @@ class Router:
             peer = self.peers.get(decision.target)
             if peer is not None:
                 peer.outstanding = max(0, peer.outstanding - 1)
+
+    # -- outlier detection (passive health checking) ----------------------------------------------------------------
+    def target_failed(self, decision: Decision, *, now: float, error: str | None, eject_after: int) -> bool:
+        """``decision``'s target failed before its first byte (refused, 502/503/504): one more consecutive gateway
+        failure (Envoy's ``consecutive_gateway_failure``). At ``eject_after`` (> 0) in a row the target is ejected:
+        unavailable, with ``error`` as the reason, until its next probe answer. Returns True when ejected."""
+        state = (self.replicas if decision.route == "local" else self.peers).get(decision.target)
+        if state is None:
+            return False
+        state.gateway_failures += 1
+        if not eject_after or state.gateway_failures < eject_after:
+            return False
+        state.gateway_failures = 0
+        if decision.route == "local":
+            state.observe_probe(now=now, healthy=False, error=error)
+        else:
+            state.observe_status(now=now, status=None, error=error)
+        return True
+
+    def target_answered(self, decision: Decision) -> None:
+        """``decision``'s target answered (a response reached the client): its failure run is over."""
+        state = (self.replicas if decision.route == "local" else self.peers).get(decision.target)
+        if state is not None:
+            state.gateway_failures = 0
 
     # -- probes and status --------------------------------------------------------------------------------------
     def observe_replica(self, replica_id: str, *, now: float, healthy: bool, pending: int = 0,

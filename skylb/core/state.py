@@ -55,6 +55,8 @@ class ReplicaState:
     models: frozenset[str] | None = None
     apis: frozenset[str] = frozenset({"openai"})
     capacity: int | None = None
+    #: Consecutive failures before the first byte (outlier detection, ``Router.target_failed``).
+    gateway_failures: int = 0
 
     @property
     def sent_since_probe(self) -> int:
@@ -130,6 +132,8 @@ class PeerState:
     error: str | None = None
     forwarded: int = 0
     models: dict[str, dict[str, int]] | None = None
+    #: Consecutive failures before the first byte (outlier detection, ``Router.target_failed``).
+    gateway_failures: int = 0
 
     def observe_status(self, *, now: float, status: PeerStatus | None, error: str | None = None) -> None:
         """Record one status answer taken at ``now`` (s), or its failure (``status`` None, ``error`` why)."""

@@ -1,4 +1,4 @@
-"""Relaying a request to its target (a local replica or a peer balancer) and the response back, chunk by chunk.
+"""The relay: sends a request to its target (a local replica or a peer balancer) and the response back, chunk by chunk.
 
 Rules (DESIGN.md decision 6, shared/reference/reliability.md): a request is retried only before its first byte went
 to the client; once streaming has started, a failing upstream ends the stream with a well-formed error event instead
@@ -66,14 +66,14 @@ class Relay:
         headers = {h: request.headers[h] for h in self.pass_headers if h in request.headers}
         headers["Content-Type"] = "application/json"
         headers[REQUEST_ID_HEADER] = request_id
-        if decision.kind == "peer":
+        if decision.route == "peer":
             headers[FORWARDED_FROM] = self.region
             if self.peer_token:
                 headers[TOKEN_HEADER] = self.peer_token
         return headers
 
     def _client_headers(self, upstream: aiohttp.ClientResponse, decision: Decision, request_id: str) -> dict:
-        if decision.kind == "replica":
+        if decision.route == "local":
             route, served_by = "local", f"{self.region}/{decision.target}"
         else:
             route, served_by = f"peer:{decision.target}", upstream.headers.get(SERVED_BY_HEADER, decision.target)
@@ -101,7 +101,7 @@ class Relay:
                                             headers=self._upstream_headers(request, decision, request_id))
             upstream = await upstream_cm.__aenter__()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            error = f"{decision.kind} {decision.target} unreachable: {type(exc).__name__}: {exc}"
+            error = f"{decision.route} {decision.target} unreachable: {type(exc).__name__}: {exc}"
             if retry_allowed:
                 return RelayOutcome(None, 502, error=error)
             return RelayOutcome(error_response(api, 502, error), 502, error=error)

@@ -1,0 +1,106 @@
+"""The dispatcher: requests wait in the router's queue and get their routing decision here.
+
+Source: SkyLB paper Algorithm 1 HANDLEREQUEST (the head of the FCFS queue goes to an available replica, else an
+available peer, else waits) and §4.1 "Request life cycle". The dispatcher runs whenever something changes (a request
+arrives or ends, a probe answers: ``wake``) and at least every ``dispatch_tick_ms`` (the prototype's 10 ms loop).
+A request that can be placed at once is placed inline by ``acquire``, without a round trip through the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from skylb.core import Decision, QueueFull, Request, Router
+
+__all__ = ["Dispatcher", "QueueTimeout", "QueueFull"]
+
+
+class QueueTimeout(Exception):
+    """A request waited longer than ``queue_timeout_s`` without an available target (or the balancer stopped)."""
+
+
+class Dispatcher:
+    """Hands routing decisions to the requests waiting in ``router``'s queue.
+
+    Args:
+        router: the region's routing core. now: the balancer's clock (s).
+        queue_timeout_s: the longest a request may wait (s). tick_s: the loop's longest sleep (s).
+        on_routed: called with each decision handed to a waiting request (metrics).
+    """
+
+    def __init__(self, router: Router, *, now: Callable[[], float], queue_timeout_s: float, tick_s: float,
+                 on_routed: Callable[[Decision], None] = lambda d: None):
+        self.router = router
+        self.now = now
+        self.queue_timeout_s = queue_timeout_s
+        self.tick_s = tick_s
+        self.on_routed = on_routed
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Something changed (membership, a probe answer, a finished request): run the loop soon."""
+        self._wake.set()
+
+    async def acquire(self, request: Request, *, retry: bool = False) -> Decision:
+        """Queue ``request`` and wait for its routing decision.
+
+        ``retry`` puts it back at the head (its target failed before the first byte). Raises QueueFull,
+        QueueTimeout; if the waiting task is cancelled (client gone) the request leaves the queue, or, if it was
+        already placed, its decision is released.
+        """
+        fut = asyncio.get_running_loop().create_future()
+        if retry:
+            self.router.requeue(request)
+        else:
+            self.router.enqueue(request)
+        self._waiting[request.id] = fut
+        self.dispatch_once()  # place it now if it can be: no round trip through the loop
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not self.router.cancel(request.id) and fut.done() and not fut.cancelled() \
+                    and fut.exception() is None:
+                self.release(fut.result())
+            raise
+        finally:
+            self._waiting.pop(request.id, None)
+
+    def release(self, decision: Decision) -> None:
+        """The response of ``decision`` ended: free its target's slot and let the queue move."""
+        self.router.finished(decision)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """The dispatch loop: on every wake, and at least every ``tick_s``; runs until cancelled."""
+        while True:
+            try:
+                async with asyncio.timeout(self.tick_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            self.dispatch_once()
+
+    def dispatch_once(self) -> None:
+        """Expire overdue requests and place every request the head of the queue lets through (synchronous)."""
+        now = self.now()
+        for request in self.router.expire(now, self.queue_timeout_s):
+            fut = self._waiting.get(request.id)
+            if fut and not fut.done():
+                fut.set_exception(QueueTimeout(f"no replica in region {self.router.region} or its peers had room "
+                                               f"for {self.queue_timeout_s:g} s"))
+        for decision in self.router.dispatch(now):
+            fut = self._waiting.get(decision.request.id)
+            if fut is None or fut.done():  # its client left between the queue and here
+                self.router.finished(decision)
+                continue
+            fut.set_result(decision)
+            self.on_routed(decision)
+
+    def fail_waiting(self, reason: str) -> None:
+        """Fail every waiting request with QueueTimeout(``reason``) (the balancer is stopping)."""
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(QueueTimeout(reason))

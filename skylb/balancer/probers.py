@@ -1,0 +1,101 @@
+"""The probers: every probe interval, each local replica (through its engine adapter) and each peer (msgpack status).
+
+Source: SkyLB paper Algorithm 1 MONITORAVAILABILITY (probe every local replica and every peer each interval; the
+prototype probes every 100 ms). Answers go into the router (``observe_replica`` / ``observe_peer``); after each
+round the dispatcher is woken, since a target may have become available. A prober never dies: a round that raises
+is logged and the next one runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import structlog
+
+from skylb.balancer.protocol import STATUS_PATH, TOKEN_HEADER, ProtocolError, decode_status
+from skylb.core import PeerState, ReplicaState, Router
+from skylb.engines import adapter_for
+from skylb.engines.auto import detected_engine
+
+__all__ = ["Probers"]
+
+log = structlog.get_logger("skylb.balancer")
+
+
+class Probers:
+    """The replica and peer probe loops of one balancer.
+
+    Args:
+        router: the region's routing core; session: the shared upstream client session.
+        now: the balancer's clock (s); on_round: called after every probe round (wakes the dispatcher).
+        interval_s: probe period (s); timeout_s: one probe's timeout (s); peer_token: sent to peers, if set.
+    """
+
+    def __init__(self, router: Router, session: aiohttp.ClientSession, *, now: Callable[[], float],
+                 on_round: Callable[[], None], interval_s: float, timeout_s: float, peer_token: str | None):
+        self.router = router
+        self.session = session
+        self.now = now
+        self.on_round = on_round
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.peer_headers = {TOKEN_HEADER: peer_token} if peer_token else {}
+
+    def tasks(self) -> list[asyncio.Task]:
+        """Start both loops; the caller cancels the tasks to stop them."""
+        return [asyncio.create_task(self._every_interval(self.probe_replicas)),
+                asyncio.create_task(self._every_interval(self.probe_peers))]
+
+    async def _every_interval(self, probe_all: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            started = self.now()
+            try:
+                await probe_all()
+            except Exception:  # a prober must never die: log and keep probing
+                log.exception("probe_round_failed", region=self.router.region)
+            self.on_round()
+            await asyncio.sleep(max(0.0, self.interval_s - (self.now() - started)))
+
+    async def probe_replicas(self) -> None:
+        """One round over the local replicas: load signal, health, and (until known) the models served."""
+        await asyncio.gather(*(self._probe_replica(r) for r in list(self.router.replicas.values())))
+
+    async def _probe_replica(self, state: ReplicaState) -> None:
+        try:
+            adapter = adapter_for(state.engine)
+        except ValueError as exc:
+            self.router.observe_replica(state.id, now=self.now(), healthy=False, error=str(exc))
+            return
+        sent_at = self.now()
+        result = await adapter.probe(self.session, state.url, timeout_s=self.timeout_s,
+                                     outstanding=state.outstanding, max_concurrency=state.max_concurrency)
+        self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
+                                    running=result.running, error=result.error, capacity=result.capacity,
+                                    probe_sent_at=sent_at)
+        if result.healthy and state.models is None:
+            engine = detected_engine(state.url) if state.engine == "auto" else state.engine
+            if engine == "ollama":  # Ollama serves its own API besides the OpenAI one
+                state.apis = frozenset({"openai", "ollama"})
+            try:
+                models = await adapter.models(self.session, state.url, timeout_s=self.timeout_s)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return  # retried at the next probe
+            self.router.set_replica_models(state.id, models)
+
+    async def probe_peers(self) -> None:
+        """One round over the peers: each one's msgpack status, or why it could not be read."""
+        await asyncio.gather(*(self._probe_peer(p) for p in list(self.router.peers.values())))
+
+    async def _probe_peer(self, peer: PeerState) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with self.session.get(peer.url + STATUS_PATH, timeout=timeout, headers=self.peer_headers) as resp:
+                if resp.status != 200:
+                    raise ProtocolError(f"status answered HTTP {resp.status}")
+                status = decode_status(await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError) as exc:
+            self.router.observe_peer(peer.region, now=self.now(), status=None, error=str(exc) or type(exc).__name__)
+            return
+        self.router.observe_peer(peer.region, now=self.now(), status=status)

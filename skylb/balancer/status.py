@@ -1,0 +1,72 @@
+"""What a balancer says about itself: the peer status (msgpack, for peers), the operator view (JSON), /healthz,
+/metrics and /v1/models. Handlers take the Balancer from the application (``BALANCER``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from aiohttp import web
+
+from skylb.balancer.api import openai_error
+from skylb.balancer.balancer import Balancer
+from skylb.balancer.metrics import CONTENT_TYPE
+from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
+
+__all__ = ["BALANCER", "detailed_status", "handle_status", "handle_healthz", "handle_metrics", "handle_models"]
+
+BALANCER = web.AppKey("balancer", Balancer)
+
+
+def detailed_status(balancer: Balancer) -> dict:
+    """A JSON-able view for operators: the peer status plus every replica and peer with its availability and the
+    reason it is unavailable, the policy, and the controller's reachability and membership revision."""
+    now, router = balancer.now(), balancer.router
+    membership = balancer.membership
+    return {
+        **dataclasses.asdict(router.status(now)),
+        "policy": balancer.cfg.policy,
+        "controller_reachable": balancer.controller_reachable(),
+        "membership_revision": membership.revision if membership else None,
+        "replicas": [
+            {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
+             "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
+             "available": router.rules.replica_available(r, now),
+             "reason": router.rules.replica_unavailable_reason(r, now),
+             "probe_age_ms": None if r.probed_at is None else round((now - r.probed_at) * 1000, 1),
+             "models": sorted(r.models or ()), "apis": sorted(r.apis)}
+            for r in router.replicas.values()],
+        "peers": [
+            {"region": p.region, "url": p.url, "healthy": p.healthy, "available_replicas": p.available_replicas,
+             "queue_len": p.queue_len, "forwarded": p.forwarded, "models": p.models, "outstanding": p.outstanding,
+             "available": router.rules.peer_available(p, now),
+             "reason": router.rules.peer_unavailable_reason(p, now)}
+            for p in router.peers.values()],
+    }
+
+
+async def handle_status(request: web.Request) -> web.Response:
+    """``GET /skylb/v1/status``: msgpack for peers (token checked); ``?format=json`` gives operators detail."""
+    balancer = request.app[BALANCER]
+    if request.query.get("format") == "json":
+        return web.json_response(detailed_status(balancer))
+    if not token_ok(balancer.cfg.peer_token, request.headers.get(TOKEN_HEADER)):
+        return openai_error(403, "missing or wrong peer token", type_="permission_error")
+    return web.Response(body=encode_status(balancer.router.status(balancer.now())),
+                        content_type="application/msgpack")
+
+
+async def handle_healthz(request: web.Request) -> web.Response:
+    """``GET /healthz``: 200 while the process serves (replica health is in /skylb/v1/status and /metrics)."""
+    return web.json_response({"status": "ok", "region": request.app[BALANCER].region})
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text."""
+    return web.Response(body=request.app[BALANCER].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the union of models the local replicas (and peers) serve, in OpenAI's list shape."""
+    balancer = request.app[BALANCER]
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "skylb"} for m in balancer.served_models()]
+    return web.json_response({"object": "list", "data": data})
