@@ -419,12 +419,12 @@ def test_max_concurrency_caps_outstanding_without_waiting_for_a_probe():
 def test_replica_at_capacity_is_full_before_anything_is_pending():
     """When the engine reports its slot count, running == slots makes the replica unavailable (llama.cpp)."""
     router = _router(replicas=1, peers=(), max_dispatch_per_probe=0)
-    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=1, capacity=2)
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=1, slots=2)
     for i in range(3):
         router.enqueue(Request(f"q{i}", "x", arrived_at=0.0))
     assert len(router.dispatch(0.01)) == 1  # one free slot: one request
     assert router.rules.replica_unavailable_reason(router.replicas["r0"], 0.01) == "batch full"
-    router.observe_replica("r0", now=0.1, healthy=True, pending=0, running=1, capacity=2)
+    router.observe_replica("r0", now=0.1, healthy=True, pending=0, running=1, slots=2)
     assert len(router.dispatch(0.11)) == 1
 
 

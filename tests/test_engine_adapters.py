@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from skylb.engines import ADAPTERS, adapter_for, detect_engine
-from skylb.engines.openai import DEFAULT_MAX_CONCURRENCY
+from skylb.engines.openai import DEFAULT_SLOTS
 from skylb.procs import ProcGroup, free_port, free_ports, wait_http
 
 pytestmark = pytest.mark.timeout(60)
@@ -152,13 +152,13 @@ async def test_ollama_pending_comes_from_outstanding(emulators, session, outstan
 
 
 @pytest.mark.parametrize(("outstanding", "max_concurrency", "pending"), [
-    (DEFAULT_MAX_CONCURRENCY, None, 0), (DEFAULT_MAX_CONCURRENCY + 3, None, 3), (5, 4, 1), (5, 5, 0)])
+    (DEFAULT_SLOTS, None, 0), (DEFAULT_SLOTS + 3, None, 3), (5, 4, 1), (5, 5, 0)])
 async def test_openai_pending_comes_from_outstanding(emulators, session, outstanding, max_concurrency, pending):
     """A generic OpenAI server: pending = outstanding - max_concurrency (default 8); healthy by /v1/models."""
     result = await probe(session, "openai", emulators["vllm"], outstanding=outstanding,
                          max_concurrency=max_concurrency)
     assert result.healthy and result.pending == pending
-    assert result.running == min(outstanding, max_concurrency or DEFAULT_MAX_CONCURRENCY)
+    assert result.running == min(outstanding, max_concurrency or DEFAULT_SLOTS)
 
 
 @pytest.mark.parametrize("engine", sorted(ADAPTERS))
@@ -273,7 +273,7 @@ async def test_auto_falls_back_to_openai_and_delegates(emulators, session, canne
     """A server that is none of the known engines is "openai"; auto's probe is the detected engine's probe."""
     canned.answers["/v1/models"] = (200, '{"object": "list", "data": [{"id": "gpt-x"}]}')
     assert await detect_engine(session, canned.url, timeout_s=TIMEOUT_S) == "openai"
-    result = await probe(session, "auto", canned.url, outstanding=DEFAULT_MAX_CONCURRENCY + 1)
+    result = await probe(session, "auto", canned.url, outstanding=DEFAULT_SLOTS + 1)
     assert result.healthy and result.pending == 1
     assert await adapter_for("auto").models(session, canned.url, timeout_s=TIMEOUT_S) == ["gpt-x"]
     result = await probe(session, "auto", emulators["ollama"], outstanding=3, max_concurrency=2)

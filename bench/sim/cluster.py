@@ -35,6 +35,7 @@ from bench.sim.engine import EventLoop
 from bench.sim.workloads import ClientSpec, SimRequest, Workload
 from skylb.config import BalancerConfig
 from skylb.core import Decision, PeerStatus, Request, build_router
+from skylb.core.state import load_from_outstanding
 from skylb.emulator.model import EngineModel, EngineParams, FinishedRequest
 
 __all__ = ["Network", "DEFAULT_RTT_MS", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
@@ -274,9 +275,8 @@ class SimBalancer:
     def _observe_replicas(self, snapshot: list[tuple[str, int, int]]) -> None:
         now, router, cap = self.loop.now, self.router, self.setup.max_concurrency
         for rid, pending, running in snapshot:
-            if cap:  # no pending metric: derive it from this balancer's own in-flight count (engines/openai.py)
-                outstanding = router.replicas[rid].outstanding
-                pending, running = max(0, outstanding - cap), min(outstanding, cap)
+            if cap:  # no pending metric: derive it from this balancer's own in-flight count, as live
+                pending, running = load_from_outstanding(router.replicas[rid].outstanding, cap)
             router.observe_replica(rid, now=now, healthy=True, pending=pending, running=running)
         self.dispatch()
 

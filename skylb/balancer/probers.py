@@ -72,7 +72,7 @@ class Probers:
         result = await adapter.probe(self.session, state.url, timeout_s=self.timeout_s,
                                      outstanding=state.outstanding, max_concurrency=state.max_concurrency)
         self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
-                                    running=result.running, error=result.error, capacity=result.capacity,
+                                    running=result.running, error=result.error, slots=result.slots,
                                     probe_sent_at=sent_at)
         if result.healthy and state.models is None:
             engine = detected_engine(state.url) if state.engine == "auto" else state.engine

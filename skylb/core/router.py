@@ -214,13 +214,13 @@ class Router:
 
     # -- probes and status --------------------------------------------------------------------------------------
     def observe_replica(self, replica_id: str, *, now: float, healthy: bool, pending: int = 0,
-                        running: int | None = None, error: str | None = None, capacity: int | None = None,
+                        running: int | None = None, error: str | None = None, slots: int | None = None,
                         probe_sent_at: float | None = None) -> None:
         """Record a probe answer for a local replica (ignored if the replica left); see ReplicaState.observe_probe."""
         state = self.replicas.get(replica_id)
         if state is not None:
             state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error,
-                                capacity=capacity, probe_sent_at=probe_sent_at)
+                                slots=slots, probe_sent_at=probe_sent_at)
 
     def observe_peer(self, region: str, *, now: float, status: PeerStatus | None,
                      error: str | None = None) -> None:

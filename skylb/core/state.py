@@ -16,7 +16,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["ReplicaState", "PeerState", "PeerStatus", "AvailabilityRules"]
+__all__ = ["ReplicaState", "PeerState", "PeerStatus", "AvailabilityRules", "load_from_outstanding"]
+
+
+def load_from_outstanding(outstanding: int, slots: int) -> tuple[int, int]:
+    """(pending, running) of a replica that reports no load, from this balancer's in-flight requests there and the
+    replica's parallel ``slots``: requests beyond the slots wait in the engine. The one rule for Ollama and
+    generic OpenAI servers (skylb/engines/ollama.py, openai.py) and for the simulator's SP-O replicas."""
+    return max(0, outstanding - slots), min(outstanding, slots)
 
 
 @dataclass
@@ -31,8 +38,8 @@ class ReplicaState:
         probed_at: time of the latest probe answer, s (None: never probed).
         outstanding: requests this balancer sent there that have not finished (never negative).
         sent_since_probe: requests sent there that the latest probe may not have seen (sent after it was sent).
-        capacity: the most requests the engine runs at once, when the engine says (llama.cpp slots); a replica
-            whose latest probe shows ``running`` at capacity is full even before a request is pending.
+        slots: the engine's parallel slots when the engine says (llama.cpp ``total_slots``); a replica whose
+            latest probe shows ``running`` at its slots is full even before a request is pending.
         draining: removed from membership; gets no new requests while its in-flight ones finish.
         max_concurrency: the replica's parallel slots when configured (engines without a pending metric).
         models: the model ids it serves (None until learned from the replica); apis: the API dialects it speaks.
@@ -54,7 +61,7 @@ class ReplicaState:
     max_concurrency: int | None = None
     models: frozenset[str] | None = None
     apis: frozenset[str] = frozenset({"openai"})
-    capacity: int | None = None
+    slots: int | None = None
     #: Consecutive failures before the first byte (outlier detection, ``Router.target_failed``).
     gateway_failures: int = 0
 
@@ -68,7 +75,7 @@ class ReplicaState:
         return api in self.apis and (not model or (self.models is not None and model in self.models))
 
     def observe_probe(self, *, now: float, healthy: bool, pending: int = 0, running: int | None = None,
-                      error: str | None = None, capacity: int | None = None,
+                      error: str | None = None, slots: int | None = None,
                       probe_sent_at: float | None = None) -> None:
         """Record one probe answer received at ``now`` (s).
 
@@ -78,8 +85,8 @@ class ReplicaState:
         self.healthy = healthy
         self.pending = max(0, int(pending)) if healthy else self.pending
         self.running = running if healthy else self.running
-        if capacity is not None:
-            self.capacity = capacity
+        if slots is not None:
+            self.slots = slots
         self.error = None if healthy else (error or "probe failed")
         self.probed_at = now
         cutoff = now if probe_sent_at is None else probe_sent_at
@@ -174,10 +181,10 @@ class AvailabilityRules:
             return r.error or "unhealthy"
         if r.pending > 0:
             return "pending requests"
-        if r.capacity is not None and r.running is not None:
+        if r.slots is not None and r.running is not None:
             # The probe may miss a request that raced it on another connection; this balancer's own in-flight
             # count never does (it only errs high, by responses still draining).
-            if max(r.running + r.sent_since_probe, r.outstanding) >= r.capacity:
+            if max(r.running + r.sent_since_probe, r.outstanding) >= r.slots:
                 return "batch full"
         # Engines without a pending metric: the balancer's own in-flight count is exact and live, no probe needed.
         if r.max_concurrency is not None and r.outstanding >= r.max_concurrency:

@@ -24,7 +24,8 @@ class ProbeResult:
         pending: requests accepted but not yet in the running batch (the selective-pushing signal).
         running: requests in the running batch, or None if the engine does not say.
         error: why the probe failed (healthy False).
-        capacity: the most requests the engine runs at once, when it says (llama.cpp's slots), else None.
+        slots: the engine's parallel slots (the most requests it runs at once), when it says (llama.cpp's
+            ``total_slots``), else None.
     """
 
     healthy: bool
@@ -32,7 +33,7 @@ class ProbeResult:
     running: int | None = None
     error: str | None = None
     models: list[str] = field(default_factory=list)
-    capacity: int | None = None
+    slots: int | None = None
 
 
 class EngineAdapter:

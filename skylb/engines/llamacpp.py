@@ -18,8 +18,8 @@ __all__ = ["LlamaCppAdapter", "DEFERRED", "PROCESSING"]
 
 DEFERRED = "llamacpp:requests_deferred"
 PROCESSING = "llamacpp:requests_processing"
-#: base URL -> the server's slot count (``GET /props`` -> ``total_slots``); slots never change while it runs.
-_SLOTS: dict[str, int] = {}
+#: base URL -> the server's parallel slots (``GET /props`` -> ``total_slots``); they never change while it runs.
+_SLOTS_BY_URL: dict[str, int] = {}
 
 
 def _is_loading(text: str) -> bool:
@@ -52,13 +52,13 @@ class LlamaCppAdapter(EngineAdapter, engine="llamacpp"):
         running = values.get(PROCESSING)
         # llama-server reports 0 deferred while every slot is busy, so "pending == 0" alone lets one more request
         # in to wait there; knowing the slot count, the balancer sees the batch is full before that happens.
-        if url not in _SLOTS:
+        if url not in _SLOTS_BY_URL:
             try:
                 props = await get(session, url, "/props", timeout_s=timeout_s)
                 slots = (json_or_none(props.text) or {}).get("total_slots") if props.status == 200 else None
                 if isinstance(slots, int) and slots > 0:
-                    _SLOTS[url] = slots
+                    _SLOTS_BY_URL[url] = slots
             except FetchError:
                 pass  # asked again at the next probe
         return ProbeResult(True, pending=int(values[DEFERRED]), running=None if running is None else int(running),
-                           capacity=_SLOTS.get(url))
+                           slots=_SLOTS_BY_URL.get(url))

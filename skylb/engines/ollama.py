@@ -11,6 +11,7 @@ running"; ``ListHandler`` for /api/tags).
 
 from __future__ import annotations
 
+from skylb.core.state import load_from_outstanding
 from skylb.engines.base import EngineAdapter, ProbeResult
 from skylb.engines.fetch import FetchError, get, json_or_none
 
@@ -33,8 +34,8 @@ class OllamaAdapter(EngineAdapter, engine="ollama"):
             return ProbeResult(False, error=f"GET / answered HTTP {answer.status}")
         if RUNNING_TEXT not in answer.text:
             return ProbeResult(False, error=f"GET / did not say {RUNNING_TEXT!r}: not an Ollama server?")
-        slots = max_concurrency or DEFAULT_SLOTS
-        return ProbeResult(True, pending=max(0, outstanding - slots), running=min(outstanding, slots))
+        pending, running = load_from_outstanding(outstanding, max_concurrency or DEFAULT_SLOTS)
+        return ProbeResult(True, pending=pending, running=running)
 
     async def models(self, session, url, *, timeout_s):
         """Model names from ``GET /api/tags``; raises FetchError (an aiohttp.ClientError), ValueError if malformed."""

@@ -2,20 +2,21 @@
 the balancer's own in-flight count against the replica's configured concurrency.
 
 pending = max(0, outstanding - limit) and running = min(outstanding, limit), where limit = the replica's
-``max_concurrency`` or :data:`DEFAULT_MAX_CONCURRENCY` (8: a conservative guess for one GPU server; set the real
+``max_concurrency`` or :data:`DEFAULT_SLOTS` (8: a conservative guess for one GPU server; set the real
 limit with ``skylb-ctl replica add --max-concurrency N``). Health is ``GET /v1/models`` answering 200 with an
 OpenAI model list. Source: shared/reference/engines.md ("any OpenAI-compatible server" row).
 """
 
 from __future__ import annotations
 
+from skylb.core.state import load_from_outstanding
 from skylb.engines.base import EngineAdapter, ProbeResult
 from skylb.engines.fetch import FetchError, get, json_or_none
 
-__all__ = ["OpenAIAdapter", "DEFAULT_MAX_CONCURRENCY"]
+__all__ = ["OpenAIAdapter", "DEFAULT_SLOTS"]
 
 #: Requests a generic server is assumed to run at once when the replica has no max_concurrency.
-DEFAULT_MAX_CONCURRENCY = 8
+DEFAULT_SLOTS = 8
 
 
 class OpenAIAdapter(EngineAdapter, engine="openai"):
@@ -31,5 +32,5 @@ class OpenAIAdapter(EngineAdapter, engine="openai"):
         body = json_or_none(answer.text)
         if not isinstance(body, dict) or not isinstance(body.get("data"), list):
             return ProbeResult(False, error="/v1/models is not an OpenAI model list")
-        limit = max_concurrency or DEFAULT_MAX_CONCURRENCY
-        return ProbeResult(True, pending=max(0, outstanding - limit), running=min(outstanding, limit))
+        pending, running = load_from_outstanding(outstanding, max_concurrency or DEFAULT_SLOTS)
+        return ProbeResult(True, pending=pending, running=running)
