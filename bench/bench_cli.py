@@ -33,7 +33,7 @@ def _scenario_help() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `skylb bench` options: `sim` and `all` (simulated), `peers`, `overhead` and `live` (real processes)."""
+    """The `skylb bench` options: `sim` and `all` (simulated), `baselines`, `overhead` and `live` (real processes)."""
     from bench.sim.scenarios import SCENARIOS
     sub = parser.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
     sim = sub.add_parser("sim", help="run one simulated scenario",
@@ -210,7 +210,8 @@ def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
 
 #: Live benchmarks on real processes: `skylb bench NAME ARGS` runs `python -m bench.NAME ARGS`.
 LIVE_BENCHMARKS = {
-    "peers": "SkyLB beside the SGLang router and HAProxy on the same replicas and workload (bench/results/peers.md)",
+    "baselines": "SkyLB beside the SGLang router and HAProxy on the same replicas and workload "
+                 "(bench/results/baselines.md)",
     "overhead": "the balancer's own cost: added latency, request rate, SSE relay, decision time, memory",
     "live": "the paper's scenarios scaled down on the local three-region deployment (bench/results/live.md)",
 }

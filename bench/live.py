@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.peers import (MODEL, MachineLoad, benchmark_parser, now_label, report_tail, setup_from_args,
-                         summarize)
+from bench.harness import benchmark_parser, now_label, report_tail, setup_from_args, summarize
+from bench.launchers import MODEL
 from bench.replay import replay
 from bench.report import build_report, emit_markdown, markdown_table
+from bench.sampling import MachineLoad
 from bench.sim.twin import simulate
 from bench.workload import describe, synthetic_workload
 from skylb.config import DeploymentConfig, WorkloadConfig, load_config

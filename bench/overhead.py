@@ -42,9 +42,12 @@ from typing import Any, Callable, Sequence
 import aiohttp
 from tqdm import tqdm
 
-from bench.peers import (MODEL, SYSTEMS, MachineLoad, System, Unavailable, conditions_lines, now_label,
-                         process_cpu_s, start_emulator, start_skylb, start_system, unavailable_reason, versions)
+from bench.baselines import SYSTEMS
+from bench.harness import now_label
+from bench.launchers import (MODEL, System, Unavailable, start_emulator, start_skylb, start_system,
+                             unavailable_reason, versions)
 from bench.report import emit_markdown, markdown_table, percentile
+from bench.sampling import MachineLoad, conditions_lines, process_cpu_s
 from bench.workload import VOCABULARY
 from skylb.config import BalancerConfig
 from skylb.core import AvailabilityRules, Request, Router, make_policy

@@ -1,4 +1,5 @@
-"""Smoke tests of the live benchmarks (bench/peers.py, bench/overhead.py, bench/live.py): tiny sizes, seconds each.
+"""Smoke tests of the live benchmarks (bench/baselines.py, bench/overhead.py, bench/live.py): tiny sizes, seconds
+each.
 
 They pin down that each benchmark runs end to end and reports every figure, not the figures themselves. The
 HAProxy and SGLang router parts are skipped, with the reason, when their binary or package is absent.
@@ -8,15 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from bench import peers
-from bench import live
+from bench import baselines, harness, launchers, live
+from bench.baselines import BaselinesSetup, format_markdown, run_baselines
+from bench.launchers import unavailable_reason
 from bench.live import LIVE_SYSTEMS, REGIONS, LiveSetup, deployment_config, kendall_tau, ranking, simulate_setup
 from bench.overhead import added_latency, decision_time, fill_trie, trie_memory
-from bench.peers import PeersSetup, format_markdown, run_peers, unavailable_reason
+from bench.sampling import MachineLoad
 from skylb.core import PrefixTrie
 
-TINY = PeersSetup(replicas=2, max_num_seqs=2, time_scale=0.02, conversations=3, turns=2, deadline_s=60.0,
-                  request_timeout_s=30.0)
+TINY = BaselinesSetup(replicas=2, max_num_seqs=2, time_scale=0.02, conversations=3, turns=2, deadline_s=60.0,
+                      request_timeout_s=30.0)
 FIGURES = ("throughput_rps", "output_tokens_per_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "e2e_p50_ms",
            "e2e_p90_ms", "prefix_hit_rate", "pending_peak_max")
 
@@ -27,7 +29,7 @@ def _table_rows(text: str) -> list[list[str]]:
             if line.startswith("|")]
 
 
-def _check_peers_row(result: dict, name: str) -> None:
+def _check_baseline_row(result: dict, name: str) -> None:
     row = next(r for r in result["rows"] if r["system"] == name)
     assert row["status"] == "ok", row.get("reason")
     f = row["figures"]
@@ -70,30 +72,30 @@ def test_added_latency_direct_and_skylb(tmp_path):
     assert r["systems"]["skylb"]["added_p50_ms"] is not None
 
 
-def test_peers_run_against_skylb(tmp_path):
-    """One peers run against SkyLB alone completes every request and reports every figure."""
-    result = run_peers(["skylb"], setup=TINY, run_dir=tmp_path, progress=False)
-    _check_peers_row(result, "skylb")
+def test_baselines_run_against_skylb(tmp_path):
+    """One baselines run against SkyLB alone completes every request and reports every figure."""
+    result = run_baselines(["skylb"], setup=TINY, run_dir=tmp_path, progress=False)
+    _check_baseline_row(result, "skylb")
 
 
 @pytest.mark.skipif(bool(unavailable_reason("haproxy")), reason=unavailable_reason("haproxy") or "")
-def test_peers_run_against_haproxy(tmp_path):
+def test_baselines_run_against_haproxy(tmp_path):
     """HAProxy (generated config, leastconn) relays the same workload without a failed request."""
-    result = run_peers(["haproxy-leastconn"], setup=TINY, run_dir=tmp_path, progress=False)
-    _check_peers_row(result, "haproxy-leastconn")
+    result = run_baselines(["haproxy-leastconn"], setup=TINY, run_dir=tmp_path, progress=False)
+    _check_baseline_row(result, "haproxy-leastconn")
 
 
 @pytest.mark.skipif(bool(unavailable_reason("sglang")), reason=unavailable_reason("sglang") or "")
-def test_peers_run_against_sglang_router(tmp_path):
+def test_baselines_run_against_sglang_router(tmp_path):
     """The SGLang router (cache_aware) relays the same workload without a failed request."""
-    result = run_peers(["sglang-cache_aware"], setup=TINY, run_dir=tmp_path, progress=False)
-    _check_peers_row(result, "sglang-cache_aware")
+    result = run_baselines(["sglang-cache_aware"], setup=TINY, run_dir=tmp_path, progress=False)
+    _check_baseline_row(result, "sglang-cache_aware")
 
 
-def test_missing_peer_is_skipped_with_reason(tmp_path, monkeypatch):
+def test_missing_baseline_is_skipped_with_reason(tmp_path, monkeypatch):
     """A system whose binary is missing is reported as skipped, with the reason, and nothing is started."""
-    monkeypatch.setattr(peers, "haproxy_binary", lambda: None)
-    result = run_peers(["haproxy-roundrobin"], setup=TINY, run_dir=tmp_path, progress=False)
+    monkeypatch.setattr(launchers, "haproxy_binary", lambda: None)
+    result = run_baselines(["haproxy-roundrobin"], setup=TINY, run_dir=tmp_path, progress=False)
     row = result["rows"][0]
     assert row["status"] == "skipped" and "haproxy" in row["reason"]
     assert "skipped: haproxy binary not found" in format_markdown(result)
@@ -152,7 +154,7 @@ def test_report_sets_the_simulator_beside_live():
             {"system": "round_robin", "status": "failed", "reason": "boom"}]
     result = {"setup": setup.__dict__.copy(), "workload": "w", "rtt_ms": {"us-eu": 80}, "rows": rows,
               "ranking": ranking(rows), "sim": sim, "sim_ranking": live.order(sim), "wall_s": 1.0,
-              "load": peers.MachineLoad().start().stop(), "generated": "now"}
+              "load": MachineLoad().start().stop(), "generated": "now"}
     text = live.format_markdown(result)
     assert "## The simulator beside the live run" in text
     rows = _table_rows(text)
@@ -163,11 +165,11 @@ def test_report_sets_the_simulator_beside_live():
 
 
 def test_benchmark_clis_map_flags_to_their_setup():
-    """bench.peers and bench.live share one flag set: each flag lands in its setup field, defaults included."""
+    """bench.baselines and bench.live share one flag set: each flag lands in its setup field, defaults included."""
     args = live.build_parser().parse_args(["--replicas", "3", "--time-scale", "0.5", "--systems", "skylb"])
-    setup = peers.setup_from_args(LiveSetup, args)
+    setup = harness.setup_from_args(LiveSetup, args)
     assert (setup.replicas, setup.time_scale, setup.turns, args.systems) == (3, 0.5, LiveSetup().turns, ["skylb"])
     assert args.out_md == "bench/results/live.md"
-    args = peers.build_parser().parse_args(["--conversations", "7"])
-    assert peers.setup_from_args(PeersSetup, args) == PeersSetup(conversations=7)
-    assert args.out_md == "bench/results/peers.md"
+    args = baselines.build_parser().parse_args(["--conversations", "7"])
+    assert harness.setup_from_args(BaselinesSetup, args) == BaselinesSetup(conversations=7)
+    assert args.out_md == "bench/results/baselines.md"

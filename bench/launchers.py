@@ -1,0 +1,292 @@
+"""Start the systems the live benchmarks measure, as real processes on this machine.
+
+The emulated vLLM replicas (:func:`start_emulator`), SkyLB with its controller (:func:`start_skylb`), the SGLang
+router from PyPI (:func:`start_sglang`) and HAProxy from Debian (:func:`start_haproxy`); :func:`start_system` starts
+one :class:`System` and waits until it serves a completion. Every process goes into the caller's
+:class:`skylb.procs.ProcGroup`, which stops it. A system whose binary or package is missing raises
+:class:`Unavailable` (:func:`unavailable_reason` says why beforehand, so a benchmark can skip it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+
+from skylb.procs import ProcGroup, free_ports, wait_http
+
+__all__ = [
+    "MODEL", "START_TIMEOUT_S", "System", "Unavailable", "haproxy_binary", "haproxy_version",
+    "sglang_router_version", "unavailable_reason", "versions", "start_emulator", "start_skylb", "start_sglang",
+    "start_haproxy", "start_system", "warm_up",
+]
+
+#: The model every emulated replica serves and every benchmark client asks for.
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+#: How long a launched balancer may take to answer its first request (s).
+START_TIMEOUT_S = 30.0
+
+
+class Unavailable(RuntimeError):
+    """A system cannot run here (its binary or package is missing); the message says which."""
+
+
+@dataclass(frozen=True)
+class System:
+    """One balancer configuration under test.
+
+    Attributes:
+        name: the row label ("skylb", "sglang-cache_aware", ...). kind: "skylb", "sglang" or "haproxy".
+        policy: the system's own policy name (SkyLB --policy, SGLang --policy, HAProxy ``balance``).
+        skylb_overrides: extra ``balancer`` settings for SkyLB (e.g. ``{"max_dispatch_per_probe": 0}``).
+    """
+
+    name: str
+    kind: str
+    policy: str
+    skylb_overrides: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+# ------------------------------------------------------------------------------------------------ availability
+
+
+def haproxy_binary() -> str | None:
+    """Path of the ``haproxy`` binary (PATH, then /usr/sbin), or None."""
+    found = shutil.which("haproxy")
+    if found:
+        return found
+    return "/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None
+
+
+def haproxy_version() -> str | None:
+    """The first line of ``haproxy -v`` ("HAProxy version 2.6.12-1+deb12u4 ..."), or None when absent."""
+    binary = haproxy_binary()
+    if binary is None:
+        return None
+    out = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=10).stdout
+    return out.splitlines()[0].strip() if out else None
+
+
+def sglang_router_version() -> str | None:
+    """The installed ``sglang-router`` version, or None when it is not installed."""
+    if importlib.util.find_spec("sglang_router") is None:
+        return None
+    try:
+        return importlib.metadata.version("sglang-router")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def unavailable_reason(kind: str) -> str | None:
+    """None when systems of ``kind`` can run here, else why not (used to skip a row or a test)."""
+    if kind == "haproxy" and haproxy_binary() is None:
+        return "haproxy binary not found (apt-get install haproxy)"
+    if kind == "sglang" and sglang_router_version() is None:
+        return "sglang-router not installed (pip install 'skylb[bench]')"
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of the systems compared (None: not installed) and of Python."""
+    return {"sglang-router": sglang_router_version(), "haproxy": haproxy_version(),
+            "python": sys.version.split()[0]}
+
+
+# ----------------------------------------------------------------------------------------------------- launchers
+
+
+def start_emulator(procs: ProcGroup, ports: Sequence[int], *, time_scale: float, max_num_seqs: int,
+                   extra_args: Sequence[str] = (), name: str = "emulator") -> list[str]:
+    """Start one ``skylb emulator --engine vllm`` process serving a replica on each of ``ports``.
+
+    ``time_scale`` multiplies every emulated duration (1.0 = Llama-3.1-8B on one L4); ``max_num_seqs`` is each
+    replica's running-batch size (requests). Returns the replicas' base URLs once all answer /health.
+    """
+    port_args = [a for p in ports for a in ("--port", str(p))]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    procs.skylb("emulator", "--engine", "vllm", "--model", MODEL, "--time-scale", repr(time_scale),
+                "--max-num-seqs", str(max_num_seqs), "--no-request-log", *port_args, *extra_args,
+                name=name, wait_url=f"{urls[0]}/health")
+    for url in urls[1:]:
+        wait_http(f"{url}/health", timeout_s=20)
+    return urls
+
+
+def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path, policy: str = "skylb",
+                overrides: dict | None = None, region: str = "us", name: str = "skylb",
+                profile_to: Path | None = None) -> str:
+    """Start a SkyLB controller and one balancer for ``region`` in front of ``replica_urls``; returns its URL.
+
+    The replicas are registered through the controller's REST API (as `skylb-ctl replica add` does) and the call
+    returns once the balancer has probed all of them healthy. ``overrides``: extra ``balancer`` settings.
+    ``profile_to``: run the balancer under cProfile, which writes this file when the balancer stops (SIGTERM).
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    controller_port, balancer_port = free_ports(2)
+    config = {
+        "controller": {"db": str(run_dir / f"{name}-controller.sqlite")},
+        "balancer": {"state_dir": str(run_dir / f"{name}-state"), "policy": policy, **(overrides or {})},
+        "regions": {region: {"replicas": 0}},
+    }
+    config_path = run_dir / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    controller = f"http://127.0.0.1:{controller_port}"
+    procs.skylb("controller", "--config", str(config_path), "--port", str(controller_port),
+                name=f"{name}-controller", wait_url=f"{controller}/healthz")
+    url = f"http://127.0.0.1:{balancer_port}"
+    args = ["balancer", "--config", str(config_path), "--region", region, "--port", str(balancer_port),
+            "--controller", controller, "--policy", policy]
+    command = ([sys.executable, "-c", _PROFILED_MAIN, str(profile_to), *args] if profile_to else
+               [sys.executable, "-m", "skylb", *args])
+    procs.start(command, name=f"{name}-balancer", wait_url=f"{url}/healthz")
+    for replica in replica_urls:
+        _post_json(f"{controller}/v1/replicas", {"region": region, "url": replica, "engine": "vllm"})
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        status = _get_json(f"{url}/skylb/v1/status?format=json")
+        if sum(1 for r in status["replicas"] if r["healthy"]) >= len(replica_urls):
+            return url
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"SkyLB balancer did not see {len(replica_urls)} healthy replicas in "
+                               f"{START_TIMEOUT_S:g} s: {status['replicas']}")
+        time.sleep(0.1)
+
+
+#: ``python -c`` program running `python -m skylb ARGS` under cProfile with the process's CPU time as the clock
+#: (so time spent waiting, in epoll or descheduled, does not count); argv[1] is the output file. Profiling starts
+#: on SIGUSR1 (so start-up is left out) and the file is written when the process exits (SIGTERM).
+_PROFILED_MAIN = """
+import cProfile, runpy, signal, sys, time
+out = sys.argv[1]
+sys.argv = ["skylb", *sys.argv[2:]]
+prof = cProfile.Profile(time.process_time)
+signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
+try:
+    runpy.run_module("skylb", run_name="__main__", alter_sys=True)
+except SystemExit:
+    pass
+finally:
+    prof.disable()
+    prof.dump_stats(out)
+"""
+
+
+def start_sglang(procs: ProcGroup, replica_urls: Sequence[str], *, policy: str = "cache_aware",
+                 name: str = "sglang") -> str:
+    """Start the SGLang router (``python -m sglang_router.launch_router``) in front of ``replica_urls``.
+
+    Listens on 127.0.0.1 only; its Prometheus exporter (default 0.0.0.0:29000, which would clash between runs)
+    goes to a free port on 127.0.0.1. Everything else is the router's default (worker health checks every 60 s,
+    5 retries, circuit breaker, per-request log lines at INFO). Returns its URL.
+    """
+    reason = unavailable_reason("sglang")
+    if reason:
+        raise Unavailable(reason)
+    port, metrics_port = free_ports(2)
+    url = f"http://127.0.0.1:{port}"
+    procs.start([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                 "--worker-urls", *replica_urls, "--policy", policy, "--prometheus-host", "127.0.0.1",
+                 "--prometheus-port", str(metrics_port)],
+                name=name, wait_url=f"{url}/health", timeout_s=START_TIMEOUT_S)
+    return url
+
+
+HAPROXY_CONFIG = """\
+# Generated by bench/launchers.py: HTTP mode, no health checks (the replicas are known up), timeouts long enough for
+# streams of several minutes; no logging (HAProxy logs only when a log target is configured).
+global
+    maxconn 4096
+
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 600s
+    timeout server 600s
+    timeout http-keep-alive 60s
+    timeout http-request 30s
+    # Without this HAProxy sends with MSG_MORE and the kernel holds small SSE chunks up to 200 ms (measured:
+    # TTFT +190 ms); the HAProxy manual recommends it for interactive traffic such as streamed tokens.
+    option http-no-delay
+
+frontend bench
+    bind 127.0.0.1:{port}
+    default_backend replicas
+
+backend replicas
+    balance {balance}
+{servers}
+"""
+
+
+def start_haproxy(procs: ProcGroup, replica_urls: Sequence[str], *, balance: str = "roundrobin",
+                  run_dir: Path, name: str = "haproxy") -> str:
+    """Start HAProxy (foreground, ``-db``) with ``balance`` over ``replica_urls``; returns its URL."""
+    binary = haproxy_binary()
+    if binary is None:
+        raise Unavailable(unavailable_reason("haproxy"))
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (port,) = free_ports(1)
+    servers = "\n".join(f"    server r{i} {u.removeprefix('http://')}" for i, u in enumerate(replica_urls))
+    config_path = run_dir / f"{name}.cfg"
+    config_path.write_text(HAPROXY_CONFIG.format(port=port, balance=balance, servers=servers))
+    url = f"http://127.0.0.1:{port}"
+    procs.start([binary, "-db", "-f", str(config_path)], name=name, wait_url=f"{url}/health",
+                timeout_s=START_TIMEOUT_S)
+    return url
+
+
+def start_system(procs: ProcGroup, system: System, replica_urls: Sequence[str], *, run_dir: Path) -> str:
+    """Start ``system`` in front of ``replica_urls``, wait until it serves a request; returns its base URL.
+
+    Raises Unavailable when its binary is missing, RuntimeError when it does not come up.
+    """
+    if system.kind == "skylb":
+        url = start_skylb(procs, replica_urls, run_dir=run_dir, policy=system.policy,
+                          overrides=system.skylb_overrides, name=system.name)
+    elif system.kind == "sglang":
+        url = start_sglang(procs, replica_urls, policy=system.policy, name=system.name)
+    elif system.kind == "haproxy":
+        url = start_haproxy(procs, replica_urls, balance=system.policy, run_dir=run_dir, name=system.name)
+    else:
+        raise ValueError(f"unknown system kind {system.kind!r}")
+    warm_up(url)
+    return url
+
+
+def warm_up(url: str, *, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Send tiny completions to ``url`` until one succeeds (a router may answer /health before its workers are in)."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            _post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": "warm up", "max_tokens": 1})
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"; the last one is reported
+            last = exc
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} served no completion within {timeout_s:g} s: {last}")
+
+
+def _post_json(url: str, body: dict, timeout: float = 10.0) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def _get_json(url: str, timeout: float = 10.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
