@@ -9,7 +9,7 @@ Entry points:
 * The systems are started by bench/launchers.py and the machine is watched by bench/sampling.py (both reused by
   bench/overhead.py and bench/live.py).
 
-The systems (:data:`SYSTEMS`): SkyLB (policies ``skylb`` and ``round_robin``, one region, with its controller),
+The systems (:data:`SYSTEMS`): SkyLB (policies ``skylb`` and ``round-robin``, one region, with its controller),
 the SGLang router from PyPI (``sglang-router``; ``cache_aware`` and ``round_robin``) and HAProxy from Debian
 (``balance roundrobin`` and ``balance leastconn``, HTTP mode). Each runs in front of the same emulated vLLM replicas
 (one ``skylb emulator`` process, the same ports, restarted per system so every system starts with cold prefix
@@ -46,7 +46,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     # Not the default config: at most 1 request per replica between two probes instead of 4, which matters when
     # a replica's batch is as small as the default cap (--max-num-seqs 4 here).
     System("skylb-cap1", "skylb", "skylb", {"max_dispatch_per_probe": 1}),
-    System("skylb-round_robin", "skylb", "round_robin"),
+    System("skylb-round-robin", "skylb", "round-robin"),
     System("sglang-cache_aware", "sglang", "cache_aware"),
     System("sglang-round_robin", "sglang", "round_robin"),
     System("haproxy-roundrobin", "haproxy", "roundrobin"),

@@ -14,7 +14,7 @@ processes) and the same multi-region workload: closed-loop multi-turn conversati
 skewed like the paper's 120/40/40 clients (§5.2 "Diurnal pattern"): weights us 0.6, eu 0.2, asia 0.2.
 
 Systems (:data:`LIVE_SYSTEMS`): the balancer's policies ``skylb`` (prefix trie + selective pushing), ``skylb-ch``
-(hash ring + selective pushing), ``round_robin`` and ``least_load`` (blind pushing), and ``region-local`` (``skylb``
+(hash ring + selective pushing), ``round-robin`` and ``least-load`` (blind pushing), and ``region-local`` (``skylb``
 policy, but no balancer accepts another's status probes, so nothing is ever forwarded: the paper's region-local
 deployment, Fig. 10). Note that blind-pushing balancers always find a healthy local replica, so they never forward
 either; in the paper RR and LL are one global balancer in the US instead.
@@ -48,8 +48,8 @@ __all__ = ["LIVE_SYSTEMS", "LiveSetup", "RegionLocalDeployment", "deployment_con
 LIVE_SYSTEMS: dict[str, tuple[str, bool]] = {
     "skylb": ("skylb", False),
     "skylb-ch": ("skylb-ch", False),
-    "round_robin": ("round_robin", False),
-    "least_load": ("least_load", False),
+    "round-robin": ("round-robin", False),
+    "least-load": ("least-load", False),
     "region-local": ("skylb", True),
 }
 REGIONS = ("us", "eu", "asia")
@@ -244,7 +244,7 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
               f"completed), `token_scale {s['token_scale']:g}`, seed {s['seed']}; each region's clients call their "
               "own region's balancer. The skew 0.6/0.2/0.2 is the paper's 120/40/40 clients (§5.2).",
               "- Systems: `skylb` (prefix trie + selective pushing), `skylb-ch` (hash ring on the session id + "
-              "selective pushing), `round_robin` and `least_load` (blind pushing to local replicas: a blind "
+              "selective pushing), `round-robin` and `least-load` (blind pushing to local replicas: a blind "
               "balancer always finds a healthy local replica, so it never forwards), `region-local` (`skylb` "
               "policy with forwarding impossible: each balancer has its own peer token, so peers refuse its status "
               "probes).", ""]

@@ -50,13 +50,20 @@ from bench.report import emit_markdown, markdown_table, percentile
 from bench.sampling import MachineLoad, conditions_lines, process_cpu_s
 from bench.workload import VOCABULARY
 from skylb.config import BalancerConfig
-from skylb.core import AvailabilityRules, Request, Router, make_policy
+from skylb.core import Request, Router, build_policy, build_router
+from skylb.core.policies.prefix import PrefixOptions
 from skylb.procs import ProcGroup, free_ports
 
-#: The shipped default of ``trie_chunk_chars``, so part (d) measures what users run.
-DEFAULT_CHUNK_CHARS = BalancerConfig().trie_chunk_chars
-#: ... and of ``trie_chunk_doubling`` (chunks double in length after every this many).
-DEFAULT_CHUNK_DOUBLING = BalancerConfig().trie_chunk_doubling
+#: The shipped default of the ``skylb`` policy's ``trie_chunk_chars``, so part (d) measures what users run.
+DEFAULT_CHUNK_CHARS = PrefixOptions().trie_chunk_chars
+#: ... and of its ``trie_chunk_doubling`` (chunks double in length after every this many).
+DEFAULT_CHUNK_DOUBLING = PrefixOptions().trie_chunk_doubling
+
+
+def _settings(trie_max_chars: int, chunk_chars: int, **overrides) -> BalancerConfig:
+    """The balancer's default settings with the ``skylb`` policy's trie bound and chunk size set."""
+    return BalancerConfig(policies={"skylb": {"trie_max_chars": trie_max_chars, "trie_chunk_chars": chunk_chars}},
+                          **overrides)
 
 __all__ = [
     "OVERHEAD_SYSTEMS", "RATES", "added_latency", "balancer_profile", "max_rate", "sse_rate", "decision_time",
@@ -458,10 +465,7 @@ class GcPauses:
 
 def _router(trie_max_chars: int, replicas: int, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Router:
     """A routing core with the "skylb" policy and ``replicas`` always-available local replicas."""
-    router = Router(region="us", policy=make_policy("skylb", trie_max_chars=trie_max_chars,
-                                                    trie_chunk_chars=chunk_chars,
-                                                    trie_chunk_doubling=DEFAULT_CHUNK_DOUBLING),
-                    rules=AvailabilityRules(max_dispatch_per_probe=0))
+    router = build_router("us", _settings(trie_max_chars, chunk_chars, max_dispatch_per_probe=0))
     router.set_replicas([(f"r{i}", f"http://r{i}", "vllm") for i in range(replicas)])
     for i in range(replicas):
         router.observe_replica(f"r{i}", now=0.0, healthy=True, pending=0)
@@ -604,8 +608,7 @@ def rss_kib() -> dict[str, int]:
 
 def _trie_memory_child(trie_max_chars: int) -> dict[str, Any]:
     """Run in a fresh interpreter: fill both tries of a "skylb" policy to their bound and measure RSS."""
-    policy = make_policy("skylb", trie_max_chars=trie_max_chars, trie_chunk_chars=DEFAULT_CHUNK_CHARS,
-                         trie_chunk_doubling=DEFAULT_CHUNK_DOUBLING)
+    policy = build_policy(_settings(trie_max_chars, DEFAULT_CHUNK_CHARS))
     gc.collect()
     before = rss_kib()
     t0 = time.monotonic()

@@ -145,13 +145,13 @@ def test_kendall_tau():
 def test_report_sets_the_simulator_beside_live():
     """The live report has a live / simulated table and both rankings with Kendall's tau."""
     setup = LiveSetup(conversations=2, turns=2, token_scale=0.1)
-    sim = simulate_setup(setup, ["skylb", "round_robin"])
+    sim = simulate_setup(setup, ["skylb", "round-robin"])
     figures = {"completed": 12, "sent": 12, "throughput_rps": 1.5, "output_tokens_per_s": 10, "ttft_p50_ms": 100,
                "ttft_p90_ms": 200, "e2e_p50_ms": 300, "e2e_p90_ms": 400, "prefix_hit_rate": 0.5,
                "forwarded_frac": 0.25, "errors": {}}
     rows = [{"system": "skylb", "status": "ok", "figures": figures,
              "report": {"regions": {r: {"ttft_p90_ms": 150} for r in REGIONS}}},
-            {"system": "round_robin", "status": "failed", "reason": "boom"}]
+            {"system": "round-robin", "status": "failed", "reason": "boom"}]
     result = {"setup": setup.__dict__.copy(), "workload": "w", "rtt_ms": {"us-eu": 80}, "rows": rows,
               "ranking": ranking(rows), "sim": sim, "sim_ranking": live.order(sim), "wall_s": 1.0,
               "load": MachineLoad().start().stop(), "generated": "now"}
@@ -160,7 +160,7 @@ def test_report_sets_the_simulator_beside_live():
     rows = _table_rows(text)
     assert ["skylb", "SkyLB", f"1.50 / {sim['skylb']['throughput_rps']:.2f}"] in [row[:3] for row in rows]
     # the live run failed; the simulated figures still show
-    assert any(row[:2] == ["round_robin", "GKE"] and row[2].startswith("- / ") for row in rows)
+    assert any(row[:2] == ["round-robin", "GKE"] and row[2].startswith("- / ") for row in rows)
     assert "Kendall's tau" in text
 
 
