@@ -27,6 +27,7 @@ import yaml
 from bench.replay import replay_and_report
 from bench.report import format_table
 from skylb.config import ConfigError, DeploymentConfig, load_config
+from skylb.core import policy_names
 from skylb.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
                             model_alias)
 from skylb.latency.links import LatencyLinks
@@ -256,8 +257,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", help="Mooncake trace to replay (default: workload.trace of the config, "
                         "when the file exists)")
     parser.add_argument("--synthetic", action="store_true", help="replay the synthetic multi-turn workload")
-    parser.add_argument("--policy", choices=["skylb", "skylb-ch", "round_robin", "least_load"],
-                        help="routing policy of every balancer")
+    parser.add_argument("--policy", choices=policy_names(), metavar="NAME",
+                        help="routing policy of every balancer: " + ", ".join(policy_names()))
     parser.add_argument("--replicas", type=int, help="emulated replicas per region (overrides the config)")
     parser.add_argument("--llamacpp", action="store_true",
                         help=f"real llama.cpp llama-server replicas (gemma-3-270m on the CPU) instead of emulated "
