@@ -34,8 +34,7 @@ from bench.launchers import MODEL, System, Unavailable, start_emulator, start_sy
 from bench.replay import replay
 from bench.report import emit_markdown, markdown_table
 from bench.sampling import BUSY_FRACTION, MachineLoad, PendingSampler
-from bench.workload import describe, synthetic_workload
-from skylb.config import WorkloadConfig
+from bench.workload import WorkloadConfig, describe, synthetic_workload
 from skylb.procs import ProcGroup, free_ports
 
 __all__ = ["SYSTEMS", "BaselinesSetup", "run_system", "run_baselines", "format_markdown", "build_parser", "main"]

@@ -37,8 +37,8 @@ from bench.replay import replay
 from bench.report import build_report, emit_markdown, markdown_table
 from bench.sampling import MachineLoad
 from bench.sim.twin import simulate
-from bench.workload import describe, synthetic_workload
-from skylb.config import DeploymentConfig, WorkloadConfig, load_config
+from bench.workload import WorkloadConfig, describe, synthetic_workload, workload_settings
+from skylb.config import DeploymentConfig, load_config
 from skylb.local import Deployment
 
 __all__ = ["LIVE_SYSTEMS", "LiveSetup", "RegionLocalDeployment", "deployment_config", "run_system", "run_live",
@@ -118,7 +118,7 @@ def run_system(name: str, setup: LiveSetup, *, run_dir: Path, progress: bool | N
     """
     policy, region_local = LIVE_SYSTEMS[name]
     cfg = deployment_config(setup, policy=policy, region_local=region_local)
-    requests = synthetic_workload(cfg.workload, list(REGIONS))
+    requests = synthetic_workload(workload_settings(cfg), list(REGIONS))
     sys_dir = Path(run_dir) / name
     sys_dir.mkdir(parents=True, exist_ok=True)
     deployment = (RegionLocalDeployment if region_local else Deployment)(cfg, sys_dir)
@@ -161,7 +161,8 @@ def run_live(systems: Sequence[str] | None = None, *, setup: LiveSetup | None = 
         print(f"[bench.live] {name}: {rows[-1]['status']} {rows[-1].get('reason', '')}".rstrip(), file=sys.stderr,
               flush=True)
     cfg = deployment_config(setup, policy="skylb", region_local=False)
-    return {"setup": setup.__dict__.copy(), "workload": describe(synthetic_workload(cfg.workload, list(REGIONS))),
+    requests = synthetic_workload(workload_settings(cfg), list(REGIONS))
+    return {"setup": setup.__dict__.copy(), "workload": describe(requests),
             "rtt_ms": cfg.latency.rtt_ms, "rows": rows, "ranking": ranking(rows), "sim": sim,
             "sim_ranking": order(sim), "wall_s": time.monotonic() - t0, "load": load.stop(), "run_dir": str(run_dir),
             "generated": now_label()}
@@ -170,7 +171,7 @@ def run_live(systems: Sequence[str] | None = None, *, setup: LiveSetup | None = 
 def simulate_setup(setup: LiveSetup, systems: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The live run of ``systems`` replayed in the simulator (bench/sim/twin.py): system -> figures (seconds)."""
     cfg = deployment_config(setup, policy="skylb", region_local=False)
-    return simulate(synthetic_workload(cfg.workload, list(REGIONS)), systems=systems,
+    return simulate(synthetic_workload(workload_settings(cfg), list(REGIONS)), systems=systems,
                     replicas_per_region={r: setup.replicas for r in REGIONS}, max_num_seqs=setup.max_num_seqs,
                     time_scale=setup.time_scale, rtt_ms=cfg.latency.rtt_ms, seed=setup.seed)
 

@@ -23,8 +23,9 @@ import aiohttp
 from tqdm import tqdm
 
 from bench.report import RequestRecord, build_report, format_table, write_json
-from bench.workload import THINK_S, Request, TraceError, describe, load_workload
-from skylb.config import ConfigError, WorkloadConfig, load_config
+from bench.workload import (THINK_S, Request, TraceError, WorkloadConfig, describe, load_workload,
+                            workload_settings)
+from skylb.config import ConfigError, load_config
 
 __all__ = [
     "ROUTE_HEADER",
@@ -410,11 +411,11 @@ def _workload_config(args: argparse.Namespace) -> tuple[WorkloadConfig, Path | N
     """The workload section of the config (given or embedded default) with the command line's overrides."""
     base_dir = None
     if args.config:
-        cfg = load_config(args.config).workload
+        cfg = workload_settings(load_config(args.config), source=args.config)
         base_dir = Path(args.config).resolve().parent
     else:
         try:
-            cfg = load_config(None).workload
+            cfg = workload_settings(load_config(None))
         except ConfigError:  # no embedded default shipped (yet): the built-in defaults are the same
             cfg = WorkloadConfig()
     overrides = {

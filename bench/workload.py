@@ -22,6 +22,9 @@ has no text, users or regions, so they are derived here:
   ``(seed, session id)``; every request of the session goes to that region.
 
 Synthetic conversations (no trace): see :func:`synthetic_workload`.
+
+What to replay comes from the ``workload`` section of the deployment YAML: :class:`WorkloadConfig` validates it
+(unknown keys are errors), :func:`workload_settings` reads it from a loaded config.
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import structlog
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from skylb.config import WorkloadConfig
+from skylb.config import ConfigError, DeploymentConfig
 
 __all__ = [
+    "WorkloadConfig",
+    "workload_settings",
     "Request",
     "TraceRow",
     "TraceError",
@@ -57,6 +63,43 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+
+class WorkloadConfig(BaseModel):
+    """What `skylb local` and `skylb replay` replay: a Mooncake trace (when found) or the synthetic multi-turn
+    generator. The ``workload`` section of the deployment YAML; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trace: str | None = "../shared/traces/mooncake_conversation_trace.jsonl"
+    #: Replay only trace requests with start_s <= timestamp < start_s + window_s (trace time, s).
+    start_s: float = Field(0.0, ge=0)
+    window_s: float = Field(60.0, gt=0)
+    #: Trace time is divided by this (2 = twice as fast).
+    time_compression: float = Field(1.0, gt=0)
+    #: Scales prompt and output lengths (1 = as in the trace).
+    token_scale: float = Field(1.0, gt=0)
+    max_requests: int | None = Field(None, gt=0)
+    region_weights: dict[str, float] = Field(default_factory=lambda: {"us": 0.5, "eu": 0.25, "asia": 0.25})
+    seed: int = 0
+    #: Synthetic generator: conversations per region and turns per conversation.
+    synthetic_conversations: int = Field(24, gt=0)
+    synthetic_turns: int = Field(4, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)
+
+
+def workload_settings(cfg: DeploymentConfig, *, source: str | Path | None = None) -> WorkloadConfig:
+    """The ``workload`` section of a loaded deployment config as a :class:`WorkloadConfig` (defaults when absent).
+
+    Raises ConfigError naming the file (``source``, when given) and each bad key, as skylb.config.load_config does
+    for the other sections: "config F: workload.trce: Extra inputs are not permitted".
+    """
+    try:
+        return WorkloadConfig.model_validate(cfg.workload)
+    except ValidationError as exc:
+        where = f"config {source}: " if source is not None else ""
+        raise ConfigError(where + "; ".join(f"workload.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                                            for e in exc.errors())) from exc
 
 #: Tokens per hash block in the Mooncake trace (NOTICE.md).
 TRACE_BLOCK_TOKENS = 512

@@ -1,7 +1,8 @@
 """The `skylb` command: one subcommand per process kind.
 
 Each subcommand lives in its own module, which exposes ``add_arguments(parser)`` and ``main(args) -> int``;
-modules are imported only when their subcommand runs, so `skylb --help` stays fast.
+modules are imported only when their subcommand runs, so `skylb --help` stays fast. The product never imports
+bench/: the demo and benchmark subcommands (local, replay, bench) are named here as module strings only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("controller.server", "run the membership controller (SQLite store, REST API)"),
     "emulator": ("skylb.emulator.server", "run emulated inference replicas (vLLM, SGLang, llama.cpp, TGI or Ollama dialect) on one or more ports"),
     "toxiproxy": ("skylb.latency.server", "run the Toxiproxy-API-compatible latency proxy"),
-    "local": ("skylb.local", "run a whole multi-region deployment on this machine and replay a workload"),
+    "local": ("bench.demo", "run a whole multi-region deployment on this machine and replay a workload"),
     "replay": ("bench.replay", "replay a workload (Mooncake trace or synthetic) against running balancers"),
     "bench": ("bench.bench_cli", "run benchmarks: the simulated SkyLB evaluation (sim, all)"),
 }

@@ -3,7 +3,8 @@
 The same file drives every process: `skylb controller` reads ``controller``, `skylb balancer --region R` reads
 ``balancer`` (defaults for all regions) merged with ``regions.R.balancer``, and `skylb local` reads everything
 (regions, replicas per region, emulator, latency matrix, workload). Unknown keys are errors, so a typo never passes
-silently. Units are in the key names (``_ms``, ``_s``, ``_tokens``, ``_chars``).
+silently; the ``workload`` section belongs to the demo and the benchmarks, which validate it themselves
+(bench/workload.py ``WorkloadConfig``). Units are in the key names (``_ms``, ``_s``, ``_tokens``, ``_chars``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ __all__ = [
     "OutlierDetection",
     "EmulatorConfig",
     "LatencyConfig",
-    "WorkloadConfig",
     "RegionConfig",
     "DeploymentConfig",
     "load_config",
@@ -166,26 +166,6 @@ class LatencyConfig(_Strict):
         raise KeyError(f"latency.rtt_ms has no entry for {a}-{b}")
 
 
-class WorkloadConfig(_Strict):
-    """What `skylb local` replays: a Mooncake trace (when found) or the synthetic multi-turn generator."""
-
-    trace: str | None = "../shared/traces/mooncake_conversation_trace.jsonl"
-    #: Replay only trace requests with start_s <= timestamp < start_s + window_s (trace time, s).
-    start_s: float = Field(0.0, ge=0)
-    window_s: float = Field(60.0, gt=0)
-    #: Trace time is divided by this (2 = twice as fast).
-    time_compression: float = Field(1.0, gt=0)
-    #: Scales prompt and output lengths (1 = as in the trace).
-    token_scale: float = Field(1.0, gt=0)
-    max_requests: int | None = Field(None, gt=0)
-    region_weights: dict[str, float] = Field(default_factory=lambda: {"us": 0.5, "eu": 0.25, "asia": 0.25})
-    seed: int = 0
-    #: Synthetic generator: conversations per region and turns per conversation.
-    synthetic_conversations: int = Field(24, gt=0)
-    synthetic_turns: int = Field(4, gt=0)
-    request_timeout_s: float = Field(300.0, gt=0)
-
-
 class RegionConfig(_Strict):
     """One region of a deployment: its balancer's overrides and how many emulated replicas `skylb local` starts."""
 
@@ -203,7 +183,9 @@ class DeploymentConfig(_Strict):
     )
     emulator: EmulatorConfig = Field(default_factory=EmulatorConfig)
     latency: LatencyConfig = Field(default_factory=LatencyConfig)
-    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
+    #: What `skylb local` and `skylb replay` replay: read and validated, unknown keys included, by the demo and the
+    #: benchmarks (bench/workload.py ``WorkloadConfig``, ``workload_settings``); the balancer and controller ignore it.
+    workload: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("regions")
     @classmethod

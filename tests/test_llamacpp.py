@@ -292,17 +292,17 @@ def test_local_flag_selects_llama_server_replicas_and_a_small_workload():
     """`skylb local --llamacpp` means llama-server replicas, one per region, and token_scale at most 0.01."""
     from skylb.cli import build_parser
     from skylb.config import load_config
-    from skylb.local import LLAMACPP_MAX_TOKEN_SCALE, _apply_overrides
+    from bench.demo import LLAMACPP_MAX_TOKEN_SCALE, apply_overrides
 
     def overridden(*argv: str):
-        return _apply_overrides(load_config(None), build_parser("local").parse_args(["local", *argv]))
+        return apply_overrides(load_config(None), build_parser("local").parse_args(["local", *argv]))
 
-    cfg = overridden("--llamacpp")
+    cfg, workload = overridden("--llamacpp")
     assert cfg.emulator.engine == "llamacpp" and cfg.emulator.llamacpp_parallel == 2
     assert {r.replicas for r in cfg.regions.values()} == {1}
-    assert cfg.workload.token_scale == LLAMACPP_MAX_TOKEN_SCALE
-    assert {r.replicas for r in overridden("--llamacpp", "--replicas", "2").regions.values()} == {2}
-    assert overridden().emulator.engine == "vllm"
+    assert workload.token_scale == LLAMACPP_MAX_TOKEN_SCALE == cfg.workload["token_scale"]
+    assert {r.replicas for r in overridden("--llamacpp", "--replicas", "2")[0].regions.values()} == {2}
+    assert overridden()[0].emulator.engine == "vllm"
 
 
 def _alive(pid: int) -> bool:

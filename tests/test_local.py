@@ -89,7 +89,7 @@ def test_region_that_only_took_overflow_counts_as_serving():
     """"Every region served" counts where requests were served: asia sent nothing but served forwarded requests;
     a region whose replicas served nothing fails the check."""
     from skylb.config import load_config
-    from skylb.local import deployment_checks
+    from bench.demo import deployment_checks
 
     cfg = load_config(None)
     records = [{"region": "us", "route": "local", "error": None, "ttft_ms": 50.0},
@@ -101,3 +101,14 @@ def test_region_that_only_took_overflow_counts_as_serving():
     assert ok and "us 1, eu 1, asia 1" in evidence and "sent from: us 2, eu 1, asia 0" in evidence
     doc["records"] = records[:1] + records[2:]
     assert not dict((n, ok) for n, ok, _ in deployment_checks(doc, cfg))["every region served requests"]
+
+
+def test_workload_typo_is_a_config_error_before_anything_starts(tmp_path):
+    """A misspelt key in the workload section fails `skylb local` with exit status 2, naming the file and the key."""
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump({"workload": {"trace": None, "window": 10}}))
+    proc = subprocess.run([sys.executable, "-m", "skylb", "local", "--config", str(path),
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "typo.yaml: workload.window: Extra inputs are not permitted" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -10,8 +10,7 @@ from bench.sim.metrics import replicas_needed, summarize
 from bench.sim.scenarios import SCENARIOS, even_split, execute, runs_of
 from bench.sim.systems import SYSTEMS, build
 from bench.sim.workloads import ARENA, TOT_2, TOT_2_LONG, SimRequest, Workload, conversations, replayed, trees
-from bench.workload import synthetic_workload
-from skylb.config import WorkloadConfig
+from bench.workload import WorkloadConfig, synthetic_workload
 from skylb.config import BalancerConfig
 from skylb.core import Router
 

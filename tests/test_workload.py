@@ -12,6 +12,7 @@ import pytest
 from bench.workload import (
     TRACE_BLOCK_TOKENS,
     TraceError,
+    WorkloadConfig,
     assign_region,
     block_text,
     derive_sessions,
@@ -22,8 +23,9 @@ from bench.workload import (
     region_weights,
     synthetic_workload,
     trace_workload,
+    workload_settings,
 )
-from skylb.config import WorkloadConfig
+from skylb.config import ConfigError, DeploymentConfig, load_config
 
 REGIONS = ["us", "eu", "asia"]
 REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -261,3 +263,17 @@ def test_missing_trace_falls_back_to_synthetic(tmp_path):
     reqs = load_workload(WorkloadConfig(trace="t.jsonl", window_s=100.0), REGIONS, base_dir=tmp_path)
     assert describe(reqs).startswith("trace: 7 requests")
     assert reqs[0].hash_ids == (0, 1, 2)
+
+
+def test_workload_section_is_validated_strictly_by_the_benchmarks(tmp_path):
+    """The product loads a config whatever its workload section holds; workload_settings rejects an unknown key,
+    naming the file and the key, and gives the defaults when the section is absent."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text("workload:\n  trce: t.jsonl\n")
+    cfg = load_config(path)
+    with pytest.raises(ConfigError, match=r"cfg\.yaml: workload\.trce: Extra inputs are not permitted"):
+        workload_settings(cfg, source=path)
+    with pytest.raises(ConfigError, match=r"workload\.window_s"):
+        workload_settings(DeploymentConfig(workload={"window_s": -1}))
+    assert workload_settings(DeploymentConfig()) == WorkloadConfig()
+    assert workload_settings(load_config(None)).region_weights == {"us": 0.5, "eu": 0.25, "asia": 0.25}

@@ -44,8 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.workload import VOCABULARY, Request, read_trace, trace_workload
-from skylb.config import WorkloadConfig
+from bench.workload import VOCABULARY, Request, WorkloadConfig, read_trace, trace_workload
 
 __all__ = [
     "SimRequest", "Program", "ClientSpec", "Workload", "ConversationShape", "TreeShape", "ARENA", "WILDCHAT", "TOT_2",

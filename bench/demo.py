@@ -1,0 +1,173 @@
+"""`skylb local`: a whole multi-region SkyLB deployment on this machine, a workload replay, and the report.
+
+The deployment is skylb/local.py's :class:`~skylb.local.Deployment` (controller, replicas, latency proxy, one
+balancer per region, all real processes talking real HTTP). This module is the demo around it: it reads the
+deployment YAML (the ``workload`` section validated by bench/workload.py), applies the command line's overrides,
+starts the deployment, replays the workload with each region's clients calling their own region's balancer (the
+launcher plays DNS; bench/replay.py), prints the report with the deployment checks (:func:`deployment_checks`) and
+writes it as JSON. Every process it started is stopped at the end, also on Ctrl-C, SIGTERM or failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.replay import replay_and_report
+from bench.report import format_table
+from bench.workload import WorkloadConfig, workload_settings
+from skylb.config import ConfigError, DeploymentConfig, default_config_path, load_config
+from skylb.core import policy_names
+from skylb.local import Deployment
+
+__all__ = ["add_arguments", "main", "apply_overrides", "deployment_checks", "LLAMACPP_REPLICAS",
+           "LLAMACPP_MAX_TOKEN_SCALE"]
+
+#: With --llamacpp: llama-server replicas per region (unless --replicas says otherwise); each runs on the CPU.
+LLAMACPP_REPLICAS = 1
+#: With --llamacpp: the workload's token_scale is capped at this, so that prompts (a Mooncake request has up to
+#: ~120k tokens; at 0.01 about 1.2k) fit one slot's context (2048 tokens by default) and a replay on real CPU
+#: inference (~80 tokens/s decode, ~350 tokens/s prefill on 2 cores, shared/reference/engines.md) ends in minutes.
+LLAMACPP_MAX_TOKEN_SCALE = 0.01
+
+
+def _say(msg: str) -> None:
+    print(f"[skylb local] {msg}", flush=True)
+
+
+def deployment_checks(doc: dict, cfg: DeploymentConfig) -> list[tuple[str, bool, str]]:
+    """What a local run must show, from the replay's records: (check, passed, evidence) triples.
+
+    Every region served requests (its replicas completed some: its own clients' or forwarded ones, so a region
+    without clients in a short replay still counts when it took overflow); some requests were forwarded across
+    regions (the balancer forwards only when no local replica is available); no request was lost (completed +
+    failed = sent, failed = 0); each forwarded request's TTFT is at least the injected round trip between its
+    region and the peer that served it.
+    """
+    records, total = doc["records"], doc["report"]["total"]
+    ok = [x for x in records if x["error"] is None]
+    forwarded = [x for x in ok if (x["route"] or "").startswith("peer:")]
+    served_in = dict.fromkeys(cfg.regions, 0)
+    for x in ok:  # a forwarded request was served in the peer's region ("peer:eu"), any other in the client's
+        route = x["route"] or ""
+        where = route[5:] if route.startswith("peer:") else x["region"]
+        served_in[where] = served_in.get(where, 0) + 1
+    sent_from = {r: sum(1 for x in records if x["region"] == r) for r in cfg.regions}
+    short = [x for x in forwarded
+             if x["ttft_ms"] is None or x["ttft_ms"] < cfg.latency.rtt(x["region"], x["route"][5:])]
+    min_margin = min((x["ttft_ms"] - cfg.latency.rtt(x["region"], x["route"][5:]) for x in forwarded
+                      if x["ttft_ms"] is not None), default=None)
+    return [
+        ("every region served requests", all(served_in.values()),
+         "served by each region's replicas: " + ", ".join(f"{r} {n}" for r, n in served_in.items())
+         + "; sent from: " + ", ".join(f"{r} {n}" for r, n in sent_from.items())),
+        ("requests forwarded across regions", bool(forwarded), f"{len(forwarded)} forwarded"),
+        ("no request lost", total["completed"] + total["failed"] == total["sent"] and total["failed"] == 0,
+         f"sent {total['sent']}, completed {total['completed']}, failed {total['failed']}"),
+        ("forwarded TTFT includes the round trip", bool(forwarded) and not short,
+         f"{len(short)} below their RTT" + ("" if min_margin is None else
+                                             f"; smallest TTFT - RTT = {min_margin:.0f} ms")),
+    ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `skylb local`."""
+    parser.add_argument("--config", help="deployment YAML (default: the embedded configs/local-3region.yaml)")
+    parser.add_argument("--trace", help="Mooncake trace to replay (default: workload.trace of the config, "
+                        "when the file exists)")
+    parser.add_argument("--synthetic", action="store_true", help="replay the synthetic multi-turn workload")
+    parser.add_argument("--policy", choices=policy_names(), metavar="NAME",
+                        help="routing policy of every balancer: " + ", ".join(policy_names()))
+    parser.add_argument("--replicas", type=int, help="emulated replicas per region (overrides the config)")
+    parser.add_argument("--llamacpp", action="store_true",
+                        help=f"real llama.cpp llama-server replicas (gemma-3-270m on the CPU) instead of emulated "
+                        f"ones: {LLAMACPP_REPLICAS} per region unless --replicas, workload token_scale at most "
+                        f"{LLAMACPP_MAX_TOKEN_SCALE:g}; builds llama-server first when missing (~5 min)")
+    parser.add_argument("--window-s", type=float, help="trace window to replay (trace time, s)")
+    parser.add_argument("--max-requests", type=int, help="replay at most this many requests")
+    parser.add_argument("--out", help="where to write the report JSON (default: in the run directory)")
+    parser.add_argument("--run-dir", help="where logs and state go (default: a new directory under .skylb-run/)")
+    parser.add_argument("--keep-running", action="store_true",
+                        help="after the replay, keep the deployment up until Ctrl-C (to try it by hand)")
+
+
+def apply_overrides(cfg: DeploymentConfig, args: argparse.Namespace, *,
+                    source: str | Path | None = None) -> tuple[DeploymentConfig, WorkloadConfig]:
+    """The deployment and its workload with the command line's overrides (``args`` of :func:`add_arguments`).
+
+    The returned config carries the overridden workload too, so the run directory's config.yaml records what was
+    replayed. Raises ConfigError (naming ``source``) for a bad ``workload`` section, ValueError (pydantic's
+    ValidationError) for an override out of range.
+    """
+    data = cfg.model_dump()
+    workload = workload_settings(cfg, source=source).model_dump()
+    if args.policy:
+        data["balancer"]["policy"] = args.policy
+    if getattr(args, "llamacpp", False):
+        data["emulator"]["engine"] = "llamacpp"
+        workload["token_scale"] = min(workload["token_scale"], LLAMACPP_MAX_TOKEN_SCALE)
+        for region in data["regions"].values():
+            region["replicas"] = min(region["replicas"], LLAMACPP_REPLICAS)
+    if args.replicas is not None:
+        for region in data["regions"].values():
+            region["replicas"] = args.replicas
+    if args.synthetic:
+        workload["trace"] = None
+    elif args.trace:
+        workload["trace"] = args.trace
+    if args.window_s is not None:
+        workload["window_s"] = args.window_s
+    if args.max_requests is not None:
+        workload["max_requests"] = args.max_requests
+    settings = WorkloadConfig.model_validate(workload)
+    data["workload"] = settings.model_dump()
+    return DeploymentConfig.model_validate(data), settings
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the deployment and the replay; 0 when every request completed, 1 otherwise, 2 on a config error."""
+    try:
+        cfg, workload = apply_overrides(load_config(args.config), args, source=args.config or default_config_path())
+    except (ConfigError, ValueError) as exc:
+        print(f"skylb local: {exc}", file=sys.stderr)
+        return 2
+    Path(".skylb-run").mkdir(exist_ok=True)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="local-", dir=".skylb-run")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else run_dir / "report.json"
+
+    def _terminate(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
+    deployment = Deployment(cfg, run_dir)
+    _say(f"run directory {run_dir} (process logs in logs/)")
+    try:
+        deployment.start()
+        doc = asyncio.run(replay_and_report(workload, deployment.balancer_urls, out=out, base_dir=Path.cwd()))
+        print(doc["workload"]["summary"])
+        print(format_table(doc["report"]))
+        checks = deployment_checks(doc, cfg)
+        for name, ok, evidence in checks:
+            print(f"  [{'ok' if ok else 'FAILED'}] {name}: {evidence}")
+        print(f"report written to {out}")
+        if args.keep_running:
+            _say("deployment is up; balancers: " + ", ".join(f"{r}={u}" for r, u in
+                                                              deployment.balancer_urls.items()) + "; Ctrl-C stops")
+            while True:
+                time.sleep(3600)
+        return 0 if all(ok for _, ok, _ in checks) else 1
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
+    except RuntimeError as exc:
+        print(f"skylb local: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        _say("stopping every process")
+        deployment.stop()

@@ -1,0 +1,28 @@
+"""The folder layout's one rule between product and benchmarks: the product never imports bench/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("skylb", "controller")
+
+
+def _bench_imports(path: Path) -> list[str]:
+    """The ``import bench...`` / ``from bench... import`` statements of one module, as "file:line module"."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                  if n == "bench" or n.startswith("bench.")]
+    return found
+
+
+def test_product_never_imports_bench():
+    """No module under skylb/ or controller/ imports bench/ (skylb/cli.py names demo and benchmark modules as
+    strings, imported only when their subcommand runs)."""
+    modules = [p for package in PRODUCT for p in sorted((ROOT / package).rglob("*.py"))]
+    assert len(modules) > 20
+    assert [hit for path in modules for hit in _bench_imports(path)] == []
