@@ -10,7 +10,7 @@ system maps to a simulated one:
   balancer always finds a healthy local replica, so it never forwards; GKE (per-region round robin) is that
   system for round robin, and ``LL-region`` below for least load.
 
-Figures are computed the way bench/peers.py ``summarize`` computes the live ones: throughput = completed requests /
+Figures are computed the way bench/harness.py ``summarize`` computes the live ones: throughput = completed requests /
 time of the last completion (the replay's wall time), TTFT and E2E percentiles in ms over every request, prefix hit
 = cached / prompt tokens at the engines, forwarded = requests placed by a peer balancer.
 """
