@@ -231,8 +231,9 @@ def test_forwarding_goes_to_the_only_available_peer():
 
 
 def test_prefix_policy_keeps_locality_and_snapshot_learns_forwards():
-    """A prompt extending an earlier one goes to the same replica; forwarded prompts fill the regional snapshot."""
-    router = _router(replicas=3, max_dispatch_per_probe=0)
+    """skylb-paper: a prompt extending an earlier one goes to the same replica, even while the first one is still
+    prefilling there; forwarded prompts fill the regional snapshot."""
+    router = _router("skylb-paper", replicas=3, max_dispatch_per_probe=0)
     for rid in router.replicas:
         router.observe_replica(rid, now=0.0, healthy=True, pending=0)
     base = "system prompt. " * 50

@@ -1,4 +1,5 @@
-"""The ``skylb`` policy (prefix trie + selective pushing): its choices pinned in a table."""
+"""The ``skylb-paper`` policy (prefix trie + selective pushing): its choices pinned in a table. ``skylb`` must make
+the same choices while no replica has a prefill backlog (tests/test_policy_estimated_wait.py covers the rest)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("name", ["skylb-paper", "skylb"])
 @pytest.mark.parametrize("case, options, history, loads, asks, expected", CASES, ids=[c[0] for c in CASES])
-def test_prefix_policy_picks(case, options, history, loads, asks, expected):
+def test_prefix_policy_picks(name, case, options, history, loads, asks, expected):
     """Longest prefix match among available replicas, least load below the threshold or when imbalanced."""
-    assert picks("skylb", options, history, loads, asks) == expected
+    assert picks(name, options, history, loads, asks) == expected
 
 
-def test_prefix_policy_forwards_by_the_regional_snapshot():
+@pytest.mark.parametrize("name", ["skylb-paper", "skylb"])
+def test_prefix_policy_forwards_by_the_regional_snapshot(name):
     """A prompt extending one forwarded before goes to that peer; others go to the peer with most room."""
-    assert peer_picks("skylb", {}, [(A, "asia")], {"eu": 1, "asia": 1},
+    assert peer_picks(name, {}, [(A, "asia")], {"eu": 1, "asia": 1},
                       [(A + "x", None), (B, None), (B + "y", None)]) == ["asia", "eu", "eu"]

@@ -77,7 +77,7 @@ def test_simulator_drives_the_core_router():
 
 def _probe_cluster(burst: list[SimRequest]) -> Cluster:
     workload = Workload("burst", "burst", arrivals=burst)
-    setup = BalancerSetup("us", ("us-r0",), BalancerConfig(max_dispatch_per_probe=0))
+    setup = BalancerSetup("us", ("us-r0",), BalancerConfig(policy="skylb-paper", max_dispatch_per_probe=0))
     return Cluster(workload=workload, replicas={"us-r0": "us"}, balancers=[setup], entry={"us": "us"},
                    stop_at=10.0)
 

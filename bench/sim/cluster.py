@@ -235,7 +235,7 @@ class SimBalancer:
             now = self.loop.now
             for r in self.replicas:
                 router.observe_replica(r.id, now=now, healthy=True, pending=r.engine.num_waiting,
-                                       running=r.engine.num_running)
+                                       running=r.engine.num_running, kv_usage=r.engine.kv_usage)
             decisions = router.dispatch(now)
             if not decisions:
                 return
@@ -243,6 +243,11 @@ class SimBalancer:
                 flight = cluster.flights[d.request.id]
                 flight.origin_decision = d
                 cluster.replicas[d.target].submit(flight)
+
+    def first_token(self, decision: Decision) -> None:
+        """The first token of ``decision`` passed this balancer: its prompt left the replica's prefill backlog."""
+        self.router.first_token(decision)
+        self.dispatch()
 
     def release(self, decision: Decision) -> None:
         """The stream of ``decision`` ended here: free its slot and let the queue move."""
@@ -269,23 +274,24 @@ class SimBalancer:
         self.loop.at(now + self.cluster.probe_interval_s, self._probe_round)
 
     def _sample_replicas(self, replicas: list[SimReplica], back_s: float) -> None:
-        snapshot = [(r.id, r.engine.num_waiting, r.engine.num_running) for r in replicas]
+        snapshot = [(r.id, r.engine.num_waiting, r.engine.num_running, r.engine.kv_usage) for r in replicas]
         self.loop.at(self.loop.now + back_s, self._observe_replicas, snapshot)
 
-    def _observe_replicas(self, snapshot: list[tuple[str, int, int]]) -> None:
+    def _observe_replicas(self, snapshot: list[tuple[str, int, int, float]]) -> None:
         now, router, cap = self.loop.now, self.router, self.setup.max_concurrency
-        for rid, pending, running in snapshot:
+        for rid, pending, running, kv_usage in snapshot:
             if cap:  # no pending metric: derive it from this balancer's own in-flight count, as live
                 pending, running = load_from_outstanding(router.replicas[rid].outstanding, cap)
-            router.observe_replica(rid, now=now, healthy=True, pending=pending, running=running)
+                kv_usage = None
+            router.observe_replica(rid, now=now, healthy=True, pending=pending, running=running, kv_usage=kv_usage)
         self.dispatch()
 
     def _sample_peer(self, peer: "SimBalancer", back_s: float) -> None:
         status = peer.router.status(self.loop.now)
-        self.loop.at(self.loop.now + back_s, self._observe_peer, status)
+        self.loop.at(self.loop.now + back_s, self._observe_peer, status, 2 * back_s)
 
-    def _observe_peer(self, status: PeerStatus) -> None:
-        self.router.observe_peer(status.region, now=self.loop.now, status=status)
+    def _observe_peer(self, status: PeerStatus, rtt_s: float) -> None:
+        self.router.observe_peer(status.region, now=self.loop.now, status=status, rtt_s=rtt_s)
         self.dispatch()
 
 
@@ -473,6 +479,9 @@ class Cluster:
         back += net.one_way_s(origin.region, flight.region)
         flight.back_s = back
         flight.first_token_at = t + back
+        # The dispatching balancer relays the stream, so it sees the first token one hop later.
+        self.loop.at(t + net.one_way_s(replica.region, dispatcher.region), dispatcher.first_token,
+                     flight.peer_decision if flight.peer is not None else flight.origin_decision)
 
     def replica_finished(self, flight: Flight, result: FinishedRequest) -> None:
         """The replica produced the last token now: release each balancer on the way back, then the client."""

@@ -47,7 +47,7 @@ class _StateCollector:
         for r in router.replicas.values():
             pending.add_metric([region, r.id], r.pending)
             outstanding.add_metric([region, r.id], r.outstanding)
-            reason = router.rules.replica_unavailable_reason(r, now)
+            reason = router.replica_unavailable_reason(r, now)
             available.add_metric([region, r.id, reason or ""], 0 if reason else 1)
         yield pending
         yield outstanding

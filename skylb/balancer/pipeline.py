@@ -72,10 +72,16 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             return _finish(balancer, error_response(api, 503, str(exc), type_="overloaded_error"),
                            request_id, parsed.model, started)
         ttft_histogram = metrics.ttft.labels(balancer.region, decision.route)
+
+        def first_byte(ttft_s: float, decision: Decision = decision) -> None:
+            ttft_histogram.observe(ttft_s)
+            router.first_token(decision)  # its prompt left the replica's prefill backlog
+            dispatcher.wake()
+
         try:
             outcome = await relay.relay(request, body, decision, request_id=request_id, arrived_at=arrived_at,
                                         retry_allowed=attempt < cfg.retry_policy.num_retries, api=api,
-                                        on_first_byte=ttft_histogram.observe)
+                                        on_first_byte=first_byte)
         finally:
             dispatcher.release(decision)
         if outcome.response is None:  # failed before any byte reached the client: count it and re-queue

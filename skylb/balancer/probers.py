@@ -73,7 +73,7 @@ class Probers:
                                      outstanding=state.outstanding, max_concurrency=state.max_concurrency)
         self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
                                     running=result.running, error=result.error, slots=result.slots,
-                                    probe_sent_at=sent_at)
+                                    probe_sent_at=sent_at, kv_usage=result.kv_usage)
         if result.healthy and state.models is None:
             engine = detected_engine(state.url) if state.engine == "auto" else state.engine
             if engine == "ollama":  # Ollama serves its own API besides the OpenAI one
@@ -90,6 +90,7 @@ class Probers:
 
     async def _probe_peer(self, peer: PeerState) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        sent_at = self.now()
         try:
             async with self.session.get(peer.url + STATUS_PATH, timeout=timeout, headers=self.peer_headers) as resp:
                 if resp.status != 200:
@@ -98,4 +99,5 @@ class Probers:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError) as exc:
             self.router.observe_peer(peer.region, now=self.now(), status=None, error=str(exc) or type(exc).__name__)
             return
-        self.router.observe_peer(peer.region, now=self.now(), status=status)
+        now = self.now()
+        self.router.observe_peer(peer.region, now=now, status=status, rtt_s=now - sent_at)

@@ -50,6 +50,8 @@ class _StatusMessage(BaseModel):
     replicas: Annotated[int, Field(ge=0)]
     queue_len: Annotated[int, Field(ge=0)]
     models: dict[str, dict[str, Annotated[int, Field(ge=0)]]] | None = None
+    # Added after version 1 shipped, optional both ways: an older peer omits it and ignores it (extra="ignore").
+    wait_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 
 
 def encode_status(status: PeerStatus) -> bytes:
@@ -80,7 +82,7 @@ def decode_status(data: bytes) -> PeerStatus:
         where = ".".join(str(p) for p in first["loc"])
         raise ProtocolError(f"peer status field {where}: {first['msg']}") from None
     return PeerStatus(region=msg.region, available_replicas=msg.available_replicas, replicas=msg.replicas,
-                      queue_len=msg.queue_len, models=msg.models)
+                      queue_len=msg.queue_len, models=msg.models, wait_ms=msg.wait_ms)
 
 
 def token_ok(configured: str | None, given: str | None) -> bool:

@@ -31,7 +31,7 @@ def detailed_status(balancer: Balancer) -> dict:
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
              "available": router.rules.replica_available(r, now),
-             "reason": router.rules.replica_unavailable_reason(r, now),
+             "reason": router.replica_unavailable_reason(r, now),
              "probe_age_ms": None if r.probed_at is None else round((now - r.probed_at) * 1000, 1),
              "models": sorted(r.models or ()), "apis": sorted(r.apis)}
             for r in router.replicas.values()],

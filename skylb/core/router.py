@@ -33,7 +33,7 @@ class Decision:
         request: the request; route: "local" (a local replica) or "peer" (forward to another region's balancer),
             the same word in the metric label, the log line and the ``X-SkyLB-Route`` header.
         target: the replica id or the peer region; url: the target's base URL.
-        queued_s: time the request waited in the queue, s.
+        queued_s: time the request waited in the queue, s. dispatched_at: when the decision was made, s.
     """
 
     request: Request
@@ -41,6 +41,7 @@ class Decision:
     target: str
     url: str
     queued_s: float
+    dispatched_at: float | None = None
 
 
 class Router:
@@ -154,26 +155,37 @@ class Router:
         return out
 
     def _place(self, request: Request, now: float) -> Decision | None:
-        rules, model, api = self.rules, request.model, request.api
-        usable = rules.replica_available if self.policy.selective else rules.replica_usable
+        rules, policy, model, api = self.rules, self.policy, request.model, request.api
+        usable = self.replica_available if policy.selective else rules.replica_usable
         local = [r for r in self.replicas.values() if r.serves(model, api) and usable(r, now)]
+        peers = ([p for p in self.peers.values() if rules.peer_available(p, now, model, api)]
+                 if request.may_forward else [])
         if local:
-            replica = self.policy.pick_replica(request, local)
-            replica.outstanding += 1
-            replica.dispatch_times.append(now)
-            replica.served += 1
-            self.policy.routed(request, replica=replica.id)
-            return Decision(request, "local", replica.id, replica.url, now - request.arrived_at)
-        if request.may_forward:
-            peers = [p for p in self.peers.values() if rules.peer_available(p, now, model, api)]
-            if peers:
-                peer = self.policy.pick_peer(request, peers)
-                peer.outstanding += 1
-                peer.sent_since_probe += 1
-                peer.forwarded += 1
-                self.policy.routed(request, peer=peer.region)
-                return Decision(request, "peer", peer.region, peer.url, now - request.arrived_at)
-        return None
+            replica = policy.pick_replica(request, local)
+            peer = policy.prefer_peer(request, replica, peers) if peers else None
+            if peer is None:
+                replica.outstanding += 1
+                replica.dispatch_times.append(now)
+                replica.served += 1
+                replica.unprefilled[request.id] = policy.uncached_tokens(request, replica.id)
+                policy.routed(request, replica=replica.id)
+                return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now)
+        elif peers:
+            peer = policy.pick_peer(request, peers)
+        else:
+            return None
+        peer.outstanding += 1
+        peer.sent_since_probe += 1
+        peer.forwarded += 1
+        policy.routed(request, peer=peer.region)
+        return Decision(request, "peer", peer.region, peer.url, now - request.arrived_at, now)
+
+    def first_token(self, decision: Decision) -> None:
+        """``decision``'s first token came back: its prompt no longer waits for prefill on its replica."""
+        if decision.route == "local":
+            state = self.replicas.get(decision.target)
+            if state is not None:
+                state.unprefilled.pop(decision.request.id, None)
 
     def finished(self, decision: Decision) -> None:
         """The response of ``decision`` ended (any outcome): release its outstanding count (never below 0)."""
@@ -181,6 +193,9 @@ class Router:
             state = self.replicas.get(decision.target)
             if state is not None:
                 state.outstanding = max(0, state.outstanding - 1)
+                state.unprefilled.pop(decision.request.id, None)
+                if self.policy.reuse_freed_slots and decision.dispatched_at is not None:
+                    state.slot_freed(decision.dispatched_at)
                 if state.draining and state.outstanding == 0:
                     del self.replicas[decision.target]
         else:
@@ -215,20 +230,20 @@ class Router:
     # -- probes and status --------------------------------------------------------------------------------------
     def observe_replica(self, replica_id: str, *, now: float, healthy: bool, pending: int = 0,
                         running: int | None = None, error: str | None = None, slots: int | None = None,
-                        probe_sent_at: float | None = None) -> None:
+                        probe_sent_at: float | None = None, kv_usage: float | None = None) -> None:
         """Record a probe answer for a local replica (ignored if the replica left); see ReplicaState.observe_probe."""
         state = self.replicas.get(replica_id)
         if state is not None:
             state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error,
-                                slots=slots, probe_sent_at=probe_sent_at)
+                                slots=slots, probe_sent_at=probe_sent_at, kv_usage=kv_usage)
 
     def observe_peer(self, region: str, *, now: float, status: PeerStatus | None,
-                     error: str | None = None) -> None:
-        """Record a peer's status (``status``) or that it failed (``status`` None, ``error`` why); ignored if the
-        peer left."""
+                     error: str | None = None, rtt_s: float | None = None) -> None:
+        """Record a peer's status (``status``) or that it failed (``status`` None, ``error`` why), with the round
+        trip of the probe that brought it (``rtt_s``, s); ignored if the peer left."""
         state = self.peers.get(region)
         if state is not None:
-            state.observe_status(now=now, status=status, error=error)
+            state.observe_status(now=now, status=status, error=error, rtt_s=rtt_s)
 
     def set_replica_models(self, replica_id: str, models: list[str]) -> None:
         """Record the model ids a local replica serves (learned from the replica)."""
@@ -251,14 +266,24 @@ class Router:
         return (all(r.models is not None for r in self.replicas.values() if r.healthy and not r.draining)
                 and all(p.models is not None for p in self.peers.values() if p.healthy))
 
+    def replica_unavailable_reason(self, replica: ReplicaState, now: float) -> str | None:
+        """None when ``replica`` may take a request at ``now`` under selective pushing: the availability rules'
+        reason first, then the policy's own clause (for status and metrics)."""
+        return self.rules.replica_unavailable_reason(replica, now) or self.policy.replica_unavailable_reason(replica)
+
+    def replica_available(self, replica: ReplicaState, now: float) -> bool:
+        """True when ``replica`` may take a request at ``now`` under selective pushing."""
+        return self.replica_unavailable_reason(replica, now) is None
+
     def available_replicas(self, now: float) -> list[ReplicaState]:
         """Local replicas available at ``now`` under selective pushing."""
-        return [r for r in self.replicas.values() if self.rules.replica_available(r, now)]
+        return [r for r in self.replicas.values() if self.replica_available(r, now)]
 
     def status(self, now: float) -> PeerStatus:
         """What this balancer tells its peers: its available replicas, replicas and queue length, and per API
         dialect every model a local replica serves with how many of those replicas are available now (0 included,
-        so a peer knows the model is served here even when all are busy)."""
+        so a peer knows the model is served here even when all are busy), and the policy's estimated wait on the
+        best available replica (ms; None without one or without an estimate)."""
         available = self.available_replicas(now)
         available_ids = {r.id for r in available}
         models: dict[str, dict[str, int]] = {}
@@ -269,6 +294,8 @@ class Router:
                 per_api = models.setdefault(api, {})
                 for m in r.models:
                     per_api[m] = per_api.get(m, 0) + (r.id in available_ids)
+        waits = [w for w in map(self.policy.estimated_wait_s, available) if w is not None]
         return PeerStatus(region=self.region, available_replicas=len(available),
                           replicas=sum(1 for r in self.replicas.values() if not r.draining),
-                          queue_len=len(self.queue), models=models)
+                          queue_len=len(self.queue), models=models,
+                          wait_ms=round(min(waits) * 1000.0, 3) if waits else None)

@@ -44,6 +44,9 @@ class ReplicaState:
         max_concurrency: the replica's parallel slots when configured (engines without a pending metric).
         models: the model ids it serves (None until learned from the replica); apis: the API dialects it speaks.
         error: why the latest probe failed, if it did.
+        kv_usage: the fraction of the engine's KV cache in use (0-1) at the latest probe, when the engine says.
+        unprefilled: request id -> prompt tokens not expected from the prefix cache, for this balancer's requests
+            sent here that have not yet produced a first token (the prefill backlog it knows exactly).
     """
 
     id: str
@@ -64,6 +67,13 @@ class ReplicaState:
     slots: int | None = None
     #: Consecutive failures before the first byte (outlier detection, ``Router.target_failed``).
     gateway_failures: int = 0
+    kv_usage: float | None = None
+    unprefilled: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def backlog_tokens(self) -> int:
+        """Uncached prompt tokens this balancer sent here that have not produced a first token yet."""
+        return sum(self.unprefilled.values())
 
     @property
     def sent_since_probe(self) -> int:
@@ -76,7 +86,7 @@ class ReplicaState:
 
     def observe_probe(self, *, now: float, healthy: bool, pending: int = 0, running: int | None = None,
                       error: str | None = None, slots: int | None = None,
-                      probe_sent_at: float | None = None) -> None:
+                      probe_sent_at: float | None = None, kv_usage: float | None = None) -> None:
         """Record one probe answer received at ``now`` (s).
 
         ``probe_sent_at`` (s): when the probe left; requests dispatched after that may be missing from the answer,
@@ -87,11 +97,28 @@ class ReplicaState:
         self.running = running if healthy else self.running
         if slots is not None:
             self.slots = slots
+        if healthy:
+            self.kv_usage = None if kv_usage is None else min(1.0, max(0.0, float(kv_usage)))
         self.error = None if healthy else (error or "probe failed")
         self.probed_at = now
         cutoff = now if probe_sent_at is None else probe_sent_at
         while self.dispatch_times and self.dispatch_times[0] < cutoff:
             self.dispatch_times.popleft()
+
+    def slot_freed(self, dispatched_at: float) -> None:
+        """A request sent here at ``dispatched_at`` (s) finished: its place in the engine is free now, before the
+        next probe says so (issue 8, "pushing without idle slots"). Sent after the latest probe: it no longer counts
+        as unseen. Seen by it: the engine admits one of its pending requests, or, with none pending, one more slot of
+        its running batch is free. The next probe corrects any error."""
+        try:
+            self.dispatch_times.remove(dispatched_at)
+            return
+        except ValueError:
+            pass
+        if self.pending > 0:
+            self.pending -= 1
+        elif self.running:
+            self.running -= 1
 
 
 @dataclass(frozen=True)
@@ -105,6 +132,9 @@ class PeerStatus:
         queue_len: requests waiting in its queue.
         models: per API dialect ("openai", "ollama"), model id -> how many of its replicas serving that model
             are available now (0 included: the model is served there, all busy); None when the peer did not say.
+        wait_ms: the reporting balancer's estimated wait before a new request's prefill starts on its best
+            available replica, ms (skylb/core/estimate.py); None when it has no estimate (no available replica,
+            or a policy without one, or an older peer).
     """
 
     region: str
@@ -112,6 +142,7 @@ class PeerStatus:
     replicas: int
     queue_len: int
     models: dict[str, dict[str, int]] | None = None
+    wait_ms: float | None = None
 
 
 @dataclass
@@ -125,6 +156,8 @@ class PeerState:
         sent_since_probe: requests forwarded there since the latest status.
         models: per API dialect, model -> the peer's available replicas serving it (every model it serves is a
             key, with 0 when none is available); None when the peer did not report models.
+        wait_s: the peer's estimated wait (s) from its latest status, None when it gave none.
+        rtt_s: the round trip to the peer, s: a moving average of status probe round trips (None: not measured).
     """
 
     region: str
@@ -141,15 +174,25 @@ class PeerState:
     models: dict[str, dict[str, int]] | None = None
     #: Consecutive failures before the first byte (outlier detection, ``Router.target_failed``).
     gateway_failures: int = 0
+    wait_s: float | None = None
+    rtt_s: float | None = None
 
-    def observe_status(self, *, now: float, status: PeerStatus | None, error: str | None = None) -> None:
-        """Record one status answer taken at ``now`` (s), or its failure (``status`` None, ``error`` why)."""
+    #: Weight of the newest round trip in ``rtt_s`` (an exponential moving average, as TCP's SRTT uses 1/8).
+    RTT_WEIGHT = 0.125
+
+    def observe_status(self, *, now: float, status: PeerStatus | None, error: str | None = None,
+                       rtt_s: float | None = None) -> None:
+        """Record one status answer taken at ``now`` (s), or its failure (``status`` None, ``error`` why);
+        ``rtt_s``: the round trip of the probe that brought it (s)."""
         self.healthy = status is not None
         if status is not None:
             self.available_replicas = max(0, int(status.available_replicas))
             self.replicas = max(0, int(status.replicas))
             self.queue_len = max(0, int(status.queue_len))
             self.models = status.models
+            self.wait_s = None if status.wait_ms is None else max(0.0, float(status.wait_ms)) / 1000.0
+            if rtt_s is not None and rtt_s >= 0:
+                self.rtt_s = rtt_s if self.rtt_s is None else self.rtt_s + self.RTT_WEIGHT * (rtt_s - self.rtt_s)
         self.error = None if status is not None else (error or "status probe failed")
         self.probed_at = now
         self.sent_since_probe = 0

@@ -9,7 +9,7 @@ from typing import ClassVar
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["EngineAdapter", "ProbeResult", "ADAPTERS", "adapter_for", "sum_gauges"]
+__all__ = ["EngineAdapter", "ProbeResult", "ADAPTERS", "adapter_for", "sum_gauges", "max_gauges"]
 
 #: engine name -> adapter class, filled by ``EngineAdapter.__init_subclass__``.
 ADAPTERS: dict[str, type["EngineAdapter"]] = {}
@@ -26,6 +26,8 @@ class ProbeResult:
         error: why the probe failed (healthy False).
         slots: the engine's parallel slots (the most requests it runs at once), when it says (llama.cpp's
             ``total_slots``), else None.
+        kv_usage: the fraction of the KV cache in use, 0-1, when the engine says (vLLM ``kv_cache_usage_perc``,
+            SGLang ``token_usage``), else None.
     """
 
     healthy: bool
@@ -34,6 +36,7 @@ class ProbeResult:
     error: str | None = None
     models: list[str] = field(default_factory=list)
     slots: int | None = None
+    kv_usage: float | None = None
 
 
 class EngineAdapter:
@@ -74,6 +77,18 @@ def adapter_for(engine: str) -> EngineAdapter:
         raise ValueError(f"no adapter for engine {engine!r}; known: {', '.join(sorted(ADAPTERS))}") from None
 
 
+def _samples(text: str, names: tuple[str, ...]):
+    """(name, value) of every sample of the metrics ``names`` in Prometheus exposition ``text``."""
+    wanted = tuple(f"{n}{sep}" for n in names for sep in ("{", " "))
+    lines = [ln for ln in text.splitlines() if ln.startswith(wanted)]
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            if sample.name in names:
+                if not math.isfinite(sample.value):
+                    raise ValueError(f"{sample.name} is {sample.value}")
+                yield sample.name, sample.value
+
+
 def sum_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     """Sum each metric in ``names`` over all its label sets, from Prometheus exposition ``text``.
 
@@ -82,13 +97,16 @@ def sum_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     probes run every 100 ms. Parsing is prometheus_client's. Missing metrics are absent from the result.
     Raises ValueError for text that does not parse, or a wanted sample that is NaN or infinite (no count).
     """
-    wanted = tuple(f"{n}{sep}" for n in names for sep in ("{", " "))
-    lines = [ln for ln in text.splitlines() if ln.startswith(wanted)]
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for sample in family.samples:
-            if sample.name in names:
-                if not math.isfinite(sample.value):
-                    raise ValueError(f"{sample.name} is {sample.value}")
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    for name, value in _samples(text, names):
+        totals[name] = totals.get(name, 0.0) + value
     return totals
+
+
+def max_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The largest sample of each metric in ``names`` over its label sets (a ratio such as KV usage, where the
+    fullest engine of a data-parallel replica is the one that limits it); as ``sum_gauges`` otherwise."""
+    highest: dict[str, float] = {}
+    for name, value in _samples(text, names):
+        highest[name] = max(value, highest.get(name, value))
+    return highest

@@ -18,6 +18,8 @@ __all__ = ["LlamaCppAdapter", "DEFERRED", "PROCESSING"]
 
 DEFERRED = "llamacpp:requests_deferred"
 PROCESSING = "llamacpp:requests_processing"
+#: KV cache usage, 0-1: exported by older llama-server builds only (removed with the unified KV cache in 2025).
+KV_USAGE = "llamacpp:kv_cache_usage_ratio"
 #: base URL -> the server's parallel slots (``GET /props`` -> ``total_slots``); they never change while it runs.
 _SLOTS_BY_URL: dict[str, int] = {}
 
@@ -44,7 +46,7 @@ class LlamaCppAdapter(EngineAdapter, engine="llamacpp"):
         if answer.status != 200:
             return ProbeResult(False, error=f"/metrics answered HTTP {answer.status}")
         try:
-            values = sum_gauges(answer.text, (DEFERRED, PROCESSING))
+            values = sum_gauges(answer.text, (DEFERRED, PROCESSING, KV_USAGE))
         except ValueError as exc:
             return ProbeResult(False, error=f"malformed /metrics: {exc}"[:200])
         if DEFERRED not in values:
@@ -61,4 +63,4 @@ class LlamaCppAdapter(EngineAdapter, engine="llamacpp"):
             except FetchError:
                 pass  # asked again at the next probe
         return ProbeResult(True, pending=int(values[DEFERRED]), running=None if running is None else int(running),
-                           slots=_SLOTS_BY_URL.get(url))
+                           slots=_SLOTS_BY_URL.get(url), kv_usage=values.get(KV_USAGE))

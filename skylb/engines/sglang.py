@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
-from skylb.engines.base import EngineAdapter, ProbeResult, sum_gauges
+from skylb.engines.base import EngineAdapter, ProbeResult, max_gauges, sum_gauges
 from skylb.engines.fetch import FetchError, get, json_or_none
 
 __all__ = ["SGLangAdapter", "WAITING", "RUNNING"]
 
 WAITING = "sglang:num_queue_reqs"
 RUNNING = "sglang:num_running_reqs"
+#: KV pool usage, 0-1 (collector.py: "sglang:token_usage: The token usage"); the fullest rank is taken.
+KV_USAGE = "sglang:token_usage"
 #: HTTP statuses meaning "this server has no such endpoint" (FastAPI's 404 and 405).
 _ABSENT = (404, 405)
 
@@ -41,12 +43,14 @@ async def _from_metrics(session, url: str, timeout_s: float) -> ProbeResult | st
         return f"/metrics answered HTTP {answer.status}"
     try:
         values = sum_gauges(answer.text, (WAITING, RUNNING))
+        kv = max_gauges(answer.text, (KV_USAGE,))
     except ValueError as exc:
         return f"malformed /metrics: {exc}"[:200]
     if WAITING not in values:
         return None  # metrics on, but this gauge not (yet) exported: the JSON endpoints may still say
     running = values.get(RUNNING)
-    return ProbeResult(True, pending=int(values[WAITING]), running=None if running is None else int(running))
+    return ProbeResult(True, pending=int(values[WAITING]), running=None if running is None else int(running),
+                       kv_usage=kv.get(KV_USAGE))
 
 
 def _sum_ranks(ranks: Any, path: str, *, running_of: Callable[[dict], int | None]) -> ProbeResult | str:

@@ -11,12 +11,15 @@ import asyncio
 
 import aiohttp
 
-from skylb.engines.base import EngineAdapter, ProbeResult, sum_gauges
+from skylb.engines.base import EngineAdapter, ProbeResult, max_gauges, sum_gauges
 
 __all__ = ["VLLMAdapter"]
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
+#: KV cache usage, 0-1 (vllm/v1/metrics/loggers.py): ``kv_cache_usage_perc`` since 0.10, ``gpu_cache_usage_perc``
+#: before (removed in 0.12). With data parallelism each engine reports its own: the fullest one is taken.
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
 class VLLMAdapter(EngineAdapter, engine="vllm"):
@@ -32,9 +35,12 @@ class VLLMAdapter(EngineAdapter, engine="vllm"):
             return ProbeResult(False, error=f"/metrics unreachable: {type(exc).__name__}")
         try:
             values = sum_gauges(text, (WAITING, RUNNING))
+            kv = max_gauges(text, KV_USAGE)
         except ValueError as exc:  # the reason shows in the status, rather than a stale probe
             return ProbeResult(False, error=f"malformed /metrics: {exc}"[:200])
         if WAITING not in values:
             return ProbeResult(False, error=f"/metrics has no {WAITING}")
         running = values.get(RUNNING)
-        return ProbeResult(True, pending=int(values[WAITING]), running=None if running is None else int(running))
+        kv_usage = next((kv[name] for name in KV_USAGE if name in kv), None)
+        return ProbeResult(True, pending=int(values[WAITING]), running=None if running is None else int(running),
+                           kv_usage=kv_usage)

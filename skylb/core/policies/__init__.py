@@ -4,7 +4,9 @@ request. One module per policy; ``scoring`` holds what they share; ``base`` the 
 ========================  ========  ==================================================================
 name                      pushing   module
 ========================  ========  ==================================================================
-``skylb``                 selective ``prefix``: prefix trie + regional snapshot (paper §3.2, the default)
+``skylb``                 selective ``estimated_wait``: prefix trie + estimated wait, forwards when a peer is
+                                    faster (the default; issue 8)
+``skylb-paper``           selective ``prefix``: prefix trie + regional snapshot, the paper's rule (§3.2-§3.3)
 ``skylb-ch``              selective ``hash_ring``: consistent hashing of the session key (paper §3.2)
 ``round-robin``           blind     ``round_robin`` (baseline RR)
 ``least-load``            blind     ``least_load`` (baseline LL)
@@ -16,6 +18,7 @@ name                      pushing   module
 
 from skylb.core.policies.base import (POLICIES, Policy, PolicyError, make_policy, options_class, policy_names,
                                       policy_options)
+from skylb.core.policies.estimated_wait import EstimatedWaitPolicy
 from skylb.core.policies.hash_ring import ConsistentHashPolicy, HashRingPolicy
 from skylb.core.policies.least_load import LeastLoadPolicy
 from skylb.core.policies.prefix import PrefixPolicy
@@ -24,6 +27,6 @@ from skylb.core.policies.scoring import least_loaded, loads_imbalanced, most_roo
 from skylb.core.policies.sglang import SGLangCacheAwarePolicy, SGLangSelectivePolicy
 
 __all__ = ["POLICIES", "Policy", "PolicyError", "make_policy", "options_class", "policy_names", "policy_options",
-           "PrefixPolicy", "HashRingPolicy", "ConsistentHashPolicy", "RoundRobinPolicy", "LeastLoadPolicy",
+           "PrefixPolicy", "EstimatedWaitPolicy", "HashRingPolicy", "ConsistentHashPolicy", "RoundRobinPolicy", "LeastLoadPolicy",
            "SGLangCacheAwarePolicy", "SGLangSelectivePolicy", "trie_key", "loads_imbalanced", "least_loaded",
            "most_room"]

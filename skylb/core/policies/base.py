@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from pydantic import ConfigDict, ValidationError
 from pydantic.dataclasses import dataclass
 
+from skylb.core.estimate import prompt_tokens
 from skylb.core.policies import scoring
 from skylb.core.request import Request
 from skylb.core.state import PeerState, ReplicaState
@@ -45,11 +46,15 @@ class Policy:
         selective: True when the router offers only available replicas (selective pushing), False when it offers
             every healthy one (blind pushing).
         Options: the policy's options dataclass; ``self.options`` holds the instance it was built with.
+        reuse_freed_slots: True when a finished request frees its replica's place at once
+            (``ReplicaState.slot_freed``: the head of the queue goes there before the next probe); False keeps
+            the paper's rule, where only a probe makes a replica available again.
     """
 
     name: ClassVar[str]
     selective: ClassVar[bool] = True
     Options: ClassVar[type] = NoOptions
+    reuse_freed_slots: ClassVar[bool] = True
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -76,6 +81,25 @@ class Policy:
 
     def set_members(self, replicas: Iterable[str], peers: Iterable[str]) -> None:
         """The current local replica ids and peer regions (members that left are forgotten)."""
+
+    def replica_unavailable_reason(self, replica: ReplicaState) -> str | None:
+        """A policy's own availability clause beyond ``AvailabilityRules`` (None: no objection), a short phrase."""
+        return None
+
+    def uncached_tokens(self, request: Request, replica_id: str) -> int:
+        """Prompt tokens of ``request`` the replica ``replica_id`` is expected to prefill (not find cached);
+        default: the whole prompt (skylb/core/estimate.py ``prompt_tokens``)."""
+        return prompt_tokens(request)
+
+    def estimated_wait_s(self, replica: ReplicaState) -> float | None:
+        """Seconds a new request would wait before its prefill starts on ``replica``; None: no estimate."""
+        return None
+
+    def prefer_peer(self, request: Request, replica: ReplicaState,
+                    peers: Sequence[PeerState]) -> PeerState | None:
+        """A peer to forward ``request`` to although local ``replica`` (already picked) could take it, or None
+        (the default: a local replica with room always wins, the paper's rule)."""
+        return None
 
     def least_loaded(self, candidates: Sequence[ReplicaState]) -> ReplicaState:
         """Fewest outstanding requests from this balancer, ties rotated so idle replicas share the load."""

@@ -1,4 +1,8 @@
-"""``skylb``: prefix trie + selective pushing (SkyLB paper §3.2-§3.3, Algorithm 1 lines 18-21).
+"""``skylb-paper``: prefix trie + selective pushing, the paper's rule (SkyLB paper §3.2-§3.3, Algorithm 1 lines
+18-21), kept for reproduction; ``skylb`` (estimated_wait.py) builds on it.
+
+A replica is available only by the paper's rule (0 pending at the latest probe; AvailabilityRules): a finished
+request does not make its replica available before the next probe (``reuse_freed_slots`` False).
 
 Among the available candidates, the one with the longest matching prefix in this balancer's replica trie; when the
 match covers less than ``match_threshold`` of the prompt, the least loaded candidate instead (the prototype's
@@ -44,10 +48,11 @@ class PrefixOptions:
     balance_rel_threshold: float = Field(1.0001, ge=1)
 
 
-class PrefixPolicy(Policy, name="skylb"):
+class PrefixPolicy(Policy, name="skylb-paper"):
     """Longest prefix match over the available candidates (replica trie, or regional snapshot for peers)."""
 
     Options = PrefixOptions
+    reuse_freed_slots = False
 
     def __init__(self, options: PrefixOptions | None = None):
         super().__init__(options)

@@ -1,0 +1,127 @@
+"""``skylb``: prefix trie + selective pushing on estimated wait, forwarding when a peer is faster (the default).
+
+Builds on the paper's rule (``skylb-paper``, prefix.py) with what issue 8 measured on real load:
+
+* Availability sees prefill backlog and KV pressure. Besides 0 pending at the latest probe, a replica must have less
+  than ``backlog_budget_tokens`` of this balancer's prompt tokens still waiting for their first token (about one
+  chunked-prefill step: vLLM's ``max_num_batched_tokens`` default is 2048), and, when the engine reports it, KV
+  usage below ``kv_high_watermark``. Under chunked prefill an engine admits long prompts into its running batch
+  (0 pending) while every request on it slows down; the backlog clause stops piling more prompts there.
+* A finished request frees its replica's place at once (``reuse_freed_slots``); probes correct the estimate.
+* Placement by estimated time to first token: for each candidate, its estimated wait (skylb/core/estimate.py) plus
+  the prefill of the part of the prompt it is not expected to have cached. A prefix match of ratio m (at least
+  ``match_threshold``; the trie's match at the deepest node) saves m x prompt tokens of prefill, converted to
+  seconds at ``prefill_tokens_per_s``; that is how locality is weighed against queueing. The load guard
+  (``balance_*_threshold``) still wins when outstanding requests are imbalanced.
+* Forwarding on the estimate: a request goes to an available peer when that peer's estimated wait (from its status),
+  plus the measured round trip, plus the prefill of the part its snapshot match does not cover, beats the best
+  local replica's estimate by ``forward_margin_ms``, even when a local replica has room. With no local replica
+  available it goes to a peer as in the paper. The one-hop rule is the router's and is unchanged.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from skylb.core.estimate import WaitModel, prompt_tokens
+from skylb.core.policies.base import OPTIONS_CONFIG
+from skylb.core.policies.prefix import PrefixOptions, PrefixPolicy
+
+__all__ = ["EstimatedWaitPolicy", "EstimatedWaitOptions"]
+
+
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
+class EstimatedWaitOptions(PrefixOptions):
+    """Options of ``skylb``: those of ``skylb-paper`` (PrefixOptions) and:
+
+    Attributes:
+        prefill_tokens_per_s: one replica's prefill throughput, tokens/s (default: Llama-3.1-8B on an L4, about
+            2000; set it for your engine and GPU: it converts token backlogs and cached prefixes to seconds).
+        backlog_budget_tokens: a replica with this many of this balancer's prompt tokens not yet prefilled takes
+            no more (0: no such clause).
+        kv_high_watermark: a replica whose engine reports KV usage at or above this fraction takes no more (1: off).
+        forward_margin_ms: a peer must beat the best local estimate by this much to get a request a local replica
+            could take, ms.
+        default_prompt_tokens: the length assumed for a pending request this balancer did not send, tokens.
+    """
+
+    prefill_tokens_per_s: float = Field(2000.0, gt=0)
+    backlog_budget_tokens: int = Field(2048, ge=0)
+    kv_high_watermark: float = Field(0.95, gt=0, le=1)
+    forward_margin_ms: float = Field(50.0, ge=0)
+    default_prompt_tokens: int = Field(512, ge=1)
+
+
+class EstimatedWaitPolicy(PrefixPolicy, name="skylb"):
+    """Prefix-aware placement by estimated time to first token, locally and across regions."""
+
+    Options = EstimatedWaitOptions
+    reuse_freed_slots = True
+
+    def __init__(self, options: EstimatedWaitOptions | None = None):
+        super().__init__(options)
+        o = self.options
+        self.wait = WaitModel(prefill_tokens_per_s=o.prefill_tokens_per_s,
+                              default_prompt_tokens=o.default_prompt_tokens)
+
+    # -- availability and estimates -----------------------------------------------------------------------------
+    def replica_unavailable_reason(self, replica):
+        o = self.options
+        if o.backlog_budget_tokens and replica.unprefilled and replica.backlog_tokens >= o.backlog_budget_tokens:
+            return "prefill backlog"
+        if replica.kv_usage is not None and o.kv_high_watermark < 1 and replica.kv_usage >= o.kv_high_watermark:
+            return "KV cache full"
+        return None
+
+    def estimated_wait_s(self, replica):
+        return self.wait.wait_s(replica)
+
+    def _matched(self, request, trie, members) -> tuple[frozenset[str], float]:
+        """(targets with the deepest match, matched fraction), the fraction 0 below ``match_threshold``."""
+        m = trie.match(self._key(request), members)
+        if not m.targets or m.ratio < self.options.match_threshold:
+            return frozenset(), 0.0
+        return m.targets, m.ratio
+
+    def uncached_tokens(self, request, replica_id):
+        targets, ratio = self._matched(request, self.replica_trie, (replica_id,))
+        return round(prompt_tokens(request) * (1.0 - ratio if replica_id in targets else 1.0))
+
+    # -- placement ------------------------------------------------------------------------------------------------
+    def _local_costs(self, request, candidates) -> dict[str, float]:
+        """Candidate id -> estimated seconds to its first token (wait + uncached prefill)."""
+        tokens = prompt_tokens(request)
+        targets, ratio = self._matched(request, self.replica_trie, {c.id for c in candidates})
+        return {c.id: self.wait.wait_s(c) + self.wait.prefill_s(tokens * (1.0 - ratio if c.id in targets else 1.0))
+                for c in candidates}
+
+    def pick_replica(self, request, candidates):
+        if len(candidates) > 1 and self.imbalanced(candidates):
+            return self.least_loaded(candidates)
+        costs = self._local_costs(request, candidates)
+        best = min(costs.values())
+        # Within a millisecond is a tie: spread over the tied ones by load rather than by dict order.
+        return self.least_loaded([c for c in candidates if costs[c.id] <= best + 1e-3])
+
+    def peer_cost_s(self, request, peer, ratio: float) -> float | None:
+        """Estimated seconds to ``request``'s first token through ``peer`` (its status's wait, the round trip, the
+        requests forwarded there since that status spread over its available replicas, and the prefill of the
+        part of the prompt not matched (``ratio``) in the regional snapshot); None when the peer gave no wait or
+        its round trip is not measured yet."""
+        if peer.wait_s is None or peer.rtt_s is None:
+            return None
+        queued = peer.sent_since_probe * self.options.default_prompt_tokens / max(1, peer.available_replicas)
+        return (peer.rtt_s + peer.wait_s + self.wait.prefill_s(queued)
+                + self.wait.prefill_s(prompt_tokens(request) * (1.0 - ratio)))
+
+    def prefer_peer(self, request, replica, peers):
+        local_s = self._local_costs(request, [replica])[replica.id]
+        margin_s = self.options.forward_margin_ms / 1000.0
+        targets, ratio = self._matched(request, self.snapshot_trie, {p.region for p in peers})
+        best, best_s = None, local_s - margin_s
+        for p in sorted(peers, key=lambda p: p.region):
+            cost = self.peer_cost_s(request, p, ratio if p.region in targets else 0.0)
+            if cost is not None and cost < best_s:
+                best, best_s = p, cost
+        return best

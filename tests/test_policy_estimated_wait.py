@@ -1,0 +1,177 @@
+"""The ``skylb`` policy (estimated wait): availability on prefill backlog and KV pressure, placement by estimated
+time to first token, forwarding when a peer's estimate plus the round trip is lower, and freed slots reused at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from skylb.core import AvailabilityRules, PeerStatus, Request, Router, make_policy
+from skylb.core.estimate import WaitModel, prompt_tokens
+from skylb.core.state import ReplicaState
+from tests.policy_table import replicas
+
+A = "alpha " * 200  # 1,200 characters, 300 tokens at 4 characters per token
+
+
+def _router(policy="skylb", n=2, peers=("eu",), **options):
+    router = Router(region="us", policy=make_policy(policy, **options),
+                    rules=AvailabilityRules(max_dispatch_per_probe=0))
+    router.set_replicas([(f"r{i}", f"http://r{i}", "vllm") for i in range(n)])
+    router.set_peers([(p, f"http://{p}") for p in peers])
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0, running=0)
+    return router
+
+
+def _peer_status(region="eu", *, wait_ms=0.0, available=2):
+    return PeerStatus(region, available_replicas=available, replicas=available, queue_len=0, wait_ms=wait_ms)
+
+
+# -- the estimate --------------------------------------------------------------------------------------------------
+
+def test_prompt_tokens_from_the_caller_or_the_text():
+    """A known prompt length is used as is; otherwise the text's characters / 4 (at least 1 token)."""
+    assert prompt_tokens(Request("a", "x" * 400, 0.0, prompt_tokens=7)) == 7
+    assert prompt_tokens(Request("b", "x" * 400, 0.0)) == 100
+    assert prompt_tokens(Request("c", "", 0.0)) == 1
+
+
+@pytest.mark.parametrize("unprefilled, pending, expected_s", [
+    ({}, 0, 0.0),
+    ({"q1": 1000}, 0, 0.5),
+    ({"q1": 1000}, 1, 0.5),  # the engine's pending request is this balancer's own: not counted twice
+    ({"q1": 1000}, 3, 1.012),  # two more pending that another balancer sent: 512 tokens each assumed
+    ({}, 2, 0.512),
+])
+def test_wait_model_counts_own_backlog_and_unknown_pending(unprefilled, pending, expected_s):
+    """Estimated wait = (own unprefilled tokens + default size x pending beyond them) / prefill rate."""
+    r = ReplicaState(id="r", url="x", healthy=True, probed_at=0.0, pending=pending)
+    r.unprefilled.update(unprefilled)
+    assert WaitModel(prefill_tokens_per_s=2000, default_prompt_tokens=512).wait_s(r) == pytest.approx(expected_s)
+
+
+# -- availability -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backlog, kv_usage, expected", [
+    ({}, None, None),
+    ({"q1": 5000}, None, "prefill backlog"),  # one request alone may exceed the budget only on an idle replica
+    ({"q1": 1100, "q2": 1000}, None, "prefill backlog"),
+    ({"q1": 1000}, None, None),
+    ({}, 0.97, "KV cache full"),
+    ({}, 0.90, None),
+])
+def test_backlog_and_kv_clauses(backlog, kv_usage, expected):
+    """0 pending is not enough: a backlog at the budget (2048 tokens) or KV usage at 95% makes a replica full."""
+    router = _router()
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=3, kv_usage=kv_usage)
+    router.replicas["r0"].unprefilled.update(backlog)
+    assert router.replica_unavailable_reason(router.replicas["r0"], 0.01) == expected
+
+
+def test_paper_policy_ignores_backlog_and_kv():
+    """skylb-paper keeps the paper's rule: 0 pending at the latest probe is enough."""
+    router = _router("skylb-paper")
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, kv_usage=0.99)
+    router.replicas["r0"].unprefilled.update({"q1": 9000})
+    assert router.replica_unavailable_reason(router.replicas["r0"], 0.01) is None
+
+
+# -- placement --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backlog_tokens, expected", [
+    (100, "r1"),  # 0.05 s of backlog beats prefilling 300 uncached tokens elsewhere (0.15 s): locality wins
+    (1000, "r2"),  # 0.5 s of backlog loses to 0.15 s of prefill on an idle replica
+])
+def test_prefix_match_is_weighed_against_the_backlog(backlog_tokens, expected):
+    """A cached prefix saves its prefill time (matched tokens / rate), compared with the replica's wait."""
+    policy = make_policy("skylb")
+    policy.set_members(["r1", "r2"], [])
+    policy.routed(Request("h", A, 0.0), replica="r1")
+    candidates = replicas({"r1": 1, "r2": 1})
+    candidates[0].unprefilled["other"] = backlog_tokens
+    assert policy.pick_replica(Request("q", A + "more", 0.0), candidates).id == expected
+
+
+def test_request_forwarded_when_peer_estimate_plus_rtt_is_lower():
+    """A local replica shows 0 pending, but its backlog (1.5 s) loses to an idle peer 150 ms away: forwarded."""
+    router = _router(n=1, backlog_budget_tokens=8000)  # the backlog stays below the budget: r0 is available
+    router.replicas["r0"].unprefilled["earlier"] = 3000
+    router.observe_peer("eu", now=0.0, status=_peer_status(wait_ms=0.0), rtt_s=0.15)
+    assert router.replica_unavailable_reason(router.replicas["r0"], 0.01) is None
+    router.enqueue(Request("q", "hello " * 100, arrived_at=0.0))
+    [d] = router.dispatch(0.01)
+    assert (d.route, d.target) == ("peer", "eu")
+
+
+@pytest.mark.parametrize("status, rtt_s, why", [
+    (_peer_status(wait_ms=0.0), 2.0, "the round trip is longer than the local wait"),
+    (_peer_status(wait_ms=1400.0), 0.15, "the peer's own wait plus the round trip is not lower by the margin"),
+    (_peer_status(wait_ms=None), 0.15, "the peer gave no estimate"),
+    (_peer_status(wait_ms=0.0), None, "the round trip is not measured"),
+])
+def test_request_stays_local_unless_the_peer_is_clearly_faster(status, rtt_s, why):
+    """Forwarding a request a local replica could take needs a known, lower peer estimate (margin 50 ms)."""
+    router = _router(n=1, backlog_budget_tokens=8000)
+    router.replicas["r0"].unprefilled["earlier"] = 3000
+    router.observe_peer("eu", now=0.0, status=status, rtt_s=rtt_s)
+    router.enqueue(Request("q", "hello " * 100, arrived_at=0.0))
+    [d] = router.dispatch(0.01)
+    assert d.route == "local", why
+
+
+def test_status_carries_the_best_available_wait():
+    """The peer status reports the smallest estimated wait among available replicas, in ms."""
+    router = _router(n=2)
+    router.replicas["r0"].unprefilled["a"] = 1000
+    router.replicas["r1"].unprefilled["b"] = 400
+    assert router.status(0.01).wait_ms == pytest.approx(200.0)
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.02, healthy=True, pending=2)
+    assert router.status(0.03).wait_ms is None
+
+
+def test_first_token_and_finish_clear_the_backlog():
+    """A dispatched prompt is backlog until its first token comes back (or it ends without one)."""
+    router = _router(n=1, peers=())
+    router.enqueue(Request("q1", "x" * 4000, arrived_at=0.0))
+    router.enqueue(Request("q2", "y" * 4000, arrived_at=0.0))
+    d1, d2 = router.dispatch(0.01)
+    assert router.replicas["r0"].backlog_tokens == 2000
+    router.first_token(d1)
+    assert router.replicas["r0"].backlog_tokens == 1000
+    router.finished(d2)
+    assert router.replicas["r0"].unprefilled == {}
+
+
+# -- freed slots ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy, expected", [("skylb", ["q2"]), ("skylb-paper", [])])
+def test_finished_request_frees_its_slot_before_the_next_probe(policy, expected):
+    """llama.cpp-like replica with 1 slot: when the running request ends, the queued one goes at once (skylb);
+    the paper's rule waits for the next probe."""
+    router = _router(policy, n=1, peers=())
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=0, slots=1)
+    router.enqueue(Request("q1", "a", arrived_at=0.0))
+    [d1] = router.dispatch(0.01)
+    router.enqueue(Request("q2", "b", arrived_at=0.02))
+    assert router.dispatch(0.02) == []
+    router.observe_replica("r0", now=0.05, healthy=True, pending=0, running=1, probe_sent_at=0.04)
+    assert router.dispatch(0.05) == []
+    router.finished(d1)
+    assert [d.request.id for d in router.dispatch(0.06)] == expected
+
+
+def test_finish_lets_a_pending_request_in_first():
+    """With requests pending in the engine, a finish admits one of them there: the replica stays unavailable
+    until the engine's pending count (as estimated) reaches 0."""
+    router = _router(n=1, peers=())
+    router.enqueue(Request("q1", "a", arrived_at=0.0))
+    [d1] = router.dispatch(0.01)
+    router.observe_replica("r0", now=0.05, healthy=True, pending=1, running=4, probe_sent_at=0.04)
+    router.enqueue(Request("q2", "b", arrived_at=0.05))
+    assert router.dispatch(0.05) == []
+    router.finished(d1)
+    state = router.replicas["r0"]
+    assert (state.pending, state.running) == (0, 4)
+    assert [d.request.id for d in router.dispatch(0.06)] == ["q2"]
