@@ -313,3 +313,31 @@ def test_client_disconnect_removes_a_queued_request(procs, tmp_path):
         requests.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "impatient", "max_tokens": 1},
                       timeout=0.5)
     cluster.wait_until(lambda: cluster.status("us")["queue_len"] == 0, timeout_s=5, what="queue emptied")
+
+
+@pytest.mark.parametrize("policy, reused", [("skylb", True), ("skylb-paper", False)])
+def test_finished_request_slot_is_reused_before_the_next_probe(procs, tmp_path, policy, reused):
+    """A llama.cpp replica with one slot, probed every 8 s: the second request, queued at the balancer while the
+    first runs, is sent the moment the first ends (skylb), not at the next probe (the paper's rule waits)."""
+    cluster = Cluster(procs, tmp_path, balancer={"probe_interval_ms": 8_000, "max_dispatch_per_probe": 0})
+    cluster.start_controller(["us"])
+    [replica] = cluster.start_emulator(1, *FAST, "--engine", "llamacpp", "--parallel", "1")
+    url = cluster.start_balancer("us", ["us"], policy=policy)
+    cluster.add_replica("us", replica, engine="llamacpp")
+    cluster.wait_replicas_healthy("us", 1, timeout_s=20)  # the next probe comes 8 s after this one
+    cluster.wait_until(lambda: cluster.status("us")["replicas"][0].get("models"), what="models learned")
+    body = {"model": MODEL, "prompt": "first", "max_tokens": 60, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post_json, f"{url}/v1/completions", body, timeout=20)
+        cluster.wait_until(lambda: emulator_gauge(replica, "llamacpp:requests_processing") == 1, what="first runs")
+        started = time.monotonic()
+        second = pool.submit(post_json, f"{url}/v1/completions", {**body, "prompt": "second"}, timeout=4)
+        assert first.result()[0] == 200
+        if reused:
+            status, _, headers = second.result()
+            assert status == 200
+            assert float(headers["X-SkyLB-Queue-Ms"]) / 1000 < time.monotonic() - started  # it did wait ...
+            assert time.monotonic() - started < 4  # ... for the first to end, not for a probe 30 s later
+        else:
+            with pytest.raises(Exception):  # still queued when the client gives up after 4 s
+                second.result()
