@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 
 from skylb.engines import ADAPTERS, adapter_for, detect_engine
+from skylb.core import AvailabilityRules, Router, make_policy
 from skylb.engines.openai import DEFAULT_SLOTS
 from skylb.procs import ProcGroup, free_port, free_ports, wait_http
 
@@ -287,3 +288,57 @@ async def test_auto_falls_back_to_openai_and_delegates(emulators, session, canne
 async def test_models_lists_each_personalitys_models(emulators, session, emulator, engine, models):
     """models() returns the served model names in each engine's own listing (Ollama: /api/tags)."""
     assert await adapter_for(engine).models(session, emulators[emulator], timeout_s=TIMEOUT_S) == models
+
+
+# One row per engine and metric set: the probe's reading, then the skylb policy's view of the replica (its
+# availability and estimated wait) with this balancer holding ``own`` unprefilled prompt tokens there.
+LOAD_ESTIMATE_ROWS = [
+    # engine, /metrics text, outstanding, own unprefilled tokens, (pending, running, kv_usage), reason, wait s
+    ("vllm", "vllm:num_requests_waiting 0\nvllm:num_requests_running 5\nvllm:kv_cache_usage_perc 0.42\n",
+     0, [], (0, 5, 0.42), None, 0.0),
+    ("vllm", "vllm:num_requests_waiting 0\nvllm:num_requests_running 9\nvllm:kv_cache_usage_perc 0.97\n",
+     0, [], (0, 9, 0.97), "KV cache full", 0.0),
+    ("vllm", "vllm:num_requests_waiting 0\nvllm:num_requests_running 2\nvllm:gpu_cache_usage_perc 0.3\n",
+     0, [1500, 1000], (0, 2, 0.3), "prefill backlog", 1.25),  # before vLLM 0.12: the old KV gauge name
+    ("vllm", 'vllm:num_requests_waiting{engine="0"} 2\nvllm:num_requests_running{engine="0"} 4\n'
+             'vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:kv_cache_usage_perc{engine="1"} 0.8\n',
+     0, [400], (2, 4, 0.8), "pending requests", 0.456),  # one pending of unknown size (512) besides our own
+    ("sglang", "sglang:num_queue_reqs 0\nsglang:num_running_reqs 3\nsglang:token_usage 0.25\n",
+     0, [600], (0, 3, 0.25), None, 0.3),
+    ("sglang", "sglang:num_queue_reqs 0\nsglang:num_running_reqs 30\nsglang:token_usage 0.99\n",
+     0, [], (0, 30, 0.99), "KV cache full", 0.0),
+    ("llamacpp", "llamacpp:requests_deferred 0\nllamacpp:requests_processing 1\n",
+     0, [200], (0, 1, None), None, 0.1),
+    ("llamacpp", "llamacpp:requests_deferred 1\nllamacpp:requests_processing 4\nllamacpp:kv_cache_usage_ratio 0.6\n",
+     0, [], (1, 4, 0.6), "pending requests", 0.256),  # an older build that still exports KV usage
+    ("tgi", "tgi_queue_size 0\ntgi_batch_current_size 2\n", 0, [800], (0, 2, None), None, 0.4),
+    ("openai", None, 3, [100, 100, 100], (0, 3, None), None, 0.15),  # no metric: its own count vs max_concurrency
+    ("openai", None, 6, [], (2, 4, None), "pending requests", 0.512),
+    ("ollama", None, 1, [300], (0, 1, None), None, 0.15),
+]
+
+
+@pytest.mark.parametrize(("engine", "text", "outstanding", "own", "load", "reason", "wait_s"), LOAD_ESTIMATE_ROWS,
+                         ids=[f"{r[0]}-{i}" for i, r in enumerate(LOAD_ESTIMATE_ROWS)])
+async def test_load_estimate_from_each_engines_metrics(session, canned, engine, text, outstanding, own, load,
+                                                       reason, wait_s):
+    """Each engine's load signal (pending, running, KV usage) plus the balancer's own backlog gives the replica's
+    availability under ``skylb`` and its estimated wait (tokens / 2000 tokens/s)."""
+    if text is not None:
+        canned.answers["/metrics"] = (200, text)
+    else:  # engines without a load metric: answered from the balancer's own in-flight count
+        canned.answers["/v1/models"] = (200, '{"data": []}')
+        canned.answers["/"] = (200, "Ollama is running")
+        canned.answers["/api/tags"] = (200, '{"models": []}')
+    result = await probe(session, engine, canned.url, outstanding=outstanding,
+                         max_concurrency=4 if engine == "openai" else 1 if engine == "ollama" else None)
+    assert result.healthy, result
+    assert (result.pending, result.running, result.kv_usage) == load
+    router = Router(region="us", policy=make_policy("skylb"), rules=AvailabilityRules(max_dispatch_per_probe=0))
+    router.set_replicas([("r", canned.url, engine)])
+    router.observe_replica("r", now=0.0, healthy=True, pending=result.pending, running=result.running,
+                           slots=result.slots, kv_usage=result.kv_usage)
+    state = router.replicas["r"]
+    state.unprefilled.update({f"q{i}": n for i, n in enumerate(own)})
+    assert router.replica_unavailable_reason(state, 0.01) == reason
+    assert router.policy.estimated_wait_s(state) == pytest.approx(wait_s)
