@@ -1,6 +1,9 @@
-"""Unit tests of the pure engine model (skylb/emulator/model.py): batching, admission, prefix cache, timing."""
+"""Unit tests of the pure engine model (skylb/emulator/model.py): batching, admission, preemption, prefix cache,
+timing."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -46,39 +49,196 @@ def test_tokens_are_words_and_chat_prefixes_roles():
         "system:", "be", "brief", "user:", "hi", "there", "assistant:"]
 
 
-def test_pending_only_when_slots_are_full():
-    """Requests wait only once every running slot (max_num_seqs) is taken."""
+def test_waiting_until_a_step_schedules_it_then_only_when_slots_are_full():
+    """A submitted request is waiting until a step schedules it; after that only requests beyond max_num_seqs wait."""
     model = EngineModel(EngineParams(max_num_seqs=2))
-    for i in range(2):
+    for i in range(3):
         model.submit(f"r{i}", words(10, f"p{i}-"), 5, ignore_eos=True, now=0.0)
-        assert model.num_waiting == 0
-    model.submit("r2", words(10, "p2-"), 5, ignore_eos=True, now=0.0)
+    assert (model.num_running, model.num_waiting, model.kv_usage) == (0, 3, 0.0)
+    model.next_step(0.0)
     assert (model.num_running, model.num_waiting) == (2, 1)
 
 
-def test_pending_when_kv_cache_is_full_with_free_slots():
-    """A request waits when its prompt plus output does not fit the free KV blocks, even with slots free."""
-    model = EngineModel(EngineParams(kv_cache_tokens=256, block_size=16, max_num_seqs=8))
-    model.submit("a", words(100, "a"), 50, ignore_eos=True, now=0.0)  # 150 tokens -> 10 of 16 blocks
-    assert model.kv_usage == pytest.approx(10 / 16)
-    model.submit("b", words(100, "b"), 50, ignore_eos=True, now=0.0)
+def test_a_request_submitted_during_a_step_waits_for_the_next_one():
+    """Free slots and blocks do not make a request running: it waits until the next step schedules it."""
+    model = EngineModel()
+    model.submit("a", words(10, "a"), 5, ignore_eos=True, now=0.0)
+    step = model.start_step(0.0)
+    model.submit("b", words(10, "b"), 5, ignore_eos=True, now=step.start + step.duration / 2)
     assert (model.num_running, model.num_waiting) == (1, 1)
+    model.complete_step(step)
+    assert (model.num_running, model.num_waiting) == (1, 1)
+    nxt = model.start_step(step.end)
+    assert (model.num_running, model.num_waiting) == (2, 0)
+    model.complete_step(nxt)
+    _, steps = run_until_idle(model, nxt.end)
+    assert finished_by_id(steps)["b"].admitted_at == step.end
+
+
+def test_a_request_given_no_prefill_budget_counts_as_waiting():
+    """When a long prompt takes the step's whole token budget, a request behind it stays waiting (vLLM V1)."""
+    model = EngineModel(EngineParams(max_num_batched_tokens=256, max_num_seqs=4))
+    model.submit("long", words(300, "l"), 3, ignore_eos=True, now=0.0)
+    model.submit("short", words(10, "s"), 3, ignore_eos=True, now=0.0)
+    first = model.next_step(0.0)
+    assert first.prefill_tokens == 256 and first.outputs == ()
+    assert (model.num_running, model.num_waiting) == (1, 1)  # a slot and blocks are free, the budget is not
+    second = model.next_step(first.end)
+    assert second.prefill_tokens == 44 + 10  # the rest of the long prompt, then the short one whole
+    assert (model.num_running, model.num_waiting) == (2, 0)
+    _, steps = run_until_idle(model, second.end)
+    done = finished_by_id([first, second, *steps])
+    assert done["short"].admitted_at == second.start and done["short"].queue_s == second.start
+    assert done["long"].admitted_at == 0.0 and done["long"].first_token_at == second.end
+
+
+def test_waiting_when_the_prompt_does_not_fit_the_free_kv_blocks():
+    """A request waits while its whole prompt does not fit the free KV blocks, even with slots and budget free."""
+    model = EngineModel(EngineParams(kv_cache_tokens=256, block_size=16, max_num_seqs=8,
+                                     max_num_batched_tokens=160))
+    model.submit("a", words(150, "a"), 50, ignore_eos=True, now=0.0)  # 150 prompt tokens -> 10 of 16 blocks
+    model.submit("b", words(150, "b"), 50, ignore_eos=True, now=0.0)
+    model.next_step(0.0)
+    assert model.kv_usage == pytest.approx(10 / 16)  # only what is computed is allocated: no output reserved
+    assert (model.num_running, model.num_waiting) == (1, 1)  # b's first 10-token chunk would fit, its prompt not
     run_until_idle(model)
     assert (model.num_running, model.num_waiting, model.kv_usage) == (0, 0, 0.0)
+
+
+def test_without_full_prompt_reservation_only_the_first_chunk_must_fit():
+    """scheduler_reserve_full_isl=False (vLLM before #37307) admits a request whose first chunk fits."""
+    model = EngineModel(EngineParams(kv_cache_tokens=256, block_size=16, max_num_seqs=8,
+                                     max_num_batched_tokens=160, scheduler_reserve_full_isl=False))
+    model.submit("a", words(150, "a"), 50, ignore_eos=True, now=0.0)
+    model.submit("b", words(150, "b"), 50, ignore_eos=True, now=0.0)
+    step = model.next_step(0.0)
+    assert step.prefill_tokens == 160 and (model.num_running, model.num_waiting) == (2, 0)
+    _, steps = run_until_idle(model, step.end)
+    assert model.num_preemptions > 0  # over-admission: they cannot both grow to 13 blocks
+    assert {f.request_id: f.completion_tokens for f in finished_by_id(steps).values()} == {"a": 50, "b": 50}
 
 
 def test_admission_is_fcfs_without_skipping():
     """A small request behind a head that does not fit waits too; admission follows arrival order."""
     model = EngineModel(EngineParams(kv_cache_tokens=256, block_size=16))
-    model.submit("big1", words(150, "x"), 50, ignore_eos=True, now=0.0)  # 13 blocks
-    model.submit("big2", words(150, "y"), 50, ignore_eos=True, now=1.0)  # does not fit next to big1
+    model.submit("big1", words(150, "x"), 50, ignore_eos=True, now=0.0)  # 10 blocks of prompt, 13 at the end
+    model.submit("big2", words(150, "y"), 50, ignore_eos=True, now=1.0)  # its prompt does not fit next to big1
     model.submit("small", words(10, "z"), 5, ignore_eos=True, now=2.0)  # would fit, must not skip big2
+    first = model.next_step(3.0)
     assert (model.num_running, model.num_waiting) == (1, 2)
-    _, steps = run_until_idle(model, now=3.0)
+    _, steps = run_until_idle(model, now=first.end)
     done = finished_by_id(steps)
     assert done["big2"].admitted_at == done["big1"].finished_at
     assert done["small"].admitted_at >= done["big2"].admitted_at
     assert done["small"].queue_s > 0
+    assert model.num_preemptions == 0
+
+
+def test_kv_exhaustion_preempts_the_newest_running_request_which_is_recomputed_and_finishes():
+    """Out of KV blocks, the newest running request is preempted (recompute), waits at the head, resumes and
+    produces every token exactly once; vLLM's num_preemptions counts it."""
+    bs = 16
+    model = EngineModel(EngineParams(kv_cache_tokens=16 * bs, block_size=bs))
+    model.submit("a", words(100, "a"), 80, ignore_eos=True, now=0.0)  # 7 blocks of prompt, 12 at the end
+    model.submit("b", words(100, "b"), 80, ignore_eos=True, now=0.0)  # both prompts fit (14 of 16 blocks)
+    model.submit("c", words(10, "c"), 60, ignore_eos=True, now=0.0)  # fits too (1 block): the newest
+    _, steps = run_until_idle(model)
+    preempting = [s for s in steps if s.preempted]
+    assert [s.preempted for s in preempting] == [("c",), ("b",)]  # the tail of the running batch, newest first
+    assert model.num_preemptions == 2
+    done = finished_by_id(steps)
+    tokens: dict[str, list[int]] = {}
+    for s in steps:
+        for o in s.outputs:
+            tokens.setdefault(o.request_id, []).append(o.index)
+    assert tokens == {"a": list(range(80)), "b": list(range(80)), "c": list(range(60))}  # none lost or repeated
+    assert (done["a"].num_preemptions, done["b"].num_preemptions, done["c"].num_preemptions) == (0, 1, 1)
+    assert done["b"].admitted_at == 0.0 and done["b"].first_token_at == steps[0].end  # first times are kept
+    # b, then c (b went back to the head last) resume only once a finished: b's known tokens did not fit beside
+    # a, and c may not skip b. Both recompute their prompt and generated tokens in one chunked step.
+    back = next(s for s in steps if s.prefill_tokens > 0 and s.start > 0)
+    assert back.start == done["a"].finished_at and back.decode_seqs == 0
+    assert [o.request_id for o in back.outputs] == ["b", "c"]
+    b_known, c_known = 100 + back.outputs[0].index, 10 + back.outputs[1].index
+    assert c_known < back.prefill_tokens < b_known + c_known  # c has no full block to hit; b hits part of its prompt
+    assert model.prefix_cache_queries == 210  # a preempted request's lookups are not counted again (vLLM)
+    assert (model.num_running, model.num_waiting, model.kv_usage) == (0, 0, 0.0)
+
+
+def test_a_preempted_request_hits_its_own_cached_prompt_blocks_on_readmission():
+    """The prompt blocks a preempted request registered stay cached (LRU) and serve its recomputation."""
+    bs = 16
+    model = EngineModel(EngineParams(kv_cache_tokens=16 * bs, block_size=bs, max_num_seqs=2))
+    model.submit("a", words(100, "a"), 80, ignore_eos=True, now=0.0)
+    model.submit("b", words(100, "b"), 80, ignore_eos=True, now=0.0)
+    now, step = 0.0, None
+    for _ in range(MAX_STEPS):
+        step = model.next_step(now)
+        now = step.end
+        if step.preempted:
+            break
+    assert step.preempted == ("b",) and (model.num_running, model.num_waiting) == (1, 1)
+    assert model.cached_prefix_tokens(words(100, "b")) == 96  # all 6 full prompt blocks, now evictable
+    _, steps = run_until_idle(model, now)
+    back = next(s for s in steps if s.prefill_tokens > 1)
+    (out,) = back.outputs
+    known = 100 + out.index  # prompt plus what b generated before its preemption
+    hit = known - back.prefill_tokens
+    assert hit % bs == 0 and 0 < hit <= 96  # whole blocks of its own prompt; a's growth may have evicted its tail
+    assert model.prefix_cache_hits == 0  # hits on readmission are not counted as new requests' hits (vLLM)
+
+
+def test_no_request_is_lost_or_finished_twice_under_preemption():
+    """Random arrivals, cancels and a small KV cache: every request ends exactly once with all its tokens in order."""
+    rng = random.Random(20240611)
+    params = EngineParams(kv_cache_tokens=512, block_size=16, max_num_seqs=6, max_num_batched_tokens=64)
+    model = EngineModel(params)
+    shared = words(40, "sys")
+    expected: dict[str, int] = {}
+    cancelled: set[str] = set()
+    tokens: dict[str, list[int]] = {}
+    finished: list[str] = []
+    now, submitted = 0.0, 0
+    for _ in range(MAX_STEPS):
+        for _ in range(rng.choice((0, 0, 0, 1, 2))):
+            if submitted < 60:
+                rid = f"r{submitted}"
+                prompt = (shared if rng.random() < 0.5 else []) + words(rng.randint(1, 150), rid)
+                max_tokens = rng.randint(1, min(200, params.model_len - len(prompt)))
+                model.submit(rid, prompt, max_tokens, ignore_eos=True, now=now)
+                expected[rid] = max_tokens
+                submitted += 1
+        step = model.start_step(now)
+        if step is None:
+            if submitted == 60:
+                break
+            now += 0.01
+            continue
+        if rng.random() < 0.01 and expected:  # a client goes away mid-step
+            victim = rng.choice(sorted(expected))
+            if model.cancel(victim, now=now):
+                cancelled.add(victim)
+        model.complete_step(step)
+        for o in step.outputs:
+            if o.request_id in cancelled:
+                continue  # the caller drops a cancelled request's tokens
+            tokens.setdefault(o.request_id, []).append(o.index)
+            if o.finished is not None:
+                finished.append(o.request_id)
+                assert o.finished.completion_tokens == expected[o.request_id]
+        assert 0.0 <= model.kv_usage <= 1.0
+        assert model.num_running <= params.max_num_seqs
+        live = set(expected) - cancelled - set(finished)
+        assert model.num_waiting + model.num_running == len(live)
+        now = step.end
+    else:
+        raise AssertionError("model did not go idle")
+    assert model.num_preemptions > 0  # the load exercised preemption
+    assert len(finished) == len(set(finished)) and set(finished) == set(expected) - cancelled
+    for rid in finished:
+        assert tokens[rid] == list(range(expected[rid]))
+    assert (model.num_running, model.num_waiting, model.kv_usage) == (0, 0, 0.0)
+    assert model.num_free_blocks == params.num_blocks
 
 
 def test_prefill_time_is_proportional_to_uncached_tokens():
@@ -196,7 +356,7 @@ def test_without_ignore_eos_the_length_is_deterministic_and_bounded():
 
 
 def test_cancel_frees_the_slot_and_blocks():
-    """Cancelling a running request frees its slot and KV blocks and admits the next waiting one."""
+    """Cancelling a running request frees its slot and KV blocks; the next step admits the next waiting one."""
     model = EngineModel(EngineParams(max_num_seqs=1))
     model.submit("a", words(30, "a"), 100, ignore_eos=True, now=0.0)
     model.submit("b", words(30, "b"), 100, ignore_eos=True, now=0.0)
@@ -204,6 +364,8 @@ def test_cancel_frees_the_slot_and_blocks():
     assert (model.num_running, model.num_waiting) == (1, 1)
     usage_one = model.kv_usage
     assert model.cancel("a", now=0.5)
+    assert (model.num_running, model.num_waiting) == (0, 1)  # b takes the room at the next step
+    model.next_step(0.5)
     assert (model.num_running, model.num_waiting) == (1, 0)
     assert model.kv_usage == pytest.approx(usage_one)  # b holds what a held
     assert model.cancel("b", now=0.6)
@@ -213,11 +375,11 @@ def test_cancel_frees_the_slot_and_blocks():
     model.submit("w", words(5, "w"), 3, ignore_eos=True, now=1.0)
     model.submit("x", words(5, "x"), 3, ignore_eos=True, now=1.0)
     assert model.cancel("x", now=1.0)  # a waiting request can be cancelled too
-    assert model.num_waiting == 0
+    assert model.num_waiting == 1 and not model.has_request("x")
 
 
 def test_capacity_frees_only_when_the_step_completes():
-    """A request finishing in an in-flight step keeps its slot until complete_step, so pending stays visible."""
+    """A request finishing in an in-flight step keeps its slot until complete_step; the next step admits the next."""
     model = EngineModel(EngineParams(max_num_seqs=1))
     model.submit("a", words(8, "a"), 1, ignore_eos=True, now=0.0)
     model.submit("b", words(8, "b"), 1, ignore_eos=True, now=0.0)
@@ -227,7 +389,7 @@ def test_capacity_frees_only_when_the_step_completes():
     with pytest.raises(RuntimeError):
         model.start_step(0.0)
     model.complete_step(step)
-    assert (model.num_running, model.num_waiting) == (1, 0)
+    assert (model.num_running, model.num_waiting) == (0, 1)  # vLLM reports b waiting until it is scheduled
     _, steps = run_until_idle(model, step.end)
     assert finished_by_id(steps)["b"].admitted_at == step.end
 

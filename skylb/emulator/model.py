@@ -1,38 +1,69 @@
-"""A pure model of one vLLM replica: continuous batching, a block-level prefix cache and an iteration time model.
+"""A pure model of one vLLM V1 replica: continuous batching, paged KV blocks with preemption, a block-level prefix
+cache and an iteration time model.
 
 No asyncio, no sockets, no clock reads: every method that needs the time takes ``now`` (seconds, any epoch the
-caller likes), so the live emulator (skylb/emulator/server.py) and a trace-driven simulator drive this one class.
+caller likes), so the live emulator (skylb/emulator/server.py) and a trace-driven simulator (bench/sim/cluster.py)
+drive this one class.
 
 Tokens: ONE TOKEN = ONE WHITESPACE-SEPARATED WORD (``text.split()``), the convention shared with the workload
 generator (bench/workload.py). A chat prompt is, for each message in order, the word ``<role>:`` followed by the
 content's words (:func:`chat_tokens`).
 
-How a request moves (vLLM V1 scheduler, simplified):
+How a request moves, as vLLM V1's scheduler moves it (vllm-project/vllm ``vllm/v1/core/sched/scheduler.py``:
+``Scheduler.schedule`` and ``_preempt_request``; ``vllm/v1/core/kv_cache_manager.py``: ``allocate_slots``,
+``get_computed_blocks``, ``free``). There is no prefill or decode phase: a request has ``num_tokens`` (prompt plus
+the tokens generated so far) and ``num_computed`` (tokens whose KV exists); each step gives it tokens to catch up.
 
-1. ``submit`` puts it at the tail of the waiting queue and tries admission.
-2. Admission is FCFS without skipping: the head is admitted into the running batch only when a running slot is
-   free (``max_num_seqs``) and enough KV blocks are free for its prompt plus the output it will generate. The
-   blocks are reserved at admission, so nothing is ever preempted. Real vLLM allocates blocks as decoding goes and
-   preempts (recomputes) the newest request when it runs out; reserving the eventual footprint up front gives the
-   same peak memory per request without modelling preemption. A request not admitted is *pending*: that count is
-   ``vllm:num_requests_waiting``, the signal SkyLB's selective pushing reads (SkyLB paper §3.3).
-   Real vLLM also leaves a request waiting for one iteration when the step's token budget is used up; here such a
-   request is admitted (it holds its slot and blocks) and simply waits for its first prefill chunk, so "pending"
-   means exactly "the batch is full", as the paper uses it.
-3. Each iteration (``start_step`` .. ``complete_step``) gives every decoding request one token, then spends what is
-   left of the token budget (``max_num_batched_tokens``) on prompt chunks of admitted requests in admission order
-   (chunked prefill). The chunk that completes a prompt also yields the first output token (as in vLLM).
-4. A request finishes after ``output_len`` tokens: exactly ``max_tokens`` when ``ignore_eos`` (so a replay
+1. ``submit`` puts it at the tail of the waiting queue. It stays *waiting* (``num_waiting``, vLLM
+   ``vllm:num_requests_waiting``) until a step first schedules tokens for it, even when a slot and KV blocks are
+   free: a request that arrives during a step waits for the next one, and one that finds the step's token budget
+   used up waits longer.
+2. Each step (``start_step`` .. ``complete_step``) has a budget of ``max_num_batched_tokens`` tokens. First the
+   running requests, in the order they (re)entered the batch: each gets ``min(num_tokens - num_computed,
+   budget left)`` tokens, i.e. one token when decoding, a chunk of its prompt when prefilling (chunked prefill).
+   Then, only if nothing was preempted in this step, the waiting queue FCFS without skipping its head, while there
+   is budget and a free slot (``max_num_seqs``): the head is admitted (moves to running) with its first chunk, or
+   the admission loop stops. A step whose chunk completes a request's tokens samples its next output token (the
+   last prompt chunk yields the first token, as in vLLM).
+3. KV blocks are allocated as tokens are scheduled (a prompt chunk, then one decode token at a time crossing into
+   a new block), never for output not yet generated. Admission additionally requires the request's whole known
+   sequence (prompt, plus output for a preempted one) to fit the free blocks now, less its prefix-cache hits
+   (vLLM ``--scheduler-reserve-full-isl``, default on since vllm-project/vllm#37307, opened 2026-03:
+   ``allocate_slots(full_sequence_must_fit=True)``; ``scheduler_reserve_full_isl=False`` gives older releases,
+   which checked only the first chunk). Free blocks include cached blocks no running request uses: those are
+   evicted (LRU) before anything is preempted.
+4. Preemption (vLLM V1 has recompute only): when a running request needs a block and none is free, the most
+   recently admitted running request (the tail of the running list: FCFS policy's lowest priority) is preempted,
+   repeatedly, until the block fits or the request itself was the one preempted. A preempted request frees all its
+   blocks (its cached prompt blocks go to the LRU free list and may still hit on readmission), resets
+   ``num_computed`` to 0 and goes back to the HEAD of the waiting queue; its output so far is kept and never sent
+   again. Readmitted, it recomputes prompt plus generated tokens (less prefix hits) and then continues decoding.
+   Preemptions are counted (``num_preemptions``, vLLM ``vllm:num_preemptions``) and no new request is admitted
+   in a step that preempted.
+5. A request finishes after ``output_len`` tokens: exactly ``max_tokens`` when ``ignore_eos`` (so a replay
    reproduces a trace's output lengths), else a deterministic length in ``[1, min(max_tokens, eos_max_tokens)]``
-   derived from the prompt (a simulated EOS). Its slot and blocks are released at the end of that step.
+   derived from the prompt (a simulated EOS). Its slot and blocks are released when its last step completes.
+
+How SGLang differs (sgl-project/sglang ``python/sglang/srt/managers/schedule_policy.py``: ``PrefillAdder``;
+``schedule_batch.py``: ``ScheduleBatch.check_decode_mem`` and ``retract_decode``; ``scheduler.py``:
+``update_running_batch``): admission reserves KV for the running requests' future output, ``min(max_new_tokens -
+generated, clip) x new_token_ratio`` each (the ratio decays from about 0.7 towards 0.1 while decoding succeeds), so
+running out of KV is rarer. When a decode step still lacks memory, SGLang *retracts* running requests, those with
+the fewest output tokens first (ties: the longest input), frees their KV (the prefix stays in the radix cache),
+puts them back in the waiting queue and raises ``new_token_ratio``. This model implements vLLM's mechanism only;
+an SGLang replica here admits more optimistically than a real one and preempts the newest request rather than
+the least advanced one.
 
 Prefix cache (vLLM automatic prefix caching): a full block of ``block_size`` prompt tokens is identified by a hash
 chain over (parent block hash, block tokens). Computed prompt blocks are registered in the cache when the step
-that computed them completes. Blocks of finished requests stay cached in an LRU free list (a request's blocks are
-freed tail first, so its last blocks are evicted first, as in vLLM) and are evicted only when an allocation needs
-the space. A new request's cached prefix is the longest run of leading full blocks found in the cache, capped so
-that at least the last prompt token is computed (vLLM recomputes it to get logits). Generated tokens are not
-cached: a later turn's prompt re-renders the reply with a role marker, so its blocks would not match anyway.
+that computed them completes. Blocks of finished or preempted requests stay cached in an LRU free list (a
+request's blocks are freed tail first, so its last blocks are evicted first, as in vLLM) and are evicted only when
+an allocation needs the space; free blocks that hold nothing cacheable are used before any cached one (vLLM uses
+one free queue for both, so it may evict a little earlier). A request's cached prefix is the longest run of leading
+full blocks found in the cache, capped so that at least its last known token is computed (vLLM recomputes it to get
+logits). Generated tokens are not cached: a later turn's prompt re-renders the reply with a role marker, so its
+blocks would not match anyway; a preempted request therefore recomputes its generated tokens in full (vLLM caches
+them too, though under the memory pressure that caused the preemption they are the first evicted).
 """
 
 from __future__ import annotations
@@ -40,7 +71,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 __all__ = [
     "EngineParams",
@@ -110,10 +141,12 @@ class EngineParams:
       (about 18 tokens/s); 32 sequences of 1000 context tokens take 53.5 + 8 + 14 = 75.5 ms per step.
     * ``prefill_ms_per_token`` = 0.48 ms: the SkyLB paper (§2.1, "Latency metric") says a 512-token prompt
       takes about 300 ms to prefill on an L4; (300 - 53.5 base) / 512 = 0.48 ms per uncached prompt token.
-    * ``kv_cache_tokens`` = 32768 (2048 blocks of 16): 24 GB x 0.9 (vLLM ``gpu_memory_utilization``) - 16.06 GB
-      weights - about 1.3 GB activations and CUDA graphs leaves about 4.2 GB, / 128 KiB per token = about 32k
-      tokens. The paper (§3.3) saw an L4 hold 20 to 50 outstanding requests: 32768 tokens / 20..50 requests =
-      650..1600 tokens per request (prompt plus output), WildChat-like sizes.
+    * ``kv_cache_tokens`` = 32768 (2048 blocks of 16): vLLM may use 24 GB x 0.9 (``gpu_memory_utilization``)
+      = 21.6 GB; less 16.06 GB of weights (8.03 B parameters x 2 bytes) and about 1.3 GB of activations (profiled
+      at ``max_num_batched_tokens``), CUDA graphs and non-torch memory, 4.24 GB are left for KV. One token's KV is
+      2 (K, V) x 32 layers x 8 KV heads x 128 dims x 2 bytes = 131072 B = 128 KiB, so 4.24e9 / 131072 = 32349
+      tokens, rounded to 32768 (2048 blocks). The paper (§3.3) saw an L4 hold 20 to 50 outstanding requests: 32768
+      tokens / 20..50 requests = 650..1600 tokens per request (prompt plus output), WildChat-like sizes.
     * ``max_num_seqs`` = 256 and ``max_num_batched_tokens`` = 2048: vLLM V1's defaults for the OpenAI server on a
       GPU with less than 70 GB; ``block_size`` = 16: vLLM's default.
     * ``max_model_len``: None means the whole KV cache (vLLM refuses to start with a longer one). Llama-3.1's
@@ -121,9 +154,12 @@ class EngineParams:
     * ``eos_max_tokens`` = 512: when ``ignore_eos`` is false the simulated EOS comes after
       ``1 + hash(prompt) % min(max_tokens, eos_max_tokens)`` tokens (chat replies are mostly a few hundred tokens).
     * ``time_scale``: multiplies every duration (0.01 = a hundred times faster than an L4, for tests and demos).
+    * ``scheduler_reserve_full_isl`` = True: admit a waiting request only if its whole known sequence fits the free
+      KV blocks (vLLM's default since vllm-project/vllm#37307); False checks only its first chunk (older vLLM).
 
     Step time (ms) = ``decode_base_ms`` + ``decode_ms_per_seq`` x decoding sequences + ``decode_ms_per_kv_token``
-    x their context tokens + ``prefill_ms_per_token`` x prompt tokens computed in the step; then x ``time_scale``.
+    x their context tokens + ``prefill_ms_per_token`` x tokens computed in chunks in the step (uncached
+    prompt tokens, and recomputed ones after a preemption); then x ``time_scale``.
     """
 
     max_num_seqs: int = 256
@@ -137,6 +173,7 @@ class EngineParams:
     decode_ms_per_kv_token: float = 0.000437
     eos_max_tokens: int = 512
     time_scale: float = 1.0
+    scheduler_reserve_full_isl: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "eos_max_tokens"):
@@ -186,13 +223,16 @@ class FinishedRequest:
     #: "length" (stopped at max_tokens) or "stop" (simulated EOS).
     finish_reason: str
     submitted_at: float
+    #: When a step first scheduled tokens for it (start of that step): it left the waiting queue.
     admitted_at: float
     first_token_at: float
     finished_at: float
+    #: How many times KV exhaustion preempted it (each time it was recomputed).
+    num_preemptions: int = 0
 
     @property
     def queue_s(self) -> float:
-        """Time spent pending, before admission into the running batch (s)."""
+        """Time spent waiting before its first scheduled step (s); time waiting again after a preemption excluded."""
         return self.admitted_at - self.submitted_at
 
     @property
@@ -206,9 +246,12 @@ class FinishedRequest:
         return self.finished_at - self.submitted_at
 
 
-@dataclass(frozen=True, slots=True)
-class TokenOutput:
-    """One token one request produced in a step; ``finished`` is set on its last token."""
+class TokenOutput(NamedTuple):
+    """One token one request produced in a step; ``finished`` is set on its last token.
+
+    A named tuple (immutable, fields by name) rather than a frozen dataclass: one is made per generated token,
+    and a frozen dataclass's ``__init__`` costs three times as much.
+    """
 
     request_id: str
     #: 0-based position in the completion.
@@ -224,15 +267,21 @@ class TokenOutput:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One iteration of the engine: it runs from ``start`` to ``end`` (s) and produces ``outputs`` at ``end``."""
+    """One iteration of the engine: it runs from ``start`` to ``end`` (s) and produces ``outputs`` at ``end``.
+
+    ``prefill_tokens`` counts every token computed in a chunk (prompt chunks, and a preempted request's
+    recomputation of its prompt and generated tokens).
+    """
 
     start: float
     duration: float
-    #: Uncached prompt tokens computed in this step (chunked prefill).
+    #: Tokens computed in chunks in this step (uncached prompt tokens, recomputed ones after a preemption).
     prefill_tokens: int
     #: Requests that decoded one token in this step.
     decode_seqs: int
     outputs: tuple[TokenOutput, ...]
+    #: Requests preempted when this step was planned (back in the waiting queue, to be recomputed).
+    preempted: tuple[str, ...] = ()
 
     @property
     def end(self) -> float:
@@ -243,6 +292,9 @@ class Step:
     def finished(self) -> tuple[FinishedRequest, ...]:
         """Requests whose last token is in this step."""
         return tuple(o.finished for o in self.outputs if o.finished is not None)
+
+
+_new_tuple = tuple.__new__
 
 
 class _Block:
@@ -260,7 +312,7 @@ class _Request:
 
     __slots__ = ("request_id", "prompt_len", "block_hashes", "max_tokens", "output_len", "finish_reason", "seed",
                  "submitted_at", "admitted_at", "first_token_at", "cached_tokens", "num_computed", "num_generated",
-                 "num_hashed", "blocks", "anon_blocks")
+                 "num_hashed", "blocks", "anon_blocks", "kv_slots", "num_preemptions")
 
     def __init__(self, request_id: str, prompt_len: int, block_hashes: list[bytes], max_tokens: int,
                  output_len: int, finish_reason: str, seed: int, now: float):
@@ -272,14 +324,16 @@ class _Request:
         self.finish_reason = finish_reason
         self.seed = seed
         self.submitted_at = now
-        self.admitted_at = now
+        self.admitted_at: float | None = None  # first scheduled
         self.first_token_at = now
-        self.cached_tokens = 0
-        self.num_computed = 0  # prompt tokens whose KV exists (cached ones included)
-        self.num_generated = 0
+        self.cached_tokens = 0  # prefix-cache hit at first admission (what usage reports)
+        self.num_computed = 0  # tokens (prompt, then generated) whose KV exists, cached ones included
+        self.num_generated = 0  # output tokens sampled; num_tokens = prompt_len + num_generated
         self.num_hashed = 0  # leading full prompt blocks already hit or registered
         self.blocks: list[_Block] = []  # cached blocks this request holds a reference on, in prompt order
-        self.anon_blocks = 0  # reserved blocks not (yet) in the prefix cache
+        self.anon_blocks = 0  # held blocks not (yet) in the prefix cache
+        self.kv_slots = 0  # tokens the held blocks can store: (len(blocks) + anon_blocks) x block_size
+        self.num_preemptions = 0
 
 
 def _block_hashes(tokens: list[str], block_size: int) -> list[bytes]:
@@ -298,24 +352,27 @@ class EngineModel:
     """One replica's scheduler state. Not thread-safe; deterministic for a given sequence of calls.
 
     Drive it with ``submit`` / ``cancel`` as requests come and go, and ``start_step(now)`` then
-    ``complete_step(step)`` at ``step.end`` (or ``next_step(now)`` for both at once). Between the two calls the
-    step is in flight: its requests keep their slots and blocks until ``complete_step``, so probes taken during a
-    step see the batch as it really is.
+    ``complete_step(step)`` at ``step.end`` (or ``next_step(now)`` for both at once). ``start_step`` is where the
+    scheduler runs (admission, block allocation, preemption); between the two calls the step is in flight: its
+    requests keep their slots and blocks until ``complete_step``, so probes taken during a step see the batch as it
+    really is, and requests submitted meanwhile wait for the next step.
     """
 
     def __init__(self, params: EngineParams | None = None):
         self.params = params or EngineParams()
-        self._waiting: dict[str, _Request] = {}  # FCFS: dicts keep insertion order and remove in O(1)
-        self._running: dict[str, _Request] = {}  # in admission order
+        # FCFS; a preempted request goes back to the head (move_to_end(last=False)); O(1) removal on cancel.
+        self._waiting: OrderedDict[str, _Request] = OrderedDict()
+        self._running: dict[str, _Request] = {}  # in the order they (re)entered the batch; the tail is preempted
         self._cache: dict[bytes, _Block] = {}  # every cached block, in use or not
         self._lru: OrderedDict[bytes, _Block] = OrderedDict()  # cached blocks with ref 0, oldest first
         self._free_anon = self.params.num_blocks  # free blocks holding nothing worth caching
-        self._in_flight: tuple[Step, list[tuple[_Request, int]], list[_Request]] | None = None
-        #: Prompt tokens looked up in the prefix cache at admission (vLLM ``prefix_cache_queries``).
+        self._in_flight: tuple[Step, list[_Request], list[_Request]] | None = None  # step, chunked, done
+        #: Prompt tokens looked up in the prefix cache at first admission (vLLM ``prefix_cache_queries``; like
+        #: vLLM, lookups of preempted requests are not counted).
         self.prefix_cache_queries = 0
-        #: Prompt tokens found in the prefix cache (vLLM ``prefix_cache_hits``).
+        #: Prompt tokens found in the prefix cache at first admission (vLLM ``prefix_cache_hits``).
         self.prefix_cache_hits = 0
-        #: Prompt tokens of requests whose prefill completed (vLLM ``prompt_tokens``).
+        #: Prompt tokens of requests that produced their first token (vLLM ``prompt_tokens``).
         self.prompt_tokens_total = 0
         #: Output tokens produced (vLLM ``generation_tokens``).
         self.generation_tokens_total = 0
@@ -323,17 +380,19 @@ class EngineModel:
         self.requests_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         #: Cached blocks evicted to make room.
         self.evicted_blocks = 0
+        #: Running requests preempted because KV blocks ran out (vLLM ``num_preemptions``).
+        self.num_preemptions = 0
 
     # ---- state ----------------------------------------------------------------------------------------------
 
     @property
     def num_waiting(self) -> int:
-        """Pending requests: submitted, not admitted (vLLM ``num_requests_waiting``)."""
+        """Requests not in the running batch: never scheduled yet, or preempted (vLLM ``num_requests_waiting``)."""
         return len(self._waiting)
 
     @property
     def num_running(self) -> int:
-        """Requests holding a running slot (vLLM ``num_requests_running``)."""
+        """Requests in the running batch, prefilling or decoding (vLLM ``num_requests_running``)."""
         return len(self._running)
 
     @property
@@ -369,10 +428,11 @@ class EngineModel:
 
     def submit(self, request_id: str, prompt_tokens: list[str], max_tokens: int | None, *, ignore_eos: bool,
                now: float) -> None:
-        """Queue a request (``prompt_tokens``: words; ``max_tokens``: None = up to the model length) and try to admit.
+        """Queue a request (``prompt_tokens``: words; ``max_tokens``: None = up to the model length); it waits for
+        the next ``start_step``.
 
         Raises ValueError for a duplicate id, an empty prompt or ``max_tokens`` < 1, and RequestTooLong when
-        ``len(prompt_tokens) + max_tokens`` exceeds ``params.model_len``.
+        ``len(prompt_tokens) + max_tokens`` exceeds ``params.model_len`` (it could never fit the KV cache).
         """
         if self.has_request(request_id):
             raise ValueError(f"request {request_id!r} is already in the engine")
@@ -401,13 +461,13 @@ class EngineModel:
         hashes = _block_hashes(prompt_tokens, self.params.block_size)
         self._waiting[request_id] = _Request(request_id, prompt_len, hashes, max_tokens, output_len, reason, seed,
                                              now)
-        self._admit(now)
 
     def cancel(self, request_id: str, *, now: float) -> bool:
-        """Drop a waiting or running request (a client went away), free its slot and blocks, admit others.
+        """Drop a waiting or running request (a client went away) and free its slot and blocks.
 
         Returns False when the request is unknown (already finished or cancelled). Tokens of a step in flight
-        that belong to it are still in that step's outputs: the caller drops them.
+        that belong to it are still in that step's outputs: the caller drops them. Others take the freed room at
+        the next ``start_step``.
         """
         req = self._waiting.pop(request_id, None)
         if req is None:
@@ -416,62 +476,102 @@ class EngineModel:
                 return False
             self._release(req)
         self.requests_finished["abort"] += 1
-        self._admit(now)
         return True
 
     # ---- iterations -----------------------------------------------------------------------------------------
 
     def start_step(self, now: float) -> Step | None:
-        """Plan the next iteration at ``now`` (s); None when nothing is running. Call ``complete_step`` at its end."""
+        """Schedule and plan the next iteration at ``now`` (s); None when no request is waiting or running.
+
+        Call ``complete_step`` at the step's end. Scheduling follows vLLM V1's ``Scheduler.schedule`` (module
+        docstring): running requests first (allocating their blocks, preempting the newest when blocks run out),
+        then waiting ones FCFS within the token budget, slots and KV blocks.
+        """
         if self._in_flight is not None:
             raise RuntimeError("a step is already in flight: call complete_step first")
-        if not self._running:
+        if not self._running and not self._waiting:
             return None
         p = self.params
-        decode = [r for r in self._running.values() if r.num_computed >= r.prompt_len]
-        budget = p.max_num_batched_tokens - len(decode)  # >= 0: max_num_batched_tokens >= max_num_seqs
-        chunks: list[tuple[_Request, int]] = []
-        for r in self._running.values():
+        bs = p.block_size
+        budget = p.max_num_batched_tokens
+        # One pass per running request (the simulator runs millions of steps): schedule, allocate, classify,
+        # advance num_computed, and note who samples a token (``sampling``) or computed a chunk (``chunked``).
+        sampling: list[_Request] = []
+        chunked: list[_Request] = []
+        prefill_tokens = decode_seqs = kv_tokens = 0
+        preempted: list[str] = []
+        free = self._free_anon + len(self._lru)
+        running = list(self._running.values())
+        for r in running:  # popping preempted ones off the tail while iterating is safe: the index is checked
             if budget <= 0:
                 break
-            if r.num_computed < r.prompt_len:
-                n = min(r.prompt_len - r.num_computed, budget)
-                chunks.append((r, n))
-                budget -= n
-        prefill_tokens = sum(n for _, n in chunks)
-        kv_tokens = sum(r.prompt_len + r.num_generated for r in decode)
-        duration = p.step_seconds(prefill_tokens=prefill_tokens, decode_seqs=len(decode), decode_kv_tokens=kv_tokens)
+            computed = r.num_computed
+            num_tokens = r.prompt_len + r.num_generated
+            n = num_tokens - computed
+            if n == 1 and computed >= r.prompt_len:  # decoding: the common case, kept short
+                if computed >= r.kv_slots:  # its last block is full
+                    if free == 0:
+                        free = self._make_room(1, r, running, preempted)
+                        if free < 0:
+                            break  # it was preempted itself; it waits at the head of the queue
+                    self._allocate(1)
+                    free -= 1
+                    r.anon_blocks += 1
+                    r.kv_slots += bs
+                r.num_computed = num_tokens
+                budget -= 1
+                decode_seqs += 1
+                kv_tokens += num_tokens
+                sampling.append(r)
+                continue
+            if n > budget:
+                n = budget
+            if computed + n > r.kv_slots:  # crosses into blocks it does not hold yet
+                need = -(-(computed + n) // bs) - r.kv_slots // bs
+                if need > free:
+                    free = self._make_room(need, r, running, preempted)
+                    if free < 0:
+                        break
+                self._allocate(need)
+                free -= need
+                r.anon_blocks += need
+                r.kv_slots += need * bs
+            r.num_computed = computed + n
+            budget -= n
+            prefill_tokens += n
+            chunked.append(r)
+            if computed + n == num_tokens:
+                sampling.append(r)
+        if not preempted and self._waiting:
+            prefill_tokens += self._schedule_waiting(now, budget, chunked, sampling)
+        if not sampling and not chunked:
+            # Unreachable: model_len <= KV capacity lets the oldest running request (or, with none, the waiting
+            # head) always fit. Fail loudly rather than hang a driver that would wait for a step forever.
+            raise RuntimeError("internal error: a step scheduled nothing although requests are queued")
+        duration = p.step_seconds(prefill_tokens=prefill_tokens, decode_seqs=decode_seqs, decode_kv_tokens=kv_tokens)
         end = now + duration
-        outputs: list[TokenOutput] = []
         done: list[_Request] = []
-        for r in decode:
-            outputs.append(self._emit(r, r.num_generated, end, done))
-        for r, n in chunks:
-            r.num_computed += n
-            if r.num_computed == r.prompt_len:  # the last prompt chunk samples the first output token
-                r.first_token_at = end
-                self.prompt_tokens_total += r.prompt_len
-                outputs.append(self._emit(r, 0, end, done))
-        step = Step(start=now, duration=duration, prefill_tokens=prefill_tokens, decode_seqs=len(decode),
-                    outputs=tuple(outputs))
-        self._in_flight = (step, chunks, done)
+        outputs = tuple([self._emit(r, end, done) for r in sampling])
+        step = Step(start=now, duration=duration, prefill_tokens=prefill_tokens, decode_seqs=decode_seqs,
+                    outputs=outputs, preempted=tuple(preempted))
+        self._in_flight = (step, chunked, done)
         return step
 
     def complete_step(self, step: Step) -> None:
-        """End the in-flight ``step``: cache its computed blocks, release finished requests, admit waiting ones."""
+        """End the in-flight ``step``: cache its computed prompt blocks and release finished requests."""
         if self._in_flight is None or self._in_flight[0] is not step:
             raise RuntimeError("complete_step needs the step returned by the last start_step")
-        _, chunks, done = self._in_flight
+        _, chunked, done = self._in_flight
         self._in_flight = None
-        for r, _ in chunks:
-            if self._running.get(r.request_id) is r:  # skip requests cancelled during the step
+        running = self._running
+        for r in chunked:
+            if r.num_hashed < len(r.block_hashes) and running.get(r.request_id) is r:  # skip cancelled ones
                 self._register_blocks(r)
         for r in done:
-            if self._running.get(r.request_id) is r:
-                del self._running[r.request_id]
+            if running.get(r.request_id) is r:
+                del running[r.request_id]
                 self._release(r)
                 self.requests_finished[r.finish_reason] += 1
-        self._admit(step.end)
 
     def next_step(self, now: float) -> Step | None:
         """``start_step`` and ``complete_step`` at once (capacity frees at ``now``, not at the step's end)."""
@@ -482,47 +582,101 @@ class EngineModel:
 
     # ---- internals ------------------------------------------------------------------------------------------
 
-    def _emit(self, r: _Request, index: int, end: float, done: list[_Request]) -> TokenOutput:
+    def _schedule_waiting(self, now: float, budget: int, chunked: list[_Request], sampling: list[_Request]) -> int:
+        """Admit waiting requests FCFS with their first chunk while budget, a slot and KV blocks allow; never skip
+        the head (vLLM's waiting loop: ``get_computed_blocks`` then ``allocate_slots``, ``break`` on None).
+
+        Appends the admitted to ``chunked`` (and to ``sampling`` when the chunk completes their known tokens) and
+        returns the tokens scheduled.
+        """
+        tokens = 0
+        p = self.params
+        bs = p.block_size
+        waiting, running = self._waiting, self._running
+        while waiting and budget > 0 and len(running) < p.max_num_seqs:
+            req = next(iter(waiting.values()))
+            num_tokens = req.prompt_len + req.num_generated
+            hits = self._lookup(req, num_tokens)
+            computed = len(hits) * bs
+            n = min(num_tokens - computed, budget)
+            # Cached hits no one uses leave the free list when touched, so they count against the free blocks.
+            free = self._free_anon + len(self._lru) - sum(1 for b in hits if b.ref == 0)
+            need = -(-(computed + n) // bs) - len(hits)
+            gate = -(-num_tokens // bs) - len(hits) if p.scheduler_reserve_full_isl else need
+            if gate > free:
+                break
+            del waiting[req.request_id]
+            for b in hits:
+                if b.ref == 0:
+                    del self._lru[b.block_hash]
+                b.ref += 1
+            self._allocate(need)
+            req.blocks = hits
+            req.anon_blocks = need
+            req.kv_slots = (len(hits) + need) * bs
+            req.num_hashed = len(hits)
+            req.num_computed = computed + n
+            if req.admitted_at is None:  # first admission (a preempted request keeps its first times and stats)
+                req.admitted_at = now
+                req.cached_tokens = computed
+                self.prefix_cache_queries += req.prompt_len
+                self.prefix_cache_hits += computed
+            running[req.request_id] = req
+            chunked.append(req)
+            if computed + n == num_tokens:
+                sampling.append(req)
+            budget -= n
+            tokens += n
+        return tokens
+
+    def _make_room(self, need: int, r: _Request, running: list[_Request], preempted: list[str]) -> int:
+        """Preempt from the tail of ``running`` until ``need`` blocks are free or ``r`` itself was preempted.
+
+        Returns the free blocks after that, or -1 when ``r`` was preempted (vLLM ``schedule``'s inner loop).
+        """
+        while True:
+            victim = running.pop()  # the newest: FCFS policy's lowest priority
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is r:
+                return -1
+            free = self._free_anon + len(self._lru)
+            if free >= need:
+                return free
+
+    def _emit(self, r: _Request, end: float, done: list[_Request]) -> TokenOutput:
+        """Sample ``r``'s next output token at ``end``; mark it done when that is its last."""
+        index = r.num_generated
         r.num_generated = index + 1
         self.generation_tokens_total += 1
+        if index == 0:
+            r.first_token_at = end
+            self.prompt_tokens_total += r.prompt_len
         finished = None
         if r.num_generated >= r.output_len:
             done.append(r)
             finished = FinishedRequest(
                 request_id=r.request_id, prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens,
                 completion_tokens=r.num_generated, finish_reason=r.finish_reason, submitted_at=r.submitted_at,
-                admitted_at=r.admitted_at, first_token_at=r.first_token_at, finished_at=end)
-        return TokenOutput(r.request_id, index, r.seed, finished)
+                admitted_at=r.admitted_at, first_token_at=r.first_token_at, finished_at=end,
+                num_preemptions=r.num_preemptions)
+        return _new_tuple(TokenOutput, (r.request_id, index, r.seed, finished))  # TokenOutput(...) minus a call
 
-    def _admit(self, now: float) -> None:
-        """Admit waiting requests FCFS while the head fits (a slot and its blocks); never skip the head."""
-        p = self.params
-        while self._waiting and len(self._running) < p.max_num_seqs:
-            req = next(iter(self._waiting.values()))
-            hits = self._lookup(req)
-            need = -(-(req.prompt_len + req.output_len) // p.block_size) - len(hits)
-            hits_evictable = sum(1 for b in hits if b.ref == 0)  # hits leave the free list when touched
-            if need > self.num_free_blocks - hits_evictable:
-                return
-            for b in hits:
-                if b.ref == 0:
-                    del self._lru[b.block_hash]
-                b.ref += 1
-            self._allocate(need)
-            del self._waiting[req.request_id]
-            req.blocks = hits
-            req.anon_blocks = need
-            req.num_hashed = len(hits)
-            req.cached_tokens = req.num_computed = len(hits) * p.block_size
-            req.admitted_at = now
-            self.prefix_cache_queries += req.prompt_len
-            self.prefix_cache_hits += req.cached_tokens
-            self._running[req.request_id] = req
+    def _preempt(self, r: _Request) -> None:
+        """vLLM ``_preempt_request`` (recompute): free its blocks, forget its computed tokens, queue it at the head."""
+        del self._running[r.request_id]
+        self._release(r)
+        r.num_computed = 0
+        r.num_hashed = 0
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting[r.request_id] = r
+        self._waiting.move_to_end(r.request_id, last=False)
 
-    def _lookup(self, req: _Request) -> list[_Block]:
+    def _lookup(self, req: _Request, num_tokens: int) -> list[_Block]:
         """Longest run of the request's leading full blocks in the cache, leaving at least one token to compute."""
         hits: list[_Block] = []
-        for h in req.block_hashes[: (req.prompt_len - 1) // self.params.block_size]:
+        for h in req.block_hashes[: (num_tokens - 1) // self.params.block_size]:
             b = self._cache.get(h)
             if b is None:
                 break
@@ -560,3 +714,4 @@ class EngineModel:
         self._free_anon += r.anon_blocks
         r.blocks = []
         r.anon_blocks = 0
+        r.kv_slots = 0
