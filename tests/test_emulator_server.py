@@ -299,6 +299,29 @@ async def test_openai_client_chat_and_completions(emulator):
         await client.close()
 
 
+async def test_kv_exhaustion_preempts_and_metrics_count_it(procs):
+    """With a tiny KV cache, two long requests cannot both grow: one is preempted and recomputed, both still stream
+    every token once, and /metrics counts it in vllm:num_preemptions_total (a counter)."""
+    (port,) = free_ports(1)
+    base = f"http://127.0.0.1:{port}"
+    # 16 blocks of 16 tokens: each request's 100-token prompt fits (7 blocks), but not two at 179 tokens (12 each).
+    procs.skylb("emulator", "--port", str(port), "--time-scale", TIME_SCALE, "--kv-cache-tokens", "256",
+                name="emu-preempt", wait_url=f"{base}/health")
+    bodies = [{"model": MODEL, "prompt": " ".join(f"{tag}{i}" for i in range(100)), "max_tokens": 80,
+               "ignore_eos": True, "stream": True} for tag in ("p", "q")]
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        results = await asyncio.gather(*(run_streaming(session, f"{base}/v1/completions", b) for b in bodies))
+        async with session.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+    for lines in results:
+        assert lines[-1] == "[DONE]"
+        assert len("".join(json.loads(d)["choices"][0]["text"] for d in lines[:-1]).split()) == 80
+    assert "# TYPE vllm:num_preemptions_total counter" in text
+    m = parse_metrics(text)
+    assert m[f'vllm:num_preemptions_total{{engine="0",model_name="{MODEL}"}}'] >= 1
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+
+
 def test_sigterm_stops_the_emulator_cleanly(procs):
     """SIGTERM makes the process stop its replicas and exit with status 0."""
     (port,) = free_ports(1)

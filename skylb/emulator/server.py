@@ -100,7 +100,8 @@ class Replica:
         log.info("request_finished", replica=self.name, request_id=f.request_id, prompt_tokens=f.prompt_tokens,
                  cached_tokens=f.cached_tokens, completion_tokens=f.completion_tokens,
                  finish_reason=f.finish_reason, queue_ms=round(f.queue_s * 1000, 3),
-                 ttft_ms=round(f.ttft_s * 1000, 3), e2e_ms=round(f.e2e_s * 1000, 3))
+                 ttft_ms=round(f.ttft_s * 1000, 3), e2e_ms=round(f.e2e_s * 1000, 3),
+                 num_preemptions=f.num_preemptions)
 
 
 # ---- process ------------------------------------------------------------------------------------------------------
@@ -199,6 +200,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-ms-per-kv-token", type=float, default=d.decode_ms_per_kv_token,
                         help="extra iteration time per context token of the decoding requests (ms; default: "
                              "%(default)s = 128 KiB of KV per token at 300 GB/s)")
+    parser.add_argument("--no-scheduler-reserve-full-isl", dest="scheduler_reserve_full_isl",
+                        action="store_false",
+                        help="admit a waiting request when its first prefill chunk fits the free KV blocks, as vLLM "
+                             "before vllm-project/vllm#37307 (2026); default: only when its whole prompt fits")
     parser.add_argument("--eos-max-tokens", type=int, default=d.eos_max_tokens,
                         help="without ignore_eos, a request stops after 1 + hash(prompt) %% min(max_tokens, this) "
                              "tokens (tokens; default: %(default)s)")
@@ -241,7 +246,8 @@ def params_from_args(args: argparse.Namespace) -> EngineParams:
         block_size=args.block_size, max_model_len=args.max_model_len,
         prefill_ms_per_token=args.prefill_ms_per_token, decode_base_ms=args.decode_base_ms,
         decode_ms_per_seq=args.decode_ms_per_seq, decode_ms_per_kv_token=args.decode_ms_per_kv_token,
-        eos_max_tokens=args.eos_max_tokens, time_scale=args.time_scale)
+        eos_max_tokens=args.eos_max_tokens, time_scale=args.time_scale,
+        scheduler_reserve_full_isl=args.scheduler_reserve_full_isl)
 
 
 def options_from_args(args: argparse.Namespace) -> PersonalityOptions:

@@ -55,6 +55,8 @@ class _VllmCollector:
                         "Number of prefill tokens processed.", m.prompt_tokens_total)
         yield self._one(CounterMetricFamily, "vllm:generation_tokens",
                         "Number of generation tokens processed.", m.generation_tokens_total)
+        yield self._one(CounterMetricFamily, "vllm:num_preemptions",
+                        "Cumulative number of preemption from the engine.", m.num_preemptions)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=[*self._LABELS, "finished_reason"])
         for reason, count in m.requests_finished.items():
