@@ -214,6 +214,8 @@ LIVE_BENCHMARKS = {
                  "(bench/results/baselines.md)",
     "overhead": "the balancer's own cost: added latency, request rate, SSE relay, decision time, memory",
     "live": "the paper's scenarios scaled down on the local three-region deployment (bench/results/live.md)",
+    "calibrate": "the engine model beside the paper's L4 figure and a real llama-server, the same requests on "
+                 "both (bench/results/calibration.md)",
 }
 
 
