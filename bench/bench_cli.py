@@ -3,7 +3,10 @@
 `skylb bench sim --scenario NAME` runs one scenario; `skylb bench all` runs the whole suite and writes the report
 (README.md with tables and the paper's targets marked met/missed), results.json and PNG plots to --out
 (default bench/results/). Runs are independent simulations, spread over --jobs worker processes; results do not
-depend on --jobs.
+depend on --jobs. Every run is repeated for each of --seeds (default 0,1,2; --seed N runs one seed): the report
+gives each figure as the mean over seeds with [min, max], and the targets are evaluated on the means. --trace
+replays another Mooncake-format trace in the trace scenarios; with `sim`, --start-s and --time-compression move
+the replayed window.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from tabulate import tabulate
+
+from bench.report import markdown_table
 from tqdm import tqdm
 
 __all__ = ["add_arguments", "main", "run_specs", "render_report"]
@@ -34,12 +39,17 @@ def _scenario_help() -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `skylb bench` options: `sim` and `all` (simulated), `baselines`, `overhead` and `live` (real processes)."""
-    from bench.sim.scenarios import SCENARIOS
+    from bench.sim.scenarios import DEFAULT_SEEDS, SCENARIOS
     sub = parser.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
     sim = sub.add_parser("sim", help="run one simulated scenario",
                          description="Run one simulated scenario. Scenarios: " + _scenario_help())
     sim.add_argument("--scenario", required=True, choices=list(SCENARIOS), metavar="NAME",
                      help="one of: " + ", ".join(SCENARIOS))
+    sim.add_argument("--start-s", type=float, default=None, metavar="S",
+                     help="trace time (s) where a trace scenario's replay starts (default: the scenario's; the "
+                          "first minute of a trace is cache-cold)")
+    sim.add_argument("--time-compression", type=float, default=None, metavar="C",
+                     help="divide trace time by C (2 = twice the request rate; default: the scenario's)")
     everything = sub.add_parser("all", help="run the whole simulated evaluation and write the report",
                                 description="Run every scenario but 'smoke' and write README.md, results.json "
                                             "and the PNG plots.")
@@ -48,11 +58,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               description=f"{help_text}. Options are those of `python -m bench.{name} --help`.")
         live.set_defaults(passes_options=True, rest=[])  # skylb.cli hands the unknown options over in order
     for p in (sim, everything):
-        p.add_argument("--seed", type=int, default=0, help="seed of workloads, start times and probe phases")
+        seeds = p.add_mutually_exclusive_group()
+        seeds.add_argument("--seeds", type=_seed_list, default=DEFAULT_SEEDS, metavar="N,N,...",
+                           help="seeds of workloads, region assignment, start times and probe phases; every figure "
+                                "is the mean over them with [min, max] (default: "
+                                + ",".join(map(str, DEFAULT_SEEDS)) + ")")
+        seeds.add_argument("--seed", type=int, help="run this one seed only (same as --seeds N)")
+        p.add_argument("--trace", type=Path, default=None, metavar="PATH",
+                       help="Mooncake-format trace for the trace scenarios (default: the real one, "
+                            f"{_default_trace()})")
         p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
         p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                        help="worker processes (default: min(2, CPUs))")
         p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+def _seed_list(text: str) -> tuple[int, ...]:
+    """``"0,1,2"`` -> (0, 1, 2); argparse.ArgumentTypeError for anything else or a repeated seed."""
+    try:
+        seeds = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seed repeated in {text!r}")
+    return seeds
+
+
+def _default_trace() -> Path:
+    from bench.sim.workloads import DEFAULT_TRACE
+    return DEFAULT_TRACE
 
 
 def run_specs(specs: Sequence, *, jobs: int, progress: bool = True) -> list:
@@ -82,7 +116,13 @@ def run_specs(specs: Sequence, *, jobs: int, progress: bool = True) -> list:
 
 
 def _cost_hint(spec) -> float:
-    return sum(n for _, n in spec.counts) + (20 if spec.system in ("SkyLB", "SkyLB-CH", "Oracle") else 0)
+    """A rough relative cost of a run, to start the long ones first (the oracle runs one simulation per candidate)."""
+    from bench.sim.scenarios import SCENARIOS
+    from bench.sim.systems import SYSTEMS
+    sc = SCENARIOS[spec.scenario]
+    per_run = sum(n for _, n in spec.counts) + (20 if spec.system.startswith(("SkyLB", "Oracle")) else 0)
+    load = sc.stop_at / 210.0 * (sc.trace.time_compression if sc.trace else 1.0)
+    return per_run * load * max(1, len(SYSTEMS[spec.system].candidates))
 
 
 # ------------------------------------------------------------------------------------------------------- report
@@ -91,44 +131,90 @@ def _f(x: float, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _cell(r, metric: str, fmt: str = "{:.2f}") -> str:
+    """A figure of ``r`` as "mean [min, max]" over its seeds (the mean alone for one seed)."""
+    from bench.sim.metrics import spread_text
+    value = getattr(r, metric)
+    return "n/a" if isinstance(value, float) and math.isnan(value) else spread_text(r, metric, fmt=fmt)
+
+
 def _table(rows) -> str:
     headers = ["system", "replicas", "req/s", "tok/s", "TTFT mean", "TTFT p50", "TTFT p90", "E2E p50", "E2E p90",
-               "hit rate", "outst. var", "pending", "KV used", "LB queue", "fwd", "remote", "net (s)", "done"]
-    body = [[r.system, r.replicas, _f(r.throughput_rps), _f(r.throughput_tps, 0), _f(r.ttft_mean), _f(r.ttft_p50),
-             _f(r.ttft_p90), _f(r.e2e_p50, 1), _f(r.e2e_p90, 1), f"{r.hit_rate:.1%}", _f(r.outstanding_var, 1),
-             _f(r.pending_mean), f"{r.kv_usage_mean:.0%}", _f(r.queue_mean, 1), f"{r.forwarded_frac:.1%}", f"{r.remote_frac:.1%}",
-             _f(r.network_mean), r.completed] for r in rows]
-    return tabulate(body, headers=headers, tablefmt="github")
+               "hit rate", "ideal hit", "outst. var", "pending", "KV used", "LB queue", "fwd", "remote", "net (s)",
+               "done"]
+    body = [[r.system, r.replicas, _cell(r, "throughput_rps"), _f(r.throughput_tps, 0), _f(r.ttft_mean),
+             _cell(r, "ttft_p50"), _cell(r, "ttft_p90"), _f(r.e2e_p50, 1), _cell(r, "e2e_p90", "{:.1f}"),
+             _cell(r, "hit_rate", "{:.1%}"), f"{r.ideal_hit_rate:.1%}", _f(r.outstanding_var, 1),
+             _f(r.pending_mean), f"{r.kv_usage_mean:.0%}", _f(r.queue_mean, 1), f"{r.forwarded_frac:.1%}",
+             f"{r.remote_frac:.1%}", _f(r.network_mean), r.completed] for r in rows]
+    return markdown_table(headers, body)
 
 
-def render_report(results: list, *, seed: int, wall_s: float, jobs: int, plots: dict[str, str],
-                  skipped: Sequence[str] = (), command: str = "skylb bench all") -> str:
-    """The markdown report: setup, the paper's targets (met / missed, measured, why), one table per scenario."""
-    from bench.sim.scenarios import SCENARIOS, evaluate_targets, observations
+def _oracle_table(row) -> list[str]:
+    """The oracle's candidate policies, each one's figures (mean over seeds), and which one each kept figure came
+    from."""
+    if not row.candidates:
+        return []
+    body = [[name, _f(c["throughput_rps"]), _f(c["ttft_p50"]), _f(c["ttft_p90"]), _f(c["e2e_p90"], 1),
+             f"{c['hit_rate']:.1%}"] for name, c in row.candidates.items()]
+    kept = "; ".join(f"{m}: {row.best_of[m]}" for m in ("throughput_rps", "ttft_p50", "ttft_p90", "e2e_p90",
+                                                       "hit_rate") if m in row.best_of)
+    return ["Oracle candidates (global fresh view, free network; mean over seeds). The Oracle row keeps, per seed "
+            "and per figure, the best candidate's value, so it bounds each figure separately; kept from (seeds "
+            f"per candidate): {kept}.", "",
+            markdown_table(["candidate policy", "req/s", "TTFT p50", "TTFT p90", "E2E p90", "hit rate"], body), ""]
+
+
+def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: int, plots: dict[str, str],
+                  skipped: Sequence[str] = (), command: str = "skylb bench all", trace: str | None = None) -> str:
+    """The markdown report: setup, the targets (met / missed, measured, why), one table per scenario.
+
+    ``results``: one RunSummary per scenario, system and deployment, the mean over ``seeds`` with its spread
+    (bench/sim/scenarios.py ``aggregate_runs``). ``trace``: the trace the trace scenarios replayed (None: the real
+    Mooncake trace).
+    """
+    from bench.sim.scenarios import SCENARIOS, WARM_LEAD_S, WARM_START_S, evaluate_targets, observations
     from bench.sim.systems import SYSTEMS
+    from bench.sim.workloads import DEFAULT_TRACE
     from bench.sim.workloads import __doc__ as workloads_doc
     lines = ["# Simulated SkyLB evaluation", ""]
-    lines += [f"Produced by `{command} --seed {seed}` in {wall_s:.0f} s of wall time on {jobs} worker "
+    lines += [f"Produced by `{command}` in {wall_s:.0f} s of wall time on {jobs} worker "
               f"process(es) ({os.cpu_count()} CPUs, Python {platform.python_version()}). Every number below is "
               "simulated: the routing decisions are made by `skylb.core.Router` and its policies (the code the live "
               "balancer runs), the replicas are `skylb.emulator.model.EngineModel` (continuous batching, KV "
               "capacity, block prefix cache; L4 / Llama-3.1-8B timings), and time is simulated (bench/sim).", ""]
-    lines += ["**Scaling.** To fit the whole suite in under 10 minutes on 2 cores, each closed-loop run sends requests "
-              "for 210 simulated seconds and measures over [30 s, 210 s); the Mooncake trace replays its first 210 s "
-              "in real time with prompts scaled by 1/8. Requests in flight at the end run to completion (none is "
-              "lost). The paper's runs were longer, on real GPUs.", ""]
+    lines += [f"**Seeds.** Every run is repeated with seeds {', '.join(map(str, seeds))}; each figure is the mean "
+              "over them, shown as mean [min, max] where the spread matters (req/s, TTFT p50/p90, E2E p90, hit rate; "
+              "the other columns are means). The targets are evaluated on the means, and their measured text quotes "
+              "the spread. A seed changes the closed-loop workloads' draws, which region each trace session comes "
+              "from, the clients' start times and the probe phases.", ""]
+    lines += ["**Scaling.** To fit the whole suite in minutes on 2 cores, each closed-loop run sends requests "
+              "for 210 simulated seconds and measures over [30 s, 210 s). The trace scenarios replay "
+              f"`{trace or DEFAULT_TRACE.name}` open loop with prompts scaled by 1/8 for 210 simulated seconds: "
+              "from its start at 1x, 2x and 3x time compression (210, 420 and 630 s of trace), and a warm window "
+              f"from {WARM_START_S:.0f} s of trace whose first {WARM_LEAD_S:.0f} s fill the caches unmeasured. "
+              "Requests in flight at the end run to completion (none is lost). The paper's runs were longer, on "
+              "real GPUs.", ""]
     lines += ["**Network.** Round trips us-eu 80 ms, us-asia 150 ms, eu-asia 200 ms, 2 ms within a region. Probes "
               "every 100 ms cross the same latencies, so each balancer's view is stale by up to one interval plus "
               "the round trip. The oracle has a free network and a fresh view.", ""]
+    lines += ["**Oracle.** One scheduler with a global fresh view and a free network, run once per candidate "
+              "policy (SkyLB's, the paper's rule, SGLang's cache-aware with and without selective pushing, least "
+              "load); per seed and per figure it keeps the best candidate's value (highest throughput and hit rate, "
+              "lowest of each TTFT / E2E statistic), so it is a bound for each figure separately, not one run "
+              "that reaches them all. If any system beats it, the oracle is wrong: a target row checks that for "
+              "every scenario.", ""]
     lines += ["**Metrics.** req/s and tok/s: completions per second in the window. TTFT / E2E (s): from the "
               "client's send, over requests sent in the window. hit rate: cached / prompt tokens at the engine. "
+              "ideal hit: the same requests through an infinite prefix cache on one replica (every 16-token block "
+              "seen in an earlier request of the run is a hit; bench/ideal.py), a limit no policy can pass. "
               "outst. var: variance across replicas of outstanding (waiting + running) requests, averaged over "
               "100 ms samples. pending: mean requests waiting at each replica's engine. KV used: mean fraction of a "
               "replica's KV blocks held by its running requests. LB queue: mean requests "
               "queued at all balancers. fwd: forwarded to a peer balancer. remote: served outside the client's "
-              "region. net: network time inside TTFT. done: requests completed in the run.", ""]
+              "region. net: network time inside TTFT. done: requests completed in the run (mean over seeds).", ""]
     targets = evaluate_targets(results)
-    lines += ["## Targets (paper claims) as measured", ""]
+    lines += ["## Targets as measured (means over seeds)", ""]
     lines += [tabulate([[t.claim, t.scope, t.measured, "met" if t.met else "**missed**", t.why] for t in targets],
                        headers=["target", "scenario", "measured", "result", "why (when missed, from the runs)"],
                        tablefmt="github"), ""]
@@ -137,9 +223,9 @@ def render_report(results: list, *, seed: int, wall_s: float, jobs: int, plots: 
         lines += ["### What the runs show (computed from the tables below)", ""]
         lines += [f"- {n}" for n in notes] + [""]
     if skipped:
-        lines += [f"Skipped: {', '.join(skipped)} (the Mooncake trace file was not found).", ""]
+        lines += [f"Skipped: {', '.join(skipped)} (the trace file was not found).", ""]
     lines += ["## Systems", ""]
-    lines += [tabulate([[s.key, s.label, s.policy, s.layout] for s in SYSTEMS.values()],
+    lines += [tabulate([[s.key, s.label, " / ".join(s.candidates) or s.policy, s.layout] for s in SYSTEMS.values()],
                        headers=["system", "what", "core policy", "layout"], tablefmt="github"), ""]
     lines += ["Details and sources: `bench/sim/systems.py`; workload lengths and their reasons: "
               "`bench/sim/workloads.py`.", ""]
@@ -154,6 +240,7 @@ def render_report(results: list, *, seed: int, wall_s: float, jobs: int, plots: 
         if sc.notes:
             lines += [sc.notes, ""]
         lines += [_table(rows), ""]
+        lines += next((_oracle_table(r) for r in rows if r.system == "Oracle"), [])
         if name == "skewed":
             lines += _replicas_needed_table(rows)
         for key, path in plots.items():
@@ -191,14 +278,20 @@ def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
         print(f"skylb bench: no plots ({exc.name} is not installed; `pip install -e '.[bench]'` or `make bench`)",
               file=sys.stderr)
         return {}
-    from bench.sim.scenarios import FIG9_SCENARIOS, SCENARIOS
-    from bench.sim.systems import FIG8_SYSTEMS, FIG9_SYSTEMS
+    from bench.sim.scenarios import FIG9_SCENARIOS, MOONCAKE_SCENARIOS, SCENARIOS
+    from bench.sim.systems import FIG8_SYSTEMS, FIG9_SYSTEMS, MOONCAKE_SYSTEMS
     plots: dict[str, str] = {}
     present = {r.scenario for r in results}
     fig8 = [(w, t) for w, t in (("arena", "Arena"), ("wildchat", "WildChat"), ("tot", "ToT"),
                                 ("mixed_tree", "Mixed Tree"), ("mooncake", "Mooncake")) if w in present]
     if fig8:
         plots["fig8:all"] = plot_fig8(results, fig8, FIG8_SYSTEMS, out / f"{prefix}fig8.png").name
+    labels = {"mooncake": "1x", "mooncake_2x": "2x", "mooncake_3x": "3x", "mooncake_warm": "warm window"}
+    trace = [(s, f"Mooncake {labels.get(s, s)}") for s in MOONCAKE_SCENARIOS if s in present]
+    if len(trace) > 1:  # after the last Mooncake table
+        plots[f"{trace[-1][0]}:trace"] = plot_fig8(
+            results, trace, MOONCAKE_SYSTEMS, out / f"{prefix}mooncake.png",
+            title="Simulated Mooncake trace at 1x, 2x, 3x and on a warm window").name
     for sc in FIG9_SCENARIOS:
         if sc in present:
             plots[f"{sc}:fig9"] = plot_fig9(results, sc, FIG9_SYSTEMS, out / f"{prefix}{sc}.png",
@@ -224,26 +317,47 @@ def main(args: argparse.Namespace) -> int:
     if args.bench_command in LIVE_BENCHMARKS:
         import importlib
         return int(importlib.import_module(f"bench.{args.bench_command}").main(args.rest) or 0)
-    from bench.sim.scenarios import SCENARIOS, SUITE, runs_of, trace_available
+    from bench.sim.scenarios import SCENARIOS, SUITE, aggregate_runs, runs_of, trace_available
+    seeds = (args.seed,) if args.seed is not None else tuple(args.seeds)
+    trace = str(args.trace) if args.trace is not None else None
+    start_s, compression = getattr(args, "start_s", None), getattr(args, "time_compression", None)
     names = [args.scenario] if args.bench_command == "sim" else list(SUITE)
-    skipped = [n for n in names if SCENARIOS[n].needs_trace and not trace_available()]
+    if args.bench_command == "sim" and not SCENARIOS[args.scenario].needs_trace and (
+            trace is not None or start_s is not None or compression is not None):
+        print(f"skylb bench sim: scenario {args.scenario!r} is not a trace replay; --trace, --start-s and "
+              "--time-compression apply to: " + ", ".join(n for n, s in SCENARIOS.items() if s.needs_trace),
+              file=sys.stderr)
+        return 2
+    if compression is not None and compression <= 0:
+        print("skylb bench sim: --time-compression must be > 0", file=sys.stderr)
+        return 2
+    skipped = [n for n in names if SCENARIOS[n].needs_trace and not trace_available(trace)]
     names = [n for n in names if n not in skipped]
     if skipped:
-        print(f"skipping {', '.join(skipped)}: Mooncake trace not found", file=sys.stderr)
-    specs = [spec for n in names for spec in runs_of(n, seed=args.seed)]
+        print(f"skipping {', '.join(skipped)}: trace {trace or _default_trace()} not found", file=sys.stderr)
+    specs = [spec for n in names for seed in seeds
+             for spec in (runs_of(n, seed=seed, trace=trace, start_s=start_s, time_compression=compression)
+                          if SCENARIOS[n].needs_trace else runs_of(n, seed=seed))]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = run_specs(specs, jobs=max(1, args.jobs), progress=not args.no_progress)
+    runs = run_specs(specs, jobs=max(1, args.jobs), progress=not args.no_progress)
     wall = time.perf_counter() - t0
+    results = aggregate_runs(runs)
     stem = "README" if args.bench_command == "all" else args.scenario
     # A single scenario's plots get its name as a prefix, so they never overwrite the full suite's.
     plots = _write_plots(results, out, prefix="" if stem == "README" else f"{stem}-")
     command = "skylb bench all" if stem == "README" else f"skylb bench sim --scenario {stem}"
-    report = render_report(results, seed=args.seed, wall_s=wall, jobs=args.jobs, plots=plots, skipped=skipped,
-                           command=command)
+    command += f" --seeds {','.join(map(str, seeds))}"
+    for flag, value in (("--trace", trace), ("--start-s", start_s), ("--time-compression", compression)):
+        if value is not None:
+            command += f" {flag} {value:g}" if isinstance(value, float) else f" {flag} {value}"
+    report = render_report(results, seeds=seeds, wall_s=wall, jobs=args.jobs, plots=plots, skipped=skipped,
+                           command=command, trace=trace)
     (out / f"{stem}.md").write_text(report)
     (out / f"{'results' if stem == 'README' else stem}.json").write_text(json.dumps(
-        {"seed": args.seed, "wall_s": wall, "results": [r.to_dict() for r in results]}, indent=1))
-    print(f"{len(results)} runs in {wall:.0f} s; report: {out / (stem + '.md')}")
+        {"seeds": list(seeds), "wall_s": wall, "command": command, "results": [r.to_dict() for r in results],
+         "runs": [r.to_dict() for r in runs]}, indent=1))
+    print(f"{len(runs)} runs ({len(results)} figures x {len(seeds)} seed(s)) in {wall:.0f} s; "
+          f"report: {out / (stem + '.md')}")
     return 0

@@ -1,11 +1,14 @@
 """PNG plots of the simulated evaluation, mirroring the SkyLB paper's Fig. 8, 9 and 10 (matplotlib, Agg backend).
 
 * Fig. 8: service throughput (req/s) per system per workload; TTFT and E2E latency box plots (box p25-p75, red
-  median, whiskers p10-p90, triangle = mean; TTFT log-scaled), as in the paper.
+  median, whiskers p10-p90, triangle = mean; TTFT log-scaled), as in the paper. The same layout for the Mooncake
+  scenarios (1x, 2x, 3x, warm).
 * Fig. 9: BP / SP-O / SP-P throughput and latency.
 * Fig. 10: throughput vs replicas, SkyLB vs region-local, with the region-local 12-replica level dashed.
 
-Each function takes RunSummary records (bench.sim.metrics) and writes one PNG, returning its path.
+Each function takes RunSummary records (bench.sim.metrics; means over seeds, whose [min, max] become the
+throughput bars' error bars; the box plots show the means of each percentile) and writes one PNG, returning its
+path.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ __all__ = ["plot_fig8", "plot_fig9", "plot_fig10"]
 #: One colour per system, stable across figures.
 COLORS = {
     "GKE": "#8c8c8c", "RR": "#1f77b4", "LL": "#ff7f0e", "CH": "#2ca02c", "SGL": "#9467bd", "SkyLB-CH": "#e377c2",
-    "SkyLB": "#d62728", "Oracle": "#17becf", "RegionLocal": "#7f7f7f", "BP": "#9467bd", "SP-O": "#bcbd22",
+    "SkyLB": "#d62728", "SkyLB-paper": "#ff9896", "Oracle": "#17becf", "RegionLocal": "#7f7f7f", "BP": "#9467bd", "SP-O": "#bcbd22",
     "SP-P": "#d62728",
 }
 
@@ -40,7 +43,11 @@ def _box_stats(r: RunSummary, metric: str) -> dict:
 
 def _bars(ax, rows: Sequence[RunSummary], title: str, ylabel: str = "throughput (req/s)") -> None:
     xs = range(len(rows))
-    ax.bar(xs, [r.throughput_rps for r in rows], color=[COLORS.get(r.system, "#333") for r in rows])
+    # Error bars: min and max over seeds (a run of one seed has none).
+    err = [[r.throughput_rps - r.spread.get("throughput_rps", [r.throughput_rps] * 2)[0] for r in rows],
+           [r.spread.get("throughput_rps", [r.throughput_rps] * 2)[1] - r.throughput_rps for r in rows]]
+    ax.bar(xs, [r.throughput_rps for r in rows], color=[COLORS.get(r.system, "#333") for r in rows], yerr=err,
+           capsize=2, error_kw={"elinewidth": 0.8})
     ax.set_xticks(list(xs), [r.system for r in rows], rotation=45, ha="right", fontsize=8)
     ax.set_title(title, fontsize=10)
     ax.set_ylabel(ylabel, fontsize=9)
@@ -76,7 +83,7 @@ def _ordered(results: Sequence[RunSummary], scenario: str, systems: Sequence[str
 
 
 def plot_fig8(results: Sequence[RunSummary], workloads: Sequence[tuple[str, str]], systems: Sequence[str],
-              out: Path) -> Path:
+              out: Path, title: str = "Simulated Fig. 8") -> Path:
     """Fig. 8: one column per (scenario, title) in ``workloads``; rows: throughput, TTFT (log), E2E."""
     workloads = [(w, t) for w, t in workloads if _ordered(results, w, systems)]
     n = max(len(workloads), 1)
@@ -86,7 +93,7 @@ def plot_fig8(results: Sequence[RunSummary], workloads: Sequence[tuple[str, str]
         _bars(axes[0][col], rows, f"({chr(97 + col)}) {title}")
         _boxes(axes[1][col], rows, "ttft", f"({chr(97 + n + col)}) TTFT, {title}", log=True)
         _boxes(axes[2][col], rows, "e2e", f"({chr(97 + 2 * n + col)}) E2E, {title}", log=False)
-    fig.suptitle("Simulated Fig. 8: throughput, TTFT and end-to-end latency "
+    fig.suptitle(f"{title}: throughput, TTFT and end-to-end latency "
                  "(box p25-p75, red median, whiskers p10-p90, triangle mean)", fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -6,11 +6,15 @@ from __future__ import annotations
 import pytest
 
 from bench.sim.cluster import BalancerSetup, Cluster, Network
-from bench.sim.metrics import replicas_needed, summarize
-from bench.sim.scenarios import SCENARIOS, even_split, execute, runs_of
-from bench.sim.systems import SYSTEMS, build
+import json
+from dataclasses import replace
+
+from bench.sim.metrics import aggregate, best_of, replicas_needed, summarize
+from bench.sim.scenarios import (MOONCAKE_SCENARIOS, SCENARIOS, RunSpec, aggregate_runs, evaluate_targets,
+                                 even_split, execute, runs_of)
+from bench.sim.systems import MOONCAKE_SYSTEMS, ORACLE_CANDIDATES, SYSTEMS, build
 from bench.sim.workloads import ARENA, TOT_2, TOT_2_LONG, SimRequest, Workload, conversations, replayed, trees
-from bench.workload import WorkloadConfig, synthetic_workload
+from bench.workload import WorkloadConfig, synthetic_workload, trace_workload
 from skylb.config import BalancerConfig
 from skylb.core import Router
 
@@ -28,8 +32,17 @@ def _fingerprint(cluster: Cluster) -> list[tuple]:
             for f in cluster.records]
 
 
+def _mini_trace(tmp_path, n: int = 12):
+    """A small Mooncake-format trace: two conversations extending their blocks, one request every 5 s."""
+    rows = [{"timestamp": 5000 * i, "input_length": 512 * (2 + i // 2), "output_length": 40,
+             "hash_ids": [100 + (i % 2)] + [1000 * (i % 2) + k for k in range(1 + i // 2)]} for i in range(n)]
+    path = tmp_path / "mini.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def _burst(n: int, *, at: float, prompt: int, output: int, region: str = "us", prefix: str = "b") -> list[SimRequest]:
-    return [SimRequest(f"{prefix}{i}", f"k{i}", [f"w{i}"] + ["tok"] * (prompt - 1), output, arrival_s=at,
+    return [SimRequest(f"{prefix}{i}", f"k{i}", [f"{prefix}w{i}"] + ["tok"] * (prompt - 1), output, arrival_s=at,
                        region=region) for i in range(n)]
 
 
@@ -206,9 +219,21 @@ def test_replayed_workload_keeps_start_and_think_times_and_ends():
             assert r.think_s > 0 and f.sent_at == pytest.approx(by_id[r.after].done_at + r.think_s)
     assert cluster.finished and cluster.loop.now < 600.0
     with pytest.raises(ValueError, match="closed-loop"):
-        replayed([r for r in requests if r.after is None] + [type(requests[0])(
+        replayed(requests + [type(requests[0])(
             id="x", arrival_s=1.0, region="us", session_id=requests[0].session_id, prompt_tokens=1,
             output_tokens=1, text="x")])
+
+
+def test_replayed_trace_window_is_open_loop(tmp_path):
+    """A replayed trace window (no request waits for another) is sent open loop: each request at its arrival time."""
+    trace = _mini_trace(tmp_path)
+    requests = trace_workload(WorkloadConfig(trace=str(trace), window_s=100.0, token_scale=0.05), ["us", "eu"],
+                              trace)
+    workload = replayed(requests)
+    assert not workload.clients and [r.id for r in workload.arrivals] == [r.id for r in requests]
+    cluster = _run("SkyLB", workload, {"us": 1, "eu": 1}, stop_at=600.0)
+    by_id = {f.req.id: f for f in cluster.records}
+    assert all(by_id[r.id].sent_at == pytest.approx(r.arrival_s) for r in requests)
 
 
 def test_every_request_completes_exactly_once():
@@ -271,3 +296,103 @@ def test_cli_bench_sim_writes_a_report(tmp_path):
                  "--no-progress"]) == 0
     report = (tmp_path / "smoke.md").read_text()
     assert "| SkyLB " in report and (tmp_path / "smoke.json").is_file()
+
+
+# -------------------------------------------------------------------------------------- seeds, oracle, targets
+
+
+@pytest.fixture(scope="module")
+def smoke_runs():
+    """The smoke scenario's SkyLB and SGL runs at seeds 0 and 1."""
+    return {(sys, seed): execute(RunSpec("smoke", sys, (("us", 1), ("eu", 1), ("asia", 1)), seed))
+            for sys in ("SkyLB", "SGL") for seed in (0, 1)}
+
+
+def test_aggregate_gives_the_mean_and_the_spread_over_seeds(smoke_runs):
+    """A figure over seeds is the mean of the seeds' values with their min and max; region shares are averaged."""
+    a, b = smoke_runs[("SkyLB", 0)], smoke_runs[("SkyLB", 1)]
+    m = aggregate([a, b])
+    assert m.seeds == [0, 1] and m.system == "SkyLB"
+    assert m.ttft_p90 == pytest.approx((a.ttft_p90 + b.ttft_p90) / 2)
+    assert m.spread["ttft_p90"] == [min(a.ttft_p90, b.ttft_p90), max(a.ttft_p90, b.ttft_p90)]
+    assert m.spread["throughput_rps"][0] <= m.throughput_rps <= m.spread["throughput_rps"][1]
+    assert sum(m.served_share.values()) == pytest.approx(1.0)
+    assert len(aggregate_runs(list(smoke_runs.values()))) == 2
+    with pytest.raises(ValueError):
+        aggregate([a, smoke_runs[("SGL", 0)]])
+
+
+def test_best_of_keeps_the_best_candidate_per_figure(smoke_runs):
+    """The oracle keeps, per figure, the best candidate's value: highest throughput, lowest latency."""
+    fast = replace(smoke_runs[("SkyLB", 0)], ttft_p90=1.0, throughput_rps=5.0)
+    busy = replace(smoke_runs[("SkyLB", 0)], ttft_p90=2.0, throughput_rps=6.0)
+    r = best_of([fast, busy], system="Oracle", labels=["a", "b"])
+    assert (r.system, r.ttft_p90, r.throughput_rps) == ("Oracle", 1.0, 6.0)
+    assert r.best_of["ttft_p90"] == "a" and r.best_of["throughput_rps"] == "b"
+    assert set(r.candidates) == {"a", "b"} and r.candidates["b"]["ttft_p90"] == 2.0
+
+
+def test_oracle_runs_every_candidate_policy():
+    """The Oracle system runs each registered candidate policy (skylb and skylb-paper among them) and keeps the best."""
+    assert {"skylb", "sglang", "sglang-selective", "least-load"} <= set(ORACLE_CANDIDATES)
+    r = execute(RunSpec("smoke", "Oracle", (("us", 1), ("eu", 1), ("asia", 1)), 0))
+    assert list(r.candidates) == list(ORACLE_CANDIDATES)
+    assert r.ttft_p90 == min(c["ttft_p90"] for c in r.candidates.values())
+    assert r.throughput_rps == max(c["throughput_rps"] for c in r.candidates.values())
+    assert r.network_mean == 0.0
+
+
+def test_a_system_beating_the_oracle_is_flagged(smoke_runs):
+    """The report's oracle check fails, naming the system and figure, when a system beats the oracle's value."""
+    sky = smoke_runs[("SkyLB", 0)]
+    rows = [replace(sky, scenario="mooncake", system=s) for s in ("SkyLB", "SGL", "Oracle")]
+    rows[1] = replace(rows[1], ttft_p90=rows[2].ttft_p90 * 0.5)
+    check = [t for t in evaluate_targets(rows) if t.claim.startswith("The oracle is a bound")]
+    assert len(check) == 1 and not check[0].met and "SGL's ttft_p90" in check[0].why
+    ok = [t for t in evaluate_targets([rows[0], rows[2]]) if t.claim.startswith("The oracle is a bound")]
+    assert ok[0].met
+
+
+def test_mooncake_targets_are_evaluated_per_scenario(smoke_runs):
+    """Each Mooncake scenario gets the issue's targets: never above the best single balancer, 0.75x and 0.25x
+    region-local's at 2x and 3x, 1.1x the oracle, throughput not below any baseline, and the warm hit rate."""
+    base = smoke_runs[("SkyLB", 0)]
+    rows = [replace(base, scenario=sc, system=s) for sc in MOONCAKE_SCENARIOS for s in MOONCAKE_SYSTEMS]
+    claims: dict[str, list[str]] = {}
+    for t in evaluate_targets(rows):
+        claims.setdefault(t.scope, []).append(t.claim)
+    assert any("0.75x" in c for c in claims["mooncake_2x"]) and any("region-local" in c for c in claims["mooncake_3x"])
+    assert not any("0.75x" in c for c in claims["mooncake"])
+    assert any("1.1x the oracle" in c for c in claims["mooncake_warm"])
+    assert any("ideal" in c for c in claims["mooncake_warm"]) and not any("ideal" in c for c in claims["mooncake"])
+    assert all(any("not below any baseline" in c for c in claims[sc]) for sc in MOONCAKE_SCENARIOS)
+
+
+def test_trace_scenarios_replay_any_trace_and_window(tmp_path):
+    """A trace scenario replays another trace with --start-s and --time-compression; closed-loop ones refuse them."""
+    trace = _mini_trace(tmp_path)
+    sc = SCENARIOS["mooncake"]
+    w = sc.make_workload(0, trace=str(trace), start_s=20.0, time_compression=2.0)
+    assert [r.arrival_s for r in w.arrivals] == [(5.0 * i - 20.0) / 2.0 for i in range(4, 12)]
+    assert SCENARIOS["mooncake_warm"].trace.start_s > 0 and SCENARIOS["mooncake_3x"].trace.time_compression == 3
+    with pytest.raises(ValueError, match="not a trace replay"):
+        runs_of("arena", start_s=10.0)
+    r = execute(next(s for s in runs_of("mooncake", trace=str(trace), time_compression=4.0) if s.system == "SkyLB"))
+    assert r.completed == 12 and r.hit_rate <= r.ideal_hit_rate
+
+
+def test_cli_seeds_give_mean_and_spread(tmp_path, capsys):
+    """`skylb bench sim --seeds 0,1` runs every system per seed and reports means with [min, max]; --seed N runs one
+    seed; trace options on a closed-loop scenario are an error."""
+    from skylb.cli import main
+    assert main(["bench", "sim", "--scenario", "smoke", "--seeds", "0,1", "--out", str(tmp_path), "--jobs", "1",
+                 "--no-progress"]) == 0
+    doc = json.loads((tmp_path / "smoke.json").read_text())
+    assert doc["seeds"] == [0, 1] and len(doc["runs"]) == 2 * len(doc["results"])
+    report = (tmp_path / "smoke.md").read_text()
+    assert "--seeds 0,1" in report and " [" in report and "Oracle candidates" in report
+    assert main(["bench", "sim", "--scenario", "smoke", "--seed", "3", "--out", str(tmp_path / "one"), "--jobs", "1",
+                 "--no-progress"]) == 0
+    assert json.loads((tmp_path / "one" / "smoke.json").read_text())["seeds"] == [3]
+    assert main(["bench", "sim", "--scenario", "smoke", "--start-s", "60", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "not a trace replay" in capsys.readouterr().err

@@ -334,13 +334,18 @@ def mooncake(*, seed: int = 0, path: str | Path = DEFAULT_TRACE, window_s: float
 
 
 def replayed(requests: Sequence[Request], *, name: str = "replayed", description: str = "") -> Workload:
-    """The closed-loop workload the live replayer (bench/replay.py) sends, for the simulator: one client per session.
+    """The workload the live replayer (bench/replay.py) sends, for the simulator.
 
-    Each session's turns form one program, sent once: turn 0 at its ``arrival_s``, each later turn ``think_s``
-    after the turn it follows (``after``) completed, as bench/replay.py does. Prompts are the same words (one word
-    per token). Raises ValueError for a session with more than one turn that waits for nothing (an open-loop
-    trace: use :func:`mooncake`).
+    Open loop (no request waits for another: a trace window): every request is sent at its ``arrival_s`` from its
+    region, as bench/replay.py does. Closed loop: one client per session; each session's turns form one program,
+    sent once: turn 0 at its ``arrival_s``, each later turn ``think_s`` after the turn it follows (``after``)
+    completed. Prompts are the same words (one word per token). Raises ValueError for a closed-loop workload with a
+    multi-turn session whose turns do not chain (more than one turn waits for nothing).
     """
+    if requests and all(r.after is None for r in requests):
+        arrivals = [SimRequest(r.id, r.session_id, r.prompt.split(), r.output_tokens, arrival_s=r.arrival_s,
+                               region=r.region) for r in sorted(requests, key=lambda r: r.arrival_s)]
+        return Workload(name, description or f"{len(requests)} replayed requests, open loop", arrivals=arrivals)
     sessions: dict[str, list[Request]] = {}
     for r in requests:
         sessions.setdefault(r.session_id, []).append(r)
@@ -350,7 +355,7 @@ def replayed(requests: Sequence[Request], *, name: str = "replayed", description
         roots = [r for r in turns if r.after is None]
         if len(roots) != 1:
             raise ValueError(f"session {session!r} has {len(roots)} turns that wait for no other; "
-                             "replayed() takes closed-loop sessions only")
+                             "replayed() takes closed-loop sessions, or an open-loop workload as a whole")
         program = [SimRequest(r.id, session, r.prompt.split(), r.output_tokens, parent=r.after,
                               think_s=r.think_s if r.after else 0.0) for r in turns]
         clients.append(ClientSpec(session, turns[0].region, lambda k, p=program: p if k == 0 else None,

@@ -1,0 +1,81 @@
+"""The ideal prefix hit rate of a workload: what an infinite prefix cache on one replica would serve.
+
+A physical limit no routing policy can pass (issue 8): every prompt block already seen in an earlier request of the
+replayed requests is a hit, as if every request went to one replica whose KV cache never evicts. Prefix caches
+(vLLM automatic prefix caching, SGLang's radix tree, llama.cpp's slot cache) reuse only a *prefix* of the prompt,
+so a block counts only when every block before it counts too.
+
+Granularity: ``block_tokens`` tokens per block, full blocks only, chained like vLLM's block hashes (block i is
+identified by blocks 0..i), and at least the last prompt token is computed (an engine recomputes it for the
+logits; skylb/emulator/model.py ``cached_prefix_tokens`` does the same). With the simulator's engine block
+(16 tokens, vLLM's default) the ideal is exactly the engine model's hit rule with an infinite cache; with 1 it is
+the longest prefix shared with any earlier prompt (no engine caches more, whatever its block size). The
+Mooncake trace's 512-token blocks (64 words at the simulator's 1/8 scale) are multiples of either, so every
+trace block seen before is a hit here, as the issue defines it, plus the parts of blocks an engine can also
+reuse.
+
+Tokens are words (the benchmarks' convention: one token = one word, bench/workload.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+__all__ = ["ideal_cached_tokens", "ideal_hit_rate", "replay_ideal_hit_rate"]
+
+
+def _cached(prompts: Iterable[Sequence[str]], block_tokens: int) -> Iterator[tuple[int, int]]:
+    """(prompt tokens, ideal cached tokens) of each prompt in order; one prompt in memory at a time."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be at least 1, got {block_tokens}")
+    seen: set[int] = set()
+    for tokens in prompts:
+        limit = len(tokens) - 1  # the last token is always computed, so a block holding it is never a hit
+        key, hits, matching = 0, 0, True
+        for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+            # A chained key: equal keys mean equal prompts up to this block (64-bit hash; collisions negligible).
+            key = hash((key, tuple(tokens[start:start + block_tokens])))
+            if matching and key in seen and start + block_tokens <= limit:
+                hits += 1
+            else:
+                matching = False
+                seen.add(key)  # every full block is cached, the one holding the last token included
+        yield len(tokens), hits * block_tokens
+
+
+def ideal_cached_tokens(prompts: Iterable[Sequence[str]], *, block_tokens: int) -> list[int]:
+    """For each prompt in order, the tokens an infinite prefix cache fed with every earlier prompt would serve.
+
+    ``prompts``: token lists in the order the requests were sent. ``block_tokens``: cache block size (tokens,
+    >= 1). Raises ValueError for a block size below 1.
+    """
+    return [cached for _, cached in _cached(prompts, block_tokens)]
+
+
+def ideal_hit_rate(prompts: Iterable[Sequence[str]], *, block_tokens: int,
+                   counted: Iterable[bool] | None = None) -> float | None:
+    """Ideal cached tokens / prompt tokens (0-1) over ``prompts`` (in send order); None when there are no tokens.
+
+    ``counted``: one flag per prompt, True for the prompts the rate is taken over (a measurement window); every
+    prompt still feeds the cache, counted or not. Default: all. Prompts may be a generator (read once).
+    """
+    flags = iter(counted) if counted is not None else None
+    total = hits = 0
+    for n, cached in _cached(prompts, block_tokens):
+        if flags is None or next(flags):
+            total += n
+            hits += cached
+    return hits / total if total else None
+
+
+def replay_ideal_hit_rate(requests: Sequence, *, block_tokens: int = 1) -> float | None:
+    """The ideal hit rate of a live replay's requests (bench/workload.py ``Request``, in arrival order), or None
+    when the replay is closed loop (some request waits for another: its send order is known only at run time).
+
+    ``block_tokens`` defaults to 1 (the longest prefix shared with any earlier prompt), a limit for every engine
+    whatever its cache's block size (vLLM and the emulator 16 tokens, SGLang and llama.cpp per token).
+    """
+    if not requests or any(r.after is not None for r in requests):
+        return None
+    ordered = sorted(requests, key=lambda r: r.arrival_s)  # stable: the workload's own order breaks ties
+    return ideal_hit_rate((r.prompt.split() for r in ordered), block_tokens=block_tokens)
