@@ -88,7 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"real llama.cpp llama-server replicas (gemma-3-270m on the CPU) instead of emulated "
                         f"ones: {LLAMACPP_REPLICAS} per region unless --replicas, workload token_scale at most "
                         f"{LLAMACPP_MAX_TOKEN_SCALE:g}; builds llama-server first when missing (~5 min)")
+    parser.add_argument("--start-s", type=float, help="start of the trace window (trace time, s; the first minute "
+                        "of a trace is cache-cold)")
     parser.add_argument("--window-s", type=float, help="trace window to replay (trace time, s)")
+    parser.add_argument("--time-compression", type=float, help="divide trace time by this (2 = twice as fast)")
     parser.add_argument("--max-requests", type=int, help="replay at most this many requests")
     parser.add_argument("--out", help="where to write the report JSON (default: in the run directory)")
     parser.add_argument("--run-dir", help="where logs and state go (default: a new directory under .skylb-run/)")
@@ -120,8 +123,9 @@ def apply_overrides(cfg: DeploymentConfig, args: argparse.Namespace, *,
         workload["trace"] = None
     elif args.trace:
         workload["trace"] = args.trace
-    if args.window_s is not None:
-        workload["window_s"] = args.window_s
+    for key in ("start_s", "window_s", "time_compression"):
+        if getattr(args, key, None) is not None:
+            workload[key] = getattr(args, key)
     if args.max_requests is not None:
         workload["max_requests"] = args.max_requests
     settings = WorkloadConfig.model_validate(workload)

@@ -11,7 +11,10 @@ Entry points:
 Each system gets its own fresh deployment (skylb/local.py ``Deployment``: controller, one emulator process per
 region, the latency proxy with the configured round trips between regions, one balancer per region, all real
 processes) and the same multi-region workload: closed-loop multi-turn conversations (bench/workload.py), regionally
-skewed like the paper's 120/40/40 clients (§5.2 "Diurnal pattern"): weights us 0.6, eu 0.2, asia 0.2.
+skewed like the paper's 120/40/40 clients (§5.2 "Diurnal pattern"): weights us 0.6, eu 0.2, asia 0.2. With
+``--trace PATH`` (``--start-s``, ``--window-s``, ``--time-compression``) a Mooncake-format trace window is replayed
+open loop instead, sessions assigned to regions with the same weights, and the report gives the achieved prefix
+hit rate beside the window's ideal (bench/ideal.py).
 
 Systems (:data:`LIVE_SYSTEMS`): the balancer's policies ``skylb`` (prefix trie + selective pushing), ``skylb-ch``
 (hash ring + selective pushing), ``round-robin`` and ``least-load`` (blind pushing), and ``region-local`` (``skylb``
@@ -32,17 +35,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench.harness import benchmark_parser, now_label, report_tail, setup_from_args, summarize
+from bench.ideal import replay_ideal_hit_rate
 from bench.launchers import MODEL
 from bench.replay import replay
 from bench.report import build_report, emit_markdown, markdown_table
 from bench.sampling import MachineLoad
 from bench.sim.twin import simulate
-from bench.workload import WorkloadConfig, describe, synthetic_workload, workload_settings
+from bench.workload import Request, WorkloadConfig, describe, load_workload
 from skylb.config import DeploymentConfig, load_config
 from skylb.local import Deployment
 
 __all__ = ["LIVE_SYSTEMS", "LiveSetup", "RegionLocalDeployment", "deployment_config", "run_system", "run_live",
-           "simulate_setup", "ranking", "order", "kendall_tau", "format_markdown", "main"]
+           "simulate_setup", "workload_requests", "ranking", "order", "kendall_tau", "format_markdown", "main"]
 
 #: name -> (balancer policy, region-local?)
 LIVE_SYSTEMS: dict[str, tuple[str, bool]] = {
@@ -65,6 +69,8 @@ class LiveSetup:
             region on average (``synthetic_conversations``; split 0.6/0.2/0.2). turns: per conversation.
         token_scale: prompt and answer lengths x this. seed: workload seed. deadline_s: bound of one replay, s.
         rtt_ms: round trips between regions (ms), as in the default config.
+        trace: a Mooncake-format trace to replay open loop instead of the synthetic conversations (None: those).
+        start_s, window_s: the trace window (trace time, s). time_compression: trace time is divided by it.
     """
 
     replicas: int = 2
@@ -77,12 +83,29 @@ class LiveSetup:
     deadline_s: float = 180.0
     request_timeout_s: float = 120.0
     rtt_ms: dict | None = None
+    trace: str | None = None
+    start_s: float = 0.0
+    window_s: float = 60.0
+    time_compression: float = 1.0
 
     def workload_config(self) -> WorkloadConfig:
-        """The synthetic, regionally skewed workload (us 0.6, eu 0.2, asia 0.2)."""
-        return WorkloadConfig(trace=None, synthetic_conversations=self.conversations, synthetic_turns=self.turns,
-                              token_scale=self.token_scale, region_weights={"us": 0.6, "eu": 0.2, "asia": 0.2},
-                              seed=self.seed, request_timeout_s=self.request_timeout_s)
+        """The regionally skewed workload (us 0.6, eu 0.2, asia 0.2): the trace window when ``trace`` is set, else
+        the synthetic conversations."""
+        return WorkloadConfig(trace=self.trace, start_s=self.start_s, window_s=self.window_s,
+                              time_compression=self.time_compression, synthetic_conversations=self.conversations,
+                              synthetic_turns=self.turns, token_scale=self.token_scale,
+                              region_weights={"us": 0.6, "eu": 0.2, "asia": 0.2}, seed=self.seed,
+                              request_timeout_s=self.request_timeout_s)
+
+
+def workload_requests(setup: LiveSetup) -> list[Request]:
+    """The requests every system is sent (bench/workload.py): the trace window, or the synthetic conversations.
+
+    Raises FileNotFoundError when ``setup.trace`` names no file (no silent fallback to the synthetic workload).
+    """
+    if setup.trace is not None and not Path(setup.trace).is_file():
+        raise FileNotFoundError(f"trace not found: {setup.trace}")
+    return load_workload(setup.workload_config(), list(REGIONS))
 
 
 def deployment_config(setup: LiveSetup, *, policy: str, region_local: bool) -> DeploymentConfig:
@@ -118,7 +141,7 @@ def run_system(name: str, setup: LiveSetup, *, run_dir: Path, progress: bool | N
     """
     policy, region_local = LIVE_SYSTEMS[name]
     cfg = deployment_config(setup, policy=policy, region_local=region_local)
-    requests = synthetic_workload(workload_settings(cfg), list(REGIONS))
+    requests = workload_requests(setup)
     sys_dir = Path(run_dir) / name
     sys_dir.mkdir(parents=True, exist_ok=True)
     deployment = (RegionLocalDeployment if region_local else Deployment)(cfg, sys_dir)
@@ -143,9 +166,11 @@ def run_live(systems: Sequence[str] | None = None, *, setup: LiveSetup | None = 
              progress: bool | None = None) -> dict[str, Any]:
     """Run every system of ``systems`` (default all of :data:`LIVE_SYSTEMS`) one after the other.
 
-    Returns ``{"setup", "workload", "rows", "ranking": ranking(rows), "wall_s", "load", "run_dir", "rtt_ms"}``.
+    Returns ``{"setup", "workload", "ideal_prefix_hit_rate", "rows", "ranking": ranking(rows), "wall_s", "load",
+    "run_dir", "rtt_ms"}`` (the ideal is None for the closed-loop synthetic workload).
     """
     setup = setup or LiveSetup()
+    requests = workload_requests(setup)  # first: a missing trace fails before any deployment starts
     names = list(systems or LIVE_SYSTEMS)
     unknown = [n for n in names if n not in LIVE_SYSTEMS]
     if unknown:
@@ -161,8 +186,8 @@ def run_live(systems: Sequence[str] | None = None, *, setup: LiveSetup | None = 
         print(f"[bench.live] {name}: {rows[-1]['status']} {rows[-1].get('reason', '')}".rstrip(), file=sys.stderr,
               flush=True)
     cfg = deployment_config(setup, policy="skylb", region_local=False)
-    requests = synthetic_workload(workload_settings(cfg), list(REGIONS))
     return {"setup": setup.__dict__.copy(), "workload": describe(requests),
+            "ideal_prefix_hit_rate": replay_ideal_hit_rate(requests),
             "rtt_ms": cfg.latency.rtt_ms, "rows": rows, "ranking": ranking(rows), "sim": sim,
             "sim_ranking": order(sim), "wall_s": time.monotonic() - t0, "load": load.stop(), "run_dir": str(run_dir),
             "generated": now_label()}
@@ -171,7 +196,7 @@ def run_live(systems: Sequence[str] | None = None, *, setup: LiveSetup | None = 
 def simulate_setup(setup: LiveSetup, systems: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The live run of ``systems`` replayed in the simulator (bench/sim/twin.py): system -> figures (seconds)."""
     cfg = deployment_config(setup, policy="skylb", region_local=False)
-    return simulate(synthetic_workload(workload_settings(cfg), list(REGIONS)), systems=systems,
+    return simulate(workload_requests(setup), systems=systems,
                     replicas_per_region={r: setup.replicas for r in REGIONS}, max_num_seqs=setup.max_num_seqs,
                     time_scale=setup.time_scale, rtt_ms=cfg.latency.rtt_ms, seed=setup.seed)
 
@@ -230,6 +255,11 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
              markdown_table(["system", "ok/sent", "req/s", "out tok/s", "TTFT p50", "TTFT p90", "E2E p50", "E2E p90",
                              "prefix hit", "forwarded", *(f"{r} TTFT p90" for r in REGIONS)],
                             [_row(row) for row in result["rows"]])]
+    ideal = result.get("ideal_prefix_hit_rate")
+    if ideal is not None:
+        lines += ["", f"Ideal prefix hit rate of these requests: {100 * ideal:.1f}% (each request's longest prefix "
+                  "shared with any earlier request counts as cached: an infinite cache on one replica, "
+                  "bench/ideal.py), a limit no policy can pass; the prefix hit column is what each system reached."]
     rtt = ", ".join(f"{k} {v:g} ms" for k, v in result["rtt_ms"].items())
     lines += _sim_section(result)
     lines += ["", "Latencies in ms at the client (TTFT: first SSE chunk with text; a forwarded request's TTFT "
@@ -241,8 +271,11 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
               f"{s['max_num_seqs']}`, `--time-scale {s['time_scale']:g}`), controller, one balancer per region "
               f"(default config: probe every 100 ms, tau 2, `max_dispatch_per_probe 4`), the latency proxy "
               f"between balancers with round trips {rtt}.",
-              f"- Workload: {result['workload']}; closed loop (turn k+1 is sent 0.2-1.0 s after turn k "
-              f"completed), `token_scale {s['token_scale']:g}`, seed {s['seed']}; each region's clients call their "
+              f"- Workload: {result['workload']}; " + (
+                  f"open loop, trace `{s['trace']}` from {s.get('start_s', 0):g} s for {s.get('window_s', 0):g} s of "
+                  f"trace time at {s.get('time_compression', 1):g}x" if s.get("trace") else
+                  "closed loop (turn k+1 is sent 0.2-1.0 s after turn k completed)")
+              + f", `token_scale {s['token_scale']:g}`, seed {s['seed']}; each region's clients call their "
               "own region's balancer. The skew 0.6/0.2/0.2 is the paper's 120/40/40 clients (§5.2).",
               "- Systems: `skylb` (prefix trie + selective pushing), `skylb-ch` (hash ring on the session id + "
               "selective pushing), `round-robin` and `least-load` (blind pushing to local replicas: a blind "
@@ -293,18 +326,31 @@ def _sim_section(result: dict[str, Any]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The flags of `python -m bench.live`."""
-    return benchmark_parser("python -m bench.live", __doc__.splitlines()[0], systems=LIVE_SYSTEMS,
-                            defaults=LiveSetup(), out_md="bench/results/live.md",
-                            helps={"replicas": "replicas per region",
-                                   "conversations": "conversations per region on average (split us 0.6, eu 0.2, "
-                                                    "asia 0.2)"})
+    """The flags of `python -m bench.live` (`skylb bench live`): the shared ones (bench/harness.py) and the trace
+    window."""
+    p = benchmark_parser("python -m bench.live", __doc__.splitlines()[0], systems=LIVE_SYSTEMS,
+                         defaults=LiveSetup(), out_md="bench/results/live.md",
+                         helps={"replicas": "replicas per region",
+                                "conversations": "conversations per region on average (split us 0.6, eu 0.2, "
+                                                 "asia 0.2)"})
+    defaults = LiveSetup()
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="replay this Mooncake-format trace open loop instead of the synthetic conversations")
+    p.add_argument("--start-s", type=float, default=defaults.start_s,
+                   help="start of the trace window (trace time, s; the first minute of a trace is cache-cold)")
+    p.add_argument("--window-s", type=float, default=defaults.window_s, help="length of the trace window (trace "
+                   "time, s)")
+    p.add_argument("--time-compression", type=float, default=defaults.time_compression,
+                   help="divide trace time by this (2 = twice as fast)")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the live comparison and write the report; 0 when every system completed every request."""
     args = build_parser().parse_args(argv)
     setup = setup_from_args(LiveSetup, args)
+    setup.trace, setup.start_s, setup.window_s = args.trace, args.start_s, args.window_s
+    setup.time_compression = args.time_compression
     result = run_live(args.systems, setup=setup, run_dir=Path(args.run_dir) if args.run_dir else None,
                       progress=False if args.no_progress else None)
     text = format_markdown(result, Path(args.notes).read_text() if args.notes else "")

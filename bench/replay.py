@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 import aiohttp
 from tqdm import tqdm
 
+from bench.ideal import replay_ideal_hit_rate
 from bench.report import RequestRecord, build_report, format_table, write_json
 from bench.workload import (THINK_S, Request, TraceError, WorkloadConfig, describe, load_workload,
                             workload_settings)
@@ -364,18 +365,22 @@ async def replay_and_report(
     """Load the workload of ``cfg`` for the balancers' regions, replay it, build the report, write it to ``out``.
 
     Returns the JSON document: ``{"workload": {"summary", "config"}, "balancers", "report", "records"}``
-    (report: :func:`bench.report.build_report`; records: :meth:`RequestRecord.to_dict`). Used by `skylb replay`
-    and by `skylb local`. Raises TraceError, ValueError or ReplayError before anything is sent.
+    (report: :func:`bench.report.build_report` plus ``ideal_prefix_hit_rate``, the trace window's ideal from
+    :func:`bench.ideal.replay_ideal_hit_rate`, None for a closed-loop workload; records:
+    :meth:`RequestRecord.to_dict`). Used by `skylb replay` and by `skylb local`. Raises TraceError, ValueError or
+    ReplayError before anything is sent.
     """
     requests = load_workload(cfg, list(balancers), base_dir=base_dir)
     result = await replay(
         requests, balancers, model=model, request_timeout_s=cfg.request_timeout_s,
         deadline_s=deadline_s, progress=progress,
     )  # fmt: skip
+    report = build_report(result.records, result.wall_s)
+    report["ideal_prefix_hit_rate"] = replay_ideal_hit_rate(requests)
     doc = {
         "workload": {"summary": describe(requests), "config": cfg.model_dump()},
         "balancers": dict(balancers),
-        "report": build_report(result.records, result.wall_s),
+        "report": report,
         "records": [r.to_dict() for r in result.records],
     }
     if out is not None:

@@ -177,7 +177,9 @@ def _row(name: str, s: dict[str, Any]) -> list[Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The report as a text table: one row per client region and a total row, then the wall time and top errors."""
+    """The report as a text table: one row per client region and a total row, then the wall time, the ideal prefix
+    hit rate beside the achieved one (when the report has ``ideal_prefix_hit_rate``, bench/ideal.py) and the top
+    errors."""
     headers = [
         "region", "sent", "ok", "failed", "local", "forwarded", "TTFT p50/p90 ms", "TTFT p50 local/fwd ms",
         "E2E p50/p90 ms", "req/s", "out tok/s", "prefix hit",
@@ -185,6 +187,11 @@ def format_table(report: dict[str, Any]) -> str:
     rows = [_row(region, s) for region, s in report["regions"].items()]
     rows.append(_row("total", report["total"]))
     lines = [tabulate(rows, headers=headers, tablefmt="simple"), f"wall time {report['wall_s']:.1f} s"]
+    ideal, achieved = report.get("ideal_prefix_hit_rate"), report["total"]["prefix_hit_rate"]
+    if ideal is not None:
+        lines.append(f"prefix hit {'-' if achieved is None else f'{100 * achieved:.1f}%'} of an ideal "
+                     f"{100 * ideal:.1f}% (these requests through an infinite cache on one replica: a limit no "
+                     "policy can pass)")
     for message, n in report.get("errors", {}).items():
         lines.append(f"  {n} x {message}")
     return "\n".join(lines)

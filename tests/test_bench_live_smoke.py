@@ -173,3 +173,55 @@ def test_benchmark_clis_map_flags_to_their_setup():
     args = baselines.build_parser().parse_args(["--conversations", "7"])
     assert harness.setup_from_args(BaselinesSetup, args) == BaselinesSetup(conversations=7)
     assert args.out_md == "bench/results/baselines.md"
+
+
+def _trace_file(tmp_path, n: int = 8):
+    """A small Mooncake-format trace: two conversations extending their blocks, one request every 2 s."""
+    import json
+    rows = [{"timestamp": 2000 * i, "input_length": 512 * (2 + i // 2), "output_length": 64,
+             "hash_ids": [7] + [1000 * (i % 2) + k for k in range(1 + i // 2)]} for i in range(n)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_live_benchmark_replays_a_trace_window(tmp_path):
+    """`skylb bench live --trace --start-s --window-s --time-compression` replays that window open loop; its twin
+    in the simulator sends the same requests; a missing trace is an error, not a silent synthetic run."""
+    trace = _trace_file(tmp_path)
+    args = live.build_parser().parse_args(["--trace", str(trace), "--start-s", "4", "--window-s", "10",
+                                           "--time-compression", "2", "--token-scale", "0.05"])
+    assert (args.trace, args.start_s, args.window_s, args.time_compression) == (str(trace), 4.0, 10.0, 2.0)
+    setup = LiveSetup(token_scale=0.05, trace=str(trace), start_s=4.0, window_s=10.0, time_compression=2.0)
+    requests = live.workload_requests(setup)
+    assert [r.arrival_s for r in requests] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert all(r.after is None for r in requests)
+    sim = simulate_setup(setup, ["skylb", "region-local"])
+    assert all(f["completed"] == len(requests) for f in sim.values())
+    with pytest.raises(FileNotFoundError):
+        live.workload_requests(LiveSetup(trace=str(tmp_path / "missing.jsonl")))
+
+
+def test_live_report_gives_the_ideal_hit_rate_beside_the_achieved():
+    """The live report prints the trace window's ideal prefix hit rate under the table, and says open loop."""
+    setup = LiveSetup(trace="t.jsonl")
+    figures = {"completed": 3, "sent": 3, "throughput_rps": 1.0, "output_tokens_per_s": 9.0, "ttft_p50_ms": 10,
+               "ttft_p90_ms": 20, "e2e_p50_ms": 30, "e2e_p90_ms": 40, "prefix_hit_rate": 0.2,
+               "forwarded_frac": 0.0, "errors": {}}
+    rows = [{"system": "skylb", "status": "ok", "figures": figures, "report": {"regions": {}}}]
+    result = {"setup": setup.__dict__.copy(), "workload": "w", "rtt_ms": {"us-eu": 80}, "rows": rows,
+              "ranking": ranking(rows), "wall_s": 1.0, "load": MachineLoad().start().stop(), "generated": "now",
+              "ideal_prefix_hit_rate": 0.345}
+    text = live.format_markdown(result)
+    assert "Ideal prefix hit rate of these requests: 34.5%" in text and "open loop, trace `t.jsonl`" in text
+
+
+def test_demo_accepts_a_trace_window():
+    """`skylb local --start-s --window-s --time-compression` set the replayed trace window."""
+    from bench.demo import apply_overrides
+    from skylb.cli import build_parser
+    from skylb.config import load_config
+    args = build_parser("local").parse_args(["local", "--start-s", "1500", "--window-s", "30",
+                                             "--time-compression", "3"])
+    _, workload = apply_overrides(load_config(None), args)
+    assert (workload.start_s, workload.window_s, workload.time_compression) == (1500.0, 30.0, 3.0)

@@ -241,6 +241,9 @@ async def test_cli_replays_a_trace_and_writes_json(fake, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "total" in printed and str(out) in printed
     assert all(b["max_tokens"] == 1 and len(b["prompt"].split()) == 6 for b in fake.bodies)
+    # three equal prompts: the second and third are all cached but their last token
+    assert doc["report"]["ideal_prefix_hit_rate"] == pytest.approx(2 * 5 / 18)
+    assert "of an ideal 55.6%" in printed
 
 
 def test_cli_rejects_bad_options(capsys):
@@ -308,6 +311,14 @@ def test_report_table_and_json(tmp_path):
     assert any(line.startswith("total") for line in lines) and "us:1" in table and "50.0%" in table
     path = write_json(report, tmp_path / "sub" / "report.json")
     assert json.loads(path.read_text()) == report
+
+
+def test_report_table_prints_the_ideal_hit_rate_when_known():
+    """A replayed trace window's ideal prefix hit rate is printed beside the achieved one; without it, no line."""
+    report = build_report([rec("a", "us")], wall_s=1.0)
+    assert "ideal" not in format_table(report)
+    report["ideal_prefix_hit_rate"] = 0.75
+    assert "prefix hit 50.0% of an ideal 75.0%" in format_table(report)
 
 
 def test_empty_report_has_no_numbers():
