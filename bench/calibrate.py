@@ -573,30 +573,32 @@ def fit_prefill(points: Sequence[PrefillPoint]) -> PrefillFit:
 
 
 def fit_decode(points: Sequence[DecodePoint]) -> DecodeFit:
-    """Least squares of gap = base + per_seq x batch + per_kv x kv_tokens, every coefficient kept >= 0.
+    """Fit gap = base + per_seq x batch + per_kv x kv_tokens to the points, every coefficient kept >= 0.
 
-    A coefficient the points drive below zero is dropped (set to 0) and the rest refitted; with too few distinct
-    points for the context term (one context per batch size), it is dropped too.
+    The context term is identified only by points of the same batch size at different contexts (the long-prompt
+    probe beside the short one): ``per_kv`` is the pooled slope of gap on context within such groups (0 without
+    any, or when negative). Then base and per_seq are the least-squares line through the gaps less that term, over
+    every batch size; a negative per_seq is refitted as 0 (a constant step), a negative base as 0 (a line through
+    the origin). Fitting all three at once instead would let the batch's own curvature (see the report) leak into
+    the context term, since context grows with the batch in the other probes.
     """
     if len({p.batch for p in points}) < 2:
         raise ValueError("the decode fit needs gaps at two batch sizes at least")
-    terms = [0, 1, 2]  # base, per_seq, per_kv
-    cols = {0: lambda p: 1.0, 1: lambda p: float(p.batch), 2: lambda p: p.kv_tokens}
-    coef = {0: 0.0, 1: 0.0, 2: 0.0}
-    while terms:
-        try:
-            x = _solve([[cols[t](p) for t in terms] for p in points], [p.gap_ms for p in points])
-        except ValueError:
-            if 2 in terms:
-                terms.remove(2)
-                continue
-            raise
-        neg = [t for t, v in zip(terms, x) if v < 0]
-        if not neg:
-            coef.update(dict(zip(terms, x)))
-            break
-        terms.remove(max(neg))  # drop the context term first, then per_seq; keep the base if at all possible
-    fit = DecodeFit(coef[0], coef[1], coef[2], 0.0)
+    sxy = sxx = 0.0
+    for b in {p.batch for p in points}:
+        group = [p for p in points if p.batch == b]
+        mk = sum(p.kv_tokens for p in group) / len(group)
+        mg = sum(p.gap_ms for p in group) / len(group)
+        sxy += sum((p.kv_tokens - mk) * (p.gap_ms - mg) for p in group)
+        sxx += sum((p.kv_tokens - mk) ** 2 for p in group)
+    per_kv = max(0.0, sxy / sxx) if sxx > 0 else 0.0
+    ys = [p.gap_ms - per_kv * p.kv_tokens for p in points]
+    base, per_seq = _solve([[1.0, float(p.batch)] for p in points], ys)
+    if per_seq < 0:
+        base, per_seq = sum(ys) / len(ys), 0.0
+    elif base < 0:
+        base, per_seq = 0.0, _solve([[float(p.batch)] for p in points], ys)[0]
+    fit = DecodeFit(max(0.0, base), max(0.0, per_seq), per_kv, 0.0)
     resid = max(abs(fit.step_ms(p.batch, p.kv_tokens) - p.gap_ms) for p in points)
     return replace(fit, max_residual_ms=resid)
 
@@ -770,7 +772,10 @@ def _load_window(load: MachineLoad, server_pid: int, snap0: tuple[float, float, 
     w["others_listed_cpu_s"] = max(0.0, w["others_cpu_s"] - server_s)  # llama-server lived through the window
     w["others_cpu_s"] = max(w["others_listed_cpu_s"], busy1 - snap0[0] - server_s - w["client_cpu_s"])
     w["others_cpu_frac"] = w["others_cpu_s"] / (w["wall_s"] * (os.cpu_count() or 1)) if w["wall_s"] > 0 else 0.0
-    w["top_others"] = [t for t in w["top_others"] if f"[{server_pid}]" not in t]
+    listed = [t for t in w["top_others"] if f"[{server_pid}]" not in t]
+    unlisted = w["others_cpu_s"] - w["others_listed_cpu_s"]
+    w["top_others"] = ([f"processes that started and ended in the window: {unlisted:.1f} s"] if unlisted >= 1 else [])
+    w["top_others"] += listed
     return w
 
 
@@ -936,7 +941,8 @@ def _fit_lines(result: dict[str, Any]) -> list[str]:
             ["decode_base_ms", f"{params['decode_base_ms']:.2f}", "decode fit, intercept"],
             ["decode_ms_per_seq", f"{params['decode_ms_per_seq']:.2f}", "decode fit, per stream"],
             ["decode_ms_per_kv_token", f"{params['decode_ms_per_kv_token']:.5f}",
-             f"decode fit, per context token; largest residual {df['max_residual_ms']:.1f} ms"]]
+             "decode fit, per context token (one stream, short vs long prompt); largest residual of the decode fit "
+             f"{df['max_residual_ms']:.1f} ms"]]
     lines += ["Fitted `EngineParams` (what `skylb.emulator.model.EngineModel` gets below):", "",
               markdown_table(["parameter", "value", "from"], rows), ""]
     lines += [f"For comparison with the L4 defaults: this CPU prefills {1000 / params['prefill_ms_per_token']:.0f} "
@@ -1028,12 +1034,19 @@ def _findings(result: dict[str, Any]) -> list[str]:
     dec = fit["decode_rows"]
     errs = [(f"{r['batch']} x {r['prompt_tokens']}-token prompts", _rel(r["model_ms"], _mean(r["gap_ms"])))
             for r in dec]
-    out.append("Decode is not a straight line in the batch on this CPU: the fitted step is off by "
+    by_batch = [(r["batch"], _mean(r["gap_ms"])) for r in dec if r["prompt_tokens"] == result["plan"]["decode_prompt"]]
+    dips = [f"{b2} streams cost less than {b1}" for (b1, g1), (b2, g2) in zip(by_batch, by_batch[1:])
+            if g1 is not None and g2 is not None and g2 < g1]
+    out.append("Decode is not a straight line in the batch on this CPU: measured steps of "
+               + ", ".join(f"{_f(g, '{:.1f}')} ms" for _, g in by_batch) + " at "
+               + ", ".join(str(b) for b, _ in by_batch) + " streams"
+               + (f" ({'; '.join(dips)})" if dips else "") + ", so the fitted step is off by "
                + ", ".join(f"{_f(v, '{:+.0%}')} at {k}" for k, v in errs)
-               + ". A one-stream step uses matrix-vector kernels and is cheap; two streams cost about twice as much; "
-               "beyond that each stream adds less. One `decode_ms_per_seq` averages over that, so the model decodes "
-               "a lone stream too slowly and mid-sized batches too fast.")
+               + ". Probably llama.cpp's CPU kernels change with the number of rows in a batch (matrix-vector "
+               "for one, tiled matrix-matrix beyond); one `decode_ms_per_seq` cannot follow that.")
     fit_load = next((w["others_cpu_frac"] for label, w in result["windows"] if label == "fit"), 0.0)
+    short = {r["batch"]: _rel(r["model_ms"], _mean(r["gap_ms"])) for r in dec
+             if r["prompt_tokens"] == result["plan"]["decode_prompt"]}
     faster_when_busier = []
     for name, sc in result["scenarios"].items():
         reps = sc["repetitions"]
@@ -1047,6 +1060,16 @@ def _findings(result: dict[str, Any]) -> list[str]:
                    f"{_range([r['real']['pending_max'] for r in reps], '{:.0f}')} (llama-server) vs "
                    f"{_range([r['model']['pending_max'] for r in reps], '{:.0f}')} (model). Other processes used "
                    f"{_range(loads, '{:.0%}')} of the machine in these windows ({fit_load:.0%} during the fit).")
+        busy = [row[2] for r in reps for row in r["series"] if row[2] > 0]  # llama-server's running count
+        shares = {b: sum(1 for x in busy if x == b) / len(busy) for b in sorted(set(busy))} if busy else {}
+        weighted = [(shares[b], short[b]) for b in shares if short.get(b) is not None]
+        if weighted and sum(w for w, _ in weighted) > 0:
+            err = sum(w * e for w, e in weighted) / sum(w for w, _ in weighted)
+            out.append(f"`{name}`: while busy, llama-server held " + ", ".join(
+                f"{b} request(s) {100 * v:.0f}%" for b, v in shares.items()) + " of the time in its slots; "
+                "weighted by that, "
+                f"the fitted decode step is off by {err:+.0%} (decode table), which moves every queued request's "
+                "TTFT the same way.")
         busier = [r for r, w in zip(reps, loads) if w > fit_load + 0.05]
         if busier and all(r["model"]["makespan_s"] < r["real"]["makespan_s"] for r in busier):
             faster_when_busier.append(name)
@@ -1055,7 +1078,8 @@ def _findings(result: dict[str, Any]) -> list[str]:
                    "machine was busier than during the fit finished later on llama-server than in the model: its "
                    "steps ran slower than the fitted ones because other processes competed for the cores, which the "
                    "model (fixed step times) cannot know. Compare the repetitions' spread with their load above.")
-    out.append("Per-request TTFT errors exceed the percentile errors: in a queue a request's TTFT is the sum of "
+    out.append("The model's own spread comes only from the send times (its step times are fixed); llama-server's "
+               "spread is the machine's. Per-request TTFT errors exceed the percentile errors: in a queue a request's TTFT is the sum of "
                "every step before it, so a few percent per step accumulates along the queue, and a request served "
                "in a different order (slot order vs admission order) swaps TTFTs with another.")
     return out
@@ -1105,6 +1129,8 @@ def format_markdown(result: dict[str, Any]) -> str:
              f"Python {platform.python_version()}). It checks `skylb.emulator.model.EngineModel` twice: its default "
              "step times against the SkyLB paper's L4 figure, and its queueing against a real llama-server on this "
              "machine, fitted to that server and sent the same requests. Tests: tests/test_calibrate.py.", ""]
+    if result.get("model_source"):
+        lines += [f"Engine model measured: {result['model_source']}.", ""]
     lines += _paper_lines(result["paper"])
     if "fit" in result:
         lines += _fit_lines(result)
@@ -1132,7 +1158,7 @@ def format_markdown(result: dict[str, Any]) -> str:
         lines += ["Others' CPU time is the machine's busy time (/proc/stat) less llama-server's and this benchmark's "
                   "own, so short test runs that started and ended inside a window count too. Per window, "
                   "llama-server / the client (this process) used: " + "; ".join(
-                      f"{label}: {w['server_cpu_s']:.0f} / {w['client_cpu_s']:.0f} CPU-s in {w['wall_s']:.0f} s"
+                      f"{label}: {w['server_cpu_s']:.0f} / {w['client_cpu_s']:.1f} CPU-s in {w['wall_s']:.0f} s"
                       for label, w in result["windows"]) + ". llama-server runs one thread: less CPU-s than "
                   "seconds in a window is time it waited (for requests, or for a core).", ""]
     elif result.get("unavailable"):
@@ -1159,6 +1185,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _model_source() -> str:
+    """Which engine model ran: skylb/emulator/model.py's last commit, and whether the working tree changed it."""
+    import subprocess
+    path = Path(EngineModel.__module__.replace(".", "/") + ".py")
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "log", "-1", "--format=%h %s", "--", str(path)], cwd=root, text=True,
+                                capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(path)], cwd=root,
+                               timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    if not commit:
+        return ""
+    return f"`{path}` as of commit {commit[:100]}" + (" plus uncommitted changes in the working tree" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the calibration and write the report; 0 when every request completed, 1 otherwise, 2 when no
     llama-server can run here (the report then holds the paper check only)."""
@@ -1167,7 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.repeats <= 10:
         raise SystemExit("--repeats must be between 1 and 10")
     t_start = time.monotonic()
-    result: dict[str, Any] = {"paper": paper_check()}
+    result: dict[str, Any] = {"paper": paper_check(), "model_source": _model_source()}
     whole = MachineLoad().start()
 
     def say(text: str) -> None:
