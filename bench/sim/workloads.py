@@ -12,23 +12,38 @@ think time, as in the paper's benchmark clients.
 
 Open loop: the Mooncake trace, replayed at its (compressed) timestamps.
 
-Lengths (tokens; chosen, the paper does not give them; log-normal draws, clipped):
+Lengths (tokens; log-normal draws, clipped). Where the SkyLB paper gives none, they come from the datasets'
+published statistics, fitted by moments (a log-normal with mean m and standard deviation s has
+sigma^2 = ln(1 + s^2 / m^2) and median m / exp(sigma^2 / 2)); what no source gives is marked "chosen":
 
-* Conversations (ChatBot Arena / WildChat-like; paper Fig. 4a shows inputs of a few hundred tokens with a long
-  tail and outputs of a few hundred tokens): a 64-token system prompt shared by every request (the chat template:
-  the small cross-user prefix of Fig. 5a); a per-user context reused by all of that user's conversations (custom
-  instructions, a pasted document: the within-user similarity of Fig. 5); user turns of median 60 (sigma 1.0, up
-  to 1,500); answers of median 220 (sigma 0.7, 8..1,536) whose heavy tail is the load unpredictability of §2.3;
-  geometric turns per conversation. Arena: contexts of median 150 tokens, 3 turns on average, and 30% of
-  conversations open with one of 40 popular prompts (Zipf-ranked), which gives the cross-user sharing that
-  consistent hashing cannot exploit (§3.2). WildChat: contexts of median 400 tokens, 4 turns on average, 10%
-  popular openings (higher within-user / cross-user ratio, 7.6x in Fig. 5a versus 2.47x for Arena).
-  A conversation ends early when the next prompt plus answer would exceed 8,192 tokens.
-* Tree of Thoughts on GSM8K (paper §5.1): a 300-token ToT instruction with few-shot examples shared by every tree,
-  a question of median 90 tokens, thoughts of median 120 tokens (sigma 0.5, 16..512). A node's prompt is the
-  template, the question, then the thoughts on its path from the root; siblings are samples from the same prompt
-  (they differ only in a one-token branch marker). A tree with ``branches`` b and ``depth`` 4 has
-  1 + b + b^2 + b^3 requests: 15 for b = 2, 85 for b = 4. Its hash key is the question id.
+* Conversations (paper Fig. 4a: WildChat inputs of a few hundred tokens with a long tail, outputs of a few hundred
+  tokens, also with a long tail).
+  - WildChat (Zhao et al., "WildChat: 1M ChatGPT Interaction Logs in the Wild", ICLR 2024, Table 1: 2.54 turns per
+    conversation; user turns 295.58 +- 1,609.18 tokens, assistant turns 441.34 +- 410.91, mean +- std): user
+    turns median 53 (sigma 1.85), answers median 323 (sigma 0.79), both clipped at 4,096 (clipped means about 243
+    and 440), 2.54 turns on average.
+  - ChatBot Arena (the paper's dataset [67] has no length statistics; LMSYS-Chat-1M, collected on the same Chatbot
+    Arena site, reports in the same table 2.02 turns, user turns 69.83 +- 143.49, responses 215.71 +- 1,858.09):
+    user turns median 31 (sigma 1.29), 2.02 turns on average; answers with the mean 215.71 and WildChat's shape
+    (median 158, sigma 0.79), because LMSYS-Chat-1M's response deviation comes from a few runaway generations
+    that a max_tokens limit cuts (a moment fit would give a median of 25 tokens).
+  - Chosen (the datasets publish no such figures): a 64-token system prompt shared by every request (the chat
+    template: the small cross-user prefix of Fig. 5a); a per-user context reused by all of that user's
+    conversations (custom instructions, a pasted document: the within-user similarity of Fig. 5), median 150
+    tokens for Arena and 400 for WildChat; 30% (Arena) and 10% (WildChat) of conversations open with one of 40
+    popular prompts (Zipf-ranked), the cross-user sharing that consistent hashing cannot exploit (§3.2; the
+    within-user / cross-user ratio is 2.47x for Arena and 7.6x for WildChat in Fig. 5a). Turns per conversation
+    are geometric with the published mean; a conversation ends early when the next prompt plus answer would
+    exceed 8,192 tokens.
+* Tree of Thoughts on GSM8K (paper §5.1). The ToT paper (Yao et al., NeurIPS 2023) has no GSM8K task and publishes
+  no thought lengths; the setup the paper describes (GSM8K, 2 branches, depth 4) is SGLang's
+  benchmark/tree_of_thought_deep (plan, execute, reflect, final answer; each thought generated with
+  ``max_tokens=256``, the plan asked "within 80 words"), so thoughts are clipped at its 256 tokens, median 120
+  (sigma 0.5, chosen below that cap). Chosen: a 300-token ToT instruction with few-shot examples shared by every
+  tree and a question of median 90 tokens. A node's prompt is the template, the question, then the thoughts on its
+  path from the root; siblings are samples from the same prompt (they differ only in a one-token branch marker). A
+  tree with ``branches`` b and ``depth`` 4 has 1 + b + b^2 + b^3 requests: 15 for b = 2, 85 for b = 4. Its hash
+  key is the question id.
 * Mooncake (Kimi conversation trace, 12,031 requests in one hour, average input 12,035 and output 343 tokens):
   prompts scaled by 1/8 (blocks of 64 instead of 512 tokens, so the trace's prefix sharing survives) because an
   L4's 32,768-token KV cache cannot batch 12k-token prompts; outputs kept, capped at 1,024. Sessions and regions
@@ -151,19 +166,20 @@ def _zipf_rank(rng: random.Random, n: int, s: float = 1.0) -> int:
 
 @dataclass(frozen=True)
 class ConversationShape:
-    """Length distributions of a multi-turn chat dataset (tokens; see the module docstring for the reasons)."""
+    """Length distributions of a multi-turn chat dataset (tokens; defaults: ChatBot Arena, from LMSYS-Chat-1M's
+    published statistics; see the module docstring for the sources)."""
 
     name: str
     system_tokens: int = 64
     context_median: int = 150
     context_sigma: float = 0.8
-    user_median: int = 60
-    user_sigma: float = 1.0
-    user_max: int = 1500
-    answer_median: int = 220
-    answer_sigma: float = 0.7
-    answer_max: int = 1536
-    mean_turns: float = 3.0
+    user_median: int = 31
+    user_sigma: float = 1.29
+    user_max: int = 4096
+    answer_median: int = 158
+    answer_sigma: float = 0.79
+    answer_max: int = 4096
+    mean_turns: float = 2.02
     max_turns: int = 10
     popular_fraction: float = 0.3
     popular_prompts: int = 40
@@ -171,7 +187,9 @@ class ConversationShape:
 
 
 ARENA = ConversationShape("arena")
-WILDCHAT = ConversationShape("wildchat", context_median=400, mean_turns=4.0, popular_fraction=0.1)
+#: WildChat paper Table 1 (module docstring): user turns 295.58 +- 1,609.18, answers 441.34 +- 410.91, 2.54 turns.
+WILDCHAT = ConversationShape("wildchat", context_median=400, user_median=53, user_sigma=1.85, answer_median=323,
+                             answer_sigma=0.79, mean_turns=2.54, popular_fraction=0.1)
 
 
 def _conversation_program(shape: ConversationShape, seed: int, user: str, k: int) -> Program:
@@ -237,7 +255,7 @@ class TreeShape:
     question_sigma: float = 0.4
     thought_median: int = 120
     thought_sigma: float = 0.5
-    thought_max: int = 512
+    thought_max: int = 256  # SGLang benchmark/tree_of_thought_deep: max_tokens=256 per thought
 
     @property
     def requests(self) -> int:
