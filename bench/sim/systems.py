@@ -24,7 +24,9 @@ One balancer per region (clients reach their own region's, as DNS would send the
   replicas and never forwards. It uses SkyLB's own policy, so the comparison with SkyLB isolates cross-region
   traffic handling.
 * SkyLB-CH: ``skylb-ch`` (hash ring + selective pushing) with forwarding to peers.
-* SkyLB: ``skylb`` (prefix trie + regional snapshot + selective pushing) with forwarding to peers.
+* SkyLB: ``skylb`` (prefix trie + regional snapshot + selective pushing on estimated wait: prefill backlog, engine
+  queue and KV usage; placement by estimated time to first token; forwarding when a peer's estimate plus the round
+  trip is better; skylb/core/policies/estimated_wait.py) with forwarding to peers.
 
 * SkyLB-paper: ``skylb-paper`` (the paper's rule kept as a policy: a replica is available while its last probe
   showed 0 pending requests) with forwarding to peers, for reproduction.
@@ -131,8 +133,8 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("RegionLocal", "per-region SkyLB balancer, own replicas only (no forwarding)", "per_region", "skylb"),
     System("SkyLB-CH", "per-region balancers, hash ring + selective pushing + forwarding", "per_region",
            "skylb-ch", forwarding=True),
-    System("SkyLB", "per-region balancers, prefix trie + selective pushing + forwarding", "per_region", "skylb",
-           forwarding=True),
+    System("SkyLB", "per-region balancers, prefix trie + selective pushing on estimated wait + forwarding",
+           "per_region", "skylb", forwarding=True),
     *([System("SkyLB-paper", "per-region balancers, the paper's rule (available = 0 pending at the last probe) "
               "+ forwarding", "per_region", "skylb-paper", forwarding=True)] if _HAS_PAPER else []),
     System("Oracle", "one scheduler, global fresh view, zero network latency; per figure the best of "
