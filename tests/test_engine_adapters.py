@@ -339,6 +339,7 @@ async def test_load_estimate_from_each_engines_metrics(session, canned, engine, 
     router.observe_replica("r", now=0.0, healthy=True, pending=result.pending, running=result.running,
                            slots=result.slots, kv_usage=result.kv_usage)
     state = router.replicas["r"]
-    state.unprefilled.update({f"q{i}": n for i, n in enumerate(own)})
+    for i, tokens in enumerate(own):
+        state.add_unprefilled(f"q{i}", tokens)
     assert router.replica_unavailable_reason(state, 0.01) == reason
     assert router.policy.estimated_wait_s(state) == pytest.approx(wait_s)

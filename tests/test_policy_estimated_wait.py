@@ -47,7 +47,8 @@ def test_prompt_tokens_from_the_caller_or_the_text():
 def test_wait_model_counts_own_backlog_and_unknown_pending(unprefilled, pending, expected_s):
     """Estimated wait = (own unprefilled tokens + default size x pending beyond them) / prefill rate."""
     r = ReplicaState(id="r", url="x", healthy=True, probed_at=0.0, pending=pending)
-    r.unprefilled.update(unprefilled)
+    for rid, tokens in unprefilled.items():
+        r.add_unprefilled(rid, tokens)
     assert WaitModel(prefill_tokens_per_s=2000, default_prompt_tokens=512).wait_s(r) == pytest.approx(expected_s)
 
 
@@ -65,7 +66,8 @@ def test_backlog_and_kv_clauses(backlog, kv_usage, expected):
     """0 pending is not enough: a backlog at the budget (2048 tokens) or KV usage at 95% makes a replica full."""
     router = _router()
     router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=3, kv_usage=kv_usage)
-    router.replicas["r0"].unprefilled.update(backlog)
+    for rid, tokens in backlog.items():
+        router.replicas["r0"].add_unprefilled(rid, tokens)
     assert router.replica_unavailable_reason(router.replicas["r0"], 0.01) == expected
 
 
@@ -73,7 +75,7 @@ def test_paper_policy_ignores_backlog_and_kv():
     """skylb-paper keeps the paper's rule: 0 pending at the latest probe is enough."""
     router = _router("skylb-paper")
     router.observe_replica("r0", now=0.0, healthy=True, pending=0, kv_usage=0.99)
-    router.replicas["r0"].unprefilled.update({"q1": 9000})
+    router.replicas["r0"].add_unprefilled("q1", 9000)
     assert router.replica_unavailable_reason(router.replicas["r0"], 0.01) is None
 
 
@@ -89,14 +91,14 @@ def test_prefix_match_is_weighed_against_the_backlog(backlog_tokens, expected):
     policy.set_members(["r1", "r2"], [])
     policy.routed(Request("h", A, 0.0), replica="r1")
     candidates = replicas({"r1": 1, "r2": 1})
-    candidates[0].unprefilled["other"] = backlog_tokens
+    candidates[0].add_unprefilled("other", backlog_tokens)
     assert policy.pick_replica(Request("q", A + "more", 0.0), candidates).id == expected
 
 
 def test_request_forwarded_when_peer_estimate_plus_rtt_is_lower():
     """A local replica shows 0 pending, but its backlog (1.5 s) loses to an idle peer 150 ms away: forwarded."""
     router = _router(n=1, backlog_budget_tokens=8000)  # the backlog stays below the budget: r0 is available
-    router.replicas["r0"].unprefilled["earlier"] = 3000
+    router.replicas["r0"].add_unprefilled("earlier", 3000)
     router.observe_peer("eu", now=0.0, status=_peer_status(wait_ms=0.0), rtt_s=0.15)
     assert router.replica_unavailable_reason(router.replicas["r0"], 0.01) is None
     router.enqueue(Request("q", "hello " * 100, arrived_at=0.0))
@@ -113,7 +115,7 @@ def test_request_forwarded_when_peer_estimate_plus_rtt_is_lower():
 def test_request_stays_local_unless_the_peer_is_clearly_faster(status, rtt_s, why):
     """Forwarding a request a local replica could take needs a known, lower peer estimate (margin 50 ms)."""
     router = _router(n=1, backlog_budget_tokens=8000)
-    router.replicas["r0"].unprefilled["earlier"] = 3000
+    router.replicas["r0"].add_unprefilled("earlier", 3000)
     router.observe_peer("eu", now=0.0, status=status, rtt_s=rtt_s)
     router.enqueue(Request("q", "hello " * 100, arrived_at=0.0))
     [d] = router.dispatch(0.01)
@@ -123,8 +125,8 @@ def test_request_stays_local_unless_the_peer_is_clearly_faster(status, rtt_s, wh
 def test_status_carries_the_best_available_wait():
     """The peer status reports the smallest estimated wait among available replicas, in ms."""
     router = _router(n=2)
-    router.replicas["r0"].unprefilled["a"] = 1000
-    router.replicas["r1"].unprefilled["b"] = 400
+    router.replicas["r0"].add_unprefilled("a", 1000)
+    router.replicas["r1"].add_unprefilled("b", 400)
     assert router.status(0.01).wait_ms == pytest.approx(200.0)
     for rid in router.replicas:
         router.observe_replica(rid, now=0.02, healthy=True, pending=2)

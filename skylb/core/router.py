@@ -167,7 +167,7 @@ class Router:
                 replica.outstanding += 1
                 replica.dispatch_times.append(now)
                 replica.served += 1
-                replica.unprefilled[request.id] = policy.uncached_tokens(request, replica.id)
+                replica.add_unprefilled(request.id, policy.uncached_tokens(request, replica.id))
                 policy.routed(request, replica=replica.id)
                 return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now)
         elif peers:
@@ -185,7 +185,7 @@ class Router:
         if decision.route == "local":
             state = self.replicas.get(decision.target)
             if state is not None:
-                state.unprefilled.pop(decision.request.id, None)
+                state.prefilled(decision.request.id)
 
     def finished(self, decision: Decision) -> None:
         """The response of ``decision`` ended (any outcome): release its outstanding count (never below 0)."""
@@ -193,7 +193,7 @@ class Router:
             state = self.replicas.get(decision.target)
             if state is not None:
                 state.outstanding = max(0, state.outstanding - 1)
-                state.unprefilled.pop(decision.request.id, None)
+                state.prefilled(decision.request.id)
                 if self.policy.reuse_freed_slots and decision.dispatched_at is not None:
                     state.slot_freed(decision.dispatched_at)
                 if state.draining and state.outstanding == 0:

@@ -69,11 +69,17 @@ class ReplicaState:
     gateway_failures: int = 0
     kv_usage: float | None = None
     unprefilled: dict[str, int] = field(default_factory=dict, repr=False)
+    #: The sum of ``unprefilled``, kept up to date so that reading it is O(1) on every routing decision.
+    backlog_tokens: int = field(default=0, repr=False)
 
-    @property
-    def backlog_tokens(self) -> int:
-        """Uncached prompt tokens this balancer sent here that have not produced a first token yet."""
-        return sum(self.unprefilled.values())
+    def add_unprefilled(self, request_id: str, tokens: int) -> None:
+        """Request ``request_id`` was sent here with ``tokens`` prompt tokens to prefill (not expected cached)."""
+        self.backlog_tokens += tokens - self.unprefilled.get(request_id, 0)
+        self.unprefilled[request_id] = tokens
+
+    def prefilled(self, request_id: str) -> None:
+        """Request ``request_id``'s first token came back (or it ended): it no longer waits for prefill here."""
+        self.backlog_tokens -= self.unprefilled.pop(request_id, 0)
 
     @property
     def sent_since_probe(self) -> int:
