@@ -730,6 +730,8 @@ def llama_server(*, parallel: int, ctx_size: int, threads: int, binary: str | Pa
         # /health is 503 while loading; wait for 200.
         deadline = time.monotonic() + 120
         while True:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server was not ready within 120 s\n{proc.log()[-3000:]}")
             try:
                 wait_http(f"{url}/health", timeout_s=max(1.0, deadline - time.monotonic()), proc=proc.popen)
                 if json.loads(_get(url, "/health")).get("status") == "ok":
@@ -852,6 +854,7 @@ def calibrate(server: dict[str, Any], *, slots: int, ctx_size: int, n_batch: int
             fig = compare(real, modeled, slots=slots)
             fig["cached_tokens"] = real.cached_tokens
             fig["errors"] = real.errors
+            fig["server_cpu_s"], fig["window_s"] = windows[-1][1]["server_cpu_s"], windows[-1][1]["wall_s"]
             reps.append(fig)
             time.sleep(0.5)  # let the server go idle between repetitions
         results[sc.name] = {"title": sc.title, "requests": [asdict(r) for r in sc.requests], "repetitions": reps}
@@ -1047,7 +1050,7 @@ def _findings(result: dict[str, Any]) -> list[str]:
     fit_load = next((w["others_cpu_frac"] for label, w in result["windows"] if label == "fit"), 0.0)
     short = {r["batch"]: _rel(r["model_ms"], _mean(r["gap_ms"])) for r in dec
              if r["prompt_tokens"] == result["plan"]["decode_prompt"]}
-    faster_when_busier = []
+    starved = False
     for name, sc in result["scenarios"].items():
         reps = sc["repetitions"]
         loads = [w["others_cpu_frac"] for label, w in result["windows"] if label.startswith(name + " #")]
@@ -1070,18 +1073,23 @@ def _findings(result: dict[str, Any]) -> list[str]:
                 "weighted by that, "
                 f"the fitted decode step is off by {err:+.0%} (decode table), which moves every queued request's "
                 "TTFT the same way.")
-        busier = [r for r, w in zip(reps, loads) if w > fit_load + 0.05]
-        if busier and all(r["model"]["makespan_s"] < r["real"]["makespan_s"] for r in busier):
-            faster_when_busier.append(name)
-    if faster_when_busier:
-        out.append(f"In {', '.join(f'`{n}`' for n in faster_when_busier)}, every repetition measured while the "
-                   "machine was busier than during the fit finished later on llama-server than in the model: its "
-                   "steps ran slower than the fitted ones because other processes competed for the cores, which the "
-                   "model (fixed step times) cannot know. Compare the repetitions' spread with their load above.")
+        # llama-server runs one thread: CPU-s per second with work to do is the share of a core it got.
+        got = [min(1.0, r["server_cpu_s"] / busy_s) for r in reps
+               if r.get("server_cpu_s") and (busy_s := SAMPLE_EVERY_S * sum(1 for row in r["series"] if row[2] > 0))]
+        if got:
+            mk_err = _range([_rel(r["model"]["makespan_s"], r["real"]["makespan_s"]) for r in reps])
+            out.append(f"`{name}`: llama-server (one thread) got {_range(got, '{:.0%}')} of a core while it had "
+                       f"requests, so it waited for a core {_range([1 - g for g in got], '{:.0%}')} of that time "
+                       f"(other processes); the model's last completion is {mk_err} off.")
+            starved = True
+    if starved:
+        out.append("A model faster than llama-server by about the share of time the server waited for a core is the "
+                   "machine, not the queueing: the model's step times are fixed at the fit.")
     out.append("The model's own spread comes only from the send times (its step times are fixed); llama-server's "
-               "spread is the machine's. Per-request TTFT errors exceed the percentile errors: in a queue a request's TTFT is the sum of "
-               "every step before it, so a few percent per step accumulates along the queue, and a request served "
-               "in a different order (slot order vs admission order) swaps TTFTs with another.")
+               "spread is the machine's. Per-request TTFT errors exceed the percentile errors: in a queue a "
+               "request's TTFT is the sum of every step before it, so a few percent per step accumulates along the "
+               "queue, and a request served in a different order (slot order vs admission order) swaps TTFTs with "
+               "another.")
     return out
 
 
@@ -1152,9 +1160,11 @@ def format_markdown(result: dict[str, Any]) -> str:
                                   "shared with other people's processes; llama-server ran with one thread "
                                   "(`-t 1`), the client (one thread per request and a /metrics poller) on the rest")
         if busy:
+            fit_load = next((w["others_cpu_frac"] for label, w in result["windows"] if label == "fit"), 0.0)
             lines += [f"Windows measured under load (others above {BUSY_FRACTION:.0%} of the machine): "
-                      f"{', '.join(busy)}; their step times are slower than an idle machine's and the fit (taken "
-                      "in its own window) does not know it.", ""]
+                      f"{', '.join(busy)}. llama-server's steps there are slower than on an idle machine when it has "
+                      f"to wait for a core; the fit ran with others at {fit_load:.0%}, so the fitted step times carry "
+                      "that window's contention, not the scenario windows'.", ""]
         lines += ["Others' CPU time is the machine's busy time (/proc/stat) less llama-server's and this benchmark's "
                   "own, so short test runs that started and ended inside a window count too. Per window, "
                   "llama-server / the client (this process) used: " + "; ".join(

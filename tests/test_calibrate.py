@@ -170,8 +170,7 @@ def llama_paths() -> dict:
 
 
 def test_small_calibration_against_a_real_llama_server(llama_paths, tmp_path):
-    """On a 2-slot llama-server: the fit gives positive step times, and a 4-request burst shows 2 pending and 2
-    running on both the server and the fitted model, every request served on both, in a report side by side."""
+    """A 2-slot llama-server and its fitted model both show 2 pending, 2 running for 4 requests sent at once."""
     plan = FitPlan(prefill_lengths=(16, 64), prefill_passes=1, decode_batches=(1, 2), decode_prompt=16,
                    decode_output=12, long_prompt=0, decode_passes=1)
     tiny = Scenario("tiny", "4 requests at once", tuple(CalRequest(f"t{i}", 0.02 * i, 24, 32, seed=i)
