@@ -674,7 +674,9 @@ def compare(real: SideRun, model: SideRun, *, slots: int | None = None,
     own = [_held(model.samples, t)[0] for t in grid]
     out["model"]["own_waiting_mean"] = sum(own) / len(own)
     out["model"]["own_waiting_max"] = max(own)
-    out["series"] = [(t, *_held(real.samples, t), *_held(model_samples, t)) for t in grid]
+    # (t, real pending, real running, model pending, model running, age of the real sample held at t in s)
+    out["series"] = [(t, *_held(real.samples, t), *_held(model_samples, t),
+                      t - max((ts for ts, _, _ in real.samples if ts <= t), default=0.0)) for t in grid]
     for name in ("real", "model"):
         del out[name]["_held"]
     return out
@@ -1004,10 +1006,11 @@ def _scenario_lines(name: str, sc: dict[str, Any]) -> list[str]:
     end = series[-1][0] if series else 0.0
     picks = sorted({min(range(len(series)), key=lambda i: abs(series[i][0] - t))
                     for t in [0.5, 1, 2, 4, 6, 8] + [end * f for f in (0.5, 0.65, 0.8, 0.95)]})
-    rows = [[f"{series[i][0]:.1f}", f"{series[i][1]} / {series[i][3]}", f"{series[i][2]} / {series[i][4]}"]
-            for i in picks]
-    lines += ["Pending and running over time, repetition 1 (llama-server / model, last sample held):", "",
-              markdown_table(["t (s)", "pending", "running"], rows), ""]
+    rows = [[f"{series[i][0]:.1f}", f"{series[i][1]} / {series[i][3]}", f"{series[i][2]} / {series[i][4]}",
+             f"{series[i][5]:.1f}" if len(series[i]) > 5 else ""] for i in picks]
+    lines += ["Pending and running over time, repetition 1 (llama-server / model, last sample held; the last column "
+              "is how old llama-server's held sample is: it answers /metrics only between two steps):", "",
+              markdown_table(["t (s)", "pending", "running", "llama-server sample age (s)"], rows), ""]
     return lines
 
 
@@ -1178,7 +1181,8 @@ def format_markdown(result: dict[str, Any]) -> str:
                   "seconds in a window is time it waited (for requests, or for a core).", ""]
     elif result.get("unavailable"):
         lines += [f"The llama-server part did not run: {result['unavailable']}", ""]
-    lines += ["## Reproduce", "", "```", "skylb bench calibrate            # about 3-4 minutes on 2 cores",
+    lines += ["## Reproduce", "", "```",
+              "skylb bench calibrate            # about 3-4 minutes on 2 cores, longer when the machine is busy",
               "skylb bench calibrate --repeats 5 --out-json /tmp/calibration.json", "```", ""]
     return "\n".join(lines)
 
@@ -1214,7 +1218,10 @@ def _model_source() -> str:
         return ""
     if not commit:
         return ""
-    return f"`{path}` as of commit {commit[:100]}" + (" plus uncommitted changes in the working tree" if dirty else "")
+    sha, _, subject = commit.partition(" ")
+    subject = subject if len(subject) <= 90 else subject[:87] + "..."
+    return (f"`{path}` as of commit {sha} (\"{subject}\")"
+            + (" plus uncommitted changes in the working tree" if dirty else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
