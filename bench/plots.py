@@ -29,7 +29,7 @@ __all__ = ["plot_fig8", "plot_fig9", "plot_fig10"]
 #: One colour per system, stable across figures.
 COLORS = {
     "GKE": "#8c8c8c", "RR": "#1f77b4", "LL": "#ff7f0e", "CH": "#2ca02c", "SGL": "#9467bd", "SkyLB-CH": "#e377c2",
-    "SkyLB": "#d62728", "SkyLB-paper": "#ff9896", "Oracle": "#17becf", "RegionLocal": "#7f7f7f", "BP": "#9467bd", "SP-O": "#bcbd22",
+    "SkyLB": "#d62728", "SkyLB-paper": "#ff9896", "Oracle": "#17becf", "RegionLocal": "#8c564b", "BP": "#9467bd", "SP-O": "#bcbd22",
     "SP-P": "#d62728",
 }
 
@@ -88,11 +88,11 @@ def plot_fig8(results: Sequence[RunSummary], workloads: Sequence[tuple[str, str]
     workloads = [(w, t) for w, t in workloads if _ordered(results, w, systems)]
     n = max(len(workloads), 1)
     fig, axes = plt.subplots(3, n, figsize=(3.6 * n, 10), squeeze=False)
-    for col, (wl, title) in enumerate(workloads):
+    for col, (wl, label) in enumerate(workloads):
         rows = _ordered(results, wl, systems)
-        _bars(axes[0][col], rows, f"({chr(97 + col)}) {title}")
-        _boxes(axes[1][col], rows, "ttft", f"({chr(97 + n + col)}) TTFT, {title}", log=True)
-        _boxes(axes[2][col], rows, "e2e", f"({chr(97 + 2 * n + col)}) E2E, {title}", log=False)
+        _bars(axes[0][col], rows, f"({chr(97 + col)}) {label}")
+        _boxes(axes[1][col], rows, "ttft", f"({chr(97 + n + col)}) TTFT, {label}", log=True)
+        _boxes(axes[2][col], rows, "e2e", f"({chr(97 + 2 * n + col)}) E2E, {label}", log=False)
     fig.suptitle(f"{title}: throughput, TTFT and end-to-end latency "
                  "(box p25-p75, red median, whiskers p10-p90, triangle mean)", fontsize=11)
     fig.tight_layout()
