@@ -222,7 +222,9 @@ class SideRun:
     (``usage.prompt_tokens``; the model: what it was given). cached_tokens: ``usage.prompt_tokens_details.
     cached_tokens`` summed (0 for the model). token_times: per request, the arrival time of every token (s from
     the run's start; kept only when asked). samples: ``(t, pending, running)`` every ~100 ms. errors: per request
-    id, why it failed. server_prompt_ms: llama-server's own ``timings.prompt_ms`` per request.
+    id, why it failed. server_prompt_ms: llama-server's own ``timings.prompt_ms`` per request. server_run_s,
+    server_wait_s: during the run, the time llama-server's compute thread ran on a core and the time it was
+    runnable but waited for one (/proc/PID/schedstat; None when not measured).
     """
 
     sent_s: dict[str, float] = field(default_factory=dict)
@@ -234,6 +236,17 @@ class SideRun:
     samples: list[tuple[float, int, int]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
     server_prompt_ms: dict[str, float] = field(default_factory=dict)
+    server_run_s: float | None = None
+    server_wait_s: float | None = None
+
+    @property
+    def slowdown(self) -> float:
+        """How much longer llama-server's work took than on a core of its own: (ran + waited for a core) / ran,
+        over the run (1.0 when not measured). Its compute thread is single-threaded, so every step stretches by this
+        factor on average when other processes compete for the cores."""
+        if not self.server_run_s or self.server_wait_s is None:
+            return 1.0
+        return (self.server_run_s + self.server_wait_s) / self.server_run_s
 
     @property
     def makespan_s(self) -> float:
@@ -295,6 +308,17 @@ def replay_model(requests: Sequence[CalRequest], params: EngineParams, *, sample
         loop.at(0.0, sample, 0)
     loop.run(until=max_sim_s)
     return run
+
+
+def schedstat(pid: int) -> tuple[float, float] | None:
+    """(s on a core, s runnable but waiting for a core) of process ``pid``'s main thread, from
+    /proc/PID/schedstat (nanoseconds, Linux with schedstats); None when unreadable. llama-server runs its whole
+    inference loop (``-t 1``) in its main thread; its HTTP threads are not counted."""
+    try:
+        run_ns, wait_ns = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return None
 
 
 def _metric(text: str, name: str) -> float | None:
@@ -403,12 +427,13 @@ def _stream_one(base_url: str, model: str, r: CalRequest, t0: float, run: SideRu
 
 def run_real(base_url: str, requests: Sequence[CalRequest], *, model: str = "",
              sample_every_s: float | None = SAMPLE_EVERY_S, keep_tokens: bool = False,
-             timeout_s: float = 300.0) -> SideRun:
+             timeout_s: float = 300.0, server_pid: int | None = None) -> SideRun:
     """Send ``requests`` to a llama-server at their ``at_s`` (one thread each, streamed, ``cache_prompt`` off) and
     record TTFT (first streamed token, client side) and end times; every ``sample_every_s`` (None: never) read
     ``llamacpp:requests_deferred`` (pending) and ``llamacpp:requests_processing`` (running) from /metrics, stamped
-    with the time the answer arrived. Bounded: at most :data:`MAX_REQUESTS` requests, ``timeout_s`` for the whole
-    run (connections still open then are closed and their requests recorded as failed).
+    with the time the answer arrived. With ``server_pid``, also how long llama-server's compute thread ran and
+    waited for a core meanwhile (:func:`schedstat`). Bounded: at most :data:`MAX_REQUESTS` requests, ``timeout_s``
+    for the whole run (connections still open then are closed and their requests recorded as failed).
     """
     if len(requests) > MAX_REQUESTS:
         raise ValueError(f"at most {MAX_REQUESTS} requests per run, got {len(requests)}")
@@ -436,6 +461,7 @@ def run_real(base_url: str, requests: Sequence[CalRequest], *, model: str = "",
     threads = [threading.Thread(target=_stream_one, args=(base_url, model, r, t0, run, lock, conns, deadline,
                                                           keep_tokens), daemon=True) for r in requests]
     sampling = threading.Thread(target=sampler, daemon=True) if sample_every_s else None
+    sched0 = schedstat(server_pid) if server_pid else None
     if sampling:
         sampling.start()
     for th in threads:
@@ -455,6 +481,9 @@ def run_real(base_url: str, requests: Sequence[CalRequest], *, model: str = "",
             time.sleep(min(sample_every_s or 0, 0.3))  # one sample after the last request finished
             stop.set()
             sampling.join(timeout=15)
+    sched1 = schedstat(server_pid) if server_pid else None
+    if sched0 and sched1:
+        run.server_run_s, run.server_wait_s = sched1[0] - sched0[0], sched1[1] - sched0[1]
     for r in requests:
         if r.id not in run.ttft_s and r.id not in run.errors:
             run.errors[r.id] = "no answer before the run's deadline"
@@ -467,21 +496,35 @@ def run_real(base_url: str, requests: Sequence[CalRequest], *, model: str = "",
 @dataclass(frozen=True)
 class PrefillPoint:
     """One idle-server TTFT: ``prompt_tokens`` (BOS included), ``ttft_ms`` (client side), ``server_prompt_ms``
-    (llama-server's own ``timings.prompt_ms``; None for the model)."""
+    (llama-server's own ``timings.prompt_ms``; None for the model), ``slowdown`` (the probe's
+    :attr:`SideRun.slowdown`: how much other processes stretched it)."""
 
     prompt_tokens: int
     ttft_ms: float
     server_prompt_ms: float | None = None
+    slowdown: float = 1.0
+
+    @property
+    def full_core_ms(self) -> float:
+        """The TTFT on a core of its own: ``ttft_ms / slowdown`` (ms)."""
+        return self.ttft_ms / self.slowdown
 
 
 @dataclass(frozen=True)
 class DecodePoint:
     """One decode measurement: ``batch`` concurrent streams, ``kv_tokens`` context tokens of all of them together
-    at the median step, ``gap_ms`` the median inter-token gap while all of them decode (= the step time)."""
+    at the median step, ``gap_ms`` the median inter-token gap while all of them decode (= the step time),
+    ``slowdown`` the probe's :attr:`SideRun.slowdown`."""
 
     batch: int
     kv_tokens: float
     gap_ms: float
+    slowdown: float = 1.0
+
+    @property
+    def full_core_ms(self) -> float:
+        """The step time on a core of its own: ``gap_ms / slowdown`` (ms)."""
+        return self.gap_ms / self.slowdown
 
 
 @dataclass(frozen=True)
@@ -515,7 +558,7 @@ def prefill_points(probes: Sequence[Sequence[CalRequest]], runs: Sequence[SideRu
         for r in probe:
             if r.id in run.ttft_s:
                 points.append(PrefillPoint(run.prompt_tokens.get(r.id, r.prompt_tokens), 1000 * run.ttft_s[r.id],
-                                           run.server_prompt_ms.get(r.id)))
+                                           run.server_prompt_ms.get(r.id), run.slowdown))
     return points
 
 
@@ -539,7 +582,7 @@ def decode_points(probes: Sequence[Sequence[CalRequest]], runs: Sequence[SideRun
         if not gaps:
             continue
         kv = sum(run.prompt_tokens.get(r.id, r.prompt_tokens) + r.output_tokens / 2 for r in probe)
-        points.append(DecodePoint(len(probe), kv, 1000 * median(gaps)))
+        points.append(DecodePoint(len(probe), kv, 1000 * median(gaps), run.slowdown))
     return points
 
 
@@ -561,19 +604,20 @@ def _solve(rows: list[list[float]], ys: list[float]) -> list[float]:
 
 
 def fit_prefill(points: Sequence[PrefillPoint]) -> PrefillFit:
-    """The least-squares line through (prompt tokens, TTFT ms); needs two distinct lengths. A negative slope (no
-    prefill cost measured) is a ValueError."""
+    """The least-squares line through (prompt tokens, full-core TTFT ms: ``full_core_ms``); needs two distinct
+    lengths. A negative slope (no prefill cost measured) is a ValueError."""
     if len({p.prompt_tokens for p in points}) < 2:
         raise ValueError("the prefill fit needs TTFTs of at least two prompt lengths")
-    intercept, slope = _solve([[1.0, p.prompt_tokens] for p in points], [p.ttft_ms for p in points])
+    intercept, slope = _solve([[1.0, p.prompt_tokens] for p in points], [p.full_core_ms for p in points])
     if slope <= 0:
         raise ValueError(f"TTFT does not grow with the prompt (slope {slope:.4f} ms/token)")
-    resid = max(abs(intercept + slope * p.prompt_tokens - p.ttft_ms) for p in points)
+    resid = max(abs(intercept + slope * p.prompt_tokens - p.full_core_ms) for p in points)
     return PrefillFit(slope, intercept, resid)
 
 
 def fit_decode(points: Sequence[DecodePoint]) -> DecodeFit:
-    """Fit gap = base + per_seq x batch + per_kv x kv_tokens to the points, every coefficient kept >= 0.
+    """Fit gap = base + per_seq x batch + per_kv x kv_tokens to the points' full-core gaps (``full_core_ms``),
+    every coefficient kept >= 0.
 
     The context term is identified only by points of the same batch size at different contexts (the long-prompt
     probe beside the short one): ``per_kv`` is the pooled slope of gap on context within such groups (0 without
@@ -588,18 +632,18 @@ def fit_decode(points: Sequence[DecodePoint]) -> DecodeFit:
     for b in {p.batch for p in points}:
         group = [p for p in points if p.batch == b]
         mk = sum(p.kv_tokens for p in group) / len(group)
-        mg = sum(p.gap_ms for p in group) / len(group)
-        sxy += sum((p.kv_tokens - mk) * (p.gap_ms - mg) for p in group)
+        mg = sum(p.full_core_ms for p in group) / len(group)
+        sxy += sum((p.kv_tokens - mk) * (p.full_core_ms - mg) for p in group)
         sxx += sum((p.kv_tokens - mk) ** 2 for p in group)
     per_kv = max(0.0, sxy / sxx) if sxx > 0 else 0.0
-    ys = [p.gap_ms - per_kv * p.kv_tokens for p in points]
+    ys = [p.full_core_ms - per_kv * p.kv_tokens for p in points]
     base, per_seq = _solve([[1.0, float(p.batch)] for p in points], ys)
     if per_seq < 0:
         base, per_seq = sum(ys) / len(ys), 0.0
     elif base < 0:
         base, per_seq = 0.0, _solve([[float(p.batch)] for p in points], ys)[0]
     fit = DecodeFit(max(0.0, base), max(0.0, per_seq), per_kv, 0.0)
-    resid = max(abs(fit.step_ms(p.batch, p.kv_tokens) - p.gap_ms) for p in points)
+    resid = max(abs(fit.step_ms(p.batch, p.kv_tokens) - p.full_core_ms) for p in points)
     return replace(fit, max_residual_ms=resid)
 
 
@@ -784,15 +828,19 @@ def _load_window(load: MachineLoad, server_pid: int, snap0: tuple[float, float, 
 
 
 def _fit_rows(params: EngineParams, pre_probes, pre_runs, dec_probes, dec_runs) -> tuple[list, list]:
-    """The fit's measurements grouped for the report: per prompt length, llama-server's TTFTs (ms) and its
-    ``timings.prompt_ms`` beside the fitted model's TTFT; per decode probe shape, the gaps (ms) beside the model's."""
+    """The fit's measurements grouped for the report: per prompt length, llama-server's TTFTs (ms), the probes'
+    slowdowns, their full-core TTFTs and its ``timings.prompt_ms`` beside the fitted model's TTFT; per decode probe
+    shape, the gaps (ms), slowdowns and full-core gaps beside the model's step."""
     prefill: dict[int, dict[str, Any]] = {}
     for probe, run in zip(pre_probes, pre_runs):
         for r in probe:
             n = run.prompt_tokens.get(r.id, r.prompt_tokens)
-            row = prefill.setdefault(n, {"prompt_tokens": n, "ttft_ms": [], "server_prompt_ms": [], "model_ms": None})
+            row = prefill.setdefault(n, {"prompt_tokens": n, "ttft_ms": [], "slowdown": [], "full_core_ms": [],
+                                         "server_prompt_ms": [], "model_ms": None})
             if r.id in run.ttft_s:
                 row["ttft_ms"].append(1000 * run.ttft_s[r.id])
+                row["slowdown"].append(run.slowdown)
+                row["full_core_ms"].append(1000 * run.ttft_s[r.id] / run.slowdown)
             if r.id in run.server_prompt_ms:
                 row["server_prompt_ms"].append(run.server_prompt_ms[r.id])
     for n, row in prefill.items():
@@ -805,8 +853,11 @@ def _fit_rows(params: EngineParams, pre_probes, pre_runs, dec_probes, dec_runs) 
         if row is None:
             [mp] = decode_points([probe], [replay_model(probe, params, sample_every_s=None, keep_tokens=True)])
             row = decode[key] = {"batch": key[0], "prompt_tokens": key[1], "kv_tokens": mp.kv_tokens,
-                                 "gap_ms": [], "model_ms": mp.gap_ms}
-        row["gap_ms"] += [p.gap_ms for p in decode_points([probe], [run])]
+                                 "gap_ms": [], "slowdown": [], "full_core_ms": [], "model_ms": mp.gap_ms}
+        for p in decode_points([probe], [run]):
+            row["gap_ms"].append(p.gap_ms)
+            row["slowdown"].append(p.slowdown)
+            row["full_core_ms"].append(p.full_core_ms)
     return sorted(prefill.values(), key=lambda r: r["prompt_tokens"]), list(decode.values())
 
 
@@ -815,7 +866,13 @@ def calibrate(server: dict[str, Any], *, slots: int, ctx_size: int, n_batch: int
               progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Fit the model to a running llama-server (``server`` as :func:`llama_server` yields) and run every scenario
     ``repeats`` times on both sides. Returns a JSON-ready dict: the fit's points and parameters, per scenario the
-    :func:`compare` figures of each repetition, and the machine's load per window."""
+    :func:`compare` figures of each repetition, and the machine's load per window.
+
+    The fit is to llama-server on a core of its own: each probe's times are divided by its slowdown (how long
+    the compute thread waited for a core, :func:`schedstat`), so the fitted step times do not depend on what else
+    ran during the fit. Each repetition is then replayed twice: with the fitted times, and slowed by that window's
+    own slowdown (``time_scale``), which separates the machine's share of the error from the model's.
+    """
     url, model = server["url"], server["model"]
     scenarios = list(scenarios if scenarios is not None else default_scenarios(ctx_size // slots))
     pre_probes, dec_probes = fit_probes(plan)
@@ -829,8 +886,9 @@ def calibrate(server: dict[str, Any], *, slots: int, ctx_size: int, n_batch: int
 
     progress("fit: idle-server TTFT and decode gaps")
     load, snap = MachineLoad().start(), _cpu_snapshot(pid)
-    pre_runs = [run_real(url, p, model=model, sample_every_s=None, timeout_s=60) for p in pre_probes]
-    dec_runs = [run_real(url, p, model=model, sample_every_s=None, keep_tokens=True, timeout_s=60)
+    pre_runs = [run_real(url, p, model=model, sample_every_s=None, timeout_s=60, server_pid=pid)
+                for p in pre_probes]
+    dec_runs = [run_real(url, p, model=model, sample_every_s=None, keep_tokens=True, timeout_s=60, server_pid=pid)
                 for p in dec_probes]
     windows.append(("fit", _load_window(load, pid, snap)))
     failed = {i: e for run in pre_runs + dec_runs for i, e in run.errors.items()}
@@ -847,16 +905,19 @@ def calibrate(server: dict[str, Any], *, slots: int, ctx_size: int, n_batch: int
         for k in range(repeats):
             progress(f"{sc.name}: repetition {k + 1} of {repeats}")
             load, snap = MachineLoad().start(), _cpu_snapshot(pid)
-            real = run_real(url, sc.requests, model=model)
+            real = run_real(url, sc.requests, model=model, server_pid=pid)
             windows.append((f"{sc.name} #{k + 1}", _load_window(load, pid, snap)))
             # The model gets the same requests at the times they were really sent, with their real lengths.
             replayed = [replace(r, at_s=real.sent_s.get(r.id, r.at_s),
                                 prompt_tokens=real.prompt_tokens.get(r.id, r.prompt_tokens)) for r in sc.requests]
             modeled = replay_model(replayed, params)
             fig = compare(real, modeled, slots=slots)
+            # The same model slowed by what the other processes did to llama-server in this window.
+            at_load = compare(real, replay_model(replayed, replace(params, time_scale=real.slowdown)), slots=slots)
+            fig["model_at_load"], fig["error_at_load"] = at_load["model"], at_load["error"]
+            fig["slowdown"], fig["server_wait_s"] = real.slowdown, real.server_wait_s
             fig["cached_tokens"] = real.cached_tokens
             fig["errors"] = real.errors
-            fig["server_cpu_s"], fig["window_s"] = windows[-1][1]["server_cpu_s"], windows[-1][1]["wall_s"]
             reps.append(fig)
             time.sleep(0.5)  # let the server go idle between repetitions
         results[sc.name] = {"title": sc.title, "requests": [asdict(r) for r in sc.requests], "repetitions": reps}
@@ -922,21 +983,26 @@ def _fit_lines(result: dict[str, Any]) -> list[str]:
              f"`-np {result['slots']} -c {result['ctx_size']} -t {result.get('threads', '?')} -b {result['n_batch']} "
              f"-ub {min(N_UBATCH, result['n_batch'])} --metrics` ({srv['total_slots']} slots of {slot_ctx} tokens, "
              "/props `total_slots`). Idle server, one probe at a time; TTFT measured by the client (send to the "
-             "first streamed token), gaps between streamed tokens.", ""]
+             "first streamed token), gaps between streamed tokens. Slowdown: (time llama-server's compute thread "
+             "ran + time it waited for a core) / time it ran, during the probe (/proc/PID/schedstat); the fit uses "
+             "the full-core times = measured / slowdown, so it describes llama-server on a core of its own.", ""]
     passes = result["plan"]["prefill_passes"]
-    rows = [[p["prompt_tokens"], _spread(p["ttft_ms"], "{:.0f}"), _spread(p["server_prompt_ms"], "{:.0f}"),
-             f"{p['model_ms']:.0f}", _f(_rel(p["model_ms"], _mean(p["ttft_ms"])), "{:+.1%}")]
+    rows = [[p["prompt_tokens"], _spread(p["ttft_ms"], "{:.0f}"), _spread(p.get("slowdown", []), "{:.2f}"),
+             _spread(p.get("full_core_ms", p["ttft_ms"]), "{:.0f}"), _spread(p["server_prompt_ms"], "{:.0f}"),
+             f"{p['model_ms']:.0f}", _f(_rel(p["model_ms"], _mean(p.get("full_core_ms", p["ttft_ms"]))), "{:+.1%}")]
             for p in fit["prefill_rows"]]
     lines += [f"Prefill (single requests, {passes} passes; mean (min-max) over them):", "",
-              markdown_table(["prompt tokens", "llama-server TTFT ms", "its timings.prompt_ms", "fitted model ms",
-                              "model vs mean"], rows), ""]
+              markdown_table(["prompt tokens", "llama-server TTFT ms", "slowdown", "full-core TTFT ms",
+                              "its timings.prompt_ms", "fitted model ms", "model vs full-core"], rows), ""]
     rows = [[p["batch"], p["prompt_tokens"], f"{p['kv_tokens']:.0f}", _spread(p["gap_ms"], "{:.1f}"),
-             f"{p['model_ms']:.1f}", _f(_rel(p["model_ms"], _mean(p["gap_ms"])), "{:+.1%}")]
+             _spread(p.get("slowdown", []), "{:.2f}"), _spread(p.get("full_core_ms", p["gap_ms"]), "{:.1f}"),
+             f"{p['model_ms']:.1f}", _f(_rel(p["model_ms"], _mean(p.get("full_core_ms", p["gap_ms"]))), "{:+.1%}")]
             for p in fit["decode_rows"]]
     lines += [f"Decode (median inter-token gap while every stream decodes, {result['plan']['decode_passes']} "
               "passes):", "",
               markdown_table(["streams", "prompt tokens each", "context tokens (all)", "llama-server gap ms",
-                              "fitted model step ms", "model vs mean"], rows), ""]
+                              "slowdown", "full-core gap ms", "fitted model step ms", "model vs full-core"], rows),
+              ""]
     rows = [["max_num_seqs", params["max_num_seqs"], "`-np` slots"],
             ["max_num_batched_tokens", params["max_num_batched_tokens"], "`-b` (tokens per llama_decode call)"],
             ["kv_cache_tokens", params["kv_cache_tokens"], "`-c` (all slots together)"],
@@ -977,20 +1043,28 @@ def _scenario_lines(name: str, sc: dict[str, Any]) -> list[str]:
              f"{sum(r['output_tokens'] for r in reqs)}), last sent at {max(r['at_s'] for r in reqs):.2f} s. "
              f"{len(reps)} repetition(s); each cell is the mean (min-max) over them. Pending and running of the model "
              "are in llama-server's meaning (outstanding requests beyond the slots / holding a slot); the last row "
-             "is the model's own `num_waiting` (vLLM's meaning), for reference.", ""]
+             "is the model's own `num_waiting` (vLLM's meaning), for reference. The last two columns replay the "
+             "same model slowed by llama-server's slowdown in that repetition (other processes taking its core: "
+             f"{_spread([r.get('slowdown') for r in reps], '{:.2f}')}), which separates the machine's share of "
+             "the error from the model's.", ""]
+
+    def diff(model: list, real: list, key: str) -> str:
+        if key.startswith(("ttft", "makespan")):
+            return _spread([100 * v if v is not None else None for v in map(_rel, model, real)], "{:+.0f}%")
+        return _spread([m - x for m, x in zip(model, real)], "{:+.2f}")
+
     rows = []
     for label, key, fmt in _FIGURES:
         real = [r["real"][key] for r in reps]
         model = [r["model"][key] for r in reps]
-        if key.startswith(("ttft", "makespan")):
-            diff = _spread([100 * v if v is not None else None for v in map(_rel, model, real)], "{:+.0f}%")
-        else:
-            diff = _spread([m - x for m, x in zip(model, real)], "{:+.2f}")
-        rows.append([label, _spread(real, fmt), _spread(model, fmt), diff])
+        loaded = [r["model_at_load"][key] for r in reps if "model_at_load" in r]
+        rows.append([label, _spread(real, fmt), _spread(model, fmt), diff(model, real, key), _spread(loaded, fmt),
+                     diff(loaded, real, key) if len(loaded) == len(real) else ""])
     rows.append(["model's own num_waiting, mean / max", "",
                  f"{_spread([r['model']['own_waiting_mean'] for r in reps])} / "
-                 f"{_spread([r['model']['own_waiting_max'] for r in reps], '{:.0f}')}", ""])
-    lines += [markdown_table(["figure", "llama-server", "model (fitted)", "model - llama-server"], rows), ""]
+                 f"{_spread([r['model']['own_waiting_max'] for r in reps], '{:.0f}')}", "", "", ""])
+    lines += [markdown_table(["figure", "llama-server", "model (fitted)", "model - llama-server",
+                              "model x slowdown", "model x slowdown - llama-server"], rows), ""]
     err = [r["error"] for r in reps]
     lines += [f"Per request, the model's TTFT is off by {_spread([e['ttft_mae_s'] for e in err])} s on average "
               f"(mean absolute error; signed mean {_spread([e['ttft_bias_s'] for e in err], '{:+.2f}')} s, "
@@ -1027,23 +1101,31 @@ def _findings(result: dict[str, Any]) -> list[str]:
     out = []
     fit = result["fit"]
     pf, df = fit["prefill"], fit["decode"]
+    def full(row: dict[str, Any], key: str) -> list[float]:
+        return row.get("full_core_ms") or row[key]
+
     spread = [max(r["ttft_ms"]) / min(r["ttft_ms"]) for r in fit["prefill_rows"] if r["ttft_ms"]]
+    spread_full = [max(full(r, "ttft_ms")) / min(full(r, "ttft_ms")) for r in fit["prefill_rows"] if r["ttft_ms"]]
     near = abs(pf["intercept_ms"] - df["base_ms"]) <= max(20.0, 0.5 * df["base_ms"])
-    out.append(f"Prefill is close to linear in the prompt: the TTFT line's largest residual is "
+    out.append(f"Prefill is close to linear in the prompt: the full-core TTFT line's largest residual is "
                f"{pf['max_residual_ms']:.0f} ms and the fitted model's TTFT is "
-               f"{_range([_rel(r['model_ms'], _mean(r['ttft_ms'])) for r in fit['prefill_rows']])} of the measured "
-               f"mean per length. The same prompt's TTFT varied by up to {max(spread, default=1) - 1:.0%} between "
-               f"passes (other processes). The line's intercept ({pf['intercept_ms']:.1f} ms: HTTP, tokenizing, "
-               f"sampling) is {'close to' if near else 'not close to'} the model's per-step overhead "
-               f"(`decode_base_ms` {df['base_ms']:.1f} ms), which the model adds to every prefill step; the model's "
-               "TTFT uses the slope and that overhead, not the intercept.")
+               f"{_range([_rel(r['model_ms'], _mean(full(r, 'ttft_ms'))) for r in fit['prefill_rows']])} of the "
+               f"full-core mean per length. The same prompt's measured TTFT varied by up to "
+               f"{max(spread, default=1) - 1:.0%} between passes, its full-core TTFT by up to "
+               f"{max(spread_full, default=1) - 1:.0%} (probably what schedstat's wait does not see: caches and "
+               "memory bandwidth shared with the other core). "
+               f"The line's intercept ({pf['intercept_ms']:.1f} ms: HTTP, tokenizing, sampling) is "
+               f"{'close to' if near else 'not close to'} the model's per-step overhead (`decode_base_ms` "
+               f"{df['base_ms']:.1f} ms), which the model adds to every prefill step; the model's TTFT uses the slope "
+               "and that overhead, not the intercept.")
     dec = fit["decode_rows"]
-    errs = [(f"{r['batch']} x {r['prompt_tokens']}-token prompts", _rel(r["model_ms"], _mean(r["gap_ms"])))
+    errs = [(f"{r['batch']} x {r['prompt_tokens']}-token prompts", _rel(r["model_ms"], _mean(full(r, "gap_ms"))))
             for r in dec]
-    by_batch = [(r["batch"], _mean(r["gap_ms"])) for r in dec if r["prompt_tokens"] == result["plan"]["decode_prompt"]]
+    by_batch = [(r["batch"], _mean(full(r, "gap_ms"))) for r in dec
+                if r["prompt_tokens"] == result["plan"]["decode_prompt"]]
     dips = [f"{b2} streams cost less than {b1}" for (b1, g1), (b2, g2) in zip(by_batch, by_batch[1:])
             if g1 is not None and g2 is not None and g2 < g1]
-    out.append("Decode is not a straight line in the batch on this CPU: measured steps of "
+    out.append("Decode is not a straight line in the batch on this CPU: full-core steps of "
                + ", ".join(f"{_f(g, '{:.1f}')} ms" for _, g in by_batch) + " at "
                + ", ".join(str(b) for b, _ in by_batch) + " streams"
                + (f" ({'; '.join(dips)})" if dips else "") + ", so the fitted step is off by "
@@ -1051,9 +1133,8 @@ def _findings(result: dict[str, Any]) -> list[str]:
                + ". Probably llama.cpp's CPU kernels change with the number of rows in a batch (matrix-vector "
                "for one, tiled matrix-matrix beyond); one `decode_ms_per_seq` cannot follow that.")
     fit_load = next((w["others_cpu_frac"] for label, w in result["windows"] if label == "fit"), 0.0)
-    short = {r["batch"]: _rel(r["model_ms"], _mean(r["gap_ms"])) for r in dec
+    short = {r["batch"]: _rel(r["model_ms"], _mean(r.get("full_core_ms") or r["gap_ms"])) for r in dec
              if r["prompt_tokens"] == result["plan"]["decode_prompt"]}
-    starved = False
     for name, sc in result["scenarios"].items():
         reps = sc["repetitions"]
         loads = [w["others_cpu_frac"] for label, w in result["windows"] if label.startswith(name + " #")]
@@ -1080,18 +1161,14 @@ def _findings(result: dict[str, Any]) -> list[str]:
             out.append(f"`{name}`: while busy, llama-server held " + ", ".join(
                 f"{b} request(s) {100 * v:.0f}%" for b, v in shares.items()) + " of the time in its slots; "
                 f"weighted by that, the fitted decode step is off by {err:+.0%} (decode table), {effect}.")
-        # llama-server runs one thread: CPU-s per second with work to do is the share of a core it got.
-        got = [min(1.0, r["server_cpu_s"] / busy_s) for r in reps
-               if r.get("server_cpu_s") and (busy_s := SAMPLE_EVERY_S * sum(1 for row in r["series"] if row[2] > 0))]
-        if got:
-            mk_err = _range([_rel(r["model"]["makespan_s"], r["real"]["makespan_s"]) for r in reps])
-            out.append(f"`{name}`: llama-server (one thread) got {_range(got, '{:.0%}')} of a core while it had "
-                       f"requests, so it waited for a core {_range([1 - g for g in got], '{:.0%}')} of that time "
-                       f"(other processes); the model's last completion is {mk_err} off.")
-            starved = True
-    if starved:
-        out.append("A model faster than llama-server by about the share of time the server waited for a core is the "
-                   "machine, not the queueing: the model's step times are fixed at the fit.")
+        slow = [r.get("slowdown") for r in reps if r.get("slowdown")]
+        at_load = [_rel(r["model_at_load"]["ttft_p90_s"], r["real"]["ttft_p90_s"]) for r in reps
+                   if "model_at_load" in r]
+        if slow and at_load:
+            out.append(f"`{name}`: other processes slowed llama-server by {_range(slow, '{:.2f}')}x in these "
+                       f"windows (its compute thread waited for a core {_range([1 - 1 / x for x in slow], '{:.0%}')}"
+                       f" of its busy time); the model slowed by the same factor is {_range(at_load)} off on TTFT "
+                       "p90. What remains there is the model's own error.")
     out.append("The model's own spread comes only from the send times (its step times are fixed); llama-server's "
                "spread is the machine's. Per-request TTFT errors exceed the percentile errors: in a queue a "
                "request's TTFT is the sum of every step before it, so a few percent per step accumulates along the "
@@ -1168,11 +1245,10 @@ def format_markdown(result: dict[str, Any]) -> str:
                                   "shared with other people's processes; llama-server ran with one thread "
                                   "(`-t 1`), the client (one thread per request and a /metrics poller) on the rest")
         if busy:
-            fit_load = next((w["others_cpu_frac"] for label, w in result["windows"] if label == "fit"), 0.0)
             lines += [f"Windows measured under load (others above {BUSY_FRACTION:.0%} of the machine): "
                       f"{', '.join(busy)}. llama-server's steps there are slower than on an idle machine when it has "
-                      f"to wait for a core; the fit ran with others at {fit_load:.0%}, so the fitted step times carry "
-                      "that window's contention, not the scenario windows'.", ""]
+                      "to wait for a core: the fit divides every probe by its slowdown, and the scenario tables "
+                      "give the model slowed by each repetition's slowdown beside the plain fitted one.", ""]
         lines += ["Others' CPU time is the machine's busy time (/proc/stat) less llama-server's and this benchmark's "
                   "own, so short test runs that started and ended inside a window count too. Per window, "
                   "llama-server / the client (this process) used: " + "; ".join(

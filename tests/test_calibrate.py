@@ -61,6 +61,21 @@ def test_decode_fit_keeps_every_coefficient_non_negative():
                                                     for p in points))
 
 
+def test_fit_divides_each_measurement_by_the_slowdown_other_processes_caused():
+    """Points measured while the server waited for a core (slowdown 2: twice as long) fit like full-core ones."""
+    full = [PrefillPoint(32, 150.0), PrefillPoint(256, 1130.0), PrefillPoint(768, 3380.0)]
+    slowed = [replace(p, ttft_ms=2 * p.ttft_ms, slowdown=2.0) for p in full]
+    assert fit_prefill(slowed) == fit_prefill(full)
+    dec = [DecodePoint(1, 56, 24.0), DecodePoint(2, 112, 40.0), DecodePoint(1, 800, 27.0)]
+    assert fit_decode([replace(p, gap_ms=1.5 * p.gap_ms, slowdown=1.5) for p in dec]) == fit_decode(dec)
+
+
+def test_slowdown_is_time_run_plus_time_waiting_for_a_core_over_time_run():
+    """A run whose server thread ran 3 s and waited 1 s for a core is slowed 4/3; unmeasured means 1."""
+    assert SideRun(server_run_s=3.0, server_wait_s=1.0).slowdown == pytest.approx(4 / 3)
+    assert SideRun().slowdown == 1.0 and SideRun(server_run_s=0.0, server_wait_s=0.0).slowdown == 1.0
+
+
 @pytest.mark.parametrize("points", [[PrefillPoint(64, 300.0)], [PrefillPoint(64, 300.0), PrefillPoint(64, 310.0)],
                                     [PrefillPoint(32, 300.0), PrefillPoint(64, 200.0)]])
 def test_prefill_fit_refuses_points_that_do_not_determine_a_cost_per_token(points):
@@ -190,6 +205,8 @@ def test_small_calibration_against_a_real_llama_server(llama_paths, tmp_path):
     assert rep["real"]["pending_max"] == rep["model"]["pending_max"] == 2
     assert rep["real"]["running_max"] == rep["model"]["running_max"] == 2
     assert rep["cached_tokens"] == 0 and rep["error"]["ttft_mae_s"] is not None
+    assert rep["slowdown"] >= 1.0 and rep["model_at_load"]["completed"] == 4
+    assert rep["model_at_load"]["makespan_s"] >= rep["model"]["makespan_s"]  # slowed by the measured factor
     result |= {"paper": paper_check(), "wall_s": 1.0, "threads": 1, "load": result["windows"][0][1]}
     text = format_markdown(result)
     assert "| TTFT p90 (s)" in text and "model (fitted)" in text and "## Conditions" in text
