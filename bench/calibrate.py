@@ -64,6 +64,8 @@ __all__ = [
     "prompt_words",
     "default_scenarios",
     "fit_probes",
+    "chunk_probe",
+    "stalls",
     "replay_model",
     "run_real",
     "prefill_points",
@@ -184,7 +186,9 @@ class FitPlan:
     ``decode_prompt`` prompt tokens, ``decode_output`` output tokens) whose inter-token gaps give the decode step;
     ``long_prompt``: one more single stream with that long a prompt, for the per-context-token term (0: none);
     every decode probe is run ``decode_passes`` times. All points of all passes enter the least-squares fits, so
-    a pass slowed by other processes pulls the fit only as much as its share.
+    a pass slowed by other processes pulls the fit only as much as its share. ``chunk_prompt``: a prompt of that
+    many tokens sent 1 s into a ``chunk_stream_output``-token stream, to see how the server splits a long prefill
+    around a decoding stream (:func:`chunk_probe`; 0: not measured).
     """
 
     prefill_lengths: tuple[int, ...] = (32, 128, 384, 768)
@@ -194,6 +198,28 @@ class FitPlan:
     decode_output: int = 48
     long_prompt: int = 768
     decode_passes: int = 2
+    chunk_prompt: int = 768
+    chunk_stream_output: int = 200
+
+
+def chunk_probe(plan: FitPlan) -> list[CalRequest]:
+    """One short-prompt stream of ``chunk_stream_output`` tokens, and 1 s later one ``chunk_prompt``-token prompt
+    (2 output tokens); empty when ``chunk_prompt`` is 0. :func:`stalls` of the stream show how the prefill was cut."""
+    if not plan.chunk_prompt:
+        return []
+    return [CalRequest("chunk-stream", 0.0, plan.decode_prompt, plan.chunk_stream_output, seed=30_000),
+            CalRequest("chunk-prompt", 1.0, plan.chunk_prompt, 2, seed=30_001)]
+
+
+def stalls(run: "SideRun", request_id: str, *, factor: float = 5.0) -> list[float]:
+    """The inter-token gaps (ms) of one stream longer than ``factor`` x its median gap: the steps in which the
+    engine worked on another request's prompt instead of giving this stream its next token (needs token times)."""
+    times = run.token_times.get(request_id) or []
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    if not gaps:
+        return []
+    typical = median(gaps)
+    return [1000 * g for g in gaps if g > factor * typical]
 
 
 def fit_probes(plan: FitPlan) -> tuple[list[list[CalRequest]], list[list[CalRequest]]]:
@@ -876,7 +902,8 @@ def calibrate(server: dict[str, Any], *, slots: int, ctx_size: int, n_batch: int
     url, model = server["url"], server["model"]
     scenarios = list(scenarios if scenarios is not None else default_scenarios(ctx_size // slots))
     pre_probes, dec_probes = fit_probes(plan)
-    all_requests = [r for p in pre_probes + dec_probes for r in p] + [r for s in scenarios for r in s.requests]
+    all_requests = ([r for p in pre_probes + dec_probes for r in p] + chunk_probe(plan)
+                    + [r for s in scenarios for r in s.requests])
     for r in all_requests:
         if r.prompt_tokens + r.output_tokens > ctx_size // slots:
             raise ValueError(f"{r.id} does not fit one slot's context ({ctx_size // slots} tokens)")
@@ -898,6 +925,16 @@ def calibrate(server: dict[str, Any], *, slots: int, ctx_size: int, n_batch: int
     p_fit, d_fit = fit_prefill(p_points), fit_decode(d_points)
     params = fitted_params(p_fit, d_fit, slots=slots, ctx_size=ctx_size, n_batch=n_batch)
     prefill_rows, decode_rows = _fit_rows(params, pre_probes, pre_runs, dec_probes, dec_runs)
+    chunk: dict[str, Any] = {}
+    probe = chunk_probe(plan)
+    if probe:
+        progress("fit: a long prompt arriving while one stream decodes")
+        real = run_real(url, probe, model=model, sample_every_s=None, keep_tokens=True, timeout_s=60, server_pid=pid)
+        modeled = replay_model(probe, params, sample_every_s=None, keep_tokens=True)
+        chunk = {"prompt_tokens": plan.chunk_prompt, "errors": real.errors, "slowdown": real.slowdown}
+        for side, run in (("real", real), ("model", modeled)):
+            chunk[side] = {"stalls_ms": stalls(run, "chunk-stream"),
+                           "ttft_ms": 1000 * run.ttft_s["chunk-prompt"] if "chunk-prompt" in run.ttft_s else None}
 
     results: dict[str, Any] = {}
     for sc in scenarios:
@@ -926,7 +963,7 @@ def calibrate(server: dict[str, Any], *, slots: int, ctx_size: int, n_batch: int
         "n_batch": n_batch, "plan": asdict(plan),
         "fit": {"prefill_points": [asdict(p) for p in p_points], "decode_points": [asdict(p) for p in d_points],
                 "prefill": asdict(p_fit), "decode": asdict(d_fit), "params": asdict(params),
-                "prefill_rows": prefill_rows, "decode_rows": decode_rows},
+                "prefill_rows": prefill_rows, "decode_rows": decode_rows, "chunk": chunk},
         "scenarios": results, "windows": windows,
     }
 
@@ -1022,6 +1059,15 @@ def _fit_lines(result: dict[str, Any]) -> list[str]:
               f"{params['decode_ms_per_seq'] / max(1e-9, params['decode_base_ms'] + params['decode_ms_per_seq']):.0%} "
               "of a one-stream step per extra stream (on the L4 model, 0.5%: decode there is bound by reading the "
               "weights, here largely by compute).", ""]
+    chunk = fit.get("chunk") or {}
+    if chunk.get("real"):
+        rows = [[side, len(chunk[key]["stalls_ms"]), ", ".join(f"{x:.0f}" for x in chunk[key]["stalls_ms"]) or "-",
+                 _f(chunk[key]["ttft_ms"], "{:.0f}")] for side, key in (("llama-server", "real"), ("model", "model"))]
+        lines += [f"A {chunk['prompt_tokens']}-token prompt sent 1 s into a decoding stream (stalls: the stream's "
+                  "inter-token gaps longer than 5x its median, i.e. steps spent on the prompt; llama-server's "
+                  f"slowdown {chunk.get('slowdown', 1.0):.2f}):", "",
+                  markdown_table(["", "stalls of the decoding stream", "their lengths (ms)", "the prompt's TTFT (ms)"],
+                                 rows), ""]
     return lines
 
 
@@ -1083,7 +1129,7 @@ def _scenario_lines(name: str, sc: dict[str, Any]) -> list[str]:
     rows = [[f"{series[i][0]:.1f}", f"{series[i][1]} / {series[i][3]}", f"{series[i][2]} / {series[i][4]}",
              f"{series[i][5]:.1f}" if len(series[i]) > 5 else ""] for i in picks]
     lines += ["Pending and running over time, repetition 1 (llama-server / model, last sample held; the last column "
-              "is how old llama-server's held sample is: it answers /metrics only between two steps):", "",
+              "is how old llama-server's held sample is):", "",
               markdown_table(["t (s)", "pending", "running", "llama-server sample age (s)"], rows), ""]
     return lines
 
@@ -1112,8 +1158,8 @@ def _findings(result: dict[str, Any]) -> list[str]:
                f"{_range([_rel(r['model_ms'], _mean(full(r, 'ttft_ms'))) for r in fit['prefill_rows']])} of the "
                f"full-core mean per length. The same prompt's measured TTFT varied by up to "
                f"{max(spread, default=1) - 1:.0%} between passes, its full-core TTFT by up to "
-               f"{max(spread_full, default=1) - 1:.0%} (probably what schedstat's wait does not see: caches and "
-               "memory bandwidth shared with the other core). "
+               f"{max(spread_full, default=1) - 1:.0%} (waiting for a core explains only the difference; the "
+               "rest is not separated here). "
                f"The line's intercept ({pf['intercept_ms']:.1f} ms: HTTP, tokenizing, sampling) is "
                f"{'close to' if near else 'not close to'} the model's per-step overhead (`decode_base_ms` "
                f"{df['base_ms']:.1f} ms), which the model adds to every prefill step; the model's TTFT uses the slope "
@@ -1180,8 +1226,26 @@ def _findings(result: dict[str, Any]) -> list[str]:
 def _structural(result: dict[str, Any]) -> list[str]:
     """The structural differences between llama-server and the model, with this run's numbers."""
     params = result["fit"]["params"]
-    batch_s = params["max_num_batched_tokens"] * params["prefill_ms_per_token"] / 1000
     slots, slot_ctx = params["max_num_seqs"], params["max_model_len"]
+    chunk = result["fit"].get("chunk") or {}
+    if chunk.get("real"):
+        real_n, model_n = len(chunk["real"]["stalls_ms"]), len(chunk["model"]["stalls_ms"])
+        measured = (f"Measured here (section 2): a {chunk['prompt_tokens']}-token prompt arriving while one stream "
+                    f"decodes stalled that stream {real_n} time(s) on llama-server ("
+                    + (", ".join(f"{x:.0f}" for x in chunk["real"]["stalls_ms"]) or "-") + f" ms) and {model_n} "
+                    "time(s) in the model (" + (", ".join(f"{x:.0f}" for x in chunk["model"]["stalls_ms"]) or "-")
+                    + " ms). ")
+        if real_n > model_n:
+            measured += ("llama-server cut the prompt into more steps than the model's token budget does (in runs "
+                         "here with `-ub` 512 and 256 the last `-ub` tokens of a long prompt went in a step of their "
+                         "own, the rest before; gemma-3 uses sliding-window attention, for which llama-server keeps "
+                         "checkpoints, probably the reason): a decoding stream's longest stall is shorter on the "
+                         "server than in the model, and the prompt's TTFT gains one decode step. ")
+    else:
+        measured = ""
+    ages = [row[5] for sc in result["scenarios"].values() for r in sc["repetitions"] for row in r["series"]
+            if len(row) > 5 and row[0] < r["real"]["makespan_s"]]
+    max_age = max(ages, default=None)
     return [
         "**Slots, not a shared KV pool.** llama-server gives each of its `-np` slots a fixed `-c / -np` context "
         "(`kv_unified = 'false'` in its log): a request either gets a whole slot or is deferred; it never waits for "
@@ -1197,19 +1261,20 @@ def _structural(result: dict[str, Any]) -> list[str]:
         "during long prefills (the table's last row). The comparison therefore maps the model to llama-server's "
         "meaning (outstanding requests beyond the slots = pending); a balancer reading `requests_deferred` from a "
         "llama-server sees fewer pending requests than from a vLLM in the same state.",
-        "**Chunked prefill across slots, in slot order.** Each llama_decode call takes every generating slot's next "
-        "token, then prompt tokens of the slots in slot order (not arrival order) until the batch holds `-b` tokens; "
-        "the model does the same with `max_num_batched_tokens`, in admission order. A full batch of prompt tokens "
-        f"takes about {batch_s:.0f} s here, and every stream on the server stalls for it, in both. The order can "
-        "differ when a freed low-numbered slot takes a later request ahead of one still prefilling in a higher slot.",
+        "**Chunked prefill across slots, in slot order.** A llama-server step takes every generating slot's next "
+        "token, then prompt tokens of the slots in slot order (not arrival order) up to `-b` tokens; the model does "
+        "the same with `max_num_batched_tokens`, in admission order, so a freed low-numbered slot can take a later "
+        "request ahead of one still prefilling in a higher slot. " + measured + "Every decoding stream on the "
+        "server waits while a step computes prompt tokens, in both.",
         "**Prompt cache per slot.** llama-server keeps each slot's last prompt and reuses it only for a request that "
         "lands in that slot (it picks the slot by prompt similarity); the model's prefix cache is global, like vLLM's. "
         "These runs switch caching off (`cache_prompt: false`; unique words in the model), so they compare queueing "
         "and step times. With shared prefixes the model would hit more often than a multi-slot llama-server.",
         "**One CPU thread on a shared 2-core machine.** llama-server's steps are compute-bound and slow down with "
         "what else runs (the client's threads, the /metrics poller, other people's tests); the model's steps are "
-        "fixed at the fit. llama-server answers /metrics between two llama_decode calls, so during a long prefill "
-        "samples stall and the held value lags by up to one step.",
+        "fixed at the fit, and the tables show it also slowed by each window's measured slowdown. "
+        + (f"llama-server answered /metrics during long prefills too: while requests were in flight, the sample "
+           f"held at any 100 ms grid point was at most {max_age:.1f} s old." if max_age is not None else ""),
     ]
 
 

@@ -14,9 +14,9 @@ from dataclasses import replace
 import pytest
 
 from bench.calibrate import (MAX_REQUESTS, PAPER_PREFILL_512_MS, CalRequest, DecodePoint, FitPlan, PrefillPoint,
-                             Scenario, SideRun, as_slots, build_parser, calibrate, compare, decode_points,
+                             Scenario, SideRun, as_slots, build_parser, calibrate, chunk_probe, compare, decode_points,
                              default_scenarios, fit_decode, fit_prefill, fit_probes, fitted_params, format_markdown,
-                             llama_server, paper_check, prefill_points, prompt_words, replay_model)
+                             llama_server, paper_check, prefill_points, prompt_words, replay_model, stalls)
 from skylb.emulator.model import EngineParams
 
 #: A small engine like the fitted llama-server (4 slots of 1024 tokens), with step times of a CPU.
@@ -98,6 +98,14 @@ def test_replay_queues_requests_beyond_the_slots_and_serves_them_in_order():
     early = [s for s in as_slots(run.samples, 2) if 0.3 <= s[0] <= 0.4]  # mid-way through the first pair's decode
     assert early and all((p, r) == (2, 2) for _, p, r in early)
     assert run.samples[-1][1:] == (0, 0)  # sampled until every request finished
+
+
+def test_stalls_are_the_gaps_far_longer_than_the_stream_usual_gap():
+    """A stream that waited 1.44 s once between 30 ms gaps has exactly that one stall; no probe without a prompt."""
+    run = SideRun(token_times={"s": [0.0, 0.03, 0.06, 1.5, 1.53, 1.56]})
+    assert stalls(run, "s") == [pytest.approx(1440.0)] and stalls(run, "other") == []
+    assert chunk_probe(FitPlan(chunk_prompt=0)) == []
+    assert [r.at_s for r in chunk_probe(FitPlan())] == [0.0, 1.0]
 
 
 def test_slot_meaning_counts_only_requests_beyond_the_slots_as_pending():
@@ -187,7 +195,7 @@ def llama_paths() -> dict:
 def test_small_calibration_against_a_real_llama_server(llama_paths, tmp_path):
     """A 2-slot llama-server and its fitted model both show 2 pending, 2 running for 4 requests sent at once."""
     plan = FitPlan(prefill_lengths=(16, 64), prefill_passes=1, decode_batches=(1, 2), decode_prompt=16,
-                   decode_output=12, long_prompt=0, decode_passes=1)
+                   decode_output=12, long_prompt=0, decode_passes=1, chunk_prompt=300, chunk_stream_output=120)
     tiny = Scenario("tiny", "4 requests at once", tuple(CalRequest(f"t{i}", 0.02 * i, 24, 32, seed=i)
                                                        for i in range(4)))
     with llama_server(parallel=2, ctx_size=1024, threads=1, binary=llama_paths["binary"],
@@ -207,6 +215,8 @@ def test_small_calibration_against_a_real_llama_server(llama_paths, tmp_path):
     assert rep["cached_tokens"] == 0 and rep["error"]["ttft_mae_s"] is not None
     assert rep["slowdown"] >= 1.0 and rep["model_at_load"]["completed"] == 4
     assert rep["model_at_load"]["makespan_s"] >= rep["model"]["makespan_s"]  # slowed by the measured factor
+    chunk = result["fit"]["chunk"]  # a 300-token prompt sent into a decoding stream stalls it on both sides
+    assert chunk["real"]["stalls_ms"] and chunk["model"]["stalls_ms"] and chunk["real"]["ttft_ms"] > 0
     result |= {"paper": paper_check(), "wall_s": 1.0, "threads": 1, "load": result["windows"][0][1]}
     text = format_markdown(result)
     assert "| TTFT p90 (s)" in text and "model (fitted)" in text and "## Conditions" in text
