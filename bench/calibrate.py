@@ -195,7 +195,7 @@ class FitPlan:
     prefill_passes: int = 3
     decode_batches: tuple[int, ...] = (1, 2, 3, 4)
     decode_prompt: int = 32
-    decode_output: int = 48
+    decode_output: int = 32
     long_prompt: int = 768
     decode_passes: int = 2
     chunk_prompt: int = 768
@@ -1158,8 +1158,8 @@ def _findings(result: dict[str, Any]) -> list[str]:
                f"{_range([_rel(r['model_ms'], _mean(full(r, 'ttft_ms'))) for r in fit['prefill_rows']])} of the "
                f"full-core mean per length. The same prompt's measured TTFT varied by up to "
                f"{max(spread, default=1) - 1:.0%} between passes, its full-core TTFT by up to "
-               f"{max(spread_full, default=1) - 1:.0%} (waiting for a core explains only the difference; the "
-               "rest is not separated here). "
+               f"{max(spread_full, default=1) - 1:.0%} (the part explained by waiting for a core is the "
+               "difference between the two; the rest is not separated here). "
                f"The line's intercept ({pf['intercept_ms']:.1f} ms: HTTP, tokenizing, sampling) is "
                f"{'close to' if near else 'not close to'} the model's per-step overhead (`decode_base_ms` "
                f"{df['base_ms']:.1f} ms), which the model adds to every prefill step; the model's TTFT uses the slope "
