@@ -1214,12 +1214,15 @@ def _findings(result: dict[str, Any]) -> list[str]:
             out.append(f"`{name}`: other processes slowed llama-server by {_range(slow, '{:.2f}')}x in these "
                        f"windows (its compute thread waited for a core {_range([1 - 1 / x for x in slow], '{:.0%}')}"
                        f" of its busy time); the model slowed by the same factor is {_range(at_load)} off on TTFT "
-                       "p90. What remains there is the model's own error.")
+                       "p90. What remains is the model's own error and llama-server's run-to-run variation that "
+                       "waiting for a core does not explain (its TTFT p90 ranged "
+                       f"{_range([r['real']['ttft_p90_s'] for r in reps], '{:.2f}')} s; the model's steps do not "
+                       "vary).")
     out.append("The model's own spread comes only from the send times (its step times are fixed); llama-server's "
-               "spread is the machine's. Per-request TTFT errors exceed the percentile errors: in a queue a "
-               "request's TTFT is the sum of every step before it, so a few percent per step accumulates along the "
-               "queue, and a request served in a different order (slot order vs admission order) swaps TTFTs with "
-               "another.")
+               "spread is the machine's and its own. Per-request TTFT errors exceed the percentile errors: in a "
+               "queue a request's TTFT is the sum of every step before it, so a few percent per step accumulates "
+               "along the queue, and a request served in a different order (slot order vs admission order) swaps "
+               "TTFTs with another.")
     return out
 
 
@@ -1342,6 +1345,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="GGUF model (default: gemma-3-270m from its package)")
     p.add_argument("--out-md", default="bench/results/calibration.md", help="Markdown report ('' for none)")
     p.add_argument("--out-json", default=None, help="also write the raw result as JSON here")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="measure nothing: write the report of a run saved earlier with --out-json")
     return p
 
 
@@ -1370,6 +1375,10 @@ def main(argv: list[str] | None = None) -> int:
     llama-server can run here (the report then holds the paper check only)."""
     from skylb.llamacpp import LlamaCppUnavailable
     args = build_parser().parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        emit_markdown(format_markdown(saved), saved, out_md=args.out_md or None, out_json=None)
+        return 0
     if not 1 <= args.repeats <= 10:
         raise SystemExit("--repeats must be between 1 and 10")
     t_start = time.monotonic()
