@@ -64,9 +64,9 @@ class EstimatedWaitPolicy(PrefixPolicy, name="skylb"):
         o = self.options
         self.wait = WaitModel(prefill_tokens_per_s=o.prefill_tokens_per_s,
                               default_prompt_tokens=o.default_prompt_tokens)
-        # One decision matches the same prompt in the replica trie up to three times (pick, forward check, backlog
-        # accounting); the trie only changes in ``routed``, so the last full match is kept until then.
-        self._replica_match: tuple[str, object] | None = None
+        # One decision needs the prompt's replica-trie match three times (pick, forward check, backlog accounting);
+        # the trie changes only in ``routed``, so the pick's match is kept until then.
+        self._memo: tuple[object, object] | None = None
 
     # -- availability and estimates -----------------------------------------------------------------------------
     def replica_unavailable_reason(self, replica):
@@ -87,34 +87,35 @@ class EstimatedWaitPolicy(PrefixPolicy, name="skylb"):
             return frozenset(), 0.0
         return m.targets, m.ratio
 
-    def _replica_matches(self, request, replica_id) -> float:
-        """The matched fraction of ``request``'s prompt at local replica ``replica_id`` (0 below the threshold)."""
-        memo = self._replica_match
-        if memo is None or memo[0] != request.id:
-            memo = self._replica_match = (request.id, self.replica_trie.match(self._key(request), self._replicas))
-        m = memo[1]
-        # The deepest node's targets among all members; a replica recorded only higher up gets no credit (rare).
+    def _replica_match(self, request, members):
+        """``request``'s replica-trie match among ``members`` (replica ids), computed once per decision: the
+        first call (the pick, over the available candidates) is reused until ``routed``."""
+        if self._memo is None or self._memo[0] is not request:
+            self._memo = (request, self.replica_trie.match(self._key(request), members))
+        return self._memo[1]
+
+    def _matched_fraction(self, request, replica_id, members) -> float:
+        """The fraction of ``request``'s prompt expected cached at ``replica_id``: the match ratio when the replica
+        holds the deepest match among ``members`` and the ratio reaches ``match_threshold``, else 0."""
+        m = self._replica_match(request, members)
         if replica_id not in m.targets or m.ratio < self.options.match_threshold:
             return 0.0
         return m.ratio
 
     def uncached_tokens(self, request, replica_id):
-        return round(prompt_tokens(request) * (1.0 - self._replica_matches(request, replica_id)))
+        return round(prompt_tokens(request) * (1.0 - self._matched_fraction(request, replica_id, self._replicas)))
 
     def routed(self, request, *, replica=None, peer=None):
-        self._replica_match = None
+        self._memo = None
         super().routed(request, replica=replica, peer=peer)
 
     # -- placement ------------------------------------------------------------------------------------------------
     def _local_costs(self, request, candidates) -> dict[str, float]:
         """Candidate id -> estimated seconds to its first token (wait + uncached prefill)."""
         tokens = prompt_tokens(request)
-        if len(candidates) == 1:  # the forward check: the replica already picked
-            c = candidates[0]
-            uncached = tokens * (1.0 - self._replica_matches(request, c.id))
-            return {c.id: self.wait.wait_s(c) + self.wait.prefill_s(uncached)}
-        targets, ratio = self._matched(request, self.replica_trie, {c.id for c in candidates})
-        return {c.id: self.wait.wait_s(c) + self.wait.prefill_s(tokens * (1.0 - ratio if c.id in targets else 1.0))
+        members = {c.id for c in candidates}
+        return {c.id: self.wait.wait_s(c) + self.wait.prefill_s(
+                    tokens * (1.0 - self._matched_fraction(request, c.id, members)))
                 for c in candidates}
 
     def pick_replica(self, request, candidates):
