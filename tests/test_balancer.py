@@ -235,6 +235,31 @@ def test_a_forwarded_request_is_never_forwarded_again(three_regions):
     assert status == 200 and done and route == "local" and served_by.startswith("eu/")
 
 
+def test_a_forwarded_request_keeps_its_age_in_the_peers_queue(three_regions):
+    """A forwarded request that says it waited 5 s at its first balancer (``X-SkyLB-Queue-Ms``) queues ahead of one
+    that arrived here before it without such a wait: first come, first served across regions; the status reports
+    the oldest queued request's age, that wait included. (Both are marked forwarded so neither leaves for asia.)"""
+    cluster, replicas = three_regions
+    _saturate(replicas["eu"][0], 2, max_tokens=150)  # busy for about 2 s
+    cluster.wait_until(lambda: cluster.status("eu")["available_replicas"] == 0, what="eu full")
+    finished: dict[str, float] = {}
+
+    def send(name, headers):
+        result = _complete(cluster.balancers["eu"], name, max_tokens=2, headers=headers)
+        finished[name] = time.monotonic()
+        return result
+
+    with ThreadPoolExecutor(2) as pool:
+        fresh = pool.submit(send, "fresh", {"X-SkyLB-Forwarded-From": "asia"})
+        cluster.wait_until(lambda: cluster.status("eu")["queue_len"] == 1, what="fresh request queued")
+        forwarded = pool.submit(send, "forwarded", {"X-SkyLB-Forwarded-From": "us", "X-SkyLB-Queue-Ms": "5000"})
+        cluster.wait_until(lambda: cluster.status("eu")["queue_len"] == 2, what="forwarded request queued")
+        assert cluster.status("eu")["queue_age_ms"] >= 5000
+        results = [fresh.result(timeout=30), forwarded.result(timeout=30)]
+    assert all(r[0] == 200 and r[5] and r[1] == "local" for r in results)
+    assert finished["forwarded"] < finished["fresh"]
+
+
 def test_replica_add_and_remove_while_traffic_flows(procs, tmp_path):
     """An added replica takes requests within 2 s; a removed one gets no new requests and its stream finishes."""
     cluster = Cluster(procs, tmp_path)

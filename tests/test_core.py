@@ -325,14 +325,16 @@ def test_queue_bound_cancel_and_expiry():
 
 
 def test_status_reports_available_replicas_and_queue():
-    """The status a balancer gives its peers counts available replicas and queued requests."""
+    """The status a balancer gives its peers counts available replicas and queued requests, and says how long its
+    oldest queued request has waited (ms; its wait at the forwarding balancer included)."""
     router = _router(replicas=3, peers=())
     router.observe_replica("r0", now=0.0, healthy=True, pending=0)
     router.observe_replica("r1", now=0.0, healthy=True, pending=2)
-    router.enqueue(Request("q", "x", arrived_at=0.0, forwarded_from="eu"))
+    router.enqueue(Request("q", "x", arrived_at=0.0, forwarded_from="eu", waited_s=2.0))
     router.observe_replica("r0", now=0.0, healthy=True, pending=1)
     s = router.status(0.01)
-    assert s == PeerStatus(region="us", available_replicas=0, replicas=3, queue_len=1, models={})
+    assert s == PeerStatus(region="us", available_replicas=0, replicas=3, queue_len=1, models={},
+                           queue_age_ms=2010.0)
 
 
 def test_unknown_policy_is_a_clear_error():

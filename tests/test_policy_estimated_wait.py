@@ -177,3 +177,95 @@ def test_finish_lets_a_pending_request_in_first():
     state = router.replicas["r0"]
     assert (state.pending, state.running) == (0, 4)
     assert [d.request.id for d in router.dispatch(0.06)] == ["q2"]
+
+
+# -- the queue across regions: first come, first served by age ---------------------------------------------------
+
+def test_forwarded_request_keeps_its_place_by_age():
+    """A forwarded request queues by when it joined its first queue (its wait there included), not at the tail;
+    expiry counts that wait too."""
+    router = _router(peers=())
+    router.enqueue(Request("a", "x", arrived_at=10.0))
+    router.enqueue(Request("b", "x", arrived_at=11.0))
+    router.enqueue(Request("f", "x", arrived_at=12.0, forwarded_from="eu", waited_s=1.5))  # joined at 10.5
+    router.enqueue(Request("c", "x", arrived_at=12.0))
+    assert [r.id for r in router.queue] == ["a", "f", "b", "c"]
+    assert router.queue_age_s(12.0) == pytest.approx(2.0)
+    assert [r.id for r in router.expire(now=16.0, timeout_s=5.2)] == ["a", "f"]
+
+
+def _busy_router(peer_age_s, *, rate=2.0, sent=0, queue=("old",), waited=0.0):
+    """us with both replicas full, a queue, and peer eu with no available replica whose oldest request has waited
+    ``peer_age_s`` and which places ``rate`` requests per second."""
+    router = _router()
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=3, running=8)
+    for i, rid in enumerate(queue):
+        router.enqueue(Request(rid, A + rid, arrived_at=float(i)))
+    router.observe_peer("eu", now=29.9, rtt_s=0.1, status=PeerStatus(
+        "eu", available_replicas=0, replicas=2, queue_len=3, wait_ms=None,
+        queue_age_ms=peer_age_s * 1000.0, dispatch_rate=rate))
+    router.peers["eu"].sent_since_probe = sent
+    return router
+
+
+@pytest.mark.parametrize("peer_age_s, sent, forwarded, why", [
+    (5.0, 0, True, "eu serves requests 25 s younger than ours: ours goes first there"),
+    (29.0, 0, False, "eu's oldest request is about as old as ours: no gain beyond the margin (2 s)"),
+    (5.0, 50, False, "50 requests already sent since eu's status keep it busy 25 s: its head is then as old"),
+    (5.0, 20, True, "20 requests sent keep it busy 10 s: ours is still older by more than the margin"),
+])
+def test_queued_request_forwarded_to_a_peer_serving_younger_requests(peer_age_s, sent, forwarded, why):
+    """With no room anywhere, the oldest request goes to a peer whose queue head is younger by more than the round
+    trip and the margin (first come, first served across regions); it stays when the peer is as far behind."""
+    router = _busy_router(peer_age_s, sent=sent)
+    decisions = router.dispatch(30.0)
+    assert [(d.route, d.target) for d in decisions] == ([("peer", "eu")] if forwarded else []), why
+
+
+def test_paper_policy_never_forwards_into_a_queue():
+    """skylb-paper forwards only to a peer with an available replica (Algorithm 1)."""
+    router = _router("skylb-paper")
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=3)
+    router.enqueue(Request("old", A, arrived_at=0.0))
+    router.observe_peer("eu", now=29.9, rtt_s=0.1, status=PeerStatus(
+        "eu", available_replicas=0, replicas=2, queue_len=0, queue_age_ms=0.0, dispatch_rate=2.0))
+    assert router.dispatch(30.0) == []
+
+
+def test_a_later_request_with_its_prefix_on_the_free_replica_goes_first():
+    """Look-ahead: when a replica frees up, the first queued request (within ``queue_lookahead``) whose prefix that
+    replica holds goes there ahead of a head that has no match on it; the head is passed over at most
+    ``max_bypass`` times."""
+    router = _router(max_bypass=2)
+    router.rules.max_dispatch_per_probe = 1  # one request per replica per probe: one placement per round here
+    B = "bravo " * 200
+    for rid in router.replicas:  # r0 served B's conversation before
+        router.observe_replica(rid, now=0.0, healthy=True, pending=3)
+    router.policy.routed(Request("earlier", B, 0.0), replica="r0")
+    for i, text in enumerate([A, B + "more", B + "again", B + "third"]):
+        router.enqueue(Request(f"q{i}", text, arrived_at=1.0 + i))
+    router.observe_replica("r0", now=5.0, healthy=True, pending=0, running=1)
+    d = router.dispatch(5.0)
+    assert [x.request.id for x in d] == ["q1"]  # r0 holds B: q1 first; r1 still full
+    for n in range(2):
+        router.observe_replica("r0", now=6.0 + n, healthy=True, pending=0, running=1)
+        got = [x.request.id for x in router.dispatch(6.0 + n)]
+        assert got == (["q2"] if n == 0 else ["q0"]), "the head was passed over twice: it goes next"
+
+
+def test_fcfs_without_lookahead():
+    """``queue_lookahead`` 0 keeps strict first come, first served."""
+    router = _router(queue_lookahead=0)
+    router.rules.max_dispatch_per_probe = 1
+    B = "bravo " * 200
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=3)
+    router.policy.routed(Request("earlier", B, 0.0), replica="r0")
+    router.enqueue(Request("q0", A, arrived_at=1.0))
+    router.enqueue(Request("q1", B + "more", arrived_at=2.0))
+    router.observe_replica("r0", now=5.0, healthy=True, pending=0, running=1)
+    assert [x.request.id for x in router.dispatch(5.0)] == ["q0"]
+    router.observe_replica("r0", now=6.0, healthy=True, pending=0, running=1)
+    assert [x.request.id for x in router.dispatch(6.0)] == ["q1"]

@@ -7,15 +7,33 @@ import random
 import msgpack
 import pytest
 
-from skylb.balancer.protocol import ProtocolError, decode_status, encode_status, token_ok
+from skylb.balancer.protocol import ProtocolError, decode_status, encode_status, queued_ms, token_ok
 from skylb.core import PeerStatus
 
 
 def test_status_round_trip():
     """A status encoded by one balancer decodes to the same fields on its peer."""
     status = PeerStatus(region="eu", available_replicas=2, replicas=4, queue_len=1,
-                        models={"openai": {"m": 2}, "ollama": {}})
+                        models={"openai": {"m": 2}, "ollama": {}}, wait_ms=12.5, queue_age_ms=2500.0,
+                        dispatch_rate=3.25)
     assert decode_status(encode_status(status)) == status
+
+
+def test_status_of_an_older_peer_has_no_queue_age():
+    """A peer that predates the queue age and dispatch rate decodes with both None (it is never forwarded into a
+    queue); a negative age is rejected."""
+    raw = {"v": 1, "region": "eu", "available_replicas": 1, "replicas": 1, "queue_len": 0}
+    got = decode_status(msgpack.packb(raw))
+    assert (got.queue_age_ms, got.dispatch_rate) == (None, None)
+    with pytest.raises(ProtocolError, match="queue_age_ms"):
+        decode_status(msgpack.packb(raw | {"queue_age_ms": -1.0}))
+
+
+@pytest.mark.parametrize("header, expected_ms", [
+    (None, 0.0), ("1500", 1500.0), ("12.5", 12.5), ("-3", 0.0), ("nan", 0.0), ("inf", 0.0), ("soon", 0.0)])
+def test_forwarded_requests_queue_wait_header(header, expected_ms):
+    """``X-SkyLB-Queue-Ms`` on a forwarded request: a finite non-negative number, anything else counts as 0."""
+    assert queued_ms(header) == expected_ms
 
 
 def test_status_without_models_decodes_to_unknown_models():

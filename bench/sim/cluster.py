@@ -202,9 +202,10 @@ class SimBalancer:
             flight.origin = self
         else:
             flight.peer = self
+        waited = flight.origin_decision.queued_s if from_region is not None and flight.origin_decision else 0.0
         self.router.enqueue(Request(id=req.id, text=req.text, arrived_at=self.loop.now,
                                     session_key=req.session_key, forwarded_from=from_region,
-                                    prompt_tokens=len(req.tokens)))
+                                    prompt_tokens=len(req.tokens), waited_s=waited))
         self.dispatch()
 
     def dispatch(self) -> None:

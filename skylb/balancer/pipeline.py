@@ -19,7 +19,8 @@ from aiohttp import web
 from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_openai
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
-from skylb.balancer.protocol import FORWARDED_FROM, REQUEST_ID_HEADER, TOKEN_HEADER, token_ok
+from skylb.balancer.protocol import (FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER, TOKEN_HEADER, queued_ms,
+                                     token_ok)
 from skylb.balancer.status import BALANCER
 from skylb.core import Decision, Request
 
@@ -58,8 +59,12 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         hint = f" Models served here: {', '.join(sorted(served)) or 'none'}."
         return _finish(balancer, error_response(api, 404, message + hint, param="model"), request_id,
                        parsed.model, started)
+    # A forwarded request keeps its place in first-come, first-served order: its wait at the forwarding balancer
+    # counts here (capped by the queue timeout, so a bad value cannot put it ahead of everything for long).
+    waited_s = (min(queued_ms(request.headers.get(QUEUE_MS_HEADER)) / 1000.0, cfg.queue_timeout_s)
+                if forwarded_from is not None else 0.0)
     routed = Request(id=request_id, text=parsed.text, arrived_at=arrived_at, model=parsed.model,
-                     session_key=parsed.session_key, forwarded_from=forwarded_from, api=api)
+                     session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s)
     dispatcher, relay, metrics = balancer.dispatcher, balancer.relay, balancer.metrics
     attempt = 0
     while True:

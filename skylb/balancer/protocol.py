@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import math
 from typing import Annotated, Literal
 
 import msgpack
@@ -17,7 +18,7 @@ from skylb import PROTOCOL_VERSION
 from skylb.core import PeerStatus
 
 __all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SERVED_BY_HEADER", "QUEUE_MS_HEADER",
-           "REQUEST_ID_HEADER", "ProtocolError", "encode_status", "decode_status", "token_ok"]
+           "REQUEST_ID_HEADER", "ProtocolError", "queued_ms", "encode_status", "decode_status", "token_ok"]
 
 STATUS_PATH = "/skylb/v1/status"
 #: Set on a forwarded request: the region of the balancer that forwarded it. Such a request is never forwarded again.
@@ -28,7 +29,8 @@ TOKEN_HEADER = "X-SkyLB-Token"
 ROUTE_HEADER = "X-SkyLB-Route"
 #: On responses: ``<region>/<replica id>`` of the replica that served the request.
 SERVED_BY_HEADER = "X-SkyLB-Served-By"
-#: On responses: time the request waited in the balancer's queue, ms.
+#: On responses: time the request waited in the balancer's queue, ms. On a forwarded request: time it waited in the
+#: forwarding balancer's queue, ms (the peer queues it as if it had arrived that much earlier).
 QUEUE_MS_HEADER = "X-SkyLB-Queue-Ms"
 REQUEST_ID_HEADER = "X-Request-Id"
 #: A status is a few hundred bytes; anything much larger is not one.
@@ -52,6 +54,8 @@ class _StatusMessage(BaseModel):
     models: dict[str, dict[str, Annotated[int, Field(ge=0)]]] | None = None
     # Added after version 1 shipped, optional both ways: an older peer omits it and ignores it (extra="ignore").
     wait_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    queue_age_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    dispatch_rate: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 
 
 def encode_status(status: PeerStatus) -> bytes:
@@ -82,7 +86,18 @@ def decode_status(data: bytes) -> PeerStatus:
         where = ".".join(str(p) for p in first["loc"])
         raise ProtocolError(f"peer status field {where}: {first['msg']}") from None
     return PeerStatus(region=msg.region, available_replicas=msg.available_replicas, replicas=msg.replicas,
-                      queue_len=msg.queue_len, models=msg.models, wait_ms=msg.wait_ms)
+                      queue_len=msg.queue_len, models=msg.models, wait_ms=msg.wait_ms,
+                      queue_age_ms=msg.queue_age_ms, dispatch_rate=msg.dispatch_rate)
+
+
+def queued_ms(value: str | None) -> float:
+    """The wait a forwarded request's ``X-SkyLB-Queue-Ms`` header reports, ms: 0 when absent or not a finite
+    non-negative number (a bad value only loses the request its place, it is not an error)."""
+    try:
+        ms = float(value) if value is not None else 0.0
+    except ValueError:
+        return 0.0
+    return ms if math.isfinite(ms) and ms > 0 else 0.0
 
 
 def token_ok(configured: str | None, given: str | None) -> bool:

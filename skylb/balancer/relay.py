@@ -68,6 +68,8 @@ class Relay:
         headers[REQUEST_ID_HEADER] = request_id
         if decision.route == "peer":
             headers[FORWARDED_FROM] = self.region
+            # Its wait here so far: the peer queues it in first-come, first-served order across regions.
+            headers[QUEUE_MS_HEADER] = f"{decision.queued_s * 1000.0:.0f}"
             if self.peer_token:
                 headers[TOKEN_HEADER] = self.peer_token
         return headers

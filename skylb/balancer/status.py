@@ -30,7 +30,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
-             "available": router.rules.replica_available(r, now),
+             "available": router.replica_available(r, now),
              "reason": router.replica_unavailable_reason(r, now),
              "probe_age_ms": None if r.probed_at is None else round((now - r.probed_at) * 1000, 1),
              "models": sorted(r.models or ()), "apis": sorted(r.apis)}
@@ -38,10 +38,16 @@ def detailed_status(balancer: Balancer) -> dict:
         "peers": [
             {"region": p.region, "url": p.url, "healthy": p.healthy, "available_replicas": p.available_replicas,
              "queue_len": p.queue_len, "forwarded": p.forwarded, "models": p.models, "outstanding": p.outstanding,
+             "wait_ms": _ms(p.wait_s), "queue_age_ms": _ms(p.queue_age_s), "rtt_ms": _ms(p.rtt_s),
+             "dispatch_rate": p.dispatch_rate,
              "available": router.rules.peer_available(p, now),
              "reason": router.rules.peer_unavailable_reason(p, now)}
             for p in router.peers.values()],
     }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 1)
 
 
 async def handle_status(request: web.Request) -> web.Response:

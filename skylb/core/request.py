@@ -22,6 +22,9 @@ class Request:
         prompt_tokens: an estimate of the prompt's length in tokens, when known (for reporting only).
         api: the API dialect the request must be served in: "openai" (every engine) or "ollama" (Ollama replicas
             and peer balancers only).
+        waited_s: how long the request had already waited in the queue of the balancer that forwarded it, s (0 for
+            a client's request); the queue orders by ``queued_since``, so a forwarded request keeps its place in
+            first-come, first-served order across regions.
     """
 
     id: str
@@ -32,6 +35,7 @@ class Request:
     forwarded_from: str | None = None
     prompt_tokens: int | None = None
     api: str = "openai"
+    waited_s: float = 0.0
     #: The prompt's trie key, cached with the trie's ``chunking`` it was cut with.
     chunks: tuple[str, ...] | None = field(default=None, repr=False)
     chunking: tuple[int, int] | None = field(default=None, repr=False)
@@ -40,3 +44,9 @@ class Request:
     def may_forward(self) -> bool:
         """True when this request may still go to a peer (it did not arrive from one)."""
         return self.forwarded_from is None
+
+    @property
+    def queued_since(self) -> float:
+        """When the request joined its first balancer's queue, on this balancer's clock (s): ``arrived_at``
+        less ``waited_s``."""
+        return self.arrived_at - self.waited_s

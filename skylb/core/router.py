@@ -3,6 +3,10 @@
 Source: SkyLB paper Algorithm 1 (HANDLEREQUEST, lines 27-30) and §4.1 "Request life cycle": a request waits in a
 first-come, first-served queue; at the head it goes to an available local replica if there is one, else to an
 available peer (never for a request that came from a peer), else it stays at the head and everything waits behind it.
+Beyond the paper, a policy may (skylb/core/policies/estimated_wait.py): take a later request first when a free
+replica holds its prefix (``queue_lookahead``, the head passed over at most ``max_bypass`` times), and forward the
+head to a peer with no room but younger requests queued (``forward_queued``). The queue is ordered by
+``Request.queued_since``, so a forwarded request keeps its age.
 
 Pure: no I/O, no clock. Callers pass ``now`` (s, any monotonic clock) and apply the returned decisions. The live
 balancer and the trace-driven simulator both drive this class.
@@ -10,6 +14,7 @@ balancer and the trace-driven simulator both drive this class.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -63,6 +68,8 @@ class Router:
         self.replicas: dict[str, ReplicaState] = {}
         self.peers: dict[str, PeerState] = {}
         self.queue: deque[Request] = deque()
+        self._bypassed: tuple[str | None, int] = (None, 0)
+        self._placed_at: deque[float] = deque(maxlen=32)
 
     # -- membership ---------------------------------------------------------------------------------------------
     def set_replicas(self, replicas: Iterable[tuple[str, str, str]], *,
@@ -114,10 +121,20 @@ class Router:
         self.queue.appendleft(request)
 
     def enqueue(self, request: Request) -> None:
-        """Append ``request`` to the FCFS queue; raises QueueFull when the queue is at ``max_queue``."""
+        """Add ``request`` to the FCFS queue in ``queued_since`` order: a client's request goes to the tail, a
+        forwarded one before every request that joined a queue after it did (its wait at the forwarding balancer
+        counts). Raises QueueFull when the queue is at ``max_queue``."""
         if len(self.queue) >= self.max_queue:
             raise QueueFull(f"queue is full ({self.max_queue} requests)")
-        self.queue.append(request)
+        since = request.queued_since
+        if not self.queue or self.queue[-1].queued_since <= since:
+            self.queue.append(request)
+            return
+        # Forwarded requests are old, so their place is near the head: scan from there.
+        for i, queued in enumerate(self.queue):
+            if queued.queued_since > since:
+                self.queue.insert(i, request)
+                return
 
     def cancel(self, request_id: str) -> bool:
         """Remove a still-queued request (its client went away); True if it was queued."""
@@ -130,29 +147,69 @@ class Router:
     def expire(self, now: float, timeout_s: float) -> list[Request]:
         """Remove and return the requests that have waited longer than ``timeout_s`` at ``now``.
 
-        Arrival times never decrease from the head (a re-queued request goes back to the head and is older than
-        everything behind it), so only the head needs looking at: O(expired), not O(queue), per dispatch tick.
+        A request's wait counts from ``queued_since`` (a forwarded request's wait at its first balancer included).
+        Those times never decrease from the head (``enqueue`` keeps the order; a re-queued request goes back to the
+        head and is older than everything behind it), so only the head needs looking at: O(expired), not O(queue),
+        per dispatch tick.
         """
         expired = []
-        while self.queue and now - self.queue[0].arrived_at > timeout_s:
+        while self.queue and now - self.queue[0].queued_since > timeout_s:
             expired.append(self.queue.popleft())
         return expired
 
     # -- decisions ----------------------------------------------------------------------------------------------
     def dispatch(self, now: float) -> list[Decision]:
-        """Place requests from the head of the queue while the head can be placed; returns the decisions in order.
+        """Place requests from the queue while the head (or the later request the policy's look-ahead picks) can be
+        placed; returns the decisions in order.
 
         Each decision is already counted (outstanding, sent since probe, trie); call ``finished`` when its
         response ends.
         """
         out: list[Decision] = []
         while self.queue:
-            decision = self._place(self.queue[0], now)
+            i = self._next_index(now)
+            decision = self._place(self.queue[i], now)
+            if decision is None and i:
+                i, decision = 0, self._place(self.queue[0], now)
             if decision is None:
                 break
-            self.queue.popleft()
+            if i:
+                head = self.queue[0].id
+                self._bypassed = (head, (self._bypassed[1] + 1) if self._bypassed[0] == head else 1)
+            del self.queue[i]
+            self._placed_at.append(now)
             out.append(decision)
         return out
+
+    def dispatch_rate(self, now: float) -> float | None:
+        """Requests placed per second over the last placements (at most 32), up to ``now``; None before two."""
+        if len(self._placed_at) < 2 or now <= self._placed_at[0]:
+            return None
+        return (len(self._placed_at) - 1) / (now - self._placed_at[0])
+
+    def queue_age_s(self, now: float) -> float:
+        """How long the oldest queued request has waited at ``now``, s (its wait at a forwarding balancer
+        included); 0 when the queue is empty."""
+        return max(0.0, now - self.queue[0].queued_since) if self.queue else 0.0
+
+    def _next_index(self, now: float) -> int:
+        """Which queued request to place next: the head, unless the policy looks ahead
+        (``Policy.queue_lookahead`` > 1) and picks a later one within that window, and the head has been passed
+        over fewer than ``Policy.max_bypass`` times."""
+        policy = self.policy
+        k = policy.queue_lookahead
+        if k <= 1 or len(self.queue) < 2:
+            return 0
+        head = self.queue[0]
+        if self._bypassed[0] == head.id and self._bypassed[1] >= policy.max_bypass:
+            return 0
+        window = list(itertools.islice(self.queue, k))
+        usable = self.replica_available if policy.selective else self.rules.replica_usable
+        local = [r for r in self.replicas.values() if usable(r, now)]
+        peers = [p for p in self.peers.values() if self.rules.peer_available(p, now, head.model, head.api)]
+        if not local and not peers:
+            return 0
+        return policy.next_in_queue(window, local, peers, list(self.replicas.values()))
 
     def _place(self, request: Request, now: float) -> Decision | None:
         rules, policy, model, api = self.rules, self.policy, request.model, request.api
@@ -172,6 +229,11 @@ class Router:
                 return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now)
         elif peers:
             peer = policy.pick_peer(request, peers)
+        elif request.may_forward:
+            reachable = [p for p in self.peers.values() if rules.peer_unreachable_reason(p, now, model, api) is None]
+            peer = policy.forward_queued(request, now, reachable) if reachable else None
+            if peer is None:
+                return None
         else:
             return None
         peer.outstanding += 1
@@ -298,4 +360,6 @@ class Router:
         return PeerStatus(region=self.region, available_replicas=len(available),
                           replicas=sum(1 for r in self.replicas.values() if not r.draining),
                           queue_len=len(self.queue), models=models,
-                          wait_ms=round(min(waits) * 1000.0, 3) if waits else None)
+                          wait_ms=round(min(waits) * 1000.0, 3) if waits else None,
+                          queue_age_ms=round(self.queue_age_s(now) * 1000.0, 3),
+                          dispatch_rate=self.dispatch_rate(now))

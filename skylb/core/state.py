@@ -141,6 +141,9 @@ class PeerStatus:
         wait_ms: the reporting balancer's estimated wait before a new request's prefill starts on its best
             available replica, ms (skylb/core/estimate.py); None when it has no estimate (no available replica,
             or a policy without one, or an older peer).
+        queue_age_ms: how long the oldest request in its queue has waited, ms (0: the queue is empty; None: an
+            older peer that does not say).
+        dispatch_rate: requests it placed per second lately (its last 32 placements), None before two.
     """
 
     region: str
@@ -149,6 +152,8 @@ class PeerStatus:
     queue_len: int
     models: dict[str, dict[str, int]] | None = None
     wait_ms: float | None = None
+    queue_age_ms: float | None = None
+    dispatch_rate: float | None = None
 
 
 @dataclass
@@ -164,6 +169,8 @@ class PeerState:
             key, with 0 when none is available); None when the peer did not report models.
         wait_s: the peer's estimated wait (s) from its latest status, None when it gave none.
         rtt_s: the round trip to the peer, s: a moving average of status probe round trips (None: not measured).
+        queue_age_s: how long the oldest request in its queue had waited at its latest status, s (None: not said).
+        dispatch_rate: requests it placed per second at its latest status (None: not said).
     """
 
     region: str
@@ -182,6 +189,8 @@ class PeerState:
     gateway_failures: int = 0
     wait_s: float | None = None
     rtt_s: float | None = None
+    queue_age_s: float | None = None
+    dispatch_rate: float | None = None
 
     #: Weight of the newest round trip in ``rtt_s`` (an exponential moving average, as TCP's SRTT uses 1/8).
     RTT_WEIGHT = 0.125
@@ -197,6 +206,8 @@ class PeerState:
             self.queue_len = max(0, int(status.queue_len))
             self.models = status.models
             self.wait_s = None if status.wait_ms is None else max(0.0, float(status.wait_ms)) / 1000.0
+            self.queue_age_s = None if status.queue_age_ms is None else max(0.0, float(status.queue_age_ms)) / 1000.0
+            self.dispatch_rate = None if status.dispatch_rate is None else max(0.0, float(status.dispatch_rate))
             if rtt_s is not None and rtt_s >= 0:
                 self.rtt_s = rtt_s if self.rtt_s is None else self.rtt_s + self.RTT_WEIGHT * (rtt_s - self.rtt_s)
         self.error = None if status is not None else (error or "status probe failed")
@@ -252,20 +263,27 @@ class AvailabilityRules:
         return (not r.draining and r.healthy and r.probed_at is not None
                 and now - r.probed_at <= self.stale_after_s)
 
-    def peer_unavailable_reason(self, p: PeerState, now: float, model: str = "", api: str = "openai") -> str | None:
-        """None when peer ``p`` is available at ``now`` (for ``model`` in dialect ``api``); otherwise why not."""
+    def peer_unreachable_reason(self, p: PeerState, now: float, model: str = "", api: str = "openai") -> str | None:
+        """None when peer ``p`` is healthy at ``now`` with a fresh status and serves ``model`` in dialect ``api``
+        (it may still have no room); otherwise why not."""
         if p.probed_at is None:
             return "not probed yet"
         if now - p.probed_at > self.stale_after_s:
             return "status stale"
         if not p.healthy:
             return p.error or "unreachable"
+        if model and p.models is not None and model not in p.models.get(api, {}):
+            return f"does not serve {model}"
+        return None
+
+    def peer_unavailable_reason(self, p: PeerState, now: float, model: str = "", api: str = "openai") -> str | None:
+        """None when peer ``p`` is available at ``now`` (for ``model`` in dialect ``api``); otherwise why not."""
+        reason = self.peer_unreachable_reason(p, now, model, api)
+        if reason is not None:
+            return reason
         available = p.available_replicas
         if model and p.models is not None:
-            by_model = p.models.get(api, {})
-            if model not in by_model:
-                return f"does not serve {model}"
-            available = by_model[model]
+            available = p.models.get(api, {})[model]
         if available < 1:
             return "no available replica"
         if p.queue_len > self.tau:

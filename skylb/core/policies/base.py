@@ -49,12 +49,16 @@ class Policy:
         reuse_freed_slots: True when a finished request frees its replica's place at once
             (``ReplicaState.slot_freed``: the head of the queue goes there before the next probe); False keeps
             the paper's rule, where only a probe makes a replica available again.
+        queue_lookahead: how many queued requests from the head ``next_in_queue`` may choose among (0 or 1:
+            first come, first served). max_bypass: how many times the head may be passed over before it goes.
     """
 
     name: ClassVar[str]
     selective: ClassVar[bool] = True
     Options: ClassVar[type] = NoOptions
     reuse_freed_slots: ClassVar[bool] = True
+    queue_lookahead: int = 0
+    max_bypass: int = 0
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -99,6 +103,18 @@ class Policy:
                     peers: Sequence[PeerState]) -> PeerState | None:
         """A peer to forward ``request`` to although local ``replica`` (already picked) could take it, or None
         (the default: a local replica with room always wins, the paper's rule)."""
+        return None
+
+    def next_in_queue(self, window: Sequence[Request], local: Sequence[ReplicaState], peers: Sequence[PeerState],
+                      replicas: Sequence[ReplicaState]) -> int:
+        """Index in ``window`` (the first ``queue_lookahead`` queued requests) of the one to place next, given the
+        local replicas with room (``local``), the available peers (``peers``) and every local replica
+        (``replicas``); default: 0, the head (first come, first served)."""
+        return 0
+
+    def forward_queued(self, request: Request, now: float, peers: Sequence[PeerState]) -> PeerState | None:
+        """A peer to forward ``request`` to although neither a local replica nor a peer has room now (``peers``:
+        healthy ones serving its model, none available), or None: it waits here (the default, the paper's rule)."""
         return None
 
     def least_loaded(self, candidates: Sequence[ReplicaState]) -> ReplicaState:
