@@ -140,11 +140,12 @@ def _cell(r, metric: str, fmt: str = "{:.2f}") -> str:
 
 def _table(rows) -> str:
     headers = ["system", "replicas", "req/s", "tok/s", "TTFT mean", "TTFT p50", "TTFT p90", "E2E p50", "E2E p90",
-               "hit rate", "ideal hit", "outst. var", "pending", "KV used", "LB queue", "fwd", "remote", "net (s)",
+               "hit rate", "ideal hit", "ideal (KV)", "outst. var", "pending", "KV used", "LB queue", "fwd", "remote", "net (s)",
                "done"]
     body = [[r.system, r.replicas, _cell(r, "throughput_rps"), _f(r.throughput_tps, 0), _f(r.ttft_mean),
              _cell(r, "ttft_p50"), _cell(r, "ttft_p90"), _f(r.e2e_p50, 1), _cell(r, "e2e_p90", "{:.1f}"),
-             _cell(r, "hit_rate", "{:.1%}"), f"{r.ideal_hit_rate:.1%}", _f(r.outstanding_var, 1),
+             _cell(r, "hit_rate", "{:.1%}"), f"{r.ideal_hit_rate:.1%}", f"{r.ideal_kv_hit_rate:.1%}",
+             _f(r.outstanding_var, 1),
              _f(r.pending_mean), f"{r.kv_usage_mean:.0%}", _f(r.queue_mean, 1), f"{r.forwarded_frac:.1%}",
              f"{r.remote_frac:.1%}", _f(r.network_mean), r.completed] for r in rows]
     return markdown_table(headers, body)
@@ -208,6 +209,9 @@ def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: i
               "client's send, over requests sent in the window. hit rate: cached / prompt tokens at the engine. "
               "ideal hit: the same requests through an infinite prefix cache on one replica (every 16-token block "
               "seen in an earlier request of the run is a hit; bench/ideal.py), a limit no policy can pass. "
+              "ideal (KV): the same cache bounded by every replica's KV blocks pooled, least recently used evicted: "
+              "what the deployment's memory allows with perfect routing (still generous: running requests need "
+              "KV too). "
               "outst. var: variance across replicas of outstanding (waiting + running) requests, averaged over "
               "100 ms samples. pending: mean requests waiting at each replica's engine. KV used: mean fraction of a "
               "replica's KV blocks held by its running requests. LB queue: mean requests "

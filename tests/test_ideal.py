@@ -68,3 +68,15 @@ def test_replay_ideal_is_for_open_loop_replays_only():
     assert replay_ideal_hit_rate(later_first) == pytest.approx(3 / 8)  # all of "a b c", sent first
     assert replay_ideal_hit_rate([req("a", 0.0, "a b c"), req("b", 0.0, "a b c d", after="a")]) is None
     assert replay_ideal_hit_rate([]) is None
+
+
+def test_a_bounded_cache_evicts_the_least_recently_used_block():
+    """With room for 4 one-token blocks (each prompt stores 2), a prefix used again stays cached while one not used
+    since is evicted; the bound is never above the infinite cache, and a capacity below 1 is an error."""
+    a, b, c = ["a", "x"], ["b", "x"], ["c", "x"]
+    prompts = [a, b, a, c, a, b]  # 'a' is reused each time, so 'b' is the least recently used when 'c' arrives
+    assert ideal_cached_tokens(prompts, block_tokens=1) == [0, 0, 1, 0, 1, 1]
+    assert ideal_cached_tokens(prompts, block_tokens=1, capacity_blocks=4) == [0, 0, 1, 0, 1, 0]
+    assert ideal_hit_rate(prompts, block_tokens=1, capacity_blocks=4) < ideal_hit_rate(prompts, block_tokens=1)
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        ideal_hit_rate(prompts, block_tokens=1, capacity_blocks=0)

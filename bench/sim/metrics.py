@@ -7,7 +7,9 @@
   p10-p90, mean marked).
 * Prefix hit rate: cached prompt tokens / prompt tokens (the engine's prefix cache counters), same requests; and
   beside it the ideal hit rate of the same requests (bench/ideal.py: an infinite cache on one replica, at the
-  engine's block size, fed with every request the run sent before), a limit no policy can pass.
+  engine's block size, fed with every request the run sent before), a limit no policy can pass; and the same
+  with the cache bounded by the cluster's KV blocks pooled on one replica, least recently used evicted (what the
+  deployment's memory allows with perfect routing).
 * Outstanding variance: the variance across replicas of their outstanding requests (waiting + running at the
   engine), averaged over samples taken every 100 ms in the window (paper §5.1 "variance in outstanding requests").
 * Mean pending per replica (waiting at the engine, i.e. blind-pushing queues), and the balancers' mean queue.
@@ -37,7 +39,7 @@ __all__ = ["RunSummary", "summarize", "aggregate", "best_of", "replicas_needed",
            "LOWER_IS_BETTER", "spread_text"]
 
 #: Figures where more is better (the oracle keeps the largest of its candidates' values).
-HIGHER_IS_BETTER = ("throughput_rps", "throughput_tps", "hit_rate", "ideal_hit_rate")
+HIGHER_IS_BETTER = ("throughput_rps", "throughput_tps", "hit_rate", "ideal_hit_rate", "ideal_kv_hit_rate")
 #: Figures where less is better (the oracle keeps the smallest), seconds.
 LOWER_IS_BETTER = ("ttft_mean", "ttft_p10", "ttft_p25", "ttft_p50", "ttft_p75", "ttft_p90",
                    "e2e_mean", "e2e_p10", "e2e_p25", "e2e_p50", "e2e_p75", "e2e_p90")
@@ -77,6 +79,7 @@ class RunSummary:
     e2e_p90: float
     hit_rate: float
     ideal_hit_rate: float
+    ideal_kv_hit_rate: float
     outstanding_var: float
     pending_mean: float
     queue_mean: float
@@ -125,6 +128,10 @@ def summarize(cluster, *, scenario: str, system: str, layout: str, warmup_s: flo
     n = max(len(sent_in), 1)
     # Send order decides what "seen before" means; requests sent before the window still fill the ideal cache.
     ordered = sorted(records, key=lambda f: f.sent_at)
+    # The same with the cache bounded by every replica's KV blocks pooled (LRU): what the cluster's memory allows.
+    ideal_kv = ideal_hit_rate((f.req.tokens for f in ordered), block_tokens=cluster.params.block_size,
+                              counted=(start <= f.sent_at < end for f in ordered),
+                              capacity_blocks=len(cluster.replicas) * cluster.params.num_blocks)
     ideal = ideal_hit_rate((f.req.tokens for f in ordered), block_tokens=cluster.params.block_size,
                            counted=(start <= f.sent_at < end for f in ordered))
     return RunSummary(
@@ -139,6 +146,7 @@ def summarize(cluster, *, scenario: str, system: str, layout: str, warmup_s: flo
         e2e_p10=_pct(e2e, 10), e2e_p25=_pct(e2e, 25), e2e_p50=_pct(e2e, 50), e2e_p75=_pct(e2e, 75),
         e2e_p90=_pct(e2e, 90),
         hit_rate=cached / prompt if prompt else 0.0, ideal_hit_rate=ideal if ideal is not None else 0.0,
+        ideal_kv_hit_rate=ideal_kv if ideal_kv is not None else 0.0,
         outstanding_var=var, pending_mean=pending, queue_mean=queue, kv_usage_mean=kv,
         forwarded_frac=sum(f.forwarded for f in sent_in) / n,
         remote_frac=sum(f.replica.region != f.region for f in sent_in) / n,
