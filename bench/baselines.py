@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 import tempfile
 import time
@@ -125,13 +126,18 @@ def run_system(system: System, setup: BaselinesSetup, *, ports: Sequence[int], r
 
 
 def run_baselines(systems: Sequence[str] | None = None, *, setup: BaselinesSetup | None = None,
-                  run_dir: Path | None = None, progress: bool | None = None) -> dict[str, Any]:
-    """Run every system in ``systems`` (names of :data:`SYSTEMS`; default all) one after the other.
+                  run_dir: Path | None = None, progress: bool | None = None,
+                  seeds: Sequence[int] | None = None) -> dict[str, Any]:
+    """Run every system in ``systems`` (names of :data:`SYSTEMS`; default all) one after the other, once per seed
+    of ``seeds`` (default: ``setup.seed`` only; systems interleaved within each seed, so a slow spell of the
+    machine does not fall on one system's runs).
 
     Returns ``{"setup": asdict(setup), "workload": one-line description, "versions": {...}, "rows": [row...],
-    "wall_s", "load": MachineLoad summary of the whole run}`` (rows: :func:`run_system`).
+    "seeds", "wall_s", "load": MachineLoad summary of the whole run}`` (rows: :func:`run_system`, each with its
+    ``seed``).
     """
     setup = setup or BaselinesSetup()
+    seeds = list(seeds) if seeds else [setup.seed]
     names = list(systems or SYSTEMS)
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
@@ -141,18 +147,53 @@ def run_baselines(systems: Sequence[str] | None = None, *, setup: BaselinesSetup
     load = MachineLoad().start()
     t0 = time.monotonic()
     rows = []
-    for name in names:
-        print(f"[bench.baselines] {name} ...", file=sys.stderr, flush=True)
-        rows.append(run_system(SYSTEMS[name], setup, ports=ports, run_dir=run_dir, progress=progress))
-        row = rows[-1]
-        print(f"[bench.baselines] {name}: {row['status']} {row.get('reason', '')}".rstrip(), file=sys.stderr,
-              flush=True)
+    for seed in seeds:
+        seeded = dataclasses.replace(setup, seed=seed)
+        for name in names:
+            print(f"[bench.baselines] {name} seed {seed} ...", file=sys.stderr, flush=True)
+            row = run_system(SYSTEMS[name], seeded, ports=ports, run_dir=run_dir / f"seed{seed}", progress=progress)
+            row["seed"] = seed
+            rows.append(row)
+            print(f"[bench.baselines] {name} seed {seed}: {row['status']} {row.get('reason', '')}".rstrip(),
+                  file=sys.stderr, flush=True)
     requests = synthetic_workload(setup.workload_config(), ["us"])
     return {
         "setup": setup.__dict__.copy(), "workload": describe(requests), "versions": versions(),
-        "rows": rows, "wall_s": time.monotonic() - t0, "load": load.stop(), "run_dir": str(run_dir),
+        "rows": rows, "seeds": seeds, "wall_s": time.monotonic() - t0, "load": load.stop(), "run_dir": str(run_dir),
         "generated": now_label(),
     }
+
+
+def _spread(values: Sequence[float], fmt: str) -> str:
+    """``mean [min, max]`` of ``values`` with ``fmt``; the value alone for one run."""
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return fmt.format(mean)
+    return f"{fmt.format(mean)} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
+
+
+def summary_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per system over its ok runs (seeds): ``{"system", "runs", "rps", "ttft_p90", "ttft_p50", "hit",
+    "pending_peak_max", "first_rps", "first_p90"}``: lists of per-run values, the largest peak pending of any
+    run, and in how many seeds the system was first on throughput and on P90 TTFT among the systems that ran."""
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    out: dict[str, dict[str, Any]] = {}
+    for r in ok:
+        f = r["figures"]
+        s = out.setdefault(r["system"], {"system": r["system"], "runs": 0, "rps": [], "ttft_p90": [], "ttft_p50": [],
+                                         "hit": [], "pending_peak_max": 0, "first_rps": 0, "first_p90": 0})
+        s["runs"] += 1
+        s["rps"].append(f["throughput_rps"])
+        s["ttft_p90"].append(f["ttft_p90_ms"])
+        s["ttft_p50"].append(f["ttft_p50_ms"])
+        s["hit"].append(100 * (f["prefix_hit_rate"] or 0.0))
+        s["pending_peak_max"] = max(s["pending_peak_max"], f["pending_peak_max"])
+    for seed in result.get("seeds") or [None]:
+        runs = [r for r in ok if r.get("seed") == seed]
+        if runs:
+            out[max(runs, key=lambda r: r["figures"]["throughput_rps"])["system"]]["first_rps"] += 1
+            out[min(runs, key=lambda r: r["figures"]["ttft_p90_ms"])["system"]]["first_p90"] += 1
+    return list(out.values())
 
 
 # ----------------------------------------------------------------------------------------------------- report
@@ -163,12 +204,12 @@ def _f(value, fmt: str = "{:.0f}") -> str:
 
 
 def _row(row: dict[str, Any]) -> list[str]:
-    """One system's cells of the report table; a row that did not run says why in its second cell."""
+    """One system's cells of the report table; a row that did not run says why in its third cell."""
     if row["status"] != "ok":
         reason = (row.get("reason") or "").splitlines()[0][:160].replace("|", "/")
-        return [row["system"], f"{row['status']}: {reason}"]
+        return [row["system"], str(row.get("seed", "")), f"{row['status']}: {reason}"]
     f = row["figures"]
-    return [row["system"], f"{f['completed']}/{f['sent']}", _f(f["throughput_rps"], "{:.2f}"),
+    return [row["system"], str(row.get("seed", "")), f"{f['completed']}/{f['sent']}", _f(f["throughput_rps"], "{:.2f}"),
             _f(f["output_tokens_per_s"]), _f(f["ttft_mean_ms"]), _f(f["ttft_p50_ms"]), _f(f["ttft_p90_ms"]),
             _f(f["e2e_p50_ms"]), _f(f["e2e_p90_ms"]),
             _f(f["prefix_hit_rate"] and 100 * f["prefix_hit_rate"], "{:.1f}%"),
@@ -179,14 +220,28 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
     """The result as the Markdown report bench/results/baselines.md (table, setup, conditions); ``notes``
     (Markdown written after looking at the figures) is appended as is."""
     s = result["setup"]
+    seeds = result.get("seeds") or [s["seed"]]
+    summary = summary_rows(result)
     lines = [
-        "# SkyLB beside the SGLang router and HAProxy (live, one run)",
+        f"# SkyLB beside the SGLang router and HAProxy (live, {len(seeds)} run{'s' if len(seeds) > 1 else ''})",
         "",
         f"Generated by `python -m bench.baselines` on {result.get('generated') or now_label()}; "
-        f"whole run {result['wall_s']:.0f} s. Versions: sglang-router {result['versions']['sglang-router']}, "
-        f"{result['versions']['haproxy']}, Python {result['versions']['python']}.",
+        f"whole run {result['wall_s']:.0f} s; workload seeds {', '.join(map(str, seeds))}. Versions: sglang-router "
+        f"{result['versions']['sglang-router']}, {result['versions']['haproxy']}, Python "
+        f"{result['versions']['python']}.",
         "",
-        markdown_table(["system", "ok/sent", "req/s", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p90", "E2E p50",
+        "Over the runs (mean [min, max]; first: in how many runs the system had the highest req/s, the lowest "
+        "TTFT p90):",
+        "",
+        markdown_table(["system", "runs", "req/s", "TTFT p50", "TTFT p90", "prefix hit %",
+                        "peak pending (max of any run)", "first on req/s", "first on TTFT p90"],
+                       [[x["system"], x["runs"], _spread(x["rps"], "{:.2f}"), _spread(x["ttft_p50"], "{:.0f}"),
+                         _spread(x["ttft_p90"], "{:.0f}"), _spread(x["hit"], "{:.1f}"), x["pending_peak_max"],
+                         x["first_rps"], x["first_p90"]] for x in summary]),
+        "",
+        "Each run:",
+        "",
+        markdown_table(["system", "seed", "ok/sent", "req/s", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p90", "E2E p50",
                         "E2E p90", "prefix hit", "peak pending (max; per replica)", "mean pending (sum)"],
                        [_row(row) for row in result["rows"]]),
     ]
@@ -203,10 +258,12 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
               f"its conversation completed), `token_scale {s['token_scale']:g}`, seed {s['seed']}; every turn "
               "extends the previous turn's prompt, and all conversations share a system prompt.",
               "- Client: bench/replay.py (aiohttp, streamed `/v1/completions`, `ignore_eos`), one process.",
-              "- SkyLB: controller + one balancer (region `us`) with the default config (probe every 100 ms, "
-              "selective pushing: a replica is available while its last probe showed 0 pending requests, and gets "
-              "at most `max_dispatch_per_probe` = 4 requests between two probes), replicas registered through the "
-              "controller. `skylb-cap1` is the same with `max_dispatch_per_probe 1` (not the default).",
+              "- SkyLB: controller + one balancer (region `us`) with the default config (policy `skylb`, probe "
+              "every 100 ms, selective pushing: a replica is available while its last probe showed 0 pending "
+              "requests and this balancer's prompts not yet prefilled there stay under 2048 tokens, a finished "
+              "request frees its place at once, and at most `max_dispatch_per_probe` = 4 requests go to a replica "
+              "between two probes), replicas registered through the controller. `skylb-cap1` is the same with "
+              "`max_dispatch_per_probe 1` (not the default).",
               "- SGLang router: `python -m sglang_router.launch_router --host 127.0.0.1 --worker-urls ... "
               "--policy P --prometheus-host 127.0.0.1 --prometheus-port FREE`, defaults otherwise (cache_aware: "
               "route to the worker with the longest prefix match when it covers >= 30% of the prompt, else to the "
@@ -253,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup = setup_from_args(BaselinesSetup, args)
     result = run_baselines(args.systems, setup=setup, run_dir=Path(args.run_dir) if args.run_dir else None,
-                           progress=False if args.no_progress else None)
+                           progress=False if args.no_progress else None, seeds=args.seeds)
     text = format_markdown(result, Path(args.notes).read_text() if args.notes else "")
     emit_markdown(text, result, out_md=args.out_md, out_json=args.out_json)
     bad = [r for r in result["rows"] if r["status"] == "failed"

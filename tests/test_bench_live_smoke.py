@@ -36,7 +36,7 @@ def _check_baseline_row(result: dict, name: str) -> None:
     assert f["sent"] == 6 and f["completed"] == 6 and f["failed"] == 0, f["errors"]
     for key in FIGURES:
         assert f[key] is not None, key
-    assert [name, "6/6"] in [row[:2] for row in _table_rows(format_markdown(result))]
+    assert [name, str(row["seed"]), "6/6"] in [cells[:3] for cells in _table_rows(format_markdown(result))]
 
 
 def test_decision_time_reports_every_cell():
@@ -76,6 +76,19 @@ def test_baselines_run_against_skylb(tmp_path):
     """One baselines run against SkyLB alone completes every request and reports every figure."""
     result = run_baselines(["skylb"], setup=TINY, run_dir=tmp_path, progress=False)
     _check_baseline_row(result, "skylb")
+
+
+def test_baselines_over_several_seeds_report_the_spread(tmp_path):
+    """--seeds runs each system once per workload seed; the summary gives the runs, mean [min, max] and how often
+    each system came first."""
+    result = run_baselines(["skylb"], setup=TINY, run_dir=tmp_path, progress=False, seeds=[0, 1])
+    assert [(r["system"], r["seed"], r["status"]) for r in result["rows"]] == [("skylb", 0, "ok"), ("skylb", 1, "ok")]
+    [summary] = baselines.summary_rows(result)
+    assert summary["runs"] == 2 and summary["first_rps"] == 2 and summary["first_p90"] == 2
+    text = format_markdown(result)
+    assert "live, 2 runs" in text and "seeds 0, 1" in text
+    rps = [r["figures"]["throughput_rps"] for r in result["rows"]]
+    assert f"[{min(rps):.2f}, {max(rps):.2f}]" in text
 
 
 @pytest.mark.skipif(bool(unavailable_reason("haproxy")), reason=unavailable_reason("haproxy") or "")
