@@ -79,3 +79,25 @@ def test_sglang_tree_size_counts_only_new_characters():
     policy.routed(_req(PROMPT_A + "more text", "x"), replica="r1")
     assert policy.tree_chars["r1"] == len(PROMPT_A) + len("more text")
     assert policy.tree_chars["r2"] == 0
+
+
+@pytest.mark.parametrize("lookahead, expected", [(64, ["q1", "q0"]), (0, ["q0", "q1"])])
+def test_sglang_selective_queue_looks_ahead_for_a_cached_prefix(lookahead, expected):
+    """SP-P's queue: when r0 frees up, the queued request whose prefix r0 holds goes before a head with no match
+    there (``queue_lookahead`` 0: first come, first served, the paper's SP-P)."""
+    from skylb.core import AvailabilityRules, Router
+
+    router = Router(region="us", policy=make_policy("sglang-selective", queue_lookahead=lookahead),
+                    rules=AvailabilityRules(max_dispatch_per_probe=1))
+    router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
+    for rid in ("r0", "r1"):
+        router.observe_replica(rid, now=0.0, healthy=True, pending=2)
+    cached = "bravo " * 100
+    router.policy.routed(Request("before", cached, 0.0), replica="r0")
+    router.enqueue(Request("q0", "alpha " * 100, arrived_at=1.0))
+    router.enqueue(Request("q1", cached + "next turn", arrived_at=2.0))
+    got = []
+    for t in (3.0, 4.0):
+        router.observe_replica("r0", now=t, healthy=True, pending=0)
+        got += [d.request.id for d in router.dispatch(t)]
+    assert got == expected

@@ -166,11 +166,18 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                    "bench/sim/scenarios.py WARM_START_S)."),
     Scenario("selective_pushing", "SP-P vs SP-O vs BP: ToT, 30 clients, 4 replicas, one region", "Fig. 9",
              lambda seed: trees(TOT_2, {"us": 30}, seed=seed, name="tot30"), FIG9_SYSTEMS, ({"us": 4},)),
+    Scenario("selective_pushing_60", "Fig. 9 setup with 60 clients (beyond the paper)", "Fig. 9 (extra)",
+             lambda seed: trees(TOT_2, {"us": 60}, seed=seed, name="tot60"), FIG9_SYSTEMS, ({"us": 4},),
+             notes="Not in the paper: issue 8 asks that SP-P never fall below BP at 30, 60, 90 or 120 clients."),
     Scenario("selective_pushing_90", "Fig. 9 setup with 90 clients (beyond the paper: saturated replicas)",
              "Fig. 9 (extra)", lambda seed: trees(TOT_2, {"us": 90}, seed=seed, name="tot90"), FIG9_SYSTEMS,
              ({"us": 4},), notes="Not in the paper: with the paper's 30 clients the simulated replicas never hold "
                                  "pending requests, so this run triples the clients to see the three mechanisms "
                                  "on saturated replicas."),
+    Scenario("selective_pushing_120", "Fig. 9 setup with 120 clients (beyond the paper: saturated replicas)",
+             "Fig. 9 (extra)", lambda seed: trees(TOT_2, {"us": 120}, seed=seed, name="tot120"), FIG9_SYSTEMS,
+             ({"us": 4},), notes="Not in the paper: issue 8 asks that SP-P never fall below BP at 30, 60, 90 or "
+                                 "120 clients."),
     Scenario("selective_pushing_long", "Fig. 9 setup with thoughts of median 400 tokens (beyond the paper: "
              "memory-bound replicas)", "Fig. 9 (extra)",
              lambda seed: trees(TOT_2_LONG, {"us": 30}, seed=seed, name="tot30long"), FIG9_SYSTEMS, ({"us": 4},),
@@ -191,7 +198,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 #: The Mooncake trace scenarios (issue 8 targets).
 MOONCAKE_SCENARIOS = ("mooncake", "mooncake_2x", "mooncake_3x", "mooncake_warm")
 #: The Fig. 9 scenarios (SP-P vs SP-O vs BP): the paper's, then two beyond it.
-FIG9_SCENARIOS = ("selective_pushing", "selective_pushing_90", "selective_pushing_long")
+FIG9_SCENARIOS = ("selective_pushing", "selective_pushing_60", "selective_pushing_90", "selective_pushing_120",
+                  "selective_pushing_long")
+#: The Fig. 9 scenarios whose replicas are memory-bound, where the paper's 1.27x over BP is the target (issue 8).
+FIG9_MEMORY_BOUND = ("selective_pushing_long",)
 #: What `skylb bench all` runs (everything but the test-only smoke scenario).
 SUITE = tuple(name for name in SCENARIOS if name != "smoke")
 
@@ -377,18 +387,23 @@ def _paper_targets(wl: str, rows: dict[str, RunSummary]) -> list[Target]:
 
 
 def _fig9_targets(sc: str, rows: dict[str, RunSummary]) -> list[Target]:
-    """Fig. 9: SP-P >= 1.27x BP's and >= 1.2x SP-O's throughput."""
+    """Fig. 9 (issue 8): SP-P >= 1.27x BP's throughput where the replicas are memory-bound
+    (:data:`FIG9_MEMORY_BOUND`), never below BP's (within :data:`THROUGHPUT_TOLERANCE`) at any client count, and
+    >= 1.2x SP-O's."""
     if not all(s in rows for s in FIG9_SYSTEMS):
         return []
     bp, spo, spp = rows["BP"], rows["SP-O"], rows["SP-P"]
     r1 = spp.throughput_rps / bp.throughput_rps
+    goal = 1.27 if sc in FIG9_MEMORY_BOUND else 1.0 - THROUGHPUT_TOLERANCE
     why = ""
-    if r1 < 1.27:
+    if r1 < goal:
         why = (f"BP's replicas held {bp.pending_mean:.2f} pending requests on average (SP-P {spp.pending_mean:.2f}, "
                f"with {spp.queue_mean:.1f} waiting at its balancer) and hit rates were BP {bp.hit_rate:.0%} vs "
-               f"SP-P {spp.hit_rate:.0%}")
-    out = [Target("SP-P throughput >= 1.27x BP", sc,
-                  f"{r1:.2f}x ({_s(spp, 'throughput_rps')} vs {_s(bp, 'throughput_rps')})", r1 >= 1.27, why)]
+               f"SP-P {spp.hit_rate:.0%}; KV used BP {bp.kv_usage_mean:.0%} vs SP-P {spp.kv_usage_mean:.0%}")
+    name = ("SP-P throughput >= 1.27x BP (memory-bound replicas)" if sc in FIG9_MEMORY_BOUND
+            else f"SP-P throughput not below BP (within {THROUGHPUT_TOLERANCE:.0%})")
+    out = [Target(name, sc, f"{r1:.2f}x ({_s(spp, 'throughput_rps')} vs {_s(bp, 'throughput_rps')})", r1 >= goal,
+                  why)]
     r2 = spp.throughput_rps / spo.throughput_rps
     why = "" if r2 >= 1.2 else (f"SP-O kept {spo.queue_mean:.1f} requests queued at the balancer and "
                                 f"SP-P {spp.queue_mean:.1f}")

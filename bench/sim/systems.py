@@ -55,7 +55,9 @@ its replicas in one region.
   probe (skylb/engines/openai.py, as the live balancer does for engines without that metric). 10 is the SkyLB
   prototype's cap for replicas without an engine metric (reference/peers.md). Between two probes up to
   ``max_dispatch_per_probe`` (4) more requests may go to a replica that showed room, as in the live balancer.
-* SP-P: ``sglang-selective`` on the engines' pending count (SkyLB's selective pushing).
+* SP-P: ``sglang-selective`` on the engines' pending count (SkyLB's selective pushing), its queue looking ahead
+  for a request whose prefix a free replica holds (``queue_lookahead`` 64; 0 is the paper's first come, first
+  served).
 
 Every balancer is built by ``skylb.core.build_router`` from the live defaults (skylb/config.py ``BalancerConfig``,
 ``settings_for``): probe interval 100 ms, state stale after 5 intervals, tau 2, at most 4 requests per replica
@@ -142,7 +144,8 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("BP", "SGLang cache_aware, blind pushing", "single", "sglang"),
     System("SP-O", "SGLang cache_aware, selective pushing by a cap of 10 outstanding per replica", "single",
            "sglang-selective", max_concurrency=10),
-    System("SP-P", "SGLang cache_aware, selective pushing by pending requests", "single", "sglang-selective"),
+    System("SP-P", "SGLang cache_aware, selective pushing by pending requests, prefix-aware queue look-ahead",
+           "single", "sglang-selective"),
 )}
 
 #: The systems of paper Fig. 8 (plus the paper's rule and the oracle), in plotting order.

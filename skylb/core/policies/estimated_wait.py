@@ -37,6 +37,7 @@ from pydantic.dataclasses import dataclass
 from skylb.core.estimate import WaitModel, prompt_tokens
 from skylb.core.policies.base import OPTIONS_CONFIG
 from skylb.core.policies.prefix import PrefixOptions, PrefixPolicy
+from skylb.core.policies.scoring import prefix_lookahead
 
 __all__ = ["EstimatedWaitPolicy", "EstimatedWaitOptions"]
 
@@ -130,27 +131,9 @@ class EstimatedWaitPolicy(PrefixPolicy, name="skylb"):
         super().routed(request, replica=replica, peer=peer)
 
     def next_in_queue(self, window, local, peers, replicas):
-        """With a local replica free: the first request in ``window`` whose prefix (at least ``match_threshold``
-        of it) a free replica holds. With only peers free: the first that may be forwarded and has no such match
-        on any local replica (its cache is not here anyway). Else the head."""
-        thr = self.options.match_threshold
-        if local:
-            for i, req in enumerate(window):
-                ids = {r.id for r in local if r.serves(req.model, req.api)}
-                if not ids:
-                    continue
-                m = self.replica_trie.match(self._key(req), ids)
-                if m.targets and m.ratio >= thr:
-                    return i
-            return 0
-        all_ids = {r.id for r in replicas}
-        for i, req in enumerate(window):
-            if not req.may_forward:
-                continue
-            m = self.replica_trie.match(self._key(req), all_ids)
-            if not m.targets or m.ratio < thr:
-                return i
-        return 0
+        """scoring.prefix_lookahead over the replica trie (a free replica takes a request whose prefix it holds;
+        with only peers free, one whose cache is not here goes first)."""
+        return prefix_lookahead(window, local, replicas, self.replica_trie, self.options.match_threshold)
 
     # -- placement ------------------------------------------------------------------------------------------------
     def _local_costs(self, request, candidates) -> dict[str, float]:

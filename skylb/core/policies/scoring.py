@@ -12,7 +12,7 @@ from skylb.core.prefix_trie import PrefixTrie
 from skylb.core.request import Request
 from skylb.core.state import PeerState, ReplicaState
 
-__all__ = ["trie_key", "loads_imbalanced", "least_loaded", "most_room"]
+__all__ = ["trie_key", "loads_imbalanced", "least_loaded", "most_room", "prefix_lookahead"]
 
 
 def trie_key(request: Request, trie: PrefixTrie) -> tuple[str, ...]:
@@ -46,3 +46,31 @@ def most_room(candidates: Sequence[PeerState]) -> PeerState:
     then the fewest requests this balancer has in flight there; then the region name (deterministic)."""
     return max(candidates, key=lambda p: (p.available_replicas - p.queue_len - p.sent_since_probe,
                                           -p.outstanding, p.region))
+
+
+def prefix_lookahead(window: Sequence[Request], local: Sequence[ReplicaState], replicas: Sequence[ReplicaState],
+                     trie: PrefixTrie, threshold: float) -> int:
+    """Index in ``window`` (queued requests, head first) of the one to place next for a prefix-aware queue.
+
+    With local replicas free (``local``): the first request whose prompt ``trie`` matches on a free replica that
+    serves its model, over at least ``threshold`` of the prompt (a cache hit there). With none free (only peers):
+    the first that may be forwarded and has no such match on any of ``replicas`` (its cache is not here anyway).
+    Otherwise 0, the head. At most ``len(window)`` trie matches. Source: SGLang's scheduler orders its waiting
+    queue by longest prefix match (``schedule_policy.py``, "lpm") for the same reason: under load, a cache hit
+    is prefill saved; here only within a bounded window, and the router bounds how often the head is passed over.
+    """
+    if local:
+        for i, req in enumerate(window):
+            ids = {r.id for r in local if r.serves(req.model, req.api)}
+            if ids:
+                m = trie.match(trie_key(req, trie), ids)
+                if m.targets and m.ratio >= threshold:
+                    return i
+        return 0
+    all_ids = {r.id for r in replicas}
+    for i, req in enumerate(window):
+        if req.may_forward:
+            m = trie.match(trie_key(req, trie), all_ids)
+            if not m.targets or m.ratio < threshold:
+                return i
+    return 0
