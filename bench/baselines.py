@@ -301,8 +301,23 @@ def _observations(result: dict[str, Any]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of `python -m bench.baselines`."""
-    return benchmark_parser("python -m bench.baselines", __doc__.splitlines()[0], systems=SYSTEMS,
-                            defaults=BaselinesSetup(), out_md="bench/results/baselines.md")
+    p = benchmark_parser("python -m bench.baselines", __doc__.splitlines()[0], systems=SYSTEMS,
+                         defaults=BaselinesSetup(), out_md="bench/results/baselines.md")
+    p.add_argument("--seeds", type=_seed_list, default=None, metavar="N,N,...",
+                   help="run every system once per workload seed (default: --seed only); the report gives each "
+                        "figure's mean with [min, max] and how often each system came first")
+    return p
+
+
+def _seed_list(text: str) -> list[int]:
+    """``--seeds``: comma-separated integers (argparse.ArgumentTypeError otherwise)."""
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("--seeds needs at least one seed")
+    return seeds
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -238,3 +238,12 @@ def test_demo_accepts_a_trace_window():
                                              "--time-compression", "3"])
     _, workload = apply_overrides(load_config(None), args)
     assert (workload.start_s, workload.window_s, workload.time_compression) == (1500.0, 30.0, 3.0)
+
+
+def test_baselines_seeds_flag():
+    """``--seeds 0,2`` runs seeds 0 and 2; anything but comma-separated integers is a usage error (exit 2)."""
+    assert baselines.build_parser().parse_args(["--seeds", "0,2"]).seeds == [0, 2]
+    assert baselines.build_parser().parse_args([]).seeds is None
+    with pytest.raises(SystemExit) as exc:
+        baselines.build_parser().parse_args(["--seeds", "zero"])
+    assert exc.value.code == 2
