@@ -32,7 +32,7 @@ test: install llama-server
 	$(PY) -m pytest -q
 
 # The simulated SkyLB evaluation (paper Fig. 8-10, the Mooncake trace at 1x, 2x, 3x and warm), 3 seeds: writes
-# bench/results/README.md, results.json and PNG plots (about 20 minutes on 2 cores; SEEDS=0 for one seed).
+# bench/results/README.md, results.json and PNG plots (about 10 minutes on 2 cores; SEEDS=0 for one seed).
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(VENV)/bin/skylb bench all $(if $(SEEDS),--seeds $(SEEDS))
