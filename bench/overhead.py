@@ -52,6 +52,7 @@ from bench.workload import VOCABULARY
 from skylb.config import BalancerConfig
 from skylb.core import Request, Router, build_policy, build_router
 from skylb.core.policies.prefix import PrefixOptions
+from skylb.core.state import ReplicaState
 from skylb.procs import ProcGroup, free_ports
 
 #: The shipped default of the ``skylb`` policy's ``trie_chunk_chars``, so part (d) measures what users run.
@@ -545,6 +546,8 @@ def decision_time(*, lengths: Sequence[int] = (1000, 4000, 8000, 16000, 32000),
                         times.append(_time_dispatch(router, " ".join(words), k))
                         k += 1
                 cells[f"{L}@new"] = _summary(times, before, trie.stored_chars / trie_max_chars, pauses)
+            for L in lengths:
+                cells[f"{L}@lookahead"] = _lookahead_time(router, recent, L, samples(L), seed)
             if profile:
                 profile_text = _profile_dispatch(router, recent, longest, seed)
         progress(f"(d) fill {fill:.0%}: " + ", ".join(f"{L}: p50 {cells[f'{L}@{fill}']['p50_ms']:.2f} ms"
@@ -553,6 +556,31 @@ def decision_time(*, lengths: Sequence[int] = (1000, 4000, 8000, 16000, 32000),
     return {"cells": cells, "fill_s": fill_s, "lengths": list(lengths), "fills": list(fills),
             "trie_max_chars": trie_max_chars, "replicas": replicas, "profile": profile_text,
             "chunk_chars": chunk_chars, "load": load.stop()}
+
+
+def _lookahead_time(router: Router, recent: list[int], length: int, n: int, seed: int) -> dict[str, Any]:
+    """The queue look-ahead's worst case at this trie: the policy's ``next_in_queue`` over a window of
+    ``queue_lookahead`` queued next turns of ``length`` words, with one free replica that holds none of them (every
+    request in the window is matched, none is chosen). Prompts are chunked before timing (a request is chunked
+    once, whenever it is first matched). ``n`` samples; returns a :func:`_summary` cell."""
+    policy = router.policy
+    k = max(1, policy.queue_lookahead)
+    window = []
+    for j in range(k):
+        words = conversation_words(recent[j % len(recent)], length - NEW_TURN_WORDS, seed=seed)
+        words += random.Random(f"{seed}:lookahead:{length}:{j}").choices(VOCABULARY, k=NEW_TURN_WORDS)
+        window.append(Request(id=f"la{j}", text=" ".join(words), arrived_at=0.1))
+    free = ReplicaState(id="free", url="http://free", healthy=True, probed_at=0.0)
+    replicas = [*router.replicas.values(), free]
+    policy.next_in_queue(window, [free], [], replicas)  # chunk every prompt once, untimed
+    times = []
+    with GcPauses() as pauses:
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            policy.next_in_queue(window, [free], [], replicas)
+            times.append((time.perf_counter_ns() - t0) / 1e6)
+    fill = policy.replica_trie.stored_chars / policy.replica_trie.max_chars
+    return _summary(times, fill, fill, pauses) | {"window": k}
 
 
 def chunk_whatif(*, chunk_sizes: Sequence[int] = (64, 256, 1024), length: int = 32000,
@@ -831,6 +859,15 @@ def _decision_section(d: dict) -> list[str]:
               markdown_table(["prompt tokens", *heads],
                              [[f"{L:,}", *(f"{c['gc_runs']} ({c['gc_gen2_runs']}) / {c['gc_max_ms']:.1f}" for c in row)]
                               for L, row in cells.items()])]
+    if f"{d['lengths'][0]}@lookahead" in d["cells"]:
+        look = {L: d["cells"][f"{L}@lookahead"] for L in d["lengths"]}
+        window = next(iter(look.values()))["window"]
+        lines += ["", f"Queue look-ahead at the full trie (the `skylb` policy's `next_in_queue`, run when a replica "
+                  f"frees up while requests are queued): {window} queued next turns, one free replica holding none "
+                  "of them, so every request in the window is matched and none is chosen (the worst case); it adds "
+                  "to the decision above. p50 / p99 ms.", "",
+                  markdown_table(["prompt tokens", f"window of {window}"],
+                                 [[f"{L:,}", f"{_f(c['p50_ms'])} / {_f(c['p99_ms'])}"] for L, c in look.items()])]
     w = d.get("chunk_whatif")
     if w:
         lines += ["", f"What-if, `trie_chunk_chars` (a setting, not a code change): {w['length']:,}-token prompts at "

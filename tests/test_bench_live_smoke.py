@@ -43,7 +43,8 @@ def test_decision_time_reports_every_cell():
     """decision_time gives p50 <= p99 for every (prompt length, fill) cell and the new-conversation column."""
     r = decision_time(lengths=(200, 600), fills=(0.0, 0.5, 1.0), trie_max_chars=30_000, samples=lambda L: 4,
                       progress=lambda msg: None)
-    for key in ("200@0.0", "600@0.0", "200@0.5", "600@0.5", "200@1.0", "600@1.0", "200@new", "600@new"):
+    for key in ("200@0.0", "600@0.0", "200@0.5", "600@0.5", "200@1.0", "600@1.0", "200@new", "600@new",
+                "200@lookahead", "600@lookahead"):
         cell = r["cells"][key]
         assert 0 < cell["p50_ms"] <= cell["p99_ms"], key
     assert "ncalls" in r["profile"]
