@@ -9,6 +9,8 @@ Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH]
 - ``GET /v1/balancers``, ``POST /v1/balancers`` (register or heartbeat)
 
 Errors are always {"error": {"message", "type", "code"}}. Each membership change logs one structlog JSON line.
+Unless ``controller.health.enabled`` is false, every replica is health-checked (controller/health.py); a change of
+verdict is a membership revision (the replica's ``healthy`` field).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import structlog
 from aiohttp import web
 
 from skylb import aio
+from controller.health import HealthChecker
 from controller.store import InvalidInput, MembershipStore, StoreError
 from skylb.config import ConfigError, ControllerConfig, load_config
 from skylb.logs import configure_logging
@@ -212,17 +215,25 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) 
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT) if stop is None else ()
     stop = stop or asyncio.Event()
+    health_task: asyncio.Task | None = None
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         port = runner.addresses[0][1] if runner.addresses else config.port
-        log.info("controller_started", host=config.host, port=port, db=config.db, revision=store.revision)
+        log.info("controller_started", host=config.host, port=port, db=config.db, revision=store.revision,
+                 health_interval_s=config.health.interval_s if config.health.enabled else None)
+        if config.health.enabled:
+            checker = HealthChecker(store, config.health, lambda action, fields: _changed(app, action, **fields))
+            health_task = asyncio.create_task(checker.run())
         await stop.wait()
         log.info("controller_stopping")
         await app[WATCH].close()  # long polls answer now instead of holding shutdown for up to a minute
     finally:
+        if health_task is not None:
+            health_task.cancel()
+            await asyncio.gather(health_task, return_exceptions=True)
         await runner.cleanup()
         store.close()
         for sig in signals:

@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS replicas (
     url TEXT NOT NULL UNIQUE,
     engine TEXT NOT NULL,
     created_at REAL NOT NULL,
-    max_concurrency INTEGER  -- parallel slots of an engine without a pending metric; NULL: the adapter's default
+    max_concurrency INTEGER,  -- parallel slots of an engine without a pending metric; NULL: the adapter's default
+    healthy INTEGER NOT NULL DEFAULT 1  -- the controller's active health check (controller/health.py)
 );
 INSERT OR IGNORE INTO meta (key, value) VALUES ('revision', 0);
 """
@@ -110,9 +111,11 @@ class Replica:
     engine: str
     created_at: float
     max_concurrency: int | None = None
+    healthy: bool = True
 
     def to_dict(self) -> dict:
-        """JSON shape: {"id", "region", "url", "engine", "created_at", "max_concurrency" (int or null)}."""
+        """JSON shape: {"id", "region", "url", "engine", "created_at", "max_concurrency" (int or null), "healthy"
+        (the controller's health check: false takes the replica out of every balancer's candidates)}."""
         return asdict(self)
 
 
@@ -407,6 +410,17 @@ class MembershipStore:
                 self._bump()
         return Balancer(region=region, url=url, last_seen=last_seen), changed
 
+    def set_replica_health(self, replica_id: str, healthy: bool) -> Replica | None:
+        """Record the health check's verdict for a replica; bumps the revision only when it changed. Returns the
+        replica when its health changed, None when it did not or the replica is gone."""
+        with self._write():
+            row = self._db.execute("SELECT healthy FROM replicas WHERE id = ?", (replica_id,)).fetchone()
+            if row is None or bool(row["healthy"]) == healthy:
+                return None
+            self._db.execute("UPDATE replicas SET healthy = ? WHERE id = ?", (int(healthy), replica_id))
+            self._bump()
+        return self.get_replica(replica_id)
+
     # --- helpers ------------------------------------------------------------------------------------------------
 
     def _migrate(self) -> None:
@@ -414,6 +428,8 @@ class MembershipStore:
         columns = {row["name"] for row in self._db.execute("PRAGMA table_info(replicas)")}
         if "max_concurrency" not in columns:
             self._db.execute("ALTER TABLE replicas ADD COLUMN max_concurrency INTEGER")
+        if "healthy" not in columns:
+            self._db.execute("ALTER TABLE replicas ADD COLUMN healthy INTEGER NOT NULL DEFAULT 1")
 
     def _write(self) -> "_Transaction":
         return _Transaction(self._db)
@@ -445,4 +461,4 @@ class _Transaction:
 
 def _replica(row: sqlite3.Row) -> Replica:
     return Replica(id=row["id"], region=row["region"], url=row["url"], engine=row["engine"],
-                   created_at=row["created_at"], max_concurrency=row["max_concurrency"])
+                   created_at=row["created_at"], max_concurrency=row["max_concurrency"], healthy=bool(row["healthy"]))

@@ -20,7 +20,7 @@ from skylb.core.policies import options_class, policy_options
 
 __all__ = [
     "ConfigError",
-    "ControllerConfig",
+    "ControllerConfig", "HealthCheck",
     "BalancerConfig",
     "RetryPolicy",
     "OutlierDetection",
@@ -41,12 +41,30 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
+class HealthCheck(_Strict):
+    """The controller's active health check of every replica (HAProxy's ``inter``, ``rise`` and ``fall``, with
+    HAProxy's defaults): each replica is probed every ``interval_s`` through its engine adapter (the same probe the
+    balancers use); ``fall`` failures in a row mark it unhealthy, which takes it out of every balancer's candidates
+    through a membership revision; ``rise`` successes in a row bring it back."""
+
+    enabled: bool = True
+    #: Seconds between two checks of one replica (HAProxy ``inter``: 2 s).
+    interval_s: float = Field(2.0, gt=0)
+    #: Seconds a check may take before it counts as failed.
+    timeout_s: float = Field(1.0, gt=0)
+    #: Consecutive successes that make an unhealthy replica healthy (HAProxy ``rise``: 2).
+    rise: int = Field(2, ge=1)
+    #: Consecutive failures that make a healthy replica unhealthy (HAProxy ``fall``: 3).
+    fall: int = Field(3, ge=1)
+
+
 class ControllerConfig(_Strict):
-    """Where the controller listens and keeps its SQLite membership store."""
+    """Where the controller listens and keeps its SQLite membership store, and how it checks replicas' health."""
 
     host: str = "127.0.0.1"
     port: int = Field(8470, ge=0, le=65535)
     db: str = ".skylb-run/controller.sqlite"
+    health: HealthCheck = Field(default_factory=HealthCheck)
 
 
 class RetryPolicy(_Strict):

@@ -53,10 +53,12 @@ def emulator_gauge(url: str, name: str) -> float:
 class Cluster:
     """A deployment under test: controller, emulated replicas, latency proxy, balancers."""
 
-    def __init__(self, procs: ProcGroup, tmp_path: Path, *, balancer: dict | None = None):
+    def __init__(self, procs: ProcGroup, tmp_path: Path, *, balancer: dict | None = None,
+                 controller: dict | None = None):
         self.procs = procs
         self.tmp = tmp_path
         self.balancer_cfg = {"probe_interval_ms": 50, "max_dispatch_per_probe": 4, **(balancer or {})}
+        self.controller_cfg = dict(controller or {})
         self.controller_url: str | None = None
         self.balancers: dict[str, str] = {}
         self.toxiproxy_url: str | None = None
@@ -64,7 +66,7 @@ class Cluster:
     def config(self, regions: list[str]) -> Path:
         """Write the deployment YAML the processes read; returns its path."""
         data = {
-            "controller": {"db": str(self.tmp / "controller.sqlite")},
+            "controller": {"db": str(self.tmp / "controller.sqlite"), **self.controller_cfg},
             "balancer": {**self.balancer_cfg, "state_dir": str(self.tmp / "state")},
             "regions": {r: {"replicas": 0} for r in regions},
         }

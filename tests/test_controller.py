@@ -34,7 +34,9 @@ class Controller:
         self.db = tmp_path / "state" / "controller.sqlite"  # "state/" does not exist: the store must create it
         self.port = free_port()
         self.config = tmp_path / "skylb.yaml"
-        self.config.write_text(f"controller:\n  host: 127.0.0.1\n  port: {self.port}\n  db: {self.db}\n")
+        # The API tests register made-up URLs: the health check (tested on its own below) would mark them unhealthy.
+        self.config.write_text(f"controller:\n  host: 127.0.0.1\n  port: {self.port}\n  db: {self.db}\n"
+                               "  health: {enabled: false}\n")
         self.proc = None
 
     @property
@@ -200,7 +202,7 @@ def test_cli_add_list_remove(controller):
     assert "us-1" in table and "eu-gpu" in table and "sglang" in table and "ENGINE" in table
     listed = json.loads(ctl(url, "replica", "list", "--region", "eu", "--json").stdout)
     assert listed == [{"id": "eu-gpu", "region": "eu", "url": "http://10.0.0.2:8000", "engine": "sglang",
-                       "created_at": listed[0]["created_at"], "max_concurrency": None}]
+                       "created_at": listed[0]["created_at"], "max_concurrency": None, "healthy": True}]
     membership = json.loads(ctl(url, "membership", "--json").stdout)
     assert membership["revision"] == 2 and membership["regions"] == ["eu", "us"]
     assert "revision: 2" in ctl(url, "membership").stdout
@@ -435,7 +437,7 @@ def test_store_rejects_bad_max_concurrency(tmp_path, value):
 
 
 def test_store_migrates_a_file_without_max_concurrency(tmp_path):
-    """A SQLite file from before the column existed opens with its rows intact (max_concurrency None)."""
+    """A SQLite file from before the columns existed opens with its rows intact (max_concurrency None, healthy)."""
     import sqlite3
 
     path = tmp_path / "old.sqlite"
@@ -455,6 +457,7 @@ def test_store_migrates_a_file_without_max_concurrency(tmp_path):
     db.close()
     store = MembershipStore(path)
     assert store.get_replica("us-1").max_concurrency is None and store.revision == 1
+    assert store.get_replica("us-1").healthy
     assert store.add_replica("us", "http://b:1", "ollama", max_concurrency=2).max_concurrency == 2
     store.close()
     assert MembershipStore(path).get_replica("us-2").max_concurrency == 2  # a second open migrates nothing
@@ -490,3 +493,17 @@ def test_cli_engine_choices_cover_every_adapter():
     url = f"http://127.0.0.1:{free_port()}"
     r = ctl(url, "replica", "add", "--region", "us", "--url", "http://a:1", "--engine", "triton")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_replica_health_is_a_revision_only_when_it_changes(tmp_path):
+    """The health check's verdict is stored with the replica; a change bumps the revision, a repeat does not; an
+    unknown replica is ignored."""
+    store = MembershipStore(":memory:")
+    store.add_replica("us", "http://10.0.0.1:8000", "vllm", "us-a")
+    assert store.get_replica("us-a").healthy and store.revision == 1
+    assert store.set_replica_health("us-a", True) is None and store.revision == 1
+    changed = store.set_replica_health("us-a", False)
+    assert changed is not None and not changed.healthy and store.revision == 2
+    assert store.set_replica_health("us-a", False) is None and store.revision == 2
+    assert store.set_replica_health("nobody", False) is None
+    assert store.snapshot().to_dict()["replicas"][0]["healthy"] is False

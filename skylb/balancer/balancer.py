@@ -88,9 +88,11 @@ class Balancer:
             await self.session.close()
 
     def apply_membership(self, snapshot: dict) -> None:
-        """Apply a controller snapshot: this region's replicas, other regions' balancers as peers."""
+        """Apply a controller snapshot: this region's healthy replicas (one the controller's health check marked
+        unhealthy is drained: no new requests, its in-flight ones finish), other regions' balancers as peers."""
         replicas = [(r["id"], r["url"].rstrip("/"), r.get("engine", "vllm"))
-                    for r in snapshot.get("replicas", []) if r.get("region") == self.region]
+                    for r in snapshot.get("replicas", [])
+                    if r.get("region") == self.region and r.get("healthy", True) is not False]
         peers = [(b["region"], self.cfg.peer_urls.get(b["region"], b["url"]).rstrip("/"))
                  for b in snapshot.get("balancers", []) if b.get("region") != self.region]
         limits = {r["id"]: r.get("max_concurrency") for r in snapshot.get("replicas", [])
