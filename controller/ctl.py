@@ -1,4 +1,5 @@
-"""skylb-ctl: the operator's command line for the SkyLB controller (add, remove and list replicas and balancers).
+"""skylb-ctl: the operator's command line for the SkyLB controller (add, remove and list replicas and balancers;
+the whole system's status at a glance).
 
 Exit status: 0 on success, 1 when the controller refused the request or could not be reached (one line on stderr
 says why), 2 for a usage error.
@@ -18,7 +19,7 @@ from tabulate import tabulate
 
 from controller.store import ENGINES, InvalidInput, normalize_url
 
-__all__ = ["DEFAULT_CONTROLLER", "CtlError", "build_parser", "main"]
+__all__ = ["DEFAULT_CONTROLLER", "CtlError", "build_parser", "main", "system_status"]
 
 #: Where the controller is when neither --controller nor $SKYLB_CONTROLLER says otherwise.
 DEFAULT_CONTROLLER = "http://127.0.0.1:8470"
@@ -31,6 +32,7 @@ examples:
   skylb-ctl replica remove --url http://10.0.0.5:8000
   skylb-ctl balancer list
   skylb-ctl membership --json
+  skylb-ctl status
 """
 
 
@@ -151,8 +153,66 @@ def _replica_table(replicas: list[dict]) -> str:
     if not replicas:
         return "(no replicas)"
     rows = [(r["id"], r["region"], r["engine"], r["url"],
-             "-" if r.get("max_concurrency") is None else r["max_concurrency"]) for r in replicas]
-    return tabulate(rows, headers=["ID", "REGION", "ENGINE", "URL", "MAX CONCURRENCY"])
+             "-" if r.get("max_concurrency") is None else r["max_concurrency"],
+             "yes" if r.get("healthy", True) else "NO") for r in replicas]
+    return tabulate(rows, headers=["ID", "REGION", "ENGINE", "URL", "MAX CONCURRENCY", "HEALTHY"])
+
+
+def _balancer_status(url: str, timeout_s: float) -> tuple[dict | None, str | None]:
+    """A balancer's operator status (``/skylb/v1/status?format=json``), or None and why it could not be read."""
+    headers = {"X-SkyLB-Token": os.environ["SKYLB_PEER_TOKEN"]} if os.environ.get("SKYLB_PEER_TOKEN") else {}
+    try:
+        resp = requests.get(f"{url.rstrip('/')}/skylb/v1/status", params={"format": "json"}, headers=headers,
+                            timeout=timeout_s)
+        resp.raise_for_status()
+        return resp.json(), None
+    except (requests.RequestException, ValueError) as exc:
+        return None, _reason(exc) if isinstance(exc, requests.RequestException) else "not JSON"
+
+
+def system_status(membership: dict, statuses: dict[str, tuple[dict | None, str | None]]) -> dict:
+    """The whole system from the controller's ``membership`` and each balancer's status (by URL): ``{"revision",
+    "balancers": [{"region", "url", "reachable", "error", "queue_len", "available_replicas", "forwarded"}],
+    "replicas": [{"id", "region", "engine", "url", "healthy" (the controller's check), "balancer" (the URL of the
+    balancer serving it, or None), "pending", "running", "outstanding", "available", "reason"}]}``; figures the
+    balancer did not give are None."""
+    balancers, seen = [], {}
+    for b in membership.get("balancers", []):
+        status, error = statuses.get(b["url"], (None, "not asked"))
+        balancers.append({"region": b["region"], "url": b["url"], "reachable": status is not None, "error": error,
+                          "queue_len": status.get("queue_len") if status else None,
+                          "available_replicas": status.get("available_replicas") if status else None,
+                          "forwarded": sum(p.get("forwarded", 0) for p in status.get("peers", [])) if status else None})
+        for r in (status or {}).get("replicas", []):
+            seen[r["id"]] = (b["url"], r)
+    replicas = []
+    for r in membership.get("replicas", []):
+        url, live = seen.get(r["id"], (None, {}))
+        replicas.append({"id": r["id"], "region": r["region"], "engine": r["engine"], "url": r["url"],
+                         "healthy": r.get("healthy", True), "balancer": url,
+                         **{k: live.get(k) for k in ("pending", "running", "outstanding", "available", "reason")}})
+    return {"revision": membership.get("revision"), "balancers": balancers, "replicas": replicas}
+
+
+def _status(api: _Api, args: argparse.Namespace) -> None:
+    membership = api.call("GET", "/v1/membership")
+    statuses = {b["url"]: _balancer_status(b["url"], min(api.timeout_s, 3.0)) for b in membership["balancers"]}
+    view = system_status(membership, statuses)
+    if args.json:
+        _print_json(view)
+        return
+    dash = lambda v: "-" if v is None else v  # noqa: E731
+    print(f"revision {view['revision']}\n")
+    print(tabulate([(b["region"], b["url"], "up" if b["reachable"] else f"DOWN ({b['error']})",
+                     dash(b["available_replicas"]), dash(b["queue_len"]), dash(b["forwarded"]))
+                    for b in view["balancers"]] or [("(no balancers)",)],
+                   headers=["REGION", "BALANCER", "STATE", "AVAILABLE", "QUEUE", "FORWARDED"]))
+    print()
+    print(tabulate([(r["region"], r["id"], r["engine"], "yes" if r["healthy"] else "NO",
+                     "yes" if r["available"] else (r["reason"] or "-"), dash(r["pending"]), dash(r["running"]),
+                     dash(r["outstanding"]), r["url"]) for r in view["replicas"]] or [("(no replicas)",)],
+                   headers=["REGION", "REPLICA", "ENGINE", "HEALTHY", "AVAILABLE", "PENDING", "RUNNING",
+                            "IN FLIGHT", "URL"]))
 
 
 def _balancer_table(balancers: list[dict]) -> str:
@@ -225,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
                                             "and its revision.")
     membership.add_argument("--json", action="store_true", help="print the controller's JSON snapshot")
     membership.set_defaults(run=_membership)
+
+    status = sub.add_parser("status", help="the whole system at a glance: balancers and replicas, live",
+                            description="One view of the system: each region's balancer (reachable, available "
+                                        "replicas, queue, requests forwarded) and each replica (the controller's "
+                                        "health check, and from its balancer: available or why not, pending, "
+                                        "running, in flight). Balancers are asked directly (their operator status "
+                                        "endpoint; $SKYLB_PEER_TOKEN is sent when set).")
+    status.add_argument("--json", action="store_true", help="print the view as JSON")
+    status.set_defaults(run=_status)
     return parser
 
 

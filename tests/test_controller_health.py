@@ -1,8 +1,12 @@
 """The controller's active health check (issue 9, item 1) with real processes: a replica that stops answering
-leaves every balancer's candidates through a membership revision, and comes back when it answers again."""
+leaves every balancer's candidates through a membership revision, and comes back when it answers again; and
+`skylb-ctl status` (item 4) shows it, and a balancer that went away."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import requests
@@ -19,6 +23,21 @@ def _controller_replica(cluster: Cluster, replica_id: str) -> dict:
 
 def _balancer_replicas(cluster: Cluster) -> list[str]:
     return sorted(r["id"] for r in cluster.status("us")["replicas"])
+
+
+def _ctl(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "controller.ctl", "--controller", cluster.controller_url, *args],
+                          capture_output=True, text=True, timeout=30)
+
+
+def _ctl_status(cluster: Cluster) -> dict:
+    """`skylb-ctl status --json`, checked to exit 0; its table form is checked to name every replica."""
+    table = _ctl(cluster, "status")
+    assert table.returncode == 0, table.stderr
+    assert "REPLICA" in table.stdout and "us-a" in table.stdout and "us-b" in table.stdout
+    out = _ctl(cluster, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 def test_unhealthy_replica_leaves_the_candidates_and_comes_back(procs, tmp_path):
@@ -49,6 +68,11 @@ def test_unhealthy_replica_leaves_the_candidates_and_comes_back(procs, tmp_path)
     assert get_json(f"{cluster.controller_url}/healthz")["revision"] == revision + 1
     cluster.wait_until(lambda: _balancer_replicas(cluster) == ["us-b"], timeout_s=5,
                        what="us-a out of the balancer's replicas")
+    view = _ctl_status(cluster)
+    assert [(r["id"], r["healthy"]) for r in view["replicas"]] == [("us-a", False), ("us-b", True)]
+    assert [(b["region"], b["reachable"]) for b in view["balancers"]] == [("us", True)]
+    assert view["replicas"][1]["balancer"] == view["balancers"][0]["url"]
+    assert view["replicas"][1]["pending"] == 0 and view["replicas"][0]["balancer"] is None
     for i in range(3):
         resp = requests.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": f"still served {i}",
                                                             "max_tokens": 2}, timeout=30)
@@ -60,3 +84,10 @@ def test_unhealthy_replica_leaves_the_candidates_and_comes_back(procs, tmp_path)
     cluster.wait_until(lambda: _balancer_replicas(cluster) == ["us-a", "us-b"], timeout_s=5,
                        what="us-a back among the balancer's replicas")
     assert get_json(f"{cluster.controller_url}/healthz")["revision"] == revision + 2
+
+    # The balancer goes away: status still answers (exit 0), saying so.
+    next(p for p in procs.procs if p.name == "balancer-us").stop()
+    view = _ctl_status(cluster)
+    assert [(b["region"], b["reachable"]) for b in view["balancers"]] == [("us", False)]
+    assert view["balancers"][0]["error"] == "connection refused"
+    assert all(r["balancer"] is None and r["pending"] is None for r in view["replicas"])
