@@ -194,6 +194,17 @@ def test_forwarded_request_keeps_its_place_by_age():
     assert [r.id for r in router.expire(now=16.0, timeout_s=5.2)] == ["a", "f"]
 
 
+def test_a_retried_request_goes_back_to_its_place_by_age():
+    """A request whose target failed goes back ahead of younger requests but behind an older forwarded one, so the
+    queue stays in age order and expiry, which looks only at the head, stays exact."""
+    router = _router(peers=())
+    router.enqueue(Request("young", "x", arrived_at=12.0))
+    router.enqueue(Request("old", "x", arrived_at=12.0, forwarded_from="eu", waited_s=5.0))  # joined at 7.0
+    router.requeue(Request("retried", "x", arrived_at=10.0))
+    assert [r.id for r in router.queue] == ["old", "retried", "young"]
+    assert [r.id for r in router.expire(now=17.5, timeout_s=7.2)] == ["old", "retried"]
+
+
 def _busy_router(peer_age_s, *, rate=2.0, sent=0, queue=("old",), waited=0.0):
     """us with both replicas full, a queue, and peer eu with no available replica whose oldest request has waited
     ``peer_age_s`` and which places ``rate`` requests per second."""

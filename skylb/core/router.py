@@ -117,8 +117,9 @@ class Router:
 
     # -- the queue ----------------------------------------------------------------------------------------------
     def requeue(self, request: Request) -> None:
-        """Put ``request`` back at the head (its target failed before the first byte); ignores ``max_queue``."""
-        self.queue.appendleft(request)
+        """Put ``request`` back in its place (its target failed before the first byte): at the head, unless an older
+        forwarded request is queued (``queued_since`` order, as ``enqueue`` keeps it); ignores ``max_queue``."""
+        self._insert(request)
 
     def enqueue(self, request: Request) -> None:
         """Add ``request`` to the FCFS queue in ``queued_since`` order: a client's request goes to the tail, a
@@ -126,6 +127,10 @@ class Router:
         counts). Raises QueueFull when the queue is at ``max_queue``."""
         if len(self.queue) >= self.max_queue:
             raise QueueFull(f"queue is full ({self.max_queue} requests)")
+        self._insert(request)
+
+    def _insert(self, request: Request) -> None:
+        """Insert ``request`` in ``queued_since`` order (after those that joined at the same time)."""
         since = request.queued_since
         if not self.queue or self.queue[-1].queued_since <= since:
             self.queue.append(request)
@@ -148,8 +153,8 @@ class Router:
         """Remove and return the requests that have waited longer than ``timeout_s`` at ``now``.
 
         A request's wait counts from ``queued_since`` (a forwarded request's wait at its first balancer included).
-        Those times never decrease from the head (``enqueue`` keeps the order; a re-queued request goes back to the
-        head and is older than everything behind it), so only the head needs looking at: O(expired), not O(queue),
+        Those times never decrease from the head (``enqueue`` and ``requeue`` keep the order), so only the head
+        needs looking at: O(expired), not O(queue),
         per dispatch tick.
         """
         expired = []
