@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench clean llama-server
+.PHONY: install demo test bench clean llama-server system-packages
 
 install: $(STAMP)
 
@@ -28,7 +28,12 @@ else
 	PYTHON=$(abspath $(PY)) deploy/llamacpp/build-llama-server.sh
 endif
 
-test: install llama-server
+# The real components the tests start on loopback (BIND 9, etcd, HAProxy, Redis), from Debian's packages;
+# instant when present. Without apt-get or root it says what is missing and the tests that need them skip.
+system-packages:
+	deploy/system/install-packages.sh
+
+test: install llama-server system-packages
 	$(PY) -m pytest -q
 
 # The simulated SkyLB evaluation (paper Fig. 8-10, the Mooncake trace at 1x, 2x, 3x and warm), 3 seeds: writes
