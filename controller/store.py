@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -29,6 +29,7 @@ __all__ = [
     "NotFound",
     "Replica",
     "Balancer",
+    "Assignment",
     "Membership",
     "MembershipStore",
     "normalize_url",
@@ -49,7 +50,16 @@ CREATE TABLE IF NOT EXISTS regions (
 CREATE TABLE IF NOT EXISTS balancers (
     url TEXT PRIMARY KEY,
     region TEXT NOT NULL REFERENCES regions(name),
-    last_seen REAL NOT NULL
+    last_seen REAL NOT NULL,
+    healthy INTEGER NOT NULL DEFAULT 1,  -- the controller's active health check
+    draining INTEGER NOT NULL DEFAULT 0  -- `skylb-ctl balancer drain`: no new clients, its replicas served elsewhere
+);
+-- Which region's balancer serves a region's replicas (failover, SkyLB paper §4.2). No row: its own balancer,
+-- epoch 0. Every change of serving region bumps the epoch, so a balancer holding an older one knows it is stale.
+CREATE TABLE IF NOT EXISTS assignments (
+    region TEXT PRIMARY KEY REFERENCES regions(name),
+    balancer_region TEXT NOT NULL,
+    epoch INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS replicas (
     id TEXT PRIMARY KEY,
@@ -58,7 +68,8 @@ CREATE TABLE IF NOT EXISTS replicas (
     engine TEXT NOT NULL,
     created_at REAL NOT NULL,
     max_concurrency INTEGER,  -- parallel slots of an engine without a pending metric; NULL: the adapter's default
-    healthy INTEGER NOT NULL DEFAULT 1  -- the controller's active health check (controller/health.py)
+    healthy INTEGER NOT NULL DEFAULT 1,  -- the controller's active health check (controller/health.py)
+    draining INTEGER NOT NULL DEFAULT 0  -- `skylb-ctl replica drain`: no new requests, in-flight ones finish
 );
 INSERT OR IGNORE INTO meta (key, value) VALUES ('revision', 0);
 """
@@ -90,7 +101,7 @@ class Conflict(StoreError):
 
 
 class NotFound(StoreError):
-    """No replica has the given id."""
+    """No replica (or balancer, or region) has the given id (URL, name)."""
 
     code = 404
     type = "not_found"
@@ -112,10 +123,12 @@ class Replica:
     created_at: float
     max_concurrency: int | None = None
     healthy: bool = True
+    draining: bool = False
 
     def to_dict(self) -> dict:
         """JSON shape: {"id", "region", "url", "engine", "created_at", "max_concurrency" (int or null), "healthy"
-        (the controller's health check: false takes the replica out of every balancer's candidates)}."""
+        (the controller's health check: false takes the replica out of every balancer's candidates), "draining"
+        (true: no new requests; in-flight ones finish)}."""
         return asdict(self)
 
 
@@ -126,9 +139,29 @@ class Balancer:
     region: str
     url: str
     last_seen: float
+    healthy: bool = True
+    draining: bool = False
 
     def to_dict(self) -> dict:
-        """JSON shape: {"region", "url", "last_seen"}."""
+        """JSON shape: {"region", "url", "last_seen", "healthy" (the controller's check), "draining"}."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Which region's balancer serves ``region``'s replicas, and the epoch of that choice.
+
+    ``balancer_region == region`` normally; another region after a failover (SkyLB paper §4.2, "Failure recovery
+    of load balancers"). ``epoch`` (>= 0) grows by one at every change, so a balancer that still holds an older
+    epoch for ``region`` is stale: the controller refuses its heartbeat and balancers ignore older snapshots.
+    """
+
+    region: str
+    balancer_region: str
+    epoch: int = 0
+
+    def to_dict(self) -> dict:
+        """JSON shape: {"region", "balancer_region", "epoch"}."""
         return asdict(self)
 
 
@@ -140,14 +173,17 @@ class Membership:
     regions: list[str]
     balancers: list[Balancer]
     replicas: list[Replica]
+    assignments: list[Assignment] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        """JSON shape: {"revision": int, "regions": [str], "balancers": [dict], "replicas": [dict]}."""
+        """JSON shape: {"revision": int, "regions": [str], "balancers": [dict], "replicas": [dict],
+        "assignments": [dict]} (one assignment per region, its own balancer at epoch 0 unless failed over)."""
         return {
             "revision": self.revision,
             "regions": list(self.regions),
             "balancers": [b.to_dict() for b in self.balancers],
             "replicas": [r.to_dict() for r in self.replicas],
+            "assignments": [a.to_dict() for a in self.assignments],
         }
 
 
@@ -331,8 +367,14 @@ class MembershipStore:
 
     def list_balancers(self) -> list[Balancer]:
         """Registered balancers sorted by region then URL."""
-        rows = self._db.execute("SELECT region, url, last_seen FROM balancers ORDER BY region, url")
-        return [Balancer(region=r["region"], url=r["url"], last_seen=r["last_seen"]) for r in rows]
+        rows = self._db.execute("SELECT * FROM balancers ORDER BY region, url")
+        return [_balancer(row) for row in rows]
+
+    def assignments(self) -> list[Assignment]:
+        """One assignment per region, sorted by region (a region never failed over: its own balancer, epoch 0)."""
+        stored = {row["region"]: Assignment(row["region"], row["balancer_region"], row["epoch"])
+                  for row in self._db.execute("SELECT * FROM assignments")}
+        return [stored.get(region, Assignment(region, region, 0)) for region in self.regions()]
 
     def snapshot(self) -> Membership:
         """Everything at one revision (read in one transaction, so the parts agree with each other)."""
@@ -340,7 +382,7 @@ class MembershipStore:
         try:
             return Membership(
                 revision=self.revision, regions=self.regions(),
-                balancers=self.list_balancers(), replicas=self.list_replicas(),
+                balancers=self.list_balancers(), replicas=self.list_replicas(), assignments=self.assignments(),
             )
         finally:
             self._db.execute("COMMIT")
@@ -408,7 +450,8 @@ class MembershipStore:
             )
             if changed:
                 self._bump()
-        return Balancer(region=region, url=url, last_seen=last_seen), changed
+            row = self._db.execute("SELECT * FROM balancers WHERE url = ?", (url,)).fetchone()
+        return _balancer(row), changed
 
     def set_replica_health(self, replica_id: str, healthy: bool) -> Replica | None:
         """Record the health check's verdict for a replica; bumps the revision only when it changed. Returns the
@@ -421,7 +464,82 @@ class MembershipStore:
             self._bump()
         return self.get_replica(replica_id)
 
+    def set_replica_draining(self, replica_id: str, draining: bool) -> tuple[Replica, bool]:
+        """Start (or cancel) draining a replica; returns (replica, changed). NotFound for an unknown id.
+
+        A draining replica gets no new request from any balancer; the ones in flight finish. The revision moves only
+        when the flag changed.
+        """
+        with self._write():
+            replica = self.get_replica(replica_id)
+            if replica is None:
+                raise NotFound(f"id: no replica {replica_id!r}")
+            if replica.draining == draining:
+                return replica, False
+            self._db.execute("UPDATE replicas SET draining = ? WHERE id = ?", (int(draining), replica_id))
+            self._bump()
+        return self.get_replica(replica_id), True
+
+    def remove_balancer(self, url: str) -> Balancer:
+        """Unregister the balancer at ``url`` and return it; NotFound if none has that URL. A balancer still running
+        registers again at its next heartbeat."""
+        url = normalize_url(url)
+        with self._write():
+            row = self._db.execute("SELECT * FROM balancers WHERE url = ?", (url,)).fetchone()
+            if row is None:
+                raise NotFound(f"url: no balancer at {url}")
+            self._db.execute("DELETE FROM balancers WHERE url = ?", (url,))
+            self._bump()
+        return _balancer(row)
+
+    def set_balancer_health(self, url: str, healthy: bool) -> Balancer | None:
+        """Record the health check's verdict for a balancer; bumps the revision only when it changed. Returns the
+        balancer when its health changed, None when it did not or the balancer is gone."""
+        return self._set_balancer_flag("healthy", url, healthy)
+
+    def set_balancer_draining(self, region: str, draining: bool) -> list[Balancer]:
+        """Start (or cancel) draining every balancer of ``region``; returns those whose flag changed (the revision
+        moves once if any did). NotFound when the region has no balancer."""
+        region = validate_region(region)
+        with self._write():
+            rows = self._db.execute("SELECT * FROM balancers WHERE region = ? ORDER BY url", (region,)).fetchall()
+            if not rows:
+                raise NotFound(f"region: no balancer registered in region {region!r}")
+            changed = [row["url"] for row in rows if bool(row["draining"]) != draining]
+            if changed:
+                self._db.execute("UPDATE balancers SET draining = ? WHERE region = ?", (int(draining), region))
+                self._bump()
+        return [b for b in self.list_balancers() if b.url in changed]
+
+    def assign(self, region: str, balancer_region: str) -> Assignment | None:
+        """Make ``balancer_region``'s balancer serve ``region``'s replicas; returns the new assignment (epoch + 1,
+        revision + 1), or None when it already did. NotFound for a region never seen."""
+        with self._write():
+            known = set(self.regions())
+            for name in (region, balancer_region):
+                if name not in known:
+                    raise NotFound(f"region: no region {name!r}")
+            current = next(a for a in self.assignments() if a.region == region)
+            if current.balancer_region == balancer_region:
+                return None
+            new = Assignment(region, balancer_region, current.epoch + 1)
+            self._db.execute("INSERT INTO assignments (region, balancer_region, epoch) VALUES (?, ?, ?) "
+                             "ON CONFLICT(region) DO UPDATE SET balancer_region = excluded.balancer_region, "
+                             "epoch = excluded.epoch", (region, balancer_region, new.epoch))
+            self._bump()
+        return new
+
     # --- helpers ------------------------------------------------------------------------------------------------
+
+    def _set_balancer_flag(self, column: str, url: str, value: bool) -> Balancer | None:
+        with self._write():
+            row = self._db.execute("SELECT * FROM balancers WHERE url = ?", (url,)).fetchone()
+            if row is None or bool(row[column]) == value:
+                return None
+            self._db.execute(f"UPDATE balancers SET {column} = ? WHERE url = ?", (int(value), url))
+            self._bump()
+            row = self._db.execute("SELECT * FROM balancers WHERE url = ?", (url,)).fetchone()
+        return _balancer(row)
 
     def _migrate(self) -> None:
         """Bring a file written by an older controller up to this schema (adding a column keeps every row)."""
@@ -430,6 +548,12 @@ class MembershipStore:
             self._db.execute("ALTER TABLE replicas ADD COLUMN max_concurrency INTEGER")
         if "healthy" not in columns:
             self._db.execute("ALTER TABLE replicas ADD COLUMN healthy INTEGER NOT NULL DEFAULT 1")
+        if "draining" not in columns:
+            self._db.execute("ALTER TABLE replicas ADD COLUMN draining INTEGER NOT NULL DEFAULT 0")
+        balancer_columns = {row["name"] for row in self._db.execute("PRAGMA table_info(balancers)")}
+        for column, default in (("healthy", 1), ("draining", 0)):
+            if column not in balancer_columns:
+                self._db.execute(f"ALTER TABLE balancers ADD COLUMN {column} INTEGER NOT NULL DEFAULT {default}")
 
     def _write(self) -> "_Transaction":
         return _Transaction(self._db)
@@ -461,4 +585,10 @@ class _Transaction:
 
 def _replica(row: sqlite3.Row) -> Replica:
     return Replica(id=row["id"], region=row["region"], url=row["url"], engine=row["engine"],
-                   created_at=row["created_at"], max_concurrency=row["max_concurrency"], healthy=bool(row["healthy"]))
+                   created_at=row["created_at"], max_concurrency=row["max_concurrency"], healthy=bool(row["healthy"]),
+                   draining=bool(row["draining"]))
+
+
+def _balancer(row: sqlite3.Row) -> Balancer:
+    return Balancer(region=row["region"], url=row["url"], last_seen=row["last_seen"], healthy=bool(row["healthy"]),
+                    draining=bool(row["draining"]))

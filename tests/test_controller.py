@@ -202,7 +202,8 @@ def test_cli_add_list_remove(controller):
     assert "us-1" in table and "eu-gpu" in table and "sglang" in table and "ENGINE" in table
     listed = json.loads(ctl(url, "replica", "list", "--region", "eu", "--json").stdout)
     assert listed == [{"id": "eu-gpu", "region": "eu", "url": "http://10.0.0.2:8000", "engine": "sglang",
-                       "created_at": listed[0]["created_at"], "max_concurrency": None, "healthy": True}]
+                       "created_at": listed[0]["created_at"], "max_concurrency": None, "healthy": True,
+                       "draining": False}]
     membership = json.loads(ctl(url, "membership", "--json").stdout)
     assert membership["revision"] == 2 and membership["regions"] == ["eu", "us"]
     assert "revision: 2" in ctl(url, "membership").stdout
