@@ -21,11 +21,13 @@ class ControllerUnavailable(Exception):
 
 
 class ControllerError(Exception):
-    """The controller refused the request (4xx); ``status`` is the HTTP status, the message is the controller's."""
+    """The controller refused the request (4xx); ``status`` is the HTTP status, ``type`` the error's type (such as
+    "stale_epoch") and the message the controller's."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, type_: str | None = None):
         super().__init__(message)
         self.status = status
+        self.type = type_
 
 
 class ControllerClient:
@@ -58,9 +60,17 @@ class ControllerClient:
             raise ControllerUnavailable(f"{self.base_url}/v1/membership: answer is not a membership snapshot")
         return body
 
-    async def register_balancer(self, region: str, url: str) -> None:
-        """Register this balancer (``url`` is how peers reach it) or, when already registered, refresh last_seen."""
-        await self._request("POST", "/v1/balancers", json={"region": region, "url": url})
+    async def register_balancer(self, region: str, url: str, epochs: dict[str, int] | None = None) -> dict:
+        """Register this balancer (``url`` is how peers reach it) or, when already registered, refresh last_seen.
+
+        ``epochs`` ({region: epoch}) are the assignments this balancer holds (the regions whose replicas it serves);
+        the controller answers 409 ``stale_epoch`` (ControllerError) when one of them was since given to another
+        balancer, and the caller must drop those replicas and re-read membership. Returns the balancer as stored.
+        """
+        body: dict = {"region": region, "url": url}
+        if epochs:
+            body["epochs"] = epochs
+        return await self._request("POST", "/v1/balancers", json=body)
 
     async def _request(self, method: str, path: str, *, extra_s: float = 0, **kwargs: Any) -> dict:
         url = self.base_url + path
@@ -80,5 +90,6 @@ class ControllerClient:
         if resp.status >= 400:
             error = body.get("error")
             message = error.get("message") if isinstance(error, dict) else None
-            raise ControllerError(resp.status, message or f"{method} {url}: HTTP {resp.status}")
+            type_ = error.get("type") if isinstance(error, dict) else None
+            raise ControllerError(resp.status, message or f"{method} {url}: HTTP {resp.status}", type_)
         return body
