@@ -1,12 +1,15 @@
-"""The controller's active health check of replicas (issue 9, item 1; SkyLB paper §4.2 "Service controller").
+"""The controller's active health check of replicas and balancers, and the failover it drives (issue 9, items 1-2;
+SkyLB paper §4.2 "Service controller" and "Failure recovery of load balancers").
 
-Every ``interval_s`` each registered replica is probed through its engine adapter (skylb/engines: the same probe a
-balancer uses for load, so "healthy" means the same thing to both). Rise and fall as in HAProxy's ``check``:
-``fall`` failures in a row mark a healthy replica unhealthy, ``rise`` successes in a row bring it back; a replica
-starts healthy (it was just registered by an operator). A change of verdict is a membership revision, so every
-balancer sees it through its watch and takes the replica out of (or back into) its candidates.
+Each registered replica is probed through its engine adapter (skylb/engines: the same probe a balancer uses for
+load, so "healthy" means the same thing to both); each balancer on ``GET /healthz``. Rise and fall as in HAProxy's
+``check``: ``fall`` failures in a row mark a healthy target unhealthy, ``rise`` successes in a row bring it back; a
+target is checked every ``interval_s`` (``inter``), and every ``fastinter_s`` while a verdict is changing (after a
+first result that disagrees with it), so a dead balancer is found in ``interval_s + (fall - 1) * fastinter_s`` at
+worst. A change of verdict is a membership revision; after each round the failover plan (controller/failover.py)
+reassigns regions whose balancers are all down or draining, and back.
 
-Counters live in memory: a restarted controller starts each replica from its stored verdict with empty counters.
+Counters live in memory: a restarted controller starts each target from its stored verdict with empty counters.
 """
 
 from __future__ import annotations
@@ -18,83 +21,142 @@ from dataclasses import dataclass
 import aiohttp
 import structlog
 
-from controller.store import MembershipStore, Replica
-from skylb.config import HealthCheck
+from controller.failover import plan_assignments
+from controller.store import Assignment, Balancer, MembershipStore, Replica
+from skylb.config import Failover, HealthCheck
 from skylb.engines import adapter_for
 
 __all__ = ["HealthChecker"]
 
 log = structlog.get_logger("skylb.controller")
 
-#: Called with (action, the replica as a dict) after a verdict changed and the store bumped its revision.
+#: Called with (action, the changed replica, balancer or assignment as a dict) after the store bumped its revision.
 OnChange = Callable[[str, dict], Awaitable[None]]
+#: Called with each new assignment (after OnChange), e.g. to point the region's DNS name at its new balancer.
+OnAssignment = Callable[[Assignment], Awaitable[None]]
+
+#: Shortest sleep between two rounds (s): bounds the loop's rate whatever the settings.
+_MIN_SLEEP_S = 0.05
 
 
 @dataclass
 class _Streak:
-    """Consecutive results of one replica's checks: ``ok`` True for a success streak, ``count`` its length."""
+    """Consecutive results of one target's checks: ``ok`` True for a success streak, ``count`` its length;
+    ``next_at`` the loop time (s) of its next check."""
 
     ok: bool = True
     count: int = 0
+    next_at: float = 0.0
 
 
 class HealthChecker:
-    """Checks every replica of ``store`` forever (``run``), recording verdict changes and calling ``on_change``.
+    """Checks every replica and balancer of ``store`` forever (``run``), recording verdict changes, calling
+    ``on_change``, and reassigning regions whose balancers are all down.
 
     Args:
-        store: the membership store (read each round, so added and removed replicas are followed).
-        config: interval, timeout, rise and fall (skylb/config.py ``HealthCheck``).
-        on_change: awaited after each verdict change (the server publishes the new revision to watchers).
+        store: the membership store (read each round, so added and removed targets are followed).
+        config: interval, fastinter, timeout, rise and fall (skylb/config.py ``HealthCheck``).
+        on_change: awaited after each verdict or assignment change (the server publishes the new revision).
+        failover: the failover settings (None or ``enabled: false``: balancers are checked, regions never move).
+        on_assignment: awaited after each assignment change (DNS updates).
     """
 
-    def __init__(self, store: MembershipStore, config: HealthCheck, on_change: OnChange):
+    def __init__(self, store: MembershipStore, config: HealthCheck, on_change: OnChange, *,
+                 failover: Failover | None = None, on_assignment: OnAssignment | None = None):
         self.store = store
         self.config = config
         self.on_change = on_change
+        self.failover = failover
+        self.on_assignment = on_assignment
         self._streaks: dict[str, _Streak] = {}
 
     async def run(self) -> None:
-        """Check every replica each ``interval_s`` until cancelled; a failing check never stops the loop."""
+        """Check each target when due until cancelled; a failing check never stops the loop."""
+        loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession() as session:
+            await self.plan_failover()  # a controller restarted mid-failure resumes from the stored verdicts
             while True:
-                started = asyncio.get_running_loop().time()
-                await self.check_all(session)
-                elapsed = asyncio.get_running_loop().time() - started
-                await asyncio.sleep(max(0.0, self.config.interval_s - elapsed))
+                await self.check_due(session, loop.time())
+                next_at = min((s.next_at for s in self._streaks.values()), default=loop.time() + self.config.interval_s)
+                await asyncio.sleep(max(_MIN_SLEEP_S, next_at - loop.time()))
 
-    async def check_all(self, session: aiohttp.ClientSession) -> None:
-        """One round: probe every replica concurrently, then apply the results in replica order."""
+    async def check_due(self, session: aiohttp.ClientSession, now: float) -> None:
+        """One round: probe every target whose check is due concurrently, then apply the results in order."""
         replicas = self.store.list_replicas()
-        known = {r.id for r in replicas}
+        balancers = self.store.list_balancers()
+        targets = [(f"replica {r.id}", r) for r in replicas] + [(f"balancer {b.url}", b) for b in balancers]
+        known = {key for key, _ in targets}
         for gone in set(self._streaks) - known:
             del self._streaks[gone]
-        results = await asyncio.gather(*(self._probe(session, r) for r in replicas))
-        for replica, ok in zip(replicas, results):
-            await self._record(replica, ok)
+        due = [(key, t) for key, t in targets if self._streak(key, t).next_at <= now]
+        results = await asyncio.gather(*(self._probe(session, t) for _, t in due))
+        for (key, target), ok in zip(due, results):
+            await self._record(key, target, ok, asyncio.get_running_loop().time())
+        # Every round, not only after a verdict change here: an operator's drain also changes which regions are live.
+        await self.plan_failover()
 
-    async def _probe(self, session: aiohttp.ClientSession, replica: Replica) -> bool:
+    async def plan_failover(self) -> None:
+        """Apply the failover plan: assign every region whose serving region should change (epoch + 1 each)."""
+        if self.failover is None or not self.failover.enabled:
+            return
+        current = self.store.assignments()
+        plan = plan_assignments(current, self.store.list_balancers(), self.failover)
+        for a in current:
+            if plan[a.region] == a.balancer_region:
+                continue
+            new = self.store.assign(a.region, plan[a.region])
+            if new is None:
+                continue
+            action = "region_failed_back" if new.balancer_region == new.region else "region_failed_over"
+            log.info("failover", region=new.region, balancer_region=new.balancer_region, epoch=new.epoch,
+                     previous=a.balancer_region)
+            await self.on_change(action, new.to_dict())
+            if self.on_assignment is not None:
+                try:
+                    await self.on_assignment(new)
+                except Exception:  # DNS down must not stop health checks; the next change retries it
+                    log.exception("assignment_hook_failed", region=new.region)
+
+    def _streak(self, key: str, target: Replica | Balancer) -> _Streak:
+        return self._streaks.setdefault(key, _Streak(ok=target.healthy))
+
+    async def _probe(self, session: aiohttp.ClientSession, target: Replica | Balancer) -> bool:
+        timeout_s = self.config.timeout_s
         try:
-            adapter = adapter_for(replica.engine)
+            if isinstance(target, Balancer):
+                async with session.get(f"{target.url}/healthz",
+                                       timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                    return resp.status == 200
+            adapter = adapter_for(target.engine)
             result = await asyncio.wait_for(
-                adapter.probe(session, replica.url, timeout_s=self.config.timeout_s,
-                              max_concurrency=replica.max_concurrency),
-                self.config.timeout_s * 2)
+                adapter.probe(session, target.url, timeout_s=timeout_s, max_concurrency=target.max_concurrency),
+                timeout_s * 2)
             return bool(result.healthy)
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return False
 
-    async def _record(self, replica: Replica, ok: bool) -> None:
-        streak = self._streaks.setdefault(replica.id, _Streak(ok=replica.healthy))
+    async def _record(self, key: str, target: Replica | Balancer, ok: bool, now: float) -> bool:
+        """Count one result; store and announce a verdict change. Returns True when the verdict changed."""
+        streak = self._streak(key, target)
         if streak.ok == ok:
             streak.count += 1
         else:
             streak.ok, streak.count = ok, 1
         needed = self.config.rise if ok else self.config.fall
-        if ok == replica.healthy or streak.count < needed:
-            return
-        changed = self.store.set_replica_health(replica.id, ok)
-        if changed is not None:
-            action = "replica_healthy" if ok else "replica_unhealthy"
-            log.info("health_change", replica=replica.id, region=replica.region, url=replica.url, healthy=ok,
-                     streak=streak.count)
-            await self.on_change(action, changed.to_dict())
+        changing = ok != target.healthy
+        verdict = changing and streak.count >= needed
+        # While the verdict is changing, check again sooner (HAProxy's fastinter).
+        streak.next_at = now + (self.config.fastinter_s if changing and not verdict else self.config.interval_s)
+        if not verdict:
+            return False
+        if isinstance(target, Balancer):
+            changed = self.store.set_balancer_health(target.url, ok)
+            kind, name = "balancer", target.url
+        else:
+            changed = self.store.set_replica_health(target.id, ok)
+            kind, name = "replica", target.id
+        if changed is None:
+            return False
+        log.info("health_change", target=kind, name=name, region=target.region, healthy=ok, streak=streak.count)
+        await self.on_change(f"{kind}_{'healthy' if ok else 'unhealthy'}", changed.to_dict())
+        return True

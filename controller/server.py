@@ -6,11 +6,16 @@ Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH]
 - ``GET /v1/membership[?revision=N&wait=S]`` -> full snapshot; with both, a long poll that answers as soon as the
   revision is > N, or after S seconds (at most 60) with the unchanged state
 - ``GET /v1/replicas[?region=R]``, ``POST /v1/replicas``, ``DELETE /v1/replicas/{id}``
-- ``GET /v1/balancers``, ``POST /v1/balancers`` (register or heartbeat)
+- ``POST /v1/replicas/{id}/drain``, ``POST /v1/replicas/{id}/undrain``
+- ``GET /v1/balancers``, ``POST /v1/balancers`` (register or heartbeat, with the epochs held), ``DELETE
+  /v1/balancers?url=U``
+- ``POST /v1/regions/{region}/drain``, ``POST /v1/regions/{region}/undrain`` (the region's balancers)
+- ``GET /v1/assignments``: which region's balancer serves each region's replicas, and the epoch
 
 Errors are always {"error": {"message", "type", "code"}}. Each membership change logs one structlog JSON line.
-Unless ``controller.health.enabled`` is false, every replica is health-checked (controller/health.py); a change of
-verdict is a membership revision (the replica's ``healthy`` field).
+Unless ``controller.health.enabled`` is false, every replica and balancer is health-checked (controller/health.py); a
+change of verdict is a membership revision (the ``healthy`` field), and a region whose balancers are all down or
+draining is failed over to the closest live region (controller/failover.py; ``assignments`` in the membership).
 """
 
 from __future__ import annotations
@@ -173,12 +178,73 @@ async def list_balancers(request: web.Request) -> web.Response:
 
 
 async def register_balancer(request: web.Request) -> web.Response:
-    """POST /v1/balancers {"region", "url"} -> 200 with the balancer (register, or heartbeat when known)."""
+    """POST /v1/balancers {"region", "url", "epochs"?: {region: epoch}} -> 200 with the balancer (register, or
+    heartbeat when known).
+
+    ``epochs`` are the assignments the balancer holds (the regions whose replicas it serves). When one of them has
+    since been given to another region's balancer at a higher epoch, the heartbeat is recorded but answered 409
+    ``stale_epoch``: the balancer must drop those replicas and re-read membership.
+    """
     body = await _json_object(request)
-    balancer, changed = request.app[STORE].register_balancer(body.get("region"), body.get("url"))
+    unknown = set(body) - {"region", "url", "epochs"}
+    if unknown:
+        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, epochs)")
+    epochs = body.get("epochs") or {}
+    if not isinstance(epochs, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in epochs.items()):
+        raise InvalidInput("epochs", "must be an object of region name to integer epoch")
+    store = request.app[STORE]
+    balancer, changed = store.register_balancer(body.get("region"), body.get("url"))
     if changed:
         await _changed(request.app, "balancer_registered", **balancer.to_dict())
+    stale = [a for a in store.assignments()
+             if a.region in epochs and epochs[a.region] < a.epoch and a.balancer_region != balancer.region]
+    if stale:
+        log.warning("stale_epoch_rejected", balancer=balancer.url, region=balancer.region,
+                    held={a.region: epochs[a.region] for a in stale},
+                    current={a.region: [a.balancer_region, a.epoch] for a in stale})
+        detail = ", ".join(f"{a.region} (held epoch {epochs[a.region]}, now epoch {a.epoch} at "
+                           f"{a.balancer_region}'s balancer)" for a in stale)
+        return _error(409, f"stale epoch: this balancer no longer serves {detail}", "stale_epoch")
     return web.json_response(balancer.to_dict())
+
+
+async def remove_balancer(request: web.Request) -> web.Response:
+    """DELETE /v1/balancers?url=U -> 200 with the removed balancer; 404 when unknown (a running balancer registers
+    again at its next heartbeat: stop it first)."""
+    if not request.query.get("url"):
+        raise InvalidInput("url", "required as a query parameter, e.g. ?url=http://10.0.0.2:8080")
+    balancer = request.app[STORE].remove_balancer(request.query["url"])
+    await _changed(request.app, "balancer_removed", **balancer.to_dict())
+    return web.json_response(balancer.to_dict())
+
+
+async def drain_replica(request: web.Request) -> web.Response:
+    """POST /v1/replicas/{id}/drain (or /undrain) -> 200 with the replica: no new requests reach a draining replica;
+    its in-flight ones finish (``skylb-ctl replica drain`` watches its balancer until they have)."""
+    draining = request.path.endswith("/drain")
+    replica, changed = request.app[STORE].set_replica_draining(request.match_info["id"], draining)
+    if changed:
+        await _changed(request.app, "replica_draining" if draining else "replica_undrained", **replica.to_dict())
+    return web.json_response(replica.to_dict())
+
+
+async def drain_balancer(request: web.Request) -> web.Response:
+    """POST /v1/regions/{region}/drain (or /undrain) -> {"balancers": [...]}: the region's balancers stop being
+    live, so its replicas fail over to the closest live region's balancer (and DNS with them), and its queue is
+    forwarded or finished; undrain brings them back."""
+    draining = request.path.endswith("/drain")
+    store = request.app[STORE]
+    changed = store.set_balancer_draining(request.match_info["region"], draining)
+    for b in changed:
+        await _changed(request.app, "balancer_draining" if draining else "balancer_undrained", **b.to_dict())
+    return web.json_response({"balancers": [b.to_dict() for b in store.list_balancers()
+                                            if b.region == request.match_info["region"]]})
+
+
+async def list_assignments(request: web.Request) -> web.Response:
+    """GET /v1/assignments -> {"assignments": [{"region", "balancer_region", "epoch"}]}."""
+    return web.json_response({"assignments": [a.to_dict() for a in request.app[STORE].assignments()]})
 
 
 async def _changed(app: web.Application, action: str, **fields: Any) -> None:
@@ -197,8 +263,14 @@ def create_app(store: MembershipStore) -> web.Application:
     app.router.add_get("/v1/replicas", list_replicas)
     app.router.add_post("/v1/replicas", add_replica)
     app.router.add_delete("/v1/replicas/{id}", remove_replica)
+    app.router.add_post("/v1/replicas/{id}/drain", drain_replica)
+    app.router.add_post("/v1/replicas/{id}/undrain", drain_replica)
     app.router.add_get("/v1/balancers", list_balancers)
     app.router.add_post("/v1/balancers", register_balancer)
+    app.router.add_delete("/v1/balancers", remove_balancer)
+    app.router.add_post("/v1/regions/{region}/drain", drain_balancer)
+    app.router.add_post("/v1/regions/{region}/undrain", drain_balancer)
+    app.router.add_get("/v1/assignments", list_assignments)
     return app
 
 
@@ -225,7 +297,8 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) 
         log.info("controller_started", host=config.host, port=port, db=config.db, revision=store.revision,
                  health_interval_s=config.health.interval_s if config.health.enabled else None)
         if config.health.enabled:
-            checker = HealthChecker(store, config.health, lambda action, fields: _changed(app, action, **fields))
+            checker = HealthChecker(store, config.health, lambda action, fields: _changed(app, action, **fields),
+                                    failover=config.failover)
             health_task = asyncio.create_task(checker.run())
         await stop.wait()
         log.info("controller_stopping")

@@ -20,7 +20,7 @@ from skylb.core.policies import options_class, policy_options
 
 __all__ = [
     "ConfigError",
-    "ControllerConfig", "HealthCheck",
+    "ControllerConfig", "HealthCheck", "Failover",
     "BalancerConfig",
     "RetryPolicy",
     "OutlierDetection",
@@ -42,9 +42,10 @@ class _Strict(BaseModel):
 
 
 class HealthCheck(_Strict):
-    """The controller's active health check of every replica (HAProxy's ``inter``, ``rise`` and ``fall``, with
-    HAProxy's defaults): each replica is probed every ``interval_s`` through its engine adapter (the same probe the
-    balancers use); ``fall`` failures in a row mark it unhealthy, which takes it out of every balancer's candidates
+    """The controller's active health check of every replica and balancer (HAProxy's ``inter``, ``fastinter``,
+    ``rise`` and ``fall``, with HAProxy's defaults but ``fastinter``): each replica is probed every ``interval_s``
+    through its engine adapter (the same probe the balancers use), each balancer on its ``/healthz``; ``fall``
+    failures in a row mark it unhealthy (a replica leaves every balancer's candidates, a balancer's region fails over)
     through a membership revision; ``rise`` successes in a row bring it back."""
 
     enabled: bool = True
@@ -56,15 +57,38 @@ class HealthCheck(_Strict):
     rise: int = Field(2, ge=1)
     #: Consecutive failures that make a healthy replica unhealthy (HAProxy ``fall``: 3).
     fall: int = Field(3, ge=1)
+    #: Seconds between checks while a verdict is changing, after a first failure or success that disagrees with it
+    #: (HAProxy ``fastinter``); with the defaults a dead balancer is detected 2 + 2 x 0.5 = 3 s after its last good
+    #: check at worst, under two intervals.
+    fastinter_s: float = Field(0.5, gt=0)
+
+
+class Failover(_Strict):
+    """Regional failover of balancers (SkyLB paper §4.2, "Failure recovery of load balancers"): when every balancer
+    of a region is unhealthy or draining, the controller assigns the region's replicas to the closest region whose
+    balancer is live (by ``rtt_ms``), and back when the region's own balancer is healthy again."""
+
+    enabled: bool = True
+    #: Round trips between regions, ms, keyed "a-b" (symmetric), as in ``latency.rtt_ms``. A pair missing here
+    #: counts as farther than every listed one; ties go to the region whose name sorts first.
+    rtt_ms: dict[str, float] = Field(default_factory=dict)
+
+    def rtt(self, a: str, b: str) -> float:
+        """The round trip between regions ``a`` and ``b`` in ms (0 for a == b, infinity when not listed)."""
+        if a == b:
+            return 0.0
+        return self.rtt_ms.get(f"{a}-{b}", self.rtt_ms.get(f"{b}-{a}", float("inf")))
 
 
 class ControllerConfig(_Strict):
-    """Where the controller listens and keeps its SQLite membership store, and how it checks replicas' health."""
+    """Where the controller listens and keeps its SQLite membership store, how it checks the health of replicas
+    and balancers, and how it fails a region's replicas over to another region's balancer."""
 
     host: str = "127.0.0.1"
     port: int = Field(8470, ge=0, le=65535)
     db: str = ".skylb-run/controller.sqlite"
     health: HealthCheck = Field(default_factory=HealthCheck)
+    failover: Failover = Field(default_factory=Failover)
 
 
 class RetryPolicy(_Strict):

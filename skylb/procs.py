@@ -81,6 +81,14 @@ class Proc:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def kill(self) -> None:
+        """SIGKILL the process and every child it started, at once (a crash: nothing gets to clean up)."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.popen.wait(timeout=5)
+
     def stop(self) -> None:
         """Stop the process and every child it started; safe to call twice."""
         if self.popen.poll() is None:

@@ -44,6 +44,10 @@ class Balancer:
         self.session: aiohttp.ClientSession | None = None
         self.relay: Relay | None = None
         self.membership: MembershipWatcher | None = None
+        #: {region: assignment epoch} of the regions whose replicas this balancer serves (sent with heartbeats).
+        self.served_epochs: dict[str, int] = {region: 0}
+        #: True while the operator drains this region's balancers (`skylb-ctl balancer drain`).
+        self.draining = False
         self._tasks: list[asyncio.Task] = []
 
     def now(self) -> float:
@@ -68,8 +72,12 @@ class Balancer:
                            session_header=cfg.session_header)
         self.membership = MembershipWatcher(
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
-            state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session)
-        self.membership.load_persisted()
+            state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
+            held_epochs=lambda: dict(self.served_epochs))
+        # The controller's view first: a balancer restarted after a failover must not serve, from its file, replicas
+        # that moved to another balancer meanwhile. The file when the controller does not answer (static stability).
+        if not await self.membership.fetch_once(timeout_s=2.0):
+            self.membership.load_persisted()
         self.membership.start()
         probers = Probers(self.router, self.session, now=self.now, on_round=self.dispatcher.wake,
                           interval_s=cfg.probe_interval_ms / 1000, timeout_s=cfg.probe_timeout_ms / 1000,
@@ -88,18 +96,35 @@ class Balancer:
             await self.session.close()
 
     def apply_membership(self, snapshot: dict) -> None:
-        """Apply a controller snapshot: this region's healthy replicas (one the controller's health check marked
-        unhealthy is drained: no new requests, its in-flight ones finish), other regions' balancers as peers."""
-        replicas = [(r["id"], r["url"].rstrip("/"), r.get("engine", "vllm"))
-                    for r in snapshot.get("replicas", [])
-                    if r.get("region") == self.region and r.get("healthy", True) is not False]
+        """Apply a controller snapshot.
+
+        Local replicas: the healthy, not draining replicas of every region assigned to this balancer (its own
+        region, and after a failover the regions it took over, SkyLB paper §4.2); one that leaves (unhealthy,
+        draining, reassigned) is drained: no new requests, its in-flight ones finish. Peers: other regions' healthy
+        balancers that are not draining. ``draining`` is set when the operator drains this balancer's region.
+        """
+        assigned = {a["region"]: (a["balancer_region"], a["epoch"]) for a in snapshot.get("assignments", [])}
+        served = {region for region, (by, _) in assigned.items() if by == self.region}
+        if self.region not in assigned:  # a controller from before assignments, or a region not yet known
+            served.add(self.region)
+        self.served_epochs = {region: assigned.get(region, (self.region, 0))[1] for region in served}
+        mine = [r for r in snapshot.get("replicas", []) if r.get("region") in served]
+        replicas = [(r["id"], r["url"].rstrip("/"), r.get("engine", "vllm")) for r in mine
+                    if r.get("healthy", True) is not False and not r.get("draining", False)]
+        live = [b for b in snapshot.get("balancers", [])
+                if b.get("healthy", True) is not False and not b.get("draining", False)]
         peers = [(b["region"], self.cfg.peer_urls.get(b["region"], b["url"]).rstrip("/"))
-                 for b in snapshot.get("balancers", []) if b.get("region") != self.region]
-        limits = {r["id"]: r.get("max_concurrency") for r in snapshot.get("replicas", [])
-                  if r.get("region") == self.region}
-        self.router.set_replicas(replicas, max_concurrency=limits)
+                 for b in live if b.get("region") != self.region and b["region"] not in served]
+        self.draining = any(b.get("draining", False) for b in snapshot.get("balancers", [])
+                            if b.get("region") == self.region)
+        self.router.set_replicas(replicas, max_concurrency={r["id"]: r.get("max_concurrency") for r in mine})
         self.router.set_peers(peers)
         self.dispatcher.wake()
+
+    def in_flight(self) -> int:
+        """Requests this balancer holds: queued, or sent to a replica or a peer and not yet finished."""
+        return (len(self.router.queue) + sum(r.outstanding for r in self.router.replicas.values())
+                + sum(p.outstanding for p in self.router.peers.values()))
 
     def served_models(self, api: str = "openai") -> list[str]:
         """The models this region can serve in dialect ``api``: its replicas' and, by forwarding, its peers'."""

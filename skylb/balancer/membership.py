@@ -37,10 +37,11 @@ class MembershipWatcher:
 
     def __init__(self, *, region: str, advertise_url: str, controller_url: str | None, state_dir: str,
                  apply: Callable[[dict], None], session: aiohttp.ClientSession, wait_s: float = 20.0,
-                 heartbeat_s: float = 10.0):
+                 heartbeat_s: float = 10.0, held_epochs: Callable[[], dict[str, int]] | None = None):
         self.region = region
         self.advertise_url = advertise_url
         self.apply = apply
+        self.held_epochs = held_epochs or (lambda: {})
         self.wait_s = wait_s
         self.heartbeat_s = heartbeat_s
         self.path = Path(state_dir) / f"membership-{region}.json"
@@ -59,6 +60,19 @@ class MembershipWatcher:
         log.info("membership_loaded_from_disk", region=self.region, revision=self.revision, path=str(self.path))
         return True
 
+    async def fetch_once(self, timeout_s: float) -> bool:
+        """Read and apply the controller's membership now; False (nothing applied) when it does not answer within
+        ``timeout_s`` seconds or there is no controller."""
+        if self.client is None:
+            return False
+        try:
+            snapshot = await asyncio.wait_for(self.client.get_membership(), timeout_s)
+        except (ControllerUnavailable, ControllerError, asyncio.TimeoutError):
+            return False
+        self.controller_reachable = True
+        self._apply(snapshot, persist=True)
+        return True
+
     def start(self) -> None:
         """Start watching the controller and heartbeating (no-op without a controller URL)."""
         if self.client is not None:
@@ -73,8 +87,16 @@ class MembershipWatcher:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                await self.client.register_balancer(self.region, self.advertise_url)
-            except (ControllerUnavailable, ControllerError) as exc:
+                await self.client.register_balancer(self.region, self.advertise_url, self.held_epochs())
+            except ControllerError as exc:
+                if exc.type == "stale_epoch":
+                    # Replicas this balancer holds were given to another balancer: drop them now, not at the
+                    # watch's next answer.
+                    log.warning("stale_epoch", region=self.region, error=str(exc))
+                    await self.fetch_once(timeout_s=5.0)
+                else:
+                    log.warning("balancer_registration_failed", region=self.region, error=str(exc))
+            except ControllerUnavailable as exc:
                 log.warning("balancer_registration_failed", region=self.region, error=str(exc))
             await asyncio.sleep(self.heartbeat_s)
 

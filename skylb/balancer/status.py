@@ -27,6 +27,9 @@ def detailed_status(balancer: Balancer) -> dict:
         "policy": balancer.cfg.policy,
         "controller_reachable": balancer.controller_reachable(),
         "membership_revision": membership.revision if membership else None,
+        "draining": balancer.draining,
+        "in_flight": balancer.in_flight(),
+        "served_regions": balancer.served_epochs,
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
@@ -62,8 +65,11 @@ async def handle_status(request: web.Request) -> web.Response:
 
 
 async def handle_healthz(request: web.Request) -> web.Response:
-    """``GET /healthz``: 200 while the process serves (replica health is in /skylb/v1/status and /metrics)."""
-    return web.json_response({"status": "ok", "region": request.app[BALANCER].region})
+    """``GET /healthz``: 200 while the process serves (replica health is in /skylb/v1/status and /metrics); the
+    body says whether the operator is draining it and how many requests it still holds."""
+    balancer = request.app[BALANCER]
+    return web.json_response({"status": "draining" if balancer.draining else "ok", "region": balancer.region,
+                              "in_flight": balancer.in_flight()})
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
