@@ -1,8 +1,10 @@
-"""skylb-ctl: the operator's command line for the SkyLB controller (add, remove and list replicas and balancers;
-the whole system's status at a glance).
+"""skylb-ctl: the operator's command line for the SkyLB controller: replicas (add, remove, drain, list), balancers
+(list, drain, remove), the membership, and the whole system's status at a glance.
 
-Exit status: 0 on success, 1 when the controller refused the request or could not be reached (one line on stderr
-says why), 2 for a usage error.
+Every command takes ``-o json`` (or ``--json``) to print JSON instead of a table or a sentence.
+
+Exit status: 0 success; 1 the controller refused the request or could not be reached (one line on stderr says
+why); 2 a usage error; 3 a drain did not finish within ``--wait-timeout`` (the drain goes on).
 """
 
 from __future__ import annotations
@@ -12,34 +14,43 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import requests
-from tabulate import tabulate
 
+from controller.ctl_views import (balancer_status, balancer_table, replica_table, request_error, status_tables,
+                                  system_status)
 from controller.store import ENGINES, InvalidInput, normalize_url
 
-__all__ = ["DEFAULT_CONTROLLER", "CtlError", "build_parser", "main", "system_status"]
+__all__ = ["DEFAULT_CONTROLLER", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_DRAIN_TIMEOUT", "CtlError",
+           "build_parser", "main", "system_status"]
 
 #: Where the controller is when neither --controller nor $SKYLB_CONTROLLER says otherwise.
 DEFAULT_CONTROLLER = "http://127.0.0.1:8470"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_DRAIN_TIMEOUT = 0, 1, 2, 3
+#: Seconds between two looks at the balancers while waiting for a drain.
+_POLL_S = 0.5
 
 _EXAMPLES = """\
 examples:
   skylb-ctl replica add --region us --url http://10.0.0.5:8000 --engine vllm
-  skylb-ctl replica list --region us
+  skylb-ctl replica list --region us -o json
+  skylb-ctl replica drain us-1            # no new requests; returns when its in-flight ones are done
   skylb-ctl replica remove us-1
-  skylb-ctl replica remove --url http://10.0.0.5:8000
   skylb-ctl balancer list
-  skylb-ctl membership --json
+  skylb-ctl balancer drain us             # its replicas and clients move to the closest region; waits until empty
+  skylb-ctl balancer undrain us
   skylb-ctl status
+  skylb-ctl membership -o json
+
+exit status: 0 ok, 1 refused or unreachable, 2 usage error, 3 drain not finished within --wait-timeout
 """
 
 
 class CtlError(Exception):
     """An expected failure: printed as one line on stderr, exit status ``status``."""
 
-    def __init__(self, message: str, status: int = 1):
+    def __init__(self, message: str, status: int = EXIT_FAILED):
         super().__init__(message)
         self.status = status
 
@@ -57,9 +68,9 @@ class _Api:
             resp = requests.request(method, url, timeout=self.timeout_s, **kwargs)
         except (requests.exceptions.MissingSchema, requests.exceptions.InvalidSchema,
                 requests.exceptions.InvalidURL) as exc:
-            raise CtlError(f"--controller {self.base_url!r} is not an http:// URL ({exc})", status=2) from None
+            raise CtlError(f"--controller {self.base_url!r} is not an http:// URL ({exc})", EXIT_USAGE) from None
         except requests.RequestException as exc:
-            raise CtlError(f"cannot reach the controller at {self.base_url}: {_reason(exc)}") from None
+            raise CtlError(f"cannot reach the controller at {self.base_url}: {request_error(exc)}") from None
         try:
             body = resp.json()
         except ValueError:
@@ -76,19 +87,16 @@ class _Api:
         return body
 
 
-def _reason(exc: requests.RequestException) -> str:
-    # requests nests the interesting part (e.g. "Connection refused") deep inside urllib3's wrapper messages.
-    if isinstance(exc, requests.Timeout):
-        return "timed out"
-    inner: BaseException | None = exc
-    while inner is not None and inner.__context__ is not None and not isinstance(inner, ConnectionRefusedError):
-        inner = inner.__context__
-    if isinstance(inner, ConnectionRefusedError):
-        return "connection refused"
-    return str(exc).splitlines()[0][:200]
+def _quote(value: str) -> str:
+    return requests.utils.quote(value, safe="")
 
 
-# --- commands ---------------------------------------------------------------------------------------------------
+def _emit(args: argparse.Namespace, value: Any, text: Callable[[], str]) -> None:
+    """Print ``value`` as JSON with ``-o json``, else the text ``text()`` makes."""
+    print(json.dumps(value, indent=2) if args.output == "json" else text())
+
+
+# --- replicas -----------------------------------------------------------------------------------------------------
 
 def _replica_add(api: _Api, args: argparse.Namespace) -> None:
     body = {"region": args.region, "url": args.url, "engine": args.engine}
@@ -97,155 +105,182 @@ def _replica_add(api: _Api, args: argparse.Namespace) -> None:
     if args.max_concurrency is not None:
         body["max_concurrency"] = args.max_concurrency
     r = api.call("POST", "/v1/replicas", json=body)
-    if args.json:
-        _print_json(r)
-    else:
-        print(f"added replica {r['id']} (region {r['region']}, {r['engine']} at {r['url']})")
+    _emit(args, r, lambda: f"added replica {r['id']} (region {r['region']}, {r['engine']} at {r['url']})")
+
+
+def _replica_id(api: _Api, args: argparse.Namespace) -> str:
+    if not getattr(args, "url", None):
+        return args.id
+    try:
+        url = normalize_url(args.url)
+    except InvalidInput as exc:
+        raise CtlError(str(exc), EXIT_USAGE) from None
+    matches = [r for r in api.call("GET", "/v1/replicas")["replicas"] if r["url"] == url]
+    if not matches:
+        raise CtlError(f"url: no replica has URL {url}")
+    return matches[0]["id"]
 
 
 def _replica_remove(api: _Api, args: argparse.Namespace) -> None:
-    replica_id = args.id
-    if args.url:
-        try:
-            url = normalize_url(args.url)
-        except InvalidInput as exc:
-            raise CtlError(str(exc), status=2) from None
-        matches = [r for r in api.call("GET", "/v1/replicas")["replicas"] if r["url"] == url]
-        if not matches:
-            raise CtlError(f"url: no replica has URL {url}")
-        replica_id = matches[0]["id"]
-    r = api.call("DELETE", f"/v1/replicas/{requests.utils.quote(replica_id, safe='')}")
-    if args.json:
-        _print_json(r)
-    else:
-        print(f"removed replica {r['id']} (region {r['region']}, {r['engine']} at {r['url']})")
+    r = api.call("DELETE", f"/v1/replicas/{_quote(_replica_id(api, args))}")
+    _emit(args, r, lambda: f"removed replica {r['id']} (region {r['region']}, {r['engine']} at {r['url']})")
 
 
 def _replica_list(api: _Api, args: argparse.Namespace) -> None:
     params = {"region": args.region} if args.region else {}
     replicas = api.call("GET", "/v1/replicas", params=params)["replicas"]
-    if args.json:
-        _print_json(replicas)
-    else:
-        print(_replica_table(replicas))
+    _emit(args, replicas, lambda: replica_table(replicas))
 
+
+def _replica_drain(api: _Api, args: argparse.Namespace) -> None:
+    replica_id = _replica_id(api, args)
+    r = api.call("POST", f"/v1/replicas/{_quote(replica_id)}/drain")
+    if not args.wait:
+        _emit(args, {"replica": r, "done": None}, lambda: f"draining replica {replica_id}: no new requests")
+        return
+    revision = api.call("GET", "/v1/membership")["revision"]
+
+    def left() -> tuple[int, list[str]]:
+        """Requests still in flight on the replica, and the balancers that could not be asked or lag behind."""
+        in_flight, unsure = 0, []
+        for b in api.call("GET", "/v1/balancers")["balancers"]:
+            status, error = balancer_status(b["url"], min(api.timeout_s, 3.0))
+            if status is None:
+                continue  # a balancer that is down sends nothing; `status` shows it
+            if (status.get("membership_revision") or 0) < revision:
+                unsure.append(b["url"])
+            in_flight += sum(x.get("outstanding") or 0 for x in status.get("replicas", []) if x["id"] == replica_id)
+        return in_flight, unsure
+
+    waited = _wait(args, left, f"replica {replica_id}")
+    _emit(args, {"replica": r, "done": True, "waited_s": waited},
+          lambda: f"replica {replica_id} drained: no requests in flight ({waited:.1f} s); "
+                  f"`skylb-ctl replica remove {replica_id}` takes it out, `replica undrain` puts it back")
+
+
+def _replica_undrain(api: _Api, args: argparse.Namespace) -> None:
+    replica_id = _replica_id(api, args)
+    r = api.call("POST", f"/v1/replicas/{_quote(replica_id)}/undrain")
+    _emit(args, r, lambda: f"replica {replica_id} takes new requests again")
+
+
+# --- balancers ----------------------------------------------------------------------------------------------------
 
 def _balancer_list(api: _Api, args: argparse.Namespace) -> None:
-    balancers = api.call("GET", "/v1/balancers")["balancers"]
-    if args.json:
-        _print_json(balancers)
-    else:
-        print(_balancer_table(balancers))
+    m = api.call("GET", "/v1/membership")
+    _emit(args, m["balancers"], lambda: balancer_table(m["balancers"], m.get("assignments")))
 
+
+def _balancer_drain(api: _Api, args: argparse.Namespace) -> None:
+    region = args.region
+    body = api.call("POST", f"/v1/regions/{_quote(region)}/drain")
+    if not args.wait:
+        _emit(args, {"balancers": body["balancers"], "done": None},
+              lambda: f"draining region {region}'s balancers: its replicas and clients move to the closest region")
+        return
+    revision = api.call("GET", "/v1/membership")["revision"]
+
+    def left() -> tuple[int, list[str]]:
+        in_flight, unsure = 0, []
+        for b in body["balancers"]:
+            status, _ = balancer_status(b["url"], min(api.timeout_s, 3.0))
+            if status is None:
+                continue
+            if (status.get("membership_revision") or 0) < revision or not status.get("draining"):
+                unsure.append(b["url"])
+            in_flight += status.get("in_flight") or 0
+        return in_flight, unsure
+
+    waited = _wait(args, left, f"region {region}'s balancers")
+    served_by = {a["region"]: a["balancer_region"] for a in api.call("GET", "/v1/assignments")["assignments"]}
+    _emit(args, {"balancers": body["balancers"], "done": True, "waited_s": waited,
+                 "served_by": served_by.get(region)},
+          lambda: f"region {region}'s balancers drained: nothing queued or in flight ({waited:.1f} s); its replicas "
+                  f"are served by {served_by.get(region)}'s balancer; `skylb-ctl balancer undrain {region}` "
+                  f"brings them back")
+
+
+def _balancer_undrain(api: _Api, args: argparse.Namespace) -> None:
+    body = api.call("POST", f"/v1/regions/{_quote(args.region)}/undrain")
+    _emit(args, body["balancers"], lambda: f"region {args.region}'s balancers take clients and replicas again "
+                                           f"(once healthy)")
+
+
+def _balancer_remove(api: _Api, args: argparse.Namespace) -> None:
+    b = api.call("DELETE", "/v1/balancers", params={"url": args.url})
+    _emit(args, b, lambda: f"removed balancer {b['url']} (region {b['region']}); a running balancer registers "
+                           f"again at its next heartbeat")
+
+
+def _wait(args: argparse.Namespace, left: Callable[[], tuple[int, list[str]]], what: str) -> float:
+    """Poll ``left()`` until nothing is in flight and every balancer has seen the drain; returns the seconds waited.
+    CtlError (exit 3) after ``--wait-timeout``."""
+    started = time.monotonic()
+    while True:
+        in_flight, unsure = left()
+        if in_flight == 0 and not unsure:
+            return time.monotonic() - started
+        if time.monotonic() - started > args.wait_timeout:
+            detail = f"{in_flight} requests still in flight" + (
+                f"; not yet seen by {', '.join(unsure)}" if unsure else "")
+            raise CtlError(f"{what} not drained after {args.wait_timeout:g} s: {detail} (the drain goes on)",
+                           EXIT_DRAIN_TIMEOUT)
+        time.sleep(_POLL_S)
+
+
+# --- the whole system ---------------------------------------------------------------------------------------------
 
 def _membership(api: _Api, args: argparse.Namespace) -> None:
     m = api.call("GET", "/v1/membership")
-    if args.json:
-        _print_json(m)
-        return
-    print(f"revision: {m['revision']}")
-    print(f"regions: {', '.join(m['regions']) or '(none)'}")
-    print(f"\nbalancers:\n{_balancer_table(m['balancers'])}")
-    print(f"\nreplicas:\n{_replica_table(m['replicas'])}")
-
-
-def _replica_table(replicas: list[dict]) -> str:
-    if not replicas:
-        return "(no replicas)"
-    rows = [(r["id"], r["region"], r["engine"], r["url"],
-             "-" if r.get("max_concurrency") is None else r["max_concurrency"],
-             "yes" if r.get("healthy", True) else "NO") for r in replicas]
-    return tabulate(rows, headers=["ID", "REGION", "ENGINE", "URL", "MAX CONCURRENCY", "HEALTHY"])
-
-
-def _balancer_status(url: str, timeout_s: float) -> tuple[dict | None, str | None]:
-    """A balancer's operator status (``/skylb/v1/status?format=json``), or None and why it could not be read."""
-    headers = {"X-SkyLB-Token": os.environ["SKYLB_PEER_TOKEN"]} if os.environ.get("SKYLB_PEER_TOKEN") else {}
-    try:
-        resp = requests.get(f"{url.rstrip('/')}/skylb/v1/status", params={"format": "json"}, headers=headers,
-                            timeout=timeout_s)
-        resp.raise_for_status()
-        return resp.json(), None
-    except (requests.RequestException, ValueError) as exc:
-        return None, _reason(exc) if isinstance(exc, requests.RequestException) else "not JSON"
-
-
-def system_status(membership: dict, statuses: dict[str, tuple[dict | None, str | None]]) -> dict:
-    """The whole system from the controller's ``membership`` and each balancer's status (by URL): ``{"revision",
-    "balancers": [{"region", "url", "reachable", "error", "queue_len", "available_replicas", "forwarded"}],
-    "replicas": [{"id", "region", "engine", "url", "healthy" (the controller's check), "balancer" (the URL of the
-    balancer serving it, or None), "pending", "running", "outstanding", "available", "reason"}]}``; figures the
-    balancer did not give are None."""
-    balancers, seen = [], {}
-    for b in membership.get("balancers", []):
-        status, error = statuses.get(b["url"], (None, "not asked"))
-        balancers.append({"region": b["region"], "url": b["url"], "reachable": status is not None, "error": error,
-                          "queue_len": status.get("queue_len") if status else None,
-                          "available_replicas": status.get("available_replicas") if status else None,
-                          "forwarded": sum(p.get("forwarded", 0) for p in status.get("peers", [])) if status else None})
-        for r in (status or {}).get("replicas", []):
-            seen[r["id"]] = (b["url"], r)
-    replicas = []
-    for r in membership.get("replicas", []):
-        url, live = seen.get(r["id"], (None, {}))
-        replicas.append({"id": r["id"], "region": r["region"], "engine": r["engine"], "url": r["url"],
-                         "healthy": r.get("healthy", True), "balancer": url,
-                         **{k: live.get(k) for k in ("pending", "running", "outstanding", "available", "reason")}})
-    return {"revision": membership.get("revision"), "balancers": balancers, "replicas": replicas}
+    _emit(args, m, lambda: "\n".join([
+        f"revision: {m['revision']}", f"regions: {', '.join(m['regions']) or '(none)'}",
+        f"\nbalancers:\n{balancer_table(m['balancers'], m.get('assignments'))}",
+        f"\nreplicas:\n{replica_table(m['replicas'])}"]))
 
 
 def _status(api: _Api, args: argparse.Namespace) -> None:
     membership = api.call("GET", "/v1/membership")
-    statuses = {b["url"]: _balancer_status(b["url"], min(api.timeout_s, 3.0)) for b in membership["balancers"]}
+    statuses = {b["url"]: balancer_status(b["url"], min(api.timeout_s, 3.0)) for b in membership["balancers"]}
     view = system_status(membership, statuses)
-    if args.json:
-        _print_json(view)
-        return
-    dash = lambda v: "-" if v is None else v  # noqa: E731
-    print(f"revision {view['revision']}\n")
-    print(tabulate([(b["region"], b["url"], "up" if b["reachable"] else f"DOWN ({b['error']})",
-                     dash(b["available_replicas"]), dash(b["queue_len"]), dash(b["forwarded"]))
-                    for b in view["balancers"]] or [("(no balancers)",)],
-                   headers=["REGION", "BALANCER", "STATE", "AVAILABLE", "QUEUE", "FORWARDED"]))
-    print()
-    print(tabulate([(r["region"], r["id"], r["engine"], "yes" if r["healthy"] else "NO",
-                     "yes" if r["available"] else (r["reason"] or "-"), dash(r["pending"]), dash(r["running"]),
-                     dash(r["outstanding"]), r["url"]) for r in view["replicas"]] or [("(no replicas)",)],
-                   headers=["REGION", "REPLICA", "ENGINE", "HEALTHY", "AVAILABLE", "PENDING", "RUNNING",
-                            "IN FLIGHT", "URL"]))
+    _emit(args, view, lambda: status_tables(view))
 
 
-def _balancer_table(balancers: list[dict]) -> str:
-    if not balancers:
-        return "(no balancers)"
-    now = time.time()
-    rows = [(b["region"], b["url"], f"{max(0.0, now - b['last_seen']):.0f}s ago") for b in balancers]
-    return tabulate(rows, headers=["REGION", "URL", "LAST SEEN"])
+# --- parser -------------------------------------------------------------------------------------------------------
+
+def _output_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-o", "--output", choices=("table", "json"), default="table",
+                        help="print a table or sentence (default), or JSON")
+    common.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
+    return common
 
 
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2))
+def _wait_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-wait", dest="wait", action="store_false",
+                        help="return once the drain has started, without waiting for in-flight requests")
+    parser.add_argument("--wait-timeout", metavar="S", type=float, default=600.0,
+                        help="seconds to wait for in-flight requests before giving up with exit status 3 "
+                             "(default: 600)")
 
-
-# --- parser -----------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     """The `skylb-ctl` argument parser (each command stores its function in ``args.run``)."""
     parser = argparse.ArgumentParser(
-        prog="skylb-ctl", description=__doc__.splitlines()[0], epilog=_EXAMPLES,
+        prog="skylb-ctl", description=__doc__.split("\n\n")[0].replace("\n", " "), epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--controller", metavar="URL", default=os.environ.get("SKYLB_CONTROLLER") or DEFAULT_CONTROLLER,
                         help=f"controller URL (default: $SKYLB_CONTROLLER, else {DEFAULT_CONTROLLER})")
     parser.add_argument("--timeout", metavar="S", type=float, default=10.0,
-                        help="seconds to wait for the controller (default: 10)")
+                        help="seconds to wait for each answer of the controller or a balancer (default: 10)")
+    common = [_output_options()]
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    replica = sub.add_parser("replica", help="add, remove or list replicas (inference engine endpoints)",
-                             description="Add, remove or list replicas (inference engine endpoints).")
+    replica = sub.add_parser("replica", help="add, remove, drain or list replicas (inference engine endpoints)",
+                             description="Add, remove, drain or list replicas (inference engine endpoints).")
     rsub = replica.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    add = rsub.add_parser("add", help="register a replica in a region (the region is created on first use)",
+    add = rsub.add_parser("add", parents=common, help="register a replica in a region (created on first use)",
                           description="Register a replica in a region; the region is created on first use.")
     add.add_argument("--region", required=True, help="region name, e.g. us")
     add.add_argument("--url", required=True, help="the engine's base URL, e.g. http://10.0.0.5:8000")
@@ -256,43 +291,68 @@ def build_parser() -> argparse.ArgumentParser:
                           "or a generic OpenAI server's concurrency limit (default: the adapter's, 1 for ollama, "
                           "8 for openai)")
     add.add_argument("--id", help="replica id (default: <region>-<n>, chosen by the controller)")
-    add.add_argument("--json", action="store_true", help="print the new replica as JSON")
     add.set_defaults(run=_replica_add)
 
-    remove = rsub.add_parser("remove", help="unregister a replica by id or by URL",
-                             description="Unregister a replica, given its id or its URL.")
-    which = remove.add_mutually_exclusive_group(required=True)
-    which.add_argument("id", nargs="?", help="replica id, as shown by `replica list`")
-    which.add_argument("--url", help="remove the replica with this URL instead")
-    remove.add_argument("--json", action="store_true", help="print the removed replica as JSON")
-    remove.set_defaults(run=_replica_remove)
+    for name, run, help_, desc in (
+            ("remove", _replica_remove, "unregister a replica by id or by URL",
+             "Unregister a replica, given its id or its URL. Drain it first to let in-flight requests finish."),
+            ("drain", _replica_drain, "stop new requests to a replica; wait until its in-flight ones are done",
+             "Stop sending new requests to a replica (every balancer), then wait until the requests in flight on "
+             "it are done and say so. The replica stays registered: remove it, or undrain it."),
+            ("undrain", _replica_undrain, "let a drained replica take new requests again",
+             "Let a drained replica take new requests again.")):
+        cmd = rsub.add_parser(name, parents=common, help=help_, description=desc)
+        which = cmd.add_mutually_exclusive_group(required=True)
+        which.add_argument("id", nargs="?", help="replica id, as shown by `replica list`")
+        which.add_argument("--url", help="the replica with this URL instead")
+        if name == "drain":
+            _wait_options(cmd)
+        cmd.set_defaults(run=run)
 
-    lst = rsub.add_parser("list", help="list replicas", description="List replicas, sorted by region then id.")
+    lst = rsub.add_parser("list", parents=common, help="list replicas",
+                          description="List replicas, sorted by region then id.")
     lst.add_argument("--region", help="only this region's replicas")
-    lst.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     lst.set_defaults(run=_replica_list)
 
-    balancer = sub.add_parser("balancer", help="list registered balancers (one or more per region)",
-                              description="Show the balancers that registered with the controller.")
+    balancer = sub.add_parser("balancer", help="list, drain or remove balancers (one or more per region)",
+                              description="List, drain or remove the balancers that registered with the "
+                                          "controller.")
     bsub = balancer.add_subparsers(dest="action", metavar="ACTION", required=True)
-    blst = bsub.add_parser("list", help="list balancers and when each was last seen",
-                           description="List balancers and when each last sent a heartbeat.")
-    blst.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    blst = bsub.add_parser("list", parents=common, help="list balancers: heartbeat, health, drain, what each serves",
+                           description="List balancers: when each last sent a heartbeat, the controller's health "
+                                       "check, drain, and the regions whose replicas it serves (with the epoch).")
     blst.set_defaults(run=_balancer_list)
+    bdrain = bsub.add_parser(
+        "drain", parents=common, help="stop a region's balancers taking requests; wait until they are empty",
+        description="Drain a region's balancers: the region stops being live, so its replicas (and, through DNS, "
+                    "its clients) move to the closest live region's balancer; what it still has queued is "
+                    "forwarded or finished. Waits until nothing is queued or in flight there.")
+    bdrain.add_argument("region", help="the region whose balancers to drain")
+    _wait_options(bdrain)
+    bdrain.set_defaults(run=_balancer_drain)
+    bundrain = bsub.add_parser("undrain", parents=common, help="end a region's drain",
+                               description="End a region's drain: once healthy, its balancers take back its "
+                                           "replicas and clients.")
+    bundrain.add_argument("region", help="the region whose balancers to undrain")
+    bundrain.set_defaults(run=_balancer_undrain)
+    bremove = bsub.add_parser("remove", parents=common, help="unregister a balancer by URL",
+                              description="Unregister a balancer (stop it first: a running balancer registers "
+                                          "again at its next heartbeat).")
+    bremove.add_argument("url", help="the balancer's URL, as shown by `balancer list`")
+    bremove.set_defaults(run=_balancer_remove)
 
-    membership = sub.add_parser("membership", help="show the whole membership and its revision",
-                                description="Show the whole membership (regions, balancers, replicas) "
-                                            "and its revision.")
-    membership.add_argument("--json", action="store_true", help="print the controller's JSON snapshot")
+    membership = sub.add_parser("membership", parents=common, help="show the whole membership and its revision",
+                                description="Show the whole membership (regions, balancers, replicas, "
+                                            "assignments) and its revision.")
     membership.set_defaults(run=_membership)
 
-    status = sub.add_parser("status", help="the whole system at a glance: balancers and replicas, live",
-                            description="One view of the system: each region's balancer (reachable, available "
-                                        "replicas, queue, requests forwarded) and each replica (the controller's "
-                                        "health check, and from its balancer: available or why not, pending, "
-                                        "running, in flight). Balancers are asked directly (their operator status "
-                                        "endpoint; $SKYLB_PEER_TOKEN is sent when set).")
-    status.add_argument("--json", action="store_true", help="print the view as JSON")
+    status = sub.add_parser("status", parents=common, help="the whole system at a glance, live",
+                            description="One view of the system: which balancer serves each region (failover), "
+                                        "each balancer (health, drain, reachable, what it serves, available "
+                                        "replicas, queue, in flight, forwarded and forwarded per second) and each "
+                                        "replica (health, drain, and from its balancer: available or why not, "
+                                        "pending, running, in flight). Balancers are asked directly (their "
+                                        "operator status endpoint; $SKYLB_PEER_TOKEN is sent when set).")
     status.set_defaults(run=_status)
     return parser
 
@@ -303,17 +363,19 @@ def _fail(message: str, status: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `skylb-ctl`; returns the exit status (0 ok, 1 refused or unreachable, 2 usage)."""
+    """Entry point of `skylb-ctl`; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
     if args.timeout <= 0:
-        return _fail("--timeout must be > 0", 2)
+        return _fail("--timeout must be > 0", EXIT_USAGE)
+    if getattr(args, "wait_timeout", 1.0) <= 0:
+        return _fail("--wait-timeout must be > 0", EXIT_USAGE)
     try:
         args.run(_Api(args.controller, args.timeout), args)
     except CtlError as exc:
         return _fail(str(exc), exc.status)
     except BrokenPipeError:  # `skylb-ctl replica list | head`: the reader left; not an error worth a traceback
         sys.stderr.close()
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

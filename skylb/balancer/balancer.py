@@ -9,6 +9,7 @@ it is built from the settings by ``skylb.core.build_router``, the same builder t
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import aiohttp
 
@@ -48,6 +49,7 @@ class Balancer:
         self.served_epochs: dict[str, int] = {region: 0}
         #: True while the operator drains this region's balancers (`skylb-ctl balancer drain`).
         self.draining = False
+        self._forwarded_at: deque[float] = deque(maxlen=10_000)
         self._tasks: list[asyncio.Task] = []
 
     def now(self) -> float:
@@ -61,6 +63,13 @@ class Balancer:
     def _count_routed(self, decision: Decision) -> None:
         self.metrics.routed.labels(self.region, decision.route, decision.target).inc()
         self.metrics.queue_wait.labels(self.region).observe(decision.queued_s)
+        if decision.route != "local":
+            self._forwarded_at.append(self.now())
+
+    def forwarded_rate(self, window_s: float = 60.0) -> float:
+        """Requests forwarded to peers per second over the last ``window_s`` seconds (at most the last 10,000)."""
+        since = self.now() - window_s
+        return round(sum(1 for t in self._forwarded_at if t >= since) / window_s, 3)
 
     async def start(self) -> None:
         """Open the upstream session, load membership, start the dispatcher, probers and controller watch."""

@@ -29,6 +29,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "membership_revision": membership.revision if membership else None,
         "draining": balancer.draining,
         "in_flight": balancer.in_flight(),
+        "forwarded_per_s": balancer.forwarded_rate(),
         "served_regions": balancer.served_epochs,
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,

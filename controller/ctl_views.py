@@ -1,0 +1,131 @@
+"""What skylb-ctl prints: the whole system's status (the controller's membership joined with each balancer's own
+status) and the tables of replicas and balancers."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import requests
+from tabulate import tabulate
+
+__all__ = ["balancer_status", "request_error", "system_status", "status_tables", "replica_table", "balancer_table"]
+
+
+def request_error(exc: requests.RequestException) -> str:
+    """A one-line reason for a failed HTTP call ("connection refused", "timed out", or the first line)."""
+    # requests nests the interesting part (e.g. "Connection refused") deep inside urllib3's wrapper messages.
+    if isinstance(exc, requests.Timeout):
+        return "timed out"
+    inner: BaseException | None = exc
+    while inner is not None and inner.__context__ is not None and not isinstance(inner, ConnectionRefusedError):
+        inner = inner.__context__
+    if isinstance(inner, ConnectionRefusedError):
+        return "connection refused"
+    return str(exc).splitlines()[0][:200]
+
+
+def balancer_status(url: str, timeout_s: float) -> tuple[dict | None, str | None]:
+    """A balancer's operator status (``/skylb/v1/status?format=json``), or None and why it could not be read.
+
+    ``$SKYLB_PEER_TOKEN`` is sent when set.
+    """
+    headers = {"X-SkyLB-Token": os.environ["SKYLB_PEER_TOKEN"]} if os.environ.get("SKYLB_PEER_TOKEN") else {}
+    try:
+        resp = requests.get(f"{url.rstrip('/')}/skylb/v1/status", params={"format": "json"}, headers=headers,
+                            timeout=timeout_s)
+        resp.raise_for_status()
+        return resp.json(), None
+    except requests.RequestException as exc:
+        return None, request_error(exc)
+    except ValueError:
+        return None, "not JSON"
+
+
+def system_status(membership: dict, statuses: dict[str, tuple[dict | None, str | None]]) -> dict:
+    """The whole system from the controller's ``membership`` and each balancer's status (by URL).
+
+    Shape: ``{"revision", "regions": [{"region", "balancer_region" (whose balancer serves its replicas), "epoch"}],
+    "balancers": [{"region", "url", "healthy" (the controller's check), "draining", "reachable", "error",
+    "queue_len", "in_flight", "available_replicas", "forwarded", "forwarded_per_s", "serves" ({region: epoch})}],
+    "replicas": [{"id", "region", "engine", "url", "healthy" (the controller's check), "draining", "balancer" (the
+    URL of the balancer serving it, or None), "pending", "running", "outstanding", "available", "reason"}]}``;
+    figures a balancer did not give are None.
+    """
+    balancers, seen = [], {}
+    for b in membership.get("balancers", []):
+        status, error = statuses.get(b["url"], (None, "not asked"))
+        live = status or {}
+        balancers.append({
+            "region": b["region"], "url": b["url"], "healthy": b.get("healthy", True),
+            "draining": b.get("draining", False), "reachable": status is not None, "error": error,
+            **{k: live.get(k) for k in ("queue_len", "in_flight", "available_replicas", "forwarded_per_s")},
+            "forwarded": sum(p.get("forwarded", 0) for p in live.get("peers", [])) if status else None,
+            "serves": live.get("served_regions")})
+        for r in live.get("replicas", []):
+            seen[r["id"]] = (b["url"], r)
+    replicas = []
+    for r in membership.get("replicas", []):
+        url, live = seen.get(r["id"], (None, {}))
+        replicas.append({"id": r["id"], "region": r["region"], "engine": r["engine"], "url": r["url"],
+                         "healthy": r.get("healthy", True), "draining": r.get("draining", False), "balancer": url,
+                         **{k: live.get(k) for k in ("pending", "running", "outstanding", "available", "reason")}})
+    regions = [{"region": a["region"], "balancer_region": a["balancer_region"], "epoch": a["epoch"]}
+               for a in membership.get("assignments", [])]
+    return {"revision": membership.get("revision"), "regions": regions, "balancers": balancers,
+            "replicas": replicas}
+
+
+def _dash(value: Any) -> Any:
+    return "-" if value is None else value
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def status_tables(view: dict) -> str:
+    """``system_status``'s view as text: regions (who serves them), balancers, replicas."""
+    regions = tabulate([(r["region"], r["balancer_region"] + ("" if r["balancer_region"] == r["region"]
+                                                               else "  (failed over)"), r["epoch"])
+                        for r in view["regions"]] or [("(no regions)",)],
+                       headers=["REGION", "SERVED BY", "EPOCH"])
+    balancers = tabulate(
+        [(b["region"], b["url"], _yes(b["healthy"]), "yes" if b["draining"] else "no",
+          "up" if b["reachable"] else f"DOWN ({b['error']})",
+          ",".join(sorted(b["serves"])) if b["serves"] else "-", _dash(b["available_replicas"]),
+          _dash(b["queue_len"]), _dash(b["in_flight"]), _dash(b["forwarded"]), _dash(b["forwarded_per_s"]))
+         for b in view["balancers"]] or [("(no balancers)",)],
+        headers=["REGION", "BALANCER", "HEALTHY", "DRAINING", "STATE", "SERVES", "AVAILABLE", "QUEUE", "IN FLIGHT",
+                 "FORWARDED", "FWD/S"])
+    replicas = tabulate(
+        [(r["region"], r["id"], r["engine"], _yes(r["healthy"]), "yes" if r["draining"] else "no",
+          "yes" if r["available"] else (r["reason"] or "-"), _dash(r["pending"]), _dash(r["running"]),
+          _dash(r["outstanding"]), r["url"]) for r in view["replicas"]] or [("(no replicas)",)],
+        headers=["REGION", "REPLICA", "ENGINE", "HEALTHY", "DRAINING", "AVAILABLE", "PENDING", "RUNNING",
+                 "IN FLIGHT", "URL"])
+    return f"revision {view['revision']}\n\n{regions}\n\n{balancers}\n\n{replicas}"
+
+
+def replica_table(replicas: list[dict]) -> str:
+    """Replicas as listed by the controller (id, region, engine, URL, slots, health, drain)."""
+    if not replicas:
+        return "(no replicas)"
+    rows = [(r["id"], r["region"], r["engine"], r["url"],
+             "-" if r.get("max_concurrency") is None else r["max_concurrency"],
+             _yes(r.get("healthy", True)), "yes" if r.get("draining") else "no") for r in replicas]
+    return tabulate(rows, headers=["ID", "REGION", "ENGINE", "URL", "MAX CONCURRENCY", "HEALTHY", "DRAINING"])
+
+
+def balancer_table(balancers: list[dict], assignments: list[dict] | None = None) -> str:
+    """Registered balancers (region, URL, last heartbeat, health, drain, the regions whose replicas it serves)."""
+    if not balancers:
+        return "(no balancers)"
+    now = time.time()
+    serves: dict[str, list[str]] = {}
+    for a in assignments or []:
+        serves.setdefault(a["balancer_region"], []).append(f"{a['region']}@{a['epoch']}")
+    rows = [(b["region"], b["url"], f"{max(0.0, now - b['last_seen']):.0f}s ago", _yes(b.get("healthy", True)),
+             "yes" if b.get("draining") else "no", ",".join(serves.get(b["region"], [])) or "-") for b in balancers]
+    return tabulate(rows, headers=["REGION", "URL", "LAST SEEN", "HEALTHY", "DRAINING", "SERVES (REGION@EPOCH)"])
