@@ -104,9 +104,11 @@ class MembershipWatcher:
         backoff = 0.5
         while True:
             try:
-                # The first call is a plain snapshot; later ones long-poll from the revision we hold.
+                # The first call, and the first after a failure, is a plain snapshot (so a restarted controller is
+                # seen at once); later ones long-poll from the revision we hold.
+                poll = self.revision is not None and self.controller_reachable
                 snapshot = await self.client.get_membership(
-                    revision=self.revision, wait_s=self.wait_s if self.revision is not None else 0)
+                    revision=self.revision, wait_s=self.wait_s if poll else 0)
             except (ControllerUnavailable, ControllerError) as exc:
                 if self.controller_reachable:
                     log.warning("controller_unreachable_serving_last_membership", region=self.region,
