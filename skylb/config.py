@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from skylb.core.policies import options_class, policy_options
 
@@ -236,6 +236,14 @@ class DeploymentConfig(_Strict):
             if not name or not name.replace("-", "").replace("_", "").isalnum():
                 raise ValueError(f"region name {name!r} must be letters, digits, '-' or '_'")
         return regions
+
+    @model_validator(mode="after")
+    def _failover_rtt_from_latency(self) -> "DeploymentConfig":
+        # One matrix for one deployment: where the file gives injected round trips but no failover ones, the
+        # controller fails regions over by the same distances.
+        if "latency" in self.model_fields_set and not self.controller.failover.rtt_ms:
+            self.controller.failover.rtt_ms = dict(self.latency.rtt_ms)
+        return self
 
     def balancer_for(self, region: str) -> BalancerConfig:
         """The balancer settings of ``region``: the shared ``balancer`` section with the region's overrides.

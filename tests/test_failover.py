@@ -193,3 +193,41 @@ def test_balancer_serves_exactly_the_regions_assigned_to_it():
     asia = Balancer(BalancerConfig(), region="asia", advertise_url="http://lb-asia:1")
     asia.apply_membership(snapshot({"us": ("eu", 3), "eu": ("eu", 0), "asia": ("asia", 0)}, eu_draining=True))
     assert list(asia.router.replicas) == [] and list(asia.router.peers) == []  # asia-1 unhealthy; no live peer
+
+
+def test_failover_plan():
+    """Pure planner: a region with no live balancer goes to the closest live one (never to another failed one);
+    draining counts as not live; with nobody live, or no balancer registered yet, nothing moves."""
+    from controller.failover import plan_assignments
+    from controller.store import Assignment, Balancer
+    from skylb.config import Failover
+
+    config = Failover(rtt_ms=RTT_MS)
+    own = [Assignment(r, r, 0) for r in ("asia", "eu", "us")]
+
+    def balancers(**state) -> list[Balancer]:
+        return [Balancer(r, f"http://lb-{r}:1", 0.0, healthy=state.get(r) != "down", draining=state.get(r) == "drain")
+                for r in ("asia", "eu", "us")]
+
+    assert plan_assignments(own, balancers(), config) == {"asia": "asia", "eu": "eu", "us": "us"}
+    assert plan_assignments(own, balancers(us="down"), config)["us"] == "eu"
+    assert plan_assignments(own, balancers(us="drain"), config)["us"] == "eu"
+    assert plan_assignments(own, balancers(us="down", eu="down"), config) == {"asia": "asia", "eu": "asia",
+                                                                               "us": "asia"}
+    assert plan_assignments(own, balancers(us="down", eu="down", asia="down"), config) == {
+        "asia": "asia", "eu": "eu", "us": "us"}
+    assert plan_assignments(own, balancers()[:2], config)["us"] == "us"  # us has no balancer registered yet
+    # Unknown round trips count as farthest; ties go to the name that sorts first.
+    assert plan_assignments(own, balancers(us="down"), Failover())["us"] == "asia"
+
+
+def test_failover_round_trips_default_to_the_latency_matrix(tmp_path):
+    from skylb.config import load_config
+
+    path = tmp_path / "d.yaml"
+    path.write_text("latency: {rtt_ms: {us-eu: 70}}\n")
+    assert load_config(path).controller.failover.rtt_ms == {"us-eu": 70}
+    path.write_text("latency: {rtt_ms: {us-eu: 70}}\ncontroller: {failover: {rtt_ms: {us-eu: 5}}}\n")
+    assert load_config(path).controller.failover.rtt_ms == {"us-eu": 5}
+    path.write_text("controller: {port: 1}\n")
+    assert load_config(path).controller.failover.rtt_ms == {}
