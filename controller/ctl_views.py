@@ -99,11 +99,12 @@ def status_tables(view: dict) -> str:
          for b in view["balancers"]] or [("(no balancers)",)],
         headers=["REGION", "BALANCER", "HEALTHY", "DRAINING", "STATE", "SERVES", "AVAILABLE", "QUEUE", "IN FLIGHT",
                  "FORWARDED", "FWD/S"])
+    region_of = {b["url"]: b["region"] for b in view["balancers"]}
     replicas = tabulate(
         [(r["region"], r["id"], r["engine"], _yes(r["healthy"]), "yes" if r["draining"] else "no",
-          "yes" if r["available"] else (r["reason"] or "-"), _dash(r["pending"]), _dash(r["running"]),
-          _dash(r["outstanding"]), r["url"]) for r in view["replicas"]] or [("(no replicas)",)],
-        headers=["REGION", "REPLICA", "ENGINE", "HEALTHY", "DRAINING", "AVAILABLE", "PENDING", "RUNNING",
+          region_of.get(r["balancer"], "-"), "yes" if r["available"] else (r["reason"] or "-"), _dash(r["pending"]),
+          _dash(r["running"]), _dash(r["outstanding"]), r["url"]) for r in view["replicas"]] or [("(no replicas)",)],
+        headers=["REGION", "REPLICA", "ENGINE", "HEALTHY", "DRAINING", "SERVED BY", "AVAILABLE", "PENDING", "RUNNING",
                  "IN FLIGHT", "URL"])
     return f"revision {view['revision']}\n\n{regions}\n\n{balancers}\n\n{replicas}"
 
