@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from controller.dns import DnsConfig
 from skylb.core.policies import options_class, policy_options
 
 __all__ = [
@@ -65,6 +66,8 @@ class ControllerConfig(_Strict):
     port: int = Field(8470, ge=0, le=65535)
     db: str = ".skylb-run/controller.sqlite"
     health: HealthCheck = Field(default_factory=HealthCheck)
+    #: The per-region DNS answer the controller updates (RFC 2136) on failover and recovery; None: no DNS updates.
+    dns: DnsConfig | None = None
 
 
 class RetryPolicy(_Strict):
