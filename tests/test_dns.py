@@ -4,8 +4,10 @@ TSIG through controller/dns.py, and clients that resolve from their region's sou
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import subprocess
+from pathlib import Path
 
 import aiohttp
 import dns.message
@@ -236,3 +238,20 @@ def test_addressing_plan():
             s.bind((client_address(i), 0))
     with pytest.raises(ValueError):
         balancer_address(244)
+
+
+def test_route53_change_batch_has_one_latency_record_per_region_with_a_health_check():
+    """deploy/route53/change-batch.json parses and has, for one name, one latency record per region (us, eu,
+    asia), each with its own set identifier, AWS region and health check; main.tf does the same per balancer."""
+    root = Path(__file__).resolve().parents[1] / "deploy" / "route53"
+    batch = json.loads((root / "change-batch.json").read_text())
+    records = [c["ResourceRecordSet"] for c in batch["Changes"]]
+    assert all(c["Action"] == "UPSERT" for c in batch["Changes"])
+    assert {r["SetIdentifier"] for r in records} == {f"skylb-{r}" for r in REGIONS}
+    assert len({r["Name"] for r in records}) == 1 and all(r["Type"] == "A" and r["TTL"] == 5 for r in records)
+    assert len({r["Region"] for r in records}) == len({r["HealthCheckId"] for r in records}) == len(REGIONS)
+    assert all(len(r["ResourceRecords"]) == 1 for r in records)
+    main_tf = (root / "main.tf").read_text()
+    for needed in ('resource "aws_route53_health_check"', 'resource_path     = "/healthz"', "set_identifier",
+                   "latency_routing_policy", "health_check_id = aws_route53_health_check.balancer[each.key].id"):
+        assert needed in main_tf
