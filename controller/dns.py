@@ -64,6 +64,12 @@ class TsigKey(_Strict):
     secret: str | None = None
     algorithm: Algorithm = "hmac-sha256"
 
+    def tsig(self) -> dns.tsig.Key:
+        """dnspython's key, for ``keyring=`` or ``Message.use_tsig``; ValueError when the secret is missing."""
+        if self.secret is None:
+            raise ValueError(f"TSIG key {self.name} has no secret")
+        return dns.tsig.Key(self.name, self.secret, self.algorithm)
+
 
 class DnsConfig(_Strict):
     """Where and how the controller updates the per-region DNS answer (``controller.dns``)."""
@@ -187,8 +193,7 @@ class DnsUpdater:
 
     def __init__(self, config: DnsConfig):
         self.config = config
-        self._keys = {region: dns.tsig.Key(key.name, key.secret, key.algorithm)
-                      for region, key in config.resolved_keys().items()}
+        self._keys = {region: key.tsig() for region, key in config.resolved_keys().items()}
 
     def _key(self, region: str) -> dns.tsig.Key:
         try:
@@ -197,8 +202,10 @@ class DnsUpdater:
             raise DnsUpdateError(f"no TSIG key for region {region!r} (keys: {', '.join(self._keys)})",
                                  region=region) from None
 
-    async def _send(self, region: str, message: dns.message.Message, what: str) -> dns.message.Message:
-        """Send over TCP (updates and signed queries alike; no truncation), bounded by ``timeout_s``."""
+    async def _send(self, region: str, message: dns.message.Message, what: str,
+                    ok: tuple[int, ...] = (dns.rcode.NOERROR,)) -> dns.message.Message:
+        """Send over TCP (updates and signed queries alike; no truncation), bounded by ``timeout_s``; an answer
+        whose rcode is not in ``ok`` raises DnsUpdateError naming it."""
         cfg = self.config
         try:
             response = await dns.asyncquery.tcp(message, cfg.server, port=cfg.port, timeout=cfg.timeout_s)
@@ -210,7 +217,7 @@ class DnsUpdater:
             raise DnsUpdateError(f"{what} for region {region} at {cfg.server}:{cfg.port} failed: "
                                  f"{type(exc).__name__}: {exc}", region=region) from exc
         rcode = response.rcode()
-        if rcode not in (dns.rcode.NOERROR, dns.rcode.NXDOMAIN):
+        if rcode not in ok:
             name = dns.rcode.to_text(rcode)
             raise DnsUpdateError(f"{what} for region {region} refused by {cfg.server}:{cfg.port}: {name}",
                                  region=region, rcode=name)
@@ -229,10 +236,7 @@ class DnsUpdater:
         for other in self.RECORD_TYPES:  # deletes first: BIND applies an update's records in order, and a CNAME
             update.delete(cfg.name, other)  # cannot be added next to other data
         update.add(cfg.name, cfg.ttl_s, rdtype, data)
-        response = await self._send(region, update, "DNS update")
-        if response.rcode() != dns.rcode.NOERROR:
-            raise DnsUpdateError(f"DNS update for region {region}: {dns.rcode.to_text(response.rcode())}",
-                                 region=region, rcode=dns.rcode.to_text(response.rcode()))
+        await self._send(region, update, "DNS update")
         log.info("dns_pointed", region=region, name=cfg.name, type=rdtype, data=data, ttl_s=cfg.ttl_s)
 
     async def current(self, region: str) -> str | None:
@@ -244,7 +248,7 @@ class DnsUpdater:
         for rdtype in ("A", "AAAA"):
             query = dns.message.make_query(name, rdtype)
             query.use_tsig(self._key(region))
-            response = await self._send(region, query, "DNS query")
+            response = await self._send(region, query, "DNS query", ok=(dns.rcode.NOERROR, dns.rcode.NXDOMAIN))
             for rrset in response.answer:  # an authoritative server puts the name's CNAME first
                 if rrset.name == name and rrset.rdtype == dns.rdatatype.CNAME:
                     return rrset[0].target.to_text().rstrip(".")

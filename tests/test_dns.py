@@ -118,9 +118,7 @@ async def test_wrongly_signed_or_unsigned_update_is_refused(bind):
 async def test_the_key_not_the_address_selects_the_view(bind):
     """An update signed with eu's key sent from us clients' address lands in eu's view (the ``!key`` entries keep
     it out of us's view, which matches that address): only eu's answer changes."""
-    config = bind.dns_config()
-    eu_key_as_us = config.model_copy(update={"keys": {"us": config.keys["eu"]}})
-    update = dns.update.UpdateMessage(bind.zone, keyring=DnsUpdater(eu_key_as_us)._key("us"))
+    update = dns.update.UpdateMessage(bind.zone, keyring=bind.keys["eu"].tsig())
     update.replace(bind.name, TTL_S, "A", "127.0.0.99")
     response = dns.query.tcp(update, bind.host, port=bind.port, source=CLIENTS["us"], timeout=2)
     assert response.rcode() == dns.rcode.NOERROR
@@ -255,3 +253,14 @@ def test_route53_change_batch_has_one_latency_record_per_region_with_a_health_ch
     for needed in ('resource "aws_route53_health_check"', 'resource_path     = "/healthz"', "set_identifier",
                    "latency_routing_policy", "health_check_id = aws_route53_health_check.balancer[each.key].id"):
         assert needed in main_tf
+
+
+async def test_unreachable_server_is_a_dns_update_error():
+    """Nothing listening at the server's port: point() and current() raise DnsUpdateError (rcode None) within
+    the timeout."""
+    config = DnsConfig(port=free_port(), timeout_s=2, keys={"us": {"name": "k", "secret": "c2VjcmV0"}})
+    updater = DnsUpdater(config)
+    for call in (updater.point("us", "127.0.0.11"), updater.current("us")):
+        with pytest.raises(DnsUpdateError, match="failed") as err:
+            await call
+        assert err.value.rcode is None

@@ -43,7 +43,6 @@ import dns.message
 import dns.name
 import dns.query
 import dns.rcode
-import dns.tsig
 
 from controller.dns import DnsConfig, TsigKey
 from skylb.procs import Proc, ProcGroup
@@ -251,9 +250,8 @@ class BindServer:
 
     def _answers(self, region: str) -> bool:
         """Whether named answers the service name in region's view (asked with region's key)."""
-        key = self.keys[region]
         query = dns.message.make_query(self.name, "A")
-        query.use_tsig(dns.tsig.Key(key.name, key.secret, key.algorithm))
+        query.use_tsig(self.keys[region].tsig())
         try:
             response = dns.query.udp(query, self.host, port=self.port, timeout=0.5)
         except (dns.exception.DNSException, OSError):

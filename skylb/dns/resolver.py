@@ -13,6 +13,7 @@ native dependencies; dnspython is pure Python and already required.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import time
 
@@ -71,13 +72,11 @@ class SourceResolver(AbstractResolver):
     async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[ResolveResult]:
         """aiohttp's resolver interface: one result per address."""
         try:
-            socket.inet_pton(family if family in (socket.AF_INET, socket.AF_INET6) else socket.AF_INET, host)
-            addresses = [host]
-        except OSError:
-            addresses = await self.addresses(host, family)
-        family = socket.AF_INET6 if family == socket.AF_INET6 else socket.AF_INET
-        return [ResolveResult(hostname=host, host=a, port=port, family=family, proto=0,
-                              flags=socket.AI_NUMERICHOST) for a in addresses]
+            addresses = [ipaddress.ip_address(host)]
+        except ValueError:
+            addresses = [ipaddress.ip_address(a) for a in await self.addresses(host, family)]
+        return [ResolveResult(hostname=host, host=str(a), port=port, proto=0, flags=socket.AI_NUMERICHOST,
+                              family=socket.AF_INET6 if a.version == 6 else socket.AF_INET) for a in addresses]
 
     async def close(self) -> None:
         """Nothing to release: each query opens and closes its own socket."""
