@@ -6,12 +6,19 @@ deployment YAML (the ``workload`` section validated by bench/workload.py), appli
 starts the deployment, replays the workload with each region's clients calling their own region's balancer (the
 launcher plays DNS; bench/replay.py), prints the report with the deployment checks (:func:`deployment_checks`) and
 writes it as JSON. Every process it started is stopped at the end, also on Ctrl-C, SIGTERM or failure.
+
+With ``--dns`` the launcher no longer plays DNS: BIND 9 runs with a view per region, the balancers listen on
+127.0.0.11, .12, .13 (one port), and each region's clients call the one service URL (``http://llm.skylb.test:PORT``)
+from their region's source address (127.0.11.1, 127.0.12.1, 127.0.13.1), resolving the name against named from
+that address (skylb/dns/resolver.py; the system resolver can neither ask a given port nor pick the source). The
+report then also checks that the name resolved to each region's own balancer (:func:`dns_check`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 import tempfile
@@ -23,9 +30,10 @@ from bench.report import format_table
 from bench.workload import WorkloadConfig, workload_settings
 from skylb.config import ConfigError, DeploymentConfig, default_config_path, load_config
 from skylb.core import policy_names
+from skylb.dns.resolver import SourceResolver, region_connector
 from skylb.local import Deployment
 
-__all__ = ["add_arguments", "main", "apply_overrides", "deployment_checks", "LLAMACPP_REPLICAS",
+__all__ = ["add_arguments", "main", "apply_overrides", "deployment_checks", "dns_check", "LLAMACPP_REPLICAS",
            "LLAMACPP_MAX_TOKEN_SCALE"]
 
 #: With --llamacpp: llama-server replicas per region (unless --replicas says otherwise); each runs on the CPU.
@@ -76,6 +84,22 @@ def deployment_checks(doc: dict, cfg: DeploymentConfig) -> list[tuple[str, bool,
     ]
 
 
+async def dns_check(deployment: Deployment) -> tuple[str, bool, str]:
+    """(check, passed, evidence): each region's clients, asking named from their own source address, get their own
+    region's balancer for the service name."""
+    bind = deployment.bind
+    assert bind is not None, "dns_check needs a deployment started with dns=True"
+    seen, ok = [], True
+    for region, source in deployment.client_addresses.items():
+        try:
+            answer = await SourceResolver(bind.host, bind.port, source=source).addresses(bind.name)
+        except OSError as exc:
+            answer = [f"error: {exc}"]
+        ok = ok and answer == [bind.balancers[region]]
+        seen.append(f"{region} clients ({source}) -> {', '.join(answer)}")
+    return (f"{bind.name} resolves to each region's balancer", ok, "; ".join(seen))
+
+
 def _p90_spread(doc: dict) -> str:
     """The busiest region's TTFT p90 against the least loaded region's (by requests sent), as the demo's headline:
     with forwarding, the busiest region should not wait much longer than the others (issue 8: at most 2x)."""
@@ -110,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-requests", type=int, help="replay at most this many requests")
     parser.add_argument("--out", help="where to write the report JSON (default: in the run directory)")
     parser.add_argument("--run-dir", help="where logs and state go (default: a new directory under .skylb-run/)")
+    parser.add_argument("--dns", action="store_true",
+                        help="run behind DNS as users do: BIND 9 with a view per region, balancers on 127.0.0.11, "
+                        ".12, ...; each region's clients resolve the service name from their own source address")
     parser.add_argument("--keep-running", action="store_true",
                         help="after the replay, keep the deployment up until Ctrl-C (to try it by hand)")
 
@@ -148,6 +175,12 @@ def apply_overrides(cfg: DeploymentConfig, args: argparse.Namespace, *,
     return DeploymentConfig.model_validate(data), settings
 
 
+def _region_connector(server: str, port: int, sources: dict[str, str], region: str):
+    """The connector of ``region``'s clients: resolve from and connect from its source address (no pool limit:
+    the replay is open loop)."""
+    return region_connector(server, port, sources[region], limit=0)
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the deployment and the replay; 0 when every request completed, 1 otherwise, 2 on a config error."""
     try:
@@ -164,18 +197,29 @@ def main(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, _terminate)
-    deployment = Deployment(cfg, run_dir)
+    deployment = Deployment(cfg, run_dir, dns=args.dns)
     _say(f"run directory {run_dir} (process logs in logs/)")
     try:
         deployment.start()
-        doc = asyncio.run(replay_and_report(workload, deployment.balancer_urls, out=out, base_dir=Path.cwd()))
+        balancers, connector_for, pre_checks = deployment.balancer_urls, None, []
+        if args.dns:
+            bind = deployment.bind
+            balancers = dict.fromkeys(deployment.balancer_urls, deployment.service_url)
+            connector_for = functools.partial(_region_connector, bind.host, bind.port, deployment.client_addresses)
+            pre_checks = [asyncio.run(dns_check(deployment))]
+        doc = asyncio.run(replay_and_report(workload, balancers, out=out, base_dir=Path.cwd(),
+                                            connector_for=connector_for))
         print(doc["workload"]["summary"])
         print(format_table(doc["report"]))
-        checks = deployment_checks(doc, cfg)
+        checks = pre_checks + deployment_checks(doc, cfg)
         for name, ok, evidence in checks:
             print(f"  [{'ok' if ok else 'FAILED'}] {name}: {evidence}")
         print(f"report written to {out}")
         if args.keep_running:
+            if args.dns:
+                bind = deployment.bind
+                _say(f"service {deployment.service_url}; e.g. dig @{bind.host} -p {bind.port} -b "
+                     f"{next(iter(deployment.client_addresses.values()))} {bind.name}")
             _say("deployment is up; balancers: " + ", ".join(f"{r}={u}" for r, u in
                                                               deployment.balancer_urls.items()) + "; Ctrl-C stops")
             while True:

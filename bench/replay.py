@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import aiohttp
 from tqdm import tqdm
@@ -259,6 +260,7 @@ async def replay(
     request_timeout_s: float = 300.0,
     deadline_s: float | None = None,
     progress: bool | None = None,
+    connector_for: Callable[[str], aiohttp.BaseConnector] | None = None,
 ) -> ReplayResult:
     """Replay ``requests`` against ``balancers`` ({region: base URL}); returns one record per request.
 
@@ -267,6 +269,9 @@ async def replay(
     name to send; None asks each region's balancer (``GET /v1/models``, first id). ``request_timeout_s`` bounds
     each request, ``deadline_s`` the whole replay (default :func:`default_deadline_s`); requests still in flight
     or unsent at the deadline get failed records. ``progress``: show a tqdm bar (None: only on a TTY).
+    ``connector_for``: region -> a new connector for that region's clients, each region then with its own session
+    (``skylb local --dns``: skylb.dns.resolver.region_connector, which resolves the balancers' one service name from
+    the region's source address; give it ``limit=0``); None: one connector without a pool limit for all regions.
     Raises ReplayError before sending anything when a region has no balancer or the model list is unreadable.
     """
     requests = list(requests)
@@ -294,11 +299,16 @@ async def replay(
     loop = asyncio.get_running_loop()
     # No pool limit (open loop: a full pool would delay sends and distort arrival times); no aiohttp total
     # timeout, because send_request bounds each request itself.
-    connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, request_timeout_s))
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        regions = sorted({r.region for r in requests})
-        models = {g: model or await fetch_model(session, balancers[g]) for g in regions}
+    regions = sorted({r.region for r in requests})
+    async with contextlib.AsyncExitStack() as stack:
+        if connector_for is None:
+            shared = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+            sessions = dict.fromkeys(regions, await stack.enter_async_context(shared))
+        else:
+            sessions = {g: await stack.enter_async_context(
+                aiohttp.ClientSession(connector=connector_for(g), timeout=timeout)) for g in regions}
+        models = {g: model or await fetch_model(sessions[g], balancers[g]) for g in regions}
         bar = tqdm(total=len(requests), desc="replay", unit="req", disable=not progress, file=sys.stderr)
         t0 = loop.time()
 
@@ -319,7 +329,7 @@ async def replay(
                 await asyncio.sleep(delay)
             in_flight[request.id] = loop.time() - t0
             record = await send_request(
-                session, balancers[request.region], models[request.region], request,
+                sessions[request.region], balancers[request.region], models[request.region], request,
                 timeout_s=request_timeout_s, clock_zero=t0,
             )  # fmt: skip
             in_flight.pop(request.id, None)
@@ -361,19 +371,21 @@ async def replay_and_report(
     progress: bool | None = None,
     out: str | Path | None = None,
     base_dir: str | Path | None = None,
+    connector_for: Callable[[str], aiohttp.BaseConnector] | None = None,
 ) -> dict[str, Any]:
     """Load the workload of ``cfg`` for the balancers' regions, replay it, build the report, write it to ``out``.
 
     Returns the JSON document: ``{"workload": {"summary", "config"}, "balancers", "report", "records"}``
     (report: :func:`bench.report.build_report` plus ``ideal_prefix_hit_rate``, the trace window's ideal from
     :func:`bench.ideal.replay_ideal_hit_rate`, None for a closed-loop workload; records:
-    :meth:`RequestRecord.to_dict`). Used by `skylb replay` and by `skylb local`. Raises TraceError, ValueError or
+    :meth:`RequestRecord.to_dict`). ``connector_for``: as in :func:`replay`. Used by `skylb replay` and by
+    `skylb local`. Raises TraceError, ValueError or
     ReplayError before anything is sent.
     """
     requests = load_workload(cfg, list(balancers), base_dir=base_dir)
     result = await replay(
         requests, balancers, model=model, request_timeout_s=cfg.request_timeout_s,
-        deadline_s=deadline_s, progress=progress,
+        deadline_s=deadline_s, progress=progress, connector_for=connector_for,
     )  # fmt: skip
     report = build_report(result.records, result.wall_s)
     report["ideal_prefix_hit_rate"] = replay_ideal_hit_rate(requests)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from controller.dns import DnsConfig
 from skylb.core.policies import options_class, policy_options
 
 __all__ = [
@@ -89,6 +90,8 @@ class ControllerConfig(_Strict):
     db: str = ".skylb-run/controller.sqlite"
     health: HealthCheck = Field(default_factory=HealthCheck)
     failover: Failover = Field(default_factory=Failover)
+    #: The per-region DNS answer the controller updates (RFC 2136) on failover and recovery; None: no DNS updates.
+    dns: DnsConfig | None = None
 
 
 class RetryPolicy(_Strict):

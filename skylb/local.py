@@ -6,6 +6,11 @@ proxy (Toxiproxy API; a real Toxiproxy when TOXIPROXY_URL is set) with one link 
 the configured round trip; one balancer per region, reaching each peer through its link. It registers the replicas
 through the controller's API, waits until every balancer sees them, and stops every process it started.
 
+With ``dns=True`` (``skylb local --dns``) it runs the deployment as users do, behind DNS: the balancers listen on
+distinct loopback addresses (region i on 127.0.0.(11+i)) on one port, and BIND 9 (skylb/dns/bind.py, started
+first) answers the service name with a view per region, so region i's clients, resolving from 127.0.(11+i).1, get
+their own region's balancer; the controller's config carries the views' TSIG keys (``controller.dns``).
+
 Used by `skylb local` (bench/demo.py: the deployment, a workload replay and the report) and by the live benchmark
 (bench/live.py).
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -21,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from skylb.config import DeploymentConfig
+from skylb.dns.bind import BindServer, balancer_address, client_address
 from skylb.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
                             model_alias)
 from skylb.latency.links import LatencyLinks
@@ -41,12 +48,13 @@ class Deployment:
 
     Args:
         cfg: the deployment config; run_dir: where logs, the controller's DB and balancer state go.
+        dns: run BIND 9 with a view per region and put each region's balancer on its own loopback address.
     """
 
     #: Wait, before the replay, until every balancer has a status from every peer (False: region-local runs).
     expects_peers = True
 
-    def __init__(self, cfg: DeploymentConfig, run_dir: Path):
+    def __init__(self, cfg: DeploymentConfig, run_dir: Path, *, dns: bool = False):
         self.cfg = cfg
         self.run_dir = run_dir
         self.procs = ProcGroup(run_dir / "logs", pid_file=run_dir / "pids")
@@ -54,16 +62,29 @@ class Deployment:
         self.controller_url = ""
         self.balancer_urls: dict[str, str] = {}
         self.replica_urls: dict[str, list[str]] = {}
+        self.dns = dns
+        #: With dns: the running BIND server, the one URL every region's clients call (the service name and the
+        #: balancers' port), and region -> the source address its clients resolve and connect from.
+        self.bind: BindServer | None = None
+        self.service_url = ""
+        self.client_addresses: dict[str, str] = {}
 
     def start(self) -> None:
         """Start every process and register the replicas; raises RuntimeError naming the part that failed."""
         cfg, regions = self.cfg, list(self.cfg.regions)
         n_replicas = sum(r.replicas for r in cfg.regions.values())
-        ports = iter(free_ports(2 + len(regions) + n_replicas))
-        controller_port, proxy_port = next(ports), next(ports)
-        balancer_ports = {r: next(ports) for r in regions}
+        ports = iter(free_ports(3 + len(regions) + n_replicas))
+        controller_port, proxy_port, dns_port = next(ports), next(ports), next(ports)
+        if self.dns:
+            hosts = {r: balancer_address(i) for i, r in enumerate(regions)}
+            balancer_ports = dict.fromkeys(regions, _free_port_on(list(hosts.values())))
+        else:
+            hosts = dict.fromkeys(regions, "127.0.0.1")
+            balancer_ports = {r: next(ports) for r in regions}
         self.replica_urls = {r: [f"http://127.0.0.1:{next(ports)}" for _ in range(cfg.regions[r].replicas)]
                              for r in regions}
+        if self.dns:  # first: the controller's config carries the views' keys
+            self._start_dns(hosts, dns_port, balancer_ports[regions[0]])
         config_path = self._write_config()
 
         self.controller_url = f"http://127.0.0.1:{controller_port}"
@@ -99,16 +120,17 @@ class Deployment:
                 if a == b:
                     continue
                 rtt = cfg.latency.rtt(a, b)
-                listen = self.links.link(f"skylb-{a}-to-{b}", f"127.0.0.1:{balancer_ports[b]}", rtt_ms=rtt,
+                listen = self.links.link(f"skylb-{a}-to-{b}", f"{hosts[b]}:{balancer_ports[b]}", rtt_ms=rtt,
                                          jitter_ms=cfg.latency.jitter_ms)
                 peer_args[a] += ["--peer-url", f"{b}=http://{listen}"]
                 _say(f"link {a} -> {b}: round trip {rtt:g} ms via {listen}")
 
         for region in regions:
-            url = f"http://127.0.0.1:{balancer_ports[region]}"
+            url = f"http://{hosts[region]}:{balancer_ports[region]}"
             self.balancer_urls[region] = url
             self.procs.skylb("balancer", "--config", str(config_path), "--region", region,
-                             "--port", str(balancer_ports[region]), "--controller", self.controller_url,
+                             "--host", hosts[region], "--port", str(balancer_ports[region]),
+                             "--controller", self.controller_url,
                              *peer_args[region], name=f"balancer-{region}", wait_url=f"{url}/healthz")
             _say(f"{region}: balancer on {url}")
 
@@ -118,6 +140,19 @@ class Deployment:
                            {"region": region, "url": url, "engine": cfg.emulator.engine})
         _say(f"registered {n_replicas} replicas through the controller")
         self._wait_ready()
+
+    def _start_dns(self, hosts: dict[str, str], dns_port: int, balancer_port: int) -> None:
+        """Start named on 127.0.0.1:``dns_port`` with a view per region answering with ``hosts`` (region ->
+        balancer address); raises RuntimeError with named's log when it does not answer."""
+        self.bind = BindServer(self.run_dir / "dns", hosts, port=dns_port)
+        try:
+            self.bind.start(procs=self.procs)
+        except (RuntimeError, OSError) as exc:
+            raise RuntimeError(f"named: {exc}") from exc
+        self.client_addresses = {r: client_address(i) for i, r in enumerate(hosts)}
+        self.service_url = f"http://{self.bind.name.rstrip('.')}:{balancer_port}"
+        _say(f"DNS: named on 127.0.0.1:{dns_port}, {self.bind.name} in a view per region: "
+             + ", ".join(f"{r} clients ({self.client_addresses[r]}) -> {h}" for r, h in hosts.items()))
 
     def _start_llama_servers(self) -> None:
         """Start one real llama-server per replica (all loading at once), wait until each answers /health with 200,
@@ -159,6 +194,8 @@ class Deployment:
     def _write_config(self) -> Path:
         data = self.cfg.model_dump()
         data["balancer"]["state_dir"] = str(self.run_dir / "state")
+        if self.bind is not None:
+            data["controller"]["dns"] = self.bind.dns_config().model_dump()
         path = self.run_dir / "config.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
@@ -189,6 +226,22 @@ class Deployment:
             except Exception as exc:  # the proxy may already be gone; stopping must go on
                 _say(f"could not remove latency links: {exc}")
         self.procs.stop_all()
+
+
+def _free_port_on(hosts: list[str], attempts: int = 20) -> int:
+    """A TCP port that was free a moment ago on every one of ``hosts`` (the balancers share one port)."""
+    for _ in range(attempts):
+        with socket.socket() as first:
+            first.bind((hosts[0], 0))
+            port = first.getsockname()[1]
+            try:
+                for host in hosts[1:]:
+                    with socket.socket() as s:
+                        s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no port free on all of {', '.join(hosts)} after {attempts} tries")
 
 
 def _post_json(url: str, body: dict) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,3 +113,32 @@ def test_workload_typo_is_a_config_error_before_anything_starts(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "typo.yaml: workload.window: Extra inputs are not permitted" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_local_dns_clients_resolve_their_own_balancer(tmp_path):
+    """`skylb local --dns`: named answers the service name per region (eu clients -> 127.0.0.11, us -> .12), every
+    request goes through the name from its region's source address and completes, a request served locally was
+    served by its own region's balancer, the controller's config carries the views' keys, nothing outlives it."""
+    run_dir = tmp_path / "run"
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "skylb", "local", "--dns", "--config", str(_config(tmp_path)),
+                           "--run-dir", str(run_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if "resolves to each region's balancer" in x)
+    assert line.strip().startswith("[ok] llm.skylb.test. resolves"), line
+    # region i (config order, here eu then us) resolves from 127.0.(11+i).1 to its balancer 127.0.0.(11+i)
+    assert set(re.findall(r"(\w+) clients \(127\.0\.(\d+)\.1\) -> 127\.0\.0\.(\d+)", line)) == {
+        ("eu", "11", "11"), ("us", "12", "12")}
+    doc = json.loads(out.read_text())
+    assert set(doc["balancers"].values()) == {doc["balancers"]["us"]}
+    assert doc["balancers"]["us"].startswith("http://llm.skylb.test:")
+    total = doc["report"]["total"]
+    assert total["sent"] == total["completed"] > 0 and total["failed"] == 0
+    local = [r for r in doc["records"] if r["route"] == "local"]
+    assert local and all(r["served_by"].split("/")[0] == r["region"] for r in local)
+    dns = yaml.safe_load((run_dir / "config.yaml").read_text())["controller"]["dns"]
+    assert set(dns["keys"]) == {"us", "eu"} and dns["name"] == "llm.skylb.test."
+    pids = _pids(run_dir)
+    assert len(pids) == 7  # named, controller, 2 emulators, latency proxy, 2 balancers
+    assert not [p for p in pids if _alive(p)]
