@@ -16,6 +16,7 @@ Errors are always {"error": {"message", "type", "code"}}. Each membership change
 Unless ``controller.health.enabled`` is false, every replica and balancer is health-checked (controller/health.py); a
 change of verdict is a membership revision (the ``healthy`` field), and a region whose balancers are all down or
 draining is failed over to the closest live region (controller/failover.py; ``assignments`` in the membership).
+With ``controller.dns``, each region's DNS answer follows its assignment (controller/dns_sync.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import structlog
 from aiohttp import web
 
 from skylb import aio
+from controller.dns import DnsUpdater
+from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.store import InvalidInput, MembershipStore, StoreError
 from skylb.config import ConfigError, ControllerConfig, load_config
@@ -287,7 +290,7 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) 
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT) if stop is None else ()
     stop = stop or asyncio.Event()
-    health_task: asyncio.Task | None = None
+    tasks: list[asyncio.Task] = []  # the health check (and failover), the DNS sync
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     try:
@@ -296,17 +299,20 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) 
         port = runner.addresses[0][1] if runner.addresses else config.port
         log.info("controller_started", host=config.host, port=port, db=config.db, revision=store.revision,
                  health_interval_s=config.health.interval_s if config.health.enabled else None)
+        dns_sync = DnsSync(store, DnsUpdater(config.dns)) if config.dns else None
+        if dns_sync is not None:
+            tasks.append(asyncio.create_task(dns_sync.run()))
         if config.health.enabled:
             checker = HealthChecker(store, config.health, lambda action, fields: _changed(app, action, **fields),
-                                    failover=config.failover)
-            health_task = asyncio.create_task(checker.run())
+                                    failover=config.failover, on_assignment=dns_sync and dns_sync.changed)
+            tasks.append(asyncio.create_task(checker.run()))
         await stop.wait()
         log.info("controller_stopping")
         await app[WATCH].close()  # long polls answer now instead of holding shutdown for up to a minute
     finally:
-        if health_task is not None:
-            health_task.cancel()
-            await asyncio.gather(health_task, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await runner.cleanup()
         store.close()
         for sig in signals:

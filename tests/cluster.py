@@ -103,12 +103,12 @@ class Cluster:
 
     def start_balancer(self, region: str, regions: list[str], *, port: int | None = None,
                        peer_urls: dict[str, str] | None = None, policy: str | None = None,
-                       name: str | None = None) -> str:
-        """Start ``region``'s balancer against the controller; returns its URL."""
+                       name: str | None = None, host: str = "127.0.0.1") -> str:
+        """Start ``region``'s balancer against the controller, listening on ``host``; returns its URL."""
         port = port or free_port()
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{host}:{port}"
         args = ["balancer", "--config", str(self.config(regions)), "--region", region, "--port", str(port),
-                "--controller", self.controller_url or "http://127.0.0.1:1"]
+                "--host", host, "--controller", self.controller_url or "http://127.0.0.1:1"]
         for peer, peer_url in (peer_urls or {}).items():
             args += ["--peer-url", f"{peer}={peer_url}"]
         if policy:

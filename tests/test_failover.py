@@ -231,3 +231,53 @@ def test_failover_round_trips_default_to_the_latency_matrix(tmp_path):
     assert load_config(path).controller.failover.rtt_ms == {"us-eu": 5}
     path.write_text("controller: {port: 1}\n")
     assert load_config(path).controller.failover.rtt_ms == {}
+
+
+def test_dns_follows_the_failover_and_the_recovery(procs, tmp_path):
+    """With a real BIND 9 (a view per region) and controller.dns: kill us's balancer and us's clients resolve the
+    service name to eu's balancer, which serves us-1; restart it and they resolve to us's again (RFC 2136 + TSIG)."""
+    import dns.message
+    import dns.query
+
+    from skylb.dns.bind import BindServer, balancer_address, client_address
+    from tests.procs import free_port
+    from tests.system import require_binary
+
+    hosts = {region: balancer_address(i) for i, region in enumerate(REGIONS)}
+    bind = BindServer(tmp_path / "named", hosts, port=free_port(), ttl_s=1, named=require_binary("named"))
+    bind.start(procs=procs)
+
+    def answer(region: str) -> str:
+        query = dns.message.make_query(bind.name, "A")
+        response = dns.query.udp(query, bind.host, port=bind.port, source=client_address(REGIONS.index(region)),
+                                 timeout=2)
+        return response.answer[0][0].address
+
+    dns_config = bind.dns_config().model_dump(mode="json")
+    cluster = Cluster(procs, tmp_path, controller={"health": HEALTH, "failover": {"rtt_ms": RTT_MS},
+                                                   "dns": dns_config})
+    cluster.start_controller(REGIONS)
+    port = free_port()
+    for region in REGIONS:
+        (url,) = cluster.start_emulator(1, "--time-scale", "0.05", name=f"emulator-{region}")
+        cluster.add_replica(region, url, replica_id=f"{region}-1")
+        cluster.start_balancer(region, REGIONS, host=hosts[region], port=port)
+    for region in REGIONS:
+        cluster.wait_replicas_healthy(region, 1)
+    assert {region: answer(region) for region in REGIONS} == hosts
+
+    killed = time.monotonic()
+    next(p for p in procs.procs if p.name == "balancer-us").kill()
+    cluster.wait_until(lambda: answer("us") == hosts["eu"], timeout_s=10, what="us's clients sent to eu")
+    print(f"\nDNS: us's clients resolve to eu's balancer {time.monotonic() - killed:.2f} s after the kill")
+    assert answer("eu") == hosts["eu"] and answer("asia") == hosts["asia"]
+    # What a us client now reaches through the name serves its own region's replica.
+    cluster.wait_replicas_healthy("eu", 2, timeout_s=5)
+    cluster.balancers["eu"] = f"http://{answer('us')}:{port}"
+    assert _served_by(cluster, "eu", "us-1")
+
+    restarted = time.monotonic()
+    cluster.start_balancer("us", REGIONS, host=hosts["us"], port=port, name="balancer-us-again")
+    cluster.wait_until(lambda: answer("us") == hosts["us"], timeout_s=10, what="us's clients back at us")
+    print(f"DNS: back at us's balancer {time.monotonic() - restarted:.2f} s after the restart")
+    cluster.wait_until(lambda: _replicas(cluster, "us") == ["us-1"], timeout_s=5, what="us-1 back at us")

@@ -1,0 +1,74 @@
+"""Keep each region's DNS answer on the balancer that serves it (issue 9, item 6): after a failover, a region's
+clients resolve the service name to the closest live region's balancer; after recovery, to their own again.
+
+The desired answer of region R is the address of a live (healthy, not draining) balancer of the region R is
+assigned to (controller/store.py ``assignments``). :class:`DnsSync` writes it through :class:`DnsUpdater` (RFC 2136
+with TSIG) whenever it differs from what it last wrote, woken by an assignment change and every ``resync_s``
+otherwise, so an update that failed (DNS server down) is retried and a restarted controller re-asserts every answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from controller.dns import DnsUpdateError, DnsUpdater, address_of
+from controller.store import Assignment, MembershipStore
+
+__all__ = ["DnsSync"]
+
+log = structlog.get_logger("skylb.controller.dns")
+
+
+class DnsSync:
+    """Drives ``updater`` from ``store``'s assignments; ``run`` until cancelled, ``changed`` to wake it.
+
+    Args:
+        store: the membership store (assignments and balancers are read at each pass).
+        updater: writes one region's answer.
+        resync_s: seconds between passes when nothing wakes it (retries failed updates).
+    """
+
+    def __init__(self, store: MembershipStore, updater: DnsUpdater, *, resync_s: float = 5.0):
+        self.store = store
+        self.updater = updater
+        self.resync_s = resync_s
+        #: {region: address} as last written successfully by this process.
+        self.written: dict[str, str] = {}
+        self._wake = asyncio.Event()
+
+    async def changed(self, assignment: Assignment | None = None) -> None:
+        """An assignment changed: write the answers now (the HealthChecker's ``on_assignment``)."""
+        self._wake.set()
+
+    def desired(self) -> dict[str, str]:
+        """{region: balancer address} for every region whose serving region has a live balancer."""
+        live: dict[str, str] = {}
+        for b in self.store.list_balancers():  # sorted by region, then URL: the first live one answers
+            if b.healthy and not b.draining:
+                live.setdefault(b.region, address_of(b.url))
+        return {a.region: live[a.balancer_region] for a in self.store.assignments() if a.balancer_region in live}
+
+    async def sync(self) -> None:
+        """One pass: write every answer that differs from what was last written; a failure is logged and retried
+        at the next pass."""
+        for region, address in self.desired().items():
+            if self.written.get(region) == address:
+                continue
+            try:
+                await self.updater.point(region, address)
+            except (DnsUpdateError, ValueError) as exc:
+                log.warning("dns_update_failed", region=region, address=address, error=str(exc))
+                continue
+            self.written[region] = address
+
+    async def run(self) -> None:
+        """Sync at start, at every change and every ``resync_s`` until cancelled."""
+        while True:
+            self._wake.clear()
+            await self.sync()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.resync_s)
+            except asyncio.TimeoutError:
+                pass
