@@ -313,6 +313,8 @@ LIVE_BENCHMARKS = {
     "live": "the paper's scenarios scaled down on the local three-region deployment (bench/results/live.md)",
     "calibrate": "the engine model beside the paper's L4 figure and a real llama-server, the same requests on "
                  "both (bench/results/calibration.md)",
+    "failover": "detection, failover, DNS and recovery times when a region's balancer dies, with real processes "
+                "(bench/results/failover.md)",
 }
 
 
