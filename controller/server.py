@@ -1,8 +1,9 @@
 """The membership controller: a JSON REST API over the SQLite membership store, with long-poll watches.
 
-Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH]``. Endpoints:
+Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH | --store etcd --etcd-endpoints
+URLS]``. Endpoints:
 
-- ``GET /healthz`` -> {"status": "ok", "revision": N}
+- ``GET /healthz`` -> {"status": "ok", "revision": N, "store": "sqlite" | "etcd", "leader": bool}
 - ``GET /v1/membership[?revision=N&wait=S]`` -> full snapshot; with both, a long poll that answers as soon as the
   revision is > N, or after S seconds (at most 60) with the unchanged state
 - ``GET /v1/replicas[?region=R]``, ``POST /v1/replicas``, ``DELETE /v1/replicas/{id}``
@@ -10,7 +11,8 @@ Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH]
 
 Errors are always {"error": {"message", "type", "code"}}. Each membership change logs one structlog JSON line.
 Unless ``controller.health.enabled`` is false, every replica is health-checked (controller/health.py); a change of
-verdict is a membership revision (the replica's ``healthy`` field).
+verdict is a membership revision (the replica's ``healthy`` field). On etcd, several controllers serve the API and
+only the elected leader runs the health checks (controller/leader.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from aiohttp import web
 
 from skylb import aio
 from controller.health import HealthChecker
-from controller.store import InvalidInput, MembershipStore, StoreError
+from controller.leader import EtcdElection, SoleLeader, leadership_for
+from controller.store import InvalidInput, StoreError
+from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig, load_config
 from skylb.logs import configure_logging
 
@@ -72,8 +76,9 @@ class RevisionWatch:
                 pass
 
 
-STORE = web.AppKey("store", MembershipStore)
+STORE = web.AppKey("store", Store)
 WATCH = web.AppKey("watch", RevisionWatch)
+LEADERSHIP = web.AppKey("leadership", SoleLeader | EtcdElection)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -126,8 +131,10 @@ def _query_number(request: web.Request, name: str, cast: type, minimum: float) -
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """GET /healthz -> {"status": "ok", "revision": N}."""
-    return web.json_response({"status": "ok", "revision": request.app[STORE].revision})
+    """GET /healthz -> {"status": "ok", "revision": N, "store": kind, "leader": whether this controller leads}."""
+    store = request.app[STORE]
+    return web.json_response({"status": "ok", "revision": store.revision, "store": store.kind,
+                              "leader": request.app[LEADERSHIP].is_leader})
 
 
 async def get_membership(request: web.Request) -> web.Response:
@@ -187,10 +194,12 @@ async def _changed(app: web.Application, action: str, **fields: Any) -> None:
     await app[WATCH].publish(revision)
 
 
-def create_app(store: MembershipStore) -> web.Application:
-    """The controller's aiohttp application over ``store`` (the caller owns and closes the store)."""
+def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = None) -> web.Application:
+    """The controller's aiohttp application over ``store`` (the caller owns and closes the store); ``leadership``
+    (default: the sole leader) says whether this controller leads."""
     app = web.Application(middlewares=[_errors])
     app[STORE] = store
+    app[LEADERSHIP] = leadership or SoleLeader()
     app[WATCH] = RevisionWatch(store.revision)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/membership", get_membership)
@@ -208,32 +217,38 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) 
     Without ``stop``, SIGTERM and SIGINT stop it (the `skylb controller` process); pass an event to embed the
     controller in another asyncio program, which keeps its own signal handling.
     """
-    store = MembershipStore(config.db)
-    app = create_app(store)
+    store = open_store(config)
+    leadership = leadership_for(config, name=f"{config.host}:{config.port}")
+    app = create_app(store, leadership=leadership)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
     await runner.setup()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT) if stop is None else ()
     stop = stop or asyncio.Event()
-    health_task: asyncio.Task | None = None
+    tasks: list[asyncio.Task] = []
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         port = runner.addresses[0][1] if runner.addresses else config.port
-        log.info("controller_started", host=config.host, port=port, db=config.db, revision=store.revision,
-                 health_interval_s=config.health.interval_s if config.health.enabled else None)
-        if config.health.enabled:
+        log.info("controller_started", host=config.host, port=port, store=store.kind, db=config.db,
+                 revision=store.revision, health_interval_s=config.health.interval_s if config.health.enabled else None)
+
+        def lead() -> Awaitable[None]:  # the leader's task, started at each election and cancelled at its end
             checker = HealthChecker(store, config.health, lambda action, fields: _changed(app, action, **fields))
-            health_task = asyncio.create_task(checker.run())
+            return checker.run()
+
+        tasks.append(asyncio.create_task(leadership.run(lead if config.health.enabled else None)))
+        if config.store == "etcd":  # other controllers' writes wake this one's long polls too
+            tasks.append(asyncio.create_task(follow_revisions(store, app[WATCH].publish)))
         await stop.wait()
         log.info("controller_stopping")
         await app[WATCH].close()  # long polls answer now instead of holding shutdown for up to a minute
     finally:
-        if health_task is not None:
-            health_task.cancel()
-            await asyncio.gather(health_task, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await runner.cleanup()
         store.close()
         for sig in signals:
@@ -249,13 +264,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="TCP port to listen on, 0 for any free port (overrides the config)")
     parser.add_argument("--db", metavar="PATH", help="SQLite membership file; its directory is created if missing "
                         "(overrides the config)")
+    parser.add_argument("--store", choices=("sqlite", "etcd"), help="membership store: the SQLite file (one "
+                        "controller) or etcd (several, one elected leader) (overrides the config)")
+    parser.add_argument("--etcd-endpoints", metavar="URLS", help="etcd client URLs, comma-separated, e.g. "
+                        "http://10.0.0.1:2379,http://10.0.0.2:2379 (overrides the config)")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the controller until SIGTERM/SIGINT; returns 0, or 2 for a bad config or flag."""
     try:
         config = load_config(args.config).controller if args.config else ControllerConfig()
-        overrides = {k: v for k in ("host", "port", "db") if (v := getattr(args, k)) is not None}
+        overrides = {k: v for k in ("host", "port", "db", "store") if (v := getattr(args, k)) is not None}
+        if args.etcd_endpoints is not None:
+            overrides["etcd"] = config.etcd.model_dump() | {"endpoints": args.etcd_endpoints.split(",")}
         config = ControllerConfig.model_validate(config.model_dump() | overrides)
     except (ConfigError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"skylb controller: {exc}", file=sys.stderr)
@@ -263,7 +284,7 @@ def main(args: argparse.Namespace) -> int:
     configure_logging()
     try:
         aio.run(serve(config))
-    except (OSError, sqlite3.Error) as exc:  # address in use, db directory not writable, ...
+    except (OSError, sqlite3.Error, StoreError) as exc:  # address in use, db not writable, etcd unreachable, ...
         print(f"skylb controller: {exc}", file=sys.stderr)
         return 1
     return 0
