@@ -139,7 +139,9 @@ class BalancerConfig(_Strict):
     connect_timeout_s: float = Field(5.0, gt=0)
     #: Longest gap between two bytes of a replica's response before the request fails (s).
     read_timeout_s: float = Field(600.0, gt=0)
-    controller_url: str | None = None
+    #: The controller's base URL, or several (a list, or one string with commas) when controllers share etcd:
+    #: the balancer uses one and moves to the next when it does not answer.
+    controller_url: str | list[str] | None = None
     #: How this balancer reaches each peer region, when not the peer's advertised URL (a latency proxy, say).
     peer_urls: dict[str, str] = Field(default_factory=dict)
     #: Where the last membership from the controller is kept, so a restart works while the controller is down.
