@@ -267,25 +267,33 @@ def test_failover_state_survives_reopen(reopen):
 
 # --- SQLite only: files written by older controllers ----------------------------------------------------------------
 
-def test_migration_adds_balancer_health_drain_and_assignments(tmp_path):
-    """A file from before failover existed (balancers without health, replicas without drain) opens intact."""
-    path = tmp_path / "old.sqlite"
+def _old_file(path, replicas_columns: str, rows: str) -> None:
+    """A SQLite file as an older controller wrote it: its replicas table had ``replicas_columns`` after created_at
+    (and balancers had no health or drain); ``rows`` are its INSERT statements."""
     db = sqlite3.connect(path)
-    db.executescript("""
+    db.executescript(f"""
         CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
         CREATE TABLE regions (name TEXT PRIMARY KEY, next_replica_n INTEGER NOT NULL DEFAULT 1);
         CREATE TABLE balancers (url TEXT PRIMARY KEY, region TEXT NOT NULL REFERENCES regions(name),
                                 last_seen REAL NOT NULL);
         CREATE TABLE replicas (id TEXT PRIMARY KEY, region TEXT NOT NULL REFERENCES regions(name),
-                               url TEXT NOT NULL UNIQUE, engine TEXT NOT NULL, created_at REAL NOT NULL,
-                               max_concurrency INTEGER, healthy INTEGER NOT NULL DEFAULT 1);
+                               url TEXT NOT NULL UNIQUE, engine TEXT NOT NULL, created_at REAL NOT NULL
+                               {replicas_columns});
+        {rows}
+    """)
+    db.commit()
+    db.close()
+
+
+def test_migration_adds_balancer_health_drain_and_assignments(tmp_path):
+    """A file from before failover existed (balancers without health, replicas without drain) opens intact."""
+    path = tmp_path / "old.sqlite"
+    _old_file(path, ", max_concurrency INTEGER, healthy INTEGER NOT NULL DEFAULT 1", """
         INSERT INTO meta VALUES ('revision', 2);
         INSERT INTO regions VALUES ('us', 2);
         INSERT INTO balancers VALUES ('http://lb:1', 'us', 3.0);
         INSERT INTO replicas VALUES ('us-1', 'us', 'http://a:1', 'vllm', 5.0, NULL, 1);
     """)
-    db.commit()
-    db.close()
     store = MembershipStore(path)
     snap = store.snapshot()
     assert snap.revision == 2 and not snap.replicas[0].draining
@@ -296,20 +304,11 @@ def test_migration_adds_balancer_health_drain_and_assignments(tmp_path):
 def test_store_migrates_a_file_without_max_concurrency(tmp_path):
     """A SQLite file from before the columns existed opens with its rows intact (max_concurrency None, healthy)."""
     path = tmp_path / "old.sqlite"
-    db = sqlite3.connect(path)
-    db.executescript("""
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-        CREATE TABLE regions (name TEXT PRIMARY KEY, next_replica_n INTEGER NOT NULL DEFAULT 1);
-        CREATE TABLE balancers (url TEXT PRIMARY KEY, region TEXT NOT NULL REFERENCES regions(name),
-                                last_seen REAL NOT NULL);
-        CREATE TABLE replicas (id TEXT PRIMARY KEY, region TEXT NOT NULL REFERENCES regions(name),
-                               url TEXT NOT NULL UNIQUE, engine TEXT NOT NULL, created_at REAL NOT NULL);
+    _old_file(path, "", """
         INSERT INTO meta VALUES ('revision', 1);
         INSERT INTO regions VALUES ('us', 2);
         INSERT INTO replicas VALUES ('us-1', 'us', 'http://a:1', 'vllm', 5.0);
     """)
-    db.commit()
-    db.close()
     store = MembershipStore(path)
     assert store.get_replica("us-1").max_concurrency is None and store.revision == 1
     assert store.get_replica("us-1").healthy
