@@ -12,8 +12,11 @@ always leads (SoleLeader). With etcd, the controllers sharing a key prefix elect
   or when no renewal succeeded for ``ttl_s`` minus one request timeout since the last good one was sent: etcd may
   expire the lease from then on, so the task stops before another controller can be elected;
 - a controller that stops (SIGTERM) revokes its lease, so another leads within ``POLL_S``; one that dies leaves the
-  lease to expire: another leads within ``ttl_s`` + ``POLL_S`` + etcd's expiry check (0.5 s), about 4-6 s with the
-  default 5 s (README.md, "A highly available controller on etcd", has measured times).
+  lease to expire: another leads within ``ttl_s`` + ``POLL_S`` + etcd's expiry check (0.5 s); 3.6-5.3 s measured with
+  the default 5 s (README.md, "A highly available controller on etcd").
+
+The leader's task is restarted (after ``RESTART_S``) when it fails while its controller leads: a health checker that
+met an etcd error must not stay dead for the rest of a long term.
 
 etcd calls run in a worker thread (``asyncio.to_thread``) on the election's own EtcdConnection, so a slow etcd
 delays the API's requests but never the renewal's clock. Each election logs ``leader_elected`` (with ``after_s``, the
@@ -37,7 +40,7 @@ from controller.etcd_store import EtcdConnection
 from controller.store import StoreUnavailable
 from skylb.config import ControllerConfig
 
-__all__ = ["LeaderTask", "SoleLeader", "EtcdElection", "POLL_S", "leadership_for"]
+__all__ = ["LeaderTask", "SoleLeader", "EtcdElection", "POLL_S", "RESTART_S", "leadership_for"]
 
 log = structlog.get_logger("skylb.controller")
 
@@ -46,6 +49,8 @@ LeaderTask = Callable[[], Awaitable[None]]
 
 #: How often a follower looks for a vacant leader key (s); bounds the election time after the key is gone.
 POLL_S = 0.25
+#: Pause before a failed leader's task runs again (s).
+RESTART_S = 1.0
 
 T = TypeVar("T")
 
@@ -57,10 +62,7 @@ class SoleLeader:
 
     async def run(self, lead: LeaderTask | None) -> None:
         """Run ``lead()`` (if given) until cancelled."""
-        if lead is None:
-            await asyncio.Event().wait()
-        else:
-            await lead()
+        await _keep_running(lead)
 
 
 class EtcdElection:
@@ -94,13 +96,12 @@ class EtcdElection:
                 elected = loop.time()
                 self.is_leader = True
                 log.info("leader_elected", leader=self.name, after_s=round(elected - started, 3), ttl_s=self.ttl_s)
-                task = asyncio.create_task(lead()) if lead is not None else None
+                task = asyncio.create_task(_keep_running(lead))
                 try:
                     reason = await self._hold(valid_until)
                 finally:
-                    if task is not None:
-                        task.cancel()
-                        await asyncio.gather(task, return_exceptions=True)
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
                 self.is_leader = False
                 log.warning("leader_lost", leader=self.name, led_s=round(loop.time() - elected, 3), reason=reason)
                 await self._resign()  # the lease may still live (a lost answer): free the key for the others
@@ -173,9 +174,23 @@ class EtcdElection:
         return await asyncio.to_thread(self._etcd.call, op, retry=retry)
 
 
-def leadership_for(config: ControllerConfig, *, name: str = "") -> SoleLeader | EtcdElection:
-    """The leadership of a controller configured with ``config``: elected through etcd, or sole with SQLite."""
+async def _keep_running(lead: LeaderTask | None) -> None:
+    """Run ``lead()`` until cancelled, again ``RESTART_S`` after each time it fails or ends; idle without one."""
+    if lead is None:
+        await asyncio.Event().wait()
+    while True:
+        try:
+            await lead()
+            log.error("leader_task_ended")
+        except Exception:
+            log.exception("leader_task_failed")
+        await asyncio.sleep(RESTART_S)
+
+
+def leadership_for(config: ControllerConfig) -> SoleLeader | EtcdElection:
+    """The leadership of a controller configured with ``config``: elected through etcd (named after this host and
+    the controller's port), or sole with SQLite."""
     if config.store == "etcd":
         return EtcdElection(config.etcd.endpoints, prefix=config.etcd.prefix, ttl_s=config.etcd.lease_ttl_s,
-                            name=name)
+                            name=f"{socket.gethostname()}:{config.port}")
     return SoleLeader()

@@ -218,7 +218,7 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) 
     controller in another asyncio program, which keeps its own signal handling.
     """
     store = open_store(config)
-    leadership = leadership_for(config, name=f"{config.host}:{config.port}")
+    leadership = leadership_for(config)
     app = create_app(store, leadership=leadership)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
     await runner.setup()

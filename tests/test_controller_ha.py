@@ -22,7 +22,8 @@ from etcd3gw.lease import Lease
 
 from controller.client import ControllerClient, ControllerUnavailable
 from controller.etcd_store import EtcdConnection
-from controller.leader import POLL_S, EtcdElection
+from controller import leader
+from controller.leader import POLL_S, EtcdElection, SoleLeader
 from controller.store import StoreUnavailable
 from tests.cluster import MODEL, Cluster, get_json
 from tests.procs import free_port, free_ports
@@ -243,6 +244,28 @@ async def test_election_runs_the_task_on_one_leader_and_hands_over(etcd):
         for run in runs:
             run.cancel()
         await asyncio.gather(*runs, return_exceptions=True)
+
+
+async def test_a_failing_leader_task_runs_again(monkeypatch):
+    """The leader's task is started again after it fails (a health check that met an etcd error), not left dead
+    for the rest of the term."""
+    monkeypatch.setattr(leader, "RESTART_S", 0.01)
+    calls = []
+
+    async def lead() -> None:
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise StoreUnavailable("cannot reach etcd (test)")
+        await asyncio.Event().wait()
+
+    run = asyncio.create_task(SoleLeader().run(lead))
+    try:
+        await _until(lambda: len(calls) == 3, timeout_s=2, what="the third start")
+        await asyncio.sleep(0.1)
+        assert len(calls) == 3 and not run.done()
+    finally:
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
 
 
 # --- ControllerClient with several controllers -------------------------------------------------------------------
