@@ -1,4 +1,5 @@
-"""The membership controller: a JSON REST API over the SQLite membership store, with long-poll watches.
+"""The membership controller: a JSON REST API over the membership store (SQLite, or etcd shared by several
+controllers), with long-poll watches.
 
 Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH | --store etcd --etcd-endpoints
 URLS]``. Endpoints:
