@@ -9,6 +9,7 @@ wrong) and raises ControllerError.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -33,14 +34,25 @@ class ControllerError(Exception):
 class ControllerClient:
     """Talks to the controller at ``base_url`` (e.g. "http://10.0.0.2:8470") over the caller's ``session``.
 
-    ``timeout_s`` bounds each request in seconds; a long poll gets ``wait_s`` on top of it. The caller owns the
-    session and closes it.
+    ``base_url`` may name several controllers sharing one etcd store (a list, or one string with commas): a request
+    goes to the one that answered last and, when that one is unavailable, to the next in turn; ControllerUnavailable
+    only when none answers. ``timeout_s`` bounds each request to one controller in seconds; a long poll gets
+    ``wait_s`` on top of it. The caller owns the session and closes it.
     """
 
-    def __init__(self, base_url: str, *, session: aiohttp.ClientSession, timeout_s: float = 5):
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, base_url: str | Sequence[str], *, session: aiohttp.ClientSession, timeout_s: float = 5):
+        urls = base_url.split(",") if isinstance(base_url, str) else base_url
+        self.base_urls = [url.strip().rstrip("/") for url in urls if url.strip()]
+        if not self.base_urls:
+            raise ValueError(f"no controller URL in {base_url!r}")
+        self._current = 0
         self._session = session
         self._timeout_s = timeout_s
+
+    @property
+    def base_url(self) -> str:
+        """The controller the next request goes to first."""
+        return self.base_urls[self._current]
 
     async def get_membership(self, revision: int | None = None, wait_s: float = 0) -> dict:
         """The full membership snapshot.
@@ -55,10 +67,8 @@ class ControllerClient:
             params["revision"] = str(revision)
             if wait_s > 0:
                 params["wait"] = str(wait_s)
-        body = await self._request("GET", "/v1/membership", params=params, extra_s=max(wait_s, 0))
-        if not isinstance(body.get("revision"), int) or not isinstance(body.get("replicas"), list):
-            raise ControllerUnavailable(f"{self.base_url}/v1/membership: answer is not a membership snapshot")
-        return body
+        return await self._request("GET", "/v1/membership", params=params, extra_s=max(wait_s, 0),
+                                   check=_snapshot)
 
     async def register_balancer(self, region: str, url: str, epochs: dict[str, int] | None = None) -> dict:
         """Register this balancer (``url`` is how peers reach it) or, when already registered, refresh last_seen.
@@ -72,8 +82,29 @@ class ControllerClient:
             body["epochs"] = epochs
         return await self._request("POST", "/v1/balancers", json=body)
 
-    async def _request(self, method: str, path: str, *, extra_s: float = 0, **kwargs: Any) -> dict:
-        url = self.base_url + path
+    async def _request(self, method: str, path: str, *, check: Callable[[dict], str | None] | None = None,
+                       **kwargs: Any) -> dict:
+        """The first controller's answer, trying each in turn from the current one; the one that answered becomes
+        current. An answer for which ``check`` returns a complaint counts as unavailable."""
+        errors = []
+        start = self._current
+        for i in range(len(self.base_urls)):
+            index = (start + i) % len(self.base_urls)
+            url = self.base_urls[index] + path
+            try:
+                body = await self._request_one(method, url, **kwargs)
+                if check is not None and (complaint := check(body)):
+                    raise ControllerUnavailable(f"{url}: {complaint}")
+            except ControllerUnavailable as exc:
+                errors.append(str(exc))
+                if self._current == index:  # a concurrent request may have moved on already
+                    self._current = (index + 1) % len(self.base_urls)
+                continue
+            self._current = index
+            return body
+        raise ControllerUnavailable("; ".join(errors))
+
+    async def _request_one(self, method: str, url: str, *, extra_s: float = 0, **kwargs: Any) -> dict:
         timeout = aiohttp.ClientTimeout(total=self._timeout_s + extra_s)
         try:
             async with self._session.request(method, url, timeout=timeout, **kwargs) as resp:
@@ -93,3 +124,9 @@ class ControllerClient:
             type_ = error.get("type") if isinstance(error, dict) else None
             raise ControllerError(resp.status, message or f"{method} {url}: HTTP {resp.status}", type_)
         return body
+
+
+def _snapshot(body: dict) -> str | None:
+    if isinstance(body.get("revision"), int) and isinstance(body.get("replicas"), list):
+        return None
+    return "answer is not a membership snapshot"

@@ -1,8 +1,10 @@
-"""The membership controller: a JSON REST API over the SQLite membership store, with long-poll watches.
+"""The membership controller: a JSON REST API over the membership store (SQLite, or etcd shared by several
+controllers), with long-poll watches.
 
-Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH]``. Endpoints:
+Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH | --store etcd --etcd-endpoints
+URLS]``. Endpoints:
 
-- ``GET /healthz`` -> {"status": "ok", "revision": N}
+- ``GET /healthz`` -> {"status": "ok", "revision": N, "store": "sqlite" | "etcd", "leader": bool}
 - ``GET /v1/membership[?revision=N&wait=S]`` -> full snapshot; with both, a long poll that answers as soon as the
   revision is > N, or after S seconds (at most 60) with the unchanged state
 - ``GET /v1/replicas[?region=R]``, ``POST /v1/replicas``, ``DELETE /v1/replicas/{id}``
@@ -17,6 +19,8 @@ Unless ``controller.health.enabled`` is false, every replica and balancer is hea
 change of verdict is a membership revision (the ``healthy`` field), and a region whose balancers are all down or
 draining is failed over to the closest live region (controller/failover.py; ``assignments`` in the membership).
 With ``controller.dns``, each region's DNS answer follows its assignment (controller/dns_sync.py).
+On etcd, several controllers serve the API and only the elected leader runs the health checks and failover
+(controller/leader.py).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from skylb import aio
 from controller.dns import DnsUpdater
 from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
-from controller.store import InvalidInput, MembershipStore, StoreError
+from controller.leader import EtcdElection, SoleLeader, leadership_for
+from controller.store import InvalidInput, StoreError
+from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig, load_config
 from skylb.logs import configure_logging
 
@@ -80,8 +86,9 @@ class RevisionWatch:
                 pass
 
 
-STORE = web.AppKey("store", MembershipStore)
+STORE = web.AppKey("store", Store)
 WATCH = web.AppKey("watch", RevisionWatch)
+LEADERSHIP = web.AppKey("leadership", SoleLeader | EtcdElection)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -134,8 +141,10 @@ def _query_number(request: web.Request, name: str, cast: type, minimum: float) -
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """GET /healthz -> {"status": "ok", "revision": N}."""
-    return web.json_response({"status": "ok", "revision": request.app[STORE].revision})
+    """GET /healthz -> {"status": "ok", "revision": N, "store": kind, "leader": whether this controller leads}."""
+    store = request.app[STORE]
+    return web.json_response({"status": "ok", "revision": store.revision, "store": store.kind,
+                              "leader": request.app[LEADERSHIP].is_leader})
 
 
 async def get_membership(request: web.Request) -> web.Response:
@@ -256,10 +265,12 @@ async def _changed(app: web.Application, action: str, **fields: Any) -> None:
     await app[WATCH].publish(revision)
 
 
-def create_app(store: MembershipStore) -> web.Application:
-    """The controller's aiohttp application over ``store`` (the caller owns and closes the store)."""
+def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = None) -> web.Application:
+    """The controller's aiohttp application over ``store`` (the caller owns and closes the store); ``leadership``
+    (default: the sole leader) says whether this controller leads."""
     app = web.Application(middlewares=[_errors])
     app[STORE] = store
+    app[LEADERSHIP] = leadership or SoleLeader()
     app[WATCH] = RevisionWatch(store.revision)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/membership", get_membership)
@@ -277,14 +288,22 @@ def create_app(store: MembershipStore) -> web.Application:
     return app
 
 
+async def _together(*coros: Awaitable[None]) -> None:
+    """Run ``coros`` concurrently until all end; one failing, or this being cancelled, cancels the others."""
+    async with asyncio.TaskGroup() as group:
+        for coro in coros:
+            group.create_task(coro)
+
+
 async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set, then wake every watcher, finish in-flight requests and close the store.
 
     Without ``stop``, SIGTERM and SIGINT stop it (the `skylb controller` process); pass an event to embed the
     controller in another asyncio program, which keeps its own signal handling.
     """
-    store = MembershipStore(config.db)
-    app = create_app(store)
+    store = open_store(config)
+    leadership = leadership_for(config)
+    app = create_app(store, leadership=leadership)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
     await runner.setup()
     loop = asyncio.get_running_loop()
@@ -297,15 +316,20 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) 
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         port = runner.addresses[0][1] if runner.addresses else config.port
-        log.info("controller_started", host=config.host, port=port, db=config.db, revision=store.revision,
-                 health_interval_s=config.health.interval_s if config.health.enabled else None)
+        log.info("controller_started", host=config.host, port=port, store=store.kind, db=config.db,
+                 revision=store.revision, health_interval_s=config.health.interval_s if config.health.enabled else None)
         dns_sync = DnsSync(store, DnsUpdater(config.dns)) if config.dns else None
-        if dns_sync is not None:
-            tasks.append(asyncio.create_task(dns_sync.run()))
-        if config.health.enabled:
+
+        def lead() -> Awaitable[None]:  # the leader's task, started at each election and cancelled at its end
             checker = HealthChecker(store, config.health, lambda action, fields: _changed(app, action, **fields),
                                     failover=config.failover, on_assignment=dns_sync and dns_sync.changed)
-            tasks.append(asyncio.create_task(checker.run()))
+            if dns_sync is None:
+                return checker.run()
+            return _together(checker.run(), dns_sync.run())  # only the leader writes DNS, as it fails over
+
+        tasks.append(asyncio.create_task(leadership.run(lead if config.health.enabled else None)))
+        if config.store == "etcd":  # other controllers' writes wake this one's long polls too
+            tasks.append(asyncio.create_task(follow_revisions(store, app[WATCH].publish)))
         await stop.wait()
         log.info("controller_stopping")
         await app[WATCH].close()  # long polls answer now instead of holding shutdown for up to a minute
@@ -328,13 +352,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="TCP port to listen on, 0 for any free port (overrides the config)")
     parser.add_argument("--db", metavar="PATH", help="SQLite membership file; its directory is created if missing "
                         "(overrides the config)")
+    parser.add_argument("--store", choices=("sqlite", "etcd"), help="membership store: the SQLite file (one "
+                        "controller) or etcd (several, one elected leader) (overrides the config)")
+    parser.add_argument("--etcd-endpoints", metavar="URLS", help="etcd client URLs, comma-separated, e.g. "
+                        "http://10.0.0.1:2379,http://10.0.0.2:2379 (overrides the config)")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the controller until SIGTERM/SIGINT; returns 0, or 2 for a bad config or flag."""
     try:
         config = load_config(args.config).controller if args.config else ControllerConfig()
-        overrides = {k: v for k in ("host", "port", "db") if (v := getattr(args, k)) is not None}
+        overrides = {k: v for k in ("host", "port", "db", "store") if (v := getattr(args, k)) is not None}
+        if args.etcd_endpoints is not None:
+            overrides["etcd"] = config.etcd.model_dump() | {"endpoints": args.etcd_endpoints.split(",")}
         config = ControllerConfig.model_validate(config.model_dump() | overrides)
     except (ConfigError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"skylb controller: {exc}", file=sys.stderr)
@@ -342,7 +372,7 @@ def main(args: argparse.Namespace) -> int:
     configure_logging()
     try:
         aio.run(serve(config))
-    except (OSError, sqlite3.Error) as exc:  # address in use, db directory not writable, ...
+    except (OSError, sqlite3.Error, StoreError) as exc:  # address in use, db not writable, etcd unreachable, ...
         print(f"skylb controller: {exc}", file=sys.stderr)
         return 1
     return 0

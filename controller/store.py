@@ -27,6 +27,7 @@ __all__ = [
     "InvalidInput",
     "Conflict",
     "NotFound",
+    "StoreUnavailable",
     "Replica",
     "Balancer",
     "Assignment",
@@ -99,12 +100,43 @@ class Conflict(StoreError):
     code = 409
     type = "conflict"
 
+    @classmethod
+    def url_taken(cls, url: str, replica_id: str) -> Conflict:
+        return cls(f"url: {url} is already registered as replica {replica_id}")
+
+    @classmethod
+    def id_taken(cls, replica_id: str) -> Conflict:
+        return cls(f"id: replica {replica_id} already exists")
+
 
 class NotFound(StoreError):
     """No replica (or balancer, or region) has the given id (URL, name)."""
 
     code = 404
     type = "not_found"
+
+    @classmethod
+    def replica(cls, replica_id: str) -> NotFound:
+        return cls(f"id: no replica {replica_id!r}")
+
+    @classmethod
+    def balancer(cls, url: str) -> NotFound:
+        return cls(f"url: no balancer at {url}")
+
+    @classmethod
+    def region(cls, region: str) -> NotFound:
+        return cls(f"region: no region {region!r}")
+
+    @classmethod
+    def region_balancers(cls, region: str) -> NotFound:
+        return cls(f"region: no balancer registered in region {region!r}")
+
+
+class StoreUnavailable(StoreError):
+    """The store's backend (etcd) did not answer, or kept changing under a write; the caller may try again."""
+
+    code = 503
+    type = "store_unavailable"
 
 
 @dataclass(frozen=True)
@@ -321,8 +353,12 @@ def validate_max_concurrency(value: object) -> int | None:
 class MembershipStore:
     """Membership in a SQLite file at ``path`` (its directory is created if missing; ":memory:" for tests).
 
-    Not thread-safe: use one store from one thread (the controller's event loop).
+    Not thread-safe: use one store from one thread (the controller's event loop). controller/etcd_store.py has the
+    same interface over etcd, for several controllers.
     """
+
+    #: The backend's name, as `GET /healthz` reports it.
+    kind = "sqlite"
 
     def __init__(self, path: str | Path):
         if str(path) != ":memory:":
@@ -405,9 +441,9 @@ class MembershipStore:
         with self._write():
             clash = self._db.execute("SELECT id FROM replicas WHERE url = ?", (url,)).fetchone()
             if clash:
-                raise Conflict(f"url: {url} is already registered as replica {clash[0]}")
+                raise Conflict.url_taken(url, clash[0])
             if replica_id is not None and self.get_replica(replica_id):
-                raise Conflict(f"id: replica {replica_id} already exists")
+                raise Conflict.id_taken(replica_id)
             self._db.execute("INSERT OR IGNORE INTO regions (name) VALUES (?)", (region,))
             if replica_id is None:
                 replica_id = self._next_id(region)
@@ -424,7 +460,7 @@ class MembershipStore:
         with self._write():
             replica = self.get_replica(replica_id)
             if replica is None:
-                raise NotFound(f"id: no replica {replica_id!r}")
+                raise NotFound.replica(replica_id)
             self._db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
             self._bump()
         return replica
@@ -473,7 +509,7 @@ class MembershipStore:
         with self._write():
             replica = self.get_replica(replica_id)
             if replica is None:
-                raise NotFound(f"id: no replica {replica_id!r}")
+                raise NotFound.replica(replica_id)
             if replica.draining == draining:
                 return replica, False
             self._db.execute("UPDATE replicas SET draining = ? WHERE id = ?", (int(draining), replica_id))
@@ -487,7 +523,7 @@ class MembershipStore:
         with self._write():
             row = self._db.execute("SELECT * FROM balancers WHERE url = ?", (url,)).fetchone()
             if row is None:
-                raise NotFound(f"url: no balancer at {url}")
+                raise NotFound.balancer(url)
             self._db.execute("DELETE FROM balancers WHERE url = ?", (url,))
             self._bump()
         return _balancer(row)
@@ -504,7 +540,7 @@ class MembershipStore:
         with self._write():
             rows = self._db.execute("SELECT * FROM balancers WHERE region = ? ORDER BY url", (region,)).fetchall()
             if not rows:
-                raise NotFound(f"region: no balancer registered in region {region!r}")
+                raise NotFound.region_balancers(region)
             changed = [row["url"] for row in rows if bool(row["draining"]) != draining]
             if changed:
                 self._db.execute("UPDATE balancers SET draining = ? WHERE region = ?", (int(draining), region))
@@ -518,7 +554,7 @@ class MembershipStore:
             known = set(self.regions())
             for name in (region, balancer_region):
                 if name not in known:
-                    raise NotFound(f"region: no region {name!r}")
+                    raise NotFound.region(name)
             current = next(a for a in self.assignments() if a.region == region)
             if current.balancer_region == balancer_region:
                 return None

@@ -23,6 +23,7 @@ __all__ = [
     "ConfigError",
     "ControllerConfig", "HealthCheck", "Failover",
     "BalancerConfig",
+    "EtcdStoreConfig",
     "RetryPolicy",
     "OutlierDetection",
     "EmulatorConfig",
@@ -40,6 +41,26 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class EtcdStoreConfig(_Strict):
+    """Membership in etcd (``controller.store: etcd``): two or three controllers share it and elect a leader, the
+    one that runs health checks and failover (controller/leader.py); any of them serves the API."""
+
+    #: Client URLs of the etcd cluster's members; a controller moves to the next when one does not answer.
+    endpoints: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:2379"], min_length=1)
+    #: Key prefix of this deployment's membership and leader key (several deployments may share one etcd).
+    prefix: str = Field("/skylb", pattern=r"^/[A-Za-z0-9/._-]*$")
+    #: The leader's lease, whole seconds: a leader that dies is replaced about this long after (etcd's minimum: 2).
+    lease_ttl_s: int = Field(5, ge=1)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, endpoints: list[str]) -> list[str]:
+        for url in endpoints:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"etcd endpoint {url!r} is not a URL such as http://127.0.0.1:2379")
+        return endpoints
 
 
 class HealthCheck(_Strict):
@@ -88,6 +109,9 @@ class ControllerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8470, ge=0, le=65535)
     db: str = ".skylb-run/controller.sqlite"
+    #: Where membership lives: "sqlite" (the file ``db``, one controller) or "etcd" (``etcd``, several).
+    store: Literal["sqlite", "etcd"] = "sqlite"
+    etcd: EtcdStoreConfig = Field(default_factory=EtcdStoreConfig)
     health: HealthCheck = Field(default_factory=HealthCheck)
     failover: Failover = Field(default_factory=Failover)
     #: The per-region DNS answer the controller updates (RFC 2136) on failover and recovery; None: no DNS updates.
@@ -142,7 +166,9 @@ class BalancerConfig(_Strict):
     connect_timeout_s: float = Field(5.0, gt=0)
     #: Longest gap between two bytes of a replica's response before the request fails (s).
     read_timeout_s: float = Field(600.0, gt=0)
-    controller_url: str | None = None
+    #: The controller's base URL, or several (a list, or one string with commas) when controllers share etcd:
+    #: the balancer uses one and moves to the next when it does not answer.
+    controller_url: str | list[str] | None = None
     #: How this balancer reaches each peer region, when not the peer's advertised URL (a latency proxy, say).
     peer_urls: dict[str, str] = Field(default_factory=dict)
     #: Where the last membership from the controller is kept, so a restart works while the controller is down.

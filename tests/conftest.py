@@ -15,3 +15,13 @@ def procs(tmp_path):
         yield group
     finally:
         group.stop_all()
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory):
+    """The client URL of a real etcd shared by the session's tests (tests/etcd.py); each test keeps its data under a
+    key prefix of its own."""
+    from tests.etcd import start_etcd
+
+    with start_etcd(tmp_path_factory.mktemp("etcd")) as url:
+        yield url

@@ -1,4 +1,5 @@
-"""The membership controller: its SQLite store, its REST API (a real subprocess), skylb-ctl and ControllerClient."""
+"""The membership controller: its REST API (a real subprocess), skylb-ctl and ControllerClient (the store's own
+semantics, on SQLite and etcd alike: tests/test_store.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import requests
 from aiohttp import web
 
 from controller.client import ControllerClient, ControllerError, ControllerUnavailable
-from controller.store import Conflict, InvalidInput, MembershipStore, NotFound
 from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent  # skylb-ctl runs from the repository root, like an operator's shell
@@ -69,120 +69,6 @@ def ctl(url: str, *args: str) -> subprocess.CompletedProcess:
 
 def revision(url: str) -> int:
     return requests.get(f"{url}/healthz", timeout=5).json()["revision"]
-
-
-# --- store ------------------------------------------------------------------------------------------------------
-
-def test_store_assigns_region_ids_and_bumps_revision(tmp_path):
-    """add_replica creates the region, numbers ids <region>-<n> per region, and bumps the revision once per write."""
-    store = MembershipStore(tmp_path / "m.sqlite")
-    assert store.revision == 0
-    a = store.add_replica("us", "http://10.0.0.1:8000")
-    b = store.add_replica("us", "http://10.0.0.2:8000", "sglang")
-    c = store.add_replica("eu", "http://10.0.0.3:8000", replica_id="eu-custom")
-    d = store.add_replica("eu", "http://10.0.0.4:8000")
-    assert [r.id for r in (a, b, c, d)] == ["us-1", "us-2", "eu-custom", "eu-1"]
-    assert store.revision == 4
-    assert store.regions() == ["eu", "us"]
-    assert [r.id for r in store.list_replicas("us")] == ["us-1", "us-2"]
-    snap = store.snapshot().to_dict()
-    assert snap["revision"] == 4 and len(snap["replicas"]) == 4
-    assert set(snap["replicas"][0]) >= {"id", "region", "url", "engine"}
-
-
-def test_store_conflicts_change_nothing(tmp_path):
-    """A duplicate URL (also in another spelling) or id raises Conflict and leaves the revision unchanged."""
-    store = MembershipStore(tmp_path / "m.sqlite")
-    store.add_replica("us", "http://host-a:8000")
-    for url in ("http://host-a:8000", "HTTP://Host-A:8000/"):
-        with pytest.raises(Conflict, match="already registered as replica us-1"):
-            store.add_replica("eu", url)
-    with pytest.raises(Conflict, match="us-1 already exists"):
-        store.add_replica("us", "http://host-b:8000", replica_id="us-1")
-    assert store.revision == 1
-    assert store.regions() == ["us"]  # the refused add in "eu" rolled back the region it created
-
-
-@pytest.mark.parametrize("kwargs, field", [
-    ({"url": "ftp://a:1"}, "url"),
-    ({"url": "http://:8000"}, "url"),
-    ({"url": "http://a:99999"}, "url"),
-    ({"url": "http://a:0"}, "url"),
-    ({"url": "http://user:pw@a:1"}, "url"),
-    ({"url": "not a url"}, "url"),
-    ({"url": None}, "url"),
-    ({"engine": "triton"}, "engine"),
-    ({"region": "us east"}, "region"),
-    ({"region": None}, "region"),
-    ({"region": "us\n"}, "region"),
-    ({"replica_id": "a/b"}, "id"),
-    ({"replica_id": "us-1\n"}, "id"),
-    ({"replica_id": 7}, "id"),
-])
-def test_store_rejects_invalid_fields(tmp_path, kwargs, field):
-    """Malformed URLs, engines, regions and ids raise InvalidInput naming the field."""
-    store = MembershipStore(tmp_path / "m.sqlite")
-    args = {"region": "us", "url": "http://a:1", "engine": "vllm"} | kwargs
-    with pytest.raises(InvalidInput) as info:
-        store.add_replica(**args)
-    assert info.value.field == field and str(info.value).startswith(f"{field}: ")
-    assert store.revision == 0
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"region": None}, "region: required, a region name such as us"),
-    ({"region": "us east"}, "region: 'us east' must be 1-64 letters, digits, '-' or '_'"),
-    ({"url": ""}, "url: required, a URL such as http://10.0.0.5:8000"),
-    ({"url": 8000}, "url: 8000 is not a URL such as http://10.0.0.5:8000"),
-    ({"url": "ftp://a:1"}, "url: 'ftp://a:1' must start with http:// or https://"),
-    ({"url": "http://a:99999"}, "url: 'http://a:99999' is not a valid URL (Port out of range 0-65535)"),
-    ({"engine": None}, "engine: None is not a known engine (one of: vllm, sglang, llamacpp, tgi, ollama, openai, "
-                       "auto)"),
-    ({"replica_id": "a/b"}, "id: 'a/b' must be 1-128 letters, digits, '.', '-' or '_'"),
-    ({"max_concurrency": "4"}, "max_concurrency: '4' must be an integer of at least 1 (parallel requests)"),
-    ({"url": "bad", "engine": "nim", "replica_id": "a/b"}, "url: 'bad' must start with http:// or https://"),
-])
-def test_store_error_messages_say_what_is_expected(kwargs, message):
-    """InvalidInput names the first bad field, quotes its value and says what a valid one looks like."""
-    store = MembershipStore(":memory:")
-    with pytest.raises(InvalidInput) as info:
-        store.add_replica(**({"region": "us", "url": "http://a:1"} | kwargs))
-    assert str(info.value) == message
-
-
-def test_store_remove_and_ids_are_not_reused(tmp_path):
-    """remove_replica returns the replica, NotFound for unknown ids, and a later add gets a fresh id."""
-    store = MembershipStore(tmp_path / "m.sqlite")
-    store.add_replica("us", "http://a:1")
-    assert store.remove_replica("us-1").url == "http://a:1"
-    with pytest.raises(NotFound):
-        store.remove_replica("us-1")
-    assert store.add_replica("us", "http://a:1").id == "us-2"
-    assert store.revision == 3
-
-
-def test_store_survives_reopen(tmp_path):
-    """Replicas, balancers, regions, the revision and the id counter survive closing and reopening the file."""
-    path = tmp_path / "new-dir" / "m.sqlite"
-    store = MembershipStore(path)
-    store.add_replica("us", "http://a:1")
-    store.register_balancer("us", "http://lb-us:9000", now=100.0)
-    before = store.snapshot()
-    store.close()
-    store = MembershipStore(path)
-    assert store.snapshot() == before and before.revision == 2
-    assert store.add_replica("us", "http://a:2").id == "us-2"
-
-
-def test_store_balancer_heartbeat_does_not_bump_revision(tmp_path):
-    """register_balancer bumps the revision for a new balancer or a region move, not for a heartbeat."""
-    store = MembershipStore(tmp_path / "m.sqlite")
-    assert store.register_balancer("us", "http://lb:9000", now=1.0)[1] is True
-    balancer, changed = store.register_balancer("us", "http://lb:9000/", now=2.0)
-    assert (changed, balancer.last_seen, store.revision) == (False, 2.0, 1)
-    assert store.list_balancers()[0].last_seen == 2.0
-    assert store.register_balancer("eu", "http://lb:9000", now=3.0)[1] is True
-    assert store.revision == 2
 
 
 # --- REST API and skylb-ctl against a real controller -----------------------------------------------------------
@@ -417,53 +303,6 @@ def test_cli_unreachable_and_usage_errors():
 
 # --- max_concurrency (engines without a pending metric) -----------------------------------------------------------
 
-def test_store_keeps_max_concurrency_and_defaults_to_none(tmp_path):
-    """add_replica stores an optional max_concurrency (None when unset) and every read returns it."""
-    store = MembershipStore(tmp_path / "m.sqlite")
-    plain = store.add_replica("us", "http://a:1")
-    slots = store.add_replica("us", "http://b:11434", "ollama", max_concurrency=4)
-    assert plain.max_concurrency is None and slots.max_concurrency == 4
-    assert [r.max_concurrency for r in store.list_replicas()] == [None, 4]
-    assert store.get_replica(slots.id) == slots
-    assert store.snapshot().to_dict()["replicas"][1]["max_concurrency"] == 4
-
-
-@pytest.mark.parametrize("value", [0, -2, True, "4", 2.5])
-def test_store_rejects_bad_max_concurrency(tmp_path, value):
-    """max_concurrency must be an int >= 1 (not a bool, string or float); a refused add changes nothing."""
-    store = MembershipStore(tmp_path / "m.sqlite")
-    with pytest.raises(InvalidInput) as info:
-        store.add_replica("us", "http://a:1", "openai", max_concurrency=value)
-    assert info.value.field == "max_concurrency" and store.revision == 0
-
-
-def test_store_migrates_a_file_without_max_concurrency(tmp_path):
-    """A SQLite file from before the columns existed opens with its rows intact (max_concurrency None, healthy)."""
-    import sqlite3
-
-    path = tmp_path / "old.sqlite"
-    db = sqlite3.connect(path)
-    db.executescript("""
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-        CREATE TABLE regions (name TEXT PRIMARY KEY, next_replica_n INTEGER NOT NULL DEFAULT 1);
-        CREATE TABLE balancers (url TEXT PRIMARY KEY, region TEXT NOT NULL REFERENCES regions(name),
-                                last_seen REAL NOT NULL);
-        CREATE TABLE replicas (id TEXT PRIMARY KEY, region TEXT NOT NULL REFERENCES regions(name),
-                               url TEXT NOT NULL UNIQUE, engine TEXT NOT NULL, created_at REAL NOT NULL);
-        INSERT INTO meta VALUES ('revision', 1);
-        INSERT INTO regions VALUES ('us', 2);
-        INSERT INTO replicas VALUES ('us-1', 'us', 'http://a:1', 'vllm', 5.0);
-    """)
-    db.commit()
-    db.close()
-    store = MembershipStore(path)
-    assert store.get_replica("us-1").max_concurrency is None and store.revision == 1
-    assert store.get_replica("us-1").healthy
-    assert store.add_replica("us", "http://b:1", "ollama", max_concurrency=2).max_concurrency == 2
-    store.close()
-    assert MembershipStore(path).get_replica("us-2").max_concurrency == 2  # a second open migrates nothing
-
-
 def test_max_concurrency_over_rest_and_cli(controller):
     """POST /v1/replicas and `skylb-ctl replica add --max-concurrency N` set it; membership shows it or null."""
     url = controller.url
@@ -494,17 +333,3 @@ def test_cli_engine_choices_cover_every_adapter():
     url = f"http://127.0.0.1:{free_port()}"
     r = ctl(url, "replica", "add", "--region", "us", "--url", "http://a:1", "--engine", "triton")
     assert r.returncode == 2 and "invalid choice" in r.stderr
-
-
-def test_replica_health_is_a_revision_only_when_it_changes(tmp_path):
-    """The health check's verdict is stored with the replica; a change bumps the revision, a repeat does not; an
-    unknown replica is ignored."""
-    store = MembershipStore(":memory:")
-    store.add_replica("us", "http://10.0.0.1:8000", "vllm", "us-a")
-    assert store.get_replica("us-a").healthy and store.revision == 1
-    assert store.set_replica_health("us-a", True) is None and store.revision == 1
-    changed = store.set_replica_health("us-a", False)
-    assert changed is not None and not changed.healthy and store.revision == 2
-    assert store.set_replica_health("us-a", False) is None and store.revision == 2
-    assert store.set_replica_health("nobody", False) is None
-    assert store.snapshot().to_dict()["replicas"][0]["healthy"] is False
