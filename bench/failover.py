@@ -170,7 +170,7 @@ def format_markdown(result: dict[str, Any]) -> str:
                      f"<= {bound:g} s: {target}" if target else ""))
     return "\n".join([
         "# Failover timings (real processes)", "",
-        f"Generated {result['generated']} by `skylb bench failover` ({len(runs)} run{"s" if len(runs) != 1 else ""}; seconds, median [min, max]).",
+        f"Generated {result['generated']} by `skylb bench failover` ({len(runs)} run{'s' if len(runs) != 1 else ''}; seconds, median [min, max]).",
         f"Health check: interval {h['interval_s']:g} s, fastinter {h['fastinter_s']:g} s, fall {h['fall']}, "
         f"rise {h['rise']}, timeout {h['timeout_s']:g} s (the shipped defaults). Three regions (us, eu, asia; "
         "us-eu 80 ms the closest), one emulated replica and one balancer each, BIND 9 with a view per region "
