@@ -250,3 +250,19 @@ def test_baselines_seeds_flag():
     with pytest.raises(SystemExit) as exc:
         baselines.build_parser().parse_args(["--seeds", "zero"])
     assert exc.value.code == 2
+
+
+def test_failover_report_marks_targets_from_the_runs():
+    """bench/failover.py's report: median [min, max] per event; the two-interval target met or MISSED by the
+    slowest run; the leader line against 10 s."""
+    from bench.failover import format_markdown
+
+    run = {"detected_s": 2.0, "failed_over_s": 2.1, "dns_moved_s": 2.1, "recovered_s": 2.5, "dns_back_s": 2.5}
+    slow = dict(run, failed_over_s=4.5)
+    result = {"health": {"interval_s": 2.0, "fastinter_s": 0.5, "fall": 3, "rise": 2, "timeout_s": 1.0},
+              "runs": [run, slow], "leader_s": [4.0, 5.0], "generated": "now"}
+    text = format_markdown(result)
+    row = next(line for line in text.splitlines() if "served through eu's balancer" in line)
+    assert [cell.strip() for cell in row.strip("|").split("|")] == [
+        "us-1 served through eu's balancer", "after the kill", "3.30 [2.10, 4.50]", "<= 4 s: MISSED"]
+    assert "4.50 [4.00, 5.00] s after the kill; target <= 10 s: met" in text
