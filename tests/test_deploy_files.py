@@ -1,18 +1,24 @@
 """The deployment files (deploy/systemd, deploy/k8s) against the real command lines, config schema and tools.
 
 systemd units: parsed (sections, continuation lines, Environment=, EnvironmentFile=, specifiers, $VAR and ${VAR}
-as systemd expands them); every ExecStart parses with the real argument parsers (skylb's, skylb-ctl's) and names
-only flags that exist; the example config loads with skylb.config.load_config; the controller and balancer command
-lines start real processes on that config; the llama-server command line is skylb.llamacpp's and every flag is in
-the built llama-server's --help. `systemd-analyze verify` / `security --offline` and `systemd-sysusers --root` run
-when systemd's tools are installed (no running systemd is needed); they are not one of the components `make test`
+as systemd expands them); every ExecStart parses with the real argument parsers and names only flags that exist;
+the example config loads with skylb.config.load_config; the controller and balancer command lines start real
+processes on that config; the llama-server command line is skylb.llamacpp's and every flag is in the built
+llama-server's --help. `systemd-analyze verify` / `security --offline` and `systemd-sysusers --root` run when
+systemd's tools are installed (no running systemd is needed); they are not one of the components `make test`
 installs, so without them those tests skip, under CI too.
+
+Kubernetes manifests: validated offline against the Kubernetes OpenAPI schemas bundled in kubernetes-validate
+(strict: unknown fields are errors), then checked for what a schema cannot see: selectors, Service ports, mounted
+objects, the ConfigMap's config against skylb's schema and the Services' names, container args against the real
+parser, and real processes (SkyLB from the manifests' args, a 3-member etcd cluster from the StatefulSet's flags).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib
 import inspect
 import io
@@ -21,11 +27,13 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import requests
 import yaml
@@ -35,6 +43,7 @@ from skylb import llamacpp
 from skylb.cli import SUBCOMMANDS, build_parser
 from skylb.config import DeploymentConfig, load_config
 from tests.procs import free_ports
+from tests.system import require_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "deploy" / "systemd"
@@ -429,3 +438,452 @@ def test_sysusers_file_creates_the_skylb_user(tmp_path):
                 if line.startswith("skylb:"))
     assert user[5] == "/var/lib/skylb" and user[6].endswith("nologin")
     assert any(line.startswith("skylb:") for line in (tmp_path / "etc" / "group").read_text().splitlines())
+
+
+# --- Kubernetes ---------------------------------------------------------------------------------------------------
+
+K8S = ROOT / "deploy" / "k8s"
+NAMESPACE = "skylb"
+CLUSTER_DOMAIN = "svc.cluster.local"
+REGIONS = ("us", "eu", "asia")
+#: The oldest Kubernetes minor the manifests are checked against, and kubernetes-validate's newest.
+K8S_VERSIONS = ("1.28", kubernetes_validate.latest_version())
+WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+
+
+def pod_spec(doc: dict) -> dict | None:
+    """The pod spec of a Pod, Deployment or StatefulSet; None for other kinds."""
+    if doc["kind"] == "Pod":
+        return doc["spec"]
+    return doc["spec"]["template"]["spec"] if doc["kind"] in WORKLOAD_KINDS else None
+
+
+def k8s_files() -> list[Path]:
+    return sorted(K8S.rglob("*.yaml"))
+
+
+def k8s_documents() -> list[tuple[Path, dict]]:
+    return [(path, doc) for path in k8s_files() for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def k8s_object(kind: str, name: str) -> dict:
+    found = [d for _, d in k8s_documents() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def container(workload: dict, name: str | None = None) -> dict:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    return containers[0] if name is None else next(c for c in containers if c["name"] == name)
+
+
+def configmap_config(tmp_path: Path) -> tuple[DeploymentConfig, dict]:
+    """The skylb.yaml of ConfigMap skylb-config, loaded with skylb's own loader, and as plain data."""
+    text = k8s_object("ConfigMap", "skylb-config")["data"]["skylb.yaml"]
+    path = tmp_path / "configmap-skylb.yaml"
+    path.write_text(text)
+    return load_config(path), yaml.safe_load(text)
+
+
+def test_the_manifests_are_all_there():
+    names = {str(p.relative_to(K8S)) for p in k8s_files()}
+    assert names == {"00-namespace.yaml", "10-configmap.yaml", "20-controller.yaml", "30-balancer-us.yaml",
+                     "30-balancer-eu.yaml", "30-balancer-asia.yaml", "etcd/etcd.yaml",
+                     "examples/llama-models.yaml", "examples/llama-server-us.yaml"}
+    for name in ("README.md", "Dockerfile", "Dockerfile.dockerignore"):
+        assert (K8S / name).is_file(), name
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("path", k8s_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_manifest_validates_against_the_kubernetes_schema(path, version, no_network):
+    """Every object, against the Kubernetes OpenAPI schemas bundled in kubernetes-validate, strict (an unknown or
+    misspelt field is an error), offline (the network is blocked while it runs)."""
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert docs
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} (Kubernetes {version}): {where}: {exc.message}")
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a network connection fails the test (the validator must work offline)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args[1:] or kwargs}")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda c, d: c.update(argz=[]), "'argz' was unexpected"),
+    (lambda c, d: c["readinessProbe"].update(periodSecond=5), "'periodSecond' was unexpected"),
+    (lambda c, d: c["ports"][0].update(containerPort="http"), "is not of type 'integer'"),
+    (lambda c, d: d["spec"].update(replicas="one"), "is not of type 'integer'"),
+    (lambda c, d: d["spec"]["template"]["spec"].pop("containers"), "'containers' is a required property"),
+], ids=["unknown-field", "nested-typo", "wrong-type", "wrong-type-top", "missing-required"])
+def test_the_validator_rejects_broken_manifests(mutate, message, no_network):
+    """Negative control: the same validation rejects a balancer Deployment with one mistake."""
+    doc = copy.deepcopy(k8s_object("Deployment", "skylb-balancer-us"))
+    mutate(container(doc), doc)
+    with pytest.raises(kubernetes_validate.ValidationError, match=re.escape(message)):
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+
+
+def test_labels_namespaces_and_selectors_are_consistent():
+    """Every object is in the skylb namespace and labelled part-of skylb; each workload's selector matches its pod
+    labels; each Service selects exactly one workload, and its target ports are named ports of that workload."""
+    docs = [d for _, d in k8s_documents()]
+    workloads = [d for d in docs if d["kind"] in WORKLOAD_KINDS]
+    for d in docs:
+        meta = d["metadata"]
+        assert meta["labels"]["app.kubernetes.io/part-of"] == "skylb", meta["name"]
+        if d["kind"] != "Namespace":
+            assert meta["namespace"] == NAMESPACE, meta["name"]
+    for w in workloads:
+        pod_labels = w["spec"]["template"]["metadata"]["labels"]
+        assert w["spec"]["selector"]["matchLabels"].items() <= pod_labels.items(), w["metadata"]["name"]
+        assert w["metadata"]["labels"] == pod_labels, w["metadata"]["name"]
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            port_names = {p["name"] for p in c["ports"]}
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                if probe in c:
+                    assert c[probe]["httpGet"]["port"] in port_names, (w["metadata"]["name"], probe)
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        selected = [w for w in workloads
+                    if svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(selected) == 1, f"Service {svc['metadata']['name']} selects {len(selected)} workloads"
+        ports = {p["name"]: p["containerPort"] for c in selected[0]["spec"]["template"]["spec"]["containers"]
+                 for p in c["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in ports, (svc["metadata"]["name"], port)
+    for pdb in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
+        selected = [w for w in workloads
+                    if pdb["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(selected) == 1 and pdb["spec"]["minAvailable"] > selected[0]["spec"]["replicas"] // 2
+
+
+def test_volumes_refer_to_objects_that_exist():
+    """ConfigMaps and PersistentVolumeClaims that pods mount are defined in the manifests (the Secret
+    skylb-peer-token is created by the command in README.md); every mount names a volume of its pod."""
+    docs = [d for _, d in k8s_documents()]
+    defined = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    readme = (K8S / "README.md").read_text()
+    for w in (d for d in docs if pod_spec(d) is not None):
+        spec = pod_spec(w)
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        volumes.update({t["metadata"]["name"]: {"template": True} for t in w["spec"].get("volumeClaimTemplates", [])})
+        for v in volumes.values():
+            if "configMap" in v:
+                assert ("ConfigMap", v["configMap"]["name"]) in defined
+            if "persistentVolumeClaim" in v:
+                assert ("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]) in defined
+        for c in spec["containers"]:
+            for mount in c.get("volumeMounts", []):
+                assert mount["name"] in volumes, (w["metadata"]["name"], mount)
+            for env in c.get("env", []):
+                if ref := env.get("valueFrom", {}).get("secretKeyRef"):
+                    assert f"create secret generic {ref['name']} --from-literal={ref['key']}=" in readme
+
+
+def test_configmap_config_fits_the_services_and_mounts(tmp_path):
+    """The ConfigMap's skylb.yaml loads with skylb.config.load_config; its regions are the three balancer
+    Deployments; each region's advertise_url is its Service's DNS name and port; listen ports are the containers'
+    ports; controller_url is the controller Service; the SQLite file is on the controller's PVC and each balancer's
+    state_dir on a writable volume; --config points into the ConfigMap's mount."""
+    cfg, _ = configmap_config(tmp_path)
+    assert tuple(cfg.regions) == REGIONS
+    controller = k8s_object("Deployment", "skylb-controller")
+    c = container(controller)
+    assert cfg.controller.host == "0.0.0.0"
+    assert cfg.controller.port == c["ports"][0]["containerPort"]
+    svc = k8s_object("Service", "skylb-controller")
+    controller_dns = f"http://skylb-controller.{NAMESPACE}.{CLUSTER_DOMAIN}:{svc['spec']['ports'][0]['port']}"
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert Path(cfg.controller.db).parent.as_posix() in mounts
+    data_volume = next(v for v in controller["spec"]["template"]["spec"]["volumes"]
+                       if v["name"] == mounts[str(Path(cfg.controller.db).parent)]["name"])
+    assert data_volume["persistentVolumeClaim"]["claimName"] == "skylb-controller-data"
+    for region in REGIONS:
+        b = cfg.balancer_for(region)
+        deployment = k8s_object("Deployment", f"skylb-balancer-{region}")
+        service = k8s_object("Service", f"skylb-balancer-{region}")
+        bc = container(deployment)
+        assert b.host == "0.0.0.0" and b.port == bc["ports"][0]["containerPort"]
+        assert b.advertise_url == (f"http://skylb-balancer-{region}.{NAMESPACE}.{CLUSTER_DOMAIN}:"
+                                   f"{service['spec']['ports'][0]['port']}")
+        assert b.controller_url == controller_dns
+        assert b.peer_token is None  # from the Secret
+        writable = {m["mountPath"] for m in bc["volumeMounts"] if not m.get("readOnly")}
+        assert b.state_dir in writable
+    for w in (controller, *(k8s_object("Deployment", f"skylb-balancer-{r}") for r in REGIONS)):
+        wc = container(w)
+        config_path = Path(wc["args"][wc["args"].index("--config") + 1])
+        mount = next(m for m in wc["volumeMounts"] if m["mountPath"] == str(config_path.parent))
+        assert mount["readOnly"] is True
+        volume = next(v for v in w["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+        assert volume["configMap"]["name"] == "skylb-config"
+        assert config_path.name in k8s_object("ConfigMap", "skylb-config")["data"]
+
+
+def test_skylb_container_args_parse_with_the_real_cli(tmp_path):
+    """The image's entrypoint is `skylb`; each container's args parse with the real parser; balancers get their
+    region and the peer token from the Secret in the variable `skylb balancer` reads."""
+    from skylb.balancer.process import PEER_TOKEN_ENV
+
+    assert 'ENTRYPOINT ["skylb"]' in (K8S / "Dockerfile").read_text()
+    cfg, _ = configmap_config(tmp_path)
+    args = skylb_args(["skylb", *container(k8s_object("Deployment", "skylb-controller"))["args"]])
+    assert args.command == "controller"
+    for region in REGIONS:
+        c = container(k8s_object("Deployment", f"skylb-balancer-{region}"))
+        args = skylb_args(["skylb", *c["args"]])
+        assert args.command == "balancer" and args.region == region
+        cfg.balancer_for(region)
+        assert [e["name"] for e in c["env"]] == [PEER_TOKEN_ENV]
+
+
+def test_the_three_balancer_files_differ_only_in_the_region():
+    us = (K8S / "30-balancer-us.yaml").read_text()
+    for region in ("eu", "asia"):
+        expected = list(yaml.safe_load_all(re.sub(r"\bus\b", region, us)))
+        assert list(yaml.safe_load_all((K8S / f"30-balancer-{region}.yaml").read_text())) == expected
+
+
+def test_balancer_pods_have_time_to_drain():
+    """terminationGracePeriodSeconds covers the preStop sleep plus the balancer's 60 s drain after SIGTERM, and a
+    rolling update starts the new pod before the old one stops."""
+    drain_s = inspect.signature(web.BaseRunner.__init__).parameters["shutdown_timeout"].default
+    for region in REGIONS:
+        d = k8s_object("Deployment", f"skylb-balancer-{region}")
+        c = container(d)
+        pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep"
+        assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + drain_s + 15
+        assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        assert c["readinessProbe"]["httpGet"]["path"] == c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    controller = k8s_object("Deployment", "skylb-controller")
+    assert controller["spec"]["replicas"] == 1 and controller["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_pods_run_unprivileged_as_the_images_user():
+    dockerfile = (K8S / "Dockerfile").read_text()
+    uid = int(re.search(r"^USER (\d+)", dockerfile, re.M).group(1))
+    for _, d in k8s_documents():
+        pod = pod_spec(d)
+        if pod is None:
+            continue
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        if pod["containers"][0]["image"].startswith("skylb:"):
+            assert pod["securityContext"]["runAsUser"] == uid
+        for c in pod["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+            assert "limits" in c["resources"] and "requests" in c["resources"]
+
+
+def test_the_image_installs_the_packages_the_project_declares():
+    """The Dockerfile copies every package directory pyproject.toml's package search includes, and the build
+    context (Dockerfile.dockerignore) lets them through."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    dockerfile = (K8S / "Dockerfile").read_text()
+    ignore = (K8S / "Dockerfile.dockerignore").read_text().split()
+    for package in packages:
+        assert re.search(rf"^COPY {package} \./{package}$", dockerfile, re.M), package
+        assert f"!{package}/" in ignore
+    assert "!pyproject.toml" in ignore and "!README.md" in ignore  # pyproject's readme
+
+
+def test_skylb_pods_start_from_the_manifests(procs, tmp_path):
+    """The controller's and a balancer's container args, with the ConfigMap's config (paths and addresses moved to
+    this machine) and the Secret's token in the environment, start real processes; the balancer registers."""
+    _, data = configmap_config(tmp_path)
+    state = tmp_path / "state"
+    controller_port, balancer_port = free_ports(2)
+    data["controller"].update(host="127.0.0.1", port=controller_port, db=str(state / "controller.sqlite"))
+    data["balancer"].update(host="127.0.0.1", controller_url=f"http://127.0.0.1:{controller_port}",
+                            state_dir=str(state / "balancer"))
+    data["regions"]["us"]["balancer"].update(port=balancer_port, advertise_url=f"http://127.0.0.1:{balancer_port}")
+    config = tmp_path / "skylb.yaml"
+    config.write_text(yaml.safe_dump(data))
+
+    def argv(workload: str) -> list[str]:
+        args = container(k8s_object("Deployment", workload))["args"]
+        return [sys.executable, "-m", "skylb", *[str(config) if a == "/etc/skylb/skylb.yaml" else a for a in args]]
+
+    controller_url = f"http://127.0.0.1:{controller_port}"
+    procs.start(argv("skylb-controller"), name="controller", wait_url=f"{controller_url}/healthz")
+    url = f"http://127.0.0.1:{balancer_port}"
+    procs.start(argv("skylb-balancer-us"), name="balancer-us", env={"SKYLB_PEER_TOKEN": "from-the-secret"},
+                wait_url=f"{url}/healthz")
+    deadline = time.monotonic() + 15
+    while not (registered := requests.get(f"{controller_url}/v1/balancers", timeout=5).json()["balancers"]):
+        assert time.monotonic() < deadline, "the balancer did not register"
+        time.sleep(0.1)
+    assert [(b["region"], b["url"]) for b in registered] == [("us", url)]
+    assert requests.get(f"{url}/skylb/v1/status", timeout=5).status_code == 403
+    assert requests.get(f"{url}/skylb/v1/status", headers={"X-SkyLB-Token": "from-the-secret"},
+                        timeout=5).status_code == 200
+
+
+# --- etcd ---------------------------------------------------------------------------------------------------------
+
+def etcd_flags() -> dict[str, str]:
+    c = container(k8s_object("StatefulSet", "etcd"))
+    assert c["command"] == ["/usr/local/bin/etcd"]
+    flags = {}
+    for arg in c["args"]:
+        name, sep, val = arg.partition("=")
+        assert sep and name.startswith("--") and name not in flags, arg
+        flags[name] = val
+    return flags
+
+
+def test_etcd_initial_cluster_names_every_member_by_its_pod_dns_name():
+    """--initial-cluster lists etcd-0 .. etcd-(replicas-1) at <pod>.<headless service>.<namespace>.svc, the peer
+    port; each member advertises its own entry; the headless Service publishes not-ready members."""
+    sts = k8s_object("StatefulSet", "etcd")
+    replicas, service = sts["spec"]["replicas"], sts["spec"]["serviceName"]
+    assert replicas == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
+    headless = k8s_object("Service", service)
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    ports = {p["name"]: p["containerPort"] for p in container(sts)["ports"]}
+    flags = etcd_flags()
+    dns = f"$(POD_NAME).{service}.{NAMESPACE}.{CLUSTER_DOMAIN}"
+    assert flags["--name"] == "$(POD_NAME)"
+    assert flags["--initial-advertise-peer-urls"] == f"http://{dns}:{ports['peer']}"
+    assert flags["--advertise-client-urls"] == f"http://{dns}:{ports['client']}"
+    assert flags["--initial-cluster"] == ",".join(
+        f"{sts['metadata']['name']}-{i}=http://{sts['metadata']['name']}-{i}.{service}.{NAMESPACE}.{CLUSTER_DOMAIN}:"
+        f"{ports['peer']}" for i in range(replicas))
+    assert container(sts)["image"].startswith("quay.io/coreos/etcd:v3.5.")
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container(sts)["env"]}
+    assert env == {"POD_NAME": "metadata.name"}
+
+
+def test_etcd_flags_exist_and_form_a_cluster(procs, tmp_path):
+    """The manifest's etcd flags, with each pod's DNS name mapped to 127.0.0.1 and a port of its own, start three
+    real etcd members that form one cluster (etcd itself checks that every member's advertised peer URL is its
+    --initial-cluster entry) and answer /health on the metrics port, which the probes use. Debian's etcd is 3.4,
+    the image 3.5: the flags used exist in both."""
+    etcd = require_binary("etcd")
+    flags = etcd_flags()
+    help_text = subprocess.run([etcd, "--help"], capture_output=True, text=True, timeout=30)
+    for name in flags:
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", help_text.stdout + help_text.stderr), name
+    sts = k8s_object("StatefulSet", "etcd")
+    named = {p["containerPort"]: p["name"] for p in container(sts)["ports"]}
+    members = [f"etcd-{i}" for i in range(sts["spec"]["replicas"])]
+    ports = {m: dict(zip(named, free_ports(len(named)))) for m in members}
+
+    def localize(text: str, member: str) -> str:
+        def url(m: re.Match) -> str:
+            host, port = m.group(1), int(m.group(2))
+            owner = member if host == "0.0.0.0" else host.split(".")[0]
+            return f"http://127.0.0.1:{ports[owner][port]}"
+        text = text.replace("$(POD_NAME)", member)
+        return re.sub(r"http://([\w.-]+):(\d+)", url, text)
+
+    metrics_port = next(p for p, n in named.items() if n == "metrics")
+    for member in members:
+        args = [localize(f"{k}={v}", member) for k, v in flags.items() if k != "--data-dir"]
+        args.append(f"--data-dir={tmp_path / member}")
+        procs.start([etcd, *args], name=member, env={"ETCD_UNSUPPORTED_ARCH": ""})
+    deadline = time.monotonic() + 60
+    for member in members:
+        health = f"http://127.0.0.1:{ports[member][metrics_port]}/health"
+        while True:
+            try:
+                resp = requests.get(health, timeout=2)
+                if resp.status_code == 200 and resp.json().get("health") == "true":
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, f"{member} not healthy; log:\n" + \
+                next(p for p in procs.procs if p.name == member).log()[-3000:]
+            time.sleep(0.2)
+    client = f"http://127.0.0.1:{ports['etcd-0'][next(p for p, n in named.items() if n == 'client')]}"
+    members_seen = requests.post(f"{client}/v3/cluster/member/list", json={}, timeout=5).json()["members"]
+    assert sorted(m["name"] for m in members_seen) == members
+
+
+# --- the llama.cpp example ----------------------------------------------------------------------------------------
+
+def test_llama_server_example_runs_the_projects_command_line():
+    """The example StatefulSet's args are skylb.llamacpp.llama_server_command's (without the binary: the image's
+    entrypoint is llama-server) on the container's port, and each pod has its own DNS name (headless Service)."""
+    sts = k8s_object("StatefulSet", "llama-us")
+    c = container(sts)
+    args = c["args"]
+    get = lambda flag: args[args.index(flag) + 1]  # noqa: E731
+    parallel = int(get("-np"))
+    expected = llamacpp.llama_server_command(
+        c["ports"][0]["containerPort"], model_path=get("-m"), binary="llama-server", parallel=parallel,
+        ctx_size=int(get("-c")), threads=int(get("-t")), host="0.0.0.0", gpu_layers=int(get("-ngl")))
+    assert args == expected[1:]
+    assert get("--alias") == llamacpp.model_alias(get("-m"))
+    assert int(get("--threads-http")) == llamacpp.default_threads_http(parallel)
+    mount = next(m for m in c["volumeMounts"] if get("-m").startswith(m["mountPath"] + "/"))
+    assert mount["readOnly"] is True
+    assert k8s_object("Service", sts["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_ha_controller_snippet_matches_etcd_and_is_marked_forthcoming_until_the_schema_has_it():
+    """README.md's etcd config for the controller names the etcd pods' client URLs. While the config schema has no
+    controller.store (the etcd store is forthcoming), the README must say so and the CLI must indeed lack --store;
+    once it has one, the snippet must validate against it."""
+    from skylb.config import ControllerConfig
+
+    readme = (K8S / "README.md").read_text()
+    block = re.search(r"```yaml\n(# forthcoming: controller on etcd.*?)```", readme, re.S)
+    assert block, "README.md lost the HA controller snippet"
+    snippet = yaml.safe_load(block.group(1))["controller"]
+    sts = k8s_object("StatefulSet", "etcd")
+    client_port = next(p["containerPort"] for p in container(sts)["ports"] if p["name"] == "client")
+    assert snippet["etcd"]["endpoints"] == [
+        f"http://etcd-{i}.{sts['spec']['serviceName']}.{NAMESPACE}.{CLUSTER_DOMAIN}:{client_port}"
+        for i in range(sts["spec"]["replicas"])]
+    if "store" in ControllerConfig.model_fields:
+        ControllerConfig.model_validate(snippet)
+    else:
+        assert "**forthcoming**" in readme
+        controller_parser = argparse.ArgumentParser()
+        importlib.import_module(SUBCOMMANDS["controller"][0]).add_arguments(controller_parser)
+        assert "--store" not in controller_parser._option_string_actions
+
+
+# --- the READMEs --------------------------------------------------------------------------------------------------
+
+def readme_ctl_commands() -> list[tuple[str, list[str]]]:
+    """Every `skylb-ctl ...` command in the code blocks of deploy/systemd/README.md and deploy/k8s/README.md, as
+    argv (continuation lines joined; $(...) replaced by a placeholder word; the command ends at ; && | or &)."""
+    commands = []
+    for readme in (SYSTEMD / "README.md", K8S / "README.md"):
+        for block in re.findall(r"```\n(.*?)```", readme.read_text(), re.S):
+            text = re.sub(r"\$\([^)]*\)", "X", block.replace("\\\n", " "))
+            for line in text.splitlines():
+                if "skylb-ctl " not in line:
+                    continue
+                words = shlex.split(line[line.index("skylb-ctl "):], comments=True)
+                end = next((i for i, w in enumerate(words) if w in (";", "&&", "|", "&", "done")), len(words))
+                commands.append((f"{readme.parent.name}/README.md", words[:end]))
+    return commands
+
+
+def test_readme_skylb_ctl_commands_parse_with_the_real_cli():
+    from controller.ctl import build_parser as ctl_parser
+
+    commands = readme_ctl_commands()
+    assert len(commands) >= 4
+    for where, argv in commands:
+        assert argv[0] == "skylb-ctl", (where, argv)
+        parse_with(ctl_parser(), [a.rstrip(";") for a in argv[1:]])
