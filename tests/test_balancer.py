@@ -366,3 +366,23 @@ def test_finished_request_slot_is_reused_before_the_next_probe(procs, tmp_path, 
         else:
             with pytest.raises((TimeoutError, urllib.error.URLError)):  # still queued when the client gives up at 4 s
                 second.result()
+
+
+def test_peer_token_from_the_environment_overrides_the_config(procs, tmp_path):
+    """$SKYLB_PEER_TOKEN (what the systemd EnvironmentFile and the Kubernetes Secret set) is the token peers must
+    send, over ``balancer.peer_token`` in the config; without it the config's token holds."""
+    cfg = tmp_path / "token.yaml"
+    cfg.write_text("balancer:\n  peer_token: from-config\nregions:\n  us: {}\n")
+    ports = free_ports(2)
+    for port, env in zip(ports, ({"SKYLB_PEER_TOKEN": "from-env"}, {"SKYLB_PEER_TOKEN": ""})):
+        procs.skylb("balancer", "--config", str(cfg), "--region", "us", "--port", str(port),
+                    "--controller", "http://127.0.0.1:1", name=f"balancer-{port}", env=env,
+                    wait_url=f"http://127.0.0.1:{port}/healthz")
+
+    def status(port: int, token: str | None) -> int:
+        headers = {"X-SkyLB-Token": token} if token else {}
+        return requests.get(f"http://127.0.0.1:{port}/skylb/v1/status", headers=headers, timeout=5).status_code
+
+    env_port, config_port = ports
+    assert [status(env_port, t) for t in (None, "from-config", "from-env")] == [403, 403, 200]
+    assert [status(config_port, t) for t in (None, "from-env", "from-config")] == [403, 403, 200]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import socket
 import sys
@@ -30,7 +31,11 @@ from skylb.config import BalancerConfig, ConfigError, load_config
 from skylb.core import policy_names
 from skylb.logs import configure_logging
 
-__all__ = ["build_app", "add_arguments", "main", "BALANCER"]
+__all__ = ["build_app", "add_arguments", "main", "BALANCER", "PEER_TOKEN_ENV"]
+
+#: Environment variable with the peer token (overrides ``balancer.peer_token``), so the secret can live outside the
+#: config file: a systemd EnvironmentFile, a Kubernetes Secret. `skylb-ctl status` reads the same variable.
+PEER_TOKEN_ENV = "SKYLB_PEER_TOKEN"
 
 
 @web.middleware
@@ -79,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="routing policy (overrides the config): " + ", ".join(policy_names()))
     parser.add_argument("--peer-url", action="append", default=[], metavar="REGION=URL",
                         help="reach peer REGION at URL (e.g. through a latency proxy); repeatable")
+    parser.epilog = (f"environment: ${PEER_TOKEN_ENV}, when set and not empty, is the shared secret between "
+                     "balancers (overrides balancer.peer_token in the config)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -87,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         deployment = load_config(args.config)
         overrides = {k: v for k, v in {"host": args.host, "port": args.port, "controller_url": args.controller,
-                                       "advertise_url": args.advertise_url, "policy": args.policy}.items()
+                                       "advertise_url": args.advertise_url, "policy": args.policy,
+                                       "peer_token": os.environ.get(PEER_TOKEN_ENV) or None}.items()
                      if v is not None}
         peer_urls = {}
         for item in args.peer_url:
