@@ -837,14 +837,13 @@ def test_llama_server_example_runs_the_projects_command_line():
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
 
 
-def test_ha_controller_snippet_matches_etcd_and_is_marked_forthcoming_until_the_schema_has_it():
-    """README.md's etcd config for the controller names the etcd pods' client URLs. While the config schema has no
-    controller.store (the etcd store is forthcoming), the README must say so and the CLI must indeed lack --store;
-    once it has one, the snippet must validate against it."""
+def test_ha_controller_snippet_matches_etcd_and_the_config_schema():
+    """README.md's etcd config for the controller names the etcd pods' client URLs and validates against the
+    controller's config schema."""
     from skylb.config import ControllerConfig
 
     readme = (K8S / "README.md").read_text()
-    block = re.search(r"```yaml\n(# forthcoming: controller on etcd.*?)```", readme, re.S)
+    block = re.search(r"```yaml\n(# controller on etcd.*?)```", readme, re.S)
     assert block, "README.md lost the HA controller snippet"
     snippet = yaml.safe_load(block.group(1))["controller"]
     sts = k8s_object("StatefulSet", "etcd")
@@ -852,13 +851,7 @@ def test_ha_controller_snippet_matches_etcd_and_is_marked_forthcoming_until_the_
     assert snippet["etcd"]["endpoints"] == [
         f"http://etcd-{i}.{sts['spec']['serviceName']}.{NAMESPACE}.{CLUSTER_DOMAIN}:{client_port}"
         for i in range(sts["spec"]["replicas"])]
-    if "store" in ControllerConfig.model_fields:
-        ControllerConfig.model_validate(snippet)
-    else:
-        assert "**forthcoming**" in readme
-        controller_parser = argparse.ArgumentParser()
-        importlib.import_module(SUBCOMMANDS["controller"][0]).add_arguments(controller_parser)
-        assert "--store" not in controller_parser._option_string_actions
+    assert ControllerConfig.model_validate(snippet).store == "etcd"
 
 
 # --- the READMEs --------------------------------------------------------------------------------------------------
