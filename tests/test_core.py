@@ -494,3 +494,58 @@ def test_outlier_detection_ejects_after_consecutive_gateway_failures(eject_after
     assert reason == ("boom" if ejected_at else None)
     router.observe_replica("r0", now=0.1, healthy=True, pending=0)  # the next probe answer returns it
     assert router.rules.replica_available(router.replicas["r0"], 0.11)
+
+
+def _traced_bytes(build) -> tuple[int, object]:
+    """Bytes still allocated (tracemalloc) after ``build()`` returns, and what it returned."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        result = build()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - base, result
+    finally:
+        tracemalloc.stop()
+
+
+def _shared_prefix_prompts(t: PrefixTrie, n: int, prefix_chars: int = 50_000):
+    """Insert ``n`` prompts sharing a ``prefix_chars``-character prefix (each a fresh string, as requests are);
+    nothing but the trie keeps them."""
+    import random
+
+    rng = random.Random(0)
+    prefix = "".join(rng.choice("abcdefgh ") for _ in range(prefix_chars))
+    for i in range(n):
+        t.insert(t.chunks(prefix + f" question {i} " + "x" * 300), f"r{i % 4}")
+    return t
+
+
+def test_trie_byte_bound_covers_nodes_and_the_eviction_log():
+    """2,000 prompts sharing a 50,000-character prefix (the issue's case: 107 MB held while the counted size stayed
+    under the bound): the accounted bytes match what tracemalloc sees, within 25%, and a byte bound holds the real
+    memory under it."""
+    used, t = _traced_bytes(lambda: _shared_prefix_prompts(
+        PrefixTrie(max_chars=10 ** 9, chunk_chars=256, double_every=16), 2000))
+    print(f"\n2,000 prompts, 50k shared: {used / 1e6:.2f} MB traced, {t.stored_bytes / 1e6:.2f} MB accounted, "
+          f"{t.stored_chars / 1e6:.2f} M chars in {t.nodes} nodes, {len(t)} records")
+    assert len(t) == 2000 and used < 8e6  # the log no longer copies the shared prefix (was ~108 MB)
+    assert 0.75 * used <= t.stored_bytes <= 1.25 * used
+    bound = 1_000_000
+    used, t = _traced_bytes(lambda: _shared_prefix_prompts(
+        PrefixTrie(max_chars=10 ** 9, max_bytes=bound, chunk_chars=256, double_every=16), 2000))
+    assert t.stored_bytes <= bound and used <= 1.25 * bound and 0 < len(t) < 2000
+
+
+def test_trie_byte_bound_counts_repeated_prompts():
+    """The same prompt sent again and again adds no node and no character, only records: the byte bound still
+    evicts the oldest records, so the log cannot grow without end."""
+    t = PrefixTrie(max_chars=10 ** 9, max_bytes=100_000, chunk_chars=64)
+    key = t.chunks("the same system prompt " * 20)
+    for i in range(10_000):
+        t.insert(key, f"r{i % 2}")
+    assert t.stored_bytes <= 100_000 and 0 < len(t) < 1000 and t.nodes == len(key)
+    assert t.match(key, {"r0", "r1"}).ratio == 1.0

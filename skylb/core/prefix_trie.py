@@ -14,21 +14,37 @@ that share a prefix share its chunks. Nodes grow as O(log n) in the prompt's len
 (~160,000 characters) is 85 nodes instead of 625 at a fixed 256 characters, and the routing decision's walks are
 that much shorter (bench/results/overhead.md part (d)). ``double_every`` 0 keeps every chunk at ``chunk_chars``.
 
-Memory bound: ``max_chars`` bounds the characters stored in trie nodes (each node stores one chunk). When an insert
-makes the trie exceed it, the oldest inserted records are evicted first (paper: "starting with the earliest inserted
-records") until it fits; eviction runs on every insert, never on a timer, so a burst cannot grow it past the bound.
-Each record holds its key (a tuple of chunks shared with the trie), so bookkeeping adds one tuple per record.
+Memory bound: ``max_bytes`` bounds the memory the trie holds, nodes and the eviction log of records together, and
+``max_chars`` the characters stored in nodes (each node stores one chunk). When an insert makes the trie exceed
+either, the oldest inserted records are evicted first (paper: "starting with the earliest inserted records") until it
+fits; eviction runs on every insert, never on a timer, so a burst cannot grow it past the bound. Bytes are accounted
+per node (its chunk's ``sys.getsizeof`` plus ``NODE_BYTES`` for pygtrie's node, its children entry and the
+``{target: count}`` dict) and per record (``RECORD_BYTES`` plus a pointer per chunk of its key), constants measured
+with tracemalloc on CPython 3.11 (tests/test_core.py checks the accounting against tracemalloc). Each record keeps
+its key, whose chunks are interned (``sys.intern``) so that every record and node with the same chunk shares one
+string: without it, 2,000 prompts sharing a 50,000-character prefix held ~108 MB of copies in the log while the
+nodes counted 2.4 MB.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
 import pygtrie
 
-__all__ = ["PrefixTrie", "Match", "chunk_text"]
+__all__ = ["PrefixTrie", "Match", "chunk_text", "NODE_BYTES", "RECORD_BYTES"]
+
+#: Bytes a trie node holds besides its chunk's text: pygtrie's _Node, the entry in its parent's children, and the
+#: ``{target: count}`` dict (~300 measured with tracemalloc for one or two targets; rounded up).
+NODE_BYTES = 320
+#: Bytes a record of the eviction log holds besides a pointer per chunk of its key: the key tuple's header, the
+#: (key, target) pair and the deque slot (~100 measured; rounded up).
+RECORD_BYTES = 120
+#: Bytes per chunk of a record's key (one pointer in its tuple; the chunk itself is interned and shared).
+_POINTER_BYTES = 8
 
 
 def chunk_text(text: str, chunk_chars: int, double_every: int = 0) -> tuple[str, ...]:
@@ -75,6 +91,7 @@ class PrefixTrie:
 
     Args:
         max_chars: the most characters the trie may store in its nodes (> 0).
+        max_bytes: the most bytes of memory the trie may hold, nodes and eviction log (> 0; default 64 MiB).
         chunk_chars: characters of the first chunks of a prompt (> 0).
         double_every: chunks double in length after every ``double_every`` chunks (>= 0; 0: never).
 
@@ -82,23 +99,31 @@ class PrefixTrie:
     that node went to that target.
     """
 
-    def __init__(self, *, max_chars: int = 8_000_000, chunk_chars: int = 256, double_every: int = 0):
-        if max_chars <= 0 or chunk_chars <= 0:
-            raise ValueError("max_chars and chunk_chars must be positive")
+    def __init__(self, *, max_chars: int = 8_000_000, chunk_chars: int = 256, double_every: int = 0,
+                 max_bytes: int = 64 * 2 ** 20):
+        if max_chars <= 0 or chunk_chars <= 0 or max_bytes <= 0:
+            raise ValueError("max_chars, max_bytes and chunk_chars must be positive")
         if double_every < 0:
             raise ValueError("double_every must not be negative")
         self.max_chars = max_chars
+        self.max_bytes = max_bytes
         self.chunk_chars = chunk_chars
         self.double_every = double_every
         self._trie: pygtrie.Trie = pygtrie.Trie()
         self._records: deque[tuple[tuple[str, ...], str]] = deque()
         self._chars = 0
         self._nodes = 0
+        self._bytes = 0
 
     @property
     def stored_chars(self) -> int:
         """Characters stored in trie nodes now (<= max_chars)."""
         return self._chars
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of memory the trie holds now, as accounted (nodes and eviction log; <= max_bytes)."""
+        return self._bytes
 
     @property
     def nodes(self) -> int:
@@ -161,6 +186,7 @@ class PrefixTrie:
                 break
         if not key:
             return
+        key = tuple(map(sys.intern, key))  # records and nodes share one string per chunk
         # Two walks: setdefault creates the missing nodes; the second walk counts the target at every node. Every
         # pre-existing node holds a non-empty dict, so an empty or missing value marks a node created just now.
         self._trie.setdefault(key, {})
@@ -171,9 +197,11 @@ class PrefixTrie:
                     counts = step.value = {}
                 self._nodes += 1
                 self._chars += len(key[i])
+                self._bytes += sys.getsizeof(key[i]) + NODE_BYTES
             counts[target] = counts.get(target, 0) + 1
         self._records.append((key, target))
-        while self._chars > self.max_chars and self._records:
+        self._bytes += RECORD_BYTES + _POINTER_BYTES * len(key)
+        while (self._chars > self.max_chars or self._bytes > self.max_bytes) and self._records:
             self._evict_oldest()
 
     def remove_target(self, target: str) -> None:
@@ -194,6 +222,7 @@ class PrefixTrie:
 
     def _evict_oldest(self) -> None:
         key, target = self._records.popleft()
+        self._bytes -= RECORD_BYTES + _POINTER_BYTES * len(key)
         cut = None  # depth of the first node that no live record passes through any more
         for i, step in enumerate(self._walk(key)):
             counts = step.value
@@ -210,3 +239,4 @@ class PrefixTrie:
             removed = key[cut:]
             self._nodes -= len(removed)
             self._chars -= sum(map(len, removed))
+            self._bytes -= sum(map(sys.getsizeof, removed)) + NODE_BYTES * len(removed)

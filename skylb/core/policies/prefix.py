@@ -34,6 +34,7 @@ class PrefixOptions:
 
     Attributes:
         trie_max_chars: bound of each trie, in stored characters.
+        trie_max_bytes: bound of each trie's memory in bytes, nodes and eviction log (64 MiB; prefix_trie.py).
         trie_chunk_chars: characters of a prompt's first trie nodes (256, about 50 tokens).
         trie_chunk_doubling: chunks double in length after every this many (0: never; prefix_trie.py).
         match_threshold: the smallest matched fraction of the prompt (0-1) that routes by prefix.
@@ -41,6 +42,7 @@ class PrefixOptions:
     """
 
     trie_max_chars: int = Field(8_000_000, gt=0)
+    trie_max_bytes: int = Field(64 * 2 ** 20, gt=0)
     trie_chunk_chars: int = Field(256, gt=0)
     trie_chunk_doubling: int = Field(16, ge=0)
     match_threshold: float = Field(0.5, ge=0, le=1)
@@ -57,10 +59,10 @@ class PrefixPolicy(Policy, name="skylb-paper"):
     def __init__(self, options: PrefixOptions | None = None):
         super().__init__(options)
         o = self.options
-        self.replica_trie = PrefixTrie(max_chars=o.trie_max_chars, chunk_chars=o.trie_chunk_chars,
-                                       double_every=o.trie_chunk_doubling)
-        self.snapshot_trie = PrefixTrie(max_chars=o.trie_max_chars, chunk_chars=o.trie_chunk_chars,
-                                        double_every=o.trie_chunk_doubling)
+        self.replica_trie = PrefixTrie(max_chars=o.trie_max_chars, max_bytes=o.trie_max_bytes,
+                                       chunk_chars=o.trie_chunk_chars, double_every=o.trie_chunk_doubling)
+        self.snapshot_trie = PrefixTrie(max_chars=o.trie_max_chars, max_bytes=o.trie_max_bytes,
+                                        chunk_chars=o.trie_chunk_chars, double_every=o.trie_chunk_doubling)
         self._replicas: set[str] = set()
         self._peers: set[str] = set()
 

@@ -59,7 +59,9 @@ class SGLangCacheAwarePolicy(Policy, name="sglang"):
 
     def __init__(self, options: SGLangOptions | None = None):
         super().__init__(options)
-        self.tree = PrefixTrie(max_chars=self.options.trie_max_chars, chunk_chars=self.options.trie_chunk_chars)
+        # SGLang bounds its tree in characters only: the byte bound is set out of the way.
+        self.tree = PrefixTrie(max_chars=self.options.trie_max_chars, chunk_chars=self.options.trie_chunk_chars,
+                               max_bytes=2 ** 40)
         #: replica id -> characters recorded for it in the tree (SGLang's per-tenant size).
         self.tree_chars: dict[str, int] = {}
 
