@@ -153,6 +153,9 @@ class BalancerConfig(_Strict):
     #: A probe older than this many intervals makes its replica or peer unavailable.
     stale_after_intervals: float = Field(5.0, gt=0)
     probe_timeout_ms: float = Field(1000.0, gt=0)
+    #: Seconds between two reads of a replica's model list (a model pulled, loaded or deleted later is seen within
+    #: this); the first read is at its first healthy probe.
+    models_refresh_s: float = Field(30.0, gt=0)
     #: tau: the largest peer queue length at which the peer is still available (Algorithm 1, line 12).
     tau: int = Field(2, ge=0)
     session_header: str = "X-Session-ID"

@@ -386,3 +386,46 @@ def test_peer_token_from_the_environment_overrides_the_config(procs, tmp_path):
     env_port, config_port = ports
     assert [status(env_port, t) for t in (None, "from-config", "from-env")] == [403, 403, 200]
     assert [status(config_port, t) for t in (None, "from-env", "from-config")] == [403, 403, 200]
+
+
+async def test_model_lists_refresh_on_schedule():
+    """A model loaded or deleted on a replica after the balancer first read its list is seen at the next refresh
+    (``models_refresh_s``), not never: a real HTTP server whose /v1/models changes, probed by the real probers."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from skylb.balancer.probers import Probers
+    from skylb.config import BalancerConfig
+    from skylb.core import build_router
+    from tests.procs import free_port
+
+    served = ["model-a"]
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in served]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    router = build_router("us", BalancerConfig())
+    router.set_replicas([("us-1", f"http://127.0.0.1:{port}", "openai")])
+    loop = asyncio.get_running_loop()
+    try:
+        async with aiohttp.ClientSession() as session:
+            probers = Probers(router, session, now=loop.time, on_round=lambda: None, interval_s=0.05,
+                              timeout_s=1.0, peer_token=None, models_refresh_s=0.3)
+            await probers.probe_replicas()
+            assert router.served_models() == {"model-a"}
+            served[:] = ["model-b"]  # model-a deleted, model-b pulled
+            await probers.probe_replicas()
+            assert router.served_models() == {"model-a"}  # not yet: the list is read every 0.3 s, not every probe
+            await asyncio.sleep(0.35)
+            await probers.probe_replicas()
+            assert router.served_models() == {"model-b"}
+    finally:
+        await runner.cleanup()

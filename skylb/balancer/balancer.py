@@ -90,7 +90,7 @@ class Balancer:
         self.membership.start()
         probers = Probers(self.router, self.session, now=self.now, on_round=self.dispatcher.wake,
                           interval_s=cfg.probe_interval_ms / 1000, timeout_s=cfg.probe_timeout_ms / 1000,
-                          peer_token=cfg.peer_token)
+                          peer_token=cfg.peer_token, models_refresh_s=cfg.models_refresh_s)
         self._tasks = [asyncio.create_task(self.dispatcher.run()), *probers.tasks()]
 
     async def stop(self) -> None:

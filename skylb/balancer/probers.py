@@ -31,10 +31,12 @@ class Probers:
         router: the region's routing core; session: the shared upstream client session.
         now: the balancer's clock (s); on_round: called after every probe round (wakes the dispatcher).
         interval_s: probe period (s); timeout_s: one probe's timeout (s); peer_token: sent to peers, if set.
+        models_refresh_s: seconds between two reads of a replica's model list.
     """
 
     def __init__(self, router: Router, session: aiohttp.ClientSession, *, now: Callable[[], float],
-                 on_round: Callable[[], None], interval_s: float, timeout_s: float, peer_token: str | None):
+                 on_round: Callable[[], None], interval_s: float, timeout_s: float, peer_token: str | None,
+                 models_refresh_s: float = 30.0):
         self.router = router
         self.session = session
         self.now = now
@@ -42,6 +44,9 @@ class Probers:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.peer_headers = {TOKEN_HEADER: peer_token} if peer_token else {}
+        self.models_refresh_s = models_refresh_s
+        #: replica id -> when its model list was last read (s, balancer clock); only replicas still known.
+        self._models_read_at: dict[str, float] = {}
 
     def tasks(self) -> list[asyncio.Task]:
         """Start both loops; the caller cancels the tasks to stop them."""
@@ -59,7 +64,9 @@ class Probers:
             await asyncio.sleep(max(0.0, self.interval_s - (self.now() - started)))
 
     async def probe_replicas(self) -> None:
-        """One round over the local replicas: load signal, health, and (until known) the models served."""
+        """One round over the local replicas: load signal, health, and (every ``models_refresh_s``) the models."""
+        for gone in set(self._models_read_at) - set(self.router.replicas):
+            del self._models_read_at[gone]
         await asyncio.gather(*(self._probe_replica(r) for r in list(self.router.replicas.values())))
 
     async def _probe_replica(self, state: ReplicaState) -> None:
@@ -74,15 +81,19 @@ class Probers:
         self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
                                     running=result.running, error=result.error, slots=result.slots,
                                     probe_sent_at=sent_at, kv_usage=result.kv_usage)
-        if result.healthy and state.models is None:
+        read_at = self._models_read_at.get(state.id)
+        due = state.models is None or read_at is None or self.now() - read_at >= self.models_refresh_s
+        if result.healthy and due:
             engine = detected_engine(state.url) if state.engine == "auto" else state.engine
             if engine == "ollama":  # Ollama serves its own API besides the OpenAI one
                 state.apis = frozenset({"openai", "ollama"})
             try:
                 models = await adapter.models(self.session, state.url, timeout_s=self.timeout_s)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                return  # retried at the next probe
-            self.router.set_replica_models(state.id, models)
+                return  # keep the list we have; retried at the next probe
+            self._models_read_at[state.id] = self.now()
+            if frozenset(models) != state.models:
+                self.router.set_replica_models(state.id, models)
 
     async def probe_peers(self) -> None:
         """One round over the peers: each one's msgpack status, or why it could not be read."""
