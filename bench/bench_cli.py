@@ -315,6 +315,8 @@ LIVE_BENCHMARKS = {
                  "both (bench/results/calibration.md)",
     "failover": "detection, failover, DNS and recovery times when a region's balancer dies, with real processes "
                 "(bench/results/failover.md)",
+    "soak": "many concurrent streams for minutes with replicas killed and restarted: requests lost and duplicated, "
+            "memory and trie size over time (bench/results/soak.md)",
 }
 
 

@@ -7,6 +7,8 @@ HAProxy and SGLang router parts are skipped, with the reason, when their binary 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench import baselines, harness, launchers, live
@@ -266,3 +268,23 @@ def test_failover_report_marks_targets_from_the_runs():
     assert [cell.strip() for cell in row.strip("|").split("|")] == [
         "us-1 served through eu's balancer", "after the kill", "3.30 [2.10, 4.50]", "<= 4 s: MISSED"]
     assert "4.50 [4.00, 5.00] s after the kill; target <= 10 s: met" in text
+
+
+def test_soak_classifies_streams():
+    """bench/soak.py's outcome of a stream: one id, one finish and one [DONE] is ok; an error chunk is an error
+    event; two generations spliced are duplicated; a cut stream or a non-API error body is lost."""
+    from bench.soak import classify_stream
+
+    def sse(*chunks) -> bytes:
+        return b"".join(b"data: " + (c if isinstance(c, bytes) else json.dumps(c).encode()) + b"\n\n" for c in chunks)
+
+    a = {"id": "a", "choices": [{"delta": {"content": "hi"}, "finish_reason": None}]}
+    a_end = {"id": "a", "choices": [{"delta": {}, "finish_reason": "stop"}]}
+    b_end = {"id": "b", "choices": [{"delta": {}, "finish_reason": "stop"}]}
+    assert classify_stream(200, sse(a, a_end, b"[DONE]")) == "ok"
+    assert classify_stream(200, sse(a, {"error": {"message": "replica died"}}, b"[DONE]")) == "error_event"
+    assert classify_stream(200, sse(a, a_end, b_end, b"[DONE]")) == "duplicated"
+    assert classify_stream(200, sse(a, a_end, b"[DONE]", b"[DONE]")) == "duplicated"
+    assert classify_stream(200, sse(a)) == "lost"
+    assert classify_stream(503, b'{"error": {"message": "no replica had room"}}') == "http_503"
+    assert classify_stream(502, b"<html>bad gateway</html>") == "lost"

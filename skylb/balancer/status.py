@@ -30,6 +30,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "draining": balancer.draining,
         "in_flight": balancer.in_flight(),
         "forwarded_per_s": balancer.forwarded_rate(),
+        "tries": _tries(router.policy),
         "served_regions": balancer.served_epochs,
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
@@ -48,6 +49,17 @@ def detailed_status(balancer: Balancer) -> dict:
              "reason": router.rules.peer_unavailable_reason(p, now)}
             for p in router.peers.values()],
     }
+
+
+def _tries(policy) -> dict:
+    """The policy's prefix tries (replica trie, regional snapshot), each {"bytes", "chars", "nodes", "records"}."""
+    tries = {}
+    for name in ("replica_trie", "snapshot_trie", "tree"):
+        trie = getattr(policy, name, None)
+        if trie is not None:
+            tries[name] = {"bytes": trie.stored_bytes, "max_bytes": trie.max_bytes, "chars": trie.stored_chars,
+                           "nodes": trie.nodes, "records": len(trie)}
+    return tries
 
 
 def _ms(seconds: float | None) -> float | None:
