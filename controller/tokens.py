@@ -9,7 +9,8 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-__all__ = ["ADMIN_TOKEN_ENV", "ADMIN_TOKEN_FILE_ENV", "PEER_TOKEN_ENV", "read_token_file", "secret_matches"]
+__all__ = ["ADMIN_TOKEN_ENV", "ADMIN_TOKEN_FILE_ENV", "PEER_TOKEN_ENV", "PLACEHOLDER_PREFIX", "check_token",
+           "read_token_file", "secret_matches"]
 
 #: The controller's admin token (every change of membership; skylb-ctl sends it).
 ADMIN_TOKEN_ENV = "SKYLB_ADMIN_TOKEN"
@@ -17,6 +18,16 @@ ADMIN_TOKEN_ENV = "SKYLB_ADMIN_TOKEN"
 ADMIN_TOKEN_FILE_ENV = "SKYLB_ADMIN_TOKEN_FILE"
 #: The balancers' shared secret (peer endpoints, forwarded requests, heartbeats to the controller).
 PEER_TOKEN_ENV = "SKYLB_PEER_TOKEN"
+#: How the example token files in deploy/ begin: a token that still does is a secret everybody knows.
+PLACEHOLDER_PREFIX = "replace-with-"
+
+
+def check_token(name: str, token: str | None) -> str | None:
+    """``token`` unchanged; ValueError naming ``name`` (never the value) when it is still the deployment files'
+    placeholder, so a forgotten install step stops the process instead of running with a public secret."""
+    if token is not None and token.startswith(PLACEHOLDER_PREFIX):
+        raise ValueError(f"{name} is still the example placeholder; generate one, e.g. with openssl rand -hex 32")
+    return token
 
 
 def read_token_file(path: str) -> str:

@@ -25,6 +25,7 @@ import io
 import os
 import re
 import shlex
+import secrets
 import shutil
 import signal
 import socket
@@ -257,10 +258,20 @@ def test_example_config_loads_and_fits_the_units():
     assert len(urls) == len(cfg.regions)
 
 
+#: The tokens README.md's install step puts in place of the placeholders (`openssl rand -hex 32`), once per run.
+_INSTALLED = {"SKYLB_PEER_TOKEN": secrets.token_hex(32), "SKYLB_ADMIN_TOKEN": secrets.token_hex(32)}
+
+
+def installed_env_file(name: str) -> dict[str, str]:
+    """deploy/systemd/NAME as README.md installs it: each placeholder token replaced by a generated one."""
+    return {k: _INSTALLED[k] if v.startswith("replace-with-") else v
+            for k, v in read_env_file(SYSTEMD / name).items()}
+
+
 def controller_env_files() -> dict[str, dict[str, str]]:
-    """The controller unit's EnvironmentFiles as installed (README.md), read from this directory."""
-    return {"/etc/skylb/admin-token.env": read_env_file(SYSTEMD / "admin-token.env"),
-            "/etc/skylb/peer-token.env": read_env_file(SYSTEMD / "peer-token.env")}
+    """The controller unit's EnvironmentFiles as installed (README.md)."""
+    return {"/etc/skylb/admin-token.env": installed_env_file("admin-token.env"),
+            "/etc/skylb/peer-token.env": installed_env_file("peer-token.env")}
 
 
 def test_controller_exec_start_parses_with_the_real_cli():
@@ -378,7 +389,7 @@ def test_controller_and_balancer_units_start_on_the_example_config(procs, tmp_pa
     membership in state_dir, enforces the token from peer-token.env, the controller the admin token from
     admin-token.env, and the balancer exits 0 on SIGTERM."""
     config, data = _localized_config(tmp_path)
-    token_file = read_env_file(SYSTEMD / "peer-token.env")
+    token_file = installed_env_file("peer-token.env")
     c_argv, c_env = unit_argv(SYSTEMD / "skylb-controller.service", controller_env_files())
     controller_url = data["balancer"]["controller_url"]
     procs.start(_run_unit_argv(c_argv, config), name="controller", env=c_env, wait_url=f"{controller_url}/healthz")
@@ -407,6 +418,20 @@ def test_controller_and_balancer_units_start_on_the_example_config(procs, tmp_pa
 
     balancer.popen.send_signal(signal.SIGTERM)
     assert balancer.popen.wait(timeout=30) == 0
+
+
+def test_units_refuse_to_start_with_the_placeholder_tokens(tmp_path):
+    """Skipping the install step that generates the tokens stops both units (exit 2, the reason on stderr, never
+    the value) instead of running with a secret everybody knows."""
+    config, _ = _localized_config(tmp_path)
+    raw = {"/etc/skylb/admin-token.env": read_env_file(SYSTEMD / "admin-token.env"),
+           "/etc/skylb/peer-token.env": read_env_file(SYSTEMD / "peer-token.env")}
+    for unit in ("skylb-controller.service", "skylb-balancer@.service"):
+        argv, env = unit_argv(SYSTEMD / unit, raw)
+        done = subprocess.run(_run_unit_argv(argv, config), env={**os.environ, **env}, capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 2 and "placeholder" in done.stderr, (unit, done.stderr)
+        assert "replace-with-" not in done.stderr
 
 
 # --- systemd's own tools, when installed --------------------------------------------------------------------------

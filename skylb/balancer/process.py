@@ -22,6 +22,7 @@ import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
+from controller.tokens import check_token
 from skylb import aio
 from skylb.balancer import ollama_api, status
 from skylb.balancer.api import error_response
@@ -124,6 +125,8 @@ def main(args: argparse.Namespace) -> int:
         if cfg.controller_url is None:
             c = deployment.controller
             cfg.controller_url = f"http://{c.host}:{c.port}"
+        check_token("the peer token", cfg.peer_token)
+        check_token("the metrics token", cfg.metrics_token)
         api_keys = load_api_keys(cfg.api_keys, cfg.api_keys_file)
         if api_keys and not cfg.peer_token:
             # Peers prove themselves with the token and skip the key check; without one, anybody could.
