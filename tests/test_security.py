@@ -375,3 +375,18 @@ def test_skylb_local_generates_tokens_per_run(tmp_path):
     own = DeploymentConfig.model_validate({"regions": {"us": {"balancer": {"peer_token": "mine"}}, "eu": {}}})
     local = Deployment(own, tmp_path / "c")
     assert local.peer_tokens["us"] == "mine" and local.peer_tokens["eu"] != "mine"
+
+
+def test_api_keys_come_from_the_config_a_file_and_the_environment(tmp_path, monkeypatch):
+    """Keys are the union of balancer.api_keys, the keys file (comments and blank lines skipped;
+    $SKYLB_API_KEYS_FILE over the config's path) and $SKYLB_API_KEYS; an unreadable file names its path only."""
+    from skylb.balancer.auth import load_api_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# team a\nk-file-1\n\n  k-file-2  # rotated 2026-11\n")
+    monkeypatch.setenv("SKYLB_API_KEYS", "k-env-1, k-env-2,")
+    monkeypatch.delenv("SKYLB_API_KEYS_FILE", raising=False)
+    assert load_api_keys(["k-cfg"], str(keys)) == {"k-cfg", "k-file-1", "k-file-2", "k-env-1", "k-env-2"}
+    monkeypatch.setenv("SKYLB_API_KEYS_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="missing"):
+        load_api_keys([], str(keys))

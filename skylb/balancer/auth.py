@@ -4,7 +4,7 @@
   the controller's health check.
 - The peer endpoint ``GET /skylb/v1/status`` (msgpack and ``?format=json``): the peer token (``X-SkyLB-Token``).
 - ``GET /metrics``: the metrics token or the peer token, as ``Authorization: Bearer <token>`` (what Prometheus's
-  ``authorization`` setting sends) or ``X-SkyLB-Token``.
+  ``authorization`` setting sends); the peer token also as ``X-SkyLB-Token``.
 - The client APIs (``/v1/*``, ``/api/*``): a client API key, ``Authorization: Bearer <key>``, when keys are
   configured; 401 in the API's shape otherwise. A request carrying the peer token is a peer's (a forwarded request,
   ``/api/show`` asked of a peer) and needs no client key: the forwarding balancer checked it.
@@ -75,7 +75,7 @@ def load_api_keys(keys: list[str], keys_file: str | None) -> frozenset[str]:
         except OSError as exc:
             raise ValueError(f"cannot read the API keys file {path}: {exc.strerror}") from None
         found += [line.split("#", 1)[0].strip() for line in text.splitlines()]
-    found += os.environ.get(API_KEYS_ENV, "").split(",")
+    found += (k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(","))
     return frozenset(k for k in found if k)
 
 
