@@ -35,6 +35,7 @@ import json
 import signal
 import sqlite3
 import sys
+import time
 from typing import Any, Awaitable, Callable
 
 import structlog
@@ -53,6 +54,9 @@ from skylb.logs import configure_logging
 
 __all__ = ["MAX_WAIT_S", "RevisionWatch", "create_app", "serve", "add_arguments", "main"]
 
+#: A balancer whose last heartbeat is older than this (s; three of its 10 s heartbeats) no longer holds its region
+#: against a new registration, even where the health check is off and never marks it unhealthy.
+LIVE_HEARTBEAT_S = 30.0
 #: Longest long poll a client may ask for (s); longer asks are cut to this.
 MAX_WAIT_S = 60.0
 #: How long shutdown waits for in-flight requests after waking every watcher (s).
@@ -198,9 +202,10 @@ async def register_balancer(request: web.Request) -> web.Response:
     """POST /v1/balancers {"region", "url", "epochs"?: {region: epoch}, "replace"?: bool} -> 200 with the balancer
     (register, or heartbeat when known).
 
-    When another URL holds a live (healthy, not draining) balancer of the same region, the registration is refused
-    409 ``region_taken``, unless it says ``"replace": true`` and carries the admin token (else 401): then the live
-    one is removed (its later heartbeats get 409) and this one takes the region.
+    When another URL holds a live balancer of the same region (healthy, not draining, heard from within
+    LIVE_HEARTBEAT_S), the registration is refused 409 ``region_taken``, unless it says ``"replace": true`` and
+    carries the admin token (else 401): then the live one is removed (its later heartbeats get 409) and this one
+    takes the region.
 
     ``epochs`` are the assignments the balancer holds (the regions whose replicas it serves). When one of them has
     since been given to another region's balancer at a higher epoch, the heartbeat is recorded but answered 409
@@ -219,8 +224,9 @@ async def register_balancer(request: web.Request) -> web.Response:
         raise InvalidInput("epochs", "must be an object of region name to integer epoch")
     store = request.app[STORE]
     region, url = validate_region(body.get("region")), normalize_url(body.get("url"))
-    live = [b for b in store.list_balancers()
-            if b.region == region and b.url != url and b.healthy and not b.draining]
+    now = time.time()
+    live = [b for b in store.list_balancers() if b.region == region and b.url != url and b.healthy
+            and not b.draining and now - b.last_seen < LIVE_HEARTBEAT_S]
     if live and not replace:
         return _error(409, f"region {region} has a live balancer at {live[0].url}; to replace it, remove it "
                            "(DELETE /v1/balancers?url=...) or register with \"replace\": true and the admin token",

@@ -390,3 +390,25 @@ def test_api_keys_come_from_the_config_a_file_and_the_environment(tmp_path, monk
     monkeypatch.setenv("SKYLB_API_KEYS_FILE", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="missing"):
         load_api_keys([], str(keys))
+
+
+async def test_a_silent_balancer_no_longer_holds_its_region():
+    """A balancer not heard from for LIVE_HEARTBEAT_S (where the health check is off and never marks it unhealthy)
+    does not block a new registration for its region; a fresh one does."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from controller.auth import ControllerCredentials
+    from controller.server import LIVE_HEARTBEAT_S, create_app
+    from controller.store import MembershipStore
+
+    store = MembershipStore(":memory:")
+    store.register_balancer("us", "http://10.0.0.1:8080", now=time.time() - LIVE_HEARTBEAT_S - 1)
+    store.register_balancer("eu", "http://10.0.0.2:8080")
+    app = create_app(store, credentials=ControllerCredentials(admin_token=ADMIN, peer_token=PEER))
+    async with TestClient(TestServer(app)) as client:
+        peer = {"X-SkyLB-Token": PEER}
+        resp = await client.post("/v1/balancers", json={"region": "us", "url": "http://10.0.0.3:8080"}, headers=peer)
+        assert resp.status == 200
+        resp = await client.post("/v1/balancers", json={"region": "eu", "url": "http://10.0.0.4:8080"}, headers=peer)
+        assert resp.status == 409
+    store.close()
