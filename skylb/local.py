@@ -33,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from skylb.balancer.auth import load_api_keys
 from skylb.config import DeploymentConfig
 from skylb.dns.bind import BindServer, balancer_address, client_address
 from skylb.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
@@ -80,6 +81,9 @@ class Deployment:
         shared = secrets.token_urlsafe(32)
         self.peer_tokens = {r: cfg.balancer_for(r).peer_token or shared for r in cfg.regions}
         self._controller_peer_token = shared if set(self.peer_tokens.values()) == {shared} else ""
+        #: A client API key the demo's clients send, when the config turns keys on (else None).
+        keys = load_api_keys(cfg.balancer.api_keys, cfg.balancer.api_keys_file)
+        self.client_api_key = min(keys) if keys else None
 
     def _write_tokens(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -412,3 +412,30 @@ async def test_a_silent_balancer_no_longer_holds_its_region():
         resp = await client.post("/v1/balancers", json={"region": "eu", "url": "http://10.0.0.4:8080"}, headers=peer)
         assert resp.status == 409
     store.close()
+
+
+def test_skylb_local_runs_secured_and_its_clients_send_the_api_key(tmp_path):
+    """A real `skylb local` run with client keys on: the replicas are registered with the generated admin token, the
+    balancers read each other's status with the generated peer token (the run waits for that before replaying), the
+    demo's clients send a key and are all served, nothing runs open, and no output or log holds a token or the key."""
+    cfg = {
+        "balancer": {"probe_interval_ms": 50, "api_keys": [KEY]},
+        "regions": {"us": {"replicas": 1}, "eu": {"replicas": 1}},
+        "emulator": {"time_scale": 0.2, "extra_args": ["--max-num-seqs", "2"]},
+        "latency": {"rtt_ms": {"us-eu": 20}},
+        "workload": {"trace": None, "region_weights": {"us": 0.9, "eu": 0.1}, "synthetic_conversations": 6,
+                     "synthetic_turns": 2, "request_timeout_s": 60},
+    }
+    config, run_dir, out = tmp_path / "local.yaml", tmp_path / "run", tmp_path / "report.json"
+    config.write_text(json.dumps(cfg))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYLB_")}
+    done = subprocess.run([sys.executable, "-m", "skylb", "local", "--config", str(config), "--run-dir", str(run_dir),
+                           "--out", str(out)], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    total = json.loads(out.read_text())["report"]["total"]
+    assert total["sent"] == total["completed"] > 0 and total["failed"] == 0
+    tokens = [(run_dir / name).read_text().strip() for name in ("admin-token", "peer-token")]
+    assert all(len(t) >= 32 for t in tokens)
+    texts = [done.stdout, done.stderr, *(p.read_text() for p in (run_dir / "logs").glob("*.log"))]
+    assert not [t for t in texts for secret in (*tokens, KEY) if secret in t]
+    assert not [t for t in texts if "controller_api_open" in t or "peer_endpoints_open" in t]
