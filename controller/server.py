@@ -338,7 +338,6 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
     """
     if credentials is None:
         credentials = resolve_credentials(config.admin_token, config.admin_token_file, config.peer_token)
-    _warn_open(credentials)
     store = open_store(config)
     leadership = leadership_for(config)
     app = create_app(store, leadership=leadership, credentials=credentials)
@@ -356,6 +355,7 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
         port = runner.addresses[0][1] if runner.addresses else config.port
         log.info("controller_started", host=config.host, port=port, store=store.kind, db=config.db,
                  revision=store.revision, health_interval_s=config.health.interval_s if config.health.enabled else None)
+        _warn_open(credentials)  # once it serves: a controller that cannot start says only why (one line)
         dns_sync = DnsSync(store, DnsUpdater(config.dns)) if config.dns else None
 
         def lead() -> Awaitable[None]:  # the leader's task, started at each election and cancelled at its end

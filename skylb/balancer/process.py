@@ -171,7 +171,6 @@ def _warn_open(cfg: BalancerConfig, api_keys: frozenset[str], region: str) -> No
 
 async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_keys: frozenset[str] = frozenset(),
                  ssl_context: ssl.SSLContext | None = None) -> int:
-    _warn_open(cfg, api_keys, region)
     app = build_app(cfg, region=region, advertise_url=advertise_url, api_keys=api_keys)
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request leaves the queue
     # and an upstream request is aborted (aiohttp's default keeps running it; reliability.md).
@@ -182,6 +181,7 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_ke
     log.info("balancer_started", region=region, listen=f"{cfg.host}:{cfg.port}", tls=ssl_context is not None,
              policy=cfg.policy, controller=cfg.controller_url, client_api_keys=len(api_keys),
              peer_token=bool(cfg.peer_token), event_loop=aio.loop_name())
+    _warn_open(cfg, api_keys, region)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
