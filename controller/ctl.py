@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import requests
 
-from controller.tokens import ADMIN_TOKEN_ENV, read_token_file
+from controller.tokens import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, read_token_file
 from controller.ctl_views import (balancer_status, balancer_table, replica_table, request_error, status_tables,
                                   system_status)
 from controller.store import ENGINES, InvalidInput, normalize_url
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"controller URL (default: $SKYLB_CONTROLLER, else {DEFAULT_CONTROLLER})")
     parser.add_argument("--admin-token-file", metavar="FILE",
                         help="file holding the controller's admin token, sent with every change "
-                             "(default: $SKYLB_ADMIN_TOKEN)")
+                             "(default: $SKYLB_ADMIN_TOKEN, else the file $SKYLB_ADMIN_TOKEN_FILE)")
     parser.add_argument("--timeout", metavar="S", type=float, default=10.0,
                         help="seconds to wait for each answer of the controller or a balancer (default: 10)")
     common = [_output_options()]
@@ -377,9 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("--wait-timeout must be > 0", EXIT_USAGE)
     try:
         token = os.environ.get(ADMIN_TOKEN_ENV) or None
-        if args.admin_token_file:
+        token_file = args.admin_token_file or (None if token else os.environ.get(ADMIN_TOKEN_FILE_ENV))
+        if token_file:
             try:
-                token = read_token_file(args.admin_token_file)
+                token = read_token_file(token_file)
             except ValueError as exc:
                 raise CtlError(f"--admin-token-file: {exc}", EXIT_USAGE) from None
         args.run(_Api(args.controller, args.timeout, token), args)

@@ -199,8 +199,8 @@ def test_controller_changes_need_admin_token(secured):
 
 
 def test_skylb_ctl_sends_the_admin_token(secured, tmp_path):
-    """skylb-ctl without the token is refused with the controller's reason (exit 1); with $SKYLB_ADMIN_TOKEN or
-    --admin-token-file it changes membership."""
+    """skylb-ctl without the token is refused with the controller's reason (exit 1); with $SKYLB_ADMIN_TOKEN,
+    --admin-token-file or $SKYLB_ADMIN_TOKEN_FILE it changes membership; an unreadable file is a usage error."""
     base = [sys.executable, "-m", "controller.ctl", "--controller", secured.controller_url]
     bare = {**os.environ, "SKYLB_ADMIN_TOKEN": ""}
     add = ["replica", "add", "--region", "us", "--url"]
@@ -213,6 +213,9 @@ def test_skylb_ctl_sends_the_admin_token(secured, tmp_path):
     token_file.write_text(ADMIN + "\n")
     done = subprocess.run([*base, "--admin-token-file", str(token_file), *add, "http://10.9.9.2:8000"],
                           capture_output=True, text=True, env=bare, timeout=30)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([*base, *add, "http://10.9.9.4:8000"], capture_output=True, text=True, timeout=30,
+                          env={**bare, "SKYLB_ADMIN_TOKEN_FILE": str(token_file)})
     assert done.returncode == 0, done.stderr
     done = subprocess.run([*base, "--admin-token-file", str(tmp_path / "missing"), *add, "http://10.9.9.3:8000"],
                           capture_output=True, text=True, env=bare, timeout=30)

@@ -5,7 +5,9 @@ SIGINT. Queued and routed (skylb/balancer/pipeline.py): ``POST /v1/chat/completi
 ``/v1/embeddings``, ``/api/generate``, ``/api/chat``, ``/api/embed``, ``/api/embeddings``. Answered without queueing
 (status.py, ollama_api.py): ``GET /v1/models``, the Ollama metadata endpoints (``/api/tags``, ``/api/ps``,
 ``/api/show``, ``/api/version``, ``GET``/``HEAD /``), ``GET /healthz``, ``GET /metrics`` (Prometheus),
-``GET /skylb/v1/status`` (msgpack for peers; JSON with ``?format=json`` for operators).
+``GET /skylb/v1/status`` (msgpack for peers; JSON with ``?format=json`` for operators). Who may call which route
+(client API keys, the peer token, the metrics token) is checked before any handler, in skylb/balancer/auth.py; with
+``tls_cert_file`` and ``tls_key_file`` the listener speaks HTTPS.
 """
 
 from __future__ import annotations
