@@ -208,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
             connector_for = functools.partial(_region_connector, bind.host, bind.port, deployment.client_addresses)
             pre_checks = [asyncio.run(dns_check(deployment))]
         doc = asyncio.run(replay_and_report(workload, balancers, out=out, base_dir=Path.cwd(),
-                                            connector_for=connector_for))
+                                            connector_for=connector_for, api_key=deployment.client_api_key))
         print(doc["workload"]["summary"])
         print(format_table(doc["report"]))
         checks = pre_checks + deployment_checks(doc, cfg)

@@ -261,6 +261,7 @@ async def replay(
     deadline_s: float | None = None,
     progress: bool | None = None,
     connector_for: Callable[[str], aiohttp.BaseConnector] | None = None,
+    api_key: str | None = None,
 ) -> ReplayResult:
     """Replay ``requests`` against ``balancers`` ({region: base URL}); returns one record per request.
 
@@ -272,6 +273,7 @@ async def replay(
     ``connector_for``: region -> a new connector for that region's clients, each region then with its own session
     (``skylb local --dns``: skylb.dns.resolver.region_connector, which resolves the balancers' one service name from
     the region's source address; give it ``limit=0``); None: one connector without a pool limit for all regions.
+    ``api_key``: sent as ``Authorization: Bearer`` on every request (balancers with client API keys).
     Raises ReplayError before sending anything when a region has no balancer or the model list is unreadable.
     """
     requests = list(requests)
@@ -301,13 +303,16 @@ async def replay(
     # timeout, because send_request bounds each request itself.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, request_timeout_s))
     regions = sorted({r.region for r in requests})
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with contextlib.AsyncExitStack() as stack:
         if connector_for is None:
-            shared = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+            shared = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
+                                           headers=headers)
             sessions = dict.fromkeys(regions, await stack.enter_async_context(shared))
         else:
             sessions = {g: await stack.enter_async_context(
-                aiohttp.ClientSession(connector=connector_for(g), timeout=timeout)) for g in regions}
+                aiohttp.ClientSession(connector=connector_for(g), timeout=timeout, headers=headers))
+                for g in regions}
         models = {g: model or await fetch_model(sessions[g], balancers[g]) for g in regions}
         bar = tqdm(total=len(requests), desc="replay", unit="req", disable=not progress, file=sys.stderr)
         t0 = loop.time()
@@ -372,20 +377,21 @@ async def replay_and_report(
     out: str | Path | None = None,
     base_dir: str | Path | None = None,
     connector_for: Callable[[str], aiohttp.BaseConnector] | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Load the workload of ``cfg`` for the balancers' regions, replay it, build the report, write it to ``out``.
 
     Returns the JSON document: ``{"workload": {"summary", "config"}, "balancers", "report", "records"}``
     (report: :func:`bench.report.build_report` plus ``ideal_prefix_hit_rate``, the trace window's ideal from
     :func:`bench.ideal.replay_ideal_hit_rate`, None for a closed-loop workload; records:
-    :meth:`RequestRecord.to_dict`). ``connector_for``: as in :func:`replay`. Used by `skylb replay` and by
+    :meth:`RequestRecord.to_dict`). ``connector_for``, ``api_key``: as in :func:`replay`. Used by `skylb replay` and by
     `skylb local`. Raises TraceError, ValueError or
     ReplayError before anything is sent.
     """
     requests = load_workload(cfg, list(balancers), base_dir=base_dir)
     result = await replay(
         requests, balancers, model=model, request_timeout_s=cfg.request_timeout_s,
-        deadline_s=deadline_s, progress=progress, connector_for=connector_for,
+        deadline_s=deadline_s, progress=progress, connector_for=connector_for, api_key=api_key,
     )  # fmt: skip
     report = build_report(result.records, result.wall_s)
     report["ideal_prefix_hit_rate"] = replay_ideal_hit_rate(requests)

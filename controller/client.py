@@ -37,10 +37,13 @@ class ControllerClient:
     ``base_url`` may name several controllers sharing one etcd store (a list, or one string with commas): a request
     goes to the one that answered last and, when that one is unavailable, to the next in turn; ControllerUnavailable
     only when none answers. ``timeout_s`` bounds each request to one controller in seconds; a long poll gets
-    ``wait_s`` on top of it. The caller owns the session and closes it.
+    ``wait_s`` on top of it. ``token``, the balancers' peer token, goes with every request as ``X-SkyLB-Token``
+    (the controller requires it on heartbeats when it has one). The caller owns the session and closes it.
     """
 
-    def __init__(self, base_url: str | Sequence[str], *, session: aiohttp.ClientSession, timeout_s: float = 5):
+    def __init__(self, base_url: str | Sequence[str], *, session: aiohttp.ClientSession, timeout_s: float = 5,
+                 token: str | None = None):
+        self._headers = {"X-SkyLB-Token": token} if token else {}
         urls = base_url.split(",") if isinstance(base_url, str) else base_url
         self.base_urls = [url.strip().rstrip("/") for url in urls if url.strip()]
         if not self.base_urls:
@@ -107,7 +110,8 @@ class ControllerClient:
     async def _request_one(self, method: str, url: str, *, extra_s: float = 0, **kwargs: Any) -> dict:
         timeout = aiohttp.ClientTimeout(total=self._timeout_s + extra_s)
         try:
-            async with self._session.request(method, url, timeout=timeout, **kwargs) as resp:
+            async with self._session.request(method, url, timeout=timeout, headers=self._headers,
+                                             **kwargs) as resp:
                 if resp.status >= 500:
                     raise ControllerUnavailable(f"{method} {url}: HTTP {resp.status}")
                 try:

@@ -1,7 +1,8 @@
 """skylb-ctl: the operator's command line for the SkyLB controller: replicas (add, remove, drain, list), balancers
 (list, drain, remove), the membership, and the whole system's status at a glance.
 
-Every command takes ``-o json`` (or ``--json``) to print JSON instead of a table or a sentence.
+Every command takes ``-o json`` (or ``--json``) to print JSON instead of a table or a sentence. Changes send the
+admin token from ``$SKYLB_ADMIN_TOKEN`` or ``--admin-token-file`` (``Authorization: Bearer``).
 
 Exit status: 0 success; 1 the controller refused the request or could not be reached (one line on stderr says
 why); 2 a usage error; 3 a drain did not finish within ``--wait-timeout`` (the drain goes on).
@@ -18,6 +19,7 @@ from typing import Any, Callable
 
 import requests
 
+from controller.tokens import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, read_token_file
 from controller.ctl_views import (balancer_status, balancer_table, replica_table, request_error, status_tables,
                                   system_status)
 from controller.store import ENGINES, InvalidInput, normalize_url
@@ -58,14 +60,15 @@ class CtlError(Exception):
 class _Api:
     """Blocking JSON calls to the controller; every failure becomes a CtlError with a one-line message."""
 
-    def __init__(self, base_url: str, timeout_s: float):
+    def __init__(self, base_url: str, timeout_s: float, admin_token: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
 
     def call(self, method: str, path: str, **kwargs: Any) -> dict:
         url = self.base_url + path
         try:
-            resp = requests.request(method, url, timeout=self.timeout_s, **kwargs)
+            resp = requests.request(method, url, timeout=self.timeout_s, headers=self.headers, **kwargs)
         except (requests.exceptions.MissingSchema, requests.exceptions.InvalidSchema,
                 requests.exceptions.InvalidURL) as exc:
             raise CtlError(f"--controller {self.base_url!r} is not an http:// URL ({exc})", EXIT_USAGE) from None
@@ -271,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--controller", metavar="URL", default=os.environ.get("SKYLB_CONTROLLER") or DEFAULT_CONTROLLER,
                         help=f"controller URL (default: $SKYLB_CONTROLLER, else {DEFAULT_CONTROLLER})")
+    parser.add_argument("--admin-token-file", metavar="FILE",
+                        help="file holding the controller's admin token, sent with every change "
+                             "(default: $SKYLB_ADMIN_TOKEN, else the file $SKYLB_ADMIN_TOKEN_FILE)")
     parser.add_argument("--timeout", metavar="S", type=float, default=10.0,
                         help="seconds to wait for each answer of the controller or a balancer (default: 10)")
     common = [_output_options()]
@@ -370,7 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "wait_timeout", 1.0) <= 0:
         return _fail("--wait-timeout must be > 0", EXIT_USAGE)
     try:
-        args.run(_Api(args.controller, args.timeout), args)
+        token = os.environ.get(ADMIN_TOKEN_ENV) or None
+        token_file = args.admin_token_file or (None if token else os.environ.get(ADMIN_TOKEN_FILE_ENV))
+        if token_file:
+            try:
+                token = read_token_file(token_file)
+            except ValueError as exc:
+                raise CtlError(f"--admin-token-file: {exc}", EXIT_USAGE) from None
+        args.run(_Api(args.controller, args.timeout, token), args)
     except CtlError as exc:
         return _fail(str(exc), exc.status)
     except BrokenPipeError:  # `skylb-ctl replica list | head`: the reader left; not an error worth a traceback

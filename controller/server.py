@@ -14,6 +14,10 @@ URLS]``. Endpoints:
 - ``POST /v1/regions/{region}/drain``, ``POST /v1/regions/{region}/undrain`` (the region's balancers)
 - ``GET /v1/assignments``: which region's balancer serves each region's replicas, and the epoch
 
+Reads are open; changes need the admin token, balancer heartbeats the peer token (controller/auth.py). A balancer
+registering for a region whose balancer is live at another URL is refused (409 ``region_taken``) unless the request
+carries the admin token and ``"replace": true``, which removes the live one.
+
 Errors are always {"error": {"message", "type", "code"}}. Each membership change logs one structlog JSON line.
 Unless ``controller.health.enabled`` is false, every replica and balancer is health-checked (controller/health.py); a
 change of verdict is a membership revision (the ``healthy`` field), and a region whose balancers are all down or
@@ -31,23 +35,28 @@ import json
 import signal
 import sqlite3
 import sys
+import time
 from typing import Any, Awaitable, Callable
 
 import structlog
 from aiohttp import web
 
 from skylb import aio
+from controller.auth import CREDENTIALS, ControllerCredentials, auth_middleware, is_admin, resolve_credentials
 from controller.dns import DnsUpdater
 from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
-from controller.store import InvalidInput, StoreError
+from controller.store import InvalidInput, StoreError, normalize_url, validate_region
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig, load_config
 from skylb.logs import configure_logging
 
 __all__ = ["MAX_WAIT_S", "RevisionWatch", "create_app", "serve", "add_arguments", "main"]
 
+#: A balancer whose last heartbeat is older than this (s; three of its 10 s heartbeats) no longer holds its region
+#: against a new registration, even where the health check is off and never marks it unhealthy.
+LIVE_HEARTBEAT_S = 30.0
 #: Longest long poll a client may ask for (s); longer asks are cut to this.
 MAX_WAIT_S = 60.0
 #: How long shutdown waits for in-flight requests after waking every watcher (s).
@@ -190,23 +199,44 @@ async def list_balancers(request: web.Request) -> web.Response:
 
 
 async def register_balancer(request: web.Request) -> web.Response:
-    """POST /v1/balancers {"region", "url", "epochs"?: {region: epoch}} -> 200 with the balancer (register, or
-    heartbeat when known).
+    """POST /v1/balancers {"region", "url", "epochs"?: {region: epoch}, "replace"?: bool} -> 200 with the balancer
+    (register, or heartbeat when known).
+
+    When another URL holds a live balancer of the same region (healthy, not draining, heard from within
+    LIVE_HEARTBEAT_S), the registration is refused 409 ``region_taken``, unless it says ``"replace": true`` and
+    carries the admin token (else 401): then the live one is removed (its later heartbeats get 409) and this one
+    takes the region.
 
     ``epochs`` are the assignments the balancer holds (the regions whose replicas it serves). When one of them has
     since been given to another region's balancer at a higher epoch, the heartbeat is recorded but answered 409
     ``stale_epoch``: the balancer must drop those replicas and re-read membership.
     """
     body = await _json_object(request)
-    unknown = set(body) - {"region", "url", "epochs"}
+    unknown = set(body) - {"region", "url", "epochs", "replace"}
     if unknown:
-        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, epochs)")
+        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, epochs, replace)")
+    replace = body.get("replace", False)
+    if not isinstance(replace, bool):
+        raise InvalidInput("replace", "must be true or false")
     epochs = body.get("epochs") or {}
     if not isinstance(epochs, dict) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in epochs.items()):
         raise InvalidInput("epochs", "must be an object of region name to integer epoch")
     store = request.app[STORE]
-    balancer, changed = store.register_balancer(body.get("region"), body.get("url"))
+    region, url = validate_region(body.get("region")), normalize_url(body.get("url"))
+    now = time.time()
+    live = [b for b in store.list_balancers() if b.region == region and b.url != url and b.healthy
+            and not b.draining and now - b.last_seen < LIVE_HEARTBEAT_S]
+    if live and not replace:
+        return _error(409, f"region {region} has a live balancer at {live[0].url}; to replace it, remove it "
+                           "(DELETE /v1/balancers?url=...) or register with \"replace\": true and the admin token",
+                      "region_taken")
+    if live and not is_admin(request):
+        return _error(401, "replacing a region's live balancer needs the admin token", "authentication_error")
+    for old in live:
+        store.remove_balancer(old.url)
+        await _changed(request.app, "balancer_replaced", **old.to_dict(), by=url)
+    balancer, changed = store.register_balancer(region, url)
     if changed:
         await _changed(request.app, "balancer_registered", **balancer.to_dict())
     stale = [a for a in store.assignments()
@@ -265,10 +295,13 @@ async def _changed(app: web.Application, action: str, **fields: Any) -> None:
     await app[WATCH].publish(revision)
 
 
-def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = None) -> web.Application:
+def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = None,
+               credentials: ControllerCredentials | None = None) -> web.Application:
     """The controller's aiohttp application over ``store`` (the caller owns and closes the store); ``leadership``
-    (default: the sole leader) says whether this controller leads."""
-    app = web.Application(middlewares=[_errors])
+    (default: the sole leader) says whether this controller leads; ``credentials`` (default: none, an open API)
+    are checked on every change (controller/auth.py)."""
+    app = web.Application(middlewares=[_errors, auth_middleware])
+    app[CREDENTIALS] = credentials or ControllerCredentials()
     app[STORE] = store
     app[LEADERSHIP] = leadership or SoleLeader()
     app[WATCH] = RevisionWatch(store.revision)
@@ -295,15 +328,19 @@ async def _together(*coros: Awaitable[None]) -> None:
             group.create_task(coro)
 
 
-async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) -> None:
+async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
+                credentials: ControllerCredentials | None = None) -> None:
     """Serve until ``stop`` is set, then wake every watcher, finish in-flight requests and close the store.
 
     Without ``stop``, SIGTERM and SIGINT stop it (the `skylb controller` process); pass an event to embed the
-    controller in another asyncio program, which keeps its own signal handling.
+    controller in another asyncio program, which keeps its own signal handling. ``credentials`` default to the
+    config's and the environment's (auth.resolve_credentials; ValueError for an unreadable token file).
     """
+    if credentials is None:
+        credentials = resolve_credentials(config.admin_token, config.admin_token_file, config.peer_token)
     store = open_store(config)
     leadership = leadership_for(config)
-    app = create_app(store, leadership=leadership)
+    app = create_app(store, leadership=leadership, credentials=credentials)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
     await runner.setup()
     loop = asyncio.get_running_loop()
@@ -318,6 +355,7 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) 
         port = runner.addresses[0][1] if runner.addresses else config.port
         log.info("controller_started", host=config.host, port=port, store=store.kind, db=config.db,
                  revision=store.revision, health_interval_s=config.health.interval_s if config.health.enabled else None)
+        _warn_open(credentials)  # once it serves: a controller that cannot start says only why (one line)
         dns_sync = DnsSync(store, DnsUpdater(config.dns)) if config.dns else None
 
         def lead() -> Awaitable[None]:  # the leader's task, started at each election and cancelled at its end
@@ -344,6 +382,16 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None) 
     log.info("controller_stopped")
 
 
+def _warn_open(credentials: ControllerCredentials) -> None:
+    """Say loudly which checks are off because their secret is not configured (README, "Security")."""
+    if credentials.admin_token is None:
+        log.warning("controller_api_open", detail="no admin token ($SKYLB_ADMIN_TOKEN, controller.admin_token): "
+                    "anyone who reaches this port can change membership; set one in production")
+    if credentials.peer_token is None:
+        log.warning("balancer_registration_open", detail="no peer token ($SKYLB_PEER_TOKEN, controller.peer_token): "
+                    "anyone who reaches this port can register a balancer for a region that has no live one")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `skylb controller`: flags override the ``controller`` section of the config file."""
     parser.add_argument("--config", metavar="FILE", help="deployment YAML; its `controller` section is used "
@@ -356,6 +404,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "controller) or etcd (several, one elected leader) (overrides the config)")
     parser.add_argument("--etcd-endpoints", metavar="URLS", help="etcd client URLs, comma-separated, e.g. "
                         "http://10.0.0.1:2379,http://10.0.0.2:2379 (overrides the config)")
+    parser.epilog = ("environment: $SKYLB_ADMIN_TOKEN (or the file $SKYLB_ADMIN_TOKEN_FILE) is the admin token every "
+                     "change of membership needs; $SKYLB_PEER_TOKEN the balancers' token their heartbeats need "
+                     "(override controller.admin_token, controller.admin_token_file, controller.peer_token); unset: "
+                     "open, with a warning")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -366,12 +418,13 @@ def main(args: argparse.Namespace) -> int:
         if args.etcd_endpoints is not None:
             overrides["etcd"] = config.etcd.model_dump() | {"endpoints": args.etcd_endpoints.split(",")}
         config = ControllerConfig.model_validate(config.model_dump() | overrides)
+        credentials = resolve_credentials(config.admin_token, config.admin_token_file, config.peer_token)
     except (ConfigError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"skylb controller: {exc}", file=sys.stderr)
         return 2
     configure_logging()
     try:
-        aio.run(serve(config))
+        aio.run(serve(config, credentials=credentials))
     except (OSError, sqlite3.Error, StoreError) as exc:  # address in use, db not writable, etcd unreachable, ...
         print(f"skylb controller: {exc}", file=sys.stderr)
         return 1

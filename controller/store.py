@@ -11,6 +11,8 @@ from its event loop directly rather than from a thread, which keeps every write 
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import sqlite3
 import time
 from dataclasses import asdict, dataclass, field
@@ -233,11 +235,25 @@ _RULES = {
 _REQUIRED = {"region": "required, a region name such as us", "url": "required, a URL such as http://10.0.0.5:8000"}
 
 
+_HOST = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?$", re.IGNORECASE)
+
+
+def _host_ok(host: str) -> bool:
+    """True for a DNS name (labels of letters, digits, '-', '_'; 253 characters at most) or an IP literal."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return len(host) <= 253 and _HOST.match(host) is not None
+
+
 def _canonical_url(url: str) -> str:
     """``url`` in canonical form (see normalize_url); ValueError with the message to show otherwise."""
     url = url.strip()
     if not url:
         raise ValueError(_REQUIRED["url"])
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise ValueError(f"{url!r} must not contain spaces or control characters")
     try:
         parts = urlsplit(url)
         port = parts.port  # raises ValueError when not a number in 0..65535
@@ -247,6 +263,10 @@ def _canonical_url(url: str) -> str:
         raise ValueError(f"{url!r} must start with http:// or https://")
     if not parts.hostname:
         raise ValueError(f"{url!r} has no host")
+    if not _host_ok(parts.hostname):
+        # A host with spaces, '%' escapes or other odd bytes is a typo or an attempt to smuggle something into the
+        # balancers' requests; DNS names and IP literals need none of them.
+        raise ValueError(f"{url!r} has an invalid host (a DNS name or an IP address)")
     if port == 0:
         raise ValueError(f"{url!r} has port 0; use a port in 1..65535")
     if parts.username is not None or parts.password is not None:

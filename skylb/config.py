@@ -116,6 +116,14 @@ class ControllerConfig(_Strict):
     failover: Failover = Field(default_factory=Failover)
     #: The per-region DNS answer the controller updates (RFC 2136) on failover and recovery; None: no DNS updates.
     dns: DnsConfig | None = None
+    #: Required as ``Authorization: Bearer <token>`` on every change of membership (POST, DELETE); None: the API is
+    #: open (a warning at start). $SKYLB_ADMIN_TOKEN, then the file $SKYLB_ADMIN_TOKEN_FILE or ``admin_token_file``,
+    #: override it (controller/auth.py; README "Security").
+    admin_token: str | None = None
+    admin_token_file: str | None = None
+    #: The balancers' shared secret: their heartbeats (POST /v1/balancers) must carry it as ``X-SkyLB-Token``
+    #: (or the admin token); $SKYLB_PEER_TOKEN overrides it.
+    peer_token: str | None = None
 
 
 class RetryPolicy(_Strict):
@@ -176,8 +184,25 @@ class BalancerConfig(_Strict):
     peer_urls: dict[str, str] = Field(default_factory=dict)
     #: Where the last membership from the controller is kept, so a restart works while the controller is down.
     state_dir: str = ".skylb-run"
-    #: Shared secret for balancer-to-balancer requests (peer status, forwarded requests); None disables the check.
+    #: Shared secret for balancer-to-balancer requests (peer status, forwarded requests, /metrics) and for this
+    #: balancer's heartbeats to the controller; None disables those checks (a warning at start). Better set through
+    #: $SKYLB_PEER_TOKEN than here (skylb/balancer/auth.py; README "Security").
     peer_token: str | None = None
+    #: Client API keys accepted as ``Authorization: Bearer <key>`` on /v1/* and /api/*; none (and no keys file and no
+    #: $SKYLB_API_KEYS): the client APIs are open. Keys need a peer token (else a client could claim to be a peer).
+    api_keys: list[str] = Field(default_factory=list)
+    #: A file of client API keys, one a line (``#`` comments); $SKYLB_API_KEYS_FILE overrides it.
+    api_keys_file: str | None = None
+    #: Accepted on /metrics as ``Authorization: Bearer <token>`` besides the peer token; $SKYLB_METRICS_TOKEN
+    #: overrides it.
+    metrics_token: str | None = None
+    #: Sent to local replicas as ``Authorization: Bearer <key>`` (an engine started with --api-key); with client API
+    #: keys on, the client's own Authorization never reaches a replica or peer. $SKYLB_REPLICA_API_KEY overrides it.
+    replica_api_key: str | None = None
+    #: PEM certificate chain and private key: with both, the listener speaks HTTPS (and advertise_url defaults to
+    #: https://host:port).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
 
@@ -186,6 +211,12 @@ class BalancerConfig(_Strict):
     def _policy_registered(cls, name: str) -> str:
         options_class(name)  # raises PolicyError (a ValueError) naming the known policies
         return name
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "BalancerConfig":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        return self
 
     @field_validator("policies")
     @classmethod

@@ -11,6 +11,12 @@ distinct loopback addresses (region i on 127.0.0.(11+i)) on one port, and BIND 9
 first) answers the service name with a view per region, so region i's clients, resolving from 127.0.(11+i).1, get
 their own region's balancer; the controller's config carries the views' TSIG keys (``controller.dns``).
 
+Secure by default (README, "Security"): each run generates a random admin token and peer token, passes them to the
+controller and the balancers in their environment (never on a command line, never in a log), and keeps them in
+``<run_dir>/admin-token`` and ``<run_dir>/peer-token`` (mode 0600) for `skylb-ctl --admin-token-file` and
+`skylb-ctl status`. A region whose config sets its own ``peer_token`` (the region-local benchmark) keeps it; then
+the controller has no peer token and balancer heartbeats are open (it warns).
+
 Used by `skylb local` (bench/demo.py: the deployment, a workload replay and the report) and by the live benchmark
 (bench/live.py).
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import time
 import urllib.request
@@ -26,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from skylb.balancer.auth import load_api_keys
 from skylb.config import DeploymentConfig
 from skylb.dns.bind import BindServer, balancer_address, client_address
 from skylb.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
@@ -68,10 +76,27 @@ class Deployment:
         self.bind: BindServer | None = None
         self.service_url = ""
         self.client_addresses: dict[str, str] = {}
+        #: This run's admin token (the controller's API) and each region's peer token (see the module docstring).
+        self.admin_token = secrets.token_urlsafe(32)
+        shared = secrets.token_urlsafe(32)
+        self.peer_tokens = {r: cfg.balancer_for(r).peer_token or shared for r in cfg.regions}
+        self._controller_peer_token = shared if set(self.peer_tokens.values()) == {shared} else ""
+        #: A client API key the demo's clients send, when the config turns keys on (else None).
+        keys = load_api_keys(cfg.balancer.api_keys, cfg.balancer.api_keys_file)
+        self.client_api_key = min(keys) if keys else None
+
+    def _write_tokens(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for name, token in (("admin-token", self.admin_token), ("peer-token", self._controller_peer_token)):
+            path = self.run_dir / name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token + "\n")
 
     def start(self) -> None:
         """Start every process and register the replicas; raises RuntimeError naming the part that failed."""
         cfg, regions = self.cfg, list(self.cfg.regions)
+        self._write_tokens()
         n_replicas = sum(r.replicas for r in cfg.regions.values())
         ports = iter(free_ports(3 + len(regions) + n_replicas))
         controller_port, proxy_port, dns_port = next(ports), next(ports), next(ports)
@@ -91,7 +116,10 @@ class Deployment:
         _say(f"controller on {self.controller_url}")
         self.procs.skylb("controller", "--config", str(config_path), "--port", str(controller_port),
                          "--db", str(self.run_dir / "controller.sqlite"), name="controller",
-                         wait_url=f"{self.controller_url}/healthz")
+                         wait_url=f"{self.controller_url}/healthz",
+                         env={"SKYLB_ADMIN_TOKEN": self.admin_token, "SKYLB_ADMIN_TOKEN_FILE": "",
+                              "SKYLB_PEER_TOKEN": self._controller_peer_token})
+        _say(f"controller admin token in {self.run_dir / 'admin-token'} (skylb-ctl --admin-token-file)")
 
         if cfg.emulator.engine == "llamacpp":
             self._start_llama_servers()
@@ -131,13 +159,15 @@ class Deployment:
             self.procs.skylb("balancer", "--config", str(config_path), "--region", region,
                              "--host", hosts[region], "--port", str(balancer_ports[region]),
                              "--controller", self.controller_url,
-                             *peer_args[region], name=f"balancer-{region}", wait_url=f"{url}/healthz")
+                             *peer_args[region], name=f"balancer-{region}", wait_url=f"{url}/healthz",
+                             env={"SKYLB_PEER_TOKEN": self.peer_tokens[region]})
             _say(f"{region}: balancer on {url}")
 
         for region, urls in self.replica_urls.items():
             for url in urls:
                 _post_json(f"{self.controller_url}/v1/replicas",
-                           {"region": region, "url": url, "engine": cfg.emulator.engine})
+                           {"region": region, "url": url, "engine": cfg.emulator.engine},
+                           headers={"Authorization": f"Bearer {self.admin_token}"})
         _say(f"registered {n_replicas} replicas through the controller")
         self._wait_ready()
 
@@ -206,7 +236,8 @@ class Deployment:
         while True:
             waiting = []
             for region, url in self.balancer_urls.items():
-                status = _get_json(f"{url}/skylb/v1/status?format=json")
+                status = _get_json(f"{url}/skylb/v1/status?format=json",
+                                   headers={"X-SkyLB-Token": self.peer_tokens[region]})
                 healthy = sum(1 for r in status["replicas"] if r["healthy"])
                 peers_needed = len(self.balancer_urls) - 1 if self.expects_peers else 0
                 peers_seen = sum(1 for p in status["peers"] if p["healthy"])
@@ -244,13 +275,13 @@ def _free_port_on(hosts: list[str], attempts: int = 20) -> int:
     raise RuntimeError(f"no port free on all of {', '.join(hosts)} after {attempts} tries")
 
 
-def _post_json(url: str, body: dict) -> dict:
+def _post_json(url: str, body: dict, *, headers: dict[str, str] | None = None) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
 
 
-def _get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+def _get_json(url: str, *, headers: dict[str, str] | None = None) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as resp:
         return json.loads(resp.read())

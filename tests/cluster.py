@@ -7,6 +7,7 @@ stopped when the test ends, also on failure.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,9 +23,9 @@ __all__ = ["Cluster", "get_json", "post_json", "emulator_gauge"]
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def get_json(url: str, timeout: float = 5.0) -> dict:
-    """GET ``url`` and decode its JSON body."""
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+def get_json(url: str, timeout: float = 5.0, *, headers: dict | None = None) -> dict:
+    """GET ``url`` (with ``headers``) and decode its JSON body."""
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -51,10 +52,18 @@ def emulator_gauge(url: str, name: str) -> float:
 
 
 class Cluster:
-    """A deployment under test: controller, emulated replicas, latency proxy, balancers."""
+    """A deployment under test: controller, emulated replicas, latency proxy, balancers.
+
+    With ``peer_token`` and ``admin_token`` the controller and balancers get them in their environment (as the
+    deployment files do) and the helpers send them; without, every process runs open (with its warning).
+    """
 
     def __init__(self, procs: ProcGroup, tmp_path: Path, *, balancer: dict | None = None,
-                 controller: dict | None = None):
+                 controller: dict | None = None, peer_token: str | None = None, admin_token: str | None = None):
+        self.peer_token = peer_token
+        self.admin_token = admin_token
+        # "" unsets a token the test runner's own environment may hold (the processes inherit it).
+        self.env = {"SKYLB_PEER_TOKEN": peer_token or "", "SKYLB_ADMIN_TOKEN": admin_token or ""}
         self.procs = procs
         self.tmp = tmp_path
         self.balancer_cfg = {"probe_interval_ms": 50, "max_dispatch_per_probe": 4, **(balancer or {})}
@@ -79,7 +88,7 @@ class Cluster:
         port = port or free_port()
         self.controller_url = f"http://127.0.0.1:{port}"
         self.procs.skylb("controller", "--config", str(self.config(regions)), "--port", str(port),
-                         name=f"controller-{port}", wait_url=f"{self.controller_url}/healthz")
+                         name=f"controller-{port}", wait_url=f"{self.controller_url}/healthz", env=self.env)
         return self.controller_url
 
     def start_emulator(self, n: int, *args: str, name: str = "emulator") -> list[str]:
@@ -113,14 +122,15 @@ class Cluster:
             args += ["--peer-url", f"{peer}={peer_url}"]
         if policy:
             args += ["--policy", policy]
-        self.procs.skylb(*args, name=name or f"balancer-{region}", wait_url=f"{url}/healthz")
+        self.procs.skylb(*args, name=name or f"balancer-{region}", wait_url=f"{url}/healthz", env=self.env)
         self.balancers[region] = url
         return url
 
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """Run `skylb-ctl --controller URL ARGS` as a real subprocess."""
         return subprocess.run([sys.executable, "-m", "controller.ctl", "--controller", self.controller_url, *args],
-                              capture_output=True, text=True, timeout=30, check=check)
+                              capture_output=True, text=True, timeout=30, check=check,
+                              env={**os.environ, **self.env})
 
     def add_replica(self, region: str, url: str, *, replica_id: str | None = None, engine: str = "vllm") -> None:
         """Register a replica through `skylb-ctl replica add` (``engine``: the adapter that probes it)."""
@@ -129,7 +139,8 @@ class Cluster:
 
     def status(self, region: str) -> dict:
         """The balancer's operator status (JSON)."""
-        return get_json(f"{self.balancers[region]}/skylb/v1/status?format=json")
+        headers = {"X-SkyLB-Token": self.peer_token} if self.peer_token else None
+        return get_json(f"{self.balancers[region]}/skylb/v1/status?format=json", headers=headers)
 
     def wait_until(self, predicate, *, timeout_s: float = 10.0, what: str = "condition"):
         """Poll ``predicate()`` every 50 ms until it returns a truthy value; raise AssertionError after timeout."""

@@ -25,6 +25,7 @@ import io
 import os
 import re
 import shlex
+import secrets
 import shutil
 import signal
 import socket
@@ -196,7 +197,8 @@ def skylb_args(argv: list[str]) -> argparse.Namespace:
 def test_the_units_and_files_are_all_there():
     assert {u.name for u in UNITS} == {"skylb-controller.service", "skylb-balancer@.service",
                                       "llama-server@.service"}
-    for name in ("skylb.yaml", "peer-token.env", "llama-server.env", "skylb.sysusers.conf", "README.md"):
+    for name in ("skylb.yaml", "peer-token.env", "admin-token.env", "llama-server.env", "skylb.sysusers.conf",
+                 "README.md"):
         assert (SYSTEMD / name).is_file(), name
 
 
@@ -256,8 +258,24 @@ def test_example_config_loads_and_fits_the_units():
     assert len(urls) == len(cfg.regions)
 
 
+#: The tokens README.md's install step puts in place of the placeholders (`openssl rand -hex 32`), once per run.
+_INSTALLED = {"SKYLB_PEER_TOKEN": secrets.token_hex(32), "SKYLB_ADMIN_TOKEN": secrets.token_hex(32)}
+
+
+def installed_env_file(name: str) -> dict[str, str]:
+    """deploy/systemd/NAME as README.md installs it: each placeholder token replaced by a generated one."""
+    return {k: _INSTALLED[k] if v.startswith("replace-with-") else v
+            for k, v in read_env_file(SYSTEMD / name).items()}
+
+
+def controller_env_files() -> dict[str, dict[str, str]]:
+    """The controller unit's EnvironmentFiles as installed (README.md)."""
+    return {"/etc/skylb/admin-token.env": installed_env_file("admin-token.env"),
+            "/etc/skylb/peer-token.env": installed_env_file("peer-token.env")}
+
+
 def test_controller_exec_start_parses_with_the_real_cli():
-    argv, _ = unit_argv(SYSTEMD / "skylb-controller.service")
+    argv, _ = unit_argv(SYSTEMD / "skylb-controller.service", controller_env_files())
     assert argv[:2] == [SKYLB_BIN, "controller"]
     args = skylb_args(argv)
     assert args.config == CONFIG_PATH and args.db is None  # the db path is the config's, inside StateDirectory
@@ -282,6 +300,20 @@ def test_balancer_reads_the_peer_token_the_env_file_sets():
     unit = parse_unit(SYSTEMD / "skylb-balancer@.service")
     assert values(unit, "Service", "EnvironmentFile") == ["/etc/skylb/peer-token.env"]
     assert set(read_env_file(SYSTEMD / "peer-token.env")) == {PEER_TOKEN_ENV}
+
+
+def test_controller_reads_the_admin_and_peer_tokens_the_env_files_set():
+    """Secure by default: the controller unit requires both files (no '-' prefix), which set exactly the variables
+    `skylb controller` reads for the admin token and the balancers' heartbeat token."""
+    from controller.tokens import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV
+
+    unit = parse_unit(SYSTEMD / "skylb-controller.service")
+    assert values(unit, "Service", "EnvironmentFile") == ["/etc/skylb/admin-token.env", "/etc/skylb/peer-token.env"]
+    assert set(read_env_file(SYSTEMD / "admin-token.env")) == {ADMIN_TOKEN_ENV}
+    _, env = unit_argv(SYSTEMD / "skylb-controller.service", controller_env_files())
+    assert env[ADMIN_TOKEN_ENV] and env[PEER_TOKEN_ENV]
+    with pytest.raises(AssertionError, match="required"):  # a missing file stops the unit, it never runs open
+        unit_argv(SYSTEMD / "skylb-controller.service", {"/etc/skylb/peer-token.env": {}})
 
 
 def test_llama_server_unit_runs_the_projects_command_line():
@@ -354,10 +386,11 @@ def _run_unit_argv(argv: list[str], config: Path) -> list[str]:
 def test_controller_and_balancer_units_start_on_the_example_config(procs, tmp_path):
     """The two SkyLB units' command lines, with their environment, run on the example config (moved to a temporary
     directory): the controller creates its SQLite file, the balancer registers at its advertise_url, keeps its
-    membership in state_dir, enforces the token from peer-token.env, and exits 0 on SIGTERM."""
+    membership in state_dir, enforces the token from peer-token.env, the controller the admin token from
+    admin-token.env, and the balancer exits 0 on SIGTERM."""
     config, data = _localized_config(tmp_path)
-    token_file = read_env_file(SYSTEMD / "peer-token.env")
-    c_argv, c_env = unit_argv(SYSTEMD / "skylb-controller.service")
+    token_file = installed_env_file("peer-token.env")
+    c_argv, c_env = unit_argv(SYSTEMD / "skylb-controller.service", controller_env_files())
     controller_url = data["balancer"]["controller_url"]
     procs.start(_run_unit_argv(c_argv, config), name="controller", env=c_env, wait_url=f"{controller_url}/healthz")
     b_argv, b_env = unit_argv(SYSTEMD / "skylb-balancer@.service", {"/etc/skylb/peer-token.env": token_file})
@@ -378,9 +411,27 @@ def test_controller_and_balancer_units_start_on_the_example_config(procs, tmp_pa
     status = f"{url}/skylb/v1/status"
     assert requests.get(status, timeout=5).status_code == 403
     assert requests.get(status, headers={"X-SkyLB-Token": token}, timeout=5).status_code == 200
+    replica = {"region": "us", "url": "http://127.0.0.1:9"}
+    assert requests.post(f"{controller_url}/v1/replicas", json=replica, timeout=5).status_code == 401
+    admin = {"Authorization": f"Bearer {c_env['SKYLB_ADMIN_TOKEN']}"}
+    assert requests.post(f"{controller_url}/v1/replicas", json=replica, headers=admin, timeout=5).status_code == 201
 
     balancer.popen.send_signal(signal.SIGTERM)
     assert balancer.popen.wait(timeout=30) == 0
+
+
+def test_units_refuse_to_start_with_the_placeholder_tokens(tmp_path):
+    """Skipping the install step that generates the tokens stops both units (exit 2, the reason on stderr, never
+    the value) instead of running with a secret everybody knows."""
+    config, _ = _localized_config(tmp_path)
+    raw = {"/etc/skylb/admin-token.env": read_env_file(SYSTEMD / "admin-token.env"),
+           "/etc/skylb/peer-token.env": read_env_file(SYSTEMD / "peer-token.env")}
+    for unit in ("skylb-controller.service", "skylb-balancer@.service"):
+        argv, env = unit_argv(SYSTEMD / unit, raw)
+        done = subprocess.run(_run_unit_argv(argv, config), env={**os.environ, **env}, capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 2 and "placeholder" in done.stderr, (unit, done.stderr)
+        assert "replace-with-" not in done.stderr
 
 
 # --- systemd's own tools, when installed --------------------------------------------------------------------------
@@ -645,6 +696,9 @@ def test_skylb_container_args_parse_with_the_real_cli(tmp_path):
         assert args.command == "balancer" and args.region == region
         cfg.balancer_for(region)
         assert [e["name"] for e in c["env"]] == [PEER_TOKEN_ENV]
+    controller_env = container(k8s_object("Deployment", "skylb-controller"))["env"]
+    assert {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in controller_env} == {
+        "SKYLB_ADMIN_TOKEN": "skylb-admin-token", PEER_TOKEN_ENV: "skylb-peer-token"}
 
 
 def test_the_three_balancer_files_differ_only_in_the_region():
@@ -720,7 +774,8 @@ def test_skylb_pods_start_from_the_manifests(procs, tmp_path):
         return [sys.executable, "-m", "skylb", *[str(config) if a == "/etc/skylb/skylb.yaml" else a for a in args]]
 
     controller_url = f"http://127.0.0.1:{controller_port}"
-    procs.start(argv("skylb-controller"), name="controller", wait_url=f"{controller_url}/healthz")
+    procs.start(argv("skylb-controller"), name="controller", wait_url=f"{controller_url}/healthz",
+                env={"SKYLB_ADMIN_TOKEN": "admin-from-the-secret", "SKYLB_PEER_TOKEN": "from-the-secret"})
     url = f"http://127.0.0.1:{balancer_port}"
     procs.start(argv("skylb-balancer-us"), name="balancer-us", env={"SKYLB_PEER_TOKEN": "from-the-secret"},
                 wait_url=f"{url}/healthz")
@@ -732,6 +787,10 @@ def test_skylb_pods_start_from_the_manifests(procs, tmp_path):
     assert requests.get(f"{url}/skylb/v1/status", timeout=5).status_code == 403
     assert requests.get(f"{url}/skylb/v1/status", headers={"X-SkyLB-Token": "from-the-secret"},
                         timeout=5).status_code == 200
+    replica = {"region": "us", "url": "http://127.0.0.1:9"}
+    assert requests.post(f"{controller_url}/v1/replicas", json=replica, timeout=5).status_code == 401
+    assert requests.post(f"{controller_url}/v1/replicas", json=replica, timeout=5,
+                         headers={"Authorization": "Bearer admin-from-the-secret"}).status_code == 201
 
 
 # --- etcd ---------------------------------------------------------------------------------------------------------

@@ -28,14 +28,16 @@ class Balancer:
     """One region's balancer state and background loops.
 
     Args:
-        cfg: the balancer's settings; region: its region; advertise_url: how peers and the controller reach it.
+        cfg: the balancer's settings; region: its region; advertise_url: how peers and the controller reach it;
+        client_keys: whether clients authenticate with SkyLB API keys (then their Authorization is not relayed).
 
     Attributes (after ``start``): router, dispatcher, metrics, session (upstream aiohttp session), relay,
     membership.
     """
 
-    def __init__(self, cfg: BalancerConfig, *, region: str, advertise_url: str):
+    def __init__(self, cfg: BalancerConfig, *, region: str, advertise_url: str, client_keys: bool = False):
         self.cfg = cfg
+        self.client_keys = client_keys
         self.region = region
         self.advertise_url = advertise_url
         self.router = build_router(region, cfg)
@@ -78,11 +80,12 @@ class Balancer:
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
                                              auto_decompress=False)
         self.relay = Relay(self.session, region=self.region, peer_token=cfg.peer_token,
-                           session_header=cfg.session_header)
+                           session_header=cfg.session_header, forward_client_auth=not self.client_keys,
+                           replica_api_key=cfg.replica_api_key)
         self.membership = MembershipWatcher(
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
             state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
-            held_epochs=lambda: dict(self.served_epochs))
+            held_epochs=lambda: dict(self.served_epochs), token=cfg.peer_token)
         # The controller's view first: a balancer restarted after a failover must not serve, from its file, replicas
         # that moved to another balancer meanwhile. The file when the controller does not answer (static stability).
         if not await self.membership.fetch_once(timeout_s=2.0):

@@ -33,11 +33,13 @@ class MembershipWatcher:
         state_dir: where the last membership is kept (one JSON file per region).
         apply: called with each membership snapshot (the controller's JSON: revision, balancers, replicas).
         wait_s: long-poll duration, s; heartbeat_s: how often the balancer re-registers, s.
+        token: the peer token, the credential of this balancer's heartbeats to the controller (None: none sent).
     """
 
     def __init__(self, *, region: str, advertise_url: str, controller_url: str | None, state_dir: str,
                  apply: Callable[[dict], None], session: aiohttp.ClientSession, wait_s: float = 20.0,
-                 heartbeat_s: float = 10.0, held_epochs: Callable[[], dict[str, int]] | None = None):
+                 heartbeat_s: float = 10.0, held_epochs: Callable[[], dict[str, int]] | None = None,
+                 token: str | None = None):
         self.region = region
         self.advertise_url = advertise_url
         self.apply = apply
@@ -45,7 +47,8 @@ class MembershipWatcher:
         self.wait_s = wait_s
         self.heartbeat_s = heartbeat_s
         self.path = Path(state_dir) / f"membership-{region}.json"
-        self.client = ControllerClient(controller_url, session=session, timeout_s=5.0) if controller_url else None
+        self.client = (ControllerClient(controller_url, session=session, timeout_s=5.0, token=token)
+                       if controller_url else None)
         self.revision: int | None = None
         self.controller_reachable = False
         self._tasks: list[asyncio.Task] = []

@@ -5,7 +5,9 @@ SIGINT. Queued and routed (skylb/balancer/pipeline.py): ``POST /v1/chat/completi
 ``/v1/embeddings``, ``/api/generate``, ``/api/chat``, ``/api/embed``, ``/api/embeddings``. Answered without queueing
 (status.py, ollama_api.py): ``GET /v1/models``, the Ollama metadata endpoints (``/api/tags``, ``/api/ps``,
 ``/api/show``, ``/api/version``, ``GET``/``HEAD /``), ``GET /healthz``, ``GET /metrics`` (Prometheus),
-``GET /skylb/v1/status`` (msgpack for peers; JSON with ``?format=json`` for operators).
+``GET /skylb/v1/status`` (msgpack for peers; JSON with ``?format=json`` for operators). Who may call which route
+(client API keys, the peer token, the metrics token) is checked before any handler, in skylb/balancer/auth.py; with
+``tls_cert_file`` and ``tls_key_file`` the listener speaks HTTPS.
 """
 
 from __future__ import annotations
@@ -15,15 +17,18 @@ import asyncio
 import os
 import signal
 import socket
+import ssl
 import sys
 
 import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
+from controller.tokens import check_token
 from skylb import aio
 from skylb.balancer import ollama_api, status
 from skylb.balancer.api import error_response
+from skylb.balancer.auth import METRICS_TOKEN_ENV, Credentials, auth_middleware, load_api_keys
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.pipeline import GENERATE_PATHS, handle_generate
 from skylb.balancer.status import BALANCER
@@ -31,11 +36,15 @@ from skylb.config import BalancerConfig, ConfigError, load_config
 from skylb.core import policy_names
 from skylb.logs import configure_logging
 
-__all__ = ["build_app", "add_arguments", "main", "BALANCER", "PEER_TOKEN_ENV"]
+__all__ = ["build_app", "add_arguments", "main", "BALANCER", "PEER_TOKEN_ENV", "REPLICA_API_KEY_ENV"]
 
 #: Environment variable with the peer token (overrides ``balancer.peer_token``), so the secret can live outside the
 #: config file: a systemd EnvironmentFile, a Kubernetes Secret. `skylb-ctl status` reads the same variable.
 PEER_TOKEN_ENV = "SKYLB_PEER_TOKEN"
+#: Environment variable with the key sent to local replicas (overrides ``balancer.replica_api_key``).
+REPLICA_API_KEY_ENV = "SKYLB_REPLICA_API_KEY"
+
+log = structlog.get_logger("skylb.balancer")
 
 
 @web.middleware
@@ -50,10 +59,15 @@ async def _errors_in_api_shape(request: web.Request, handler):
         return error_response(api, exc.status, f"{exc.reason}: {request.method} {request.path}")
 
 
-def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str) -> web.Application:
-    """The balancer's aiohttp application; the Balancer starts and stops with it."""
-    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_errors_in_api_shape])
-    balancer = Balancer(cfg, region=region, advertise_url=advertise_url)
+def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
+              api_keys: frozenset[str] = frozenset()) -> web.Application:
+    """The balancer's aiohttp application; the Balancer starts and stops with it. ``api_keys``: the client keys
+    (auth.load_api_keys), checked with the peer and metrics tokens of ``cfg`` before any handler runs."""
+    creds = Credentials(api_keys=api_keys, peer_token=cfg.peer_token, metrics_token=cfg.metrics_token)
+    # Errors first, so a 404 or 405 for an unknown route is also behind the credential check.
+    app = web.Application(client_max_size=64 * 1024 * 1024,
+                          middlewares=[_errors_in_api_shape, auth_middleware(creds)])
+    balancer = Balancer(cfg, region=region, advertise_url=advertise_url, client_keys=bool(api_keys))
     app[BALANCER] = balancer
 
     async def lifecycle(app: web.Application):
@@ -85,7 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-url", action="append", default=[], metavar="REGION=URL",
                         help="reach peer REGION at URL (e.g. through a latency proxy); repeatable")
     parser.epilog = (f"environment: ${PEER_TOKEN_ENV}, when set and not empty, is the shared secret between "
-                     "balancers (overrides balancer.peer_token in the config)")
+                     "balancers (overrides balancer.peer_token in the config); $SKYLB_API_KEYS (comma-separated) "
+                     "and $SKYLB_API_KEYS_FILE add client API keys; $SKYLB_METRICS_TOKEN, "
+                     f"${REPLICA_API_KEY_ENV} override balancer.metrics_token, balancer.replica_api_key")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -95,7 +111,9 @@ def main(args: argparse.Namespace) -> int:
         deployment = load_config(args.config)
         overrides = {k: v for k, v in {"host": args.host, "port": args.port, "controller_url": args.controller,
                                        "advertise_url": args.advertise_url, "policy": args.policy,
-                                       "peer_token": os.environ.get(PEER_TOKEN_ENV) or None}.items()
+                                       "peer_token": os.environ.get(PEER_TOKEN_ENV) or None,
+                                       "metrics_token": os.environ.get(METRICS_TOKEN_ENV) or None,
+                                       "replica_api_key": os.environ.get(REPLICA_API_KEY_ENV) or None}.items()
                      if v is not None}
         peer_urls = {}
         for item in args.peer_url:
@@ -109,28 +127,63 @@ def main(args: argparse.Namespace) -> int:
         if cfg.controller_url is None:
             c = deployment.controller
             cfg.controller_url = f"http://{c.host}:{c.port}"
-    except (ConfigError, ValidationError) as exc:
+        check_token("the peer token", cfg.peer_token)
+        check_token("the metrics token", cfg.metrics_token)
+        api_keys = load_api_keys(cfg.api_keys, cfg.api_keys_file)
+        if api_keys and not cfg.peer_token:
+            # Peers prove themselves with the token and skip the key check; without one, anybody could.
+            raise ConfigError(f"client API keys need a peer token: set ${PEER_TOKEN_ENV} or balancer.peer_token")
+    except (ConfigError, ValidationError, ValueError) as exc:
         print(f"skylb balancer: {exc}", file=sys.stderr)
         return 2
     if cfg.port == 0:  # the advertised URL needs the real port before the server starts
         with socket.socket() as s:
             s.bind((cfg.host, 0))
             cfg.port = s.getsockname()[1]
-    advertise_url = cfg.advertise_url or f"http://{cfg.host}:{cfg.port}"
-    return aio.run(_serve(cfg, region=args.region, advertise_url=advertise_url))
+    scheme = "https" if cfg.tls_cert_file else "http"
+    advertise_url = cfg.advertise_url or f"{scheme}://{cfg.host}:{cfg.port}"
+    try:
+        ssl_context = _ssl_context(cfg)
+    except (OSError, ssl.SSLError) as exc:
+        print(f"skylb balancer: cannot load tls_cert_file / tls_key_file: {exc}", file=sys.stderr)
+        return 2
+    return aio.run(_serve(cfg, region=args.region, advertise_url=advertise_url, api_keys=api_keys,
+                          ssl_context=ssl_context))
 
 
-async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str) -> int:
-    app = build_app(cfg, region=region, advertise_url=advertise_url)
+def _ssl_context(cfg: BalancerConfig) -> ssl.SSLContext | None:
+    """The public listener's TLS context from ``tls_cert_file`` and ``tls_key_file`` (PEM), or None without them.
+    Raises OSError or ssl.SSLError when they cannot be read or do not match."""
+    if not cfg.tls_cert_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)  # TLS 1.2+, Python's vetted cipher choice
+    context.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    return context
+
+
+def _warn_open(cfg: BalancerConfig, api_keys: frozenset[str], region: str) -> None:
+    """Say loudly which checks are off because their secret is not configured (README, "Security")."""
+    if not cfg.peer_token:
+        log.warning("peer_endpoints_open", region=region,
+                    detail=f"no peer token (${PEER_TOKEN_ENV}): anyone can read /skylb/v1/status and /metrics "
+                           "and mark a request as forwarded; set one in production")
+    if not api_keys:
+        log.warning("client_api_open", region=region, detail="no client API keys: anyone can send requests")
+
+
+async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_keys: frozenset[str] = frozenset(),
+                 ssl_context: ssl.SSLContext | None = None) -> int:
+    app = build_app(cfg, region=region, advertise_url=advertise_url, api_keys=api_keys)
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request leaves the queue
     # and an upstream request is aborted (aiohttp's default keeps running it; reliability.md).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
+    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()
-    structlog.get_logger("skylb.balancer").info("balancer_started", region=region, listen=f"{cfg.host}:{cfg.port}",
-                                                policy=cfg.policy, controller=cfg.controller_url,
-                                                event_loop=aio.loop_name())
+    log.info("balancer_started", region=region, listen=f"{cfg.host}:{cfg.port}", tls=ssl_context is not None,
+             policy=cfg.policy, controller=cfg.controller_url, client_api_keys=len(api_keys),
+             peer_token=bool(cfg.peer_token), event_loop=aio.loop_name())
+    _warn_open(cfg, api_keys, region)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

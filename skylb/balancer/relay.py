@@ -52,15 +52,20 @@ class Relay:
 
     Args:
         session: the upstream client session; region: this balancer's region; peer_token: sent to peers;
-        session_header: the configured session-key header name (passed through).
+        session_header: the configured session-key header name (passed through); forward_client_auth: pass the
+        client's Authorization on (False when it holds a SkyLB client key, which is no replica's business);
+        replica_api_key: sent to local replicas as ``Authorization: Bearer`` instead (README, "Security").
     """
 
     def __init__(self, session: aiohttp.ClientSession, *, region: str, peer_token: str | None,
-                 session_header: str):
+                 session_header: str, forward_client_auth: bool = True, replica_api_key: str | None = None):
         self.session = session
         self.region = region
         self.peer_token = peer_token
-        self.pass_headers = tuple(dict.fromkeys((*_PASS_HEADERS, session_header)))
+        self.replica_api_key = replica_api_key
+        pass_headers = _PASS_HEADERS if forward_client_auth else tuple(h for h in _PASS_HEADERS
+                                                                        if h != "Authorization")
+        self.pass_headers = tuple(dict.fromkeys((*pass_headers, session_header)))
 
     def _upstream_headers(self, request: web.Request, decision: Decision, request_id: str) -> dict:
         headers = {h: request.headers[h] for h in self.pass_headers if h in request.headers}
@@ -72,6 +77,8 @@ class Relay:
             headers[QUEUE_MS_HEADER] = f"{decision.queued_s * 1000.0:.0f}"
             if self.peer_token:
                 headers[TOKEN_HEADER] = self.peer_token
+        elif self.replica_api_key:
+            headers["Authorization"] = f"Bearer {self.replica_api_key}"
         return headers
 
     def _client_headers(self, upstream: aiohttp.ClientResponse, decision: Decision, request_id: str) -> dict:

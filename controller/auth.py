@@ -1,0 +1,90 @@
+"""Who may change membership: the controller's credentials and the aiohttp middleware that checks them.
+
+- Reads (``GET``, ``HEAD``: membership, replicas, balancers, assignments, /healthz) stay open: balancers long-poll
+  membership, monitoring and `skylb-ctl status` read it, and it holds no secret (URLs and health only).
+- Every change (``POST``, ``DELETE``: replicas, drains, balancer removal) needs the admin token as
+  ``Authorization: Bearer <token>``; `skylb-ctl` sends it from ``$SKYLB_ADMIN_TOKEN`` or ``--admin-token-file``.
+- A balancer's registration and heartbeat (``POST /v1/balancers``) needs the balancers' peer token as
+  ``X-SkyLB-Token`` (what every balancer already holds, so no second secret to deploy to them), or the admin token.
+  Taking over a region whose balancer is live at another URL needs the admin token and ``"replace": true``
+  (server.py ``register_balancer``).
+
+A credential that is not configured leaves its check off (the API is open) and the controller logs a warning at
+start; every deployment file and `skylb local` configure both. Refusals are 401 ``authentication_error`` in the
+controller's error shape. Secrets are compared in constant time and never logged.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from controller.tokens import (ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, PEER_TOKEN_ENV, check_token, read_token_file,
+                               secret_matches)
+
+__all__ = ["ControllerCredentials", "CREDENTIALS", "resolve_credentials", "is_admin", "auth_middleware"]
+
+_READS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+@dataclass(frozen=True)
+class ControllerCredentials:
+    """The controller's secrets; None: that check is off."""
+
+    admin_token: str | None = None
+    peer_token: str | None = None
+
+    def __repr__(self) -> str:  # never print a secret by accident
+        return (f"ControllerCredentials(admin_token={'set' if self.admin_token else None}, "
+                f"peer_token={'set' if self.peer_token else None})")
+
+
+CREDENTIALS = web.AppKey("credentials", ControllerCredentials)
+
+
+def resolve_credentials(admin_token: str | None, admin_token_file: str | None,
+                        peer_token: str | None) -> ControllerCredentials:
+    """The credentials from the config's values, overridden by the environment: ``$SKYLB_ADMIN_TOKEN``, then the
+    file ``$SKYLB_ADMIN_TOKEN_FILE`` or ``admin_token_file``; ``$SKYLB_PEER_TOKEN``. Raises ValueError (an unreadable
+    token file, a token still the deployment files' placeholder)."""
+    admin = os.environ.get(ADMIN_TOKEN_ENV) or None
+    if admin is None and (path := os.environ.get(ADMIN_TOKEN_FILE_ENV) or admin_token_file):
+        admin = read_token_file(path)
+    return ControllerCredentials(
+        admin_token=check_token("the admin token", admin or admin_token or None),
+        peer_token=check_token("the peer token", os.environ.get(PEER_TOKEN_ENV) or peer_token or None))
+
+
+def _bearer(request: web.Request) -> str | None:
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else None
+
+
+def is_admin(request: web.Request) -> bool:
+    """True when ``request`` carries the admin token, or no admin token is configured (open API)."""
+    creds = request.app[CREDENTIALS]
+    return creds.admin_token is None or secret_matches(_bearer(request), creds.admin_token)
+
+
+def _refuse(message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "authentication_error", "code": 401}},
+                              status=401, headers={"WWW-Authenticate": 'Bearer realm="skylb-controller"'})
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Refuse a change without its credential (this module's docstring); reads pass."""
+    if request.method in _READS:
+        return await handler(request)
+    creds = request.app[CREDENTIALS]
+    if request.method == "POST" and request.path == "/v1/balancers":
+        peer_ok = creds.peer_token is None or secret_matches(request.headers.get("X-SkyLB-Token"), creds.peer_token)
+        if peer_ok or secret_matches(_bearer(request), creds.admin_token):
+            return await handler(request)
+        return _refuse("balancer registration needs the peer token (X-SkyLB-Token) or the admin token")
+    if not is_admin(request):
+        return _refuse("this change needs the admin token: Authorization: Bearer <token> "
+                       f"(skylb-ctl reads ${ADMIN_TOKEN_ENV} or --admin-token-file)")
+    return await handler(request)

@@ -1,0 +1,54 @@
+"""Secrets shared by the controller, the balancers and skylb-ctl: their environment variables, reading a token file,
+and comparing a presented secret with the configured ones.
+
+Kept free of heavy imports (no aiohttp, no pydantic) so `skylb-ctl` starts fast.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+__all__ = ["ADMIN_TOKEN_ENV", "ADMIN_TOKEN_FILE_ENV", "PEER_TOKEN_ENV", "PLACEHOLDER_PREFIX", "check_token",
+           "read_token_file", "secret_matches"]
+
+#: The controller's admin token (every change of membership; skylb-ctl sends it).
+ADMIN_TOKEN_ENV = "SKYLB_ADMIN_TOKEN"
+#: A file holding the admin token (a systemd credential, a mounted Kubernetes Secret).
+ADMIN_TOKEN_FILE_ENV = "SKYLB_ADMIN_TOKEN_FILE"
+#: The balancers' shared secret (peer endpoints, forwarded requests, heartbeats to the controller).
+PEER_TOKEN_ENV = "SKYLB_PEER_TOKEN"
+#: How the example token files in deploy/ begin: a token that still does is a secret everybody knows.
+PLACEHOLDER_PREFIX = "replace-with-"
+
+
+def check_token(name: str, token: str | None) -> str | None:
+    """``token`` unchanged; ValueError naming ``name`` (never the value) when it is still the deployment files'
+    placeholder, so a forgotten install step stops the process instead of running with a public secret."""
+    if token is not None and token.startswith(PLACEHOLDER_PREFIX):
+        raise ValueError(f"{name} is still the example placeholder; generate one, e.g. with openssl rand -hex 32")
+    return token
+
+
+def read_token_file(path: str) -> str:
+    """The token in the file at ``path`` (surrounding whitespace stripped). Raises ValueError naming the path (never
+    the content) when it cannot be read or is empty."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the token file {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"the token file {path} is empty")
+    return token
+
+
+def secret_matches(given: str | None, *secrets: str | None) -> bool:
+    """True when ``given`` equals one of the configured ``secrets`` (None ones are skipped); constant-time per
+    comparison, and every secret is compared so the time does not say which one matched."""
+    if not given:
+        return False
+    found = False
+    for secret in secrets:
+        if secret:
+            found |= hmac.compare_digest(secret.encode(), given.encode())
+    return found

@@ -1,0 +1,120 @@
+"""Who may call what on a balancer: one aiohttp middleware in front of every route.
+
+- ``GET /healthz`` and ``GET``/``HEAD /`` (Ollama's "is it running"): open, for load balancers, Kubernetes probes and
+  the controller's health check.
+- The peer endpoint ``GET /skylb/v1/status`` (msgpack and ``?format=json``): the peer token (``X-SkyLB-Token``).
+- ``GET /metrics``: the metrics token or the peer token, as ``Authorization: Bearer <token>`` (what Prometheus's
+  ``authorization`` setting sends); the peer token also as ``X-SkyLB-Token``.
+- The client APIs (``/v1/*``, ``/api/*``): a client API key, ``Authorization: Bearer <key>``, when keys are
+  configured; 401 in the API's shape otherwise. A request carrying the peer token is a peer's (a forwarded request,
+  ``/api/show`` asked of a peer) and needs no client key: the forwarding balancer checked it.
+- A request marked forwarded (``X-SkyLB-Forwarded-From``) without the peer token is refused (403): a client cannot
+  skip the one-hop rule or claim queue time (``X-SkyLB-Queue-Ms``) it did not spend elsewhere.
+
+Each check is off while its secret is not configured (no peer token: peer endpoints and the forwarded marker are
+open; no keys: the APIs are open); process.py logs a warning at start for each one that is off. Secrets are compared
+in constant time and never logged. Source: DESIGN.md decision 8 (secure by default); OpenAI's and Ollama's error
+shapes (api.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from controller.tokens import secret_matches
+from skylb.balancer.api import error_response, openai_error
+from skylb.balancer.protocol import FORWARDED_FROM, STATUS_PATH, TOKEN_HEADER
+
+__all__ = ["Credentials", "API_KEYS_ENV", "API_KEYS_FILE_ENV", "METRICS_TOKEN_ENV", "load_api_keys",
+           "auth_middleware"]
+
+#: Client API keys, comma-separated (added to ``balancer.api_keys`` and the keys file).
+API_KEYS_ENV = "SKYLB_API_KEYS"
+#: A file of client API keys, one per line (``#`` starts a comment); overrides ``balancer.api_keys_file``.
+API_KEYS_FILE_ENV = "SKYLB_API_KEYS_FILE"
+#: The metrics token (overrides ``balancer.metrics_token``).
+METRICS_TOKEN_ENV = "SKYLB_METRICS_TOKEN"
+
+_OPEN_PATHS = frozenset({"/healthz", "/"})
+_API_PREFIXES = ("/v1/", "/api/")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The secrets one balancer checks.
+
+    Attributes:
+        api_keys: accepted client keys (empty: the client APIs are open). peer_token: the secret shared by the
+        balancers (None: peer endpoints open). metrics_token: accepted on /metrics besides the peer token.
+    """
+
+    api_keys: frozenset[str] = frozenset()
+    peer_token: str | None = None
+    metrics_token: str | None = None
+
+    def __repr__(self) -> str:  # never print a secret by accident (a log line, a traceback)
+        return (f"Credentials(api_keys={len(self.api_keys)} keys, peer_token={'set' if self.peer_token else None}, "
+                f"metrics_token={'set' if self.metrics_token else None})")
+
+
+def load_api_keys(keys: list[str], keys_file: str | None) -> frozenset[str]:
+    """Client API keys from the config list, the keys file (``$SKYLB_API_KEYS_FILE`` over ``keys_file``: one key a
+    line, blank lines and ``#`` comments skipped) and ``$SKYLB_API_KEYS`` (comma-separated).
+
+    Raises ValueError when the file cannot be read (its path in the message, never its content).
+    """
+    found = [k.strip() for k in keys]
+    path = os.environ.get(API_KEYS_FILE_ENV) or keys_file
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read the API keys file {path}: {exc.strerror}") from None
+        found += [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    found += (k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(","))
+    return frozenset(k for k in found if k)
+
+
+def _bearer(request: web.Request) -> str | None:
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else None
+
+
+def auth_middleware(creds: Credentials):
+    """The middleware enforcing the rules in this module's docstring with ``creds``."""
+
+    @web.middleware
+    async def check_credentials(request: web.Request, handler):
+        path = request.path
+        if path in _OPEN_PATHS:
+            return await handler(request)
+        if secret_matches(request.headers.get(TOKEN_HEADER), creds.peer_token):
+            return await handler(request)  # a peer: trusted on every route
+        api = "ollama" if path.startswith("/api/") else "openai"
+        if path == STATUS_PATH:
+            if creds.peer_token:
+                return openai_error(403, "missing or wrong peer token", type_="permission_error")
+        elif path == "/metrics":
+            if (creds.peer_token or creds.metrics_token) and not secret_matches(_bearer(request),
+                                                                                 creds.metrics_token,
+                                                                                 creds.peer_token):
+                return openai_error(403, "missing or wrong metrics token", type_="permission_error")
+        elif FORWARDED_FROM in request.headers and creds.peer_token:
+            return error_response(api, 403, "forwarded request with a missing or wrong peer token",
+                                  type_="permission_error")
+        elif creds.api_keys and path.startswith(_API_PREFIXES):
+            if not secret_matches(_bearer(request), *creds.api_keys):
+                message = ("missing API key: send Authorization: Bearer <key>" if _bearer(request) is None
+                           else "invalid API key")
+                if api == "ollama":
+                    return error_response(api, 401, message)
+                return web.json_response({"error": {"message": message, "type": "authentication_error",
+                                                    "param": None, "code": "invalid_api_key"}}, status=401,
+                                         headers={"WWW-Authenticate": 'Bearer realm="skylb"'})
+        return await handler(request)
+
+    return check_credentials
