@@ -124,7 +124,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         else:
             router.target_answered(decision)
         return finish_request(balancer, outcome.response, request_id, parsed.model, started, decision=decision,
-                       ttft_s=outcome.ttft_s, error=outcome.error, status=outcome.status, client_id=client_id)
+                              ttft_s=outcome.ttft_s, error=outcome.error, status=outcome.status,
+                              client_id=client_id)
 
 
 def _gateway_failure(balancer: Balancer, decision: Decision, error: str | None) -> None:
@@ -139,10 +140,10 @@ def api_of(path: str) -> str:
     return "ollama" if path.startswith("/api/") else "openai"
 
 
-def finish_request(balancer: Balancer, response: web.StreamResponse, request_id: str, model: str | None, started: float,
-            *, decision: Decision | None = None, ttft_s: float | None = None, error: str | None = None,
-            status: int | None = None, client_id: str | None = None,
-            reason: str | None = None) -> web.StreamResponse:
+def finish_request(balancer: Balancer, response: web.StreamResponse, request_id: str, model: str | None,
+                   started: float, *, decision: Decision | None = None, ttft_s: float | None = None,
+                   error: str | None = None, status: int | None = None, client_id: str | None = None,
+                   reason: str | None = None) -> web.StreamResponse:
     """Count the response and write the request's one log line; returns ``response``.
 
     ``client_id``: the client's X-Request-Id label; ``reason``: why the balancer rejected the request itself.

@@ -68,7 +68,8 @@ def _answered_error(request: web.Request, status: int, message: str, reason: str
     request_id, client_id = request.get(REQUEST_IDS) or (uuid.uuid4().hex, None)
     response = error_response(api_of(request.path), status, message)
     balancer.metrics.rejected.labels(balancer.region, reason, str(status)).inc()
-    finish_request(balancer, response, request_id, None, time.time(), client_id=client_id, reason=reason, error=message)
+    finish_request(balancer, response, request_id, None, time.time(), client_id=client_id, reason=reason,
+                   error=message)
     return response
 
 
