@@ -8,6 +8,7 @@ Source: shared/reference/engines.md, "OpenAI-compatible API, as a balancer sees 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -17,11 +18,13 @@ __all__ = ["ParsedRequest", "BadRequest", "parse_openai", "parse_ollama", "opena
 
 
 class BadRequest(ValueError):
-    """The client's request is invalid; ``param`` names the offending field when there is one."""
+    """The client's request is invalid; ``param`` names the offending field when there is one, ``reason`` is the
+    label of the rejected-requests metric (invalid_json, invalid_field)."""
 
-    def __init__(self, message: str, *, param: str | None = None):
+    def __init__(self, message: str, *, param: str | None = None, reason: str = "invalid_field"):
         super().__init__(message)
         self.param = param
+        self.reason = reason
 
 
 @dataclass
@@ -35,13 +38,30 @@ class ParsedRequest:
     body: bytes
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return value
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _load_object(body: bytes) -> dict:
+    # Strict JSON: NaN / Infinity literals and floats that overflow to inf are rejected (engines disagree on them).
+    # Python's decoder raises ValueError for integers over 4300 digits and RecursionError for deep nesting.
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        data = json.loads(body, parse_float=_finite_float, parse_constant=_no_constants)
+    except UnicodeDecodeError:
+        raise BadRequest("request body is not valid UTF-8", reason="invalid_json") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply", reason="invalid_json") from None
+    except ValueError as exc:  # json.JSONDecodeError and the hooks' errors
+        raise BadRequest(f"request body is not valid JSON: {exc}", reason="invalid_json") from None
     if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise BadRequest("request body must be a JSON object", reason="invalid_json")
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
@@ -60,11 +80,28 @@ def _messages_text(messages) -> str:
 def _content_text(content) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: keep the text parts in order
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if isinstance(content, list):  # content parts: keep the text parts in order (images etc. pass through)
+        texts = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise BadRequest("each content part must be an object", param="messages")
+            text = part.get("text")
+            if part.get("type", "text") == "text" and not isinstance(text, str):
+                raise BadRequest("a text content part needs a string 'text'", param="messages")
+            if isinstance(text, str):
+                texts.append(text)
+        return "".join(texts)
     if content is None:
         return ""
     raise BadRequest("message content must be a string or a list of content parts", param="messages")
+
+
+def _check_counts(data: dict, fields: tuple[str, ...]) -> None:
+    """Counts the engines would reject anyway, rejected here before they take a place in the queue."""
+    for field in fields:
+        value = data.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise BadRequest(f"'{field}' must be a positive integer", param=field)
 
 
 def parse_openai(path: str, body: bytes, *, session_header_value: str | None) -> ParsedRequest:
@@ -87,17 +124,25 @@ def parse_openai(path: str, body: bytes, *, session_header_value: str | None) ->
             text = prompt
         elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             text = "\n".join(prompt)
-        elif isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
+        elif isinstance(prompt, list) and all(_is_token_id(p) for p in prompt):
             text = " ".join(map(str, prompt))  # token ids still share prefixes
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+            text = "\n".join(" ".join(map(str, p)) for p in prompt)  # a batch of token-id prompts
         else:
             raise BadRequest(f"'{field}' is required and must be a string, a list of strings or token ids",
                              param=field)
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
+    _check_counts(data, ("max_tokens", "max_completion_tokens", "n"))
     key = session_header_value or data.get("prompt_cache_key") or data.get("user")
     return ParsedRequest(model=model, text=text, session_key=key if isinstance(key, str) else None,
                          stream=stream, body=body)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def parse_ollama(path: str, body: bytes, *, session_header_value: str | None) -> ParsedRequest:
@@ -129,6 +174,8 @@ def parse_ollama(path: str, body: bytes, *, session_header_value: str | None) ->
     stream = data.get("stream", not path.endswith(("/embed", "/embeddings")))
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
+    if not isinstance(data.get("options") or {}, dict):
+        raise BadRequest("'options' must be an object", param="options")
     return ParsedRequest(model=data["model"], text=text, session_key=session_header_value, stream=stream,
                          body=body)
 

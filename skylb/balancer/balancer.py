@@ -52,6 +52,8 @@ class Balancer:
         #: True while the operator drains this region's balancers (`skylb-ctl balancer drain`).
         self.draining = False
         self._forwarded_at: deque[float] = deque(maxlen=10_000)
+        #: {(api, model): (last seen on a local replica, last seen locally or on a peer)}, balancer clock (s).
+        self._models_seen: dict[tuple[str, str], tuple[float | None, float]] = {}
         self._tasks: list[asyncio.Task] = []
 
     def now(self) -> float:
@@ -77,8 +79,9 @@ class Balancer:
         """Open the upstream session, load membership, start the dispatcher, probers and controller watch."""
         cfg = self.cfg
         timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
-                                             auto_decompress=False)
+        # auto_decompress (aiohttp's default): a replica that compresses although asked for identity (relay.py)
+        # still reaches clients, probes and /api/show as plain bytes (its Content-Encoding is not relayed).
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
         self.relay = Relay(self.session, region=self.region, peer_token=cfg.peer_token,
                            session_header=cfg.session_header, forward_client_auth=not self.client_keys,
                            replica_api_key=cfg.replica_api_key)
@@ -91,7 +94,7 @@ class Balancer:
         if not await self.membership.fetch_once(timeout_s=2.0):
             self.membership.load_persisted()
         self.membership.start()
-        probers = Probers(self.router, self.session, now=self.now, on_round=self.dispatcher.wake,
+        probers = Probers(self.router, self.session, now=self.now, on_round=self._probe_round_done,
                           interval_s=cfg.probe_interval_ms / 1000, timeout_s=cfg.probe_timeout_ms / 1000,
                           peer_token=cfg.peer_token, models_refresh_s=cfg.models_refresh_s)
         self._tasks = [asyncio.create_task(self.dispatcher.run()), *probers.tasks()]
@@ -132,6 +135,29 @@ class Balancer:
         self.router.set_replicas(replicas, max_concurrency={r["id"]: r.get("max_concurrency") for r in mine})
         self.router.set_peers(peers)
         self.dispatcher.wake()
+
+    def _probe_round_done(self) -> None:
+        self.remember_models()
+        self.dispatcher.wake()
+
+    def remember_models(self) -> None:
+        """Note the models served now (after every probe round), so a model whose replicas or region went away
+        is told apart from one nobody serves (``model_recently_served``)."""
+        now = self.now()
+        for api in ("openai", "ollama"):
+            local = self.router.served_models(api, with_peers=False)
+            for model in self.router.served_models(api):
+                last_local = now if model in local else self._models_seen.get((api, model), (None, now))[0]
+                self._models_seen[(api, model)] = (last_local, now)
+
+    def model_recently_served(self, api: str, model: str, *, with_peers: bool = True) -> bool:
+        """True when a local replica (or, ``with_peers``, a peer) served ``model`` in dialect ``api`` within the
+        last ``model_memory_s`` seconds: a request for it gets 503 + Retry-After rather than 404."""
+        seen = self._models_seen.get((api, model))
+        if seen is None:
+            return False
+        at = seen[1] if with_peers else seen[0]
+        return at is not None and self.now() - at <= self.cfg.model_memory_s
 
     def in_flight(self) -> int:
         """Requests this balancer holds: queued, or sent to a replica or a peer and not yet finished."""

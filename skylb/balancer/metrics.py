@@ -85,6 +85,9 @@ class BalancerMetrics:
                               registry=self.registry)
         self.queue_wait = Histogram("skylb_queue_wait_seconds", "Time requests waited in the queue, s.", ["region"],
                                     buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.rejected = Counter("skylb_rejected_requests", "Client requests the balancer answered with an error "
+                                "of its own (bad input, unknown or unavailable model, queue full, internal error), "
+                                "by reason and HTTP status.", ["region", "reason", "status"], registry=self.registry)
         self.retries = Counter("skylb_retries", "Requests re-queued after a target failed before the first byte.",
                                ["region"], registry=self.registry)
         self.ejections = Counter("skylb_outlier_ejections", "Targets ejected by outlier detection (consecutive "

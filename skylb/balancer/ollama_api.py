@@ -72,8 +72,9 @@ def add_metadata_routes(app: web.Application, key: web.AppKey) -> None:
         balancer, replicas = ollama_replicas(request)
         body = await request.read()
         try:
-            model = json.loads(body).get("model") or json.loads(body).get("name")
-        except (ValueError, AttributeError):
+            data = json.loads(body)
+            model = data.get("model") or data.get("name")
+        except (ValueError, AttributeError, RecursionError):  # not JSON (or not UTF-8), not an object, too deep
             return ollama_error(400, "request body must be a JSON object with a 'model'")
         if not isinstance(model, str) or not model:
             return ollama_error(400, "'model' is required")

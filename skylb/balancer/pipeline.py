@@ -19,16 +19,20 @@ from aiohttp import web
 from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_openai
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
-from skylb.balancer.protocol import (FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER, TOKEN_HEADER, queued_ms,
-                                     token_ok)
+from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
+                                     REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
 from skylb.balancer.status import BALANCER
 from skylb.core import Decision, Request
 
-__all__ = ["handle_generate", "GENERATE_PATHS"]
+__all__ = ["handle_generate", "finish_request", "GENERATE_PATHS", "REQUEST_IDS", "api_of"]
 
 #: The endpoints whose requests are queued, routed and relayed.
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
                   "/api/generate", "/api/chat", "/api/embed", "/api/embeddings")
+
+#: Request key: (the balancer's request id, the client's X-Request-Id label), for the error middleware's log line.
+REQUEST_IDS = (web.RequestKey("skylb_request_ids", tuple) if hasattr(web, "RequestKey")  # aiohttp >= 3.12
+               else "skylb_request_ids")
 
 log = structlog.get_logger("skylb.request")
 
@@ -39,26 +43,45 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     cfg = balancer.cfg
     arrived_at = balancer.now()
     started = time.time()
-    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-    api = "ollama" if request.path.startswith("/api/") else "openai"
+    # The balancer's own id: the queue, the dispatcher and the replicas key requests by it, and clients may send
+    # the same X-Request-Id twice. The client's id is only a label (logged, echoed back).
+    request_id = uuid.uuid4().hex
+    client_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+    request[REQUEST_IDS] = (request_id, client_id)
+    api = api_of(request.path)
     parse = parse_ollama if api == "ollama" else parse_openai
-    body = await request.read()
+
+    def reject(status: int, message: str, reason: str, *, model: str | None = None, type_: str | None = None,
+               param: str | None = None, retry_after: bool = False) -> web.StreamResponse:
+        response = error_response(api, status, message, type_=type_, param=param)
+        if retry_after:
+            response.headers["Retry-After"] = str(cfg.retry_after_s)
+        balancer.metrics.rejected.labels(balancer.region, reason, str(status)).inc()
+        return finish_request(balancer, response, request_id, model, started, client_id=client_id, reason=reason)
+
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return reject(413, f"request body is larger than balancer.max_body_bytes ({cfg.max_body_bytes} bytes)",
+                      "body_too_large")
     try:
         parsed = parse(request.path, body, session_header_value=request.headers.get(cfg.session_header))
     except BadRequest as exc:
-        return _finish(balancer, error_response(api, 400, str(exc), param=exc.param), request_id, None, started)
+        return reject(400, str(exc), exc.reason, param=exc.param)
     forwarded_from = request.headers.get(FORWARDED_FROM)
     if forwarded_from is not None and not token_ok(cfg.peer_token, request.headers.get(TOKEN_HEADER)):
-        return _finish(balancer, error_response(api, 403, "forwarded request with a missing or wrong peer token",
-                                                type_="permission_error"), request_id, parsed.model, started)
+        return reject(403, "forwarded request with a missing or wrong peer token", "forbidden",
+                      model=parsed.model, type_="permission_error")
     router = balancer.router
     served = router.served_models(api, with_peers=forwarded_from is None)
     if parsed.model not in served and router.models_known():
+        if balancer.model_recently_served(api, parsed.model, with_peers=forwarded_from is None):
+            return reject(503, f"model '{parsed.model}' is served by no replica or peer reachable now; retry later",
+                          "model_unavailable", model=parsed.model, type_="service_unavailable", retry_after=True)
         message = (f"model '{parsed.model}' not found" if api == "ollama" else
                    f"The model `{parsed.model}` does not exist.")
         hint = f" Models served here: {', '.join(sorted(served)) or 'none'}."
-        return _finish(balancer, error_response(api, 404, message + hint, param="model"), request_id,
-                       parsed.model, started)
+        return reject(404, message + hint, "unknown_model", model=parsed.model, param="model")
     # A forwarded request keeps its place in first-come, first-served order: its wait at the forwarding balancer
     # counts here (capped by the queue timeout, so a bad value cannot put it ahead of everything for long).
     waited_s = (min(queued_ms(request.headers.get(QUEUE_MS_HEADER)) / 1000.0, cfg.queue_timeout_s)
@@ -71,11 +94,11 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         try:
             decision = await dispatcher.acquire(routed, retry=attempt > 0)
         except QueueFull as exc:
-            return _finish(balancer, error_response(api, 503, f"{exc}; retry later", type_="overloaded_error"),
-                           request_id, parsed.model, started)
+            return reject(503, f"{exc}; retry later", "queue_full", model=parsed.model, type_="overloaded_error",
+                          retry_after=True)
         except QueueTimeout as exc:
-            return _finish(balancer, error_response(api, 503, str(exc), type_="overloaded_error"),
-                           request_id, parsed.model, started)
+            return reject(503, str(exc), "queue_timeout", model=parsed.model, type_="overloaded_error",
+                          retry_after=True)
         ttft_histogram = metrics.ttft.labels(balancer.region, decision.route)
 
         def first_byte(ttft_s: float, decision: Decision = decision) -> None:
@@ -86,7 +109,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         try:
             outcome = await relay.relay(request, body, decision, request_id=request_id, arrived_at=arrived_at,
                                         retry_allowed=attempt < cfg.retry_policy.num_retries, api=api,
-                                        on_first_byte=first_byte)
+                                        on_first_byte=first_byte, client_request_id=client_id)
         finally:
             dispatcher.release(decision)
         if outcome.response is None:  # failed before any byte reached the client: count it and re-queue
@@ -96,9 +119,13 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             log.warning("retrying", id=request_id, region=balancer.region, route=decision.route,
                         target=decision.target, error=outcome.error, attempt=attempt)
             continue
-        router.target_answered(decision)
-        return _finish(balancer, outcome.response, request_id, parsed.model, started, decision=decision,
-                       ttft_s=outcome.ttft_s, error=outcome.error, status=outcome.status)
+        if outcome.target_failed:  # garbage, a truncated stream, unreachable on the last try
+            _gateway_failure(balancer, decision, outcome.error)
+        else:
+            router.target_answered(decision)
+        return finish_request(balancer, outcome.response, request_id, parsed.model, started, decision=decision,
+                              ttft_s=outcome.ttft_s, error=outcome.error, status=outcome.status,
+                              client_id=client_id)
 
 
 def _gateway_failure(balancer: Balancer, decision: Decision, error: str | None) -> None:
@@ -108,13 +135,27 @@ def _gateway_failure(balancer: Balancer, decision: Decision, error: str | None) 
         balancer.metrics.ejections.labels(balancer.region, decision.route, decision.target).inc()
 
 
-def _finish(balancer: Balancer, response: web.StreamResponse, request_id: str, model: str | None, started: float,
-            *, decision: Decision | None = None, ttft_s: float | None = None, error: str | None = None,
-            status: int | None = None) -> web.StreamResponse:
-    """Count the response and write the request's one log line; returns ``response``."""
+def api_of(path: str) -> str:
+    """The API dialect of a request path: "ollama" for ``/api/*``, else "openai"."""
+    return "ollama" if path.startswith("/api/") else "openai"
+
+
+def finish_request(balancer: Balancer, response: web.StreamResponse, request_id: str, model: str | None,
+                   started: float, *, decision: Decision | None = None, ttft_s: float | None = None,
+                   error: str | None = None, status: int | None = None, client_id: str | None = None,
+                   reason: str | None = None) -> web.StreamResponse:
+    """Count the response and write the request's one log line; returns ``response``.
+
+    ``client_id``: the client's X-Request-Id label; ``reason``: why the balancer rejected the request itself.
+    A response not yet sent gets the ids as headers (X-SkyLB-Request-Id, X-Request-Id echoed)."""
     status = status if status is not None else response.status
+    if not response.prepared:
+        response.headers[BALANCER_REQUEST_ID_HEADER] = request_id
+        if client_id is not None:
+            response.headers[REQUEST_ID_HEADER] = client_id
     balancer.metrics.responses.labels(balancer.region, str(status)).inc()
-    log.info("request", id=request_id, region=balancer.region, model=model,
+    log.info("request", id=request_id, client_request_id=client_id, reason=reason, region=balancer.region,
+             model=model,
              route=None if decision is None else decision.route,
              target=None if decision is None else decision.target,
              queued_ms=None if decision is None else round(decision.queued_s * 1000, 1),

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import structlog
 
-from skylb.balancer.protocol import STATUS_PATH, TOKEN_HEADER, ProtocolError, decode_status
+from skylb.balancer.protocol import MAX_STATUS_BYTES, STATUS_PATH, TOKEN_HEADER, ProtocolError, decode_status
 from skylb.core import PeerState, ReplicaState, Router
 from skylb.engines import adapter_for
 from skylb.engines.auto import detected_engine
@@ -106,9 +106,20 @@ class Probers:
             async with self.session.get(peer.url + STATUS_PATH, timeout=timeout, headers=self.peer_headers) as resp:
                 if resp.status != 200:
                     raise ProtocolError(f"status answered HTTP {resp.status}")
-                status = decode_status(await resp.read())
+                status = decode_status(await _read_at_most(resp, MAX_STATUS_BYTES))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError) as exc:
             self.router.observe_peer(peer.region, now=self.now(), status=None, error=str(exc) or type(exc).__name__)
             return
         now = self.now()
         self.router.observe_peer(peer.region, now=now, status=status, rtt_s=now - sent_at)
+
+
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body of ``resp``; ProtocolError as soon as it passes ``limit`` bytes (a garbage "status" from a broken or
+    hostile peer is not read into memory whole)."""
+    data = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        data += chunk
+        if len(data) > limit:
+            raise ProtocolError(f"peer status is more than {limit} bytes")
+    return bytes(data)

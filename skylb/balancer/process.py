@@ -19,6 +19,8 @@ import signal
 import socket
 import ssl
 import sys
+import time
+import uuid
 
 import structlog
 from aiohttp import web
@@ -30,7 +32,8 @@ from skylb.balancer import ollama_api, status
 from skylb.balancer.api import error_response
 from skylb.balancer.auth import METRICS_TOKEN_ENV, Credentials, auth_middleware, load_api_keys
 from skylb.balancer.balancer import Balancer
-from skylb.balancer.pipeline import GENERATE_PATHS, handle_generate
+from skylb.balancer.pipeline import GENERATE_PATHS, REQUEST_IDS, api_of, finish_request, handle_generate
+from skylb.balancer.relay import STREAM_STARTED
 from skylb.balancer.status import BALANCER
 from skylb.config import BalancerConfig, ConfigError, load_config
 from skylb.core import policy_names
@@ -49,14 +52,34 @@ log = structlog.get_logger("skylb.balancer")
 
 @web.middleware
 async def _errors_in_api_shape(request: web.Request, handler):
-    """Turn aiohttp's HTTP errors (404, 405, 413) into JSON in the API's shape, never HTML."""
+    """Every error the balancer answers itself is JSON in the API's shape, logged and counted, never HTML or
+    ``500 text/plain``: aiohttp's HTTP errors (404, 405, 413) and, as a last resort, any bug (500)."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        api = "ollama" if request.path.startswith("/api/") else "openai"
-        return error_response(api, exc.status, f"{exc.reason}: {request.method} {request.path}")
+        reason = {404: "no_route", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
+        return _answered_error(request, exc.status, f"{exc.reason}: {request.method} {request.path}", reason)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise  # the client went away: there is nobody to answer
+    except Exception as exc:
+        if request.get(STREAM_STARTED):  # headers already sent: only closing the connection tells the client
+            raise
+        structlog.get_logger("skylb.balancer").exception("unhandled_error", method=request.method,
+                                                         path=request.path)
+        return _answered_error(request, 500, f"internal error in the balancer: {type(exc).__name__}",
+                               "internal_error")
+
+
+def _answered_error(request: web.Request, status: int, message: str, reason: str) -> web.Response:
+    balancer = request.app[BALANCER]
+    request_id, client_id = request.get(REQUEST_IDS) or (uuid.uuid4().hex, None)
+    response = error_response(api_of(request.path), status, message)
+    balancer.metrics.rejected.labels(balancer.region, reason, str(status)).inc()
+    finish_request(balancer, response, request_id, None, time.time(), client_id=client_id, reason=reason,
+                   error=message)
+    return response
 
 
 def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
@@ -65,7 +88,7 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     (auth.load_api_keys), checked with the peer and metrics tokens of ``cfg`` before any handler runs."""
     creds = Credentials(api_keys=api_keys, peer_token=cfg.peer_token, metrics_token=cfg.metrics_token)
     # Errors first, so a 404 or 405 for an unknown route is also behind the credential check.
-    app = web.Application(client_max_size=64 * 1024 * 1024,
+    app = web.Application(client_max_size=cfg.max_body_bytes,
                           middlewares=[_errors_in_api_shape, auth_middleware(creds)])
     balancer = Balancer(cfg, region=region, advertise_url=advertise_url, client_keys=bool(api_keys))
     app[BALANCER] = balancer

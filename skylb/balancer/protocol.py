@@ -18,7 +18,8 @@ from skylb import PROTOCOL_VERSION
 from skylb.core import PeerStatus
 
 __all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SERVED_BY_HEADER", "QUEUE_MS_HEADER",
-           "REQUEST_ID_HEADER", "ProtocolError", "queued_ms", "encode_status", "decode_status", "token_ok"]
+           "REQUEST_ID_HEADER", "BALANCER_REQUEST_ID_HEADER", "MAX_CLIENT_ID_CHARS", "MAX_STATUS_BYTES",
+           "client_request_id", "ProtocolError", "queued_ms", "encode_status", "decode_status", "token_ok"]
 
 STATUS_PATH = "/skylb/v1/status"
 #: Set on a forwarded request: the region of the balancer that forwarded it. Such a request is never forwarded again.
@@ -32,7 +33,13 @@ SERVED_BY_HEADER = "X-SkyLB-Served-By"
 #: On responses: time the request waited in the balancer's queue, ms. On a forwarded request: time it waited in the
 #: forwarding balancer's queue, ms (the peer queues it as if it had arrived that much earlier).
 QUEUE_MS_HEADER = "X-SkyLB-Queue-Ms"
+#: On requests to a target: the balancer's own request id (unique, made by the balancer). From a client: only a
+#: label, logged and echoed back, never a key (clients may send the same one twice).
 REQUEST_ID_HEADER = "X-Request-Id"
+#: On responses: the balancer's own id of the request (the ``id`` of its log line).
+BALANCER_REQUEST_ID_HEADER = "X-SkyLB-Request-Id"
+#: The longest client request id kept as a label (characters); longer or non-printable ones are dropped.
+MAX_CLIENT_ID_CHARS = 128
 #: A status is a few hundred bytes; anything much larger is not one.
 MAX_STATUS_BYTES = 1 << 20
 
@@ -98,6 +105,14 @@ def queued_ms(value: str | None) -> float:
     except ValueError:
         return 0.0
     return ms if math.isfinite(ms) and ms > 0 else 0.0
+
+
+def client_request_id(value: str | None) -> str | None:
+    """A client's ``X-Request-Id`` as a label: kept when printable ASCII of at most MAX_CLIENT_ID_CHARS, else None
+    (it is echoed in a response header and written to the log)."""
+    if value and len(value) <= MAX_CLIENT_ID_CHARS and value.isascii() and value.isprintable():
+        return value
+    return None
 
 
 def token_ok(configured: str | None, given: str | None) -> bool:

@@ -1,0 +1,134 @@
+"""Re-framing of streamed answers: cut an upstream SSE or NDJSON byte stream into whole events, byte for byte.
+
+Why the relay re-frames instead of passing chunks through as they come: a chunk boundary can fall inside an event,
+and when the upstream then fails the relay must end the stream with an error event of its own; written after half an
+event it would be spliced into that event and the client's parser would see garbage. So only whole events go to the
+client, the tail waits for its end, and a failure drops the tail and appends a well-formed error event. The framer
+also says whether the stream ended properly (SSE ``data: [DONE]``, an NDJSON object with ``"done": true``, or an
+error event of the engine's own) and whether an event is garbage (not JSON), so a truncated or garbled stream is
+reported to the client and counted against the replica instead of ending silently.
+Source: shared/reference/engines.md ("Streaming"; Ollama NDJSON), the WHATWG SSE format (field lines, blank line
+ends an event, lines starting with ``:`` are comments).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+__all__ = ["StreamFramer", "FramingError", "MAX_EVENT_BYTES", "stream_kind"]
+
+#: The longest event accepted (bytes); a "stream" that goes longer without an event end is not SSE / NDJSON.
+MAX_EVENT_BYTES = 4 << 20
+_SSE_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_SSE_FIELDS = frozenset({b"data", b"event", b"id", b"retry", b"error"})
+
+
+class FramingError(ValueError):
+    """The upstream stream is not well-formed SSE / NDJSON (an event that is not JSON, or one too long)."""
+
+
+def stream_kind(content_type: str) -> str | None:
+    """``"sse"`` for ``text/event-stream``, ``"ndjson"`` for ``application/x-ndjson``, else None."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return {"text/event-stream": "sse", "application/x-ndjson": "ndjson"}.get(media)
+
+
+class StreamFramer:
+    """Incremental framer for one streamed answer.
+
+    Args:
+        kind: "sse" or "ndjson". max_event_bytes: the longest event accepted (bytes).
+
+    ``feed(chunk)`` returns the bytes of the events that chunk completed, unchanged and concatenated (b"" while an
+    event is still open) and raises FramingError on garbage. ``finish()`` at the end of the upstream stream returns
+    a last event that lacked only its terminator (b"" otherwise). ``done`` tells whether a terminal event went by.
+    """
+
+    def __init__(self, kind: str, *, max_event_bytes: int = MAX_EVENT_BYTES):
+        if kind not in ("sse", "ndjson"):
+            raise ValueError(f"unknown stream kind {kind!r}")
+        self.kind = kind
+        self.max_event_bytes = max_event_bytes
+        self.done = False
+        self._tail = b""
+
+    @property
+    def pending(self) -> bytes:
+        """The bytes of the event still open (not yet sent on)."""
+        return self._tail
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Add ``chunk``; return the whole events it completed (bytes unchanged). Raises FramingError."""
+        data = self._tail + chunk
+        out_end = 0
+        pos = 0
+        while True:
+            if self.kind == "sse":
+                m = _SSE_END.search(data, pos)
+                if m is None:
+                    break
+                self._check_sse(data[pos:m.start()])
+                pos = m.end()
+            else:
+                nl = data.find(b"\n", pos)
+                if nl < 0:
+                    break
+                self._check_ndjson(data[pos:nl])
+                pos = nl + 1
+            out_end = pos
+        self._tail = data[out_end:]
+        if len(self._tail) > self.max_event_bytes:
+            raise FramingError(f"an event is longer than {self.max_event_bytes} bytes")
+        return data[:out_end]
+
+    def finish(self) -> bytes:
+        """The stream ended: return the open event if it is whole but for its terminator; raises FramingError if it
+        is garbage. Afterwards ``done`` says whether the stream ended properly."""
+        tail, self._tail = self._tail, b""
+        if not tail.strip():
+            return b""
+        if self.kind == "sse":
+            self._check_sse(tail.rstrip(b"\r\n"))
+        else:
+            self._check_ndjson(tail)
+        return tail
+
+    def _check_sse(self, event: bytes) -> None:
+        data_lines = []
+        for line in event.splitlines():
+            if not line or line.startswith(b":"):  # a comment (vLLM's ": keep-alive")
+                continue
+            field, _, value = line.partition(b":")
+            if field not in _SSE_FIELDS:
+                raise FramingError(f"not an SSE field: {line[:80]!r}")
+            value = value[1:] if value.startswith(b" ") else value
+            if field == b"error":  # llama.cpp's mid-stream error line: the engine ended the stream itself
+                self.done = True
+            elif field == b"data":
+                data_lines.append(value)
+        if not data_lines:
+            return
+        payload = b"\n".join(data_lines)
+        if payload.strip() == b"[DONE]":
+            self.done = True
+            return
+        obj = _json(payload, "SSE data")
+        if isinstance(obj, dict) and "error" in obj:
+            self.done = True
+
+    def _check_ndjson(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        obj = _json(line, "NDJSON line")
+        if not isinstance(obj, dict):
+            raise FramingError("an NDJSON line is not a JSON object")
+        if obj.get("done") is True or "error" in obj:
+            self.done = True
+
+
+def _json(payload: bytes, what: str):
+    try:
+        return json.loads(payload)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise FramingError(f"{what} is not JSON: {payload[:80]!r}") from None
