@@ -3,7 +3,8 @@
 Rules (DESIGN.md decision 6, shared/reference/reliability.md): a request is retried only before its first byte went
 to the client; once streaming has started, a failing upstream ends the stream with a well-formed error event instead
 of a retry (no spliced, duplicated generation). Closing the upstream response when the client leaves aborts the
-upstream request, so the engine frees the slot.
+upstream request, so the engine frees the slot. Timeouts are per phase (first byte, then idle between chunks),
+never a total that would cut a long generation (reliability.md).
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ class RelayOutcome:
             (the caller may retry). status: the HTTP status sent (or the upstream's, when retryable).
         ttft_s: time from arrival to the first streamed byte relayed, s (None when not streamed).
         error: what went wrong, if anything.
+        failure: for outlier detection: "gateway" (refused, reset, timed out before the first byte, 502/503/504,
+            died mid-stream), "5xx" (another status >= 500 from the target), None (the target answered).
     """
 
     response: web.StreamResponse | None
     status: int
     ttft_s: float | None = None
     error: str | None = None
+    failure: str | None = None
 
 
 class Relay:
@@ -53,11 +57,16 @@ class Relay:
     Args:
         session: the upstream client session; region: this balancer's region; peer_token: sent to peers;
         session_header: the configured session-key header name (passed through).
+        first_byte_timeout_s, response_timeout_s, idle_timeout_s: see ``relay`` (s).
     """
 
     def __init__(self, session: aiohttp.ClientSession, *, region: str, peer_token: str | None,
-                 session_header: str):
+                 session_header: str, first_byte_timeout_s: float = 60.0, response_timeout_s: float = 600.0,
+                 idle_timeout_s: float = 30.0):
         self.session = session
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.response_timeout_s = response_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self.region = region
         self.peer_token = peer_token
         self.pass_headers = tuple(dict.fromkeys((*_PASS_HEADERS, session_header)))
@@ -86,61 +95,89 @@ class Relay:
         return headers
 
     async def relay(self, request: web.Request, body: bytes, decision: Decision, *, request_id: str,
-                    arrived_at: float, retry_allowed: bool, api: str = "openai",
+                    arrived_at: float, retry_allowed: bool, api: str = "openai", stream: bool = True,
                     on_first_byte: Callable[[float], None] | None = None) -> RelayOutcome:
         """Send ``body`` to the decision's target at the client's path and relay the answer.
+
+        Timeouts (never a total, which would cut long generations): the first byte of a streamed answer
+        (``stream``) must come within ``first_byte_timeout_s``, a whole answer that is not streamed within
+        ``response_timeout_s``, and each later chunk within ``idle_timeout_s`` of the one before. The client's
+        response starts only with the target's first body byte, so a target that sent headers and then hung or died
+        is still retried.
 
         ``on_first_byte(ttft_s)`` is called when the first streamed byte has been written to the client, so the
         TTFT histogram is current while a long stream is still running (and before the client can see its end).
 
         Returns RelayOutcome(response=None, ...) when the target failed before any byte went to the client and
         ``retry_allowed``; otherwise the response already sent (an error in the API's shape if the target failed).
+        If the client goes away (the handler is cancelled) the upstream request is closed, so the engine stops.
         """
         loop = asyncio.get_running_loop()
         url = decision.url + request.rel_url.path_qs
+        first_timeout = self.first_byte_timeout_s if stream else self.response_timeout_s
+
+        def failed(status: int, error: str) -> RelayOutcome:
+            response = None if retry_allowed else error_response(api, status, error)
+            return RelayOutcome(response, status, error=error, failure="gateway")
+
+        upstream_cm = self.session.post(url, data=body, headers=self._upstream_headers(request, decision, request_id))
+        upstream: aiohttp.ClientResponse | None = None
         try:
-            upstream_cm = self.session.post(url, data=body,
-                                            headers=self._upstream_headers(request, decision, request_id))
-            upstream = await upstream_cm.__aenter__()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            error = f"{decision.route} {decision.target} unreachable: {type(exc).__name__}: {exc}"
-            if retry_allowed:
-                return RelayOutcome(None, 502, error=error)
-            return RelayOutcome(error_response(api, 502, error), 502, error=error)
-        try:
-            if upstream.status in RETRYABLE_STATUSES and retry_allowed:
-                return RelayOutcome(None, upstream.status, error=f"{decision.target} answered {upstream.status}")
+            try:
+                async with asyncio.timeout(first_timeout):
+                    upstream = await upstream_cm.__aenter__()
+                    if upstream.status in RETRYABLE_STATUSES and retry_allowed:
+                        return failed(upstream.status, f"{decision.target} answered {upstream.status}")
+                    content_type = upstream.headers.get("Content-Type", "")
+                    streamed = content_type.startswith(_STREAM_TYPES)
+                    first = await (upstream.content.readany() if streamed else upstream.read())
+            except TimeoutError:
+                return failed(504, f"{decision.route} {decision.target} sent no byte within {first_timeout:g} s")
+            except (aiohttp.ClientError, OSError) as exc:
+                return failed(502, f"{decision.route} {decision.target} unreachable: {type(exc).__name__}: {exc}")
             headers = self._client_headers(upstream, decision, request_id)
-            content_type = upstream.headers.get("Content-Type", "")
-            if not content_type.startswith(_STREAM_TYPES):
-                try:
-                    data = await upstream.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    error = f"{decision.target} failed before answering: {type(exc).__name__}"
-                    if retry_allowed:
-                        return RelayOutcome(None, 502, error=error)
-                    return RelayOutcome(error_response(api, 502, error), 502, error=error)
-                return RelayOutcome(web.Response(status=upstream.status, body=data, headers=headers),
-                                    upstream.status)
+            failure = ("gateway" if upstream.status in RETRYABLE_STATUSES else
+                       "5xx" if upstream.status >= 500 else None)
+            if not streamed:
+                return RelayOutcome(web.Response(status=upstream.status, body=first, headers=headers),
+                                    upstream.status, failure=failure)
+            if not first:  # the stream ended before its first byte: nothing was generated
+                return failed(502, f"{decision.target} closed the stream before its first byte")
             response = web.StreamResponse(status=upstream.status, headers=headers)
             await response.prepare(request)
-            ttft = None
+            ttft = loop.time() - arrived_at
             error = None
             try:
-                async for chunk in upstream.content.iter_any():
+                await response.write(first)
+                if on_first_byte is not None:
+                    on_first_byte(ttft)
+                while True:
+                    try:
+                        async with asyncio.timeout(self.idle_timeout_s):
+                            chunk = await upstream.content.readany()
+                    except TimeoutError:
+                        error = f"{decision.target} sent nothing for {self.idle_timeout_s:g} s mid-stream"
+                        break
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+                        error = f"{decision.target} failed mid-stream: {type(exc).__name__}"
+                        break
+                    if not chunk:
+                        break
                     await response.write(chunk)
-                    if ttft is None:
-                        ttft = loop.time() - arrived_at
-                        if on_first_byte is not None:
-                            on_first_byte(ttft)
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                # Bytes already reached the client: end the stream with an error event, never retry.
-                error = f"{decision.target} failed mid-stream: {type(exc).__name__}"
-                await response.write(_stream_error_event(content_type, error))
-            await response.write_eof()
-            return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error)
+                if error is not None:
+                    # Bytes already reached the client: end the stream with an error event, never retry.
+                    failure = "gateway"
+                    await response.write(_stream_error_event(content_type, error))
+                await response.write_eof()
+            except ConnectionResetError:  # the client went away: the upstream request is closed below
+                return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected",
+                                    failure=failure)
+            return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error, failure=failure)
         finally:
-            await upstream_cm.__aexit__(None, None, None)
+            if upstream is not None:
+                if not upstream.content.is_eof():
+                    upstream.close()  # aborts the upstream request: the engine frees its slot
+                await upstream_cm.__aexit__(None, None, None)
 
 
 def _stream_error_event(content_type: str, message: str) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy, make_policy
 from skylb.core.router import Router
 from skylb.core.state import AvailabilityRules
@@ -56,4 +57,5 @@ def build_router(region: str, settings: RouterSettings, *, max_queue: int | None
     """A Router for ``region`` from ``settings``; ``max_queue`` overrides ``settings.max_queue`` (the simulator
     never refuses a request, so it passes a bound no run reaches). Raises PolicyError on an invalid policy."""
     return Router(region=region, policy=build_policy(settings), rules=build_rules(settings),
-                  max_queue=settings.max_queue if max_queue is None else max_queue)
+                  max_queue=settings.max_queue if max_queue is None else max_queue,
+                  outlier=OutlierDetector.from_settings(getattr(settings, "outlier_detection", None)))

@@ -65,8 +65,12 @@ class ReplicaState:
     models: frozenset[str] | None = None
     apis: frozenset[str] = frozenset({"openai"})
     slots: int | None = None
-    #: Consecutive failures before the first byte (outlier detection, ``Router.target_failed``).
+    #: Consecutive gateway failures and 5xx answers, ejections so far and the end of the current or latest
+    #: ejection, s (outlier detection: skylb/core/outlier.py).
     gateway_failures: int = 0
+    consecutive_5xx: int = 0
+    ejections: int = 0
+    ejected_until: float | None = None
     kv_usage: float | None = None
     unprefilled: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``unprefilled``, kept up to date so that reading it is O(1) on every routing decision.
@@ -185,8 +189,12 @@ class PeerState:
     error: str | None = None
     forwarded: int = 0
     models: dict[str, dict[str, int]] | None = None
-    #: Consecutive failures before the first byte (outlier detection, ``Router.target_failed``).
+    #: Consecutive gateway failures and 5xx answers, ejections so far and the end of the current or latest
+    #: ejection, s (outlier detection: skylb/core/outlier.py).
     gateway_failures: int = 0
+    consecutive_5xx: int = 0
+    ejections: int = 0
+    ejected_until: float | None = None
     wait_s: float | None = None
     rtt_s: float | None = None
     queue_age_s: float | None = None

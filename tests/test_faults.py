@@ -1,0 +1,195 @@
+"""Faults injected into real processes (issue 10): a replica killed or hung (a Toxiproxy ``timeout`` toxic through
+`skylb toxiproxy`), a peer region partitioned, a balancer stopped with SIGTERM, clients that disconnect. Each test
+prints what it measured (``pytest -s`` shows it).
+
+Every process is started through the ``procs`` fixture, so it is stopped also when a test fails, and a Cluster
+checks at teardown that its balancers' queue and in-flight counters went back to zero.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+import requests
+from toxiproxy import Toxiproxy
+from toxiproxy.api import APIConsumer
+
+from tests.cluster import MODEL, Cluster, emulator_gauge, get_json
+from tests.procs import free_port
+
+# Emulated durations x 0.2: a 60-token generation lasts about 0.7 s.
+FAST = ("--time-scale", "0.2")
+RUNNING = "vllm:num_requests_running"
+
+
+def _point_toxiproxy_client(url: str) -> None:
+    """The toxiproxy-python client keeps its server as class attributes: point them at ``url``."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    APIConsumer.host, APIConsumer.port = host, int(port)
+
+
+def _stream(url: str, prompt: str, *, max_tokens: int = 8, timeout: float = 30, on_chunk=None) -> dict:
+    """A streamed /v1/completions call; returns status, served_by, text, the error event if any, whether it ended
+    with [DONE], and the seconds it took. ``on_chunk(i)`` is called after the i-th data chunk."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    out = {"text": "", "error": None, "done": False, "chunks": 0, "after_done": 0}
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=timeout) as resp:
+        out.update(status=resp.status_code, served_by=resp.headers.get("X-SkyLB-Served-By"))
+        if resp.status_code != 200:
+            out["error"] = resp.json()
+            out["seconds"] = time.monotonic() - start
+            return out
+        for line in resp.iter_lines():
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:]
+            if out["done"]:
+                out["after_done"] += 1
+            elif payload == b"[DONE]":
+                out["done"] = True
+            else:
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    out["error"] = chunk["error"]
+                else:
+                    out["text"] += "".join(c.get("text", "") for c in chunk.get("choices", []))
+                    out["chunks"] += 1
+                    if on_chunk is not None:
+                        on_chunk(out["chunks"])
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def _counter(url: str, name: str) -> float:
+    """The sum of a balancer's Prometheus samples of ``name`` (a counter: its ``_total`` samples)."""
+    return emulator_gauge(url, name)
+
+
+def _region(procs, tmp_path, *, replicas: int, balancer: dict, policy: str | None = None,
+            proxied: tuple[int, ...] = (), emulator_args: tuple[str, ...] = FAST):
+    """A controller, ``replicas`` emulated vLLM replicas (one process each, so one can be killed), the latency proxy
+    in front of the replicas in ``proxied`` (by index), and the us balancer, which knows the replicas before it
+    starts (its first probe round sees them). The controller's health checks are off, so that membership does not
+    change under the balancer's own detection (what these tests measure). Returns (cluster, balancer URL, replica URLs, emulator procs,
+    proxies by index)."""
+    cluster = Cluster(procs, tmp_path, balancer=balancer, controller={"health": {"enabled": False}})
+    cluster.start_controller(["us"])
+    urls, emulators = [], []
+    for i in range(replicas):
+        [url] = cluster.start_emulator(1, *emulator_args, name=f"emulator-{i}")
+        urls.append(url)
+        emulators.append(procs.procs[-1])
+    proxies = {}
+    if proxied:
+        _point_toxiproxy_client(cluster.start_toxiproxy())
+        for i in proxied:
+            proxies[i] = Toxiproxy().create(upstream=urls[i].removeprefix("http://"), name=f"replica-{i}",
+                                            listen=f"127.0.0.1:{free_port()}")
+    for i, url in enumerate(urls):
+        cluster.add_replica("us", f"http://{proxies[i].listen}" if i in proxies else url, replica_id=f"r{i}")
+    balancer_url = cluster.start_balancer("us", ["us"], policy=policy)
+    cluster.wait_replicas_healthy("us", replicas)
+    return cluster, balancer_url, urls, emulators, proxies
+
+
+def test_a_replica_killed_before_the_first_byte_is_retried_elsewhere_ejected_and_returns(procs, tmp_path):
+    """A SIGKILLed replica refuses connections: every request sent there is retried on the other replica (never
+    the one that failed) and succeeds; after consecutive_gateway_failure failures it is ejected; restarted, it
+    serves again once base_ejection_time has passed. Probes are too rare here to notice the death first."""
+    cluster, url, (a, b), (proc_a, _), _ = _region(
+        procs, tmp_path, replicas=2, policy="round-robin",
+        balancer={"probe_interval_ms": 60_000, "stale_after_intervals": 100,
+                  "outlier_detection": {"consecutive_gateway_failure": 2, "base_ejection_time_s": 2.0}})
+    proc_a.kill()
+    killed = time.monotonic()
+    results, ejected = [], None
+    for i in range(8):  # bounded: 8 requests, round robin sends half of them to the dead replica first
+        results.append(_stream(url, f"after kill {i}"))
+        if ejected is None and _counter(url, "skylb_outlier_ejections_total") >= 1:
+            ejected = time.monotonic() - killed
+    assert all(r["status"] == 200 and r["done"] and r["served_by"] == "us/r1" and not r["error"] for r in results)
+    retries = _counter(url, "skylb_retries_total")
+    assert retries == 2  # two attempts reached r0 before it was ejected; none after
+    assert _counter(url, "skylb_outlier_ejections_total") == 1
+    [r0] = [r for r in cluster.status("us")["replicas"] if r["id"] == "r0"]
+    assert r0["reason"] == "ejected (outlier detection)" and r0["ejections"] == 1
+    print(f"\nkilled replica: {retries:.0f} retries, ejected {ejected:.3f} s after the kill, "
+          f"slowest request {max(r['seconds'] for r in results):.3f} s")
+    port = a.rsplit(":", 1)[1]
+    procs.skylb("emulator", "--engine", "vllm", "--model", MODEL, "--port", port, *FAST, name="emulator-0-again",
+                wait_url=f"{a}/health")
+    cluster.wait_until(lambda: all(r["ejected_for_s"] is None for r in cluster.status("us")["replicas"]),
+                       timeout_s=5, what="ejection over")
+    returned = time.monotonic() - killed
+    served = {_stream(url, f"back {i}")["served_by"] for i in range(4)}
+    assert served == {"us/r0", "us/r1"}
+    print(f"ejected replica serving again {returned:.3f} s after the kill (base_ejection_time 2 s)")
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_never_a_retry(procs, tmp_path):
+    """SIGKILL of the replica after 5 streamed chunks: the client gets the chunks, one well-formed error event and
+    [DONE], nothing after; the other replica never sees the request (no retried, spliced or duplicated text)."""
+    cluster, url, (a, b), (proc_a, _), _ = _region(procs, tmp_path, replicas=2, policy="round-robin",
+                                                   balancer={"probe_interval_ms": 60_000,
+                                                             "stale_after_intervals": 100})
+
+    def kill_at_five(i: int) -> None:
+        if i == 5:
+            proc_a.kill()
+
+    before_b = emulator_gauge(b, "vllm:request_success_total")
+    results = [_stream(url, f"long {i}", max_tokens=200, on_chunk=kill_at_five) for i in range(2)]
+    killed = next(r for r in results if r["served_by"] == "us/r0")
+    assert killed["status"] == 200 and killed["done"] and killed["after_done"] == 0
+    assert killed["error"]["code"] == 502 and "mid-stream" in killed["error"]["message"]
+    words = killed["text"].split()
+    assert 5 <= len(words) < 200
+    other = next(r for r in results if r["served_by"] == "us/r1")
+    assert other["done"] and not other["error"] and len(other["text"].split()) == 200
+    # Only the request routed there ran on r1: the killed one was not retried.
+    assert emulator_gauge(b, "vllm:request_success_total") - before_b == 1
+    print(f"\nmid-stream kill: {len(words)} tokens relayed, then one error event and [DONE]")
+
+
+def test_a_hung_replica_times_out_before_the_first_byte_is_retried_and_ejected(procs, tmp_path):
+    """A replica that accepts and then says nothing (Toxiproxy ``timeout`` toxic, timeout 0): the request routed
+    there waits first_byte_timeout_s, is retried on the other replica and succeeds; the hung one is ejected, so the
+    next requests do not wait."""
+    cluster, url, _, _, proxies = _region(
+        procs, tmp_path, replicas=2, policy="round-robin", proxied=(0,),
+        balancer={"probe_interval_ms": 60_000, "stale_after_intervals": 100, "first_byte_timeout_s": 1.0,
+                  "outlier_detection": {"consecutive_gateway_failure": 1}})
+    proxies[0].add_toxic(type="timeout", attributes={"timeout": 0}, name="hang")
+    results = [_stream(url, f"after hang {i}") for i in range(4)]
+    assert all(r["status"] == 200 and r["done"] and r["served_by"] == "us/r1" for r in results)
+    waited = sorted(r["seconds"] for r in results)
+    print(f"\nhung replica: request times {', '.join(f'{s:.3f}' for s in waited)} s (first byte timeout 1 s)")
+    assert 1.0 <= waited[-1] < 3.0  # the one sent to the hung replica: its first byte timeout, then r1
+    assert waited[-2] < 0.9  # the hung replica was ejected: nobody else waited for it
+    assert _counter(url, "skylb_outlier_ejections_total") == 1 and _counter(url, "skylb_retries_total") == 1
+
+
+def test_a_stream_that_hangs_mid_way_ends_after_the_idle_timeout(procs, tmp_path):
+    """A replica that stops sending after its first chunks (the toxic added to the open connection): the stream
+    ends idle_timeout_s later with a well-formed error event and [DONE]; it is not retried."""
+    cluster, url, _, _, proxies = _region(
+        procs, tmp_path, replicas=1, proxied=(0,),
+        balancer={"probe_interval_ms": 60_000, "stale_after_intervals": 100, "idle_timeout_s": 1.0})
+    hung_at = {}
+
+    def hang_at_three(i: int) -> None:
+        if i == 3:
+            proxies[0].add_toxic(type="timeout", attributes={"timeout": 0}, name="hang")
+            hung_at["t"] = time.monotonic()
+
+    result = _stream(url, "idle", max_tokens=200, on_chunk=hang_at_three)
+    ended = time.monotonic() - hung_at["t"]
+    assert result["done"] and result["after_done"] == 0 and "nothing for 1 s" in result["error"]["message"]
+    assert 3 <= len(result["text"].split()) < 200 and 0.8 <= ended < 3.0
+    assert _counter(url, "skylb_retries_total") == 0
+    print(f"\nhung mid-stream: ended {ended:.3f} s after the hang with an error event (idle timeout 1 s)")
