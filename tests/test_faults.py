@@ -193,3 +193,97 @@ def test_a_stream_that_hangs_mid_way_ends_after_the_idle_timeout(procs, tmp_path
     assert 3 <= len(result["text"].split()) < 200 and 0.8 <= ended < 3.0
     assert _counter(url, "skylb_retries_total") == 0
     print(f"\nhung mid-stream: ended {ended:.3f} s after the hang with an error event (idle timeout 1 s)")
+
+
+def _sigterm(proc) -> float:
+    """Send SIGTERM to a started process; returns the monotonic time it was sent."""
+    proc.popen.send_signal(signal.SIGTERM)
+    return time.monotonic()
+
+
+def test_sigterm_fails_readiness_finishes_held_streams_and_exits_0(procs, tmp_path):
+    """SIGTERM during a stream: /healthz answers 503 "draining", a new request gets 503, the running stream
+    completes (every token, [DONE]) and the process exits 0 once it is done, well inside drain_timeout_s."""
+    cluster, url, _, _, _ = _region(procs, tmp_path, replicas=1, balancer={"drain_timeout_s": 30})
+    balancer = procs.procs[-1]
+    sent, result = {}, {}
+
+    def on_chunk(i: int) -> None:
+        if i == 1:
+            sent["t"] = _sigterm(balancer)
+
+    stream = threading.Thread(target=lambda: result.update(_stream(url, "drain me", max_tokens=150,
+                                                                   on_chunk=on_chunk)))
+    stream.start()
+    cluster.wait_until(lambda: "t" in sent, timeout_s=10, what="SIGTERM sent")
+    health = requests.get(f"{url}/healthz", timeout=5)
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    refused = requests.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2},
+                            timeout=5)
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    assert balancer.popen.wait(timeout=40) == 0
+    exited = time.monotonic() - sent["t"]
+    stream.join(timeout=10)
+    assert result["done"] and not result["error"] and len(result["text"].split()) == 150
+    assert exited < 10
+    print(f"\nSIGTERM with a stream in flight: the stream finished and the balancer exited 0 {exited:.3f} s later")
+
+
+def test_sigterm_with_a_hung_upstream_ends_it_after_the_drain_timeout(procs, tmp_path):
+    """SIGTERM while a request waits on a hung replica (no first byte, first_byte_timeout_s far away): after
+    drain_timeout_s the client gets a well-formed 503 in the API's shape and the process exits 0 (it used to take
+    122 s and answer nothing)."""
+    cluster, url, _, _, proxies = _region(procs, tmp_path, replicas=1, proxied=(0,),
+                                          balancer={"drain_timeout_s": 1.0, "probe_interval_ms": 60_000,
+                                                    "stale_after_intervals": 100})
+    balancer = procs.procs[-1]
+    proxies[0].add_toxic(type="timeout", attributes={"timeout": 0}, name="hang")
+    result = {}
+    client = threading.Thread(target=lambda: result.update(_stream(url, "hung", timeout=60)))
+    client.start()
+    cluster.wait_until(lambda: cluster.status("us")["in_flight"] == 1, timeout_s=10, what="request in flight")
+    sent = _sigterm(balancer)
+    assert balancer.popen.wait(timeout=20) == 0
+    exited = time.monotonic() - sent
+    client.join(timeout=10)
+    assert result["status"] == 503 and result["error"]["error"]["type"] == "overloaded_error"
+    assert 1.0 <= exited < 5.0
+    print(f"\nSIGTERM with a hung upstream: client answered 503, exit 0 after {exited:.3f} s (drain_timeout_s 1)")
+
+
+@pytest.mark.parametrize("phase", ["before-first-token", "mid-stream", "not-streamed"])
+def test_a_client_disconnect_cancels_the_upstream_request(procs, tmp_path, phase):
+    """A client that leaves before its first token, mid-stream, or while waiting for a whole (not streamed) answer:
+    the balancer closes the upstream request and the engine's running count drops to 0 (its /metrics), well before
+    the generation would have ended. (Leaving while queued: test_balancer.py.)"""
+    cluster, url, [replica], _, _ = _region(procs, tmp_path, replicas=1, balancer={},
+                                            emulator_args=("--prefill-ms-per-token", "20"))
+    prompt = " ".join(f"word{i}" for i in range(400)) if phase == "before-first-token" else "short"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 500, "ignore_eos": True,
+            "stream": phase != "not-streamed"}
+    if phase == "mid-stream":
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=30) as resp:
+            lines = resp.iter_lines()
+            for _ in range(6):  # bounded: a few chunks, then the client goes away
+                next(lines)
+            assert emulator_gauge(replica, RUNNING) == 1
+        left = time.monotonic()
+    else:
+        outcome = {}
+
+        def impatient() -> None:
+            try:
+                requests.post(f"{url}/v1/completions", json=body, timeout=1.5)
+            except requests.exceptions.ReadTimeout as exc:
+                outcome["timeout"] = exc
+
+        client = threading.Thread(target=impatient)
+        client.start()
+        cluster.wait_until(lambda: emulator_gauge(replica, RUNNING) == 1, timeout_s=1.4, what="engine running 1")
+        client.join(timeout=10)
+        left = time.monotonic()
+        assert "timeout" in outcome
+    cluster.wait_until(lambda: emulator_gauge(replica, RUNNING) == 0, timeout_s=5, what="engine running 0")
+    dropped = time.monotonic() - left
+    assert dropped < 2.0
+    print(f"\nclient left {phase}: the engine's running count was 0 {dropped:.3f} s later")
