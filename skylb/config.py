@@ -188,6 +188,10 @@ class BalancerConfig(_Strict):
     probe_interval_ms: float = Field(100.0, gt=0)
     #: A probe older than this many intervals makes its replica or peer unavailable.
     stale_after_intervals: float = Field(5.0, gt=0)
+    #: A peer's status older than this many intervals plus two round trips to it makes it unavailable (when sooner
+    #: than ``stale_after_intervals``): a partitioned peer, whose status probe hangs, is unavailable within 3
+    #: probe intervals and no request waits on it; 0 uses ``stale_after_intervals`` alone.
+    peer_stale_after_intervals: float = Field(3.0, ge=0)
     probe_timeout_ms: float = Field(1000.0, gt=0)
     #: tau: the largest peer queue length at which the peer is still available (Algorithm 1, line 12).
     tau: int = Field(2, ge=0)

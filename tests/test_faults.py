@@ -287,3 +287,49 @@ def test_a_client_disconnect_cancels_the_upstream_request(procs, tmp_path, phase
     dropped = time.monotonic() - left
     assert dropped < 2.0
     print(f"\nclient left {phase}: the engine's running count was 0 {dropped:.3f} s later")
+
+
+def test_a_partitioned_peer_is_unavailable_within_3_probe_intervals_and_rejoins(procs, tmp_path):
+    """us reaches eu through the latency proxy. A hang on the link (``timeout`` toxic) and then the link disabled:
+    each time us marks eu unavailable within 3 probe intervals, serves its requests without waiting on eu, and
+    takes eu back once the link heals."""
+    interval_s = 0.1
+    cluster = Cluster(procs, tmp_path, balancer={"probe_interval_ms": interval_s * 1000})
+    cluster.start_controller(["us", "eu"])
+    us_replica, eu_replica = cluster.start_emulator(2, *FAST)
+    eu = cluster.start_balancer("eu", ["us", "eu"])
+    _point_toxiproxy_client(cluster.start_toxiproxy())
+    link = Toxiproxy().create(upstream=eu.removeprefix("http://"), name="us-eu", listen=f"127.0.0.1:{free_port()}")
+    us = cluster.start_balancer("us", ["us", "eu"], peer_urls={"eu": f"http://{link.listen}"})
+    cluster.add_replica("us", us_replica, replica_id="us-0")
+    cluster.add_replica("eu", eu_replica, replica_id="eu-0")
+    cluster.wait_replicas_healthy("us", 1)
+
+    def eu_available() -> bool:
+        return any(p["region"] == "eu" and p["available"] for p in cluster.status("us")["peers"])
+
+    def measure(available: bool, what: str) -> float:
+        start = time.monotonic()
+        cluster.wait_until(lambda: eu_available() == available, timeout_s=10, what=what)
+        return time.monotonic() - start
+
+    cluster.wait_until(eu_available, timeout_s=10, what="eu available at us")
+    for fault in ("timeout toxic", "link disabled"):
+        if fault == "timeout toxic":
+            link.add_toxic(type="timeout", attributes={"timeout": 0}, name="partition")
+        else:
+            link.disable()
+        detected = measure(False, f"eu unavailable ({fault})")
+        results = [_stream(us, f"during partition {i}", timeout=10) for i in range(3)]
+        assert all(r["status"] == 200 and r["done"] and r["served_by"] == "us/us-0" for r in results)
+        slowest = max(r["seconds"] for r in results)
+        if fault == "timeout toxic":
+            link.destroy_toxic("partition")
+        else:
+            link.enable()
+        rejoined = measure(True, f"eu available again ({fault})")
+        print(f"\npartition ({fault}): eu unavailable at us after {detected:.3f} s "
+              f"({detected / interval_s:.1f} probe intervals), slowest request meanwhile {slowest:.3f} s, "
+              f"rejoined {rejoined:.3f} s after the link healed")
+        assert detected <= 3 * interval_s + 0.15  # 3 intervals, and the status poll's own latency
+        assert slowest < 1.0 and rejoined < 3.0

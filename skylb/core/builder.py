@@ -47,10 +47,12 @@ def build_policy(settings: RouterSettings) -> Policy:
 
 
 def build_rules(settings: RouterSettings) -> AvailabilityRules:
-    """The availability rules: tau, staleness (``stale_after_intervals`` probe intervals, s) and the dispatch cap."""
-    return AvailabilityRules(tau=settings.tau,
-                             stale_after_s=settings.probe_interval_ms / 1000 * settings.stale_after_intervals,
-                             max_dispatch_per_probe=settings.max_dispatch_per_probe)
+    """The availability rules: tau, staleness (``stale_after_intervals`` probe intervals, s; for peers
+    ``peer_stale_after_intervals`` when sooner) and the dispatch cap."""
+    interval_s = settings.probe_interval_ms / 1000
+    return AvailabilityRules(tau=settings.tau, stale_after_s=interval_s * settings.stale_after_intervals,
+                             max_dispatch_per_probe=settings.max_dispatch_per_probe,
+                             peer_stale_after_s=interval_s * getattr(settings, "peer_stale_after_intervals", 0.0))
 
 
 def build_router(region: str, settings: RouterSettings, *, max_queue: int | None = None) -> Router:
