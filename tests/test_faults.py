@@ -333,3 +333,17 @@ def test_a_partitioned_peer_is_unavailable_within_3_probe_intervals_and_rejoins(
               f"rejoined {rejoined:.3f} s after the link healed")
         assert detected <= 3 * interval_s + 0.15  # 3 intervals, and the status poll's own latency
         assert slowest < 1.0 and rejoined < 3.0
+
+
+def test_with_the_retry_budget_spent_a_failed_request_gets_an_error_not_a_retry(procs, tmp_path):
+    """A zero retry budget: a request whose replica refuses it is not retried; the client gets a 502 in the API's
+    shape and skylb_retry_budget_exhausted counts it."""
+    cluster, url, _, (proc_a, _), _ = _region(
+        procs, tmp_path, replicas=2, policy="round-robin",
+        balancer={"probe_interval_ms": 60_000, "stale_after_intervals": 100,
+                  "retry_policy": {"budget_percent": 0, "min_retry_concurrency": 0}})
+    proc_a.kill()
+    results = [_stream(url, f"no budget {i}") for i in range(2)]  # round robin: one of them goes to r0
+    failed = [r for r in results if r["status"] != 200]
+    assert len(failed) == 1 and failed[0]["status"] == 502 and "retry budget" in failed[0]["error"]["error"]["message"]
+    assert _counter(url, "skylb_retry_budget_exhausted_total") == 1 and _counter(url, "skylb_retries_total") == 0
