@@ -347,3 +347,44 @@ def test_with_the_retry_budget_spent_a_failed_request_gets_an_error_not_a_retry(
     failed = [r for r in results if r["status"] != 200]
     assert len(failed) == 1 and failed[0]["status"] == 502 and "retry budget" in failed[0]["error"]["error"]["message"]
     assert _counter(url, "skylb_retry_budget_exhausted_total") == 1 and _counter(url, "skylb_retries_total") == 0
+
+
+def test_a_request_forwarded_to_a_peer_that_gets_partitioned_is_retried_without_waiting(procs, tmp_path):
+    """A request forwarded to eu (us's only replica is full) is waiting for its first byte when the link hangs:
+    us gives it up as soon as eu's status goes stale (not after first_byte_timeout_s, 30 s here) and serves it on
+    its own replica once that has room."""
+    interval_s = 0.1
+    cluster = Cluster(procs, tmp_path, balancer={"probe_interval_ms": interval_s * 1000, "first_byte_timeout_s": 30})
+    cluster.start_controller(["us", "eu"])
+    [us_replica] = cluster.start_emulator(1, *FAST, "--max-num-seqs", "1", name="emulator-us")
+    [eu_replica] = cluster.start_emulator(1, "--prefill-ms-per-token", "20", name="emulator-eu")
+    eu = cluster.start_balancer("eu", ["us", "eu"])
+    _point_toxiproxy_client(cluster.start_toxiproxy())
+    link = Toxiproxy().create(upstream=eu.removeprefix("http://"), name="us-eu", listen=f"127.0.0.1:{free_port()}")
+    us = cluster.start_balancer("us", ["us", "eu"], peer_urls={"eu": f"http://{link.listen}"})
+    cluster.add_replica("us", us_replica, replica_id="us-0")
+    cluster.add_replica("eu", eu_replica, replica_id="eu-0")
+    cluster.wait_replicas_healthy("us", 1)
+    cluster.wait_until(lambda: any(p["available"] for p in cluster.status("us")["peers"]), what="eu available")
+    busy = [threading.Thread(target=lambda: _stream(us_replica, "fill", max_tokens=100), daemon=True)
+            for _ in range(2)]
+    for t in busy:  # straight to the replica: one runs, one is pending, us has no room for about 2.5 s
+        t.start()
+    cluster.wait_until(lambda: cluster.status("us")["available_replicas"] == 0, what="us full")
+    result = {}
+    client = threading.Thread(target=lambda: result.update(
+        _stream(us, " ".join(f"word{i}" for i in range(400)), timeout=60)))
+    sent = time.monotonic()
+    client.start()
+    cluster.wait_until(lambda: cluster.status("eu")["in_flight"] == 1, timeout_s=5, what="forwarded to eu")
+    link.add_toxic(type="timeout", attributes={"timeout": 0}, name="partition")
+    partitioned = time.monotonic()
+    client.join(timeout=40)
+    link.destroy_toxic("partition")
+    assert result["status"] == 200 and result["done"] and result["served_by"] == "us/us-0"
+    took = time.monotonic() - partitioned
+    assert took < 10
+    print(f"\nforwarded request caught by a partition: served locally {took:.3f} s after the partition "
+          f"({time.monotonic() - sent:.3f} s in all; first_byte_timeout_s 30)")
+    for t in busy:
+        t.join(timeout=10)

@@ -106,7 +106,9 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
             try:
                 outcome = await relay.relay(request, body, decision, request_id=request_id, arrived_at=arrived_at,
                                             retry_allowed=attempt < policy.num_retries, api=api,
-                                            stream=parsed.stream, on_first_byte=first_byte)
+                                            stream=parsed.stream, on_first_byte=first_byte,
+                                            abandon=_peer_gone(balancer, decision),
+                                            check_s=cfg.probe_interval_ms / 1000)
             finally:
                 dispatcher.release(decision)
             _outlier(balancer, decision, outcome.failure)
@@ -134,6 +136,22 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     finally:
         if retrying:
             budget.release()
+
+
+def _peer_gone(balancer: Balancer, decision: Decision):
+    """For a forwarded request: a check that says why its peer is to be given up before the first byte (its status
+    stale or failing: a partition), else None. Local replicas are not given up on a probe: a busy engine may answer
+    its probe late while it works on the request."""
+    if decision.route != "peer":
+        return None
+    router = balancer.router
+
+    def gone() -> str | None:
+        peer = router.peers.get(decision.target)
+        if peer is None:
+            return "left membership"
+        return router.rules.peer_unreachable_reason(peer, balancer.now())
+    return gone
 
 
 def _outlier(balancer: Balancer, decision: Decision, failure: str | None) -> None:

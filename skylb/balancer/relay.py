@@ -96,7 +96,8 @@ class Relay:
 
     async def relay(self, request: web.Request, body: bytes, decision: Decision, *, request_id: str,
                     arrived_at: float, retry_allowed: bool, api: str = "openai", stream: bool = True,
-                    on_first_byte: Callable[[float], None] | None = None) -> RelayOutcome:
+                    on_first_byte: Callable[[float], None] | None = None,
+                    abandon: Callable[[], str | None] | None = None, check_s: float = 0.05) -> RelayOutcome:
         """Send ``body`` to the decision's target at the client's path and relay the answer.
 
         Timeouts (never a total, which would cut long generations): the first byte of a streamed answer
@@ -104,6 +105,9 @@ class Relay:
         ``response_timeout_s``, and each later chunk within ``idle_timeout_s`` of the one before. The client's
         response starts only with the target's first body byte, so a target that sent headers and then hung or died
         is still retried.
+
+        ``abandon()``, checked every ``check_s`` s until the first byte, returns why the target is to be given up
+        (a partitioned peer: its status went stale), so no request waits on it for the whole first-byte timeout.
 
         ``on_first_byte(ttft_s)`` is called when the first streamed byte has been written to the client, so the
         TTFT histogram is current while a long stream is still running (and before the client can see its end).
@@ -122,9 +126,13 @@ class Relay:
 
         upstream_cm = self.session.post(url, data=body, headers=self._upstream_headers(request, decision, request_id))
         upstream: aiohttp.ClientResponse | None = None
+        abandoned: list[str] = []
+        watchdog = None
         try:
             try:
-                async with asyncio.timeout(first_timeout):
+                async with asyncio.timeout(first_timeout) as deadline:
+                    if abandon is not None:
+                        watchdog = asyncio.create_task(_watch(abandon, check_s, deadline, abandoned))
                     upstream = await upstream_cm.__aenter__()
                     if upstream.status in RETRYABLE_STATUSES and retry_allowed:
                         return failed(upstream.status, f"{decision.target} answered {upstream.status}")
@@ -132,9 +140,15 @@ class Relay:
                     streamed = content_type.startswith(_STREAM_TYPES)
                     first = await (upstream.content.readany() if streamed else upstream.read())
             except TimeoutError:
+                if abandoned:
+                    return failed(504, f"{decision.route} {decision.target} given up before its first byte: "
+                                       f"{abandoned[0]}")
                 return failed(504, f"{decision.route} {decision.target} sent no byte within {first_timeout:g} s")
             except (aiohttp.ClientError, OSError) as exc:
                 return failed(502, f"{decision.route} {decision.target} unreachable: {type(exc).__name__}: {exc}")
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
             headers = self._client_headers(upstream, decision, request_id)
             failure = ("gateway" if upstream.status in RETRYABLE_STATUSES else
                        "5xx" if upstream.status >= 500 else None)
@@ -178,6 +192,19 @@ class Relay:
                 if not upstream.content.is_eof():
                     upstream.close()  # aborts the upstream request: the engine frees its slot
                 await upstream_cm.__aexit__(None, None, None)
+
+
+async def _watch(abandon: Callable[[], str | None], every_s: float, deadline: asyncio.Timeout,
+                 reasons: list[str]) -> None:
+    """Until cancelled, check ``abandon()`` every ``every_s`` s; on a reason, record it and end ``deadline`` now."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(every_s)
+        reason = abandon()
+        if reason is not None:
+            reasons.append(reason)
+            deadline.reschedule(loop.time())
+            return
 
 
 def _stream_error_event(content_type: str, message: str) -> bytes:
