@@ -388,3 +388,28 @@ def test_a_request_forwarded_to_a_peer_that_gets_partitioned_is_retried_without_
           f"({time.monotonic() - sent:.3f} s in all; first_byte_timeout_s 30)")
     for t in busy:
         t.join(timeout=10)
+
+
+def test_an_ollama_replica_killed_mid_stream_ends_with_an_error_line(procs, tmp_path):
+    """Ollama's NDJSON stream: SIGKILL of the replica after 5 lines; the client gets those lines, then one
+    ``{"error": ...}`` line, and nothing after (no retry on the other replica)."""
+    cluster = Cluster(procs, tmp_path, balancer={"probe_interval_ms": 60_000, "stale_after_intervals": 100},
+                      controller={"health": {"enabled": False}})
+    cluster.start_controller(["us"])
+    [replica] = cluster.start_emulator(1, "--engine", "ollama", "--model", "llama3.1:8b", *FAST, name="emu-ollama")
+    emulator = procs.procs[-1]
+    cluster.add_replica("us", replica, engine="ollama")
+    url = cluster.start_balancer("us", ["us"])
+    cluster.wait_until(lambda: cluster.status("us")["replicas"][0]["models"], what="models")
+    lines = []
+    with requests.post(f"{url}/api/generate", json={"model": "llama3.1:8b", "prompt": "hello",
+                                                     "options": {"num_predict": 200}}, stream=True, timeout=30) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(json.loads(line))
+                if len(lines) == 5:
+                    emulator.kill()
+    assert all("response" in line and not line["done"] for line in lines[:5])
+    assert "mid-stream" in lines[-1]["error"] and len(lines) < 200
+    assert [i for i, line in enumerate(lines) if "error" in line] == [len(lines) - 1]
+    print(f"\nOllama mid-stream kill: {len(lines) - 1} lines relayed, then one error line")
