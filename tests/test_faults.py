@@ -413,3 +413,32 @@ def test_an_ollama_replica_killed_mid_stream_ends_with_an_error_line(procs, tmp_
     assert "mid-stream" in lines[-1]["error"] and len(lines) < 200
     assert [i for i, line in enumerate(lines) if "error" in line] == [len(lines) - 1]
     print(f"\nOllama mid-stream kill: {len(lines) - 1} lines relayed, then one error line")
+
+
+def test_counters_return_to_zero_when_a_replica_is_removed_and_killed_with_streams_in_flight(procs, tmp_path):
+    """Two streams on r0; r0 is removed from membership, then killed: both streams end with an error event, r0
+    leaves the balancer's view and every counter is 0 (never negative, never stuck)."""
+    cluster, url, _, (proc_a, _), _ = _region(procs, tmp_path, replicas=2, policy="round-robin",
+                                              balancer={"probe_interval_ms": 60_000, "stale_after_intervals": 100})
+    results, started = [], threading.Event()
+
+    def stream(i: int) -> None:
+        results.append(_stream(url, f"long {i}", max_tokens=300, on_chunk=lambda n: n == 3 and started.set()))
+
+    clients = [threading.Thread(target=stream, args=(i,)) for i in range(4)]  # round robin: 2 on r0, 2 on r1
+    for c in clients:
+        c.start()
+    started.wait(timeout=10)
+    cluster.wait_until(lambda: all(r["outstanding"] == 2 for r in cluster.status("us")["replicas"]),
+                       timeout_s=5, what="2 streams per replica")
+    cluster.ctl("replica", "remove", "r0")
+    cluster.wait_until(lambda: [r["draining"] for r in cluster.status("us")["replicas"] if r["id"] == "r0"] == [True],
+                       timeout_s=5, what="r0 draining")
+    proc_a.kill()
+    for c in clients:
+        c.join(timeout=30)
+    on_r0 = [r for r in results if r["served_by"] == "us/r0"]
+    assert len(on_r0) == 2 and all(r["error"] and r["done"] for r in on_r0)
+    cluster.wait_until(lambda: [r["id"] for r in cluster.status("us")["replicas"]] == ["r1"], timeout_s=30,
+                       what="r0 dropped")
+    cluster.assert_counters_return_to_zero()
