@@ -127,20 +127,56 @@ class ControllerConfig(_Strict):
 
 
 class RetryPolicy(_Strict):
-    """Retries before the first byte (Envoy's ``retry_policy``): a request whose target refused it or answered
-    502/503/504 before any byte reached the client is put back at the head of the queue and routed again."""
+    """Retries before the first byte (Envoy's ``retry_policy`` and ``retry_budget``): a request whose target refused
+    it, timed out before its first byte or answered 502/503/504 before any byte reached the client goes back to the
+    head of the queue, after a jittered backoff, and is routed again to another target (never the one that just
+    failed while another is usable). Once a byte reached the client it is never retried (DESIGN.md decision 6)."""
 
-    #: How many times one request is retried (Envoy's ``num_retries``; SkyLB's default 2).
+    #: How many times one request is retried at most (Envoy's ``num_retries``; SkyLB's default 2).
     num_retries: int = Field(2, ge=0)
+    #: Retries running at once may be at most this percentage of the requests this balancer holds (queued and in
+    #: flight) (Envoy's ``retry_budget.budget_percent``: 20).
+    budget_percent: float = Field(20.0, ge=0, le=100)
+    #: ... but never fewer than this many at once (Envoy's ``retry_budget.min_retry_concurrency``: 3).
+    min_retry_concurrency: int = Field(3, ge=0)
+    #: Backoff before retry n: a uniformly random time in [0, min(base x 2^(n-1), max)] ("full jitter"), ms
+    #: (Envoy's ``retry_back_off``: base 25 ms, max 250 ms, i.e. 10 x base).
+    base_interval_ms: float = Field(25.0, ge=0)
+    max_interval_ms: float = Field(250.0, ge=0)
+
+    @model_validator(mode="after")
+    def _max_not_below_base(self) -> "RetryPolicy":
+        if self.max_interval_ms < self.base_interval_ms:
+            raise ValueError("max_interval_ms must be at least base_interval_ms")
+        return self
 
 
 class OutlierDetection(_Strict):
-    """Passive health checking (Envoy's ``outlier_detection``): a target that fails requests is ejected, that is
-    unavailable, until its next probe answer says it is healthy again."""
+    """Passive health checking (Envoy's ``outlier_detection``, with Envoy's names and defaults): a replica or peer
+    that fails requests is ejected (gets no requests) for ``base_ejection_time_s`` x the number of times it was
+    ejected (at most ``max_ejection_time_s``), then returns. The count drops by one for every ``interval_s`` it
+    stays un-ejected. At most ``max_ejection_percent`` of the targets are ejected at once, rounded down but at least
+    one; when fewer than ``healthy_panic_threshold`` percent of the targets are healthy and not ejected (panic),
+    ejection is ignored, so an outage of most targets never leaves every request without one."""
 
-    #: Consecutive gateway failures (refused, 502, 503, 504 before the first byte) that eject a replica or peer
-    #: (Envoy's ``consecutive_gateway_failure``); 1 ejects at the first one, 0 never ejects.
-    consecutive_gateway_failure: int = Field(1, ge=0)
+    #: Consecutive 5xx answers (any status >= 500, gateway failures included) that eject a target (Envoy's
+    #: ``consecutive_5xx``: 5); 0 never ejects on this count.
+    consecutive_5xx: int = Field(5, ge=0)
+    #: Consecutive gateway failures (refused, reset, timed out before the first byte, 502, 503, 504) that eject a
+    #: target (Envoy's ``consecutive_gateway_failure``: 5); 0 never ejects on this count.
+    consecutive_gateway_failure: int = Field(5, ge=0)
+    #: The first ejection's length, s; the n-th lasts n times this (Envoy's ``base_ejection_time``: 30 s).
+    base_ejection_time_s: float = Field(30.0, gt=0)
+    #: The longest ejection, s (Envoy's ``max_ejection_time``: 300 s).
+    max_ejection_time_s: float = Field(300.0, gt=0)
+    #: The ejection count drops by one for each of these spent un-ejected, s (Envoy's ``interval``: 10 s).
+    interval_s: float = Field(10.0, gt=0)
+    #: The most targets (local replicas; peers counted apart) ejected at once, percent, rounded down but at least
+    #: one (Envoy's ``max_ejection_percent``: 10, "at least one host").
+    max_ejection_percent: float = Field(10.0, ge=0, le=100)
+    #: Panic threshold, percent: below this share of healthy, un-ejected targets ejection is ignored (Envoy's
+    #: ``healthy_panic_threshold``: 50); 0 disables panic.
+    healthy_panic_threshold: float = Field(50.0, ge=0, le=100)
 
 
 class BalancerConfig(_Strict):
@@ -160,6 +196,10 @@ class BalancerConfig(_Strict):
     probe_interval_ms: float = Field(100.0, gt=0)
     #: A probe older than this many intervals makes its replica or peer unavailable.
     stale_after_intervals: float = Field(5.0, gt=0)
+    #: A peer's status older than this many intervals plus two round trips to it makes it unavailable (when sooner
+    #: than ``stale_after_intervals``): a partitioned peer, whose status probe hangs, is unavailable within 3
+    #: probe intervals and no request waits on it; 0 uses ``stale_after_intervals`` alone.
+    peer_stale_after_intervals: float = Field(3.0, ge=0)
     probe_timeout_ms: float = Field(1000.0, gt=0)
     #: Seconds between two reads of a replica's model list (a model pulled, loaded or deleted later is seen within
     #: this); the first read is at its first healthy probe.
@@ -175,8 +215,19 @@ class BalancerConfig(_Strict):
     queue_timeout_s: float = Field(600.0, gt=0)
     max_queue: int = Field(10_000, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
-    #: Longest gap between two bytes of a replica's response before the request fails (s).
-    read_timeout_s: float = Field(600.0, gt=0)
+    #: Longest wait from sending a streamed request to a replica or peer until its first byte, s (Envoy's per-try
+    #: timeout, which applies only before a byte went downstream). Past it the attempt fails and, with nothing sent
+    #: to the client yet, the request is retried elsewhere. Not a total: a long generation is never cut by it.
+    first_byte_timeout_s: float = Field(60.0, gt=0)
+    #: The same for a request that is not streamed, whose first byte is its whole answer, s (long generations take
+    #: minutes before any byte: aiohttp's total of 300 s would cut them).
+    response_timeout_s: float = Field(600.0, gt=0)
+    #: Longest gap between two chunks of a response once it started, s (Envoy's ``stream_idle_timeout``); an engine
+    #: that stalls longer ends the stream with a well-formed error event.
+    idle_timeout_s: float = Field(30.0, gt=0)
+    #: On SIGTERM: how long the balancer keeps serving what it holds (queued and in-flight requests) after it stops
+    #: accepting new ones and fails its readiness check, s; what is left after that gets a well-formed error.
+    drain_timeout_s: float = Field(30.0, ge=0)
     #: The controller's base URL, or several (a list, or one string with commas) when controllers share etcd:
     #: the balancer uses one and moves to the next when it does not answer.
     controller_url: str | list[str] | None = None
@@ -212,6 +263,16 @@ class BalancerConfig(_Strict):
     retry_after_s: int = Field(5, ge=1)
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        # read_timeout_s (a gap between two bytes) became idle_timeout_s; old files keep working.
+        if isinstance(data, dict) and "read_timeout_s" in data:
+            data = dict(data)
+            value = data.pop("read_timeout_s")
+            data.setdefault("idle_timeout_s", value)
+        return data
 
     @field_validator("policy")
     @classmethod

@@ -71,6 +71,8 @@ class Cluster:
         self.controller_url: str | None = None
         self.balancers: dict[str, str] = {}
         self.toxiproxy_url: str | None = None
+        if hasattr(procs, "teardown_checks"):  # the procs fixture (tests/conftest.py)
+            procs.teardown_checks.append(self.assert_counters_return_to_zero)
 
     def config(self, regions: list[str]) -> Path:
         """Write the deployment YAML the processes read; returns its path."""
@@ -152,6 +154,26 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
             time.sleep(0.05)
+
+    def assert_counters_return_to_zero(self, timeout_s: float = 10.0) -> None:
+        """Every balancer of this cluster still running gets back to holding nothing within ``timeout_s``: queue
+        length 0, in_flight 0 and every replica's and peer's outstanding count 0 (counters never leak; issue 10).
+        A balancer that no longer answers is skipped. Raises AssertionError with the last status seen."""
+        for region, url in self.balancers.items():
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    status = get_json(f"{url}/skylb/v1/status?format=json", timeout=2.0)
+                except OSError:  # stopped (or never started): nothing to check
+                    break
+                held = {"queue_len": status["queue_len"], "in_flight": status["in_flight"],
+                        **{f"replica {r['id']}": r["outstanding"] for r in status["replicas"]},
+                        **{f"peer {p['region']}": p["outstanding"] for p in status["peers"]}}
+                if not any(held.values()):
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"balancer {region} still holds {held} {timeout_s} s after the test")
+                time.sleep(0.1)
 
     def wait_replicas_healthy(self, region: str, n: int, timeout_s: float = 10.0) -> None:
         """Wait until ``region``'s balancer has probed ``n`` healthy replicas."""

@@ -9,12 +9,24 @@ from tests.procs import ProcGroup
 
 @pytest.fixture
 def procs(tmp_path):
-    """A ProcGroup logging to the test's tmp dir; every process it started is stopped at teardown."""
+    """A ProcGroup logging to the test's tmp dir; every process it started is stopped at teardown.
+
+    Before that, the checks registered in ``group.teardown_checks`` run (a Cluster registers one: the counters of
+    its balancers still running return to zero); the first that fails fails the test at teardown."""
     group = ProcGroup(tmp_path / "logs")
+    group.teardown_checks = []
+    failure = None
     try:
         yield group
     finally:
+        for check in group.teardown_checks:
+            try:
+                check()
+            except AssertionError as exc:
+                failure = failure or exc
         group.stop_all()
+    if failure is not None:
+        raise failure
 
 
 @pytest.fixture(scope="session")

@@ -474,28 +474,6 @@ def test_chunks_double_in_length_and_keep_shared_prefixes_shared():
         PrefixTrie(double_every=-1)
 
 
-@pytest.mark.parametrize("eject_after, failures, ejected_at", [
-    (1, 1, 1),       # today's default: the first gateway failure ejects
-    (3, 3, 3),       # Envoy-style: only the third failure in a row ejects
-    (0, 4, None),    # 0: never eject
-])
-def test_outlier_detection_ejects_after_consecutive_gateway_failures(eject_after, failures, ejected_at):
-    """A target is ejected (unavailable until its next probe) after consecutive_gateway_failure failures in a row;
-    an answer in between resets the run."""
-    router = _router(replicas=1, peers=(), max_dispatch_per_probe=0)
-    router.observe_replica("r0", now=0.0, healthy=True, pending=0)
-    router.enqueue(Request("q", "x", arrived_at=0.0))
-    [d] = router.dispatch(0.01)
-    router.target_failed(d, now=0.02, error="boom", eject_after=eject_after)
-    router.target_answered(d)  # a success resets the run of failures
-    ejected = [router.target_failed(d, now=0.02, error="boom", eject_after=eject_after) for _ in range(failures)]
-    assert (ejected.index(True) + 1 if True in ejected else None) == ejected_at
-    reason = router.rules.replica_unavailable_reason(router.replicas["r0"], 0.03)
-    assert reason == ("boom" if ejected_at else None)
-    router.observe_replica("r0", now=0.1, healthy=True, pending=0)  # the next probe answer returns it
-    assert router.rules.replica_available(router.replicas["r0"], 0.11)
-
-
 def _traced_bytes(build) -> tuple[int, object]:
     """Bytes still allocated (tracemalloc) after ``build()`` returns, and what it returned."""
     import gc

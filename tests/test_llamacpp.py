@@ -341,3 +341,37 @@ def test_local_deployment_on_llama_server_forwards_and_stops_everything(tmp_path
     names = [line.split()[1] for line in (run_dir / "pids").read_text().splitlines()]
     assert sorted(n for n in names if n.startswith("llama-server")) == ["llama-server-eu-0", "llama-server-us-0"]
     assert not [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("streamed", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="llama-server (this build) does not notice a closed connection while it generates a "
+    "non-streamed answer: the same happens with a raw socket straight to it, no balancer involved"))],
+    ids=["mid-stream", "not-streamed"])
+def test_a_client_disconnect_frees_the_llama_server_slot(procs, tmp_path, llama, streamed):
+    """A client that leaves mid-stream, or while waiting for a whole answer, through the balancer: the balancer
+    closes its request to the real llama-server, whose processing count (its /metrics) drops to 0 long before the
+    2000-token generation would have ended."""
+    cluster = Cluster(procs, tmp_path)
+    cluster.start_controller(["us"])
+    [replica] = start_llama_servers(procs, llama, ["llama-us"])
+    url = cluster.start_balancer("us", ["us"])
+    cluster.add_replica("us", replica, engine="llamacpp")
+    cluster.wait_replicas_healthy("us", 1, timeout_s=30)
+    body = {"model": llama["id"], "prompt": "Tell a long story.", "max_tokens": 2000, "ignore_eos": True,
+            "stream": streamed}
+    if streamed:
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as resp:
+            lines = resp.iter_lines()
+            for _ in range(6):  # bounded: a few chunks, then the client goes away
+                next(lines)
+            assert emulator_gauge(replica, PROCESSING) == 1
+    else:
+        client = threading.Thread(target=lambda: pytest.raises(requests.exceptions.ReadTimeout, requests.post,
+                                                               f"{url}/v1/completions", json=body, timeout=3))
+        client.start()
+        cluster.wait_until(lambda: emulator_gauge(replica, PROCESSING) == 1, timeout_s=3, what="processing")
+        client.join(timeout=10)
+    left = time.monotonic()
+    cluster.wait_until(lambda: emulator_gauge(replica, PROCESSING) == 0, timeout_s=10, what="slot freed")
+    print(f"\nllama-server, client left {'mid-stream' if streamed else 'a non-streamed request'}: processing 0 "
+          f"{time.monotonic() - left:.3f} s later")

@@ -18,10 +18,14 @@ from skylb.balancer.membership import MembershipWatcher
 from skylb.balancer.metrics import BalancerMetrics
 from skylb.balancer.probers import Probers
 from skylb.balancer.relay import Relay
+from skylb.balancer.retry import RetryBudget
 from skylb.config import BalancerConfig
 from skylb.core import Decision, build_router
 
-__all__ = ["Balancer"]
+__all__ = ["Balancer", "DRAIN_END_S"]
+
+#: The most a drain waits, after its timeout, for the requests it ended to write their error (s).
+DRAIN_END_S = 5.0
 
 
 class Balancer:
@@ -44,6 +48,7 @@ class Balancer:
         self.metrics = BalancerMetrics(self.router, now=self.now, controller_reachable=self.controller_reachable)
         self.dispatcher = Dispatcher(self.router, now=self.now, queue_timeout_s=cfg.queue_timeout_s,
                                      tick_s=cfg.dispatch_tick_ms / 1000, on_routed=self._count_routed)
+        self.retry_budget = RetryBudget(cfg.retry_policy)
         self.session: aiohttp.ClientSession | None = None
         self.relay: Relay | None = None
         self.membership: MembershipWatcher | None = None
@@ -51,6 +56,10 @@ class Balancer:
         self.served_epochs: dict[str, int] = {region: 0}
         #: True while the operator drains this region's balancers (`skylb-ctl balancer drain`).
         self.draining = False
+        #: True from SIGTERM on: /healthz answers 503 "draining", new requests get 503 (skylb/balancer/process.py).
+        self.shutting_down = False
+        #: Generation requests whose handler is running (queued, relaying, or backing off before a retry).
+        self.active_requests = 0
         self._forwarded_at: deque[float] = deque(maxlen=10_000)
         #: {(api, model): (last seen on a local replica, last seen locally or on a peer)}, balancer clock (s).
         self._models_seen: dict[tuple[str, str], tuple[float | None, float]] = {}
@@ -78,13 +87,16 @@ class Balancer:
     async def start(self) -> None:
         """Open the upstream session, load membership, start the dispatcher, probers and controller watch."""
         cfg = self.cfg
-        timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s)
-        # auto_decompress (aiohttp's default): a replica that compresses although asked for identity (relay.py)
-        # still reaches clients, probes and /api/show as plain bytes (its Content-Encoding is not relayed).
+        # No total and no socket-read timeout: the relay times each phase itself (first byte, then idle between
+        # chunks), so a long generation is never cut; every other call here sets its own timeout. auto_decompress
+        # (aiohttp's default): a replica that compresses although asked for identity (relay.py) still reaches
+        # clients, probes and /api/show as plain bytes (its Content-Encoding is not relayed).
+        timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
         self.relay = Relay(self.session, region=self.region, peer_token=cfg.peer_token,
                            session_header=cfg.session_header, forward_client_auth=not self.client_keys,
-                           replica_api_key=cfg.replica_api_key)
+                           replica_api_key=cfg.replica_api_key, first_byte_timeout_s=cfg.first_byte_timeout_s,
+                           response_timeout_s=cfg.response_timeout_s, idle_timeout_s=cfg.idle_timeout_s)
         self.membership = MembershipWatcher(
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
             state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
@@ -98,6 +110,24 @@ class Balancer:
                           interval_s=cfg.probe_interval_ms / 1000, timeout_s=cfg.probe_timeout_ms / 1000,
                           peer_token=cfg.peer_token, models_refresh_s=cfg.models_refresh_s)
         self._tasks = [asyncio.create_task(self.dispatcher.run()), *probers.tasks()]
+
+    async def drain(self, timeout_s: float) -> float:
+        """Shut down gracefully: fail readiness and refuse new requests, serve what is held (queued requests are
+        still routed) for up to ``timeout_s`` s, then end the rest: queued ones get 503, upstream calls are closed so
+        their streams end with a well-formed error event. Returns the seconds it took."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self.shutting_down = True
+        while self.active_requests and loop.time() - started < timeout_s:
+            await asyncio.sleep(0.02)
+        if self.active_requests:
+            self.dispatcher.close("balancer shutting down")
+            if self.session:
+                await self.session.close()  # every upstream read fails now: the relay ends its stream with an error
+            deadline = loop.time() + DRAIN_END_S  # bounded: writing the error events takes milliseconds
+            while self.active_requests and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+        return loop.time() - started
 
     async def stop(self) -> None:
         """Stop every loop, fail queued requests with QueueTimeout, close the session."""

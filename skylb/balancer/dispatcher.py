@@ -38,6 +38,8 @@ class Dispatcher:
         self.on_routed = on_routed
         self._waiting: dict[str, asyncio.Future] = {}
         self._wake = asyncio.Event()
+        #: Set by ``close``: why no request is queued any more (the balancer is stopping).
+        self.closed: str | None = None
 
     def wake(self) -> None:
         """Something changed (membership, a probe answer, a finished request): run the loop soon."""
@@ -50,6 +52,8 @@ class Dispatcher:
         QueueTimeout; if the waiting task is cancelled (client gone) the request leaves the queue, or, if it was
         already placed, its decision is released.
         """
+        if self.closed is not None:
+            raise QueueTimeout(self.closed)
         fut = asyncio.get_running_loop().create_future()
         if retry:
             self.router.requeue(request)
@@ -101,6 +105,12 @@ class Dispatcher:
 
     def fail_waiting(self, reason: str) -> None:
         """Fail every waiting request with QueueTimeout(``reason``) (the balancer is stopping)."""
-        for fut in self._waiting.values():
+        for request_id, fut in list(self._waiting.items()):
             if not fut.done():
+                self.router.cancel(request_id)
                 fut.set_exception(QueueTimeout(reason))
+
+    def close(self, reason: str) -> None:
+        """Fail every waiting request and every later ``acquire`` with QueueTimeout(``reason``) (end of a drain)."""
+        self.closed = reason
+        self.fail_waiting(reason)

@@ -55,7 +55,7 @@ class _StateCollector:
         peers = GaugeMetricFamily("skylb_peer_available", "1 when the peer balancer may take forwarded requests.",
                                   labels=["region", "peer", "reason"])
         for p in router.peers.values():
-            reason = router.rules.peer_unavailable_reason(p, now)
+            reason = router.peer_unavailable_reason(p, now)
             peers.add_metric([region, p.region, reason or ""], 0 if reason else 1)
         yield peers
         ctl = GaugeMetricFamily("skylb_controller_reachable",
@@ -90,8 +90,11 @@ class BalancerMetrics:
                                 "by reason and HTTP status.", ["region", "reason", "status"], registry=self.registry)
         self.retries = Counter("skylb_retries", "Requests re-queued after a target failed before the first byte.",
                                ["region"], registry=self.registry)
+        self.retry_budget_exhausted = Counter("skylb_retry_budget_exhausted", "Requests that failed before the "
+                                              "first byte and were not retried because the retry budget was spent.",
+                                              ["region"], registry=self.registry)
         self.ejections = Counter("skylb_outlier_ejections", "Targets ejected by outlier detection (consecutive "
-                                 "gateway failures), by route (local or peer) and target.",
+                                 "5xx or gateway failures), by route (local or peer) and target.",
                                  ["region", "route", "target"], registry=self.registry)
 
     def render(self) -> bytes:

@@ -1,15 +1,17 @@
 """The request pipeline: parse, admit, acquire a routing decision, relay, retry before the first byte, and one
 canonical log line per request.
 
-Retries and outlier detection use Envoy's names (``retry_policy.num_retries``,
-``outlier_detection.consecutive_gateway_failure``; shared/reference/reliability.md): a target that fails before
-the first byte (refused, 502/503/504) counts a gateway failure, is ejected (unavailable until its next probe
-answer) after that many in a row, and the request goes back to the head of the queue while it has retries left.
-Once a byte reached the client the request is never retried (DESIGN.md decision 6).
+Retries and outlier detection use Envoy's names (``retry_policy``, ``outlier_detection``; shared/reference/
+reliability.md): a target that fails before the first byte (refused, reset, timed out, 502/503/504) counts a
+gateway failure (skylb/core/outlier.py ejects it after enough in a row), and the request, after a jittered backoff,
+goes back to the head of the queue to be routed to another target, while it has retries left (``num_retries``) and
+the retry budget allows (skylb/balancer/retry.py). Once a byte reached the client the request is never retried
+(DESIGN.md decision 6).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -19,6 +21,7 @@ from aiohttp import web
 from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_openai
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
+from skylb.balancer.retry import backoff_s
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
                                      REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
 from skylb.balancer.status import BALANCER
@@ -38,8 +41,22 @@ log = structlog.get_logger("skylb.request")
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
-    """Queue, route and relay one generation or embedding request (OpenAI ``/v1/*`` or Ollama ``/api/*``)."""
+    """Queue, route and relay one generation or embedding request (OpenAI ``/v1/*`` or Ollama ``/api/*``); 503 once
+    the balancer is shutting down."""
     balancer = request.app[BALANCER]
+    if balancer.shutting_down:
+        api = "ollama" if request.path.startswith("/api/") else "openai"
+        response = error_response(api, 503, "balancer is shutting down; retry on another", type_="overloaded_error")
+        response.headers["Connection"] = "close"
+        return response
+    balancer.active_requests += 1
+    try:
+        return await _generate(request, balancer)
+    finally:
+        balancer.active_requests -= 1
+
+
+async def _generate(request: web.Request, balancer: Balancer) -> web.StreamResponse:
     cfg = balancer.cfg
     arrived_at = balancer.now()
     started = time.time()
@@ -89,50 +106,88 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     routed = Request(id=request_id, text=parsed.text, arrived_at=arrived_at, model=parsed.model,
                      session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s)
     dispatcher, relay, metrics = balancer.dispatcher, balancer.relay, balancer.metrics
+    budget, policy = balancer.retry_budget, cfg.retry_policy
     attempt = 0
-    while True:
-        try:
-            decision = await dispatcher.acquire(routed, retry=attempt > 0)
-        except QueueFull as exc:
-            return reject(503, f"{exc}; retry later", "queue_full", model=parsed.model, type_="overloaded_error",
-                          retry_after=True)
-        except QueueTimeout as exc:
-            return reject(503, str(exc), "queue_timeout", model=parsed.model, type_="overloaded_error",
-                          retry_after=True)
-        ttft_histogram = metrics.ttft.labels(balancer.region, decision.route)
+    retrying = False  # holds a place in the retry budget
+    try:
+        while True:
+            try:
+                decision = await dispatcher.acquire(routed, retry=attempt > 0)
+            except QueueFull as exc:
+                return reject(503, f"{exc}; retry later", "queue_full", model=parsed.model,
+                              type_="overloaded_error", retry_after=True)
+            except QueueTimeout as exc:
+                return reject(503, str(exc), "queue_timeout", model=parsed.model, type_="overloaded_error",
+                              retry_after=True)
+            ttft_histogram = metrics.ttft.labels(balancer.region, decision.route)
 
-        def first_byte(ttft_s: float, decision: Decision = decision) -> None:
-            ttft_histogram.observe(ttft_s)
-            router.first_token(decision)  # its prompt left the replica's prefill backlog
-            dispatcher.wake()
+            def first_byte(ttft_s: float, decision: Decision = decision) -> None:
+                ttft_histogram.observe(ttft_s)
+                router.first_token(decision)  # its prompt left the replica's prefill backlog
+                dispatcher.wake()
 
-        try:
-            outcome = await relay.relay(request, body, decision, request_id=request_id, arrived_at=arrived_at,
-                                        retry_allowed=attempt < cfg.retry_policy.num_retries, api=api,
-                                        on_first_byte=first_byte, client_request_id=client_id)
-        finally:
-            dispatcher.release(decision)
-        if outcome.response is None:  # failed before any byte reached the client: count it and re-queue
-            attempt += 1
-            metrics.retries.labels(balancer.region).inc()
-            _gateway_failure(balancer, decision, outcome.error)
-            log.warning("retrying", id=request_id, region=balancer.region, route=decision.route,
-                        target=decision.target, error=outcome.error, attempt=attempt)
-            continue
-        if outcome.target_failed:  # garbage, a truncated stream, unreachable on the last try
-            _gateway_failure(balancer, decision, outcome.error)
-        else:
-            router.target_answered(decision)
-        return finish_request(balancer, outcome.response, request_id, parsed.model, started, decision=decision,
-                              ttft_s=outcome.ttft_s, error=outcome.error, status=outcome.status,
-                              client_id=client_id)
+            try:
+                outcome = await relay.relay(request, body, decision, request_id=request_id, arrived_at=arrived_at,
+                                            retry_allowed=attempt < policy.num_retries, api=api,
+                                            stream=parsed.stream, on_first_byte=first_byte,
+                                            client_request_id=client_id, abandon=_peer_gone(balancer, decision),
+                                            check_s=cfg.probe_interval_ms / 1000)
+            finally:
+                dispatcher.release(decision)
+            _outlier(balancer, decision, outcome.failure)
+            if retrying:
+                budget.release()
+                retrying = False
+            if outcome.response is None:  # failed before any byte reached the client
+                if not budget.try_acquire(balancer.in_flight()):
+                    metrics.retry_budget_exhausted.labels(balancer.region).inc()
+                    error = f"{outcome.error}; not retried: retry budget exhausted"
+                    return finish_request(balancer, error_response(api, outcome.status, error), request_id,
+                                          parsed.model, started, decision=decision, error=error,
+                                          status=outcome.status, client_id=client_id)
+                retrying = True
+                attempt += 1
+                metrics.retries.labels(balancer.region).inc()
+                routed.avoid = routed.avoid | {(decision.route, decision.target)}
+                delay = backoff_s(policy, attempt)
+                log.warning("retrying", id=request_id, region=balancer.region, route=decision.route,
+                            target=decision.target, error=outcome.error, attempt=attempt,
+                            backoff_ms=round(delay * 1000, 1))
+                await asyncio.sleep(delay)
+                continue
+            return finish_request(balancer, outcome.response, request_id, parsed.model, started,
+                                  decision=decision, ttft_s=outcome.ttft_s, error=outcome.error,
+                                  status=outcome.status, client_id=client_id)
+    finally:
+        if retrying:
+            budget.release()
 
 
-def _gateway_failure(balancer: Balancer, decision: Decision, error: str | None) -> None:
-    """Outlier detection: count the failure and eject the target after enough in a row."""
-    if balancer.router.target_failed(decision, now=balancer.now(), error=error,
-                                     eject_after=balancer.cfg.outlier_detection.consecutive_gateway_failure):
+def _peer_gone(balancer: Balancer, decision: Decision):
+    """For a forwarded request: a check that says why its peer is to be given up before the first byte (its status
+    stale or failing: a partition), else None. Local replicas are not given up on a probe: a busy engine may answer
+    its probe late while it works on the request."""
+    if decision.route != "peer":
+        return None
+    router = balancer.router
+
+    def gone() -> str | None:
+        peer = router.peers.get(decision.target)
+        if peer is None:
+            return "left membership"
+        return router.rules.peer_unreachable_reason(peer, balancer.now())
+    return gone
+
+
+def _outlier(balancer: Balancer, decision: Decision, failure: str | None) -> None:
+    """Outlier detection: count a failure (ejecting the target after enough in a row) or an answer."""
+    router = balancer.router
+    if failure is None:
+        router.target_answered(decision)
+    elif router.target_failed(decision, now=balancer.now(), gateway=failure == "gateway"):
         balancer.metrics.ejections.labels(balancer.region, decision.route, decision.target).inc()
+        log.warning("ejected", region=balancer.region, route=decision.route, target=decision.target,
+                    failure=failure)
 
 
 def api_of(path: str) -> str:

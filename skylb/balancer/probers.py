@@ -3,7 +3,9 @@
 Source: SkyLB paper Algorithm 1 MONITORAVAILABILITY (probe every local replica and every peer each interval; the
 prototype probes every 100 ms). Answers go into the router (``observe_replica`` / ``observe_peer``); after each
 round the dispatcher is woken, since a target may have become available. A prober never dies: a round that raises
-is logged and the next one runs.
+is logged and the next one runs. A round waits for its probes at most one interval: a target that hangs (a
+partitioned peer) keeps its own probe running, bounded by the probe timeout, and gets no second one meanwhile, but
+never delays the next round of the others; its status simply ages until the availability rules call it stale.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class Probers:
         self.models_refresh_s = models_refresh_s
         #: replica id -> when its model list was last read (s, balancer clock); only replicas still known.
         self._models_read_at: dict[str, float] = {}
+        #: The probe in flight per target, ("replica", id) or ("peer", region).
+        self._probing: dict[tuple[str, str], asyncio.Task] = {}
 
     def tasks(self) -> list[asyncio.Task]:
         """Start both loops; the caller cancels the tasks to stop them."""
@@ -54,20 +58,44 @@ class Probers:
                 asyncio.create_task(self._every_interval(self.probe_peers))]
 
     async def _every_interval(self, probe_all: Callable[[], Awaitable[None]]) -> None:
-        while True:
-            started = self.now()
-            try:
-                await probe_all()
-            except Exception:  # a prober must never die: log and keep probing
-                log.exception("probe_round_failed", region=self.router.region)
-            self.on_round()
-            await asyncio.sleep(max(0.0, self.interval_s - (self.now() - started)))
+        try:
+            while True:
+                started = self.now()
+                try:
+                    await probe_all()
+                except Exception:  # a prober must never die: log and keep probing
+                    log.exception("probe_round_failed", region=self.router.region)
+                self.on_round()
+                await asyncio.sleep(max(0.0, self.interval_s - (self.now() - started)))
+        finally:
+            for task in self._probing.values():
+                task.cancel()
+
+    async def _round(self, probes: list[tuple[tuple[str, str], Callable[[], Awaitable[None]]]]) -> None:
+        """Start a probe for every target without one in flight; wait for them at most one interval."""
+        running = []
+        for key, start in probes:
+            task = self._probing.get(key)
+            if task is None or task.done():
+                task = asyncio.create_task(start())
+                task.add_done_callback(self._log_failure)
+                self._probing[key] = task
+            running.append(task)
+        if running:
+            await asyncio.wait(running, timeout=self.interval_s)
+        for key in [k for k, t in self._probing.items() if t.done()]:
+            del self._probing[key]
+
+    def _log_failure(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("probe_failed", region=self.router.region, exc_info=task.exception())
 
     async def probe_replicas(self) -> None:
         """One round over the local replicas: load signal, health, and (every ``models_refresh_s``) the models."""
         for gone in set(self._models_read_at) - set(self.router.replicas):
             del self._models_read_at[gone]
-        await asyncio.gather(*(self._probe_replica(r) for r in list(self.router.replicas.values())))
+        await self._round([(("replica", r.id), lambda r=r: self._probe_replica(r))
+                           for r in list(self.router.replicas.values())])
 
     async def _probe_replica(self, state: ReplicaState) -> None:
         try:
@@ -97,7 +125,8 @@ class Probers:
 
     async def probe_peers(self) -> None:
         """One round over the peers: each one's msgpack status, or why it could not be read."""
-        await asyncio.gather(*(self._probe_peer(p) for p in list(self.router.peers.values())))
+        await self._round([(("peer", p.region), lambda p=p: self._probe_peer(p))
+                           for p in list(self.router.peers.values())])
 
     async def _probe_peer(self, peer: PeerState) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)

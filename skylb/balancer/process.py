@@ -39,7 +39,18 @@ from skylb.config import BalancerConfig, ConfigError, load_config
 from skylb.core import policy_names
 from skylb.logs import configure_logging
 
-__all__ = ["build_app", "add_arguments", "main", "BALANCER", "PEER_TOKEN_ENV", "REPLICA_API_KEY_ENV"]
+__all__ = ["build_app", "add_arguments", "main", "BALANCER", "PEER_TOKEN_ENV", "REPLICA_API_KEY_ENV",
+           "stop_time_bound_s"]
+
+#: After the drain: aiohttp's wait for connections still open (idle keep-alive ones; the requests are done).
+SHUTDOWN_TIMEOUT_S = 2.0
+
+
+def stop_time_bound_s(cfg: BalancerConfig) -> float:
+    """The longest a balancer takes to exit after SIGTERM, s: the drain, the bounded end of what is left
+    (skylb.balancer.balancer.DRAIN_END_S), aiohttp's shutdown. A supervisor's stop timeout must be longer."""
+    from skylb.balancer.balancer import DRAIN_END_S
+    return cfg.drain_timeout_s + DRAIN_END_S + SHUTDOWN_TIMEOUT_S
 
 #: Environment variable with the peer token (overrides ``balancer.peer_token``), so the secret can live outside the
 #: config file: a systemd EnvironmentFile, a Kubernetes Secret. `skylb-ctl status` reads the same variable.
@@ -199,7 +210,8 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_ke
     app = build_app(cfg, region=region, advertise_url=advertise_url, api_keys=api_keys)
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request leaves the queue
     # and an upstream request is aborted (aiohttp's default keeps running it; reliability.md).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # shutdown_timeout: the drain below already waited for the requests held; what is left is idle connections.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()
@@ -212,5 +224,11 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_ke
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    # Drain (Envoy's word): /healthz answers 503 and new requests get 503 (still listening, so that load balancers
+    # and the controller see it draining rather than a refused connection), what is held is served, then stop.
+    balancer = app[BALANCER]
+    took = await balancer.drain(cfg.drain_timeout_s)
+    structlog.get_logger("skylb.balancer").info("balancer_drained", region=region, drain_s=round(took, 3),
+                                                left=balancer.active_requests)
     await runner.cleanup()
     return 0

@@ -3,7 +3,9 @@
 Rules (DESIGN.md decision 6, shared/reference/reliability.md): a request is retried only before its first byte went
 to the client; once streaming has started, a failing upstream ends the stream with a well-formed error event instead
 of a retry (no spliced, duplicated generation). Closing the upstream response when the client leaves aborts the
-upstream request, so the engine frees the slot.
+upstream request, so the engine frees the slot. Timeouts are per phase (first byte, then idle between chunks),
+never a total that would cut a long generation (reliability.md). Streams are relayed whole event by whole event
+(framing.py), so an error event is never spliced into half an event, and garbage is caught.
 """
 
 from __future__ import annotations
@@ -43,31 +45,42 @@ class RelayOutcome:
         response: the response sent to the client, or None when the attempt failed before any byte went out
             (the caller may retry). status: the HTTP status sent (or the upstream's, when retryable).
         ttft_s: time from arrival to the first streamed byte relayed, s (None when not streamed).
-        error: what went wrong, if anything. target_failed: the target is to blame (see below).
+        error: what went wrong, if anything.
+        failure: for outlier detection: "gateway" (refused, reset, timed out before the first byte, 502/503/504,
+            garbage, died or was cut mid-stream), "5xx" (another status >= 500 from the target), None (the target
+            answered).
     """
 
     response: web.StreamResponse | None
     status: int
     ttft_s: float | None = None
     error: str | None = None
-    #: True when the target misbehaved although a response was sent (garbage, truncated stream): counted as a
-    #: gateway failure by outlier detection, like a failure before the first byte.
-    target_failed: bool = False
+    failure: str | None = None
+
+
+def _failure_of(status: int) -> str | None:
+    """Outlier detection's name for an answer with HTTP ``status``."""
+    return "gateway" if status in RETRYABLE_STATUSES else "5xx" if status >= 500 else None
 
 
 class Relay:
-    """Sends requests to targets over one shared aiohttp session.
+    """Relays requests to replicas and peers over one aiohttp session.
 
     Args:
         session: the upstream client session; region: this balancer's region; peer_token: sent to peers;
         session_header: the configured session-key header name (passed through); forward_client_auth: pass the
         client's Authorization on (False when it holds a SkyLB client key, which is no replica's business);
-        replica_api_key: sent to local replicas as ``Authorization: Bearer`` instead (README, "Security").
+        replica_api_key: sent to local replicas as ``Authorization: Bearer`` instead (README, "Security");
+        first_byte_timeout_s, response_timeout_s, idle_timeout_s: see ``relay`` (s).
     """
 
     def __init__(self, session: aiohttp.ClientSession, *, region: str, peer_token: str | None,
-                 session_header: str, forward_client_auth: bool = True, replica_api_key: str | None = None):
+                 session_header: str, forward_client_auth: bool = True, replica_api_key: str | None = None,
+                 first_byte_timeout_s: float = 60.0, response_timeout_s: float = 600.0, idle_timeout_s: float = 30.0):
         self.session = session
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.response_timeout_s = response_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self.region = region
         self.peer_token = peer_token
         self.replica_api_key = replica_api_key
@@ -104,53 +117,89 @@ class Relay:
         return headers
 
     async def relay(self, request: web.Request, body: bytes, decision: Decision, *, request_id: str,
-                    arrived_at: float, retry_allowed: bool, api: str = "openai",
-                    on_first_byte: Callable[[float], None] | None = None,
-                    client_request_id: str | None = None) -> RelayOutcome:
+                    arrived_at: float, retry_allowed: bool, api: str = "openai", stream: bool = True,
+                    on_first_byte: Callable[[float], None] | None = None, client_request_id: str | None = None,
+                    abandon: Callable[[], str | None] | None = None, check_s: float = 0.05) -> RelayOutcome:
         """Send ``body`` to the decision's target at the client's path and relay the answer.
 
         ``request_id`` is the balancer's own id (sent upstream as X-Request-Id, to the client as
         X-SkyLB-Request-Id); ``client_request_id``, the client's X-Request-Id label, is echoed back to the client.
+
+        Timeouts (never a total, which would cut long generations): the first whole event of a streamed answer
+        (``stream``) must come within ``first_byte_timeout_s``, a whole answer that is not streamed within
+        ``response_timeout_s``, and each later chunk within ``idle_timeout_s`` of the one before. The client's
+        response starts only with the target's first whole event, so a target that sent headers and then hung,
+        died or sent garbage is still retried.
+
+        ``abandon()``, checked every ``check_s`` s until the first byte, returns why the target is to be given up
+        (a partitioned peer: its status went stale), so no request waits on it for the whole first-byte timeout.
 
         ``on_first_byte(ttft_s)`` is called when the first streamed byte has been written to the client, so the
         TTFT histogram is current while a long stream is still running (and before the client can see its end).
 
         Returns RelayOutcome(response=None, ...) when the target failed before any byte went to the client and
         ``retry_allowed``; otherwise the response already sent (an error in the API's shape if the target failed).
+        If the client goes away (the handler is cancelled) the upstream request is closed, so the engine stops.
         """
         url = decision.url + request.rel_url.path_qs
+        first_timeout = self.first_byte_timeout_s if stream else self.response_timeout_s
+
+        def failed(status: int, error: str) -> RelayOutcome:
+            response = None if retry_allowed else error_response(api, status, error)
+            return RelayOutcome(response, status, error=error, failure="gateway")
+
+        upstream_cm = self.session.post(url, data=body, headers=self._upstream_headers(request, decision, request_id))
+        upstream: aiohttp.ClientResponse | None = None
+        abandoned: list[str] = []
+        watchdog = None
+        framer: StreamFramer | None = None
+        first = data = b""
+        eof = False
         try:
-            upstream_cm = self.session.post(url, data=body,
-                                            headers=self._upstream_headers(request, decision, request_id))
-            upstream = await upstream_cm.__aenter__()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            error = f"{decision.route} {decision.target} unreachable: {type(exc).__name__}: {exc}"
-            if retry_allowed:
-                return RelayOutcome(None, 502, error=error)
-            return RelayOutcome(error_response(api, 502, error), 502, error=error, target_failed=True)
-        try:
-            if upstream.status in RETRYABLE_STATUSES and retry_allowed:
-                return RelayOutcome(None, upstream.status, error=f"{decision.target} answered {upstream.status}")
+            try:
+                async with asyncio.timeout(first_timeout) as deadline:
+                    if abandon is not None:
+                        watchdog = asyncio.create_task(_watch(abandon, check_s, deadline, abandoned))
+                    upstream = await upstream_cm.__aenter__()
+                    if upstream.status in RETRYABLE_STATUSES and retry_allowed:
+                        return failed(upstream.status, f"{decision.target} answered {upstream.status}")
+                    kind = stream_kind(upstream.headers.get("Content-Type", ""))
+                    if kind is None:
+                        data = await upstream.read()
+                    else:
+                        framer = StreamFramer(kind)
+                        while not first and not eof:  # the client's first byte is the target's first whole event
+                            chunk = await upstream.content.readany()
+                            if chunk:
+                                first = framer.feed(chunk)
+                            else:
+                                eof, first = True, framer.finish()
+            except TimeoutError:
+                if abandoned:
+                    return failed(504, f"{decision.route} {decision.target} given up before its first byte: "
+                                       f"{abandoned[0]}")
+                return failed(504, f"{decision.route} {decision.target} sent no byte within {first_timeout:g} s")
+            except FramingError as exc:
+                return failed(502, f"{decision.target} sent a malformed stream: {exc}")
+            except (aiohttp.ClientError, OSError) as exc:
+                return failed(502, f"{decision.route} {decision.target} unreachable: {type(exc).__name__}: {exc}")
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
             headers = self._client_headers(upstream, decision, request_id)
             if client_request_id is not None:
                 headers[REQUEST_ID_HEADER] = client_request_id
-            content_type = upstream.headers.get("Content-Type", "")
-            kind = stream_kind(content_type)
-            if kind is None:
-                try:
-                    data = await upstream.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    error = f"{decision.target} failed before answering: {type(exc).__name__}"
-                    if retry_allowed:
-                        return RelayOutcome(None, 502, error=error)
-                    return RelayOutcome(error_response(api, 502, error), 502, error=error, target_failed=True)
+            if framer is None:
                 return self._checked_body(upstream.status, data, headers, decision, api, retry_allowed)
-            return await self._relay_stream(request, upstream, kind, headers, decision, api=api,
-                                            arrived_at=arrived_at, retry_allowed=retry_allowed,
-                                            on_first_byte=on_first_byte)
+            if not first:  # the stream ended before its first event: nothing was generated
+                return failed(502, f"{decision.target} sent an empty stream")
+            return await self._relay_stream(request, upstream, framer, first, eof, headers, decision,
+                                            arrived_at=arrived_at, on_first_byte=on_first_byte)
         finally:
-            await upstream_cm.__aexit__(None, None, None)
-
+            if upstream is not None:
+                if not upstream.content.is_eof():
+                    upstream.close()  # aborts the upstream request: the engine frees its slot
+                await upstream_cm.__aexit__(None, None, None)
 
     def _checked_body(self, status: int, data: bytes, headers: dict, decision: Decision, api: str,
                       retry_allowed: bool) -> RelayOutcome:
@@ -167,57 +216,72 @@ class Relay:
             snippet = data[:200].decode("utf-8", "replace")
             if status < 400:
                 error = f"{decision.target} answered HTTP {status} with a body that is not JSON: {snippet!r}"
-                if retry_allowed:
-                    return RelayOutcome(None, 502, error=error)
-                return RelayOutcome(error_response(api, 502, error), 502, error=error, target_failed=True)
+                response = None if retry_allowed else error_response(api, 502, error)
+                return RelayOutcome(response, 502, error=error, failure="gateway")
             error = f"{decision.target} answered HTTP {status}: {snippet}"
-            return RelayOutcome(error_response(api, status, error), status, error=error)
+            return RelayOutcome(error_response(api, status, error), status, error=error, failure=_failure_of(status))
         headers["Content-Type"] = "application/json"
-        return RelayOutcome(web.Response(status=status, body=data, headers=headers), status)
+        return RelayOutcome(web.Response(status=status, body=data, headers=headers), status,
+                            failure=_failure_of(status))
 
-    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, kind: str, headers: dict,
-                            decision: Decision, *, api: str, arrived_at: float, retry_allowed: bool,
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, framer: StreamFramer,
+                            first: bytes, eof: bool, headers: dict, decision: Decision, *, arrived_at: float,
                             on_first_byte: Callable[[float], None] | None) -> RelayOutcome:
-        """Relay an SSE / NDJSON answer whole event by whole event (framing.py). Garbage before the first event is
-        a failure before the first byte (retried when allowed); after it, and on a cut or truncated stream, the
-        stream ends with a well-formed error event and the target is counted as failed."""
+        """Relay an SSE / NDJSON answer from its ``first`` whole event on, event by event; each chunk must come
+        within ``idle_timeout_s``. A stall, a cut, a truncated or malformed stream ends the client's stream with a
+        well-formed error event (never a retry) and counts as the target's gateway failure."""
         loop = asyncio.get_running_loop()
-        framer = StreamFramer(kind)
-        response: web.StreamResponse | None = None
-        ttft = None
+        failure = _failure_of(upstream.status)
+        response = await _start_stream(request, upstream.status, headers)
+        ttft = loop.time() - arrived_at
         error = None
         try:
-            async for chunk in upstream.content.iter_any():
-                events = framer.feed(chunk)
-                if not events:
-                    continue
-                if response is None:
-                    response = await _start_stream(request, upstream.status, headers)
-                await response.write(events)
-                if ttft is None:
-                    ttft = loop.time() - arrived_at
-                    if on_first_byte is not None:
-                        on_first_byte(ttft)
-            last = framer.finish()
-            if last:
-                if response is None:
-                    response = await _start_stream(request, upstream.status, headers)
-                await response.write(last)
-            if not framer.done:
+            await response.write(first)
+            if on_first_byte is not None:
+                on_first_byte(ttft)
+            while not eof:
+                try:
+                    async with asyncio.timeout(self.idle_timeout_s):
+                        chunk = await upstream.content.readany()
+                except TimeoutError:
+                    error = f"{decision.target} sent nothing for {self.idle_timeout_s:g} s mid-stream"
+                    break
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+                    error = f"{decision.target} failed mid-stream: {type(exc).__name__}"
+                    break
+                if chunk:
+                    events = framer.feed(chunk)
+                else:
+                    eof, events = True, framer.finish()
+                if events:
+                    await response.write(events)
+            if error is None and not framer.done:
                 error = f"{decision.target} ended the stream before its last event"
         except FramingError as exc:
             error = f"{decision.target} sent a malformed stream: {exc}"
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            error = f"{decision.target} failed mid-stream: {type(exc).__name__}"
-        if response is None:  # nothing reached the client: a failure before the first byte
-            error = error or f"{decision.target} sent an empty stream"
-            if retry_allowed:
-                return RelayOutcome(None, 502, error=error)
-            return RelayOutcome(error_response(api, 502, error), 502, error=error, target_failed=True)
-        if error is not None:  # bytes already reached the client: end the stream with an error event, never retry
-            await response.write(_stream_error_event(kind, error))
-        await response.write_eof()
-        return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error, target_failed=error is not None)
+        except ConnectionResetError:  # the client went away: the upstream request is closed by the caller
+            return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure)
+        try:
+            if error is not None:  # bytes already reached the client: end the stream with an error event
+                failure = "gateway"
+                await response.write(_stream_error_event(framer.kind, error))
+            await response.write_eof()
+        except ConnectionResetError:
+            return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure)
+        return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error, failure=failure)
+
+
+async def _watch(abandon: Callable[[], str | None], every_s: float, deadline: asyncio.Timeout,
+                 reasons: list[str]) -> None:
+    """Until cancelled, check ``abandon()`` every ``every_s`` s; on a reason, record it and end ``deadline`` now."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(every_s)
+        reason = abandon()
+        if reason is not None:
+            reasons.append(reason)
+            deadline.reschedule(loop.time())
+            return
 
 
 async def _start_stream(request: web.Request, status: int, headers: dict) -> web.StreamResponse:

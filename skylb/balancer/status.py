@@ -35,6 +35,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
+             "ejections": r.ejections, "ejected_for_s": _left(r.ejected_until, now),
              "available": router.replica_available(r, now),
              "reason": router.replica_unavailable_reason(r, now),
              "probe_age_ms": None if r.probed_at is None else round((now - r.probed_at) * 1000, 1),
@@ -45,8 +46,9 @@ def detailed_status(balancer: Balancer) -> dict:
              "queue_len": p.queue_len, "forwarded": p.forwarded, "models": p.models, "outstanding": p.outstanding,
              "wait_ms": _ms(p.wait_s), "queue_age_ms": _ms(p.queue_age_s), "rtt_ms": _ms(p.rtt_s),
              "dispatch_rate": p.dispatch_rate,
-             "available": router.rules.peer_available(p, now),
-             "reason": router.rules.peer_unavailable_reason(p, now)}
+             "ejections": p.ejections, "ejected_for_s": _left(p.ejected_until, now),
+             "available": router.peer_available(p, now),
+             "reason": router.peer_unavailable_reason(p, now)}
             for p in router.peers.values()],
     }
 
@@ -60,6 +62,11 @@ def _tries(policy) -> dict:
             tries[name] = {"bytes": trie.stored_bytes, "max_bytes": trie.max_bytes, "chars": trie.stored_chars,
                            "nodes": trie.nodes, "records": len(trie)}
     return tries
+
+
+def _left(until: float | None, now: float) -> float | None:
+    """Seconds until ``until`` from ``now`` (rounded to ms), None when it passed or is not set."""
+    return None if until is None or until <= now else round(until - now, 3)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -79,8 +86,12 @@ async def handle_status(request: web.Request) -> web.Response:
 
 async def handle_healthz(request: web.Request) -> web.Response:
     """``GET /healthz``: 200 while the process serves (replica health is in /skylb/v1/status and /metrics); the
-    body says whether the operator is draining it and how many requests it still holds."""
+    body says whether the operator is draining it and how many requests it still holds. 503 with status "draining"
+    once it is shutting down (SIGTERM), so load balancers and the controller stop sending it requests."""
     balancer = request.app[BALANCER]
+    if balancer.shutting_down:
+        return web.json_response({"status": "draining", "region": balancer.region,
+                                  "in_flight": balancer.in_flight()}, status=503)
     return web.json_response({"status": "draining" if balancer.draining else "ok", "region": balancer.region,
                               "in_flight": balancer.in_flight()})
 

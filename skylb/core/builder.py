@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy, make_policy
 from skylb.core.router import Router
 from skylb.core.state import AvailabilityRules
@@ -46,14 +47,17 @@ def build_policy(settings: RouterSettings) -> Policy:
 
 
 def build_rules(settings: RouterSettings) -> AvailabilityRules:
-    """The availability rules: tau, staleness (``stale_after_intervals`` probe intervals, s) and the dispatch cap."""
-    return AvailabilityRules(tau=settings.tau,
-                             stale_after_s=settings.probe_interval_ms / 1000 * settings.stale_after_intervals,
-                             max_dispatch_per_probe=settings.max_dispatch_per_probe)
+    """The availability rules: tau, staleness (``stale_after_intervals`` probe intervals, s; for peers
+    ``peer_stale_after_intervals`` when sooner) and the dispatch cap."""
+    interval_s = settings.probe_interval_ms / 1000
+    return AvailabilityRules(tau=settings.tau, stale_after_s=interval_s * settings.stale_after_intervals,
+                             max_dispatch_per_probe=settings.max_dispatch_per_probe,
+                             peer_stale_after_s=interval_s * getattr(settings, "peer_stale_after_intervals", 0.0))
 
 
 def build_router(region: str, settings: RouterSettings, *, max_queue: int | None = None) -> Router:
     """A Router for ``region`` from ``settings``; ``max_queue`` overrides ``settings.max_queue`` (the simulator
     never refuses a request, so it passes a bound no run reaches). Raises PolicyError on an invalid policy."""
     return Router(region=region, policy=build_policy(settings), rules=build_rules(settings),
-                  max_queue=settings.max_queue if max_queue is None else max_queue)
+                  max_queue=settings.max_queue if max_queue is None else max_queue,
+                  outlier=OutlierDetector.from_settings(getattr(settings, "outlier_detection", None)))

@@ -25,6 +25,8 @@ class Request:
         waited_s: how long the request had already waited in the queue of the balancer that forwarded it, s (0 for
             a client's request); the queue orders by ``queued_since``, so a forwarded request keeps its place in
             first-come, first-served order across regions.
+        avoid: targets that failed this request before its first byte, as ("local", replica id) or ("peer",
+            region); a retry goes elsewhere while another target is usable (Envoy's ``previous_hosts`` predicate).
     """
 
     id: str
@@ -36,6 +38,7 @@ class Request:
     prompt_tokens: int | None = None
     api: str = "openai"
     waited_s: float = 0.0
+    avoid: frozenset[tuple[str, str]] = frozenset()
     #: The prompt's trie key, cached with the trie's ``chunking`` it was cut with.
     chunks: tuple[str, ...] | None = field(default=None, repr=False)
     chunking: tuple[int, int] | None = field(default=None, repr=False)

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy
 from skylb.core.request import Request
 from skylb.core.state import AvailabilityRules, PeerState, PeerStatus, ReplicaState
@@ -57,13 +58,15 @@ class Router:
         policy: the routing policy (see skylb.core.policies).
         rules: the availability rules (tau, staleness, dispatch cap).
         max_queue: the most requests the queue holds; more raise QueueFull.
+        outlier: outlier detection (ejection of failing targets; skylb/core/outlier.py).
     """
 
     def __init__(self, *, region: str, policy: Policy, rules: AvailabilityRules | None = None,
-                 max_queue: int = 10_000):
+                 max_queue: int = 10_000, outlier: OutlierDetector | None = None):
         self.region = region
         self.policy = policy
         self.rules = rules or AvailabilityRules()
+        self.outlier = outlier or OutlierDetector()
         self.max_queue = max_queue
         self.replicas: dict[str, ReplicaState] = {}
         self.peers: dict[str, PeerState] = {}
@@ -209,19 +212,21 @@ class Router:
         if self._bypassed[0] == head.id and self._bypassed[1] >= policy.max_bypass:
             return 0
         window = list(itertools.islice(self.queue, k))
-        usable = self.replica_available if policy.selective else self.rules.replica_usable
+        usable = self.replica_available if policy.selective else self._replica_usable
         local = [r for r in self.replicas.values() if usable(r, now)]
-        peers = [p for p in self.peers.values() if self.rules.peer_available(p, now, head.model, head.api)]
+        peers = [p for p in self.peers.values() if self.peer_available(p, now, head.model, head.api)]
         if not local and not peers:
             return 0
         return policy.next_in_queue(window, local, peers, list(self.replicas.values()))
 
     def _place(self, request: Request, now: float) -> Decision | None:
         rules, policy, model, api = self.rules, self.policy, request.model, request.api
-        usable = self.replica_available if policy.selective else rules.replica_usable
+        usable = self.replica_available if policy.selective else self._replica_usable
         local = [r for r in self.replicas.values() if r.serves(model, api) and usable(r, now)]
-        peers = ([p for p in self.peers.values() if rules.peer_available(p, now, model, api)]
+        peers = ([p for p in self.peers.values() if self.peer_available(p, now, model, api)]
                  if request.may_forward else [])
+        if request.avoid:
+            local, peers = self._elsewhere(request, local, peers, now)
         if local:
             replica = policy.pick_replica(request, local)
             peer = policy.prefer_peer(request, replica, peers) if peers else None
@@ -235,7 +240,8 @@ class Router:
         elif peers:
             peer = policy.pick_peer(request, peers)
         elif request.may_forward:
-            reachable = [p for p in self.peers.values() if rules.peer_unreachable_reason(p, now, model, api) is None]
+            reachable = [p for p in self.peers.values() if rules.peer_unreachable_reason(p, now, model, api) is None
+                         and not self._ejected(p, now)]
             peer = policy.forward_queued(request, now, reachable) if reachable else None
             if peer is None:
                 return None
@@ -271,28 +277,59 @@ class Router:
                 peer.outstanding = max(0, peer.outstanding - 1)
 
     # -- outlier detection (passive health checking) ----------------------------------------------------------------
-    def target_failed(self, decision: Decision, *, now: float, error: str | None, eject_after: int) -> bool:
-        """``decision``'s target failed before its first byte (refused, 502/503/504): one more consecutive gateway
-        failure (Envoy's ``consecutive_gateway_failure``). At ``eject_after`` (> 0) in a row the target is ejected:
-        unavailable, with ``error`` as the reason, until its next probe answer. Returns True when ejected."""
-        state = (self.replicas if decision.route == "local" else self.peers).get(decision.target)
+    def target_failed(self, decision: Decision, *, now: float, gateway: bool = True) -> bool:
+        """``decision``'s target failed at ``now``: a gateway failure (refused, reset, timed out before the first
+        byte, 502/503/504: ``gateway``) or another 5xx answer. Counts it for outlier detection (Envoy's
+        ``consecutive_gateway_failure`` / ``consecutive_5xx``); returns True when the target was ejected now."""
+        population = self.replicas if decision.route == "local" else self.peers
+        state = population.get(decision.target)
         if state is None:
             return False
-        state.gateway_failures += 1
-        if not eject_after or state.gateway_failures < eject_after:
-            return False
-        state.gateway_failures = 0
-        if decision.route == "local":
-            state.observe_probe(now=now, healthy=False, error=error)
-        else:
-            state.observe_status(now=now, status=None, error=error)
-        return True
+        return self.outlier.failed(state, population.values(), now=now, gateway=gateway)
 
     def target_answered(self, decision: Decision) -> None:
-        """``decision``'s target answered (a response reached the client): its failure run is over."""
+        """``decision``'s target answered without a 5xx: its runs of failures are over."""
         state = (self.replicas if decision.route == "local" else self.peers).get(decision.target)
         if state is not None:
-            state.gateway_failures = 0
+            self.outlier.answered(state)
+
+    def _ejected(self, state: ReplicaState | PeerState, now: float) -> bool:
+        """True when ``state`` is ejected at ``now`` and its population (replicas or peers) is not in panic."""
+        if not self.outlier.is_ejected(state, now):
+            return False
+        population = self.replicas if isinstance(state, ReplicaState) else self.peers
+        return not self.outlier.panic([t for t in population.values() if not getattr(t, "draining", False)], now)
+
+    def _elsewhere(self, request: Request, local: list[ReplicaState], peers: list[PeerState],
+                   now: float) -> tuple[list[ReplicaState], list[PeerState]]:
+        """A retry's candidates: without the targets that failed it (``request.avoid``) while another target is
+        usable (healthy, fresh, not ejected; it may be busy, then the request waits for it). With none usable, the
+        failed targets stay candidates rather than the request waiting for nothing."""
+        avoid = request.avoid
+        others = ([r for r in self.replicas.values() if ("local", r.id) not in avoid and self._replica_usable(r, now)]
+                  + [p for p in self.peers.values() if ("peer", p.region) not in avoid and request.may_forward
+                     and self.rules.peer_unreachable_reason(p, now, request.model, request.api) is None
+                     and not self._ejected(p, now)])
+        if not others:
+            return local, peers
+        return ([r for r in local if ("local", r.id) not in avoid],
+                [p for p in peers if ("peer", p.region) not in avoid])
+
+    def _replica_usable(self, replica: ReplicaState, now: float) -> bool:
+        """Blind pushing's rule: healthy, fresh, not draining (pending ignored), and not ejected."""
+        return self.rules.replica_usable(replica, now) and not self._ejected(replica, now)
+
+    def peer_unavailable_reason(self, peer: PeerState, now: float, model: str = "",
+                                api: str = "openai") -> str | None:
+        """None when requests may be forwarded to ``peer`` at ``now``: the availability rules, then ejection."""
+        reason = self.rules.peer_unavailable_reason(peer, now, model, api)
+        if reason is None and self._ejected(peer, now):
+            return "ejected (outlier detection)"
+        return reason
+
+    def peer_available(self, peer: PeerState, now: float, model: str = "", api: str = "openai") -> bool:
+        """True when requests (for ``model`` in dialect ``api``) may be forwarded to ``peer`` now."""
+        return self.peer_unavailable_reason(peer, now, model, api) is None
 
     # -- probes and status --------------------------------------------------------------------------------------
     def observe_replica(self, replica_id: str, *, now: float, healthy: bool, pending: int = 0,
@@ -335,8 +372,11 @@ class Router:
 
     def replica_unavailable_reason(self, replica: ReplicaState, now: float) -> str | None:
         """None when ``replica`` may take a request at ``now`` under selective pushing: the availability rules'
-        reason first, then the policy's own clause (for status and metrics)."""
-        return self.rules.replica_unavailable_reason(replica, now) or self.policy.replica_unavailable_reason(replica)
+        reason first, then ejection by outlier detection, then the policy's own clause (for status and metrics)."""
+        reason = self.rules.replica_unavailable_reason(replica, now)
+        if reason is None and self._ejected(replica, now):
+            return "ejected (outlier detection)"
+        return reason or self.policy.replica_unavailable_reason(replica)
 
     def replica_available(self, replica: ReplicaState, now: float) -> bool:
         """True when ``replica`` may take a request at ``now`` under selective pushing."""

@@ -65,8 +65,12 @@ class ReplicaState:
     models: frozenset[str] | None = None
     apis: frozenset[str] = frozenset({"openai"})
     slots: int | None = None
-    #: Consecutive failures before the first byte (outlier detection, ``Router.target_failed``).
+    #: Consecutive gateway failures and 5xx answers, ejections so far and the end of the current or latest
+    #: ejection, s (outlier detection: skylb/core/outlier.py).
     gateway_failures: int = 0
+    consecutive_5xx: int = 0
+    ejections: int = 0
+    ejected_until: float | None = None
     kv_usage: float | None = None
     unprefilled: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``unprefilled``, kept up to date so that reading it is O(1) on every routing decision.
@@ -185,8 +189,12 @@ class PeerState:
     error: str | None = None
     forwarded: int = 0
     models: dict[str, dict[str, int]] | None = None
-    #: Consecutive failures before the first byte (outlier detection, ``Router.target_failed``).
+    #: Consecutive gateway failures and 5xx answers, ejections so far and the end of the current or latest
+    #: ejection, s (outlier detection: skylb/core/outlier.py).
     gateway_failures: int = 0
+    consecutive_5xx: int = 0
+    ejections: int = 0
+    ejected_until: float | None = None
     wait_s: float | None = None
     rtt_s: float | None = None
     queue_age_s: float | None = None
@@ -223,11 +231,20 @@ class AvailabilityRules:
         tau: the largest peer queue length at which a peer is still available (Algorithm 1, line 12).
         stale_after_s: a probe older than this (s) makes its target unavailable: stale state is not trusted.
         max_dispatch_per_probe: cap on requests sent to one replica between two probes (0 = no cap).
+        peer_stale_after_s: a peer's status older than this plus two of its round trips (s) is stale, when sooner
+            than ``stale_after_s``: a partitioned peer is unavailable within a few probe intervals (0: not used).
     """
 
     tau: int = 2
     stale_after_s: float = 0.5
     max_dispatch_per_probe: int = 4
+    peer_stale_after_s: float = 0.0
+
+    def peer_stale_s(self, p: PeerState) -> float:
+        """How old peer ``p``'s latest status may be before it is stale, s."""
+        if not self.peer_stale_after_s:
+            return self.stale_after_s
+        return min(self.stale_after_s, self.peer_stale_after_s + 2.0 * (p.rtt_s or 0.0))
 
     def replica_unavailable_reason(self, r: ReplicaState, now: float) -> str | None:
         """None when ``r`` is available at ``now``; otherwise why not (a short phrase for status and metrics)."""
@@ -268,7 +285,7 @@ class AvailabilityRules:
         (it may still have no room); otherwise why not."""
         if p.probed_at is None:
             return "not probed yet"
-        if now - p.probed_at > self.stale_after_s:
+        if now - p.probed_at > self.peer_stale_s(p):
             return "status stale"
         if not p.healthy:
             return p.error or "unreachable"
