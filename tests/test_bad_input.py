@@ -276,7 +276,8 @@ def misbehaving(procs, tmp_path):
     """A one-region cluster whose only replica is a MisbehavingReplica; yields (cluster, balancer url, replica)."""
     with MisbehavingReplica() as replica:
         cluster = Cluster(procs, tmp_path, balancer={"retry_policy": {"num_retries": 0},
-                                                     "outlier_detection": {"consecutive_gateway_failure": 1}})
+                                                     "outlier_detection": {"consecutive_gateway_failure": 1,
+                                                                           "base_ejection_time_s": 0.001}})
         cluster.start_controller(["us"])
         url = cluster.start_balancer("us", ["us"])
         cluster.add_replica("us", replica.url, engine="openai")
