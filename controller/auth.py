@@ -9,8 +9,9 @@
   Taking over a region whose balancer is live at another URL needs the admin token and ``"replace": true``
   (server.py ``register_balancer``).
 
-A credential that is not configured leaves its check off (the API is open) and the controller logs a warning at
-start; every deployment file and `skylb local` configure both. Refusals are 401 ``authentication_error`` in the
+A credential that is not configured narrows its check to this machine (protected mode, as Redis's: changes, or
+registrations, are accepted from loopback addresses only) and the controller logs a warning at start; every
+deployment file and `skylb local` configure both. Refusals are 401 ``authentication_error`` in the
 controller's error shape. Secrets are compared in constant time and never logged.
 """
 
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from controller.tokens import (ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, PEER_TOKEN_ENV, check_token, read_token_file,
-                               secret_matches)
+from controller.tokens import (ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, PEER_TOKEN_ENV, check_token, from_this_machine,
+                               read_token_file, secret_matches)
 
 __all__ = ["ControllerCredentials", "CREDENTIALS", "resolve_credentials", "is_admin", "auth_middleware"]
 
@@ -63,9 +64,12 @@ def _bearer(request: web.Request) -> str | None:
 
 
 def is_admin(request: web.Request) -> bool:
-    """True when ``request`` carries the admin token, or no admin token is configured (open API)."""
+    """True when ``request`` carries the admin token, or no admin token is configured and it comes from this machine
+    (protected mode)."""
     creds = request.app[CREDENTIALS]
-    return creds.admin_token is None or secret_matches(_bearer(request), creds.admin_token)
+    if creds.admin_token is None:
+        return from_this_machine(request.remote)
+    return secret_matches(_bearer(request), creds.admin_token)
 
 
 def _refuse(message: str) -> web.Response:
@@ -80,11 +84,18 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     creds = request.app[CREDENTIALS]
     if request.method == "POST" and request.path == "/v1/balancers":
-        peer_ok = creds.peer_token is None or secret_matches(request.headers.get("X-SkyLB-Token"), creds.peer_token)
+        peer_ok = (from_this_machine(request.remote) if creds.peer_token is None
+                   else secret_matches(request.headers.get("X-SkyLB-Token"), creds.peer_token))
         if peer_ok or secret_matches(_bearer(request), creds.admin_token):
             return await handler(request)
+        if creds.peer_token is None:
+            return _refuse("no peer token is configured, so balancers may register from this machine only; set "
+                           f"controller.peer_token (or ${PEER_TOKEN_ENV}) as on the balancers")
         return _refuse("balancer registration needs the peer token (X-SkyLB-Token) or the admin token")
     if not is_admin(request):
+        if creds.admin_token is None:
+            return _refuse("no admin token is configured, so changes are accepted from this machine only; set "
+                           f"controller.admin_token (or ${ADMIN_TOKEN_ENV}) to manage it from elsewhere")
         return _refuse("this change needs the admin token: Authorization: Bearer <token> "
                        f"(skylb-ctl reads ${ADMIN_TOKEN_ENV} or --admin-token-file)")
     return await handler(request)

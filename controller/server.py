@@ -386,10 +386,10 @@ def _warn_open(credentials: ControllerCredentials) -> None:
     """Say loudly which checks are off because their secret is not configured (README, "Security")."""
     if credentials.admin_token is None:
         log.warning("controller_api_open", detail="no admin token ($SKYLB_ADMIN_TOKEN, controller.admin_token): "
-                    "anyone who reaches this port can change membership; set one in production")
+                    "membership changes are accepted from this machine only; set one to manage it from elsewhere")
     if credentials.peer_token is None:
         log.warning("balancer_registration_open", detail="no peer token ($SKYLB_PEER_TOKEN, controller.peer_token): "
-                    "anyone who reaches this port can register a balancer for a region that has no live one")
+                    "balancers may register from this machine only; set the balancers' peer token here too")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

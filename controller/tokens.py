@@ -7,10 +7,11 @@ Kept free of heavy imports (no aiohttp, no pydantic) so `skylb-ctl` starts fast.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from pathlib import Path
 
 __all__ = ["ADMIN_TOKEN_ENV", "ADMIN_TOKEN_FILE_ENV", "PEER_TOKEN_ENV", "PLACEHOLDER_PREFIX", "check_token",
-           "read_token_file", "secret_matches"]
+           "read_token_file", "secret_matches", "from_this_machine"]
 
 #: The controller's admin token (every change of membership; skylb-ctl sends it).
 ADMIN_TOKEN_ENV = "SKYLB_ADMIN_TOKEN"
@@ -52,3 +53,15 @@ def secret_matches(given: str | None, *secrets: str | None) -> bool:
         if secret:
             found |= hmac.compare_digest(secret.encode(), given.encode())
     return found
+
+
+def from_this_machine(remote: str | None) -> bool:
+    """True when a request's peer address (aiohttp's ``request.remote``) is a loopback address (127.0.0.0/8, ::1)
+    or a Unix socket (None, ""): what an endpoint whose secret is not configured still answers, as Redis's protected
+    mode does, so a deployment that forgot its tokens is not open to the network."""
+    if not remote:
+        return True
+    try:
+        return ipaddress.ip_address(remote.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False

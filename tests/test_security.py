@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import ssl
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from skylb.balancer.relay import Relay
 from skylb.core import Decision
+from tests.system import require_binary
 from tests.cluster import MODEL, Cluster, post_json
 from tests.procs import free_port
 
@@ -312,13 +312,12 @@ def test_secrets_never_appear_in_logs(secured, procs, tmp_path):
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+    subprocess.run([require_binary("openssl"), "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
                     "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
     return cert, key
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls_listener_with_a_self_signed_certificate(procs, tmp_path):
     """With tls_cert_file and tls_key_file the balancer speaks HTTPS: a client trusting the certificate is served,
     one that does not is refused at the handshake, and plain HTTP gets no answer."""
@@ -442,3 +441,53 @@ def test_skylb_local_runs_secured_and_its_clients_send_the_api_key(tmp_path):
     texts = [done.stdout, done.stderr, *(p.read_text() for p in (run_dir / "logs").glob("*.log"))]
     assert not [t for t in texts for secret in (*tokens, KEY) if secret in t]
     assert not [t for t in texts if "controller_api_open" in t or "peer_endpoints_open" in t]
+
+
+def test_without_tokens_peer_and_admin_endpoints_answer_this_machine_only():
+    """Protected mode (the default when no token is configured): the controller's changes and registrations, and a
+    balancer's peer status, /metrics and forwarded marker, are refused to a non-loopback client with a message
+    saying which token to set; loopback clients (this machine, the tests) pass. The client API stays open."""
+    from unittest import mock
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from controller import auth as controller_auth
+    from controller.tokens import from_this_machine
+    from skylb.balancer import auth as balancer_auth
+
+    assert from_this_machine("127.0.0.1") and from_this_machine("127.0.0.13") and from_this_machine("::1")
+    assert from_this_machine(None) and not from_this_machine("10.0.0.5") and not from_this_machine("garbage")
+
+    def request(method: str, path: str, remote: str, headers: dict | None = None, app=None):
+        transport = mock.Mock()
+        transport.get_extra_info.side_effect = lambda name, default=None: (remote, 5000) if name == "peername" \
+            else default
+        return make_mocked_request(method, path, headers=headers or {}, transport=transport, app=app)
+
+    async def ok(_request):
+        return web.Response(text="passed")
+
+    async def run(middleware, req):
+        return await middleware(req, ok)
+
+    import asyncio
+
+    app = web.Application()
+    app[controller_auth.CREDENTIALS] = controller_auth.ControllerCredentials()
+    for path in ("/v1/replicas", "/v1/balancers"):
+        far = asyncio.run(run(controller_auth.auth_middleware, request("POST", path, "10.0.0.5", app=app)))
+        assert far.status == 401 and "this machine only" in json.loads(far.body)["error"]["message"]
+        near = asyncio.run(run(controller_auth.auth_middleware, request("POST", path, "127.0.0.1", app=app)))
+        assert near.status == 200
+    assert asyncio.run(run(controller_auth.auth_middleware, request("GET", "/v1/membership", "10.0.0.5",
+                                                                    app=app))).status == 200
+
+    check = balancer_auth.auth_middleware(balancer_auth.Credentials())
+    for path, headers in (("/skylb/v1/status", {}), ("/metrics", {}),
+                          ("/v1/completions", {"X-SkyLB-Forwarded-From": "eu"})):
+        far = asyncio.run(run(check, request("GET" if "/v1/" not in path else "POST", path, "10.0.0.5", headers)))
+        assert far.status == 403 and "this machine only" in json.loads(far.body)["error"]["message"], path
+        near = asyncio.run(run(check, request("GET", path, "127.0.0.1", headers)))
+        assert near.status == 200, path
+    assert asyncio.run(run(check, request("POST", "/v1/completions", "10.0.0.5"))).status == 200

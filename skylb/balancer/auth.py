@@ -11,8 +11,10 @@
 - A request marked forwarded (``X-SkyLB-Forwarded-From``) without the peer token is refused (403): a client cannot
   skip the one-hop rule or claim queue time (``X-SkyLB-Queue-Ms``) it did not spend elsewhere.
 
-Each check is off while its secret is not configured (no peer token: peer endpoints and the forwarded marker are
-open; no keys: the APIs are open); process.py logs a warning at start for each one that is off. Secrets are compared
+Without a peer token, peer endpoints, /metrics (without a metrics token) and the forwarded marker answer this machine
+only (protected mode, as Redis's: loopback addresses), so a deployment that forgot its token is not open to the
+network; without keys the client APIs are open (a load balancer's usual default). process.py logs a warning at start
+for each check that is narrowed or off. Secrets are compared
 in constant time and never logged. Source: DESIGN.md decision 8 (secure by default); OpenAI's and Ollama's error
 shapes (api.py).
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from controller.tokens import secret_matches
+from controller.tokens import from_this_machine, secret_matches
 from skylb.balancer.api import error_response, openai_error
 from skylb.balancer.protocol import FORWARDED_FROM, STATUS_PATH, TOKEN_HEADER
 
@@ -84,6 +86,13 @@ def _bearer(request: web.Request) -> str | None:
     return value.strip() if scheme.lower() == "bearer" else None
 
 
+def _peer_refusal(creds: Credentials, what: str) -> str:
+    if creds.peer_token:
+        return f"{what} needs the peer token: missing or wrong {TOKEN_HEADER}"
+    return (f"{what} is answered on this machine only: no peer token is configured (set balancer.peer_token or "
+            "$SKYLB_PEER_TOKEN on every balancer)")
+
+
 def auth_middleware(creds: Credentials):
     """The middleware enforcing the rules in this module's docstring with ``creds``."""
 
@@ -95,17 +104,18 @@ def auth_middleware(creds: Credentials):
         if secret_matches(request.headers.get(TOKEN_HEADER), creds.peer_token):
             return await handler(request)  # a peer: trusted on every route
         api = "ollama" if path.startswith("/api/") else "openai"
+        local = from_this_machine(request.remote)
         if path == STATUS_PATH:
-            if creds.peer_token:
-                return openai_error(403, "missing or wrong peer token", type_="permission_error")
+            if creds.peer_token or not local:
+                return openai_error(403, _peer_refusal(creds, "the peer status"), type_="permission_error")
         elif path == "/metrics":
-            if (creds.peer_token or creds.metrics_token) and not secret_matches(_bearer(request),
-                                                                                 creds.metrics_token,
-                                                                                 creds.peer_token):
-                return openai_error(403, "missing or wrong metrics token", type_="permission_error")
-        elif FORWARDED_FROM in request.headers and creds.peer_token:
-            return error_response(api, 403, "forwarded request with a missing or wrong peer token",
-                                  type_="permission_error")
+            if creds.peer_token or creds.metrics_token:
+                if not secret_matches(_bearer(request), creds.metrics_token, creds.peer_token):
+                    return openai_error(403, "missing or wrong metrics token", type_="permission_error")
+            elif not local:
+                return openai_error(403, _peer_refusal(creds, "/metrics"), type_="permission_error")
+        elif FORWARDED_FROM in request.headers and (creds.peer_token or not local):
+            return error_response(api, 403, _peer_refusal(creds, "a forwarded request"), type_="permission_error")
         elif creds.api_keys and path.startswith(_API_PREFIXES):
             if not secret_matches(_bearer(request), *creds.api_keys):
                 message = ("missing API key: send Authorization: Bearer <key>" if _bearer(request) is None

@@ -199,8 +199,8 @@ def _warn_open(cfg: BalancerConfig, api_keys: frozenset[str], region: str) -> No
     """Say loudly which checks are off because their secret is not configured (README, "Security")."""
     if not cfg.peer_token:
         log.warning("peer_endpoints_open", region=region,
-                    detail=f"no peer token (${PEER_TOKEN_ENV}): anyone can read /skylb/v1/status and /metrics "
-                           "and mark a request as forwarded; set one in production")
+                    detail=f"no peer token (${PEER_TOKEN_ENV}): /skylb/v1/status, /metrics and forwarded requests are "
+                           "answered from this machine only, so peers elsewhere cannot forward here; set one")
     if not api_keys:
         log.warning("client_api_open", region=region, detail="no client API keys: anyone can send requests")
 
