@@ -289,6 +289,19 @@ def test_a_client_disconnect_cancels_the_upstream_request(procs, tmp_path, phase
     print(f"\nclient left {phase}: the engine's running count was 0 {dropped:.3f} s later")
 
 
+
+def _us_reaching_eu_through_a_link(cluster: Cluster, us_replica: str, eu_replica: str):
+    """Balancers us and eu, us reaching eu through a latency-proxy link (to be cut), one replica each; returns
+    (us's URL, the link)."""
+    eu = cluster.start_balancer("eu", ["us", "eu"])
+    _point_toxiproxy_client(cluster.start_toxiproxy())
+    link = Toxiproxy().create(upstream=eu.removeprefix("http://"), name="us-eu", listen=f"127.0.0.1:{free_port()}")
+    us = cluster.start_balancer("us", ["us", "eu"], peer_urls={"eu": f"http://{link.listen}"})
+    cluster.add_replica("us", us_replica, replica_id="us-0")
+    cluster.add_replica("eu", eu_replica, replica_id="eu-0")
+    cluster.wait_replicas_healthy("us", 1)
+    return us, link
+
 def test_a_partitioned_peer_is_unavailable_within_3_probe_intervals_and_rejoins(procs, tmp_path):
     """us reaches eu through the latency proxy. A hang on the link (``timeout`` toxic) and then the link disabled:
     each time us marks eu unavailable within 3 probe intervals, serves its requests without waiting on eu, and
@@ -297,13 +310,7 @@ def test_a_partitioned_peer_is_unavailable_within_3_probe_intervals_and_rejoins(
     cluster = Cluster(procs, tmp_path, balancer={"probe_interval_ms": interval_s * 1000})
     cluster.start_controller(["us", "eu"])
     us_replica, eu_replica = cluster.start_emulator(2, *FAST)
-    eu = cluster.start_balancer("eu", ["us", "eu"])
-    _point_toxiproxy_client(cluster.start_toxiproxy())
-    link = Toxiproxy().create(upstream=eu.removeprefix("http://"), name="us-eu", listen=f"127.0.0.1:{free_port()}")
-    us = cluster.start_balancer("us", ["us", "eu"], peer_urls={"eu": f"http://{link.listen}"})
-    cluster.add_replica("us", us_replica, replica_id="us-0")
-    cluster.add_replica("eu", eu_replica, replica_id="eu-0")
-    cluster.wait_replicas_healthy("us", 1)
+    us, link = _us_reaching_eu_through_a_link(cluster, us_replica, eu_replica)
 
     def eu_available() -> bool:
         return any(p["region"] == "eu" and p["available"] for p in cluster.status("us")["peers"])
@@ -358,13 +365,7 @@ def test_a_request_forwarded_to_a_peer_that_gets_partitioned_is_retried_without_
     cluster.start_controller(["us", "eu"])
     [us_replica] = cluster.start_emulator(1, *FAST, "--max-num-seqs", "1", name="emulator-us")
     [eu_replica] = cluster.start_emulator(1, "--prefill-ms-per-token", "20", name="emulator-eu")
-    eu = cluster.start_balancer("eu", ["us", "eu"])
-    _point_toxiproxy_client(cluster.start_toxiproxy())
-    link = Toxiproxy().create(upstream=eu.removeprefix("http://"), name="us-eu", listen=f"127.0.0.1:{free_port()}")
-    us = cluster.start_balancer("us", ["us", "eu"], peer_urls={"eu": f"http://{link.listen}"})
-    cluster.add_replica("us", us_replica, replica_id="us-0")
-    cluster.add_replica("eu", eu_replica, replica_id="eu-0")
-    cluster.wait_replicas_healthy("us", 1)
+    us, link = _us_reaching_eu_through_a_link(cluster, us_replica, eu_replica)
     cluster.wait_until(lambda: any(p["available"] for p in cluster.status("us")["peers"]), what="eu available")
     busy = [threading.Thread(target=lambda: _stream(us_replica, "fill", max_tokens=100), daemon=True)
             for _ in range(2)]
