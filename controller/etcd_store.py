@@ -108,6 +108,7 @@ class EtcdConnection:
         raise StoreUnavailable(f"cannot reach etcd ({'; '.join(errors)})")
 
     def close(self) -> None:
+        """Close every endpoint's HTTP session; the connection is unusable afterwards."""
         for client in self._clients:
             client.session.close()
 

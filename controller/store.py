@@ -104,10 +104,12 @@ class Conflict(StoreError):
 
     @classmethod
     def url_taken(cls, url: str, replica_id: str) -> Conflict:
+        """The error for adding a replica whose URL ``url`` is already ``replica_id``'s."""
         return cls(f"url: {url} is already registered as replica {replica_id}")
 
     @classmethod
     def id_taken(cls, replica_id: str) -> Conflict:
+        """The error for adding a replica with an id already in use."""
         return cls(f"id: replica {replica_id} already exists")
 
 
@@ -119,18 +121,22 @@ class NotFound(StoreError):
 
     @classmethod
     def replica(cls, replica_id: str) -> NotFound:
+        """The error for an unknown replica id."""
         return cls(f"id: no replica {replica_id!r}")
 
     @classmethod
     def balancer(cls, url: str) -> NotFound:
+        """The error for an unknown balancer URL."""
         return cls(f"url: no balancer at {url}")
 
     @classmethod
     def region(cls, region: str) -> NotFound:
+        """The error for a region never seen."""
         return cls(f"region: no region {region!r}")
 
     @classmethod
     def region_balancers(cls, region: str) -> NotFound:
+        """The error for draining a region with no registered balancer."""
         return cls(f"region: no balancer registered in region {region!r}")
 
 

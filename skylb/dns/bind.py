@@ -132,6 +132,7 @@ class BindServer:
 
     @property
     def conf_path(self) -> Path:
+        """named's configuration file (options, keys include, one view per region)."""
         return self.directory / "named.conf"
 
     @property
@@ -140,6 +141,7 @@ class BindServer:
         return self.directory / "keys.conf"
 
     def zone_path(self, region: str) -> Path:
+        """The zone file of ``region``'s view (its journal sits beside it once updated)."""
         return self.directory / f"zone-{region}.db"
 
     def write_config(self) -> Path:
