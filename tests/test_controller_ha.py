@@ -141,7 +141,9 @@ def test_three_controllers_on_etcd_survive_the_leader(procs, tmp_path, etcd):
     cluster.controller_url = ",".join([leader, *followers])
     cluster.start_balancer("us", ["us"])
     cluster.wait_replicas_healthy("us", 1)
-    before = _membership(followers[0])
+    # Its first heartbeat registers it (one more revision): snapshot only after that, or the kill races it.
+    before = _wait(lambda: (m := _membership(followers[0]))["balancers"] and m, timeout_s=10,
+                   what="the balancer registered by its heartbeat")
     _wait(lambda: cluster.status("us")["membership_revision"] == before["revision"], timeout_s=5,
           what="the balancer at the current revision")
 
