@@ -1,0 +1,111 @@
+"""Quotas: what limits exist, as the config file and the controller hold them (issue 11).
+
+Three kinds of entry, all optional, all changeable at runtime through the controller (``skylb-ctl quota``):
+
+* ``tenants``: per tenant (the name its API keys map to; ``default`` for requests without a tenant), a ``weight``
+  (its share of the queue under weighted deficit round robin), a default ``priority`` class, and per model (or
+  ``"*"``: every model together) a :class:`Limit`.
+* ``models``: per model, a :class:`Limit` on all traffic to it, whatever the tenant (seed 001: a model's
+  tokens-per-minute bucket and concurrency cap).
+* ``groups``: per group alias (for example ``fast``), the models that serve it interchangeably with their weights
+  (seed 001, iteration 1: weighted deficit round robin across models).
+
+A limit is global across regions: balancers share counters through Redis when ``quota.redis_url`` is set, else
+each balancer enforces its region's share (skylb/quota/buckets.py).
+
+Source: ../shared/seeds/001_d5e08c14a0cf6642.txt (quota-aware router), 003_33281541f069f9cd.txt (priority classes).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["Limit", "TenantQuota", "Quotas", "PRIORITIES", "Priority", "ALL_MODELS", "DEFAULT_TENANT"]
+
+#: Priority classes, most urgent first (seed 003: embeddings first, then ``X-Priority: high``, then the rest).
+PRIORITIES = ("critical", "high", "normal", "low")
+Priority = Literal["critical", "high", "normal", "low"]
+#: The model key of a tenant limit on all its models together.
+ALL_MODELS = "*"
+#: The tenant of a request whose API key names none (or when the balancer checks no keys).
+DEFAULT_TENANT = "default"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Limit(_Strict):
+    """One bucket set: any of the three may be unset (no limit of that kind).
+
+    Attributes:
+        tokens_per_minute: prompt plus ``max_tokens`` (or an estimate) admitted per minute; refills continuously
+            at tokens_per_minute / 60 per second, starting full (seed 001's TPM bucket).
+        requests_per_minute: requests admitted per minute, refilled the same way.
+        max_concurrent: requests in flight at once (admitted and not yet finished).
+    """
+
+    tokens_per_minute: int | None = Field(None, gt=0)
+    requests_per_minute: int | None = Field(None, gt=0)
+    max_concurrent: int | None = Field(None, gt=0)
+
+    def is_empty(self) -> bool:
+        """True when no limit of any kind is set."""
+        return self.tokens_per_minute is None and self.requests_per_minute is None and self.max_concurrent is None
+
+
+class TenantQuota(_Strict):
+    """A tenant's share and limits.
+
+    Attributes:
+        weight: its share of the queue when tenants compete for replicas (weighted deficit round robin), > 0.
+        priority: the class its requests get without an ``X-Priority`` header (embeddings are always critical).
+        limits: per model name, or ``"*"`` for all its models together, a Limit.
+    """
+
+    weight: float = Field(1.0, gt=0)
+    priority: Priority = "normal"
+    limits: dict[str, Limit] = Field(default_factory=dict)
+
+
+class Quotas(_Strict):
+    """Every quota of a deployment (the ``quotas`` section of the config; the controller's copy wins when a
+    balancer has a controller)."""
+
+    tenants: dict[str, TenantQuota] = Field(default_factory=dict)
+    models: dict[str, Limit] = Field(default_factory=dict)
+    groups: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _groups_valid(self) -> "Quotas":
+        for name, members in self.groups.items():
+            if not members:
+                raise ValueError(f"group {name!r} has no models")
+            for model, weight in members.items():
+                if weight <= 0:
+                    raise ValueError(f"group {name!r}: weight of {model!r} must be > 0, not {weight}")
+            if name in members:
+                raise ValueError(f"group {name!r} cannot list itself as a model")
+        return self
+
+    def tenant(self, name: str) -> TenantQuota:
+        """``name``'s quota; a tenant without an entry has weight 1, class normal and no limits."""
+        return self.tenants.get(name) or TenantQuota()
+
+    def limits_for(self, tenant: str, model: str) -> list[tuple[str, Limit]]:
+        """The buckets a request of ``tenant`` for ``model`` draws on, as (bucket key, Limit) pairs: the tenant's
+        limit on ``model``, its limit on all models (``"*"``), and the model's own limit; empty ones left out.
+        Keys are stable strings (``tenant/<tenant>/<model>``, ``model/<model>``) shared by every balancer."""
+        out: list[tuple[str, Limit]] = []
+        quota = self.tenants.get(tenant)
+        if quota is not None:
+            for key in (model, ALL_MODELS):
+                limit = quota.limits.get(key)
+                if limit is not None and not limit.is_empty():
+                    out.append((f"tenant/{tenant}/{key}", limit))
+        limit = self.models.get(model)
+        if limit is not None and not limit.is_empty():
+            out.append((f"model/{model}", limit))
+        return out
