@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from controller.dns import DnsConfig
 from skylb.core.policies import options_class, policy_options
+from skylb.quota.limits import Quotas
 
 __all__ = [
     "ConfigError",
@@ -242,8 +243,15 @@ class BalancerConfig(_Strict):
     #: Client API keys accepted as ``Authorization: Bearer <key>`` on /v1/* and /api/*; none (and no keys file and no
     #: $SKYLB_API_KEYS): the client APIs are open. Keys need a peer token (else a client could claim to be a peer).
     api_keys: list[str] = Field(default_factory=list)
-    #: A file of client API keys, one a line (``#`` comments); $SKYLB_API_KEYS_FILE overrides it.
+    #: A file of client API keys, one a line (``#`` comments); $SKYLB_API_KEYS_FILE overrides it. A line may name
+    #: the key's tenant after it: ``<key> <tenant>``.
     api_keys_file: str | None = None
+    #: Tenants by name, each with its client API keys (accepted like ``api_keys``). A request's tenant is the one
+    #: its key belongs to; without one (no keys, or a key of no tenant) it is ``default``. Quotas, weights and
+    #: priority classes are set per tenant (``quotas``; skylb/quota/limits.py).
+    tenants: dict[str, list[str]] = Field(default_factory=dict)
+    #: Tenant and model limits, model groups (skylb/quota/limits.py); a controller's copy replaces it at runtime.
+    quotas: Quotas = Field(default_factory=Quotas)
     #: Accepted on /metrics as ``Authorization: Bearer <token>`` besides the peer token; $SKYLB_METRICS_TOKEN
     #: overrides it.
     metrics_token: str | None = None

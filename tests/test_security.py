@@ -18,6 +18,7 @@ import msgpack
 import openai
 import pytest
 import requests
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from skylb.balancer.relay import Relay
@@ -392,6 +393,37 @@ def test_api_keys_come_from_the_config_a_file_and_the_environment(tmp_path, monk
     monkeypatch.setenv("SKYLB_API_KEYS_FILE", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="missing"):
         load_api_keys([], str(keys))
+
+
+async def test_a_key_names_its_tenant(tmp_path, monkeypatch):
+    """balancer.tenants and the keys file's ``<key> <tenant>`` lines map keys to tenants; the middleware gives a
+    request its key's tenant, ``default`` for a key of no tenant; one key for two tenants is a config error."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from skylb.balancer.auth import Credentials, auth_middleware, load_api_keys, load_tenants, tenant_of
+
+    keys = tmp_path / "keys"
+    keys.write_text("k-b tenant-b  # from the file\nk-plain\n")
+    monkeypatch.delenv("SKYLB_API_KEYS_FILE", raising=False)
+    monkeypatch.delenv("SKYLB_API_KEYS", raising=False)
+    tenants = load_tenants({"tenant-a": ["k-a1", "k-a2"]}, str(keys))
+    assert tenants == {"k-a1": "tenant-a", "k-a2": "tenant-a", "k-b": "tenant-b"}
+    api_keys = load_api_keys(["k-a1", "k-a2"], str(keys))
+    assert api_keys == {"k-a1", "k-a2", "k-b", "k-plain"}
+    with pytest.raises(ValueError, match="two tenants"):
+        load_tenants({"x": ["k-b"]}, str(keys))
+
+    async def whoami(request):
+        return web.json_response({"tenant": tenant_of(request)})
+    app = web.Application(middlewares=[auth_middleware(Credentials(api_keys=api_keys, peer_token="p",
+                                                                   tenants=tenants))])
+    app.router.add_post("/v1/chat/completions", whoami)
+    async with TestClient(TestServer(app)) as client:
+        for key, tenant in (("k-a2", "tenant-a"), ("k-b", "tenant-b"), ("k-plain", "default")):
+            response = await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"})
+            assert (await response.json())["tenant"] == tenant
+        response = await client.post("/v1/chat/completions", headers={"Authorization": "Bearer nope"})
+        assert response.status == 401
 
 
 async def test_a_silent_balancer_no_longer_holds_its_region():

@@ -22,7 +22,7 @@ shapes (api.py).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
@@ -30,9 +30,13 @@ from aiohttp import web
 from controller.tokens import from_this_machine, secret_matches
 from skylb.balancer.api import error_response, openai_error
 from skylb.balancer.protocol import FORWARDED_FROM, STATUS_PATH, TOKEN_HEADER
+from skylb.quota.limits import DEFAULT_TENANT
 
 __all__ = ["Credentials", "API_KEYS_ENV", "API_KEYS_FILE_ENV", "METRICS_TOKEN_ENV", "load_api_keys",
-           "auth_middleware"]
+           "load_tenants", "auth_middleware", "tenant_of", "TENANT"]
+
+#: Request key: the tenant of a client request (set by the middleware; ``tenant_of`` reads it).
+TENANT = web.RequestKey("skylb_tenant", str) if hasattr(web, "RequestKey") else "skylb_tenant"
 
 #: Client API keys, comma-separated (added to ``balancer.api_keys`` and the keys file).
 API_KEYS_ENV = "SKYLB_API_KEYS"
@@ -57,6 +61,8 @@ class Credentials:
     api_keys: frozenset[str] = frozenset()
     peer_token: str | None = None
     metrics_token: str | None = None
+    #: {client API key: tenant name} for the keys that belong to a tenant.
+    tenants: dict[str, str] = field(default_factory=dict)
 
     def __repr__(self) -> str:  # never print a secret by accident (a log line, a traceback)
         return (f"Credentials(api_keys={len(self.api_keys)} keys, peer_token={'set' if self.peer_token else None}, "
@@ -76,9 +82,41 @@ def load_api_keys(keys: list[str], keys_file: str | None) -> frozenset[str]:
             text = Path(path).read_text()
         except OSError as exc:
             raise ValueError(f"cannot read the API keys file {path}: {exc.strerror}") from None
-        found += [line.split("#", 1)[0].strip() for line in text.splitlines()]
+        found += [(line.split("#", 1)[0].split() or [""])[0] for line in text.splitlines()]
     found += (k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(","))
     return frozenset(k for k in found if k)
+
+
+def load_tenants(tenants: dict[str, list[str]], keys_file: str | None) -> dict[str, str]:
+    """{client API key: tenant} from ``balancer.tenants`` ({tenant: [keys]}) and the keys file's two-field lines
+    (``<key> <tenant>``; ``$SKYLB_API_KEYS_FILE`` over ``keys_file``). Every key returned is also a client key
+    (``load_api_keys`` reads the same file; pass ``tenants``' keys to it too).
+
+    Raises ValueError when the file cannot be read, or when one key is given to two tenants."""
+    out: dict[str, str] = {}
+
+    def add(key: str, tenant: str) -> None:
+        if out.setdefault(key, tenant) != tenant:
+            raise ValueError(f"one client API key is given to two tenants: {out[key]!r} and {tenant!r}")
+    for tenant, keys in tenants.items():
+        for key in keys:
+            add(key.strip(), tenant)
+    path = os.environ.get(API_KEYS_FILE_ENV) or keys_file
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read the API keys file {path}: {exc.strerror}") from None
+        for line in text.splitlines():
+            fields = line.split("#", 1)[0].split()
+            if len(fields) >= 2:
+                add(fields[0], fields[1])
+    return out
+
+
+def tenant_of(request: web.Request) -> str:
+    """The tenant of a client request: the one its API key belongs to, else ``default``."""
+    return request.get(TENANT, DEFAULT_TENANT)
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -91,6 +129,15 @@ def _peer_refusal(creds: Credentials, what: str) -> str:
         return f"{what} needs the peer token: missing or wrong {TOKEN_HEADER}"
     return (f"{what} is answered on this machine only: no peer token is configured (set balancer.peer_token or "
             "$SKYLB_PEER_TOKEN on every balancer)")
+
+
+def _tenant_of_key(creds: Credentials, key: str | None) -> str | None:
+    """The tenant of an accepted ``key`` (compared in constant time, as keys are), or None."""
+    found = None
+    for candidate, tenant in creds.tenants.items():
+        if secret_matches(key, candidate):
+            found = tenant
+    return found
 
 
 def auth_middleware(creds: Credentials):
@@ -117,7 +164,8 @@ def auth_middleware(creds: Credentials):
         elif FORWARDED_FROM in request.headers and (creds.peer_token or not local):
             return error_response(api, 403, _peer_refusal(creds, "a forwarded request"), type_="permission_error")
         elif creds.api_keys and path.startswith(_API_PREFIXES):
-            if not secret_matches(_bearer(request), *creds.api_keys):
+            key = _bearer(request)
+            if not secret_matches(key, *creds.api_keys):
                 message = ("missing API key: send Authorization: Bearer <key>" if _bearer(request) is None
                            else "invalid API key")
                 if api == "ollama":
@@ -125,6 +173,9 @@ def auth_middleware(creds: Credentials):
                 return web.json_response({"error": {"message": message, "type": "authentication_error",
                                                     "param": None, "code": "invalid_api_key"}}, status=401,
                                          headers={"WWW-Authenticate": 'Bearer realm="skylb"'})
+            tenant = _tenant_of_key(creds, key)
+            if tenant is not None:
+                request[TENANT] = tenant
         return await handler(request)
 
     return check_credentials

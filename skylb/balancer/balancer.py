@@ -21,6 +21,7 @@ from skylb.balancer.relay import Relay
 from skylb.balancer.retry import RetryBudget
 from skylb.config import BalancerConfig
 from skylb.core import Decision, build_router
+from skylb.quota.limits import Quotas
 
 __all__ = ["Balancer", "DRAIN_END_S"]
 
@@ -42,6 +43,8 @@ class Balancer:
     def __init__(self, cfg: BalancerConfig, *, region: str, advertise_url: str, client_keys: bool = False):
         self.cfg = cfg
         self.client_keys = client_keys
+        #: The quotas in force: the config's, replaced by the controller's when it holds some (skylb/quota).
+        self.quotas: Quotas = cfg.quotas
         self.region = region
         self.advertise_url = advertise_url
         self.router = build_router(region, cfg)

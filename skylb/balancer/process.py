@@ -30,7 +30,7 @@ from controller.tokens import check_token
 from skylb import aio
 from skylb.balancer import ollama_api, status
 from skylb.balancer.api import error_response
-from skylb.balancer.auth import METRICS_TOKEN_ENV, Credentials, auth_middleware, load_api_keys
+from skylb.balancer.auth import METRICS_TOKEN_ENV, Credentials, auth_middleware, load_api_keys, load_tenants
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.pipeline import GENERATE_PATHS, REQUEST_IDS, api_of, finish_request, handle_generate
 from skylb.balancer.relay import STREAM_STARTED
@@ -94,10 +94,12 @@ def _answered_error(request: web.Request, status: int, message: str, reason: str
 
 
 def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
-              api_keys: frozenset[str] = frozenset()) -> web.Application:
+              api_keys: frozenset[str] = frozenset(), tenants: dict[str, str] | None = None) -> web.Application:
     """The balancer's aiohttp application; the Balancer starts and stops with it. ``api_keys``: the client keys
-    (auth.load_api_keys), checked with the peer and metrics tokens of ``cfg`` before any handler runs."""
-    creds = Credentials(api_keys=api_keys, peer_token=cfg.peer_token, metrics_token=cfg.metrics_token)
+    (auth.load_api_keys), checked with the peer and metrics tokens of ``cfg`` before any handler runs; ``tenants``:
+    {key: tenant} (auth.load_tenants)."""
+    creds = Credentials(api_keys=api_keys, peer_token=cfg.peer_token, metrics_token=cfg.metrics_token,
+                        tenants=dict(tenants or {}))
     # Errors first, so a 404 or 405 for an unknown route is also behind the credential check.
     app = web.Application(client_max_size=cfg.max_body_bytes,
                           middlewares=[_errors_in_api_shape, auth_middleware(creds)])
@@ -163,7 +165,9 @@ def main(args: argparse.Namespace) -> int:
             cfg.controller_url = f"http://{c.host}:{c.port}"
         check_token("the peer token", cfg.peer_token)
         check_token("the metrics token", cfg.metrics_token)
-        api_keys = load_api_keys(cfg.api_keys, cfg.api_keys_file)
+        tenants = load_tenants(cfg.tenants, cfg.api_keys_file)
+        api_keys = load_api_keys(cfg.api_keys + [k for keys in cfg.tenants.values() for k in keys],
+                                 cfg.api_keys_file)
         if api_keys and not cfg.peer_token:
             # Peers prove themselves with the token and skip the key check; without one, anybody could.
             raise ConfigError(f"client API keys need a peer token: set ${PEER_TOKEN_ENV} or balancer.peer_token")
@@ -182,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"skylb balancer: cannot load tls_cert_file / tls_key_file: {exc}", file=sys.stderr)
         return 2
     return aio.run(_serve(cfg, region=args.region, advertise_url=advertise_url, api_keys=api_keys,
-                          ssl_context=ssl_context))
+                          tenants=tenants, ssl_context=ssl_context))
 
 
 def _ssl_context(cfg: BalancerConfig) -> ssl.SSLContext | None:
@@ -206,8 +210,8 @@ def _warn_open(cfg: BalancerConfig, api_keys: frozenset[str], region: str) -> No
 
 
 async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_keys: frozenset[str] = frozenset(),
-                 ssl_context: ssl.SSLContext | None = None) -> int:
-    app = build_app(cfg, region=region, advertise_url=advertise_url, api_keys=api_keys)
+                 tenants: dict[str, str] | None = None, ssl_context: ssl.SSLContext | None = None) -> int:
+    app = build_app(cfg, region=region, advertise_url=advertise_url, api_keys=api_keys, tenants=tenants)
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request leaves the queue
     # and an upstream request is aborted (aiohttp's default keeps running it; reliability.md).
     # shutdown_timeout: the drain below already waited for the requests held; what is left is idle connections.
