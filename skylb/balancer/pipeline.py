@@ -22,6 +22,7 @@ from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_o
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
 from skylb.balancer.retry import backoff_s
+from skylb.balancer.usage import observe as observe_usage
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
                                      REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
 from skylb.balancer.status import BALANCER
@@ -132,6 +133,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                                             stream=parsed.stream, on_first_byte=first_byte,
                                             client_request_id=client_id, abandon=_peer_gone(balancer, decision),
                                             check_s=cfg.probe_interval_ms / 1000)
+                observe_usage(router, decision, outcome, balancer.now())  # measured speed, before release
             finally:
                 dispatcher.release(decision)
             _outlier(balancer, decision, outcome.failure)
