@@ -222,3 +222,15 @@ def test_default_policy_breaks_ties_by_estimated_wait():
         picks[tie_break] = got
     assert picks["estimated-wait"] == ["r1"] * 6
     assert set(picks["least-load"]) == {"r0", "r1"}
+
+
+def test_load_time_hook_adds_to_the_estimate():
+    """RateBook.load_s (0 until model thermal state sets it) counts in the total: a faster replica that must load
+    the model first loses to a slower one that has it loaded."""
+    router = _router()
+    _serve(router, "r0", 0, 0.03)
+    _serve(router, "r1", 0, 0.01)
+    router.policy.rates.load_s = lambda replica, model: 10.0 if replica.id == "r1" else 0.0
+    router.enqueue(Request("a", "x" * 100, 0.0, model="m"))
+    (d,) = router.dispatch(0.0)
+    assert d.target == "r0"

@@ -25,7 +25,9 @@ Units: tokens, characters, seconds. Pure: no clock, no I/O (durations are argume
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Usage", "ModelRates", "InFlight", "ReplicaRates", "RateBook", "prompt_chars", "DEFAULT_TOKEN_FACTOR"]
 
@@ -38,6 +40,11 @@ _WHITESPACE = re.compile(r"\s+")
 def prompt_chars(text: str) -> int:
     """Characters of ``text`` with each run of whitespace counted once, ends stripped (seed 000 §3)."""
     return len(_WHITESPACE.sub(" ", text.strip()))
+
+
+def _no_load(replica: Any, model: str) -> float:
+    """No load time known: every model counts as loaded (0 s)."""
+    return 0.0
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
@@ -153,6 +160,10 @@ class RateBook:
         self.fixed_gamma = gamma
         self.fixed_factor = token_factor
         self.learned_factor: float | None = None
+        #: Hook for model load time (issue 12 item 2, another branch): ``load_s(replica, model)`` -> seconds before
+        #: ``model`` could start on ``replica`` (a ReplicaState) because it must be loaded first; added to W^ by
+        #: policies/measured_wait.py ``pick_by_estimated_wait``. 0 until thermal state is merged and sets it.
+        self.load_s: Callable[[Any, str], float] = _no_load
 
     # -- the estimate ---------------------------------------------------------------------------------------------
     @property

@@ -58,7 +58,9 @@ def pick_by_estimated_wait(book: RateBook, request: Request,
     pool = ([c for c in candidates if c.rates.for_model(model) is not None or not c.rates.inflight]
             if measured else list(candidates))
     chars = prompt_chars(request.text)
-    keyed = [((book.estimate_s(c.rates, model, chars) or 0.0), book.queue_tokens(c.rates), c) for c in pool]
+    # Total time = queue wait + inference (W^) + the time to load the model there (RateBook.load_s; 0 for now).
+    keyed = [((book.estimate_s(c.rates, model, chars) or 0.0) + book.load_s(c, model), book.queue_tokens(c.rates), c)
+             for c in pool]
     best = min(k[:2] for k in keyed)
     # Within a microsecond of wait and a token of queue is a tie (float noise).
     return [c for w, q, c in keyed if w <= best[0] + 1e-6 and q <= best[1] + 1.0]
