@@ -22,10 +22,10 @@ from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_o
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
 from skylb.balancer.retry import backoff_s
-from skylb.balancer.usage import observe as observe_usage
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
                                      REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
 from skylb.balancer.status import BALANCER
+from skylb.balancer.usage import observe as observe_usage
 from skylb.core import Decision, Request
 
 __all__ = ["handle_generate", "finish_request", "GENERATE_PATHS", "REQUEST_IDS", "api_of"]
