@@ -124,12 +124,13 @@ def start_emulator(procs: ProcGroup, ports: Sequence[int], *, time_scale: float,
 
 
 def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path, policy: str = "skylb",
-                overrides: dict | None = None, region: str = "us", name: str = "skylb",
+                overrides: dict | None = None, engine: str = "vllm", region: str = "us", name: str = "skylb",
                 profile_to: Path | None = None) -> str:
     """Start a SkyLB controller and one balancer for ``region`` in front of ``replica_urls``; returns its URL.
 
     The replicas are registered through the controller's REST API (as `skylb-ctl replica add` does) and the call
     returns once the balancer has probed all of them healthy. ``overrides``: extra ``balancer`` settings.
+    ``engine``: the replicas' engine adapter ("vllm", "ollama", ...).
     ``profile_to``: run the balancer under cProfile, which writes this file when the balancer stops (SIGTERM).
     """
     run_dir = Path(run_dir)
@@ -152,7 +153,7 @@ def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path,
                [sys.executable, "-m", "skylb", *args])
     procs.start(command, name=f"{name}-balancer", wait_url=f"{url}/healthz")
     for replica in replica_urls:
-        _post_json(f"{controller}/v1/replicas", {"region": region, "url": replica, "engine": "vllm"})
+        _post_json(f"{controller}/v1/replicas", {"region": region, "url": replica, "engine": engine})
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         status = _get_json(f"{url}/skylb/v1/status?format=json")

@@ -25,6 +25,7 @@ from skylb.balancer.retry import backoff_s
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
                                      REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
 from skylb.balancer.status import BALANCER
+from skylb.balancer.usage import observe as observe_usage
 from skylb.core import Decision, Request
 
 __all__ = ["handle_generate", "finish_request", "GENERATE_PATHS", "REQUEST_IDS", "api_of"]
@@ -132,6 +133,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                                             stream=parsed.stream, on_first_byte=first_byte,
                                             client_request_id=client_id, abandon=_peer_gone(balancer, decision),
                                             check_s=cfg.probe_interval_ms / 1000)
+                observe_usage(router, decision, outcome, balancer.now())  # measured speed, before release
             finally:
                 dispatcher.release(decision)
             _outlier(balancer, decision, outcome.failure)

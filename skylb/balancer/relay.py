@@ -22,7 +22,9 @@ from skylb.balancer.api import error_response
 from skylb.balancer.framing import FramingError, StreamFramer, stream_kind
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER,
                                      ROUTE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER)
+from skylb.balancer.usage import UsageTap, usage_of_body
 from skylb.core import Decision
+from skylb.core.rates import Usage
 
 __all__ = ["Relay", "RelayOutcome", "RETRYABLE_STATUSES", "STREAM_STARTED"]
 
@@ -49,6 +51,7 @@ class RelayOutcome:
         failure: for outlier detection: "gateway" (refused, reset, timed out before the first byte, 502/503/504,
             garbage, died or was cut mid-stream), "5xx" (another status >= 500 from the target), None (the target
             answered).
+        usage: the token counts and engine durations the answer reported (skylb/balancer/usage.py), or None.
     """
 
     response: web.StreamResponse | None
@@ -56,6 +59,7 @@ class RelayOutcome:
     ttft_s: float | None = None
     error: str | None = None
     failure: str | None = None
+    usage: Usage | None = None
 
 
 def _failure_of(status: int) -> str | None:
@@ -222,7 +226,7 @@ class Relay:
             return RelayOutcome(error_response(api, status, error), status, error=error, failure=_failure_of(status))
         headers["Content-Type"] = "application/json"
         return RelayOutcome(web.Response(status=status, body=data, headers=headers), status,
-                            failure=_failure_of(status))
+                            failure=_failure_of(status), usage=usage_of_body(data) if status < 400 else None)
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, framer: StreamFramer,
                             first: bytes, eof: bool, headers: dict, decision: Decision, *, arrived_at: float,
@@ -235,6 +239,8 @@ class Relay:
         response = await _start_stream(request, upstream.status, headers)
         ttft = loop.time() - arrived_at
         error = None
+        tap = UsageTap(framer.kind)  # the last event's token counts, for measured speed
+        tap.feed(first)
         try:
             await response.write(first)
             if on_first_byte is not None:
@@ -254,6 +260,7 @@ class Relay:
                 else:
                     eof, events = True, framer.finish()
                 if events:
+                    tap.feed(events)
                     await response.write(events)
             if error is None and not framer.done:
                 error = f"{decision.target} ended the stream before its last event"
@@ -268,7 +275,7 @@ class Relay:
             await response.write_eof()
         except ConnectionResetError:
             return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure)
-        return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error, failure=failure)
+        return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error, failure=failure, usage=tap.usage)
 
 
 async def _watch(abandon: Callable[[], str | None], every_s: float, deadline: asyncio.Timeout,

@@ -39,7 +39,8 @@ def detailed_status(balancer: Balancer) -> dict:
              "available": router.replica_available(r, now),
              "reason": router.replica_unavailable_reason(r, now),
              "probe_age_ms": None if r.probed_at is None else round((now - r.probed_at) * 1000, 1),
-             "models": sorted(r.models or ()), "apis": sorted(r.apis)}
+             "models": sorted(r.models or ()), "apis": sorted(r.apis),
+             "measured": r.rates.summary()}
             for r in router.replicas.values()],
         "peers": [
             {"region": p.region, "url": p.url, "healthy": p.healthy, "available_replicas": p.available_replicas,

@@ -5,7 +5,9 @@ SGLang run prompts in FCFS order with chunked prefill, so a new request's first 
 ahead of it on that replica, plus its own prefill. What the balancer knows exactly is its own share of that queue:
 the prompts it sent that have not streamed a first token yet (``ReplicaState.unprefilled``, less the prefix it
 expects the engine to have cached). Requests the engine reports pending beyond those (sent by another balancer)
-are counted at ``default_prompt_tokens`` each. Tokens become seconds at the replica's prefill rate.
+are counted at ``default_prompt_tokens`` each. Tokens become seconds at the replica's prefill rate: the one measured
+on that replica (``ReplicaState.rates``, an EMA of prefill seconds per prompt token learned from responses; seed 000,
+skylb/core/rates.py) once it is measured, else the configured ``prefill_tokens_per_s``.
 
 Units: tokens, tokens/s, seconds. Pure: no clock, no I/O.
 """
@@ -40,10 +42,13 @@ class WaitModel:
         prefill_tokens_per_s: one replica's prefill throughput, tokens/s (Llama-3.1-8B on an L4: the paper's 512
             tokens in about 300 ms, less the 53.5 ms weight read, is 0.48 ms per token, about 2000 tokens/s).
         default_prompt_tokens: the length assumed for a pending request this balancer did not send, tokens.
+        measured: use a replica's measured prefill rate (``ReplicaState.rates.prefill_s_per_token``) in place of
+            ``prefill_tokens_per_s`` once it has one (False: always the configured constant).
     """
 
     prefill_tokens_per_s: float = 2000.0
     default_prompt_tokens: int = 512
+    measured: bool = True
 
     def backlog_tokens(self, replica: ReplicaState) -> float:
         """Prompt tokens queued for prefill on ``replica`` ahead of a new request: this balancer's own unprefilled
@@ -51,10 +56,14 @@ class WaitModel:
         unknown = max(0, replica.pending - len(replica.unprefilled))
         return replica.backlog_tokens + unknown * self.default_prompt_tokens
 
-    def prefill_s(self, tokens: float) -> float:
-        """Seconds to prefill ``tokens`` uncached prompt tokens on one replica."""
-        return max(0.0, tokens) / self.prefill_tokens_per_s
+    def prefill_s(self, tokens: float, replica: ReplicaState | None = None) -> float:
+        """Seconds to prefill ``tokens`` uncached prompt tokens on ``replica`` (at its measured rate when it has
+        one and ``measured``), or on a replica of the configured speed (``replica`` None or unmeasured)."""
+        per_token = replica.rates.prefill_s_per_token if replica is not None and self.measured else None
+        if per_token is None:
+            return max(0.0, tokens) / self.prefill_tokens_per_s
+        return max(0.0, tokens) * per_token
 
     def wait_s(self, replica: ReplicaState) -> float:
         """Estimated seconds before a new request's prefill starts on ``replica`` (its backlog's prefill time)."""
-        return self.prefill_s(self.backlog_tokens(replica))
+        return self.prefill_s(self.backlog_tokens(replica), replica)

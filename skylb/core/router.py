@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy
+from skylb.core.rates import Usage
 from skylb.core.request import Request
 from skylb.core.state import AvailabilityRules, PeerState, PeerStatus, ReplicaState
 
@@ -235,6 +236,7 @@ class Router:
                 replica.dispatch_times.append(now)
                 replica.served += 1
                 replica.add_unprefilled(request.id, policy.uncached_tokens(request, replica.id))
+                policy.rates.dispatched(replica.rates, request.id, request.model, request.text)
                 policy.routed(request, replica=replica.id)
                 return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now)
         elif peers:
@@ -260,6 +262,15 @@ class Router:
             if state is not None:
                 state.prefilled(decision.request.id)
 
+    def observe_response(self, decision: Decision, usage: Usage, *, ttft_s: float | None, e2e_s: float) -> bool:
+        """Learn the replica's speed from ``decision``'s response (skylb/core/rates.py, seed 000 §4.3): ``usage``
+        as the response reported it, ``ttft_s`` and ``e2e_s`` measured from dispatch (s). Call before
+        ``finished``. Returns False when nothing was learned (a peer's, or no token counts)."""
+        state = self.replicas.get(decision.target) if decision.route == "local" else None
+        if state is None:
+            return False
+        return self.policy.rates.observe(state.rates, decision.request.id, usage, ttft_s=ttft_s, e2e_s=e2e_s)
+
     def finished(self, decision: Decision) -> None:
         """The response of ``decision`` ended (any outcome): release its outstanding count (never below 0)."""
         if decision.route == "local":
@@ -267,6 +278,7 @@ class Router:
             if state is not None:
                 state.outstanding = max(0, state.outstanding - 1)
                 state.prefilled(decision.request.id)
+                self.policy.rates.released(state.rates, decision.request.id)
                 if self.policy.reuse_freed_slots and decision.dispatched_at is not None:
                     state.slot_freed(decision.dispatched_at)
                 if state.draining and state.outstanding == 0:

@@ -8,6 +8,7 @@ name                      pushing   module
                                     faster (the default; issue 8)
 ``skylb-paper``           selective ``prefix``: prefix trie + regional snapshot, the paper's rule (§3.2-§3.3)
 ``skylb-ch``              selective ``hash_ring``: consistent hashing of the session key (paper §3.2)
+``estimated-wait``        blind     ``measured_wait``: least estimated wait from measured speed (seed 000)
 ``round-robin``           blind     ``round_robin`` (baseline RR)
 ``least-load``            blind     ``least_load`` (baseline LL)
 ``consistent-hash``       blind     ``hash_ring`` (baseline CH)
@@ -21,12 +22,13 @@ from skylb.core.policies.base import (POLICIES, Policy, PolicyError, make_policy
 from skylb.core.policies.estimated_wait import EstimatedWaitPolicy
 from skylb.core.policies.hash_ring import ConsistentHashPolicy, HashRingPolicy
 from skylb.core.policies.least_load import LeastLoadPolicy
+from skylb.core.policies.measured_wait import MeasuredWaitPolicy
 from skylb.core.policies.prefix import PrefixPolicy
 from skylb.core.policies.round_robin import RoundRobinPolicy
 from skylb.core.policies.scoring import least_loaded, loads_imbalanced, most_room, trie_key
 from skylb.core.policies.sglang import SGLangCacheAwarePolicy, SGLangSelectivePolicy
 
 __all__ = ["POLICIES", "Policy", "PolicyError", "make_policy", "options_class", "policy_names", "policy_options",
-           "PrefixPolicy", "EstimatedWaitPolicy", "HashRingPolicy", "ConsistentHashPolicy", "RoundRobinPolicy", "LeastLoadPolicy",
+           "PrefixPolicy", "EstimatedWaitPolicy", "HashRingPolicy", "ConsistentHashPolicy", "RoundRobinPolicy", "LeastLoadPolicy", "MeasuredWaitPolicy",
            "SGLangCacheAwarePolicy", "SGLangSelectivePolicy", "trie_key", "loads_imbalanced", "least_loaded",
            "most_room"]

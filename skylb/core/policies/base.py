@@ -17,6 +17,7 @@ from pydantic.dataclasses import dataclass
 
 from skylb.core.estimate import prompt_tokens
 from skylb.core.policies import scoring
+from skylb.core.rates import RateBook
 from skylb.core.request import Request
 from skylb.core.state import PeerState, ReplicaState
 
@@ -71,6 +72,9 @@ class Policy:
     def __init__(self, options: Any = None):
         self.options = options if options is not None else self.Options()
         self._rotation = itertools.count()
+        #: Measured replica speeds (skylb/core/rates.py): the Router feeds it whatever the policy; a policy that
+        #: learns with other settings replaces it in its own __init__.
+        self.rates = RateBook()
 
     def pick_replica(self, request: Request, candidates: Sequence[ReplicaState]) -> ReplicaState:
         """Choose one of ``candidates`` (non-empty) for ``request``; default: the least loaded."""

@@ -13,6 +13,11 @@ Builds on the paper's rule (``skylb-paper``, prefix.py) with what issue 8 measur
   ``match_threshold``; the trie's match at the deepest node) saves m x prompt tokens of prefill, converted to
   seconds at ``prefill_tokens_per_s``; that is how locality is weighed against queueing. The load guard
   (``balance_*_threshold``) still wins when outstanding requests are imbalanced.
+* Measured speed (seed 000; skylb/core/rates.py): once a replica's responses have been measured, its own prefill
+  seconds per token replace ``prefill_tokens_per_s`` in its wait and prefill estimates (``measured_prefill``), and
+  among candidates left tied (estimates within a millisecond, equal prefix matches) the one with the least
+  estimated wait from measured time per token goes first (``tie_break``: seed 000's Algorithm 1,
+  measured_wait.py ``pick_by_estimated_wait``), so a slower replica gets less of the work than a faster one.
 * Forwarding on the estimate: a request goes to an available peer when that peer's estimated wait (from its status),
   plus the measured round trip, plus the prefill of the part its snapshot match does not cover, beats the best
   local replica's estimate by ``forward_margin_ms``, even when a local replica has room. With no local replica
@@ -31,12 +36,15 @@ Builds on the paper's rule (``skylb-paper``, prefix.py) with what issue 8 measur
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from skylb.core.estimate import WaitModel, prompt_tokens
 from skylb.core.policies.base import OPTIONS_CONFIG
 from skylb.core.policies.prefix import PrefixOptions, PrefixPolicy
+from skylb.core.policies.measured_wait import pick_by_estimated_wait
 from skylb.core.policies.scoring import prefix_lookahead
 
 __all__ = ["EstimatedWaitPolicy", "EstimatedWaitOptions"]
@@ -60,6 +68,11 @@ class EstimatedWaitOptions(PrefixOptions):
         queue_lookahead: how many queued requests, from the head, are searched for one whose prefix a free
             replica holds (0 or 1: strict first come, first served).
         max_bypass: how many times the head may be passed over for a later request before it goes first.
+        tie_break: among available replicas left tied by the estimate above with equal prefix matches:
+            "estimated-wait" (seed 000's least estimated wait from measured time per token, then the smaller queue,
+            then turns) or "least-load" (fewest in flight, then turns: the behaviour before measured speeds).
+        measured_prefill: use a replica's measured prefill rate in place of ``prefill_tokens_per_s`` once it is
+            measured (skylb/core/estimate.py WaitModel).
     """
 
     prefill_tokens_per_s: float = Field(2000.0, gt=0)
@@ -70,6 +83,8 @@ class EstimatedWaitOptions(PrefixOptions):
     queue_forward_margin_ms: float = Field(2000.0, ge=0)
     queue_lookahead: int = Field(64, ge=0)
     max_bypass: int = Field(64, ge=0)
+    tie_break: Literal["estimated-wait", "least-load"] = "estimated-wait"
+    measured_prefill: bool = True
 
 
 class EstimatedWaitPolicy(PrefixPolicy, name="skylb"):
@@ -82,7 +97,7 @@ class EstimatedWaitPolicy(PrefixPolicy, name="skylb"):
         super().__init__(options)
         o = self.options
         self.wait = WaitModel(prefill_tokens_per_s=o.prefill_tokens_per_s,
-                              default_prompt_tokens=o.default_prompt_tokens)
+                              default_prompt_tokens=o.default_prompt_tokens, measured=o.measured_prefill)
         # One decision needs the prompt's replica-trie match three times (pick, forward check, backlog accounting);
         # the trie changes only in ``routed``, so the pick's match is kept until then.
         self._memo: tuple[object, object] | None = None
@@ -141,7 +156,7 @@ class EstimatedWaitPolicy(PrefixPolicy, name="skylb"):
         tokens = prompt_tokens(request)
         members = {c.id for c in candidates}
         return {c.id: self.wait.wait_s(c) + self.wait.prefill_s(
-                    tokens * (1.0 - self._matched_fraction(request, c.id, members)))
+                    tokens * (1.0 - self._matched_fraction(request, c.id, members)), c)
                 for c in candidates}
 
     def pick_replica(self, request, candidates):
@@ -150,7 +165,13 @@ class EstimatedWaitPolicy(PrefixPolicy, name="skylb"):
         costs = self._local_costs(request, candidates)
         best = min(costs.values())
         # Within a millisecond is a tie: spread over the tied ones by load rather than by dict order.
-        return self.least_loaded([c for c in candidates if costs[c.id] <= best + 1e-3])
+        tied = [c for c in candidates if costs[c.id] <= best + 1e-3]
+        if len(tied) > 1 and self.options.tie_break == "estimated-wait":
+            members = {c.id for c in candidates}
+            ratio = {c.id: self._matched_fraction(request, c.id, members) for c in tied}
+            top = max(ratio.values())
+            tied = pick_by_estimated_wait(self.rates, request, [c for c in tied if ratio[c.id] == top])
+        return self.least_loaded(tied)
 
     def peer_cost_s(self, request, peer, ratio: float) -> float | None:
         """Estimated seconds to ``request``'s first token through ``peer`` (its status's wait, the round trip, the
