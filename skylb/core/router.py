@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from skylb.core.fleet import FleetRules
 from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy
 from skylb.core.request import Request
@@ -59,14 +60,16 @@ class Router:
         rules: the availability rules (tau, staleness, dispatch cap).
         max_queue: the most requests the queue holds; more raise QueueFull.
         outlier: outlier detection (ejection of failing targets; skylb/core/outlier.py).
+        fleet: the Ollama fleet rules (elimination, fit, hot preference; skylb/core/fleet.py).
     """
 
     def __init__(self, *, region: str, policy: Policy, rules: AvailabilityRules | None = None,
-                 max_queue: int = 10_000, outlier: OutlierDetector | None = None):
+                 max_queue: int = 10_000, outlier: OutlierDetector | None = None, fleet: FleetRules | None = None):
         self.region = region
         self.policy = policy
         self.rules = rules or AvailabilityRules()
         self.outlier = outlier or OutlierDetector()
+        self.fleet = fleet or FleetRules()
         self.max_queue = max_queue
         self.replicas: dict[str, ReplicaState] = {}
         self.peers: dict[str, PeerState] = {}
@@ -223,6 +226,8 @@ class Router:
         rules, policy, model, api = self.rules, self.policy, request.model, request.api
         usable = self.replica_available if policy.selective else self._replica_usable
         local = [r for r in self.replicas.values() if r.serves(model, api) and usable(r, now)]
+        local = self.fleet.candidates(model, api, local, list(self.replicas.values()), now,
+                                      self.policy.estimated_wait_s)
         peers = ([p for p in self.peers.values() if self.peer_available(p, now, model, api)]
                  if request.may_forward else [])
         if request.avoid:

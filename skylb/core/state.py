@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from skylb.core.fleet import FleetView
+
 __all__ = ["ReplicaState", "PeerState", "PeerStatus", "AvailabilityRules", "load_from_outstanding"]
 
 
@@ -75,6 +77,8 @@ class ReplicaState:
     unprefilled: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``unprefilled``, kept up to date so that reading it is O(1) on every routing decision.
     backlog_tokens: int = field(default=0, repr=False)
+    #: Ollama replicas: models on disk and loaded, recent loads (skylb/core/fleet.py); None for other engines.
+    fleet: FleetView | None = field(default=None, repr=False)
 
     def add_unprefilled(self, request_id: str, tokens: int) -> None:
         """Request ``request_id`` was sent here with ``tokens`` prompt tokens to prefill (not expected cached)."""
