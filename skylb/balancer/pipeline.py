@@ -21,6 +21,7 @@ from aiohttp import web
 from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_openai
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
+from skylb.balancer.fleet import pin_num_ctx
 from skylb.balancer.retry import backoff_s
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
                                      REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
@@ -90,8 +91,10 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
         return reject(403, "forwarded request with a missing or wrong peer token", "forbidden",
                       model=parsed.model, type_="permission_error")
     router = balancer.router
+    if api == "ollama":  # num_ctx pinning (skylb/balancer/fleet.py), so no client makes Ollama reload a model
+        body = pin_num_ctx(cfg.ollama_fleet, parsed.model, body)
     served = router.served_models(api, with_peers=forwarded_from is None)
-    if parsed.model not in served and router.models_known():
+    if not balancer.fleet.any_served(parsed.model, served) and router.models_known():
         if balancer.model_recently_served(api, parsed.model, with_peers=forwarded_from is None):
             return reject(503, f"model '{parsed.model}' is served by no replica or peer reachable now; retry later",
                           "model_unavailable", model=parsed.model, type_="service_unavailable", retry_after=True)
@@ -112,7 +115,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     try:
         while True:
             try:
-                decision = await dispatcher.acquire(routed, retry=attempt > 0)
+                decision, body = await balancer.fleet.acquire(routed, body, retry=attempt > 0)
             except QueueFull as exc:
                 return reject(503, f"{exc}; retry later", "queue_full", model=parsed.model,
                               type_="overloaded_error", retry_after=True)
@@ -124,6 +127,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
             def first_byte(ttft_s: float, decision: Decision = decision) -> None:
                 ttft_histogram.observe(ttft_s)
                 router.first_token(decision)  # its prompt left the replica's prefill backlog
+                balancer.fleet.first_byte(decision, ttft_s)
                 dispatcher.wake()
 
             try:
@@ -134,6 +138,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                                             check_s=cfg.probe_interval_ms / 1000)
             finally:
                 dispatcher.release(decision)
+                balancer.fleet.finished(decision)
             _outlier(balancer, decision, outcome.failure)
             if retrying:
                 budget.release()

@@ -17,6 +17,8 @@ or make it unload immediately?", "How does Ollama load models on multiple GPUs?"
   in flight) are unloaded, least recently used first, until it fits. If it still does not fit, the request fails
   with Ollama's memory error (real Ollama may also wait for busy runners; the emulator fails at once, so a test
   sees it rather than a hang).
+* A request whose context size (``options.num_ctx``, default ``DEFAULT_NUM_CTX``) differs from the loaded
+  model's reloads it (Ollama's scheduler ``needsReload``): the request waits a full load again.
 * ``/api/ps`` lists loaded models with ``size`` (bytes), ``size_vram`` (bytes on the GPU: all of it here) and
   ``expires_at`` (a model kept forever shows a time far in the future, as Ollama does).
 """
@@ -31,6 +33,8 @@ __all__ = ["ModelSpec", "LoadedModel", "ModelLifecycle", "OutOfMemory", "parse_k
 
 #: ``OLLAMA_KEEP_ALIVE``'s default: 5 minutes (s).
 DEFAULT_KEEP_ALIVE_S = 300.0
+#: The context size a model is loaded with when a request gives no ``options.num_ctx`` (tokens; Ollama's default).
+DEFAULT_NUM_CTX = 4096
 #: ``OLLAMA_MAX_LOADED_MODELS``'s default for one GPU.
 DEFAULT_MAX_LOADED = 3
 #: What "forever" means for ``expires_at``: far in the future, as Ollama reports a negative keep_alive (s).
@@ -94,6 +98,7 @@ class LoadedModel:
     in_flight: int = 0
     keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
     expires_at: float | None = None
+    num_ctx: int = DEFAULT_NUM_CTX
 
 
 @dataclass
@@ -127,19 +132,25 @@ class ModelLifecycle:
             del self.loaded[name]
         return gone
 
-    def acquire(self, name: str, now: float) -> float:
-        """A request for model ``name`` arrives at ``now``: load it if needed; returns when it is ready (s, ``now``
-        when already loaded). The request counts as in flight until ``release``.
+    def acquire(self, name: str, now: float, num_ctx: int | None = None) -> float:
+        """A request for model ``name`` (context size ``num_ctx``, None: ``DEFAULT_NUM_CTX``) arrives at ``now``:
+        load it if needed, or reload it with another context size; returns when it is ready (s, ``now`` when
+        already loaded). The request counts as in flight until ``release``.
 
         Raises KeyError when the model is not on disk, OutOfMemory when it cannot fit.
         """
         self.expire(now)
         spec = self.disk[name]
+        num_ctx = DEFAULT_NUM_CTX if num_ctx is None else num_ctx
         model = self.loaded.get(name)
+        if model is not None and model.num_ctx != num_ctx:  # a reload with the new context size
+            model.ready_at = max(now, model.ready_at) + spec.load_s
+            model.num_ctx = num_ctx
+            self.loads += 1
         if model is None:
             self._make_room(spec, now)
             model = LoadedModel(name, spec, ready_at=now + spec.load_s, last_used=now,
-                                keep_alive_s=self.default_keep_alive_s)
+                                keep_alive_s=self.default_keep_alive_s, num_ctx=num_ctx)
             self.loaded[name] = model
             self.loads += 1
         model.in_flight += 1

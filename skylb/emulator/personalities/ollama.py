@@ -37,6 +37,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, AsyncIterator
 
+import structlog
 from aiohttp import web
 
 from skylb.emulator.model import FinishedRequest, chat_tokens, text_tokens
@@ -45,6 +46,8 @@ from skylb.emulator.personalities.base import ApiError, Generation, embed, token
 from skylb.emulator.personalities.openai import OpenAIServing
 
 __all__ = ["OllamaPersonality", "OLLAMA_VERSION", "QUEUE_FULL"]
+
+log = structlog.get_logger("skylb.emulator")
 
 #: The Ollama release this personality follows.
 OLLAMA_VERSION = "0.12.6"
@@ -197,12 +200,11 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
         """``GET /api/ps``: loaded models (fully on the GPU: ``size_vram`` = ``size``), most recently used first,
         with ``expires_at`` (RFC 3339) from their keep_alive."""
         mono, wall = time.monotonic(), datetime.now(timezone.utc)
-        ctx = self.replica.model.params.model_len
         models = []
         for m, at in self.lifecycle.ps(mono):
             expires = (wall + timedelta(seconds=at - mono)).isoformat().replace("+00:00", "Z")
             models.append({**self._entry(m.name), "expires_at": expires, "size_vram": m.spec.size_bytes,
-                           "context_length": ctx})
+                           "context_length": m.num_ctx})
         return web.json_response({"models": models})
 
     async def show(self, request: web.Request) -> web.Response:
@@ -277,15 +279,24 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
             raise ApiError(400, str(exc)) from exc
 
     @contextlib.asynccontextmanager
-    async def _loaded(self, model: str, keep_alive_s: float | None) -> AsyncIterator[float]:
-        """Hold ``model`` loaded for one request: load it first when needed (waiting its load time; yields the
-        seconds waited), release it with the request's keep_alive at the end. 500 when it does not fit memory."""
+    async def _loaded(self, model: str, keep_alive_s: float | None, body: dict | None = None) -> AsyncIterator[float]:
+        """Hold ``model`` loaded for one request: load it first when needed, or reload it when the request's
+        ``options.num_ctx`` differs (waiting the load time; yields the seconds waited), release it with the
+        request's keep_alive at the end. 500 when it does not fit memory, 400 for a bad num_ctx."""
         name = self._served[canonical(model)]
+        options = (body or {}).get("options")
+        num_ctx = options.get("num_ctx") if isinstance(options, dict) else None
+        if num_ctx is not None and (type(num_ctx) is not int or num_ctx < 1):
+            raise ApiError(400, "num_ctx must be a positive integer")
         now = time.monotonic()
+        loads = self.lifecycle.loads
         try:
-            ready = self.lifecycle.acquire(name, now)
+            ready = self.lifecycle.acquire(name, now, num_ctx)
         except OutOfMemory as exc:
             raise ApiError(500, str(exc)) from exc
+        if self.lifecycle.loads != loads:
+            log.info("model_load", replica=self.replica.name, model=name, num_ctx=self.lifecycle.loaded[name].num_ctx,
+                     load_ms=round((ready - now) * 1000, 1))
         try:
             if ready > now:
                 await asyncio.sleep(ready - now)
@@ -455,7 +466,7 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
             self.lifecycle.unload(self._served[canonical(model)])
             reason = "unload"
         else:
-            async with self._loaded(model, keep):
+            async with self._loaded(model, keep, body):
                 reason = "load"
         piece = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
         return web.json_response({"model": model, "created_at": _now(), **piece, "done": True,
@@ -475,7 +486,7 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
             stream = True if stream is None else bool(stream)
             keep = self._keep_alive(body)
             self.check_admission()
-            async with self._loaded(model, keep) as load_s:
+            async with self._loaded(model, keep, body) as load_s:
                 gen = self.start(tokens, max_tokens,
                                  ignore_eos=bool(options.get("ignore_eos")) and bool(max_tokens), prefix="ollama")
                 try:
