@@ -92,3 +92,21 @@ def test_runner_up_is_not_the_winner_and_not_hot():
     a, b, c = _replica("a", loaded=("m:latest",)), _replica("b", outstanding=2), _replica("c")
     assert rules.runner_up("m:latest", "ollama", a, [a, b, c], 0.0) is c
     assert rules.runner_up("m:latest", "ollama", a, [a, _replica("d", loaded=("m:latest",))], 0.0) is None
+
+
+def test_embedding_slot_admits_one_embedding_beside_a_generation():
+    """A one-slot Ollama replica busy with a generation takes one embedding with embedding_slot, none without."""
+    for slot, expected in ((True, ["b"]), (False, [])):
+        busy = _replica("b", outstanding=1)
+        router = _router(FleetSettings(embedding_slot=slot), [busy], policy="skylb")
+        router.enqueue(Request(id="e", text="x", arrived_at=0.0, model="m:latest", api="ollama", embedding=True))
+        router.enqueue(Request(id="g", text="x", arrived_at=0.0, model="m:latest", api="ollama"))
+        decisions = router.dispatch(0.0)
+        assert [d.target for d in decisions] == expected
+        if slot:  # an embedding in the slot: no second one until it finished
+            router.queue.clear()
+            router.enqueue(Request(id="e2", text="x", arrived_at=0.0, model="m:latest", api="ollama",
+                                   embedding=True))
+            assert busy.fleet.embeddings == 1 and router.dispatch(0.0) == []
+            router.finished(decisions[0])
+            assert busy.fleet.embeddings == 0 and [d.target for d in router.dispatch(0.0)] == ["b"]

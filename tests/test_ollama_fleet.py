@@ -175,3 +175,35 @@ def test_num_ctx_is_pinned(procs, tmp_path):
                                                             "options": {"num_predict": 1, "num_ctx": 2048}},
                            timeout=30).json()
     assert direct["load_duration"] > 0 and len(_load_lines(procs, urls[0])) == 2
+
+
+@pytest.mark.parametrize("slot", [True, False])
+def test_embedding_slot_runs_an_embedding_beside_a_generation(procs, tmp_path, slot):
+    """One Ollama replica with one generation slot (max_concurrency 1) busy with a long generation: with the
+    embedding slot an embedding is answered while the generation still runs; without, it waits for it."""
+    cluster = Cluster(procs, tmp_path, balancer={"ollama_fleet": {"embedding_slot": slot}})
+    cluster.start_controller(["us"])
+    [replica] = cluster.start_emulator(1, "--engine", "ollama", "--model", MODEL, "--parallel", "1", *FAST,
+                                       name="emu-ollama")
+    url = cluster.start_balancer("us", ["us"])
+    cluster.ctl("replica", "add", "--region", "us", "--url", replica, "--engine", "ollama", "--id", "r0",
+                "--max-concurrency", "1")
+    cluster.wait_until(lambda: cluster.status("us")["replicas"] and cluster.status("us")["replicas"][0]["models"],
+                       what="models")
+    order: list[str] = []
+
+    def generate() -> None:
+        r = requests.post(f"{url}/api/generate", json={"model": MODEL, "prompt": "long", "stream": False,
+                                                        "options": {"num_predict": 60, "ignore_eos": True}},
+                          timeout=60)
+        order.append(f"generate {r.status_code}")
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    try:
+        cluster.wait_until(lambda: cluster.status("us")["replicas"][0]["outstanding"] == 1, what="generation running")
+        r = requests.post(f"{url}/api/embed", json={"model": MODEL, "input": "a short text"}, timeout=60)
+        order.append(f"embed {r.status_code}")
+    finally:
+        thread.join(timeout=60)
+    assert order == (["embed 200", "generate 200"] if slot else ["generate 200", "embed 200"])

@@ -107,7 +107,8 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     waited_s = (min(queued_ms(request.headers.get(QUEUE_MS_HEADER)) / 1000.0, cfg.queue_timeout_s)
                 if forwarded_from is not None else 0.0)
     routed = Request(id=request_id, text=parsed.text, arrived_at=arrived_at, model=parsed.model,
-                     session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s)
+                     session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s,
+                     embedding=request.path in ("/v1/embeddings", "/api/embed", "/api/embeddings"))
     dispatcher, relay, metrics = balancer.dispatcher, balancer.relay, balancer.metrics
     budget, policy = balancer.retry_budget, cfg.retry_policy
     attempt = 0

@@ -199,15 +199,21 @@ class FleetRules:
         return None
 
     def candidates(self, model: str, api: str, local: list["ReplicaState"], replicas: list["ReplicaState"],
-                   now: float, wait_s=None) -> list["ReplicaState"]:
+                   now: float, wait_s=None, *, embedding: bool = False, usable=None) -> list["ReplicaState"]:
         """The local replicas (of ``local``, those with room) the request may go to now: eliminated ones removed;
         with ``hot_preference``, only the cheapest by queue wait + load time, and none (the request waits) when a
         busy replica among ``replicas`` where the model is hot would serve it sooner than loading it would.
 
         ``wait_s(replica)``: a policy's estimated wait (s) or None; without one, a busy replica's wait is its
-        requests beyond its slots times ``service_s``.
+        requests beyond its slots times ``service_s``. ``embedding`` with ``embedding_slot`` on: an Ollama replica
+        with one generation slot, busy, is a candidate too while no other embedding runs there (seed 003's
+        concurrent embed slot); ``usable(replica)`` says it is healthy, fresh, not draining, not ejected.
         """
         s = self.settings
+        if embedding and s.embedding_slot and usable is not None:
+            local = local + [r for r in replicas if r not in local and r.fleet is not None
+                             and r.fleet.embeddings == 0 and (r.max_concurrency or 1) == 1
+                             and r.serves(model, api) and usable(r, now)]
         local = [r for r in local if self.eliminated(r, model, now) is None]
         if not s.hot_preference or not model:
             return local
@@ -226,6 +232,16 @@ class FleetRules:
             if s.service_s and any(_wait(r, wait_s, s.service_s) < best for r in busy_hot):
                 return []
         return local
+
+    def routed(self, request, replica: "ReplicaState") -> None:
+        """``request`` went to local ``replica``: an embedding there takes its embedding slot until ``finished``."""
+        if request.embedding and replica.fleet is not None:
+            replica.fleet.embeddings += 1
+
+    def finished(self, request, replica: "ReplicaState | None") -> None:
+        """``request``'s response on local ``replica`` ended: free its embedding slot."""
+        if request.embedding and replica is not None and replica.fleet is not None:
+            replica.fleet.embeddings = max(0, replica.fleet.embeddings - 1)
 
     def runner_up(self, model: str, api: str, winner: "ReplicaState", replicas: list["ReplicaState"],
                   now: float) -> "ReplicaState | None":

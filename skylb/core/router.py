@@ -227,7 +227,8 @@ class Router:
         usable = self.replica_available if policy.selective else self._replica_usable
         local = [r for r in self.replicas.values() if r.serves(model, api) and usable(r, now)]
         local = self.fleet.candidates(model, api, local, list(self.replicas.values()), now,
-                                      self.policy.estimated_wait_s)
+                                      self.policy.estimated_wait_s, embedding=request.embedding,
+                                      usable=self._replica_usable)
         peers = ([p for p in self.peers.values() if self.peer_available(p, now, model, api)]
                  if request.may_forward else [])
         if request.avoid:
@@ -241,6 +242,7 @@ class Router:
                 replica.served += 1
                 replica.add_unprefilled(request.id, policy.uncached_tokens(request, replica.id))
                 policy.routed(request, replica=replica.id)
+                self.fleet.routed(request, replica)
                 return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now)
         elif peers:
             peer = policy.pick_peer(request, peers)
@@ -269,6 +271,7 @@ class Router:
         """The response of ``decision`` ended (any outcome): release its outstanding count (never below 0)."""
         if decision.route == "local":
             state = self.replicas.get(decision.target)
+            self.fleet.finished(decision.request, state)
             if state is not None:
                 state.outstanding = max(0, state.outstanding - 1)
                 state.prefilled(decision.request.id)
