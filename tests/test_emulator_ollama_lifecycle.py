@@ -59,6 +59,16 @@ def test_lifecycle_loads_evicts_lru_idle_and_expires():
     assert model.name == "b" and expires_at == 1e6 + FOREVER_S
 
 
+def test_another_num_ctx_reloads_the_model():
+    """Ollama reloads a model asked with another context size (absent: the default 4096)."""
+    lc = ModelLifecycle(disk={"a": ModelSpec(GIB, 2.0)})
+    assert lc.acquire("a", 0.0, 8192) == 2.0
+    lc.release("a", 3.0, 300.0)
+    assert lc.acquire("a", 4.0, 8192) == 4.0 and lc.loads == 1
+    lc.release("a", 4.5, 300.0)
+    assert lc.acquire("a", 5.0) == 7.0 and lc.loads == 2 and lc.loaded["a"].num_ctx == 4096
+
+
 def test_lifecycle_max_loaded_models():
     lc = ModelLifecycle(max_loaded=2, disk={n: ModelSpec(1, 0.0) for n in "xyz"})
     for n in "xy":

@@ -273,9 +273,9 @@ async def _refresh(balancer: "Balancer", replica: "ReplicaState") -> None:
     adapter = adapter_for("ollama")
     try:
         slots = await adapter.model_slots(balancer.session, replica.url, "/api/tags", timeout_s=5.0)
+        raw = await adapter.models(balancer.session, replica.url, timeout_s=5.0)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        return
-    raw = await adapter.models(balancer.session, replica.url, timeout_s=5.0)
+        return  # the next model-list refresh reads it
     balancer.router.set_replica_models(replica.id, raw)
     if replica.fleet is not None:
         replica.fleet.observe_tags(slots)
