@@ -124,6 +124,41 @@ def test_fallback_chain_serves_when_the_primary_has_no_replica(procs, tmp_path):
     assert err.value.status_code == 404
 
 
+def test_fallback_after_holding_when_the_primary_is_busy(procs, tmp_path):
+    """big:latest is served, by r0 only (one slot, busy with a long generation); after fallback_hold_s in the
+    queue the request goes to its fallback small:latest on r1, and says so."""
+    cluster = Cluster(procs, tmp_path, balancer={"ollama_fleet": {"fallbacks": {"big:latest": ["small:latest"]},
+                                                                  "fallback_hold_s": 0.3}})
+    cluster.start_controller(["us"])
+    [big] = cluster.start_emulator(1, "--engine", "ollama", "--model", "big:latest", *FAST, name="emu-big")
+    [small] = cluster.start_emulator(1, "--engine", "ollama", "--model", "small:latest", *FAST, name="emu-small")
+    url = cluster.start_balancer("us", ["us"])
+    for rid, replica in (("r0", big), ("r1", small)):
+        cluster.ctl("replica", "add", "--region", "us", "--url", replica, "--engine", "ollama", "--id", rid,
+                    "--max-concurrency", "1")
+    cluster.wait_until(lambda: all(r["models"] for r in cluster.status("us")["replicas"])
+                       and len(cluster.status("us")["replicas"]) == 2, what="models")
+    results = {}
+
+    def long() -> None:
+        r = requests.post(f"{url}/api/generate", json={"model": "big:latest", "prompt": "long", "stream": False,
+                                                        "options": {"num_predict": 1000, "ignore_eos": True}},
+                          timeout=60)
+        results["long"] = (r.status_code, r.headers.get("X-SkyLB-Model"))
+
+    thread = threading.Thread(target=long)
+    thread.start()
+    try:
+        cluster.wait_until(lambda: cluster.status("us")["replicas"][0]["outstanding"] == 1, what="r0 busy")
+        r = requests.post(f"{url}/api/generate", json={"model": "big:latest", "prompt": "short", "stream": False,
+                                                        "options": {"num_predict": 2}}, timeout=60)
+        results["short"] = (r.status_code, r.headers.get("X-SkyLB-Model"), r.json().get("model"))
+    finally:
+        thread.join(timeout=60)
+    assert results["short"] == (200, "small:latest", "small:latest")
+    assert results["long"] == (200, "big:latest")
+
+
 def test_pulled_model_is_routable_without_restart(procs, tmp_path):
     """A model pulled through the balancer on a named replica is routable at once; one pulled on a replica
     directly is routable after the next model-list refresh; a delete through the balancer removes it."""

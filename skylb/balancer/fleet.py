@@ -39,7 +39,6 @@ MODEL_HEADER = "X-SkyLB-Model"
 REPLICA_HEADER = "X-SkyLB-Replica"
 #: Ollama's model-management endpoints relayed by the balancer, with their HTTP method.
 MANAGEMENT_PATHS = {"/api/pull": "POST", "/api/delete": "DELETE", "/api/copy": "POST", "/api/create": "POST"}
-_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
 def pin_num_ctx(settings: FleetSettings, model: str, body: bytes) -> bytes:
@@ -123,8 +122,8 @@ class Fleet:
     # ---- pre-warm (seed 002 stage 4) -----------------------------------------------------------------------------
 
     def check_prewarm(self) -> None:
-        """For every model with at least ``prewarm_threshold`` requests queued here, load it on the runner-up
-        replica (not hot there) with an empty generate, once per (model, replica) at a time."""
+        """For every model with more than ``prewarm_threshold`` requests queued here (seed 002: "exceeds"), load it
+        on the runner-up replica (not hot there) with an empty generate, once per (model, replica) at a time."""
         if not self.settings.prewarm:
             return
         router, now = self.balancer.router, self.balancer.now()
@@ -134,7 +133,7 @@ class Fleet:
                 key = (request.model, request.api)
                 depth[key] = depth.get(key, 0) + 1
         for (model, api), n in depth.items():
-            if n < self.settings.prewarm_threshold:
+            if n <= self.settings.prewarm_threshold:
                 continue
             replicas = [r for r in router.replicas.values() if r.serves(model, api)]
             hot = [r for r in replicas if thermal(r, model, now) == "hot"]
