@@ -54,6 +54,7 @@ def test_lifecycle_loads_evicts_lru_idle_and_expires():
     assert set(lc.loaded) == {"c"}
     assert lc.expire(72.0) == [] and lc.expire(73.0) == ["c"]
     lc.acquire("b", 80.0)
+    assert lc.ps(80.5) == []  # still loading: not listed
     lc.release("b", 81.0, None)  # negative keep_alive: forever
     (model, expires_at), = lc.ps(1e6)
     assert model.name == "b" and expires_at == 1e6 + FOREVER_S

@@ -200,11 +200,14 @@ class ModelLifecycle:
                               f"(OLLAMA_MAX_LOADED_MODELS)")
 
     def ps(self, now: float) -> list[tuple[LoadedModel, float]]:
-        """Loaded models (ready ones and those loading) with their ``expires_at`` (s on this clock): for a model in
-        use, now + its keep_alive; forever: now + ``FOREVER_S``. Most recently used first, as Ollama lists them."""
+        """Loaded models with their ``expires_at`` (s on this clock): for a model in use, now + its keep_alive;
+        forever: now + ``FOREVER_S``. Most recently used first, as Ollama lists them; a model still loading is not
+        listed (Ollama adds a runner to its loaded set once the load finished)."""
         self.expire(now)
         out = []
         for m in sorted(self.loaded.values(), key=lambda m: -m.last_used):
+            if m.ready_at > now:
+                continue
             if m.expires_at is not None:
                 at = m.expires_at
             elif m.keep_alive_s is None:
