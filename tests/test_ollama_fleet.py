@@ -80,7 +80,8 @@ def test_request_goes_where_its_model_is_hot(procs, tmp_path):
 def test_prewarm_loads_the_model_on_the_runner_up_exactly_once(procs, tmp_path):
     """m is hot on r0 (one slot), on disk on r1. Requests wait for hot r0 (waiting one request's service time is
     cheaper than a 1.5 s load), so the queue passes 3: the balancer pre-warms r1 with one empty generate, exactly
-    once although many probe rounds see the deep queue while it loads; afterwards both replicas serve."""
+    once although many probe rounds see the deep queue while it loads; once loaded, r1 serves too (each request
+    takes about 0.5 s on r0: ten of them outlast the load)."""
     cluster, url, urls, ids = _fleet(procs, tmp_path, {"hot_preference": True, "service_s": 0.5, "prewarm": True,
                                                        "prewarm_threshold": 3, "prewarm_keep_alive": "10m"})
     requests.post(f"{urls[0]}/api/generate", json={"model": MODEL, "prompt": ""}, timeout=30).raise_for_status()
@@ -89,7 +90,7 @@ def test_prewarm_loads_the_model_on_the_runner_up_exactly_once(procs, tmp_path):
 
     def one(i: int) -> None:
         r = requests.post(f"{url}/api/generate", json={"model": MODEL, "prompt": f"q{i} words here", "stream": False,
-                                                        "options": {"num_predict": 40, "ignore_eos": True}},
+                                                        "options": {"num_predict": 200, "ignore_eos": True}},
                           timeout=60)
         results.append((r.status_code, r.headers.get("X-SkyLB-Served-By")))
 
