@@ -70,6 +70,14 @@ def test_another_num_ctx_reloads_the_model():
     assert lc.acquire("a", 5.0) == 7.0 and lc.loads == 2 and lc.loaded["a"].num_ctx == 4096
 
 
+def test_unload_of_a_busy_model_waits_for_its_requests():
+    lc = ModelLifecycle(disk={"a": ModelSpec(GIB, 0.0)})
+    lc.acquire("a", 0.0)
+    assert lc.unload("a") is False and "a" in lc.loaded
+    lc.release("a", 1.0, 300.0)
+    assert "a" not in lc.loaded
+
+
 def test_lifecycle_max_loaded_models():
     lc = ModelLifecycle(max_loaded=2, disk={n: ModelSpec(1, 0.0) for n in "xyz"})
     for n in "xy":

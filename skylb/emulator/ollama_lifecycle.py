@@ -99,6 +99,8 @@ class LoadedModel:
     keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
     expires_at: float | None = None
     num_ctx: int = DEFAULT_NUM_CTX
+    #: An unload was asked while requests used it: it goes when the last one ends.
+    unload_when_idle: bool = False
 
 
 @dataclass
@@ -154,6 +156,7 @@ class ModelLifecycle:
             self.loaded[name] = model
             self.loads += 1
         model.in_flight += 1
+        model.unload_when_idle = False  # a new request keeps it (its own keep_alive decides)
         model.last_used = now
         model.expires_at = None  # the expiry timer stops while a request uses the model
         return max(now, model.ready_at)
@@ -168,15 +171,19 @@ class ModelLifecycle:
         model.last_used = now
         model.keep_alive_s = keep_alive_s
         if model.in_flight == 0:
-            if keep_alive_s == 0:
+            if keep_alive_s == 0 or model.unload_when_idle:
                 del self.loaded[name]
             else:
                 model.expires_at = None if keep_alive_s is None else now + keep_alive_s
 
     def unload(self, name: str) -> bool:
-        """Unload ``name`` now (``keep_alive: 0`` on an empty request) unless requests use it; True if unloaded."""
+        """Unload ``name`` (``keep_alive: 0`` on an empty request): now when idle (True), else once its requests in
+        flight end (False)."""
         model = self.loaded.get(name)
-        if model is None or model.in_flight:
+        if model is None:
+            return False
+        if model.in_flight:
+            model.unload_when_idle = True
             return False
         del self.loaded[name]
         return True
