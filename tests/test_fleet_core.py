@@ -41,6 +41,9 @@ def test_thermal_states_and_load_time():
 def test_elimination_paused_draining_absent_and_memory_fit():
     rules = FleetRules(FleetSettings(paused=["p"], memory_bytes={"small": 6 * GIB}, default_memory_bytes=64 * GIB))
     assert rules.eliminated(_replica("p"), "m", 0.0) == "paused"
+    router = _router(rules.settings, [_replica("p"), _replica("a")], policy="skylb")
+    assert [r.id for r in router.available_replicas(0.0)] == ["a"]  # a paused replica is not available
+    assert router.replica_unavailable_reason(router.replicas["p"], 0.0) == "paused"
     drained = _replica("d")
     drained.draining = True
     assert rules.eliminated(drained, "m", 0.0) == "draining"

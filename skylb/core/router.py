@@ -384,7 +384,7 @@ class Router:
         reason = self.rules.replica_unavailable_reason(replica, now)
         if reason is None and self._ejected(replica, now):
             return "ejected (outlier detection)"
-        return reason or self.policy.replica_unavailable_reason(replica)
+        return reason or self.fleet.eliminated(replica, "", now) or self.policy.replica_unavailable_reason(replica)
 
     def replica_available(self, replica: ReplicaState, now: float) -> bool:
         """True when ``replica`` may take a request at ``now`` under selective pushing."""
