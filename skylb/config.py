@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from controller.dns import DnsConfig
+from skylb.core.fleet import FleetSettings
 from skylb.core.policies import options_class, policy_options
 from skylb.quota.limits import Quotas
 
@@ -271,6 +272,9 @@ class BalancerConfig(_Strict):
     retry_after_s: int = Field(5, ge=1)
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
+    #: Ollama fleets: thermal state, fit, hot preference, pre-warm, fallbacks, num_ctx pinning, embedding slot
+    #: (skylb/core/fleet.py ``FleetSettings``; README "Ollama fleets"); routing changes are off by default.
+    ollama_fleet: FleetSettings = Field(default_factory=FleetSettings)
 
     @model_validator(mode="before")
     @classmethod

@@ -261,6 +261,7 @@ async def test_ollama_metadata_endpoints(emu, http):
     tags = json.loads((await get(http, f"{base}/api/tags"))[2])["models"]
     assert [m["name"] for m in tags] == OLLAMA_MODELS and tags[0]["details"]["format"] == "gguf"
     assert {"size", "digest", "modified_at"} <= set(tags[0])
+    await post(http, f"{base}/api/generate", {"model": "llama3.2"})  # an empty generate loads the model
     ps = json.loads((await get(http, f"{base}/api/ps"))[2])["models"]
     assert {"expires_at", "size_vram", "context_length"} <= set(ps[0])
     status, show = await post(http, f"{base}/api/show", {"model": "qwen2.5:0.5b"})

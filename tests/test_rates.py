@@ -234,3 +234,25 @@ def test_load_time_hook_adds_to_the_estimate():
     router.enqueue(Request("a", "x" * 100, 0.0, model="m"))
     (d,) = router.dispatch(0.0)
     assert d.target == "r0"
+
+
+def test_the_router_counts_the_fleets_load_time():
+    """The Router sets RateBook.load_s to the fleet's (skylb/core/fleet.py): 0 where the model is hot or the replica
+    is not an Ollama one, the measured or default load time where the model is only on disk; so the estimate of a
+    fast replica that must load the model exceeds that of a slower one where it is hot."""
+    from skylb.core.fleet import FleetView, canonical
+
+    router = _router()
+    _serve(router, "r0", 0, 0.03)
+    _serve(router, "r1", 0, 0.01)
+    hook = router.policy.rates.load_s
+    assert hook(router.replicas["r0"], "m") == 0.0  # no fleet view: not an Ollama replica
+    for rid, loaded in (("r0", {canonical("m"): None}), ("r1", {})):
+        view = router.replicas[rid].fleet = FleetView()
+        view.observe_tags({canonical("m"): None})
+        view.observe_ps(loaded, 0.0)
+    assert hook(router.replicas["r0"], "m") == 0.0
+    assert hook(router.replicas["r1"], "m") == router.fleet.settings.default_load_s > 0
+    router.enqueue(Request("a", "x" * 100, 0.0, model="m"))
+    (d,) = router.dispatch(0.0)
+    assert d.target == "r0"

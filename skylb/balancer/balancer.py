@@ -14,6 +14,7 @@ from collections import deque
 import aiohttp
 
 from skylb.balancer.dispatcher import Dispatcher
+from skylb.balancer.fleet import Fleet
 from skylb.balancer.membership import MembershipWatcher
 from skylb.balancer.metrics import BalancerMetrics
 from skylb.balancer.probers import Probers
@@ -67,6 +68,8 @@ class Balancer:
         #: {(api, model): (last seen on a local replica, last seen locally or on a peer)}, balancer clock (s).
         self._models_seen: dict[tuple[str, str], tuple[float | None, float]] = {}
         self._tasks: list[asyncio.Task] = []
+        #: Ollama fleets: pre-warm, fallbacks, load times (skylb/balancer/fleet.py).
+        self.fleet = Fleet(self)
 
     def now(self) -> float:
         """The balancer's clock: the event loop's monotonic time, s."""
@@ -81,6 +84,7 @@ class Balancer:
         self.metrics.queue_wait.labels(self.region).observe(decision.queued_s)
         if decision.route != "local":
             self._forwarded_at.append(self.now())
+        self.fleet.routed(decision)
 
     def forwarded_rate(self, window_s: float = 60.0) -> float:
         """Requests forwarded to peers per second over the last ``window_s`` seconds (at most the last 10,000)."""
@@ -139,6 +143,7 @@ class Balancer:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.fleet.stop()
         self.dispatcher.fail_waiting("balancer shutting down")
         if self.session:
             await self.session.close()
@@ -171,6 +176,7 @@ class Balancer:
 
     def _probe_round_done(self) -> None:
         self.remember_models()
+        self.fleet.check_prewarm()
         self.dispatcher.wake()
 
     def remember_models(self) -> None:

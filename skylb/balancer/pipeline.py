@@ -21,6 +21,7 @@ from aiohttp import web
 from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_openai
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
+from skylb.balancer.fleet import pin_num_ctx
 from skylb.balancer.retry import backoff_s
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
                                      REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
@@ -91,8 +92,10 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
         return reject(403, "forwarded request with a missing or wrong peer token", "forbidden",
                       model=parsed.model, type_="permission_error")
     router = balancer.router
+    if api == "ollama":  # num_ctx pinning (skylb/balancer/fleet.py), so no client makes Ollama reload a model
+        body = pin_num_ctx(cfg.ollama_fleet, parsed.model, body)
     served = router.served_models(api, with_peers=forwarded_from is None)
-    if parsed.model not in served and router.models_known():
+    if not balancer.fleet.any_served(parsed.model, served) and router.models_known():
         if balancer.model_recently_served(api, parsed.model, with_peers=forwarded_from is None):
             return reject(503, f"model '{parsed.model}' is served by no replica or peer reachable now; retry later",
                           "model_unavailable", model=parsed.model, type_="service_unavailable", retry_after=True)
@@ -105,7 +108,8 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     waited_s = (min(queued_ms(request.headers.get(QUEUE_MS_HEADER)) / 1000.0, cfg.queue_timeout_s)
                 if forwarded_from is not None else 0.0)
     routed = Request(id=request_id, text=parsed.text, arrived_at=arrived_at, model=parsed.model,
-                     session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s)
+                     session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s,
+                     embedding=request.path in ("/v1/embeddings", "/api/embed", "/api/embeddings"))
     dispatcher, relay, metrics = balancer.dispatcher, balancer.relay, balancer.metrics
     budget, policy = balancer.retry_budget, cfg.retry_policy
     attempt = 0
@@ -113,7 +117,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     try:
         while True:
             try:
-                decision = await dispatcher.acquire(routed, retry=attempt > 0)
+                decision, body = await balancer.fleet.acquire(routed, body, retry=attempt > 0)
             except QueueFull as exc:
                 return reject(503, f"{exc}; retry later", "queue_full", model=parsed.model,
                               type_="overloaded_error", retry_after=True)
@@ -125,6 +129,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
             def first_byte(ttft_s: float, decision: Decision = decision) -> None:
                 ttft_histogram.observe(ttft_s)
                 router.first_token(decision)  # its prompt left the replica's prefill backlog
+                balancer.fleet.first_byte(decision, ttft_s)
                 dispatcher.wake()
 
             try:
@@ -136,6 +141,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                 observe_usage(router, decision, outcome, balancer.now())  # measured speed, before release
             finally:
                 dispatcher.release(decision)
+                balancer.fleet.finished(decision)
             _outlier(balancer, decision, outcome.failure)
             if retrying:
                 budget.release()

@@ -18,6 +18,7 @@ import structlog
 
 from skylb.balancer.protocol import MAX_STATUS_BYTES, STATUS_PATH, TOKEN_HEADER, ProtocolError, decode_status
 from skylb.core import PeerState, ReplicaState, Router
+from skylb.core.fleet import FleetView
 from skylb.engines import adapter_for
 from skylb.engines.auto import detected_engine
 
@@ -111,8 +112,10 @@ class Probers:
                                     probe_sent_at=sent_at, kv_usage=result.kv_usage)
         read_at = self._models_read_at.get(state.id)
         due = state.models is None or read_at is None or self.now() - read_at >= self.models_refresh_s
+        engine = detected_engine(state.url) if state.engine == "auto" else state.engine
+        if result.healthy and engine == "ollama":
+            await self._probe_ollama_models(state)
         if result.healthy and due:
-            engine = detected_engine(state.url) if state.engine == "auto" else state.engine
             if engine == "ollama":  # Ollama serves its own API besides the OpenAI one
                 state.apis = frozenset({"openai", "ollama"})
             try:
@@ -122,6 +125,22 @@ class Probers:
             self._models_read_at[state.id] = self.now()
             if frozenset(models) != state.models:
                 self.router.set_replica_models(state.id, models)
+
+    async def _probe_ollama_models(self, state: ReplicaState) -> None:
+        """Every round: the loaded models (``/api/ps``), and when the model list is due, the models on disk with
+        their sizes (``/api/tags``), into the replica's thermal state (skylb/core/fleet.py)."""
+        adapter = adapter_for("ollama")
+        view = state.fleet or FleetView()
+        try:
+            loaded = await adapter.model_slots(self.session, state.url, "/api/ps", timeout_s=self.timeout_s)
+            read_at = self._models_read_at.get(state.id)
+            if view.disk is None or read_at is None or self.now() - read_at >= self.models_refresh_s:
+                view.observe_tags(await adapter.model_slots(self.session, state.url, "/api/tags",
+                                                            timeout_s=self.timeout_s))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return  # keep what we know; the next round reads again
+        view.observe_ps(loaded, self.now())
+        state.fleet = view
 
     async def probe_peers(self) -> None:
         """One round over the peers: each one's msgpack status, or why it could not be read."""

@@ -116,6 +116,8 @@ class Relay:
             route, served_by = f"peer:{decision.target}", upstream.headers.get(SERVED_BY_HEADER, decision.target)
         headers = {ROUTE_HEADER: route, SERVED_BY_HEADER: served_by, BALANCER_REQUEST_ID_HEADER: request_id,
                    QUEUE_MS_HEADER: f"{decision.queued_s * 1000:.1f}"}
+        if decision.request.model:  # the model asked of the target (after a fallback, the fallback's)
+            headers["X-SkyLB-Model"] = decision.request.model
         if "Content-Type" in upstream.headers:
             headers["Content-Type"] = upstream.headers["Content-Type"]
         return headers

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from skylb.balancer.api import openai_error
 from skylb.balancer.balancer import Balancer
+from skylb.balancer.fleet import replica_thermal
 from skylb.balancer.metrics import CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 
@@ -32,6 +33,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "forwarded_per_s": balancer.forwarded_rate(),
         "tries": _tries(router.policy),
         "served_regions": balancer.served_epochs,
+        "ollama_fleet": balancer.fleet.status(),
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
@@ -40,7 +42,8 @@ def detailed_status(balancer: Balancer) -> dict:
              "reason": router.replica_unavailable_reason(r, now),
              "probe_age_ms": None if r.probed_at is None else round((now - r.probed_at) * 1000, 1),
              "models": sorted(r.models or ()), "apis": sorted(r.apis),
-             "measured": r.rates.summary()}
+             "measured": r.rates.summary(),
+             "thermal": replica_thermal(r, now, balancer.cfg.ollama_fleet.recent_window_s)}
             for r in router.replicas.values()],
         "peers": [
             {"region": p.region, "url": p.url, "healthy": p.healthy, "available_replicas": p.available_replicas,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from skylb.core.fleet import FleetRules, FleetSettings
 from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy, make_policy
 from skylb.core.router import Router
@@ -60,4 +61,5 @@ def build_router(region: str, settings: RouterSettings, *, max_queue: int | None
     never refuses a request, so it passes a bound no run reaches). Raises PolicyError on an invalid policy."""
     return Router(region=region, policy=build_policy(settings), rules=build_rules(settings),
                   max_queue=settings.max_queue if max_queue is None else max_queue,
-                  outlier=OutlierDetector.from_settings(getattr(settings, "outlier_detection", None)))
+                  outlier=OutlierDetector.from_settings(getattr(settings, "outlier_detection", None)),
+                  fleet=FleetRules(getattr(settings, "ollama_fleet", None) or FleetSettings()))

@@ -160,9 +160,9 @@ class RateBook:
         self.fixed_gamma = gamma
         self.fixed_factor = token_factor
         self.learned_factor: float | None = None
-        #: Hook for model load time (issue 12 item 2, another branch): ``load_s(replica, model)`` -> seconds before
-        #: ``model`` could start on ``replica`` (a ReplicaState) because it must be loaded first; added to W^ by
-        #: policies/measured_wait.py ``pick_by_estimated_wait``. 0 until thermal state is merged and sets it.
+        #: Model load time: ``load_s(replica, model)`` -> seconds before ``model`` could start on ``replica`` (a
+        #: ReplicaState) because it must be loaded first; added to W^ by policies/measured_wait.py
+        #: ``pick_by_estimated_wait``. The Router sets it to skylb/core/fleet.py ``load_s`` (0 where hot).
         self.load_s: Callable[[Any, str], float] = _no_load
 
     # -- the estimate ---------------------------------------------------------------------------------------------

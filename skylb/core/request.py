@@ -39,6 +39,9 @@ class Request:
     api: str = "openai"
     waited_s: float = 0.0
     avoid: frozenset[tuple[str, str]] = frozenset()
+    #: An embedding request (/v1/embeddings, /api/embed, /api/embeddings): may use an Ollama replica's embedding
+    #: slot (skylb/core/fleet.py ``FleetSettings.embedding_slot``).
+    embedding: bool = False
     #: The prompt's trie key, cached with the trie's ``chunking`` it was cut with.
     chunks: tuple[str, ...] | None = field(default=None, repr=False)
     chunking: tuple[int, int] | None = field(default=None, repr=False)

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from skylb.core.fleet import FleetRules
+from skylb.core.fleet import load_s as fleet_load_s
 from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy
 from skylb.core.rates import Usage
@@ -60,14 +62,20 @@ class Router:
         rules: the availability rules (tau, staleness, dispatch cap).
         max_queue: the most requests the queue holds; more raise QueueFull.
         outlier: outlier detection (ejection of failing targets; skylb/core/outlier.py).
+        fleet: the Ollama fleet rules (elimination, fit, hot preference; skylb/core/fleet.py).
     """
 
     def __init__(self, *, region: str, policy: Policy, rules: AvailabilityRules | None = None,
-                 max_queue: int = 10_000, outlier: OutlierDetector | None = None):
+                 max_queue: int = 10_000, outlier: OutlierDetector | None = None, fleet: FleetRules | None = None):
         self.region = region
         self.policy = policy
         self.rules = rules or AvailabilityRules()
         self.outlier = outlier or OutlierDetector()
+        self.fleet = fleet or FleetRules()
+        # The estimated-wait policy counts a model's load time (0 where it is hot): total time = queue wait + load
+        # time + inference time (seed 002 signal 1 with seed 000's estimate).
+        default_load_s = self.fleet.settings.default_load_s
+        self.policy.rates.load_s = lambda replica, model: fleet_load_s(replica, model, default_load_s)
         self.max_queue = max_queue
         self.replicas: dict[str, ReplicaState] = {}
         self.peers: dict[str, PeerState] = {}
@@ -224,6 +232,9 @@ class Router:
         rules, policy, model, api = self.rules, self.policy, request.model, request.api
         usable = self.replica_available if policy.selective else self._replica_usable
         local = [r for r in self.replicas.values() if r.serves(model, api) and usable(r, now)]
+        local = self.fleet.candidates(model, api, local, list(self.replicas.values()), now,
+                                      self.policy.estimated_wait_s, embedding=request.embedding,
+                                      usable=self._replica_usable)
         peers = ([p for p in self.peers.values() if self.peer_available(p, now, model, api)]
                  if request.may_forward else [])
         if request.avoid:
@@ -238,6 +249,7 @@ class Router:
                 replica.add_unprefilled(request.id, policy.uncached_tokens(request, replica.id))
                 policy.rates.dispatched(replica.rates, request.id, request.model, request.text)
                 policy.routed(request, replica=replica.id)
+                self.fleet.routed(request, replica)
                 return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now)
         elif peers:
             peer = policy.pick_peer(request, peers)
@@ -275,6 +287,7 @@ class Router:
         """The response of ``decision`` ended (any outcome): release its outstanding count (never below 0)."""
         if decision.route == "local":
             state = self.replicas.get(decision.target)
+            self.fleet.finished(decision.request, state)
             if state is not None:
                 state.outstanding = max(0, state.outstanding - 1)
                 state.prefilled(decision.request.id)
@@ -388,7 +401,7 @@ class Router:
         reason = self.rules.replica_unavailable_reason(replica, now)
         if reason is None and self._ejected(replica, now):
             return "ejected (outlier detection)"
-        return reason or self.policy.replica_unavailable_reason(replica)
+        return reason or self.fleet.eliminated(replica, "", now) or self.policy.replica_unavailable_reason(replica)
 
     def replica_available(self, replica: ReplicaState, now: float) -> bool:
         """True when ``replica`` may take a request at ``now`` under selective pushing."""

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from skylb import aio
 from skylb.emulator.model import EngineModel, EngineParams, FinishedRequest, TokenOutput
+from skylb.emulator.ollama_lifecycle import LifecycleOptions, parse_keep_alive
 from skylb.emulator.personalities import PERSONALITIES, ApiError, Personality, PersonalityOptions
 from skylb.logs import configure_logging
 
@@ -231,6 +232,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 512)")
     engine.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
                         help="tgi: in-flight requests beyond N get 429 'Model is overloaded' (default: 128)")
+    lc = LifecycleOptions()
+    engine.add_argument("--ollama-load-s", type=float, default=None, metavar="S",
+                        help="ollama: seconds a model takes to load on first use or after eviction (real seconds, "
+                             f"not scaled by --time-scale; default: {lc.load_s})")
+    engine.add_argument("--ollama-model-bytes", type=int, default=None, metavar="BYTES",
+                        help=f"ollama: memory of a loaded model (bytes; default: {lc.model_bytes}, an 8B Q4_K_M)")
+    engine.add_argument("--ollama-model-size", action="append", default=[], metavar="NAME=BYTES",
+                        help="ollama: one model's own memory (bytes); repeatable")
+    engine.add_argument("--ollama-model-load-s", action="append", default=[], metavar="NAME=S",
+                        help="ollama: one model's own load time (s); repeatable")
+    engine.add_argument("--ollama-memory-bytes", type=int, default=None, metavar="BYTES",
+                        help="ollama: the replica's memory for loaded models; idle models are evicted, least "
+                             "recently used first, to fit a new one (bytes; default: unlimited)")
+    engine.add_argument("--ollama-max-loaded-models", type=int, default=None, metavar="N",
+                        help=f"ollama: OLLAMA_MAX_LOADED_MODELS (default: {lc.max_loaded})")
+    engine.add_argument("--ollama-keep-alive", default=None, metavar="DURATION",
+                        help="ollama: OLLAMA_KEEP_ALIVE, how long a model stays loaded after its last request when "
+                             "the request gives no keep_alive ('5m', '30s', seconds; negative: forever; default: 5m)")
+    engine.add_argument("--ollama-pull-s", type=float, default=None, metavar="S",
+                        help=f"ollama: how long /api/pull and /api/create take (s; default: {lc.pull_s})")
 
 
 def params_from_args(args: argparse.Namespace) -> EngineParams:
@@ -266,11 +287,58 @@ def options_from_args(args: argparse.Namespace) -> PersonalityOptions:
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
     models = tuple(dict.fromkeys(args.model or [personality.default_model]))  # repeated names count once
+    ollama = _lifecycle_options(args)
     return PersonalityOptions(
+        ollama=ollama,
         models=models, sse_keepalive_ms=args.sse_keepalive_ms, fail_after_tokens=args.fail_after_tokens,
         load_seconds=args.load_seconds or 0.0, metrics=args.metrics,
         disabled_paths=frozenset(args.disable_endpoint), max_queue=args.max_queue,
         max_concurrent_requests=args.max_concurrent_requests)
+
+
+def _pairs(values: list[str], flag: str, kind: type) -> tuple:
+    out = []
+    for value in values:
+        name, sep, number = value.rpartition("=")
+        try:
+            parsed = kind(number)
+        except ValueError:
+            parsed = None
+        if not sep or not name or parsed is None or parsed < 0:
+            raise ValueError(f"{flag} wants NAME=NUMBER (not negative), got {value!r}")
+        out.append((name, parsed))
+    return tuple(out)
+
+
+def _lifecycle_options(args: argparse.Namespace) -> LifecycleOptions | None:
+    """LifecycleOptions from the --ollama-* flags (None when none is given); ValueError for bad values or when the
+    engine is not ollama."""
+    flags = {"--ollama-load-s": args.ollama_load_s, "--ollama-model-bytes": args.ollama_model_bytes,
+             "--ollama-model-size": args.ollama_model_size or None,
+             "--ollama-model-load-s": args.ollama_model_load_s or None,
+             "--ollama-memory-bytes": args.ollama_memory_bytes,
+             "--ollama-max-loaded-models": args.ollama_max_loaded_models,
+             "--ollama-keep-alive": args.ollama_keep_alive, "--ollama-pull-s": args.ollama_pull_s}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if not given:
+        return None
+    if args.engine != "ollama":
+        raise ValueError(f"{given[0]} does not apply to --engine {args.engine}")
+    d = LifecycleOptions()
+    for flag in ("--ollama-load-s", "--ollama-model-bytes", "--ollama-memory-bytes", "--ollama-pull-s"):
+        if flags[flag] is not None and flags[flag] < 0:
+            raise ValueError(f"{flag} must not be negative, got {flags[flag]}")
+    if args.ollama_max_loaded_models is not None and args.ollama_max_loaded_models < 1:
+        raise ValueError(f"--ollama-max-loaded-models must be at least 1, got {args.ollama_max_loaded_models}")
+    keep = d.keep_alive_s if args.ollama_keep_alive is None else parse_keep_alive(args.ollama_keep_alive)
+    return LifecycleOptions(
+        load_s=d.load_s if args.ollama_load_s is None else args.ollama_load_s,
+        model_bytes=d.model_bytes if args.ollama_model_bytes is None else args.ollama_model_bytes,
+        sizes=_pairs(args.ollama_model_size, "--ollama-model-size", int),
+        load_times=_pairs(args.ollama_model_load_s, "--ollama-model-load-s", float),
+        memory_bytes=args.ollama_memory_bytes,
+        max_loaded=d.max_loaded if args.ollama_max_loaded_models is None else args.ollama_max_loaded_models,
+        keep_alive_s=keep, pull_s=d.pull_s if args.ollama_pull_s is None else args.ollama_pull_s)
 
 
 def main(args: argparse.Namespace) -> int:

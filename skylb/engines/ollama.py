@@ -2,7 +2,9 @@
 
 pending = max(0, outstanding - slots) and running = min(outstanding, slots), where slots = the replica's
 ``max_concurrency`` (its ``OLLAMA_NUM_PARALLEL``) or 1, Ollama's default. Health is ``GET /`` answering
-"Ollama is running"; served models come from ``GET /api/tags`` (``models[].name``).
+"Ollama is running"; served models come from ``GET /api/tags`` (``models[].name``, ``size`` in bytes) and loaded
+ones from ``GET /api/ps`` (``models[].name``, ``size``, ``size_vram``, ``expires_at``), read on every probe round
+(the model thermal state, skylb/core/fleet.py).
 
 Sources: shared/reference/engines.md (Ollama row: no queue or load metric, ollama/ollama issue #3144 still open;
 ``OLLAMA_NUM_PARALLEL`` default 1); ollama/ollama ``server/routes.go`` (``GET /`` and ``HEAD /`` answer "Ollama is
@@ -11,6 +13,7 @@ running"; ``ListHandler`` for /api/tags).
 
 from __future__ import annotations
 
+from skylb.core.fleet import ModelSlot, canonical
 from skylb.core.state import load_from_outstanding
 from skylb.engines.base import EngineAdapter, ProbeResult
 from skylb.engines.fetch import FetchError, get, json_or_none
@@ -47,3 +50,21 @@ class OllamaAdapter(EngineAdapter, engine="ollama"):
             raise ValueError("malformed /api/tags answer: expected {\"models\": [...]}")
         return [m.get("name") or m.get("model") for m in body["models"]
                 if isinstance(m, dict) and (m.get("name") or m.get("model"))]
+
+    async def model_slots(self, session, url, path, *, timeout_s) -> dict[str, ModelSlot]:
+        """``GET /api/tags`` or ``/api/ps`` as canonical name -> ModelSlot (size in bytes, expires_at); raises
+        FetchError (an aiohttp.ClientError) or ValueError if malformed."""
+        answer = await get(session, url, path, timeout_s=timeout_s)
+        if answer.status != 200:
+            raise FetchError(f"GET {path} answered HTTP {answer.status}")
+        body = json_or_none(answer.text)
+        if not isinstance(body, dict) or not isinstance(body.get("models"), list):
+            raise ValueError(f"malformed {path} answer: expected {{\"models\": [...]}}")
+        out = {}
+        for m in body["models"]:
+            name = isinstance(m, dict) and (m.get("name") or m.get("model"))
+            if isinstance(name, str) and name:
+                size = m.get("size")
+                out[canonical(name)] = ModelSlot(size if type(size) is int and size > 0 else None,
+                                                 m.get("expires_at") if isinstance(m.get("expires_at"), str) else None)
+        return out

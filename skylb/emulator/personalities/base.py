@@ -59,6 +59,8 @@ class PersonalityOptions:
             /v1/loads before it existed).
         max_queue: Ollama only: ``OLLAMA_MAX_QUEUE``, pending requests beyond it get 503 (requests).
         max_concurrent_requests: TGI only: ``--max-concurrent-requests``, in-flight requests beyond it get 429.
+        ollama: Ollama only: the model lifecycle options (skylb/emulator/ollama_lifecycle.py ``LifecycleOptions``:
+            load times, model sizes, memory, keep_alive); None: the defaults.
     """
 
     models: tuple[str, ...] = (DEFAULT_MODEL,)
@@ -69,6 +71,7 @@ class PersonalityOptions:
     disabled_paths: frozenset[str] = field(default_factory=frozenset)
     max_queue: int | None = None
     max_concurrent_requests: int | None = None
+    ollama: Any = None
 
     @property
     def model(self) -> str:

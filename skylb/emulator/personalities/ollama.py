@@ -18,22 +18,36 @@ emulator uses the ``try pulling it first`` wording of ``handleScheduleError`` fo
 without a tag means ``:latest`` and names match case-insensitively, as Ollama resolves them. ``options.num_predict``
 caps the output (negative: no cap); ``options.ignore_eos`` (an emulator extra, ignored by real Ollama) makes a
 request generate exactly ``num_predict`` tokens. The deprecated ``context`` request field is ignored.
+
+Model lifecycle (skylb/emulator/ollama_lifecycle.py, Ollama's documented behaviour): models start on disk, not
+loaded; a native request (``/api/generate``, ``/api/chat``, ``/api/embed``, ``/api/embeddings``) for a model not
+loaded waits its load time (``load_duration`` says how long), evicting idle models least recently used first when
+memory is short; ``keep_alive`` per request; ``/api/ps`` lists the loaded models. The ``/v1/*`` routes do not go
+through the lifecycle. Model management: ``/api/pull`` (any name pulls: the emulator has no registry; streamed
+progress lines as Ollama's), ``DELETE /api/delete``, ``/api/copy``, ``/api/create`` (``from`` a local model).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
+import time
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, AsyncIterator
 
+import structlog
 from aiohttp import web
 
 from skylb.emulator.model import FinishedRequest, chat_tokens, text_tokens
+from skylb.emulator.ollama_lifecycle import LifecycleOptions, OutOfMemory, parse_keep_alive
 from skylb.emulator.personalities.base import ApiError, Generation, embed, token_ids
 from skylb.emulator.personalities.openai import OpenAIServing
 
 __all__ = ["OllamaPersonality", "OLLAMA_VERSION", "QUEUE_FULL"]
+
+log = structlog.get_logger("skylb.emulator")
 
 #: The Ollama release this personality follows.
 OLLAMA_VERSION = "0.12.6"
@@ -42,7 +56,6 @@ QUEUE_FULL = "server busy, please try again.  maximum pending requests exceeded"
 _SIZE = 4_920_734_720  # bytes of an 8B Q4_K_M GGUF
 _DETAILS = {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
             "parameter_size": "8.0B", "quantization_level": "Q4_K_M"}
-_KEEP_ALIVE = timedelta(minutes=5)  # Ollama's default keep_alive
 
 
 def canonical(name: str) -> str:
@@ -78,6 +91,9 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
         super().__init__(replica, options=options)
         self._served = {canonical(m): m for m in options.models}
         self._modified_at = _now()
+        self.fleet: LifecycleOptions = options.ollama or LifecycleOptions()
+        #: Models on disk and loaded (pure; driven with time.monotonic()).
+        self.lifecycle = self.fleet.lifecycle(options.models)
 
     @property
     def max_queue(self) -> int:
@@ -96,6 +112,10 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
         self.add(app, "POST", "/api/chat", self.chat)
         self.add(app, "POST", "/api/embed", self.embed)
         self.add(app, "POST", "/api/embeddings", self.embeddings_legacy)
+        self.add(app, "POST", "/api/pull", self.pull)
+        self.add(app, "DELETE", "/api/delete", self.delete)
+        self.add(app, "POST", "/api/copy", self.copy)
+        self.add(app, "POST", "/api/create", self.create)
         self.openai_routes(app)
 
     # ---- OpenAI layer hooks (/v1/*) ---------------------------------------------------------------------------
@@ -167,20 +187,25 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
         return web.json_response({"version": OLLAMA_VERSION})
 
     def _entry(self, name: str) -> dict[str, Any]:
-        return {"name": name, "model": name, "size": _SIZE,
+        spec = self.lifecycle.disk.get(name)
+        return {"name": name, "model": name, "size": spec.size_bytes if spec else _SIZE,
                 "digest": hashlib.sha256(name.encode()).hexdigest(), "details": dict(_DETAILS)}
 
     async def tags(self, request: web.Request) -> web.Response:
-        """``GET /api/tags``: the local models (here: the served ones)."""
+        """``GET /api/tags``: the models on disk."""
         return web.json_response({"models": [{**self._entry(n), "modified_at": self._modified_at}
-                                             for n in self.options.models]})
+                                             for n in self.lifecycle.disk]})
 
     async def ps(self, request: web.Request) -> web.Response:
-        """``GET /api/ps``: loaded models (every served model stays loaded, fully on the GPU)."""
-        expires = (datetime.now(timezone.utc) + _KEEP_ALIVE).isoformat().replace("+00:00", "Z")
-        ctx = self.replica.model.params.model_len
-        return web.json_response({"models": [{**self._entry(n), "expires_at": expires, "size_vram": _SIZE,
-                                              "context_length": ctx} for n in self.options.models]})
+        """``GET /api/ps``: loaded models (fully on the GPU: ``size_vram`` = ``size``), most recently used first,
+        with ``expires_at`` (RFC 3339) from their keep_alive."""
+        mono, wall = time.monotonic(), datetime.now(timezone.utc)
+        models = []
+        for m, at in self.lifecycle.ps(mono):
+            expires = (wall + timedelta(seconds=at - mono)).isoformat().replace("+00:00", "Z")
+            models.append({**self._entry(m.name), "expires_at": expires, "size_vram": m.spec.size_bytes,
+                           "context_length": m.num_ctx})
+        return web.json_response({"models": models})
 
     async def show(self, request: web.Request) -> web.Response:
         """``POST /api/show`` ``{"model"}`` (or the deprecated ``{"name"}``): model details."""
@@ -223,23 +248,61 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
             dims = body.get("dimensions")
             if dims is not None and (type(dims) is not int or dims < 0):
                 raise ApiError(400, "dimensions must be a non-negative integer")
+            keep = self._keep_alive(body)
+            async with self._loaded(model, keep) as load_s:
+                vectors = [_truncate(embed(t), dims) for t in texts]
         except ApiError as err:
             return self.native_error(err)
-        vectors = [_truncate(embed(t), dims) for t in texts]
-        return web.json_response({"model": model, "embeddings": vectors, "total_duration": 0, "load_duration": 0,
+        return web.json_response({"model": model, "embeddings": vectors, "total_duration": _ns(load_s),
+                                  "load_duration": _ns(load_s),
                                   "prompt_eval_count": sum(len(t.split()) for t in texts)})
 
     async def embeddings_legacy(self, request: web.Request) -> web.Response:
         """``POST /api/embeddings``: ``prompt`` -> ``embedding`` (an empty prompt just loads the model)."""
         try:
             body = _body(await request.read())
-            self._model(body)
+            model = self._model(body)
             prompt = body.get("prompt") or ""
             if not isinstance(prompt, str):
                 raise ApiError(400, "prompt must be a string")
+            async with self._loaded(model, self._keep_alive(body)):
+                pass
         except ApiError as err:
             return self.native_error(err)
         return web.json_response({"embedding": embed(prompt) if prompt else []})
+
+    def _keep_alive(self, body: dict) -> float | None:
+        """The request's ``keep_alive`` in seconds (None: forever); 400 when malformed."""
+        try:
+            return parse_keep_alive(body.get("keep_alive"), self.fleet.keep_alive_s)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+
+    @contextlib.asynccontextmanager
+    async def _loaded(self, model: str, keep_alive_s: float | None, body: dict | None = None) -> AsyncIterator[float]:
+        """Hold ``model`` loaded for one request: load it first when needed, or reload it when the request's
+        ``options.num_ctx`` differs (waiting the load time; yields the seconds waited), release it with the
+        request's keep_alive at the end. 500 when it does not fit memory, 400 for a bad num_ctx."""
+        name = self._served[canonical(model)]
+        options = (body or {}).get("options")
+        num_ctx = options.get("num_ctx") if isinstance(options, dict) else None
+        if num_ctx is not None and (type(num_ctx) is not int or num_ctx < 1):
+            raise ApiError(400, "num_ctx must be a positive integer")
+        now = time.monotonic()
+        loads = self.lifecycle.loads
+        try:
+            ready = self.lifecycle.acquire(name, now, num_ctx)
+        except OutOfMemory as exc:
+            raise ApiError(500, str(exc)) from exc
+        if self.lifecycle.loads != loads:
+            log.info("model_load", replica=self.replica.name, model=name, num_ctx=self.lifecycle.loaded[name].num_ctx,
+                     load_ms=round((ready - now) * 1000, 1))
+        try:
+            if ready > now:
+                await asyncio.sleep(ready - now)
+            yield ready - now
+        finally:
+            self.lifecycle.release(name, time.monotonic(), keep_alive_s)
 
     def _model(self, body: dict) -> str:
         name = body.get("model")
@@ -248,6 +311,110 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
         if canonical(name) not in self._served:
             raise ApiError(404, not_found(name))
         return name
+
+    # ---- model management -------------------------------------------------------------------------------------
+
+    def _add_model(self, name: str) -> None:
+        """Put ``name`` on disk (default size and load time unless the flags give its own)."""
+        self._served[canonical(name)] = name
+        self.lifecycle.disk[name] = self.fleet.spec(name)
+
+    def _remove_model(self, name: str) -> None:
+        served = self._served.pop(canonical(name))
+        self.lifecycle.unload(served)
+        self.lifecycle.loaded.pop(served, None)
+        self.lifecycle.disk.pop(served, None)
+
+    async def _status_lines(self, request: web.Request, body: dict, lines: list[dict],
+                            done: Any) -> web.StreamResponse:
+        """Progress as Ollama sends it: NDJSON status lines (``stream`` default true), or the last one alone;
+        ``done()`` runs just before the final ``success`` line (the change takes effect then)."""
+        if body.get("stream") is False:
+            await asyncio.sleep(self.fleet.pull_s)
+            done()
+            return web.json_response(lines[-1])
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        pause = self.fleet.pull_s / max(1, len(lines) - 1)
+        for i, line in enumerate(lines):
+            if i:
+                await asyncio.sleep(pause)
+            if i == len(lines) - 1:
+                done()
+            await resp.write(json.dumps(line).encode() + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def pull(self, request: web.Request) -> web.StreamResponse:
+        """``POST /api/pull`` ``{"model", "stream"}``: download a model (any name: no registry here), streaming
+        Ollama's progress lines (``pulling manifest``, ``pulling <digest>`` with ``total``/``completed`` bytes,
+        ``verifying sha256 digest``, ``writing manifest``, ``success``); the model is on disk once it succeeded."""
+        try:
+            body = _body(await request.read())
+            name = body.get("model") or body.get("name")
+            if not isinstance(name, str) or not name:
+                raise ApiError(400, "model is required")
+        except ApiError as err:
+            return self.native_error(err)
+        name = self._served.get(canonical(name), name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest")
+        size = self.fleet.spec(name).size_bytes
+        digest = "sha256:" + hashlib.sha256(name.encode()).hexdigest()
+        lines: list[dict] = [{"status": "pulling manifest"}]
+        lines += [{"status": f"pulling {digest[7:19]}", "digest": digest, "total": size,
+                   "completed": size * k // 4} for k in range(1, 5)]
+        lines += [{"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
+        return await self._status_lines(request, body, lines, lambda: self._add_model(name))
+
+    async def delete(self, request: web.Request) -> web.Response:
+        """``DELETE /api/delete`` ``{"model"}``: 200 with an empty body, 404 ``model 'x' not found``."""
+        try:
+            body = _body(await request.read())
+            name = body.get("model") or body.get("name")
+            if not isinstance(name, str) or not name:
+                raise ApiError(400, "model is required")
+            if canonical(name) not in self._served:
+                raise ApiError(404, f"model '{name}' not found")
+        except ApiError as err:
+            return self.native_error(err)
+        self._remove_model(name)
+        return web.Response(status=200)
+
+    async def copy(self, request: web.Request) -> web.Response:
+        """``POST /api/copy`` ``{"source", "destination"}``: 200 with an empty body, 404 when the source is not
+        on disk."""
+        try:
+            body = _body(await request.read())
+            source, dest = body.get("source"), body.get("destination")
+            if not isinstance(source, str) or not source or not isinstance(dest, str) or not dest:
+                raise ApiError(400, "source and destination are required")
+            if canonical(source) not in self._served:
+                raise ApiError(404, f"model '{source}' not found")
+        except ApiError as err:
+            return self.native_error(err)
+        self._add_model(dest if ":" in dest.rsplit("/", 1)[-1] else f"{dest}:latest")
+        return web.Response(status=200)
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        """``POST /api/create`` ``{"model", "from", "system", "stream", ...}``: a new model from a local one,
+        streaming Ollama's status lines (``reading model metadata`` ... ``success``); 404 when ``from`` is not on
+        disk (real Ollama would pull it)."""
+        try:
+            body = _body(await request.read())
+            name, base = body.get("model"), body.get("from")
+            if not isinstance(name, str) or not name:
+                raise ApiError(400, "model is required")
+            if not isinstance(base, str) or not base:
+                raise ApiError(400, "neither 'from' or 'files' was specified")
+            if canonical(base) not in self._served:
+                raise ApiError(404, f"model '{base}' not found")
+        except ApiError as err:
+            return self.native_error(err)
+        name = name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+        digest = "sha256:" + hashlib.sha256(name.encode()).hexdigest()
+        lines = [{"status": "reading model metadata"}, {"status": "creating system layer"},
+                 {"status": f"using already created layer {digest}"}, {"status": "writing manifest"},
+                 {"status": "success"}]
+        return await self._status_lines(request, body, lines, lambda: self._add_model(name))
 
     # ---- generation -------------------------------------------------------------------------------------------
 
@@ -259,7 +426,7 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
             prompt = _str(body, "prompt")
             system = _str(body, "system")
             if not prompt:
-                return self._load_answer(body, model, chat=False)
+                return await self._load_answer(body, model, chat=False)
             if body.get("raw") is True:
                 tokens = text_tokens(prompt)
             else:  # Ollama renders a generate request through the chat template, as a user message
@@ -277,7 +444,7 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
             if not isinstance(messages, list):
                 raise ApiError(400, "messages must be a list")
             if not messages:
-                return self._load_answer(body, model, chat=True)
+                return await self._load_answer(body, model, chat=True)
             pairs = []
             for m in messages:
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -291,9 +458,16 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
             return self.native_error(err)
         return await self._run(request, body, model, tokens, chat=True)
 
-    def _load_answer(self, body: dict, model: str, *, chat: bool) -> web.Response:
-        """An empty prompt loads the model (``keep_alive: 0`` unloads it): one JSON object, done at once."""
-        reason = "unload" if body.get("keep_alive") in (0, "0", "0s") else "load"
+    async def _load_answer(self, body: dict, model: str, *, chat: bool) -> web.Response:
+        """An empty prompt loads the model and sets its keep_alive (``keep_alive: 0`` unloads it instead, unless
+        requests use it): one JSON object once loaded."""
+        keep = self._keep_alive(body)
+        if keep == 0:
+            self.lifecycle.unload(self._served[canonical(model)])
+            reason = "unload"
+        else:
+            async with self._loaded(model, keep, body):
+                reason = "load"
         piece = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
         return web.json_response({"model": model, "created_at": _now(), **piece, "done": True,
                                   "done_reason": reason})
@@ -310,27 +484,30 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
             max_tokens = num_predict if num_predict is not None and num_predict > 0 else None
             stream = body.get("stream")
             stream = True if stream is None else bool(stream)
+            keep = self._keep_alive(body)
             self.check_admission()
-            gen = self.start(tokens, max_tokens, ignore_eos=bool(options.get("ignore_eos")) and bool(max_tokens),
-                             prefix="ollama")
+            async with self._loaded(model, keep, body) as load_s:
+                gen = self.start(tokens, max_tokens,
+                                 ignore_eos=bool(options.get("ignore_eos")) and bool(max_tokens), prefix="ollama")
+                try:
+                    if stream:
+                        return await self._stream_ndjson(request, gen, model, tokens, chat=chat, load_s=load_s)
+                    return await self._collect_native(gen, model, tokens, chat=chat, load_s=load_s)
+                finally:
+                    gen.close()  # also runs when the client went away: the request leaves the engine at once
         except ApiError as err:
             return self.native_error(err)
-        try:
-            if stream:
-                return await self._stream_ndjson(request, gen, model, tokens, chat=chat)
-            return await self._collect_native(gen, model, tokens, chat=chat)
-        finally:
-            gen.close()  # also runs when the client went away: the request leaves the engine at once
 
     def _piece(self, text: str, *, chat: bool) -> dict[str, Any]:
         return {"message": {"role": "assistant", "content": text}} if chat else {"response": text}
 
     def _final(self, gen: Generation, model: str, tokens: list[str], words: list[str], fin: FinishedRequest, *,
-               text: str, chat: bool) -> dict[str, Any]:
-        """The ``done: true`` object: durations (ns) from the request's real timeline in the emulated engine."""
+               text: str, chat: bool, load_s: float = 0.0) -> dict[str, Any]:
+        """The ``done: true`` object: durations (ns) from the request's real timeline in the emulated engine
+        (``load_s``: the model's load time this request waited, s)."""
         final = {"model": model, "created_at": _now(), **self._piece(text, chat=chat), "done": True,
                  "done_reason": fin.finish_reason,
-                 "total_duration": _ns(fin.finished_at - gen.received_at), "load_duration": 0,
+                 "total_duration": _ns(fin.finished_at - gen.received_at + load_s), "load_duration": _ns(load_s),
                  "prompt_eval_count": fin.prompt_tokens - fin.cached_tokens,
                  "prompt_eval_duration": _ns(fin.first_token_at - fin.admitted_at),
                  "eval_count": fin.completion_tokens, "eval_duration": _ns(fin.finished_at - fin.first_token_at)}
@@ -339,17 +516,17 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
         return final
 
     async def _collect_native(self, gen: Generation, model: str, tokens: list[str], *,
-                              chat: bool) -> web.Response:
+                              chat: bool, load_s: float = 0.0) -> web.Response:
         words: list[str] = []
         async for out in gen.tokens():
             if self.should_fail(out.index):
                 return self.native_error(self.failure())
             words.append(out.text)
         return web.json_response(self._final(gen, model, tokens, words, out.finished, text=" ".join(words),
-                                             chat=chat))
+                                             chat=chat, load_s=load_s))
 
     async def _stream_ndjson(self, request: web.Request, gen: Generation, model: str, tokens: list[str], *,
-                             chat: bool) -> web.StreamResponse:
+                             chat: bool, load_s: float = 0.0) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         words: list[str] = []
@@ -363,7 +540,8 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
                 line = {"model": model, "created_at": _now(), **self._piece(text, chat=chat), "done": False}
                 await resp.write(json.dumps(line).encode() + b"\n")
                 if out.finished is not None:
-                    final = self._final(gen, model, tokens, words, out.finished, text="", chat=chat)
+                    final = self._final(gen, model, tokens, words, out.finished, text="", chat=chat,
+                                        load_s=load_s)
                     await resp.write(json.dumps(final).encode() + b"\n")
             await resp.write_eof()
         except ConnectionResetError:
