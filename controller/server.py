@@ -13,6 +13,9 @@ URLS]``. Endpoints:
   /v1/balancers?url=U``
 - ``POST /v1/regions/{region}/drain``, ``POST /v1/regions/{region}/undrain`` (the region's balancers)
 - ``GET /v1/assignments``: which region's balancer serves each region's replicas, and the epoch
+- ``GET /v1/quotas``, ``POST /v1/quotas`` (set one entry: a tenant, a model's limit, a group), ``DELETE
+  /v1/quotas?tenant=T[&model=M] | ?model=M | ?group=G | ?all=true`` (controller/quotas.py); the quotas travel
+  with the membership snapshot, so every change wakes the balancers' watches
 
 Reads are open; changes need the admin token, balancer heartbeats the peer token (controller/auth.py). A balancer
 registering for a region whose balancer is live at another URL is refused (409 ``region_taken``) unless the request
@@ -47,7 +50,8 @@ from controller.dns import DnsUpdater
 from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
-from controller.store import InvalidInput, StoreError, normalize_url, validate_region
+from controller.quotas import remove_entry, set_entry
+from controller.store import InvalidInput, StoreError, normalize_url, quotas_json, validate_region
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig, load_config
 from skylb.logs import configure_logging
@@ -289,6 +293,48 @@ async def list_assignments(request: web.Request) -> web.Response:
     return web.json_response({"assignments": [a.to_dict() for a in request.app[STORE].assignments()]})
 
 
+def _quotas_answer(store: Store) -> dict:
+    quotas, revision = store.quotas()
+    return {"quotas": quotas_json(quotas), "revision": revision}
+
+
+async def get_quotas(request: web.Request) -> web.Response:
+    """GET /v1/quotas -> {"quotas": the document or null (balancers use their config's), "revision": the
+    membership revision of its last change (0: never)}."""
+    return web.json_response(_quotas_answer(request.app[STORE]))
+
+
+async def set_quota(request: web.Request) -> web.Response:
+    """POST /v1/quotas {one entry: controller/quotas.py} -> 200 {"quotas", "revision", "changed"}; 400 naming the
+    bad field."""
+    entry = await _json_object(request)
+    store = request.app[STORE]
+    _, changed = store.change_quotas(lambda current: set_entry(current, entry))
+    if changed:
+        await _changed(request.app, "quota_set", entry=entry)
+    return web.json_response({**_quotas_answer(store), "changed": changed})
+
+
+async def delete_quota(request: web.Request) -> web.Response:
+    """DELETE /v1/quotas?tenant=T[&model=M] | ?model=M | ?group=G | ?all=true -> 200 {"quotas", "revision",
+    "changed"}; 404 when the entry does not exist. ``all=true`` clears the document: balancers go back to their
+    config's quotas."""
+    query = dict(request.query)
+    unknown = set(query) - {"tenant", "model", "group", "all"}
+    if unknown:
+        raise InvalidInput(sorted(unknown)[0], "unknown parameter (expected tenant, model, group or all)")
+    store = request.app[STORE]
+    if "all" in query:
+        if query.pop("all") not in ("true", "1") or query:
+            raise InvalidInput("all", "must be true, and alone")
+        _, changed = store.change_quotas(lambda current: None)
+    else:
+        _, changed = store.change_quotas(lambda current: remove_entry(current, **query))
+    if changed:
+        await _changed(request.app, "quota_deleted", **dict(request.query))
+    return web.json_response({**_quotas_answer(store), "changed": changed})
+
+
 async def _changed(app: web.Application, action: str, **fields: Any) -> None:
     revision = app[STORE].revision
     log.info("membership_change", action=action, revision=revision, **fields)
@@ -318,6 +364,9 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app.router.add_post("/v1/regions/{region}/drain", drain_balancer)
     app.router.add_post("/v1/regions/{region}/undrain", drain_balancer)
     app.router.add_get("/v1/assignments", list_assignments)
+    app.router.add_get("/v1/quotas", get_quotas)
+    app.router.add_post("/v1/quotas", set_quota)
+    app.router.add_delete("/v1/quotas", delete_quota)
     return app
 
 

@@ -1,0 +1,188 @@
+"""Quotas through the controller (issue 11, item 4): the stores keep the quota document (SQLite and a real etcd),
+`skylb-ctl quota set/list/delete` round-trips through a real controller with clear errors, and every balancer applies
+a change within one watch round trip, without restart."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import requests
+
+from controller.etcd_store import EtcdMembershipStore
+from controller.quotas import remove_entry, set_entry
+from controller.store import InvalidInput, MembershipStore, NotFound
+from skylb.quota.limits import Quotas
+from tests.cluster import Cluster, get_json
+
+pytestmark = pytest.mark.timeout(120)
+
+ADMIN = "admin-secret-for-quota-tests"
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+# --- the stores ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def reopen(request, tmp_path):
+    """Opens a store of each backend, always the same one (a SQLite file, an etcd key prefix of a real etcd)."""
+    if request.param == "sqlite":
+        def open_store():
+            return MembershipStore(tmp_path / "m.sqlite")
+    else:
+        endpoint, prefix = request.getfixturevalue("etcd"), f"/test/{uuid.uuid4().hex}"
+
+        def open_store():
+            return EtcdMembershipStore([endpoint], prefix=prefix)
+    opened = []
+    yield lambda: opened.append(open_store()) or opened[-1]
+    for store in opened:
+        store.close()
+
+
+def test_store_keeps_quotas_bumps_revision_and_survives_reopen(reopen):
+    """A quota change is a membership revision (the snapshot carries it); an edit that changes nothing is not; a
+    refused edit changes nothing; the document survives reopening the store."""
+    store = reopen()
+    assert store.quotas() == (None, 0)
+    assert store.snapshot().to_dict()["quotas"] is None
+    store.add_replica("us", "http://10.0.0.1:8000")
+    new, changed = store.change_quotas(lambda q: set_entry(q, {"tenant": "acme", "tokens_per_minute": 1000,
+                                                               "weight": 2, "priority": "high"}))
+    assert changed and store.revision == 2
+    assert store.quotas() == (new, 2)
+    assert new.tenants["acme"].limits["*"].tokens_per_minute == 1000
+    # The same value again: no revision, so watchers do not wake for nothing.
+    _, changed = store.change_quotas(lambda q: set_entry(q, {"tenant": "acme", "tokens_per_minute": 1000}))
+    assert not changed and store.revision == 2
+    with pytest.raises(InvalidInput):
+        store.change_quotas(lambda q: set_entry(q, {"group": "fast", "members": {"fast": 1}}))
+    with pytest.raises(NotFound):
+        store.change_quotas(lambda q: remove_entry(q, group="nope"))
+    assert store.revision == 2
+    store.change_quotas(lambda q: set_entry(q, {"model": MODEL, "max_concurrent": 4}))
+    store.change_quotas(lambda q: set_entry(q, {"group": "fast", "members": {"a": 2, "b": 1}}))
+    snap = store.snapshot().to_dict()
+    assert snap["revision"] == snap["quotas_revision"] == 4
+    assert snap["quotas"]["models"] == {MODEL: {"max_concurrent": 4}}
+    assert snap["quotas"]["groups"] == {"fast": {"a": 2.0, "b": 1.0}}
+    store.close()
+    again = reopen()
+    assert again.revision == 4
+    assert again.quotas()[0] == Quotas.model_validate(snap["quotas"])
+    # Clearing the document is a change too: the balancers go back to their config's quotas.
+    assert again.change_quotas(lambda q: None) == (None, True)
+    assert again.quotas() == (None, 5)
+
+
+def test_set_entry_merges_and_none_removes_a_limit():
+    """Setting merges into the entry; a limit field given as null removes that limit, and a limit with no field
+    left goes away."""
+    q = set_entry(None, {"tenant": "acme", "model": "m", "tokens_per_minute": 10, "max_concurrent": 2})
+    q = set_entry(q, {"tenant": "acme", "model": "m", "max_concurrent": None, "requests_per_minute": 5})
+    assert q.tenants["acme"].limits["m"].model_dump(exclude_none=True) == {"tokens_per_minute": 10,
+                                                                           "requests_per_minute": 5}
+    q = set_entry(q, {"tenant": "acme", "model": "m", "tokens_per_minute": None, "requests_per_minute": None})
+    assert "m" not in q.tenants["acme"].limits
+    assert q.limits_for("acme", "m") == []
+
+
+@pytest.mark.parametrize("entry, field", [
+    ({"tenant": "acme", "tokens_per_minute": -1}, "tokens_per_minute"),
+    ({"tenant": "acme", "max_concurrent": 1.5}, "max_concurrent"),
+    ({"tenant": "acme", "weight": 0}, "weight"),
+    ({"tenant": "acme", "priority": "urgent"}, "priority"),
+    ({"tenant": "a/b", "weight": 1}, "tenant"),
+    ({"model": "m"}, "model"),
+    ({"group": "fast", "members": {}}, "members"),
+    ({"group": "fast", "members": {"fast": 1}}, "members"),
+    ({"group": "fast", "members": {"a": -2}}, "members"),
+    ({"tenant": "acme", "colour": "blue"}, "colour"),
+    ({}, "body"),
+])
+def test_set_entry_rejects_bad_input_naming_the_field(entry, field):
+    """Each bad entry is InvalidInput naming its field."""
+    with pytest.raises(InvalidInput) as info:
+        set_entry(None, entry)
+    assert info.value.field == field
+
+
+# --- skylb-ctl against a real controller ------------------------------------------------------------------------
+
+def _ctl_json(cluster: Cluster, *args: str) -> dict:
+    return json.loads(cluster.ctl(*args, "-o", "json").stdout)
+
+
+def test_ctl_quota_set_list_delete_round_trip(procs, tmp_path):
+    """`skylb-ctl quota set/list/delete -o json` against a real controller with an admin token: tenant, tenant on a
+    model, model, group; list shows them as a table too; delete removes each; changes without the token are
+    refused (401)."""
+    cluster = Cluster(procs, tmp_path, admin_token=ADMIN)
+    url = cluster.start_controller(["us"])
+    assert _ctl_json(cluster, "quota", "list") == {"quotas": None, "revision": 0}
+    assert "(none" in cluster.ctl("quota", "list").stdout
+
+    body = _ctl_json(cluster, "quota", "set", "--tenant", "acme", "--tokens-per-minute", "6000",
+                     "--requests-per-minute", "60", "--max-concurrent", "4", "--weight", "2", "--priority", "high")
+    assert body["changed"] is True
+    assert body["quotas"]["tenants"]["acme"] == {
+        "weight": 2.0, "priority": "high",
+        "limits": {"*": {"tokens_per_minute": 6000, "requests_per_minute": 60, "max_concurrent": 4}}}
+    _ctl_json(cluster, "quota", "set", "--tenant", "acme", "--model", MODEL, "--tokens-per-minute", "1000")
+    _ctl_json(cluster, "quota", "set", "--model", MODEL, "--tokens-per-minute", "90000", "--max-concurrent", "16")
+    _ctl_json(cluster, "quota", "set", "--group", "fast", "--member", "a=2", "--member", "b=1")
+    listed = _ctl_json(cluster, "quota", "list")
+    assert listed["quotas"]["tenants"]["acme"]["limits"][MODEL] == {"tokens_per_minute": 1000}
+    assert listed["quotas"]["models"] == {MODEL: {"tokens_per_minute": 90000, "max_concurrent": 16}}
+    assert listed["quotas"]["groups"] == {"fast": {"a": 2.0, "b": 1.0}}
+    assert listed["revision"] == get_json(f"{url}/v1/membership")["quotas_revision"] > 0
+    table = cluster.ctl("quota", "list").stdout
+    for text in ("TENANT", "acme", "high", "6000", "90000", "fast", "a=2, b=1"):
+        assert text in table
+    assert "unchanged" in cluster.ctl("quota", "set", "--model", MODEL, "--max-concurrent", "16").stdout
+
+    # The REST API refuses a change without the admin token, as every other change.
+    resp = requests.post(f"{url}/v1/quotas", json={"model": "x", "max_concurrent": 1}, timeout=5)
+    assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
+    resp = requests.delete(f"{url}/v1/quotas", params={"group": "fast"}, timeout=5)
+    assert resp.status_code == 401
+
+    _ctl_json(cluster, "quota", "delete", "--tenant", "acme", "--model", MODEL)
+    _ctl_json(cluster, "quota", "delete", "--group", "fast")
+    body = _ctl_json(cluster, "quota", "delete", "--model", MODEL)
+    assert body["quotas"]["groups"] == {} and body["quotas"]["models"] == {}
+    assert list(body["quotas"]["tenants"]["acme"]["limits"]) == ["*"]
+    body = _ctl_json(cluster, "quota", "delete", "--tenant", "acme")
+    assert body["quotas"] == {"tenants": {}, "models": {}, "groups": {}}
+    assert _ctl_json(cluster, "quota", "delete", "--all")["quotas"] is None
+
+
+BAD_CTL_INPUT = [
+    (["set", "--tenant", "acme", "--tokens-per-minute", "-5"], 2, "-5 must be above 0"),
+    (["set", "--tenant", "acme", "--max-concurrent", "many"], 2, "not a whole number"),
+    (["set", "--group", "fast", "--member", "fast=1"], 2, "cannot list itself"),
+    (["set", "--group", "fast"], 2, "needs at least one --member"),
+    (["set", "--group", "fast", "--member", "a"], 2, "is not MODEL=WEIGHT"),
+    (["set", "--group", "fast", "--member", "a=0"], 2, "must be a number above 0"),
+    (["set", "--model", "m", "--weight", "2"], 2, "--weight and --priority are a tenant's"),
+    (["set", "--model", "m"], 2, "--model needs a limit"),
+    (["set", "--tenant", "acme"], 2, "nothing to set"),
+    (["set", "--tokens-per-minute", "5"], 2, "say what to set"),
+    (["set", "--tenant", "acme", "--priority", "urgent"], 2, "invalid choice"),
+    (["set", "--tenant", "a b", "--weight", "2"], 1, "tenant: 'a b' must be"),
+    (["delete"], 2, "say what to delete"),
+    (["delete", "--tenant", "ghost"], 1, "no quota for tenant 'ghost'"),
+    (["delete", "--group", "nope"], 1, "no group 'nope'"),
+]
+
+
+def test_ctl_quota_bad_input_gets_a_clear_error(procs, tmp_path):
+    """Bad input: usage errors exit 2 before anything is sent, the controller's refusals exit 1; each says why in
+    one line on stderr, and nothing changes."""
+    cluster = Cluster(procs, tmp_path, admin_token=ADMIN)
+    cluster.start_controller(["us"])
+    for args, status, message in BAD_CTL_INPUT:
+        result = cluster.ctl("quota", *args, check=False)
+        assert (result.returncode, message in result.stderr) == (status, True), (args, result.stderr)
+    assert _ctl_json(cluster, "quota", "list")["quotas"] is None
