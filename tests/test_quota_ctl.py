@@ -186,3 +186,90 @@ def test_ctl_quota_bad_input_gets_a_clear_error(procs, tmp_path):
         result = cluster.ctl("quota", *args, check=False)
         assert (result.returncode, message in result.stderr) == (status, True), (args, result.stderr)
     assert _ctl_json(cluster, "quota", "list")["quotas"] is None
+
+
+# --- balancers apply changes without restart ---------------------------------------------------------------------
+
+#: Quotas in the balancers' config file: in force until the controller holds quotas of its own.
+CONFIG_QUOTAS = {"tenants": {"cfg-tenant": {"weight": 3, "limits": {"*": {"tokens_per_minute": 777}}}}}
+
+
+def _quotas_in_force(cluster: Cluster, region: str) -> dict:
+    return cluster.status(region)["quotas"]
+
+
+def test_ctl_change_reaches_every_balancer_without_restart(procs, tmp_path):
+    """Three regions' balancers (real processes): each starts on its config's quotas; a `skylb-ctl quota set` is in
+    force on every one within one watch round trip (well inside the long poll's 20 s: the change wakes the watch),
+    with the controller's revision; the pids never change (no restart); a second change replaces the first; `quota
+    delete --all` brings the config's quotas back; a balancer restarted while the controller is down serves the
+    controller's quotas it kept on disk."""
+    regions = ["us", "eu", "ap"]
+    cluster = Cluster(procs, tmp_path, admin_token=ADMIN, balancer={"quotas": CONFIG_QUOTAS})
+    cluster.start_controller(regions)
+    for region in regions:
+        cluster.start_balancer(region, regions)
+    balancers = {p.name: p.popen for p in procs.procs if p.name.startswith("balancer-")}
+    for region in regions:
+        q = _quotas_in_force(cluster, region)
+        assert q["source"] == "config" and q["revision"] is None
+        assert q["quotas"]["tenants"]["cfg-tenant"]["limits"]["*"] == {"tokens_per_minute": 777}
+
+    def in_force_everywhere(revision: int) -> bool:
+        return all(_quotas_in_force(cluster, r)["revision"] == revision for r in regions)
+
+    body = _ctl_json(cluster, "quota", "set", "--tenant", "acme", "--tokens-per-minute", "5000", "--max-concurrent",
+                     "3", "--priority", "high")
+    cluster.wait_until(lambda: in_force_everywhere(body["revision"]), timeout_s=5.0,
+                       what="the first change in force on every balancer")
+    for region in regions:
+        q = _quotas_in_force(cluster, region)
+        assert q["source"] == "controller"
+        assert q["quotas"]["tenants"] == {"acme": {"weight": 1.0, "priority": "high", "limits": {
+            "*": {"tokens_per_minute": 5000, "max_concurrent": 3}}}}  # the controller's replace the config's
+
+    body = _ctl_json(cluster, "quota", "set", "--tenant", "acme", "--tokens-per-minute", "9000")
+    cluster.wait_until(lambda: in_force_everywhere(body["revision"]), timeout_s=5.0,
+                       what="the second change in force on every balancer")
+    for region in regions:
+        limits = _quotas_in_force(cluster, region)["quotas"]["tenants"]["acme"]["limits"]["*"]
+        assert limits == {"tokens_per_minute": 9000, "max_concurrent": 3}
+    assert all(popen.poll() is None for popen in balancers.values())  # the same processes: no restart
+
+    # The controller drops its quotas: the config's are in force again everywhere; then a new change.
+    _ctl_json(cluster, "quota", "delete", "--all")
+    cluster.wait_until(lambda: all(_quotas_in_force(cluster, r)["source"] == "config" for r in regions),
+                       timeout_s=5.0, what="the config's quotas back on every balancer")
+    assert _quotas_in_force(cluster, "us")["quotas"]["tenants"]["cfg-tenant"]["weight"] == 3
+    body = _ctl_json(cluster, "quota", "set", "--tenant", "acme", "--tokens-per-minute", "9000")
+    cluster.wait_until(lambda: in_force_everywhere(body["revision"]), timeout_s=5.0,
+                       what="the third change in force on every balancer")
+
+    # Static stability: stop the controller, restart one balancer: the controller's quotas come back from disk.
+    for proc in procs.procs:
+        if proc.name.startswith("controller") or proc.name == "balancer-eu":
+            proc.stop()
+    cluster.start_balancer("eu", regions, name="balancer-eu-again")
+    q = _quotas_in_force(cluster, "eu")
+    assert q["source"] == "controller" and q["revision"] == body["revision"]
+    assert q["quotas"]["tenants"]["acme"]["limits"]["*"]["tokens_per_minute"] == 9000
+
+
+def test_apply_quotas_sets_them_then_calls_every_listener():
+    """Balancer.apply_quotas sets ``quotas`` and calls each listener with them, in order; one that raises is logged
+    and the next still runs."""
+    from skylb.balancer.balancer import Balancer
+    from skylb.config import BalancerConfig
+
+    balancer = Balancer(BalancerConfig(), region="us", advertise_url="http://127.0.0.1:9")
+    seen = []
+
+    def broken(quotas):
+        raise RuntimeError("listener bug")
+
+    balancer.quota_listeners += [lambda q: seen.append(("first", balancer.quotas is q)), broken,
+                                 lambda q: seen.append(("last", q.tenant("acme").weight))]
+    quotas = Quotas.model_validate({"tenants": {"acme": {"weight": 4}}})
+    balancer.apply_quotas(quotas)
+    assert balancer.quotas is quotas
+    assert seen == [("first", True), ("last", 4.0)]

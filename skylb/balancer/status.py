@@ -12,7 +12,7 @@ from skylb.balancer.balancer import Balancer
 from skylb.balancer.metrics import CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 
-__all__ = ["BALANCER", "detailed_status", "handle_status", "handle_healthz", "handle_metrics", "handle_models"]
+__all__ = ["BALANCER", "detailed_status", "quota_status", "handle_status", "handle_healthz", "handle_metrics", "handle_models"]
 
 BALANCER = web.AppKey("balancer", Balancer)
 
@@ -32,6 +32,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "forwarded_per_s": balancer.forwarded_rate(),
         "tries": _tries(router.policy),
         "served_regions": balancer.served_epochs,
+        "quotas": quota_status(balancer),
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
@@ -51,6 +52,15 @@ def detailed_status(balancer: Balancer) -> dict:
              "reason": router.peer_unavailable_reason(p, now)}
             for p in router.peers.values()],
     }
+
+
+def quota_status(balancer: Balancer) -> dict:
+    """The quotas in force: {"source": "controller" | "config", "revision": the controller's quota revision (None
+    for the config's), "quotas": the document}."""
+    membership = balancer.membership
+    revision = membership.quotas_revision if membership else None
+    return {"source": "config" if revision is None else "controller", "revision": revision,
+            "quotas": balancer.quotas.model_dump(exclude_none=True)}
 
 
 def _tries(policy) -> dict:
