@@ -51,6 +51,7 @@ from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
 from controller.quotas import remove_entry, set_entry
+from controller.shares import ShareBook
 from controller.store import InvalidInput, StoreError, normalize_url, quotas_json, validate_region
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig, load_config
@@ -102,6 +103,7 @@ class RevisionWatch:
 STORE = web.AppKey("store", Store)
 WATCH = web.AppKey("watch", RevisionWatch)
 LEADERSHIP = web.AppKey("leadership", SoleLeader | EtcdElection)
+SHARES = web.AppKey("shares", ShareBook)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -203,8 +205,13 @@ async def list_balancers(request: web.Request) -> web.Response:
 
 
 async def register_balancer(request: web.Request) -> web.Response:
-    """POST /v1/balancers {"region", "url", "epochs"?: {region: epoch}, "replace"?: bool} -> 200 with the balancer
-    (register, or heartbeat when known).
+    """POST /v1/balancers {"region", "url", "epochs"?: {region: epoch}, "replace"?: bool, "demand"?} -> 200 with the
+    balancer (register, or heartbeat when known).
+
+    ``demand`` (skylb/quota/demand.py: per quota bucket, what it was asked for over the last minute) comes from a
+    balancer enforcing its region's share of every limit (no Redis); the answer then carries ``"quota_shares":
+    {"default", "buckets": {key: share}}``, its shares computed from every live balancer's demand
+    (controller/shares.py).
 
     When another URL holds a live balancer of the same region (healthy, not draining, heard from within
     LIVE_HEARTBEAT_S), the registration is refused 409 ``region_taken``, unless it says ``"replace": true`` and
@@ -216,9 +223,13 @@ async def register_balancer(request: web.Request) -> web.Response:
     ``stale_epoch``: the balancer must drop those replicas and re-read membership.
     """
     body = await _json_object(request)
-    unknown = set(body) - {"region", "url", "epochs", "replace"}
+    unknown = set(body) - {"region", "url", "epochs", "replace", "demand"}
     if unknown:
-        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, epochs, replace)")
+        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, epochs, replace, demand)")
+    demand = body.get("demand")
+    if demand is not None and not (isinstance(demand, dict) and isinstance(demand.get("buckets", {}), dict)
+                                   and all(isinstance(b, dict) for b in demand.get("buckets", {}).values())):
+        raise InvalidInput("demand", "must be an object {\"window_s\", \"buckets\": {key: {...}}}")
     replace = body.get("replace", False)
     if not isinstance(replace, bool):
         raise InvalidInput("replace", "must be true or false")
@@ -252,7 +263,13 @@ async def register_balancer(request: web.Request) -> web.Response:
         detail = ", ".join(f"{a.region} (held epoch {epochs[a.region]}, now epoch {a.epoch} at "
                            f"{a.balancer_region}'s balancer)" for a in stale)
         return _error(409, f"stale epoch: this balancer no longer serves {detail}", "stale_epoch")
-    return web.json_response(balancer.to_dict())
+    if demand is None:
+        return web.json_response(balancer.to_dict())
+    shares = request.app[SHARES]
+    shares.report(balancer.url, demand, now)
+    live_urls = [b.url for b in store.list_balancers()
+                 if b.healthy and not b.draining and now - b.last_seen < LIVE_HEARTBEAT_S]
+    return web.json_response({**balancer.to_dict(), "quota_shares": shares.shares_for(balancer.url, live_urls, now)})
 
 
 async def remove_balancer(request: web.Request) -> web.Response:
@@ -351,6 +368,7 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app[STORE] = store
     app[LEADERSHIP] = leadership or SoleLeader()
     app[WATCH] = RevisionWatch(store.revision)
+    app[SHARES] = ShareBook()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/membership", get_membership)
     app.router.add_get("/v1/replicas", list_replicas)

@@ -4,7 +4,9 @@ a change within one watch round trip, without restart."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import uuid
 
 import pytest
@@ -273,3 +275,144 @@ def test_apply_quotas_sets_them_then_calls_every_listener():
     balancer.apply_quotas(quotas)
     assert balancer.quotas is quotas
     assert seen == [("first", True), ("last", 4.0)]
+
+
+# --- each region's share of every limit (no Redis) -----------------------------------------------------------------
+
+def _bucket(*, tokens=0.0, requests=0, refused=0, peak=0, limit=None):
+    return {"asked_tokens": tokens, "admitted_tokens": tokens, "admitted_requests": requests, "refused": refused,
+            "peak_in_flight": peak, "limit": limit or {"tokens_per_minute": 6000}}
+
+
+def test_share_rule_water_fills_with_a_floor():
+    """controller/shares.py: busy regions (refusals) split what idle ones leave, max-min fair; every region keeps
+    the floor; when every want fits, the rest is split evenly; shares always sum to 1."""
+    from controller.shares import FLOOR, HEADROOM, allocate, want
+
+    assert allocate([], 0.1) == []
+    # One busy region, one idle: the idle one keeps the floor (0.2 / 2), the busy one gets the rest.
+    assert allocate([math.inf, 0.0], FLOOR / 2) == pytest.approx([0.9, 0.1])
+    # Two busy, one using 0.1 (wants 0.125 with headroom): the busy ones split the rest evenly.
+    shares = allocate([math.inf, math.inf, 0.125], FLOOR / 3)
+    assert shares == pytest.approx([0.4375, 0.4375, 0.125])
+    # Nobody refused: each gets its want (at least the floor), plus an even part of what is left.
+    shares = allocate([0.5, 0.0, 0.2], FLOOR / 3)
+    assert shares == pytest.approx([0.5 + 0.2333 / 3, 0.0667 + 0.2333 / 3, 0.2 + 0.2333 / 3], abs=1e-3)
+    for wants in ([math.inf] * 4, [0.0] * 3, [1.0, 1.0], [math.inf, 0.3, 0.0, 0.9]):
+        assert sum(allocate(wants, FLOOR / len(wants))) == pytest.approx(1.0)
+    # Wants from reports: use of the global limit over the window (per minute), times the headroom; any refusal
+    # means "as much as it can get"; the tightest of tokens, requests and concurrency decides.
+    assert want(_bucket(tokens=3000), 60.0) == pytest.approx(0.5 * HEADROOM)
+    assert want(_bucket(tokens=1000), 20.0) == pytest.approx(0.5 * HEADROOM)  # 1000 in 20 s = 3000 a minute
+    assert want(_bucket(tokens=10, refused=1), 60.0) == math.inf
+    assert want(_bucket(requests=3, peak=4, limit={"requests_per_minute": 60, "max_concurrent": 8}), 60.0) == \
+        pytest.approx(0.5 * HEADROOM)
+    assert want(None, 60.0) == 0.0
+    assert want(_bucket(tokens=60000), 60.0) == 1.0
+
+
+def test_share_book_moves_unused_share_to_the_busy_region():
+    """ShareBook: without reports every region gets 1 / N; a busy region (refusals) grows to 1 - floor while the
+    idle one shrinks to the floor; a region with no fresh report counts as wanting the even split; when the busy
+    region stops refusing, its share follows its use."""
+    from controller.shares import STALE_S, ShareBook
+
+    book, live, key = ShareBook(), ["http://us", "http://eu"], "tenant/acme/*"
+    assert book.shares_for("http://us", live, 0.0) == {"default": 0.5, "buckets": {}}
+    book.report("http://us", {"window_s": 60, "buckets": {key: _bucket(tokens=3000, refused=5)}}, 0.0)
+    book.report("http://eu", {"window_s": 60, "buckets": {}}, 0.0)
+    assert book.shares_for("http://us", live, 1.0)["buckets"][key] == pytest.approx(0.9)
+    assert book.shares_for("http://eu", live, 1.0)["buckets"][key] == pytest.approx(0.1)
+    # eu's report goes stale: unknown demand keeps its even split.
+    assert book.shares_for("http://us", live, STALE_S + 1)["buckets"] == {}
+    book.report("http://us", {"window_s": 60, "buckets": {key: _bucket(tokens=3000, refused=5)}}, STALE_S + 1)
+    assert book.shares_for("http://us", live, STALE_S + 2)["buckets"][key] == pytest.approx(0.5)
+    # Back to normal: us no longer refuses and used 0.5 of the limit: it wants 0.625, eu gets the rest.
+    book.report("http://us", {"window_s": 60, "buckets": {key: _bucket(tokens=3000)}}, 100.0)
+    book.report("http://eu", {"window_s": 60, "buckets": {}}, 100.0)
+    us = book.shares_for("http://us", live, 100.0)["buckets"][key]
+    eu = book.shares_for("http://eu", live, 100.0)["buckets"][key]
+    assert us == pytest.approx(0.625 + 0.275 / 2) and us + eu == pytest.approx(1.0)
+    # A third live balancer: the default becomes 1/3.
+    assert book.shares_for("http://ap", [*live, "http://ap"], 100.0)["default"] == pytest.approx(1 / 3)
+
+
+def test_local_limits_per_key_shares_and_demand():
+    """LocalLimits.set_shares: each listed bucket enforces its own share, the others the default; ``demand``
+    counts what each bucket was asked, admitted and refused over the window."""
+    from skylb.quota.buckets import LocalLimits
+    from skylb.quota.limits import Limit
+
+    limits = LocalLimits()
+    small, big = ("tenant/a/*", Limit(tokens_per_minute=600)), ("tenant/b/*", Limit(tokens_per_minute=600))
+    limits.set_shares({"tenant/a/*": 0.1}, 0.5)
+    assert (limits.share_for("tenant/a/*"), limits.share_for("tenant/b/*")) == (0.1, 0.5)
+    assert limits.acquire_now([small], 60, 0.0).ok  # a's bucket holds 60 tokens (0.1 of 600)
+    refused = limits.acquire_now([small], 60, 0.0)
+    assert not refused.ok and refused.reason == "tokens_per_minute"
+    assert refused.wait_s == pytest.approx(60.0)  # refills at 60 tokens a minute
+    for _ in range(5):
+        assert limits.acquire_now([big], 60, 0.0).ok  # b's holds 300
+    assert not limits.acquire_now([big], 60, 0.0).ok
+    report = limits.demand.report(10.0)
+    assert report["buckets"]["tenant/a/*"] == {"asked_tokens": 120, "admitted_tokens": 60, "admitted_requests": 1,
+                                               "refused": 1, "peak_in_flight": 1,
+                                               "limit": {"tokens_per_minute": 600}}
+    assert report["buckets"]["tenant/b/*"]["admitted_tokens"] == 300
+    assert report["window_s"] == 60.0
+    assert limits.demand.report(61.0)["buckets"] == {}  # out of the window
+    # A larger share refills faster at once; a smaller one cuts the level at the next use.
+    limits.set_shares({"tenant/a/*": 1.0}, 0.5)
+    assert limits.acquire_now([small], 100, 10.0).ok  # 10 s at 600 a minute: 100 tokens
+
+
+def test_busy_region_share_grows_while_the_idle_one_shrinks(procs, tmp_path):
+    """Two regions, no Redis, a real controller and eu's real balancer process (idle); us's balancer runs in this
+    process, so this test can draw on its buckets directly (the per-request quota gate that calls them is another
+    branch's). A limit set with skylb-ctl reaches us's balancer through the watch; us then asks its bucket for more
+    than its half and is refused; its heartbeats report that demand, and the controller moves the unused share:
+    us's share of the bucket grows to 1 - floor (0.9) while eu's shrinks to the floor (0.1), as eu's status shows.
+    The controller's health check is off, because us's in-process balancer serves no HTTP."""
+    from skylb.balancer.balancer import Balancer
+    from skylb.config import BalancerConfig
+    from tests.procs import free_port
+
+    regions, key = ["us", "eu"], "tenant/acme/*"
+    cluster = Cluster(procs, tmp_path, admin_token=ADMIN, balancer={"heartbeat_s": 0.3},
+                      controller={"health": {"enabled": False}})
+    controller = cluster.start_controller(regions)
+    cluster.start_balancer("eu", regions)
+    body = _ctl_json(cluster, "quota", "set", "--tenant", "acme", "--tokens-per-minute", "6000")
+
+    def eu_shares() -> dict:
+        return cluster.status("eu")["quotas"]["shares"]
+
+    async def busy_us() -> tuple[dict, int, int]:
+        cfg = BalancerConfig(controller_url=controller, heartbeat_s=0.3, state_dir=str(tmp_path / "us-state"))
+        balancer = Balancer(cfg, region="us", advertise_url=f"http://127.0.0.1:{free_port()}")
+        await balancer.start()
+        admitted = refused = 0
+        try:
+            assert balancer.membership.quotas_revision == body["revision"]  # the controller's quotas, by the watch
+            loop, deadline = asyncio.get_running_loop(), asyncio.get_running_loop().time() + 30.0
+            for _ in range(600):  # bounded: 600 attempts, 30 s
+                buckets = balancer.quotas.limits_for("acme", MODEL)
+                grant = balancer.limits.acquire_now(buckets, 500, balancer.now())
+                admitted, refused = admitted + grant.ok, refused + (not grant.ok)
+                if grant.ok:
+                    balancer.limits.release_now(buckets, balancer.now())
+                if balancer.limits.shares.get(key, 0.0) > 0.85 or loop.time() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            return {"default": balancer.limits.share, "buckets": dict(balancer.limits.shares)}, admitted, refused
+        finally:
+            await balancer.stop()
+
+    assert eu_shares()["buckets"] == {}
+    us_shares, admitted, refused = asyncio.run(busy_us())
+    assert refused > 0 and admitted >= 6, (us_shares, admitted, refused)  # its first half (3000 tokens) was admitted, then it was refused
+    assert us_shares["default"] == pytest.approx(0.5)
+    assert us_shares["buckets"][key] == pytest.approx(0.9)
+    cluster.wait_until(lambda: eu_shares()["buckets"].get(key) == pytest.approx(0.1), timeout_s=5.0,
+                       what="eu's share of the bucket down to the floor")
+    assert eu_shares()["default"] == pytest.approx(0.5)

@@ -43,14 +43,20 @@ class MembershipWatcher:
         token: the peer token, the credential of this balancer's heartbeats to the controller (None: none sent).
         apply_quotas: called with the quotas in force whenever the snapshot's differ from the last applied (the
             controller's, or ``config_quotas`` again when the controller drops its own).
+        demand: returns what each quota bucket was asked for (skylb/quota/demand.py), sent with every heartbeat, or
+            None to send none; apply_shares: called with the heartbeat answer's "quota_shares" ({"default",
+            "buckets"}; controller/shares.py).
     """
 
     def __init__(self, *, region: str, advertise_url: str, controller_url: str | None, state_dir: str,
                  apply: Callable[[dict], None], session: aiohttp.ClientSession, wait_s: float = 20.0,
                  heartbeat_s: float = 10.0, held_epochs: Callable[[], dict[str, int]] | None = None,
                  token: str | None = None, apply_quotas: Callable[[Quotas], None] | None = None,
-                 config_quotas: Quotas | None = None):
+                 config_quotas: Quotas | None = None, demand: Callable[[], dict | None] | None = None,
+                 apply_shares: Callable[[dict], None] | None = None):
         self.region = region
+        self.demand = demand or (lambda: None)
+        self.apply_shares = apply_shares
         self.apply_quotas = apply_quotas
         self.config_quotas = config_quotas or Quotas()
         #: The controller's quota document last applied (None: none, the config's are in force) and its revision.
@@ -105,7 +111,11 @@ class MembershipWatcher:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                await self.client.register_balancer(self.region, self.advertise_url, self.held_epochs())
+                answer = await self.client.register_balancer(self.region, self.advertise_url, self.held_epochs(),
+                                                             demand=self.demand())
+                shares = answer.get("quota_shares")
+                if self.apply_shares is not None and isinstance(shares, dict):
+                    self.apply_shares(shares)
             except ControllerError as exc:
                 if exc.type == "stale_epoch":
                     # Replicas this balancer holds were given to another balancer: drop them now, not at the

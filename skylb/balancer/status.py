@@ -11,6 +11,7 @@ from skylb.balancer.api import openai_error
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.metrics import CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
+from skylb.quota.buckets import LocalLimits
 
 __all__ = ["BALANCER", "detailed_status", "quota_status", "handle_status", "handle_healthz", "handle_metrics", "handle_models"]
 
@@ -56,11 +57,15 @@ def detailed_status(balancer: Balancer) -> dict:
 
 def quota_status(balancer: Balancer) -> dict:
     """The quotas in force: {"source": "controller" | "config", "revision": the controller's quota revision (None
-    for the config's), "quotas": the document}."""
+    for the config's), "quotas": the document, "shares": this region's share of each bucket ({"default",
+    "buckets"}; None when the buckets are not in-process)}."""
     membership = balancer.membership
     revision = membership.quotas_revision if membership else None
+    limits = balancer.limits
+    shares = ({"default": limits.share, "buckets": dict(limits.shares)} if isinstance(limits, LocalLimits)
+              else None)
     return {"source": "config" if revision is None else "controller", "revision": revision,
-            "quotas": balancer.quotas.model_dump(exclude_none=True)}
+            "quotas": balancer.quotas.model_dump(exclude_none=True), "shares": shares}
 
 
 def _tries(policy) -> dict:
