@@ -416,3 +416,22 @@ def test_busy_region_share_grows_while_the_idle_one_shrinks(procs, tmp_path):
     cluster.wait_until(lambda: eu_shares()["buckets"].get(key) == pytest.approx(0.1), timeout_s=5.0,
                        what="eu's share of the bucket down to the floor")
     assert eu_shares()["default"] == pytest.approx(0.5)
+
+
+def test_quotas_on_etcd_reach_a_balancer_through_another_controller(procs, tmp_path, etcd):
+    """Two controllers sharing a real etcd: `skylb-ctl quota set` through one is listed through the other, and a
+    balancer watching the other applies it without restart (the follower's watch wakes on the shared revision)."""
+    cluster = Cluster(procs, tmp_path, admin_token=ADMIN, controller={
+        "store": "etcd", "etcd": {"endpoints": [etcd], "prefix": f"/test/{uuid.uuid4().hex}"},
+        "health": {"enabled": False}})
+    first = cluster.start_controller(["us"])
+    second = cluster.start_controller(["us"])  # cluster.ctl and the balancer now use the second
+    cluster.start_balancer("us", ["us"])
+    assert _quotas_in_force(cluster, "us")["source"] == "config"
+    body = json.loads(cluster.ctl("--controller", first, "quota", "set", "--model", MODEL, "--max-concurrent", "5",
+                                  "-o", "json").stdout)
+    assert _ctl_json(cluster, "quota", "list") == {"quotas": body["quotas"], "revision": body["revision"]}
+    assert cluster.controller_url == second
+    cluster.wait_until(lambda: _quotas_in_force(cluster, "us")["revision"] == body["revision"], timeout_s=5.0,
+                       what="the change made through the first controller in force on the balancer")
+    assert _quotas_in_force(cluster, "us")["quotas"]["models"] == {MODEL: {"max_concurrent": 5}}
