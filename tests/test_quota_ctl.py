@@ -435,3 +435,52 @@ def test_quotas_on_etcd_reach_a_balancer_through_another_controller(procs, tmp_p
     cluster.wait_until(lambda: _quotas_in_force(cluster, "us")["revision"] == body["revision"], timeout_s=5.0,
                        what="the change made through the first controller in force on the balancer")
     assert _quotas_in_force(cluster, "us")["quotas"]["models"] == {MODEL: {"max_concurrent": 5}}
+
+
+def test_heartbeat_drops_demand_for_a_controller_older_than_shares(tmp_path):
+    """A controller from before quota shares refuses the unknown ``demand`` field (400 naming it, as its
+    register_balancer does): the balancer registers without it from then on instead of failing every heartbeat.
+    The old controller is an aiohttp app answering as the old handler did."""
+    import aiohttp
+    from aiohttp import web
+
+    from skylb.balancer.membership import MembershipWatcher
+    from tests.procs import free_port
+
+    bodies = []
+
+    async def register(request):
+        body = await request.json()
+        bodies.append(body)
+        if "demand" in body:
+            return web.json_response({"error": {"message": "demand: unknown field (expected region, url, epochs, "
+                                                           "replace)", "type": "invalid_request_error",
+                                                "code": 400}}, status=400)
+        return web.json_response({"region": body["region"], "url": body["url"], "last_seen": 0.0})
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/balancers", register)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        async with aiohttp.ClientSession() as session:
+            watcher = MembershipWatcher(region="us", advertise_url="http://127.0.0.1:9",
+                                        controller_url=f"http://127.0.0.1:{port}", state_dir=str(tmp_path),
+                                        apply=lambda snapshot: None, session=session, heartbeat_s=0.05,
+                                        demand=lambda: {"window_s": 60.0, "buckets": {}})
+            task = asyncio.create_task(watcher._heartbeat())
+            try:
+                for _ in range(100):  # bounded: 5 s
+                    if len(bodies) >= 3:
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await runner.cleanup()
+
+    asyncio.run(run())
+    assert "demand" in bodies[0]
+    assert len(bodies) >= 3 and all("demand" not in body for body in bodies[1:])

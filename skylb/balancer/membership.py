@@ -122,6 +122,12 @@ class MembershipWatcher:
                     # watch's next answer.
                     log.warning("stale_epoch", region=self.region, error=str(exc))
                     await self.fetch_once(timeout_s=5.0)
+                elif exc.status == 400 and str(exc).startswith("demand:") and self.demand() is not None:
+                    # A controller older than quota shares: register without demand from now on (the balancer keeps
+                    # its default share) rather than fail every heartbeat during a rolling upgrade.
+                    log.warning("controller_without_quota_shares", region=self.region, error=str(exc))
+                    self.demand = lambda: None
+                    continue
                 else:
                     log.warning("balancer_registration_failed", region=self.region, error=str(exc))
             except ControllerUnavailable as exc:
