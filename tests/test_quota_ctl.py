@@ -410,7 +410,8 @@ def test_busy_region_share_grows_while_the_idle_one_shrinks(procs, tmp_path):
 
     assert eu_shares()["buckets"] == {}
     us_shares, admitted, refused = asyncio.run(busy_us())
-    assert refused > 0 and admitted >= 6, (us_shares, admitted, refused)  # its first half (3000 tokens) was admitted, then it was refused
+    # Its first half (3000 tokens) was admitted, then it was refused.
+    assert refused > 0 and admitted >= 6, (us_shares, admitted, refused)
     assert us_shares["default"] == pytest.approx(0.5)
     assert us_shares["buckets"][key] == pytest.approx(0.9)
     cluster.wait_until(lambda: eu_shares()["buckets"].get(key) == pytest.approx(0.1), timeout_s=5.0,
@@ -484,3 +485,20 @@ def test_heartbeat_drops_demand_for_a_controller_older_than_shares(tmp_path):
     asyncio.run(run())
     assert "demand" in bodies[0]
     assert len(bodies) >= 3 and all("demand" not in body for body in bodies[1:])
+
+
+def test_balancer_applies_well_formed_shares_only():
+    """skylb/quota/regional.py: a heartbeat answer's shares go to in-process buckets; a malformed answer (a share
+    of 0, above 1, not a number) or buckets that are not in-process change nothing."""
+    from skylb.quota.buckets import LocalLimits
+    from skylb.quota.regional import apply_shares, demand_report
+
+    limits = LocalLimits()
+    assert apply_shares(limits, {"default": 0.5, "buckets": {"model/m": 0.9}})
+    assert (limits.share, limits.shares) == (0.5, {"model/m": 0.9})
+    for bad in ({"default": 0, "buckets": {}}, {"default": 0.5, "buckets": {"model/m": 1.5}},
+                {"default": 0.5, "buckets": {"model/m": "most"}}, {"default": True, "buckets": {}}, {"default": 0.5}):
+        assert not apply_shares(limits, bad)
+    assert (limits.share, limits.shares) == (0.5, {"model/m": 0.9})
+    assert demand_report(limits, 0.0) == {"window_s": 60.0, "buckets": {}}
+    assert demand_report(object(), 0.0) is None and not apply_shares(object(), {"default": 1, "buckets": {}})

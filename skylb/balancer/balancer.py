@@ -25,6 +25,7 @@ from skylb.config import BalancerConfig
 from skylb.core import Decision, build_router
 from skylb.quota.buckets import LimitBackend, LocalLimits
 from skylb.quota.limits import Quotas
+from skylb.quota.regional import apply_shares, demand_report
 
 __all__ = ["Balancer", "DRAIN_END_S"]
 
@@ -113,8 +114,8 @@ class Balancer:
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
             state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
             held_epochs=lambda: dict(self.served_epochs), token=cfg.peer_token, apply_quotas=self.apply_quotas,
-            config_quotas=cfg.quotas, heartbeat_s=cfg.heartbeat_s, demand=self.quota_demand,
-            apply_shares=self.apply_quota_shares)
+            config_quotas=cfg.quotas, heartbeat_s=cfg.heartbeat_s,
+            demand=lambda: demand_report(self.limits, self.now()), apply_shares=lambda a: apply_shares(self.limits, a))
         # The controller's view first: a balancer restarted after a failover must not serve, from its file, replicas
         # that moved to another balancer meanwhile. The file when the controller does not answer (static stability).
         if not await self.membership.fetch_once(timeout_s=2.0):
@@ -164,23 +165,6 @@ class Balancer:
                 listener(quotas)
             except Exception:  # one broken listener must not keep the others on stale quotas
                 log.exception("quota_listener_failed", region=self.region, listener=repr(listener))
-
-    def quota_demand(self) -> dict | None:
-        """What each quota bucket was asked for lately (skylb/quota/demand.py), for the heartbeat; None when the
-        buckets are not this process's own (Redis shares them: no region shares to compute)."""
-        if not isinstance(self.limits, LocalLimits):
-            return None
-        return self.limits.demand.report(self.now())
-
-    def apply_quota_shares(self, answer: dict) -> None:
-        """Enforce the shares the controller computed (``{"default": f, "buckets": {key: f}}``, fractions in (0, 1];
-        controller/shares.py) on the in-process buckets; a malformed answer changes nothing."""
-        default, buckets = answer.get("default"), answer.get("buckets")
-        if not isinstance(self.limits, LocalLimits) or not isinstance(buckets, dict):
-            return
-        fractions = [default, *buckets.values()]
-        if all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in fractions):
-            self.limits.set_shares(buckets, default)
 
     def apply_membership(self, snapshot: dict) -> None:
         """Apply a controller snapshot.

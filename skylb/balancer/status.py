@@ -13,7 +13,8 @@ from skylb.balancer.metrics import CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 from skylb.quota.buckets import LocalLimits
 
-__all__ = ["BALANCER", "detailed_status", "quota_status", "handle_status", "handle_healthz", "handle_metrics", "handle_models"]
+__all__ = ["BALANCER", "detailed_status", "quota_status", "handle_status", "handle_healthz", "handle_metrics",
+           "handle_models"]
 
 BALANCER = web.AppKey("balancer", Balancer)
 
