@@ -73,16 +73,21 @@ class ControllerClient:
         return await self._request("GET", "/v1/membership", params=params, extra_s=max(wait_s, 0),
                                    check=_snapshot)
 
-    async def register_balancer(self, region: str, url: str, epochs: dict[str, int] | None = None) -> dict:
+    async def register_balancer(self, region: str, url: str, epochs: dict[str, int] | None = None, *,
+                                demand: dict | None = None) -> dict:
         """Register this balancer (``url`` is how peers reach it) or, when already registered, refresh last_seen.
 
         ``epochs`` ({region: epoch}) are the assignments this balancer holds (the regions whose replicas it serves);
         the controller answers 409 ``stale_epoch`` (ControllerError) when one of them was since given to another
-        balancer, and the caller must drop those replicas and re-read membership. Returns the balancer as stored.
+        balancer, and the caller must drop those replicas and re-read membership. ``demand`` (skylb/quota/demand.py)
+        asks for this balancer's quota shares: the answer then has "quota_shares" (controller/shares.py). Returns
+        the balancer as stored.
         """
         body: dict = {"region": region, "url": url}
         if epochs:
             body["epochs"] = epochs
+        if demand is not None:
+            body["demand"] = demand
         return await self._request("POST", "/v1/balancers", json=body)
 
     async def _request(self, method: str, path: str, *, check: Callable[[dict], str | None] | None = None,

@@ -1,5 +1,5 @@
 """skylb-ctl: the operator's command line for the SkyLB controller: replicas (add, remove, drain, list), balancers
-(list, drain, remove), the membership, and the whole system's status at a glance.
+(list, drain, remove), quotas (set, list, delete), the membership, and the whole system's status at a glance.
 
 Every command takes ``-o json`` (or ``--json``) to print JSON instead of a table or a sentence. Changes send the
 admin token from ``$SKYLB_ADMIN_TOKEN`` or ``--admin-token-file`` (``Authorization: Bearer``).
@@ -20,9 +20,10 @@ from typing import Any, Callable
 import requests
 
 from controller.tokens import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, read_token_file
-from controller.ctl_views import (balancer_status, balancer_table, replica_table, request_error, status_tables,
-                                  system_status)
+from controller.ctl_views import (balancer_status, balancer_table, quota_tables, replica_table, request_error,
+                                  status_tables, system_status)
 from controller.store import ENGINES, InvalidInput, normalize_url
+from skylb.quota.limits import PRIORITIES
 
 __all__ = ["DEFAULT_CONTROLLER", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_DRAIN_TIMEOUT", "CtlError",
            "build_parser", "main", "system_status"]
@@ -42,6 +43,11 @@ examples:
   skylb-ctl balancer list
   skylb-ctl balancer drain us             # its replicas and clients move to the closest region; waits until empty
   skylb-ctl balancer undrain us
+  skylb-ctl quota set --tenant acme --tokens-per-minute 100000 --max-concurrent 8 --weight 2 --priority high
+  skylb-ctl quota set --model llama3:8b --tokens-per-minute 500000 --max-concurrent 16
+  skylb-ctl quota set --group fast --member llama3:8b=2 --member qwen2.5:7b=1
+  skylb-ctl quota list
+  skylb-ctl quota delete --tenant acme
   skylb-ctl status
   skylb-ctl membership -o json
 
@@ -231,6 +237,118 @@ def _wait(args: argparse.Namespace, left: Callable[[], tuple[int, list[str]]], w
         time.sleep(_POLL_S)
 
 
+# --- quotas -------------------------------------------------------------------------------------------------------
+
+_LIMIT_OPTIONS = ("tokens_per_minute", "requests_per_minute", "max_concurrent")
+
+
+def _positive_or_none(text: str) -> int | None:
+    """argparse type of a limit: a whole number above 0, or "none" to remove that limit."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (or none to remove the limit)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be above 0 (or none to remove the limit)")
+    return value
+
+
+def _weight(text: str) -> float:
+    """argparse type of a weight: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number above 0")
+    return value
+
+
+def _member(text: str) -> tuple[str, float]:
+    """argparse type of ``--member MODEL=WEIGHT``."""
+    model, sep, weight = text.rpartition("=")
+    if not sep or not model:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MODEL=WEIGHT, e.g. llama3:8b=2")
+    return model, _weight(weight)
+
+
+def _quota_entry(args: argparse.Namespace) -> dict:
+    """The entry ``quota set`` sends (controller/quotas.py); CtlError (exit 2) when the options do not fit."""
+    limits = {f: getattr(args, f) for f in _LIMIT_OPTIONS if getattr(args, f) is not _UNSET}
+    if args.group is not None:
+        if args.tenant or args.model or limits or args.weight is not None or args.priority:
+            raise CtlError("--group takes only --member options", EXIT_USAGE)
+        if not args.member:
+            raise CtlError("--group needs at least one --member MODEL=WEIGHT", EXIT_USAGE)
+        members = dict(args.member)
+        if len(members) != len(args.member):
+            raise CtlError("--member: a model is listed twice", EXIT_USAGE)
+        if args.group in members:
+            raise CtlError(f"--member: group {args.group!r} cannot list itself as a model", EXIT_USAGE)
+        return {"group": args.group, "members": members}
+    if args.member:
+        raise CtlError("--member goes with --group", EXIT_USAGE)
+    if args.tenant is not None:
+        entry = {"tenant": args.tenant, **limits}
+        if args.model is not None:
+            if not limits:
+                raise CtlError("--tenant with --model needs a limit: --tokens-per-minute, --requests-per-minute or "
+                               "--max-concurrent", EXIT_USAGE)
+            entry["model"] = args.model
+        if args.weight is not None:
+            entry["weight"] = args.weight
+        if args.priority:
+            entry["priority"] = args.priority
+        if len(entry) == 1:
+            raise CtlError("nothing to set: give a limit, --weight or --priority", EXIT_USAGE)
+        return entry
+    if args.model is not None:
+        if args.weight is not None or args.priority:
+            raise CtlError("--weight and --priority are a tenant's: add --tenant", EXIT_USAGE)
+        if not limits:
+            raise CtlError("--model needs a limit: --tokens-per-minute, --requests-per-minute or --max-concurrent",
+                           EXIT_USAGE)
+        return {"model": args.model, **limits}
+    raise CtlError("say what to set: --tenant T [--model M], --model M, or --group G", EXIT_USAGE)
+
+
+def _quota_set(api: _Api, args: argparse.Namespace) -> None:
+    entry = _quota_entry(args)
+    body = api.call("POST", "/v1/quotas", json=entry)
+    what = ", ".join(f"{k}={'none' if v is None else v}" for k, v in entry.items()
+                     if k not in ("tenant", "group", "model") or (k == "model" and "tenant" in entry))
+    name = next(f"{k} {entry[k]}" for k in ("group", "tenant", "model") if k in entry)
+    _emit(args, body, lambda: (f"quota of {name} set: {what}" if body["changed"] else
+                               f"quota of {name} unchanged: {what}") + f" (revision {body['revision']})")
+
+
+def _quota_list(api: _Api, args: argparse.Namespace) -> None:
+    body = api.call("GET", "/v1/quotas")
+    _emit(args, body, lambda: quota_tables(body))
+
+
+def _quota_delete(api: _Api, args: argparse.Namespace) -> None:
+    if args.all:
+        if args.tenant or args.model or args.group:
+            raise CtlError("--all goes alone", EXIT_USAGE)
+        params, name = {"all": "true"}, "every quota (balancers use their config's again)"
+    elif args.group is not None:
+        if args.tenant or args.model:
+            raise CtlError("--group goes alone", EXIT_USAGE)
+        params, name = {"group": args.group}, f"group {args.group}"
+    elif args.tenant is not None:
+        params = {"tenant": args.tenant, **({"model": args.model} if args.model is not None else {})}
+        name = f"tenant {args.tenant}" + (f"'s limit on {args.model}" if args.model is not None else "")
+    elif args.model is not None:
+        params, name = {"model": args.model}, f"the limit of model {args.model}"
+    else:
+        raise CtlError("say what to delete: --tenant T [--model M], --model M, --group G, or --all", EXIT_USAGE)
+    body = api.call("DELETE", "/v1/quotas", params=params)
+    _emit(args, body, lambda: f"deleted {name} (revision {body['revision']})")
+
+
 # --- the whole system ---------------------------------------------------------------------------------------------
 
 def _membership(api: _Api, args: argparse.Namespace) -> None:
@@ -347,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     bremove.add_argument("url", help="the balancer's URL, as shown by `balancer list`")
     bremove.set_defaults(run=_balancer_remove)
 
+    _quota_parsers(sub, common)
+
     membership = sub.add_parser("membership", parents=common, help="show the whole membership and its revision",
                                 description="Show the whole membership (regions, balancers, replicas, "
                                             "assignments) and its revision.")
@@ -361,6 +481,61 @@ def build_parser() -> argparse.ArgumentParser:
                                         "operator status endpoint; $SKYLB_PEER_TOKEN is sent when set).")
     status.set_defaults(run=_status)
     return parser
+
+
+#: The default of a limit option not given (None means "none": remove that limit).
+_UNSET = object()
+
+
+def _quota_parsers(sub: argparse._SubParsersAction, common: list[argparse.ArgumentParser]) -> None:
+    """`skylb-ctl quota set | list | delete`."""
+    quota = sub.add_parser(
+        "quota", help="set, list or delete quotas: tenants, model limits, model groups",
+        description="Quotas in the controller: every balancer applies a change within one watch round trip, "
+                    "without restart. While the controller holds none, balancers use their config's `quotas`.")
+    qsub = quota.add_subparsers(dest="action", metavar="ACTION", required=True)
+    qset = qsub.add_parser(
+        "set", parents=common, help="set one entry: a tenant (or its limit on a model), a model's limit, a group",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Set one quota entry. Options left out keep their value; a limit given as `none` is removed.\n"
+                    "  --tenant T [--model M] LIMITS [--weight W] [--priority P]   tenant T's limit on model M "
+                    "(default: on all its models together), its weight and priority class\n"
+                    "  --model M LIMITS                                           model M's own limit, whatever "
+                    "the tenant\n"
+                    "  --group G --member MODEL=WEIGHT ...                        model group G (replaces its "
+                    "members)\n"
+                    "LIMITS: --tokens-per-minute N, --requests-per-minute N, --max-concurrent N (N > 0, or none).")
+    qset.add_argument("--tenant", metavar="T", help="the tenant (the name its API keys map to; `default` for "
+                                                    "requests without one)")
+    qset.add_argument("--model", metavar="M", help="with --tenant: the model the limit is on (`*`: all models); "
+                                                   "alone: the model whose own limit to set")
+    qset.add_argument("--group", metavar="G", help="a model group alias, e.g. fast")
+    qset.add_argument("--member", metavar="MODEL=WEIGHT", type=_member, action="append", default=[],
+                      help="with --group: a model serving it and its weight (> 0); repeat for each model")
+    for option, help_ in (("--tokens-per-minute", "prompt plus max_tokens admitted per minute"),
+                          ("--requests-per-minute", "requests admitted per minute"),
+                          ("--max-concurrent", "requests in flight at once")):
+        qset.add_argument(option, metavar="N", type=_positive_or_none, default=_UNSET,
+                          help=f"{help_} (N > 0; none removes this limit)")
+    qset.add_argument("--weight", type=_weight, metavar="W",
+                      help="with --tenant: its share of the queue when tenants compete (> 0, default 1)")
+    qset.add_argument("--priority", choices=PRIORITIES,
+                      help="with --tenant: the class of its requests without an X-Priority header (default normal)")
+    qset.set_defaults(run=_quota_set)
+    qlist = qsub.add_parser("list", parents=common, help="list every quota (tenants, models, groups)",
+                            description="List the controller's quotas: tenants with their weight, class and "
+                                        "limits; models' limits; model groups. `(none)` when the controller holds "
+                                        "none (balancers use their config's).")
+    qlist.set_defaults(run=_quota_list)
+    qdel = qsub.add_parser("delete", parents=common, help="delete one entry (or --all)",
+                           description="Delete one quota entry: a tenant (with --model, only its limit on that "
+                                       "model), a model's limit, or a group. --all clears every quota: balancers "
+                                       "go back to their config's.")
+    qdel.add_argument("--tenant", metavar="T", help="the tenant to delete (all its limits, weight and class)")
+    qdel.add_argument("--model", metavar="M", help="with --tenant: only its limit on M; alone: model M's limit")
+    qdel.add_argument("--group", metavar="G", help="the model group to delete")
+    qdel.add_argument("--all", action="store_true", help="delete every quota")
+    qdel.set_defaults(run=_quota_delete)
 
 
 def _fail(message: str, status: int) -> int:

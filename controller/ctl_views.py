@@ -1,5 +1,5 @@
 """What skylb-ctl prints: the whole system's status (the controller's membership joined with each balancer's own
-status) and the tables of replicas and balancers."""
+status) and the tables of replicas, balancers and quotas."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 import requests
 from tabulate import tabulate
 
-__all__ = ["balancer_status", "request_error", "system_status", "status_tables", "replica_table", "balancer_table"]
+__all__ = ["balancer_status", "request_error", "system_status", "status_tables", "replica_table", "balancer_table",
+           "quota_tables"]
 
 
 def request_error(exc: requests.RequestException) -> str:
@@ -130,3 +131,27 @@ def balancer_table(balancers: list[dict], assignments: list[dict] | None = None)
     rows = [(b["region"], b["url"], f"{max(0.0, now - b['last_seen']):.0f}s ago", _yes(b.get("healthy", True)),
              "yes" if b.get("draining") else "no", ",".join(serves.get(b["region"], [])) or "-") for b in balancers]
     return tabulate(rows, headers=["REGION", "URL", "LAST SEEN", "HEALTHY", "DRAINING", "SERVES (REGION@EPOCH)"])
+
+
+def quota_tables(body: dict) -> str:
+    """``GET /v1/quotas``'s answer as text: tenants (weight, class, one row per limit), models' limits, groups."""
+    quotas = body.get("quotas")
+    if quotas is None:
+        return "(none: the controller holds no quotas; balancers use their config's)"
+
+    def cells(limit: dict) -> tuple:
+        return tuple(_dash(limit.get(f)) for f in ("tokens_per_minute", "requests_per_minute", "max_concurrent"))
+
+    limit_headers = ["TOKENS/MIN", "REQUESTS/MIN", "MAX CONCURRENT"]
+    tenants = [(name, t.get("weight", 1.0), t.get("priority", "normal"), model, *cells(limit))
+               for name, t in sorted(quotas.get("tenants", {}).items())
+               for model, limit in (sorted(t.get("limits", {}).items()) or [("-", {})])]
+    models = [(name, *cells(limit)) for name, limit in sorted(quotas.get("models", {}).items())]
+    groups = [(name, ", ".join(f"{m}={w:g}" for m, w in members.items()))
+              for name, members in sorted(quotas.get("groups", {}).items())]
+    return "\n\n".join([
+        f"revision {body.get('revision')}",
+        tabulate(tenants, headers=["TENANT", "WEIGHT", "PRIORITY", "MODEL", *limit_headers]) if tenants
+        else "(no tenant quotas)",
+        tabulate(models, headers=["MODEL", *limit_headers]) if models else "(no model limits)",
+        tabulate(groups, headers=["GROUP", "MEMBERS (MODEL=WEIGHT)"]) if groups else "(no model groups)"])

@@ -4,7 +4,8 @@ Keys under ``prefix`` (default /skylb):
 
 - ``<prefix>/membership``: the whole membership as one JSON document (``_State``): {"format": 1, "revision": N,
   "regions": {name: next replica number}, "replicas": {id: replica}, "balancers": {url: {"region", "healthy",
-  "draining"}}, "assignments": {region: {"balancer_region", "epoch"}}}.
+  "draining"}}, "assignments": {region: {"balancer_region", "epoch"}}, "quotas": the quota document or null,
+  "quotas_revision": the revision of its last change}.
 - ``<prefix>/last_seen/<balancer url>``: that balancer's latest heartbeat (unix s, as text). Heartbeats live apart
   so that they neither rewrite the document nor collide with membership writes.
 
@@ -43,7 +44,8 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 
 from controller.store import (Assignment, Balancer, Conflict, Membership, NotFound, Replica, StoreUnavailable,
-                              _BalancerInput, _parse, _ReplicaInput, normalize_url, validate_region)
+                              _BalancerInput, _parse, _ReplicaInput, normalize_url, quotas_json, validate_region)
+from skylb.quota.limits import Quotas
 
 __all__ = ["EtcdConnection", "EtcdMembershipStore", "REQUEST_TIMEOUT_S"]
 
@@ -143,6 +145,9 @@ class _State:
     balancers: dict[str, Balancer] = field(default_factory=dict)
     #: Only regions that were assigned at least once; the others are their own balancer's at epoch 0.
     assignments: dict[str, Assignment] = field(default_factory=dict)
+    #: The quota document (None: never set) and the revision of its last change.
+    quotas: Quotas | None = None
+    quotas_revision: int = 0
 
     @classmethod
     def decode(cls, doc: bytes | None, last_seen: dict[str, float]) -> _State:
@@ -156,6 +161,9 @@ class _State:
             balancers={url: Balancer(url=url, last_seen=last_seen.get(url, 0.0), **b)
                        for url, b in data["balancers"].items()},
             assignments={region: Assignment(region=region, **a) for region, a in data["assignments"].items()},
+            # A document written before quotas existed has neither key.
+            quotas=None if data.get("quotas") is None else Quotas.model_validate(data["quotas"]),
+            quotas_revision=data.get("quotas_revision", 0),
         )
 
     def encode(self) -> bytes:
@@ -169,6 +177,8 @@ class _State:
                           for url, b in self.balancers.items()},
             "assignments": {region: {"balancer_region": a.balancer_region, "epoch": a.epoch}
                             for region, a in self.assignments.items()},
+            "quotas": quotas_json(self.quotas),
+            "quotas_revision": self.quotas_revision,
         }, sort_keys=True, separators=(",", ":")).encode()
 
     def regions(self) -> list[str]:
@@ -186,7 +196,8 @@ class _State:
 
     def membership(self) -> Membership:
         return Membership(revision=self.revision, regions=self.regions(), balancers=self.list_balancers(),
-                          replicas=self.list_replicas(), assignments=self.list_assignments())
+                          replicas=self.list_replicas(), assignments=self.list_assignments(), quotas=self.quotas,
+                          quotas_revision=self.quotas_revision)
 
     def next_id(self, region: str) -> str:
         # Skip ids an operator already chose by hand (e.g. "us-3" given explicitly before the counter got there).
@@ -250,6 +261,11 @@ class EtcdMembershipStore:
     def assignments(self) -> list[Assignment]:
         """One assignment per region, sorted by region (a region never failed over: its own balancer, epoch 0)."""
         return self._read()[0].list_assignments()
+
+    def quotas(self) -> tuple[Quotas | None, int]:
+        """The quota document (None until the first change) and the revision of its last change (0: never)."""
+        state = self._read()[0]
+        return state.quotas, state.quotas_revision
 
     def snapshot(self) -> Membership:
         """Everything at one revision (the document and the heartbeats are read in one etcd transaction)."""
@@ -360,6 +376,18 @@ class EtcdMembershipStore:
             return state.assignments[region]
 
         return self._write(change)
+
+    def change_quotas(self, change: Callable[[Quotas | None], Quotas | None]) -> tuple[Quotas | None, bool]:
+        """As MembershipStore.change_quotas: (new document, changed), by compare-and-swap (``change`` may run again
+        on another controller's newer document, so it must be a pure function of its argument)."""
+        def apply(state: _State) -> tuple[Quotas | None, bool]:
+            new = change(state.quotas)
+            if quotas_json(new) == quotas_json(state.quotas):
+                return state.quotas, False
+            state.quotas, state.quotas_revision = new, state.revision + 1  # _write bumps the revision to this
+            return new, True
+
+        return self._write(apply)
 
     # --- helpers ------------------------------------------------------------------------------------------------
 

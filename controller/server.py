@@ -13,6 +13,9 @@ URLS]``. Endpoints:
   /v1/balancers?url=U``
 - ``POST /v1/regions/{region}/drain``, ``POST /v1/regions/{region}/undrain`` (the region's balancers)
 - ``GET /v1/assignments``: which region's balancer serves each region's replicas, and the epoch
+- ``GET /v1/quotas``, ``POST /v1/quotas`` (set one entry: a tenant, a model's limit, a group), ``DELETE
+  /v1/quotas?tenant=T[&model=M] | ?model=M | ?group=G | ?all=true`` (controller/quotas.py); the quotas travel
+  with the membership snapshot, so every change wakes the balancers' watches
 
 Reads are open; changes need the admin token, balancer heartbeats the peer token (controller/auth.py). A balancer
 registering for a region whose balancer is live at another URL is refused (409 ``region_taken``) unless the request
@@ -47,7 +50,9 @@ from controller.dns import DnsUpdater
 from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
-from controller.store import InvalidInput, StoreError, normalize_url, validate_region
+from controller.quotas import remove_entry, set_entry
+from controller.shares import ShareBook
+from controller.store import InvalidInput, StoreError, normalize_url, quotas_json, validate_region
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig, load_config
 from skylb.logs import configure_logging
@@ -98,6 +103,7 @@ class RevisionWatch:
 STORE = web.AppKey("store", Store)
 WATCH = web.AppKey("watch", RevisionWatch)
 LEADERSHIP = web.AppKey("leadership", SoleLeader | EtcdElection)
+SHARES = web.AppKey("shares", ShareBook)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -199,8 +205,13 @@ async def list_balancers(request: web.Request) -> web.Response:
 
 
 async def register_balancer(request: web.Request) -> web.Response:
-    """POST /v1/balancers {"region", "url", "epochs"?: {region: epoch}, "replace"?: bool} -> 200 with the balancer
-    (register, or heartbeat when known).
+    """POST /v1/balancers {"region", "url", "epochs"?: {region: epoch}, "replace"?: bool, "demand"?} -> 200 with the
+    balancer (register, or heartbeat when known).
+
+    ``demand`` (skylb/quota/demand.py: per quota bucket, what it was asked for over the last minute) comes from a
+    balancer enforcing its region's share of every limit (no Redis); the answer then carries ``"quota_shares":
+    {"default", "buckets": {key: share}}``, its shares computed from every live balancer's demand
+    (controller/shares.py).
 
     When another URL holds a live balancer of the same region (healthy, not draining, heard from within
     LIVE_HEARTBEAT_S), the registration is refused 409 ``region_taken``, unless it says ``"replace": true`` and
@@ -212,9 +223,13 @@ async def register_balancer(request: web.Request) -> web.Response:
     ``stale_epoch``: the balancer must drop those replicas and re-read membership.
     """
     body = await _json_object(request)
-    unknown = set(body) - {"region", "url", "epochs", "replace"}
+    unknown = set(body) - {"region", "url", "epochs", "replace", "demand"}
     if unknown:
-        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, epochs, replace)")
+        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, epochs, replace, demand)")
+    demand = body.get("demand")
+    if demand is not None and not (isinstance(demand, dict) and isinstance(demand.get("buckets", {}), dict)
+                                   and all(isinstance(b, dict) for b in demand.get("buckets", {}).values())):
+        raise InvalidInput("demand", "must be an object {\"window_s\", \"buckets\": {key: {...}}}")
     replace = body.get("replace", False)
     if not isinstance(replace, bool):
         raise InvalidInput("replace", "must be true or false")
@@ -248,7 +263,13 @@ async def register_balancer(request: web.Request) -> web.Response:
         detail = ", ".join(f"{a.region} (held epoch {epochs[a.region]}, now epoch {a.epoch} at "
                            f"{a.balancer_region}'s balancer)" for a in stale)
         return _error(409, f"stale epoch: this balancer no longer serves {detail}", "stale_epoch")
-    return web.json_response(balancer.to_dict())
+    if demand is None:
+        return web.json_response(balancer.to_dict())
+    shares = request.app[SHARES]
+    shares.report(balancer.url, demand, now)
+    live_urls = [b.url for b in store.list_balancers()
+                 if b.healthy and not b.draining and now - b.last_seen < LIVE_HEARTBEAT_S]
+    return web.json_response({**balancer.to_dict(), "quota_shares": shares.shares_for(balancer.url, live_urls, now)})
 
 
 async def remove_balancer(request: web.Request) -> web.Response:
@@ -289,6 +310,48 @@ async def list_assignments(request: web.Request) -> web.Response:
     return web.json_response({"assignments": [a.to_dict() for a in request.app[STORE].assignments()]})
 
 
+def _quotas_answer(store: Store) -> dict:
+    quotas, revision = store.quotas()
+    return {"quotas": quotas_json(quotas), "revision": revision}
+
+
+async def get_quotas(request: web.Request) -> web.Response:
+    """GET /v1/quotas -> {"quotas": the document or null (balancers use their config's), "revision": the
+    membership revision of its last change (0: never)}."""
+    return web.json_response(_quotas_answer(request.app[STORE]))
+
+
+async def set_quota(request: web.Request) -> web.Response:
+    """POST /v1/quotas {one entry: controller/quotas.py} -> 200 {"quotas", "revision", "changed"}; 400 naming the
+    bad field."""
+    entry = await _json_object(request)
+    store = request.app[STORE]
+    _, changed = store.change_quotas(lambda current: set_entry(current, entry))
+    if changed:
+        await _changed(request.app, "quota_set", entry=entry)
+    return web.json_response({**_quotas_answer(store), "changed": changed})
+
+
+async def delete_quota(request: web.Request) -> web.Response:
+    """DELETE /v1/quotas?tenant=T[&model=M] | ?model=M | ?group=G | ?all=true -> 200 {"quotas", "revision",
+    "changed"}; 404 when the entry does not exist. ``all=true`` clears the document: balancers go back to their
+    config's quotas."""
+    query = dict(request.query)
+    unknown = set(query) - {"tenant", "model", "group", "all"}
+    if unknown:
+        raise InvalidInput(sorted(unknown)[0], "unknown parameter (expected tenant, model, group or all)")
+    store = request.app[STORE]
+    if "all" in query:
+        if query.pop("all") not in ("true", "1") or query:
+            raise InvalidInput("all", "must be true, and alone")
+        _, changed = store.change_quotas(lambda current: None)
+    else:
+        _, changed = store.change_quotas(lambda current: remove_entry(current, **query))
+    if changed:
+        await _changed(request.app, "quota_deleted", **dict(request.query))
+    return web.json_response({**_quotas_answer(store), "changed": changed})
+
+
 async def _changed(app: web.Application, action: str, **fields: Any) -> None:
     revision = app[STORE].revision
     log.info("membership_change", action=action, revision=revision, **fields)
@@ -305,6 +368,7 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app[STORE] = store
     app[LEADERSHIP] = leadership or SoleLeader()
     app[WATCH] = RevisionWatch(store.revision)
+    app[SHARES] = ShareBook()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/membership", get_membership)
     app.router.add_get("/v1/replicas", list_replicas)
@@ -318,6 +382,9 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app.router.add_post("/v1/regions/{region}/drain", drain_balancer)
     app.router.add_post("/v1/regions/{region}/undrain", drain_balancer)
     app.router.add_get("/v1/assignments", list_assignments)
+    app.router.add_get("/v1/quotas", get_quotas)
+    app.router.add_post("/v1/quotas", set_quota)
+    app.router.add_delete("/v1/quotas", delete_quota)
     return app
 
 

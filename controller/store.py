@@ -12,9 +12,11 @@ from its event loop directly rather than from a thread, which keeps every write 
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -22,6 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StringConstraints, TypeAdapter,
                       ValidationError)
+
+from skylb.quota.limits import Quotas
 
 __all__ = [
     "ENGINES",
@@ -74,6 +78,8 @@ CREATE TABLE IF NOT EXISTS replicas (
     healthy INTEGER NOT NULL DEFAULT 1,  -- the controller's active health check (controller/health.py)
     draining INTEGER NOT NULL DEFAULT 0  -- `skylb-ctl replica drain`: no new requests, in-flight ones finish
 );
+-- The quota document (skylb/quota/limits.py Quotas, as JSON) and the membership revision of its last change.
+CREATE TABLE IF NOT EXISTS quotas (id INTEGER PRIMARY KEY CHECK (id = 1), doc TEXT, revision INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta (key, value) VALUES ('revision', 0);
 """
 
@@ -214,17 +220,29 @@ class Membership:
     balancers: list[Balancer]
     replicas: list[Replica]
     assignments: list[Assignment] = field(default_factory=list)
+    #: The quota document (None: the controller holds none, balancers keep their config's) and the revision of its
+    #: last change (0: never set).
+    quotas: Quotas | None = None
+    quotas_revision: int = 0
 
     def to_dict(self) -> dict:
         """JSON shape: {"revision": int, "regions": [str], "balancers": [dict], "replicas": [dict],
-        "assignments": [dict]} (one assignment per region, its own balancer at epoch 0 unless failed over)."""
+        "assignments": [dict], "quotas": Quotas as JSON or null, "quotas_revision": int} (one assignment per
+        region, its own balancer at epoch 0 unless failed over)."""
         return {
             "revision": self.revision,
             "regions": list(self.regions),
             "balancers": [b.to_dict() for b in self.balancers],
             "replicas": [r.to_dict() for r in self.replicas],
             "assignments": [a.to_dict() for a in self.assignments],
+            "quotas": quotas_json(self.quotas),
+            "quotas_revision": self.quotas_revision,
         }
+
+
+def quotas_json(quotas: Quotas | None) -> dict | None:
+    """``quotas`` as the API and the stores write it (unset limits left out), or None."""
+    return None if quotas is None else quotas.model_dump(exclude_none=True)
 
 
 # --- input validation (pydantic) ----------------------------------------------------------------------------------
@@ -438,13 +456,22 @@ class MembershipStore:
                   for row in self._db.execute("SELECT * FROM assignments")}
         return [stored.get(region, Assignment(region, region, 0)) for region in self.regions()]
 
+    def quotas(self) -> tuple[Quotas | None, int]:
+        """The quota document (None until the first change) and the revision of its last change (0: never)."""
+        row = self._db.execute("SELECT doc, revision FROM quotas WHERE id = 1").fetchone()
+        if row is None or row["doc"] is None:
+            return None, 0 if row is None else row["revision"]
+        return Quotas.model_validate_json(row["doc"]), row["revision"]
+
     def snapshot(self) -> Membership:
         """Everything at one revision (read in one transaction, so the parts agree with each other)."""
         self._db.execute("BEGIN")
         try:
+            quotas, quotas_revision = self.quotas()
             return Membership(
                 revision=self.revision, regions=self.regions(),
                 balancers=self.list_balancers(), replicas=self.list_replicas(), assignments=self.assignments(),
+                quotas=quotas, quotas_revision=quotas_revision,
             )
         finally:
             self._db.execute("COMMIT")
@@ -590,6 +617,21 @@ class MembershipStore:
                              "epoch = excluded.epoch", (region, balancer_region, new.epoch))
             self._bump()
         return new
+
+    def change_quotas(self, change: Callable[[Quotas | None], Quotas | None]) -> tuple[Quotas | None, bool]:
+        """Replace the quota document by ``change(current)`` in one transaction; returns (new document, changed).
+        The revision moves (and balancers' watches wake) only when the document changed; an exception raised by
+        ``change`` (InvalidInput, NotFound) changes nothing. None clears it (balancers go back to their config's)."""
+        with self._write():
+            current, _ = self.quotas()
+            new = change(current)
+            if quotas_json(new) == quotas_json(current):
+                return current, False
+            self._bump()
+            doc = None if new is None else json.dumps(quotas_json(new), sort_keys=True)
+            self._db.execute("INSERT INTO quotas (id, doc, revision) VALUES (1, ?, ?) ON CONFLICT(id) DO UPDATE "
+                             "SET doc = excluded.doc, revision = excluded.revision", (doc, self.revision))
+        return new, True
 
     # --- helpers ------------------------------------------------------------------------------------------------
 

@@ -233,6 +233,9 @@ class BalancerConfig(_Strict):
     #: The controller's base URL, or several (a list, or one string with commas) when controllers share etcd:
     #: the balancer uses one and moves to the next when it does not answer.
     controller_url: str | list[str] | None = None
+    #: Seconds between two heartbeats to the controller (registration, and the quota demand that moves each
+    #: region's share of the limits when no Redis is configured; controller/shares.py).
+    heartbeat_s: float = Field(10.0, gt=0)
     #: How this balancer reaches each peer region, when not the peer's advertised URL (a latency proxy, say).
     peer_urls: dict[str, str] = Field(default_factory=dict)
     #: Where the last membership from the controller is kept, so a restart works while the controller is down.

@@ -357,6 +357,9 @@ def test_every_command_prints_json_with_output_json(controller):
         ("membership",),
         ("status",),
         ("balancer", "remove", "http://127.0.0.1:9"),
+        ("quota", "set", "--tenant", "acme", "--tokens-per-minute", "100"),
+        ("quota", "list"),
+        ("quota", "delete", "--tenant", "acme"),
     ]
     for i, command in enumerate(commands):
         flag = ("-o", "json") if i % 2 == 0 else ("--json",)
@@ -370,6 +373,6 @@ def test_every_command_prints_json_with_output_json(controller):
             return {path}
         return set().union(*(leaves(p, path + (name,)) for a in subs for name, p in a.choices.items()))
 
-    assert leaves(build_parser()) == {c[:2] if c[0] in ("replica", "balancer") else c[:1] for c in commands}
+    assert leaves(build_parser()) == {c[:2] if c[0] in ("replica", "balancer", "quota") else c[:1] for c in commands}
     bad = ctl(url, "replica", "drain", "nobody", "-o", "json")
     assert bad.returncode == 1 and "no replica 'nobody'" in bad.stderr and bad.stdout == ""

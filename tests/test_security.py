@@ -179,19 +179,20 @@ def test_metrics_needs_metrics_or_peer_token(secured):
 # --- the controller ---------------------------------------------------------------------------------------------------
 
 def test_controller_changes_need_admin_token(secured):
-    """Every change of membership (add, remove, drain replicas; drain regions; remove balancers) answers 401 without
-    the admin token, with a wrong one or with the peer token; reads stay open."""
+    """Every change of membership (add, remove, drain replicas; drain regions; remove balancers; set and delete
+    quotas) answers 401 without the admin token, with a wrong one or with the peer token; reads stay open."""
     c = secured.controller_url
     changes = [("POST", "/v1/replicas", {"region": "us", "url": "http://10.9.9.9:8000"}),
                ("DELETE", "/v1/replicas/us-1", None), ("POST", "/v1/replicas/us-1/drain", {}),
                ("POST", "/v1/replicas/us-1/undrain", {}), ("POST", "/v1/regions/us/drain", {}),
-               ("POST", "/v1/regions/us/undrain", {}), ("DELETE", f"/v1/balancers?url={secured.balancers['us']}", None)]
+               ("POST", "/v1/regions/us/undrain", {}), ("DELETE", f"/v1/balancers?url={secured.balancers['us']}", None),
+               ("POST", "/v1/quotas", {"model": "m", "max_concurrent": 1}), ("DELETE", "/v1/quotas?all=true", None)]
     for method, path, body in changes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {PEER}"},
                         {"X-SkyLB-Token": PEER}):
             status, answer = http(method, c + path, headers=headers, body=body)
             assert status == 401 and json.loads(answer)["error"]["type"] == "authentication_error", (path, headers)
-    for path in ("/v1/membership", "/v1/replicas", "/v1/balancers", "/v1/assignments", "/healthz"):
+    for path in ("/v1/membership", "/v1/replicas", "/v1/balancers", "/v1/assignments", "/v1/quotas", "/healthz"):
         assert http("GET", c + path)[0] == 200
     assert len(requests.get(f"{c}/v1/replicas", timeout=5).json()["replicas"]) == 2  # nothing changed
     status, _ = http("POST", f"{c}/v1/replicas", headers={"Authorization": f"Bearer {ADMIN}"},

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 import aiohttp
+import structlog
 
 from skylb.balancer.dispatcher import Dispatcher
 from skylb.balancer.fleet import Fleet
@@ -22,12 +24,16 @@ from skylb.balancer.relay import Relay
 from skylb.balancer.retry import RetryBudget
 from skylb.config import BalancerConfig
 from skylb.core import Decision, build_router
+from skylb.quota.buckets import LimitBackend, LocalLimits
 from skylb.quota.limits import Quotas
+from skylb.quota.regional import apply_shares, demand_report
 
 __all__ = ["Balancer", "DRAIN_END_S"]
 
 #: The most a drain waits, after its timeout, for the requests it ended to write their error (s).
 DRAIN_END_S = 5.0
+
+log = structlog.get_logger("skylb.balancer")
 
 
 class Balancer:
@@ -46,6 +52,10 @@ class Balancer:
         self.client_keys = client_keys
         #: The quotas in force: the config's, replaced by the controller's when it holds some (skylb/quota).
         self.quotas: Quotas = cfg.quotas
+        #: Called with the new quotas after each ``apply_quotas`` (parts that derive state from them append here).
+        self.quota_listeners: list[Callable[[Quotas], None]] = []
+        #: Token buckets and concurrency counts of the quotas (in-process here; Redis when the quota settings say).
+        self.limits: LimitBackend = LocalLimits()
         self.region = region
         self.advertise_url = advertise_url
         self.router = build_router(region, cfg)
@@ -107,7 +117,9 @@ class Balancer:
         self.membership = MembershipWatcher(
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
             state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
-            held_epochs=lambda: dict(self.served_epochs), token=cfg.peer_token)
+            held_epochs=lambda: dict(self.served_epochs), token=cfg.peer_token, apply_quotas=self.apply_quotas,
+            config_quotas=cfg.quotas, heartbeat_s=cfg.heartbeat_s,
+            demand=lambda: demand_report(self.limits, self.now()), apply_shares=lambda a: apply_shares(self.limits, a))
         # The controller's view first: a balancer restarted after a failover must not serve, from its file, replicas
         # that moved to another balancer meanwhile. The file when the controller does not answer (static stability).
         if not await self.membership.fetch_once(timeout_s=2.0):
@@ -147,6 +159,17 @@ class Balancer:
         self.dispatcher.fail_waiting("balancer shutting down")
         if self.session:
             await self.session.close()
+
+    def apply_quotas(self, quotas: Quotas) -> None:
+        """Put ``quotas`` in force at once (no restart): set ``self.quotas``, then call every listener in
+        ``self.quota_listeners`` with them, in order; a listener that raises is logged and the others still run.
+        Called by the membership watcher when the controller's quotas change (skylb/balancer/membership.py)."""
+        self.quotas = quotas
+        for listener in list(self.quota_listeners):
+            try:
+                listener(quotas)
+            except Exception:  # one broken listener must not keep the others on stale quotas
+                log.exception("quota_listener_failed", region=self.region, listener=repr(listener))
 
     def apply_membership(self, snapshot: dict) -> None:
         """Apply a controller snapshot.

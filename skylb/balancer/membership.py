@@ -4,6 +4,11 @@ Static stability (DESIGN.md decision 5): the last membership is persisted to ``s
 loads it before the controller answers, and when the controller is unreachable it keeps serving on it and says so
 (``controller_reachable`` in status and metrics). The controller is watched with a long poll from the last revision;
 every answer is a full snapshot, so a missed change is never lost.
+
+The snapshot also carries the controller's quotas (``quotas``, ``quotas_revision``; controller/quotas.py): when they
+differ from the ones applied, ``apply_quotas`` gets them, so a `skylb-ctl quota set` reaches every balancer within
+one watch round trip; they are kept on disk with the rest. While the controller holds none (null), the balancer's
+config quotas stay in force.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from typing import Callable
 
 import aiohttp
 import structlog
+from pydantic import ValidationError
 
 from controller.client import ControllerClient, ControllerError, ControllerUnavailable
+from skylb.quota.limits import Quotas
 
 __all__ = ["MembershipWatcher"]
 
@@ -34,13 +41,27 @@ class MembershipWatcher:
         apply: called with each membership snapshot (the controller's JSON: revision, balancers, replicas).
         wait_s: long-poll duration, s; heartbeat_s: how often the balancer re-registers, s.
         token: the peer token, the credential of this balancer's heartbeats to the controller (None: none sent).
+        apply_quotas: called with the quotas in force whenever the snapshot's differ from the last applied (the
+            controller's, or ``config_quotas`` again when the controller drops its own).
+        demand: returns what each quota bucket was asked for (skylb/quota/demand.py), sent with every heartbeat, or
+            None to send none; apply_shares: called with the heartbeat answer's "quota_shares" ({"default",
+            "buckets"}; controller/shares.py).
     """
 
     def __init__(self, *, region: str, advertise_url: str, controller_url: str | None, state_dir: str,
                  apply: Callable[[dict], None], session: aiohttp.ClientSession, wait_s: float = 20.0,
                  heartbeat_s: float = 10.0, held_epochs: Callable[[], dict[str, int]] | None = None,
-                 token: str | None = None):
+                 token: str | None = None, apply_quotas: Callable[[Quotas], None] | None = None,
+                 config_quotas: Quotas | None = None, demand: Callable[[], dict | None] | None = None,
+                 apply_shares: Callable[[dict], None] | None = None):
         self.region = region
+        self.demand = demand or (lambda: None)
+        self.apply_shares = apply_shares
+        self.apply_quotas = apply_quotas
+        self.config_quotas = config_quotas or Quotas()
+        #: The controller's quota document last applied (None: none, the config's are in force) and its revision.
+        self.quotas_doc: dict | None = None
+        self.quotas_revision: int | None = None
         self.advertise_url = advertise_url
         self.apply = apply
         self.held_epochs = held_epochs or (lambda: {})
@@ -90,13 +111,23 @@ class MembershipWatcher:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                await self.client.register_balancer(self.region, self.advertise_url, self.held_epochs())
+                answer = await self.client.register_balancer(self.region, self.advertise_url, self.held_epochs(),
+                                                             demand=self.demand())
+                shares = answer.get("quota_shares")
+                if self.apply_shares is not None and isinstance(shares, dict):
+                    self.apply_shares(shares)
             except ControllerError as exc:
                 if exc.type == "stale_epoch":
                     # Replicas this balancer holds were given to another balancer: drop them now, not at the
                     # watch's next answer.
                     log.warning("stale_epoch", region=self.region, error=str(exc))
                     await self.fetch_once(timeout_s=5.0)
+                elif exc.status == 400 and str(exc).startswith("demand:") and self.demand() is not None:
+                    # A controller older than quota shares: register without demand from now on (the balancer keeps
+                    # its default share) rather than fail every heartbeat during a rolling upgrade.
+                    log.warning("controller_without_quota_shares", region=self.region, error=str(exc))
+                    self.demand = lambda: None
+                    continue
                 else:
                     log.warning("balancer_registration_failed", region=self.region, error=str(exc))
             except ControllerUnavailable as exc:
@@ -127,6 +158,7 @@ class MembershipWatcher:
 
     def _apply(self, snapshot: dict, *, persist: bool) -> None:
         self.apply(snapshot)
+        self._apply_quotas(snapshot)
         self.revision = snapshot.get("revision")
         if persist:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,3 +167,20 @@ class MembershipWatcher:
             os.replace(tmp, self.path)  # atomic: a crash never leaves half a file
             log.info("membership_applied", region=self.region, revision=self.revision,
                      replicas=sum(1 for r in snapshot.get("replicas", []) if r.get("region") == self.region))
+
+    def _apply_quotas(self, snapshot: dict) -> None:
+        """Hand the snapshot's quotas to ``apply_quotas`` when they differ from those applied last."""
+        doc = snapshot.get("quotas")
+        if self.apply_quotas is None or doc == self.quotas_doc:
+            return
+        try:
+            quotas = self.config_quotas if doc is None else Quotas.model_validate(doc)
+        except ValidationError as exc:  # a newer controller's document this balancer cannot read: keep what it has
+            log.warning("quotas_not_applied", region=self.region, revision=snapshot.get("quotas_revision"),
+                        error=str(exc).splitlines()[0])
+            return
+        self.quotas_doc = doc
+        self.quotas_revision = None if doc is None else snapshot.get("quotas_revision")
+        self.apply_quotas(quotas)
+        log.info("quotas_applied", region=self.region, source="config" if doc is None else "controller",
+                 revision=self.quotas_revision)

@@ -12,8 +12,10 @@ from skylb.balancer.balancer import Balancer
 from skylb.balancer.fleet import replica_thermal
 from skylb.balancer.metrics import CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
+from skylb.quota.buckets import LocalLimits
 
-__all__ = ["BALANCER", "detailed_status", "handle_status", "handle_healthz", "handle_metrics", "handle_models"]
+__all__ = ["BALANCER", "detailed_status", "quota_status", "handle_status", "handle_healthz", "handle_metrics",
+           "handle_models"]
 
 BALANCER = web.AppKey("balancer", Balancer)
 
@@ -34,6 +36,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "tries": _tries(router.policy),
         "served_regions": balancer.served_epochs,
         "ollama_fleet": balancer.fleet.status(),
+        "quotas": quota_status(balancer),
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
@@ -55,6 +58,19 @@ def detailed_status(balancer: Balancer) -> dict:
              "reason": router.peer_unavailable_reason(p, now)}
             for p in router.peers.values()],
     }
+
+
+def quota_status(balancer: Balancer) -> dict:
+    """The quotas in force: {"source": "controller" | "config", "revision": the controller's quota revision (None
+    for the config's), "quotas": the document, "shares": this region's share of each bucket ({"default",
+    "buckets"}; None when the buckets are not in-process)}."""
+    membership = balancer.membership
+    revision = membership.quotas_revision if membership else None
+    limits = balancer.limits
+    shares = ({"default": limits.share, "buckets": dict(limits.shares)} if isinstance(limits, LocalLimits)
+              else None)
+    return {"source": "config" if revision is None else "controller", "revision": revision,
+            "quotas": balancer.quotas.model_dump(exclude_none=True), "shares": shares}
 
 
 def _tries(policy) -> dict:

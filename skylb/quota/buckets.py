@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from skylb.quota.demand import BucketDemand
 from skylb.quota.limits import Limit
 
 __all__ = ["Grant", "LimitBackend", "LocalLimits", "BucketState"]
@@ -88,23 +89,40 @@ def share_of(limit: Limit, share: float) -> tuple[float | None, float | None, in
 class LocalLimits:
     """Buckets in this process. ``share`` (0 < share <= 1): the fraction of every limit this balancer enforces
     (1: it is the only balancer; with N regions and no Redis, each gets its region's share; ``set_share`` moves
-    it at runtime, as the controller rebalances unused share)."""
+    it at runtime). ``set_shares`` gives single buckets a share of their own, as the controller moves unused share
+    to busy regions (controller/shares.py); ``demand`` records what each bucket was asked for, which the balancer
+    reports in its heartbeat (skylb/quota/demand.py)."""
 
     def __init__(self, share: float = 1.0):
         self.share = share
+        #: Per bucket key, a share other than ``share`` (from the controller).
+        self.shares: dict[str, float] = {}
+        self.demand = BucketDemand()
         self._states: dict[str, BucketState] = {}
 
     def set_share(self, share: float) -> None:
         """Enforce ``share`` of every limit from now on (levels above the new capacity are cut at the next use)."""
         self.share = share
 
+    def set_shares(self, shares: dict[str, float], default: float) -> None:
+        """Enforce ``shares[key]`` of each listed bucket's limit and ``default`` of every other one, from now on
+        (levels above a new capacity are cut at the next use; a larger share refills faster at once). Shares are
+        fractions in (0, 1]."""
+        self.shares = dict(shares)
+        self.share = default
+
+    def share_for(self, key: str) -> float:
+        """The fraction of ``key``'s limit this balancer enforces."""
+        return self.shares.get(key, self.share)
+
     def _state(self, key: str, limit: Limit, now: float) -> BucketState:
         state = self._states.get(key)
-        tokens_cap, requests_cap, _ = share_of(limit, self.share)
+        share = self.share_for(key)
+        tokens_cap, requests_cap, _ = share_of(limit, share)
         if state is None:
             state = self._states[key] = BucketState(tokens=tokens_cap or 0.0, requests=requests_cap or 0.0,
                                                     in_flight=0, updated_at=now)
-        state.refill(limit, self.share, now)
+        state.refill(limit, share, now)
         return state
 
     async def acquire(self, buckets: Sequence[tuple[str, Limit]], tokens: int, now: float) -> Grant:
@@ -116,7 +134,7 @@ class LocalLimits:
         refusals: list[Grant] = []
         for key, limit in buckets:
             state = self._state(key, limit, now)
-            tokens_cap, requests_cap, concurrent_cap = share_of(limit, self.share)
+            tokens_cap, requests_cap, concurrent_cap = share_of(limit, self.share_for(key))
             if concurrent_cap is not None and state.in_flight >= concurrent_cap:
                 refusals.append(Grant(False, key, "max_concurrent", None))
             if tokens_cap is not None:
@@ -130,16 +148,22 @@ class LocalLimits:
                     refusals.append(Grant(False, key, "requests_per_minute",
                                           (need - state.requests) / (requests_cap / 60.0)))
         if refusals:
+            refused = {g.key for g in refusals}
+            for key, limit in buckets:
+                self.demand.record(key, limit, now, asked_tokens=tokens, refused=key in refused,
+                                   in_flight=self._states[key].in_flight)
             # The refusal that lasts longest decides the wait; a slot (unknown wait) outranks any refill.
             return max(refusals, key=lambda g: math.inf if g.wait_s is None else g.wait_s)
         for key, limit in buckets:
             state = self._states[key]
-            tokens_cap, requests_cap, _ = share_of(limit, self.share)
+            tokens_cap, requests_cap, _ = share_of(limit, self.share_for(key))
             if tokens_cap is not None:
                 state.tokens -= min(float(tokens), tokens_cap)
             if requests_cap is not None:
                 state.requests -= min(1.0, requests_cap)
             state.in_flight += 1
+            self.demand.record(key, limit, now, asked_tokens=tokens, admitted_tokens=tokens, admitted=True,
+                               in_flight=state.in_flight)
         return Grant(True)
 
     async def release(self, buckets: Sequence[tuple[str, Limit]], now: float, *, refund_tokens: int = 0) -> None:
@@ -151,7 +175,7 @@ class LocalLimits:
         for key, limit in buckets:
             state = self._state(key, limit, now)
             state.in_flight = max(0, state.in_flight - 1)
-            tokens_cap, _, _ = share_of(limit, self.share)
+            tokens_cap, _, _ = share_of(limit, self.share_for(key))
             if refund_tokens and tokens_cap is not None:
                 state.tokens = min(tokens_cap, state.tokens + refund_tokens)
 
