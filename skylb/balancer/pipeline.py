@@ -19,13 +19,16 @@ import structlog
 from aiohttp import web
 
 from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_openai
+from skylb.balancer.auth import tenant_of
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
 from skylb.balancer.retry import backoff_s
+from skylb.balancer.retry_after import queue_retry_after_s
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
                                      REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
 from skylb.balancer.status import BALANCER
 from skylb.core import Decision, Request
+from skylb.quota.gate import QuotaExceeded
 
 __all__ = ["handle_generate", "finish_request", "GENERATE_PATHS", "REQUEST_IDS", "api_of"]
 
@@ -69,10 +72,10 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     parse = parse_ollama if api == "ollama" else parse_openai
 
     def reject(status: int, message: str, reason: str, *, model: str | None = None, type_: str | None = None,
-               param: str | None = None, retry_after: bool = False) -> web.StreamResponse:
+               param: str | None = None, retry_after: bool | int = False) -> web.StreamResponse:
         response = error_response(api, status, message, type_=type_, param=param)
-        if retry_after:
-            response.headers["Retry-After"] = str(cfg.retry_after_s)
+        if retry_after:  # True: the configured value; a number: seconds estimated for this answer
+            response.headers["Retry-After"] = str(cfg.retry_after_s if retry_after is True else retry_after)
         balancer.metrics.rejected.labels(balancer.region, reason, str(status)).inc()
         return finish_request(balancer, response, request_id, model, started, client_id=client_id, reason=reason)
 
@@ -105,6 +108,14 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                 if forwarded_from is not None else 0.0)
     routed = Request(id=request_id, text=parsed.text, arrived_at=arrived_at, model=parsed.model,
                      session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s)
+    try:  # quotas: wait for room in every bucket of the tenant and model (skylb/quota/gate.py), else 429
+        admission = await balancer.quota_gate.admit_request(
+            tenant=tenant_of(request), model=parsed.model, text=parsed.text, max_tokens=parsed.max_tokens,
+            path=request.path, arrived_at=arrived_at, forwarded=forwarded_from is not None)
+    except QuotaExceeded as exc:
+        return reject(429, str(exc), exc.reason, model=parsed.model, type_="rate_limit_exceeded",
+                      retry_after=exc.retry_after_s)
+    served = False  # a replica or peer answered: the admission's tokens were used
     dispatcher, relay, metrics = balancer.dispatcher, balancer.relay, balancer.metrics
     budget, policy = balancer.retry_budget, cfg.retry_policy
     attempt = 0
@@ -115,10 +126,10 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                 decision = await dispatcher.acquire(routed, retry=attempt > 0)
             except QueueFull as exc:
                 return reject(503, f"{exc}; retry later", "queue_full", model=parsed.model,
-                              type_="overloaded_error", retry_after=True)
+                              type_="overloaded_error", retry_after=_queue_retry_after(balancer))
             except QueueTimeout as exc:
                 return reject(503, str(exc), "queue_timeout", model=parsed.model, type_="overloaded_error",
-                              retry_after=True)
+                              retry_after=_queue_retry_after(balancer))
             ttft_histogram = metrics.ttft.labels(balancer.region, decision.route)
 
             def first_byte(ttft_s: float, decision: Decision = decision) -> None:
@@ -135,6 +146,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
             finally:
                 dispatcher.release(decision)
             _outlier(balancer, decision, outcome.failure)
+            served = served or outcome.response is not None
             if retrying:
                 budget.release()
                 retrying = False
@@ -161,6 +173,13 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     finally:
         if retrying:
             budget.release()
+        # Never leak a quota slot (answered, failed, cancelled, client gone); unused tokens go back.
+        balancer.quota_gate.release(admission, refund_tokens=0 if served or admission is None else admission.tokens)
+
+
+def _queue_retry_after(balancer: Balancer) -> int:
+    return queue_retry_after_s(balancer.router, balancer.now(), default_s=balancer.cfg.retry_after_s,
+                               max_s=balancer.cfg.queue_timeout_s)
 
 
 def _peer_gone(balancer: Balancer, decision: Decision):

@@ -11,6 +11,7 @@ from skylb.balancer.api import openai_error
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.metrics import CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
+from skylb.quota.wiring import quota_status
 
 __all__ = ["BALANCER", "detailed_status", "handle_status", "handle_healthz", "handle_metrics", "handle_models"]
 
@@ -32,6 +33,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "forwarded_per_s": balancer.forwarded_rate(),
         "tries": _tries(router.policy),
         "served_regions": balancer.served_epochs,
+        "quota": quota_status(balancer),
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,

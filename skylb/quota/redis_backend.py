@@ -29,7 +29,7 @@ counted before the outage. A limit of L tokens (or requests) per minute admits, 
 most L + L * T / 60 through Redis (a full bucket, then its refill). In an interval that overlaps a fallback, the
 balancers together add at most their shares' full buckets (the shares sum to 1, so L) plus the same refill; and
 when Redis comes back its bucket has refilled during the outage, so the interval after a recovery may add one more
-L. Hence: over any interval of T seconds, at most (2 + k) * L + L * T / 60, where k is the number of fallbacks and
+L. Hence: over any interval of T seconds, at most (1 + k) * L + L * T / 60, where k is the number of fallbacks and
 recoveries inside it (one extra bucket per switch, in the worst case; with shares that sum to 1). For example a
 60 s window containing one fallback admits at most 3 L, against 2 L without an outage. A concurrency cap C can
 reach C (slots still held in Redis by requests admitted before the outage) plus sum(max(1, floor(C * share)))
