@@ -174,3 +174,20 @@ def test_retry_after_is_jittered_within_ten_percent_and_whole_seconds():
     values = {retry_after_s(100.0, rng) for _ in range(200)}
     assert min(values) >= 90 and max(values) <= 110 and len(values) > 5
     assert retry_after_s(0.0, rng) == 1 and retry_after_s(0.2, rng) == 1
+
+
+def test_queue_503_retry_after_follows_the_dispatch_rate():
+    """A queue 503's Retry-After is (queued + 1) / dispatch rate, jittered, whole seconds, capped by the queue
+    timeout; without a recent rate it is the configured retry_after_s."""
+    from types import SimpleNamespace
+
+    from skylb.balancer.retry_after import queue_retry_after_s
+
+    def router(rate, queued):
+        return SimpleNamespace(dispatch_rate=lambda now: rate, queue=[None] * queued)
+
+    rng = random.Random(3)
+    assert queue_retry_after_s(router(None, 50), 0.0, default_s=5, max_s=600, rng=rng) == 5
+    assert 9 <= queue_retry_after_s(router(2.0, 19), 0.0, default_s=5, max_s=600, rng=rng) <= 11
+    assert queue_retry_after_s(router(0.01, 1000), 0.0, default_s=5, max_s=30, rng=rng) == 30
+    assert queue_retry_after_s(router(100.0, 0), 0.0, default_s=5, max_s=30, rng=rng) == 1
