@@ -21,7 +21,7 @@ from tests.redis import start_redis
 
 PEER = "peer-token-for-quota-tests-0123456789"
 ADMIN = "admin-token-for-quota-tests-0123456789"
-KEY_A, KEY_B = "sk-alpha-key-0123456789", "sk-beta-key-0123456789"
+KEY_A, KEY_B, KEY_C = "sk-alpha-key-0123456789", "sk-beta-key-0123456789", "sk-gamma-key-0123456789"
 OLLAMA_MODEL = "llama3.1:8b"
 #: Emulated replicas: one running slot, 40 ms per decode step, and without ignore_eos at most 8 tokens.
 EMULATOR = ("--max-num-seqs", "1", "--decode-base-ms", "40", "--eos-max-tokens", "8")
@@ -61,8 +61,10 @@ def metric(cluster: Cluster, region: str, name: str, **labels) -> float:
 
 # 252 tokens a request (prompt "user: hi\n" = 2 tokens + max_tokens 250): two fit 600 tokens a minute, a third
 # would need 15 s of refill, longer than the 1.5 s it may wait.
-TENANTS = {"tenants": {"alpha": [KEY_A], "beta": [KEY_B]},
-           "quotas": {"tenants": {"alpha": {"limits": {"*": {"tokens_per_minute": 600}}}}},
+# gamma may run one request at a time.
+TENANTS = {"tenants": {"alpha": [KEY_A], "beta": [KEY_B], "gamma": [KEY_C]},
+           "quotas": {"tenants": {"alpha": {"limits": {"*": {"tokens_per_minute": 600}}},
+                                  "gamma": {"limits": {"*": {"max_concurrent": 1}}}}},
            "quota": {"wait_s": 1.5}, "queue_timeout_s": 2.0}
 
 
@@ -119,6 +121,25 @@ def test_tenant_over_tokens_per_minute_waits_then_429_while_another_tenant_is_se
     assert metric(tenants, "us", "skylb_rejected_requests_total", reason="tokens_per_minute", status="429") == 2
     assert metric(tenants, "us", "skylb_quota_admitted_total", tenant="alpha") == 2
     assert metric(tenants, "us", "skylb_quota_bucket_level", bucket="tenant/alpha/*", kind="in_flight") == 0
+
+
+def test_a_client_that_leaves_frees_its_concurrency_slot(tenants):
+    """gamma (one request at a time) starts a stream and leaves after the first chunk: its slot is released, so its
+    next request is served; while a request holds the slot, another waits and gets 429 for max_concurrent."""
+    base = tenants.balancers["us"]
+    body = json.dumps(chat(100, ignore_eos=True, stream=True)).encode()
+    req = urllib.request.Request(f"{base}/v1/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY_C}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200 and resp.readline()  # the stream started: the slot is held
+        status, body, headers = http(f"{base}/v1/chat/completions", chat(), key=KEY_C)
+        assert status == 429 and "concurrent requests" in body["error"]["message"]
+        assert int(headers["Retry-After"]) >= 1
+    # The client left mid-stream (connection closed): the balancer ends the request and frees the slot.
+    tenants.wait_until(lambda: tenants.status("us")["quota"]["levels"]["tenant/gamma/*"]["in_flight"] == 0,
+                       timeout_s=5, what="gamma's slot released")
+    assert http(f"{base}/v1/chat/completions", chat(), key=KEY_C)[0] == 200
+    assert metric(tenants, "us", "skylb_quota_rejected_total", tenant="gamma", reason="max_concurrent") == 1
 
 
 def test_429_and_503_bodies_in_each_api_shape(tenants):

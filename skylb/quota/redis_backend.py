@@ -22,7 +22,8 @@ Failure mode. When a Redis call fails or takes longer than ``quota.redis_timeout
 once to a ``LocalLimits`` holding its share of every limit (``quota.local_share``, else the share the controller
 assigned with ``set_share``, else 1 / the number of regions in membership), keeps serving, logs
 ``quota_redis_unreachable``, sets the metric ``skylb_quota_redis_fallback`` and the status field
-``quota.redis_fallback``, and tries Redis again every ``quota.redis_retry_s`` (then logs ``quota_redis_recovered``).
+``quota.redis_fallback``, and tries Redis again every ``quota.redis_retry_s`` from its upkeep loop, never on a
+request's path (then logs ``quota_redis_recovered``).
 
 How much a limit can be exceeded meanwhile. The local buckets start full, and they know nothing of what Redis
 counted before the outage. A limit of L tokens (or requests) per minute admits, over any interval of T seconds, at
@@ -329,7 +330,8 @@ class RedisLimits:
         await self.client.aclose()
 
     def _use_redis(self, now: float) -> bool:
-        return self.fallback_since is None or now >= self._next_try
+        # While falling back, requests never wait on Redis: ``maintain`` (the upkeep loop) tries it again.
+        return self.fallback_since is None
 
     async def _call(self, awaitable):
         # The client's own timeouts bound connect and read; this bounds the whole call (a pool wait included).

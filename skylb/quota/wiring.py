@@ -5,6 +5,7 @@ their status. The Balancer calls these (a line each), so its module stays about 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING
 
 import structlog
@@ -18,7 +19,10 @@ from skylb.quota.settings import QuotaSettings
 if TYPE_CHECKING:
     from skylb.balancer.balancer import Balancer
 
-__all__ = ["build_limits", "build_gate", "quota_loop", "quota_status", "regions_share", "UPKEEP_S"]
+__all__ = ["build_limits", "build_gate", "quota_loop", "quota_status", "regions_share", "UPKEEP_S", "REDIS_URL_ENV"]
+
+#: Overrides ``balancer.quota.redis_url`` (a URL with a password belongs in the environment, not the config file).
+REDIS_URL_ENV = "SKYLB_REDIS_URL"
 
 #: How often the upkeep loop runs, s (lease renewal every third of ``slot_lease_s`` or sooner, Redis retries,
 #: the share of the in-process buckets).
@@ -33,9 +37,11 @@ def regions_share(balancer: "Balancer") -> float:
 
 
 def build_limits(settings: QuotaSettings, balancer: "Balancer") -> LimitBackend:
-    """RedisLimits when ``settings.redis_url`` is set (its fallback share: ``local_share``, else the regions'
+    """RedisLimits when ``$SKYLB_REDIS_URL`` or ``settings.redis_url`` is set (its fallback share: ``local_share``, else the regions'
     share), else LocalLimits at ``local_share`` (else 1 until the upkeep loop reads membership)."""
-    if settings.redis_url:
+    url = os.environ.get(REDIS_URL_ENV) or settings.redis_url
+    if url:
+        settings = settings.model_copy(update={"redis_url": url})
         share = settings.local_share if settings.local_share is not None else (lambda: regions_share(balancer))
         return RedisLimits(settings, share=share)
     return LocalLimits(settings.local_share or 1.0)
