@@ -191,3 +191,18 @@ def test_queue_503_retry_after_follows_the_dispatch_rate():
     assert 9 <= queue_retry_after_s(router(2.0, 19), 0.0, default_s=5, max_s=600, rng=rng) <= 11
     assert queue_retry_after_s(router(0.01, 1000), 0.0, default_s=5, max_s=30, rng=rng) == 30
     assert queue_retry_after_s(router(100.0, 0), 0.0, default_s=5, max_s=30, rng=rng) == 1
+
+
+def test_a_forwarded_request_is_not_charged_again():
+    """A request a peer forwarded (charged at the balancer it arrived at) passes the gate without a charge, even
+    when its tenant's bucket is empty here; a client's request is charged prompt plus max_tokens."""
+    async def main():
+        gate, box = _gate(_tenant(tokens_per_minute=100))
+        loop = asyncio.get_running_loop()
+        kw = dict(tenant="a", model="m", text="x" * 40, max_tokens=90, path="/v1/completions")
+        first = await gate.admit_request(**kw, arrived_at=loop.time(), forwarded=False)
+        assert first.tokens == 100 and box["limits"].levels()["tenant/a/m"]["tokens"] == 0
+        assert await gate.admit_request(**kw, arrived_at=loop.time(), forwarded=True) is None
+        assert box["limits"].levels()["tenant/a/m"]["in_flight"] == 1
+        gate.release(first)
+    asyncio.run(main())

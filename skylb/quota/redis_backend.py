@@ -209,7 +209,7 @@ class RedisLimits:
             settings.redis_url, socket_connect_timeout=settings.redis_connect_timeout_s,
             socket_timeout=settings.redis_timeout_s, retry=Retry(NoBackoff(), 0))
         self._share = share
-        self.fallback = LocalLimits(self._share_now())
+        self.fallback = LocalLimits(self.share_now())
         self.clock = clock
         self._acquire = self.client.register_script(ACQUIRE_LUA)
         self._release = self.client.register_script(RELEASE_LUA)
@@ -226,14 +226,15 @@ class RedisLimits:
         self.failures = 0
 
     # -- the share of the fallback ----------------------------------------------------------------------------
-    def _share_now(self) -> float:
+    def share_now(self) -> float:
+        """The share of every limit the fallback enforces now (0 < share <= 1)."""
         share = self._share() if callable(self._share) else self._share
         return min(1.0, max(1e-9, share))
 
     def set_share(self, share: float) -> None:
         """Enforce ``share`` of every limit while falling back, from now on (the controller's assignment)."""
         self._share = share
-        self.fallback.set_share(self._share_now())
+        self.fallback.set_share(self.share_now())
 
     @property
     def falling_back(self) -> bool:
@@ -259,7 +260,7 @@ class RedisLimits:
             else:
                 self._recovered()
                 return self._grant(buckets, reply, member)
-        self.fallback.set_share(self._share_now())
+        self.fallback.set_share(self.share_now())
         grant = self.fallback.acquire_now(buckets, tokens, now)
         return RedisGrant(grant.ok, grant.key, grant.reason, grant.wait_s, local=True)
 
@@ -344,7 +345,7 @@ class RedisLimits:
         if self.fallback_since is None:
             self.fallback_since = now
             log.warning("quota_redis_unreachable", error=f"{type(exc).__name__}: {exc}",
-                        share=round(self._share_now(), 4), retry_s=self.settings.redis_retry_s)
+                        share=round(self.share_now(), 4), retry_s=self.settings.redis_retry_s)
 
     def _recovered(self) -> None:
         if self.fallback_since is not None:

@@ -102,6 +102,6 @@ def quota_status(balancer: "Balancer") -> dict:
     return {"backend": "redis" if redis else "local",
             "redis_fallback": limits.falling_back if redis else None,
             "redis_fallback_for_s": None if since is None else round(balancer.now() - since, 3),
-            "share": getattr(local, "share", None),
+            "share": limits.share_now() if redis else getattr(local, "share", None),
             "waiting": balancer.quota_gate.waiting_now(),
             "levels": {key: {k: round(v, 3) for k, v in values.items()} for key, values in limits.levels().items()}}
