@@ -222,6 +222,8 @@ def test_two_balancers_share_one_limit_through_redis_and_survive_its_loss(procs,
         assert ok2 >= 1, "the balancers stopped serving when Redis went away"
         # The bound (redis_backend.py): one switch adds at most one limit's worth within the window.
         assert ok1 + ok2 <= 2 * LIMIT + refill, (ok1, ok2, refill)
+        print(f"limit {LIMIT}/min: {ok1} admitted with Redis, {ok2} more on the shares after Redis stopped "
+              f"(bound {2 * LIMIT + refill})")
 
         redis.start()
         for region in regions:
