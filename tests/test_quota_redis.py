@@ -172,3 +172,34 @@ def test_overrun_during_an_outage_stays_within_the_documented_bound(redis_server
             await one.close()
             await two.close()
     asyncio.run(main())
+
+
+def test_a_slot_freed_on_another_balancer_admits_a_waiter_here(redis_server):
+    """Two gates on one Redis (two balancers): a request waiting here for a concurrency slot held by the other
+    balancer is admitted after that balancer releases it (seen at the next re-check, no event crosses balancers),
+    and the slot count in Redis returns to 0."""
+    from skylb.quota.gate import QuotaGate
+    from skylb.quota.limits import Quotas, TenantQuota
+
+    async def main():
+        one, two = _limits(redis_server.url), _limits(redis_server.url)
+        two.prefix = one.prefix
+        quotas = Quotas(tenants={"a": TenantQuota(limits={"*": Limit(max_concurrent=1)})})
+        loop = asyncio.get_running_loop()
+        gates = [QuotaGate(quotas=lambda: quotas, limits=lambda lim=lim: lim, now=loop.time) for lim in (one, two)]
+        try:
+            holder = await gates[0].admit("a", "m", 1, deadline=loop.time())
+            assert holder is not None and holder.grant.slot
+            waiter = asyncio.create_task(gates[1].admit("a", "m", 1, deadline=loop.time() + 10))
+            await asyncio.sleep(0.3)
+            assert not waiter.done() and gates[1].waiting_now() == {"a": 1}
+            gates[0].release(holder)
+            await gates[0].flush()
+            admitted = await asyncio.wait_for(waiter, 3.0)
+            gates[1].release(admitted)
+            await gates[1].flush()
+            assert await one.client.zcard(f"{one.prefix}s:tenant/a/*") == 0
+        finally:
+            await one.close()
+            await two.close()
+    asyncio.run(main())
