@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.cluster import MODEL, Cluster, get_json
+from tests.cluster import MODEL, Cluster
 from tests.redis import start_redis
 
 PEER = "peer-token-for-quota-tests-0123456789"
