@@ -36,6 +36,9 @@ class ParsedRequest:
     session_key: str | None
     stream: bool
     body: bytes
+    #: The most output tokens the request may generate, as it says (OpenAI ``max_completion_tokens`` or
+    #: ``max_tokens``, times ``n``; Ollama ``options.num_predict`` when positive); None when it does not say.
+    max_tokens: int | None = None
 
 
 def _finite_float(text: str) -> float:
@@ -137,8 +140,10 @@ def parse_openai(path: str, body: bytes, *, session_header_value: str | None) ->
         raise BadRequest("'stream' must be a boolean", param="stream")
     _check_counts(data, ("max_tokens", "max_completion_tokens", "n"))
     key = session_header_value or data.get("prompt_cache_key") or data.get("user")
+    max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
     return ParsedRequest(model=model, text=text, session_key=key if isinstance(key, str) else None,
-                         stream=stream, body=body)
+                         stream=stream, body=body,
+                         max_tokens=None if max_tokens is None else max_tokens * (data.get("n") or 1))
 
 
 def _is_token_id(value) -> bool:
@@ -176,8 +181,10 @@ def parse_ollama(path: str, body: bytes, *, session_header_value: str | None) ->
         raise BadRequest("'stream' must be a boolean", param="stream")
     if not isinstance(data.get("options") or {}, dict):
         raise BadRequest("'options' must be an object", param="options")
+    num_predict = (data.get("options") or {}).get("num_predict")  # -1: no limit, -2: fill the context
     return ParsedRequest(model=data["model"], text=text, session_key=session_header_value, stream=stream,
-                         body=body)
+                         body=body, max_tokens=num_predict if isinstance(num_predict, int)
+                         and not isinstance(num_predict, bool) and num_predict > 0 else None)
 
 
 def ollama_error(status: int, message: str, *, headers: dict | None = None) -> web.Response:

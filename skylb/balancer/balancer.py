@@ -27,6 +27,7 @@ from skylb.core import Decision, build_router
 from skylb.quota.buckets import LimitBackend, LocalLimits
 from skylb.quota.limits import Quotas
 from skylb.quota.regional import apply_shares, demand_report
+from skylb.quota.wiring import build_gate, build_limits, quota_loop
 
 __all__ = ["Balancer", "DRAIN_END_S"]
 
@@ -54,8 +55,6 @@ class Balancer:
         self.quotas: Quotas = cfg.quotas
         #: Called with the new quotas after each ``apply_quotas`` (parts that derive state from them append here).
         self.quota_listeners: list[Callable[[Quotas], None]] = []
-        #: Token buckets and concurrency counts of the quotas (in-process here; Redis when the quota settings say).
-        self.limits: LimitBackend = LocalLimits()
         self.region = region
         self.advertise_url = advertise_url
         self.router = build_router(region, cfg)
@@ -63,6 +62,10 @@ class Balancer:
         self.dispatcher = Dispatcher(self.router, now=self.now, queue_timeout_s=cfg.queue_timeout_s,
                                      tick_s=cfg.dispatch_tick_ms / 1000, on_routed=self._count_routed)
         self.retry_budget = RetryBudget(cfg.retry_policy)
+        #: Where quota buckets live: Redis shared by every balancer, or this process (``balancer.quota``).
+        self.limits: LimitBackend = build_limits(cfg.quota, self)
+        #: Admission by quotas: the pipeline waits here before the queue (skylb/quota/gate.py).
+        self.quota_gate = build_gate(self)
         self.session: aiohttp.ClientSession | None = None
         self.relay: Relay | None = None
         self.membership: MembershipWatcher | None = None
@@ -129,6 +132,7 @@ class Balancer:
                           interval_s=cfg.probe_interval_ms / 1000, timeout_s=cfg.probe_timeout_ms / 1000,
                           peer_token=cfg.peer_token, models_refresh_s=cfg.models_refresh_s)
         self._tasks = [asyncio.create_task(self.dispatcher.run()), *probers.tasks()]
+        self._tasks.append(asyncio.create_task(quota_loop(self)))
 
     async def drain(self, timeout_s: float) -> float:
         """Shut down gracefully: fail readiness and refuse new requests, serve what is held (queued requests are

@@ -19,15 +19,18 @@ import structlog
 from aiohttp import web
 
 from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_openai
+from skylb.balancer.auth import tenant_of
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
 from skylb.balancer.fleet import pin_num_ctx
 from skylb.balancer.retry import backoff_s
+from skylb.balancer.retry_after import queue_retry_after_s
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
                                      REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
 from skylb.balancer.status import BALANCER
 from skylb.balancer.usage import observe as observe_usage
 from skylb.core import Decision, Request
+from skylb.quota.gate import QuotaExceeded
 
 __all__ = ["handle_generate", "finish_request", "GENERATE_PATHS", "REQUEST_IDS", "api_of"]
 
@@ -71,10 +74,10 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     parse = parse_ollama if api == "ollama" else parse_openai
 
     def reject(status: int, message: str, reason: str, *, model: str | None = None, type_: str | None = None,
-               param: str | None = None, retry_after: bool = False) -> web.StreamResponse:
+               param: str | None = None, retry_after: bool | int = False) -> web.StreamResponse:
         response = error_response(api, status, message, type_=type_, param=param)
-        if retry_after:
-            response.headers["Retry-After"] = str(cfg.retry_after_s)
+        if retry_after:  # True: the configured value; a number: seconds estimated for this answer
+            response.headers["Retry-After"] = str(cfg.retry_after_s if retry_after is True else retry_after)
         balancer.metrics.rejected.labels(balancer.region, reason, str(status)).inc()
         return finish_request(balancer, response, request_id, model, started, client_id=client_id, reason=reason)
 
@@ -110,6 +113,14 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     routed = Request(id=request_id, text=parsed.text, arrived_at=arrived_at, model=parsed.model,
                      session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s,
                      embedding=request.path in ("/v1/embeddings", "/api/embed", "/api/embeddings"))
+    try:  # quotas: wait for room in every bucket of the tenant and model (skylb/quota/gate.py), else 429
+        admission = await balancer.quota_gate.admit_request(
+            tenant=tenant_of(request), model=parsed.model, text=parsed.text, max_tokens=parsed.max_tokens,
+            path=request.path, arrived_at=arrived_at, forwarded=forwarded_from is not None)
+    except QuotaExceeded as exc:
+        return reject(429, str(exc), exc.reason, model=parsed.model, type_="rate_limit_exceeded",
+                      retry_after=exc.retry_after_s)
+    served = False  # a replica or peer answered: the admission's tokens were used
     dispatcher, relay, metrics = balancer.dispatcher, balancer.relay, balancer.metrics
     budget, policy = balancer.retry_budget, cfg.retry_policy
     attempt = 0
@@ -120,10 +131,10 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                 decision, body = await balancer.fleet.acquire(routed, body, retry=attempt > 0)
             except QueueFull as exc:
                 return reject(503, f"{exc}; retry later", "queue_full", model=parsed.model,
-                              type_="overloaded_error", retry_after=True)
+                              type_="overloaded_error", retry_after=_queue_retry_after(balancer))
             except QueueTimeout as exc:
                 return reject(503, str(exc), "queue_timeout", model=parsed.model, type_="overloaded_error",
-                              retry_after=True)
+                              retry_after=_queue_retry_after(balancer))
             ttft_histogram = metrics.ttft.labels(balancer.region, decision.route)
 
             def first_byte(ttft_s: float, decision: Decision = decision) -> None:
@@ -143,6 +154,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                 dispatcher.release(decision)
                 balancer.fleet.finished(decision)
             _outlier(balancer, decision, outcome.failure)
+            served = served or outcome.response is not None
             if retrying:
                 budget.release()
                 retrying = False
@@ -169,6 +181,13 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     finally:
         if retrying:
             budget.release()
+        # Never leak a quota slot (answered, failed, cancelled, client gone); unused tokens go back.
+        balancer.quota_gate.release(admission, refund_tokens=0 if served or admission is None else admission.tokens)
+
+
+def _queue_retry_after(balancer: Balancer) -> int:
+    return queue_retry_after_s(balancer.router, balancer.now(), default_s=balancer.cfg.retry_after_s,
+                               max_s=balancer.cfg.queue_timeout_s)
 
 
 def _peer_gone(balancer: Balancer, decision: Decision):

@@ -13,8 +13,9 @@ from skylb.balancer.fleet import replica_thermal
 from skylb.balancer.metrics import CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 from skylb.quota.buckets import LocalLimits
+from skylb.quota.wiring import quota_status
 
-__all__ = ["BALANCER", "detailed_status", "quota_status", "handle_status", "handle_healthz", "handle_metrics",
+__all__ = ["BALANCER", "detailed_status", "quotas_in_force", "handle_status", "handle_healthz", "handle_metrics",
            "handle_models"]
 
 BALANCER = web.AppKey("balancer", Balancer)
@@ -36,7 +37,8 @@ def detailed_status(balancer: Balancer) -> dict:
         "tries": _tries(router.policy),
         "served_regions": balancer.served_epochs,
         "ollama_fleet": balancer.fleet.status(),
-        "quotas": quota_status(balancer),
+        "quotas": quotas_in_force(balancer),
+        "quota": quota_status(balancer),
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
@@ -60,7 +62,7 @@ def detailed_status(balancer: Balancer) -> dict:
     }
 
 
-def quota_status(balancer: Balancer) -> dict:
+def quotas_in_force(balancer: Balancer) -> dict:
     """The quotas in force: {"source": "controller" | "config", "revision": the controller's quota revision (None
     for the config's), "quotas": the document, "shares": this region's share of each bucket ({"default",
     "buckets"}; None when the buckets are not in-process)}."""
