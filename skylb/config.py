@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from controller.dns import DnsConfig
 from skylb.core.policies import options_class, policy_options
 from skylb.quota.limits import Quotas
+from skylb.quota.priorities import PrioritySettings
 
 __all__ = [
     "ConfigError",
@@ -271,6 +272,8 @@ class BalancerConfig(_Strict):
     retry_after_s: int = Field(5, ge=1)
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
+    #: Priority classes and tenants in the queue (skylb/quota/priorities.py): ``{enabled: false, aging_s: 60}``.
+    priorities: PrioritySettings = Field(default_factory=PrioritySettings)
 
     @model_validator(mode="before")
     @classmethod
