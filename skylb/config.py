@@ -20,6 +20,7 @@ from controller.dns import DnsConfig
 from skylb.core.policies import options_class, policy_options
 from skylb.quota.limits import Quotas
 from skylb.quota.priorities import PrioritySettings
+from skylb.balancer.embed_cache import EmbeddingCacheSettings
 
 __all__ = [
     "ConfigError",
@@ -274,6 +275,9 @@ class BalancerConfig(_Strict):
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
     #: Priority classes and tenants in the queue (skylb/quota/priorities.py): ``{enabled: false, aging_s: 60}``.
     priorities: PrioritySettings = Field(default_factory=PrioritySettings)
+    #: Answers to repeated embedding requests from memory (skylb/balancer/embed_cache.py):
+    #: ``{enabled: false, ttl_s: 300, max_bytes: 8388608}``.
+    embedding_cache: EmbeddingCacheSettings = Field(default_factory=EmbeddingCacheSettings)
 
     @model_validator(mode="before")
     @classmethod

@@ -20,12 +20,15 @@ from aiohttp import web
 
 from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_openai
 from skylb.balancer.balancer import Balancer
+from skylb.balancer.classes import classify_request
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
 from skylb.balancer.retry import backoff_s
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
-                                     REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
+                                     REQUEST_ID_HEADER, ROUTE_HEADER, TOKEN_HEADER, client_request_id, queued_ms,
+                                     token_ok)
 from skylb.balancer.status import BALANCER
 from skylb.core import Decision, Request
+from skylb.quota.priorities import BadPriority
 
 __all__ = ["handle_generate", "finish_request", "GENERATE_PATHS", "REQUEST_IDS", "api_of"]
 
@@ -89,6 +92,22 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     if forwarded_from is not None and not token_ok(cfg.peer_token, request.headers.get(TOKEN_HEADER)):
         return reject(403, "forwarded request with a missing or wrong peer token", "forbidden",
                       model=parsed.model, type_="permission_error")
+    # Priority class and tenant (skylb/balancer/classes.py); a repeated embedding is answered from the cache here,
+    # before the queue (skylb/balancer/embed_cache.py).
+    try:
+        priority, tenant = classify_request(balancer, request, forwarded=forwarded_from is not None)
+    except BadPriority as exc:
+        return reject(400, str(exc), "bad_priority", model=parsed.model)
+    cache = balancer.embed_cache
+    cache_key = None if cache is None else cache.key(
+        request.path, body, tenant=tenant,
+        authorization=None if balancer.client_keys else request.headers.get("Authorization"))
+    if cache_key is not None:
+        hit = cache.get(cache_key)
+        if hit is not None:
+            hit.headers[ROUTE_HEADER] = "cache"
+            return finish_request(balancer, hit, request_id, parsed.model, started, client_id=client_id,
+                                  reason="embedding_cache_hit")
     router = balancer.router
     served = router.served_models(api, with_peers=forwarded_from is None)
     if parsed.model not in served and router.models_known():
@@ -104,7 +123,8 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     waited_s = (min(queued_ms(request.headers.get(QUEUE_MS_HEADER)) / 1000.0, cfg.queue_timeout_s)
                 if forwarded_from is not None else 0.0)
     routed = Request(id=request_id, text=parsed.text, arrived_at=arrived_at, model=parsed.model,
-                     session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s)
+                     session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s,
+                     priority=priority, tenant=tenant)
     dispatcher, relay, metrics = balancer.dispatcher, balancer.relay, balancer.metrics
     budget, policy = balancer.retry_budget, cfg.retry_policy
     attempt = 0
@@ -138,6 +158,9 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
             if retrying:
                 budget.release()
                 retrying = False
+            if cache_key is not None and outcome.status == 200 and outcome.error is None \
+                    and isinstance(outcome.response, web.Response) and not parsed.stream:
+                cache.put(cache_key, outcome.response.body, outcome.response.content_type)
             if outcome.response is None:  # failed before any byte reached the client
                 if not budget.try_acquire(balancer.in_flight()):
                     metrics.retry_budget_exhausted.labels(balancer.region).inc()
@@ -211,6 +234,8 @@ def finish_request(balancer: Balancer, response: web.StreamResponse, request_id:
     balancer.metrics.responses.labels(balancer.region, str(status)).inc()
     log.info("request", id=request_id, client_request_id=client_id, reason=reason, region=balancer.region,
              model=model,
+             priority=None if decision is None else decision.request.priority,
+             tenant=None if decision is None else decision.request.tenant,
              route=None if decision is None else decision.route,
              target=None if decision is None else decision.target,
              queued_ms=None if decision is None else round(decision.queued_s * 1000, 1),

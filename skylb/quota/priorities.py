@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from skylb.quota.limits import PRIORITIES
 
 __all__ = ["PrioritySettings", "PRIORITY_HEADER", "PEER_PRIORITY_HEADER", "PEER_TENANT_HEADER", "EMBEDDING_PATHS",
-           "HEADER_CLASSES", "BadPriority", "classify", "peer_class"]
+           "HEADER_CLASSES", "BadPriority", "classify", "peer_class", "peer_headers"]
 
 #: The client's header choosing a class (seed 003).
 PRIORITY_HEADER = "X-Priority"
@@ -61,13 +61,14 @@ class BadPriority(ValueError):
     """An ``X-Priority`` header with a value other than high, normal or low (the client gets 400)."""
 
 
-def classify(path: str, header: str | None, tenant_default: str) -> str:
+def classify(path: str, header: str | None, tenant_default: str, *, use_header: bool = True) -> str:
     """The class of a client's request: ``critical`` for an embedding path, else the ``X-Priority`` ``header``
-    (high, normal or low, any case, surrounding spaces ignored), else ``tenant_default``.
+    (high, normal or low, any case, surrounding spaces ignored), else ``tenant_default``. ``use_header`` False
+    (priority classes off here) ignores the header: the class still travels to peers, which may have them on.
 
     Raises BadPriority for any other header value (also on an embedding path: a bad header is a client bug)."""
     chosen = None
-    if header is not None:
+    if header is not None and use_header:
         chosen = header.strip().lower()
         if chosen not in HEADER_CLASSES:
             shown = header if len(header) <= 40 else header[:40] + "..."
@@ -79,6 +80,19 @@ def classify(path: str, header: str | None, tenant_default: str) -> str:
     return tenant_default if tenant_default in PRIORITIES else "normal"
 
 
+def _header_safe_tenant(tenant: str | None) -> bool:
+    return bool(tenant) and len(tenant) <= _MAX_TENANT_CHARS and tenant.isascii() and tenant.isprintable()
+
+
+def peer_headers(priority: str, tenant: str) -> dict[str, str]:
+    """The headers that carry a forwarded request's class and tenant to the peer (a tenant name that is not
+    printable ASCII of at most 128 characters is left out: the peer then counts it as its own ``default``)."""
+    headers = {PEER_PRIORITY_HEADER: priority}
+    if _header_safe_tenant(tenant):
+        headers[PEER_TENANT_HEADER] = tenant
+    return headers
+
+
 def peer_class(priority: str | None, tenant: str | None) -> tuple[str | None, str | None]:
     """The (class, tenant) a forwarding peer sent (X-SkyLB-Priority, X-SkyLB-Tenant), each None when absent or
     not valid (a class not in PRIORITIES; a tenant empty, over 128 characters or not printable ASCII): the
@@ -86,6 +100,6 @@ def peer_class(priority: str | None, tenant: str | None) -> tuple[str | None, st
     cls = priority.strip().lower() if priority else None
     if cls not in PRIORITIES:
         cls = None
-    if not tenant or len(tenant) > _MAX_TENANT_CHARS or not tenant.isascii() or not tenant.isprintable():
+    if not _header_safe_tenant(tenant):
         tenant = None
     return cls, tenant
