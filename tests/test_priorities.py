@@ -8,6 +8,7 @@ generation takes a few hundred ms, so orders are read from completion with wide 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -211,3 +212,45 @@ def test_a_cached_embedding_is_answered_without_a_replica(procs, tmp_path):
     fresh = requests.post(f"{url}/api/embed", json={"input": "never seen", "model": OLLAMA_MODEL}, timeout=10)
     assert fresh.status_code == 503
     assert _sample(_metrics(url), "skylb_embedding_cache_hits_total") == 2
+
+
+def _request_lines(proc) -> list[dict]:
+    """The balancer's per-request log lines (one JSON object per line)."""
+    lines = []
+    for line in proc.log().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == "request":
+            lines.append(entry)
+    return lines
+
+
+def test_a_forwarded_request_keeps_its_class_and_tenant_and_clients_cannot_set_them(procs, tmp_path):
+    """us has no replica and forwards to eu: a request of tenant a with ``X-Priority: high`` is queued in eu as
+    high and as tenant a (X-SkyLB-Priority, X-SkyLB-Tenant with the peer token), although the client's own key
+    never reaches eu. A client sending those headers itself is not believed."""
+    cfg = {"priorities": {"enabled": True}, "tenants": {"a": ["key-a"], "b": ["key-b"]}}
+    cluster = Cluster(procs, tmp_path, balancer=cfg, peer_token="peer-secret")
+    regions = ["us", "eu"]
+    cluster.start_controller(regions)
+    [replica] = cluster.start_emulator(1, *EMULATOR, name="emu-eu")
+    eu = cluster.start_balancer("eu", regions)
+    us = cluster.start_balancer("us", regions)
+    cluster.ctl("replica", "add", "--region", "eu", "--url", replica, "--engine", "ollama", "--max-concurrency", "1")
+    cluster.wait_replicas_healthy("eu", 1)
+    cluster.wait_until(lambda: [p["available"] for p in cluster.status("us")["peers"]] == [True],
+                       what="eu available to us")
+    forwarded = _generate(us, "from us", 2, headers={"Authorization": "Bearer key-a", "X-Priority": "high"})
+    assert forwarded.status_code == 200 and forwarded.headers["X-SkyLB-Route"] == "peer:eu"
+    direct = _generate(eu, "direct", 2, headers={"Authorization": "Bearer key-b", "X-SkyLB-Priority": "critical",
+                                                 "X-SkyLB-Tenant": "a"})
+    assert direct.status_code == 200 and direct.headers["X-SkyLB-Route"] == "local"
+    metrics = _metrics(eu, {"Authorization": "Bearer peer-secret"})
+    assert _sample(metrics, "skylb_queue_wait_by_class_seconds_count", priority="high") == 1
+    assert _sample(metrics, "skylb_queue_wait_by_class_seconds_count", priority="normal") == 1
+    assert _sample(metrics, "skylb_queue_wait_by_class_seconds_count", priority="critical") == 0
+    [eu_proc] = [p for p in procs.procs if p.name == "balancer-eu"]
+    seen = {(e["priority"], e["tenant"]) for e in _request_lines(eu_proc)}
+    assert seen == {("high", "a"), ("normal", "b")}

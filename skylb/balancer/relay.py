@@ -101,7 +101,8 @@ class Relay:
             # Its wait here so far: the peer queues it in first-come, first-served order across regions.
             headers[QUEUE_MS_HEADER] = f"{decision.queued_s * 1000.0:.0f}"
             # Its class and tenant: the peer queues it as this balancer did (trusted there with the peer token).
-            headers.update(peer_headers(decision.request.priority, decision.request.tenant))
+            if decision.request is not None:
+                headers.update(peer_headers(decision.request.priority, decision.request.tenant))
             if self.peer_token:
                 headers[TOKEN_HEADER] = self.peer_token
         elif self.replica_api_key:
