@@ -240,3 +240,13 @@ def test_every_request_leaves_exactly_once_and_tenants_stay_fcfs(ops, aging_s):
     assert len(left) == len(set(left))
     for seqs in placed_fresh.values():
         assert seqs == sorted(seqs)
+
+
+def test_deficit_round_robin_counts_cost_not_requests():
+    """Equal weights, a's requests cost 3 and b's 1 (e.g. estimated tokens): b places 3 requests per one of a's."""
+    router = _router()
+    for i in range(40):
+        router.enqueue(_req(f"a{i}", i, tenant="a", cost=3.0))
+        router.enqueue(_req(f"b{i}", i + 0.5, tenant="b", cost=1.0))
+    placed = _drain(router, 100.0, n=40)
+    assert Counter(p[0] for p in placed) == {"a": 10, "b": 30}
