@@ -142,7 +142,8 @@ class Router:
 
     def requeue(self, request: Request) -> None:
         """Put ``request`` back in its place (its target failed before the first byte): at the head, unless an older
-        forwarded request is queued (``queued_since`` order, as ``enqueue`` keeps it); ignores ``max_queue``. With priority classes: at the front of its class, in age order among retries."""
+        forwarded request is queued (``queued_since`` order, as ``enqueue`` keeps it); ignores ``max_queue``. With
+        priority classes: at the front of its class, in age order among retries."""
         self._insert(request, retry=True)
 
     def enqueue(self, request: Request) -> None:
@@ -185,7 +186,8 @@ class Router:
         A request's wait counts from ``queued_since`` (a forwarded request's wait at its first balancer included).
         Those times never decrease from the head (``enqueue`` and ``requeue`` keep the order), so only the head
         needs looking at: O(expired), not O(queue),
-        per dispatch tick. With priority classes: every (class, tenant) deque's head, O(deques + expired).
+        per dispatch tick. With priority classes: each class's oldest through its age heap, O(classes + expired x
+        log n).
         """
         if self.classes is not None:
             return self.classes.expire(now, timeout_s)
