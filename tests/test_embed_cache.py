@@ -106,3 +106,34 @@ def test_class_and_tenant_travel_to_peers_and_bad_values_are_dropped():
     assert peer_class("critical", "acme") == ("critical", "acme")
     assert peer_class("urgent", "x" * 200) == (None, None)
     assert peer_class(None, None) == (None, None)
+
+
+def test_the_pipeline_classifies_by_the_tenants_default_class_and_trusts_peers_only():
+    """classify_request (the pipeline's call): a tenant's default class without a header; X-Priority over it; the
+    peer headers only on a forwarded request; with classes off the header is ignored but embeddings stay critical."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from skylb.balancer.auth import TENANT
+    from skylb.balancer.balancer import Balancer
+    from skylb.balancer.classes import classify_request
+
+    quotas = {"tenants": {"batch": {"priority": "low", "weight": 0.5}}}
+
+    def request(path="/v1/completions", tenant="batch", **headers):
+        req = make_mocked_request("POST", path, headers=headers)
+        req[TENANT] = tenant
+        return req
+
+    on = Balancer(BalancerConfig(priorities={"enabled": True}, quotas=quotas), region="us", advertise_url="http://x")
+    assert classify_request(on, request(), forwarded=False) == ("low", "batch")
+    assert classify_request(on, request(**{"X-Priority": "high"}), forwarded=False) == ("high", "batch")
+    assert classify_request(on, request(tenant="default"), forwarded=False) == ("normal", "default")
+    spoofed = request(**{"X-SkyLB-Priority": "critical", "X-SkyLB-Tenant": "vip"})
+    assert classify_request(on, spoofed, forwarded=False) == ("low", "batch")
+    assert classify_request(on, spoofed, forwarded=True) == ("critical", "vip")
+    with pytest.raises(BadPriority):
+        classify_request(on, request(**{"X-Priority": "now"}), forwarded=False)
+    assert on.router.classes.weight_of("batch") == 0.5 and on.router.classes.weight_of("other") == 1.0
+    off = Balancer(BalancerConfig(quotas=quotas), region="us", advertise_url="http://x")
+    assert classify_request(off, request(**{"X-Priority": "now"}), forwarded=False) == ("low", "batch")
+    assert classify_request(off, request("/v1/embeddings"), forwarded=False) == ("critical", "batch")
