@@ -21,6 +21,8 @@ from skylb.core.fleet import FleetSettings
 from skylb.core.policies import options_class, policy_options
 from skylb.quota.limits import Quotas
 from skylb.quota.settings import QuotaSettings
+from skylb.quota.priorities import PrioritySettings
+from skylb.balancer.embed_cache import EmbeddingCacheSettings
 
 __all__ = [
     "ConfigError",
@@ -282,6 +284,11 @@ class BalancerConfig(_Strict):
     #: Ollama fleets: thermal state, fit, hot preference, pre-warm, fallbacks, num_ctx pinning, embedding slot
     #: (skylb/core/fleet.py ``FleetSettings``; README "Ollama fleets"); routing changes are off by default.
     ollama_fleet: FleetSettings = Field(default_factory=FleetSettings)
+    #: Priority classes and tenants in the queue (skylb/quota/priorities.py): ``{enabled: false, aging_s: 60}``.
+    priorities: PrioritySettings = Field(default_factory=PrioritySettings)
+    #: Answers to repeated embedding requests from memory (skylb/balancer/embed_cache.py):
+    #: ``{enabled: false, ttl_s: 300, max_bytes: 8388608}``.
+    embedding_cache: EmbeddingCacheSettings = Field(default_factory=EmbeddingCacheSettings)
 
     @model_validator(mode="before")
     @classmethod

@@ -17,6 +17,7 @@ import structlog
 
 from skylb.balancer.dispatcher import Dispatcher
 from skylb.balancer.fleet import Fleet
+from skylb.balancer.embed_cache import EmbeddingCache
 from skylb.balancer.membership import MembershipWatcher
 from skylb.balancer.metrics import BalancerMetrics
 from skylb.balancer.probers import Probers
@@ -59,6 +60,11 @@ class Balancer:
         self.advertise_url = advertise_url
         self.router = build_router(region, cfg)
         self.metrics = BalancerMetrics(self.router, now=self.now, controller_reachable=self.controller_reachable)
+        # Priority classes: tenants' weights for deficit round robin, read from the quotas in force at each turn.
+        self.router.set_tenant_weights(lambda tenant: self.quotas.tenant(tenant).weight)
+        #: Answers to repeated embedding requests, or None when balancer.embedding_cache is off.
+        self.embed_cache = EmbeddingCache.from_settings(cfg.embedding_cache, region=region,
+                                                        registry=self.metrics.registry)
         self.dispatcher = Dispatcher(self.router, now=self.now, queue_timeout_s=cfg.queue_timeout_s,
                                      tick_s=cfg.dispatch_tick_ms / 1000, on_routed=self._count_routed)
         self.retry_budget = RetryBudget(cfg.retry_policy)
@@ -95,6 +101,7 @@ class Balancer:
     def _count_routed(self, decision: Decision) -> None:
         self.metrics.routed.labels(self.region, decision.route, decision.target).inc()
         self.metrics.queue_wait.labels(self.region).observe(decision.queued_s)
+        self.metrics.queue_wait_by_class.labels(self.region, decision.request.priority).observe(decision.queued_s)
         if decision.route != "local":
             self._forwarded_at.append(self.now())
         self.fleet.routed(decision)

@@ -35,6 +35,12 @@ class _StateCollector:
                                   labels=["region"])
         queue.add_metric([region], len(router.queue))
         yield queue
+        by_class = GaugeMetricFamily("skylb_queue_length_by_class", "Requests waiting in this balancer's queue, by "
+                                     "priority class and tenant (the class a FCFS queue would give them when "
+                                     "balancer.priorities is off).", labels=["region", "priority", "tenant"])
+        for (priority, tenant), n in _queue_lengths(router).items():
+            by_class.add_metric([region, priority, tenant], n)
+        yield by_class
         pending = GaugeMetricFamily("skylb_replica_pending_requests",
                                     "Pending requests at each local replica in its latest probe.",
                                     labels=["region", "replica"])
@@ -65,6 +71,17 @@ class _StateCollector:
         yield ctl
 
 
+def _queue_lengths(router: Router) -> dict[tuple[str, str], int]:
+    """Queued requests by (priority class, tenant): O(classes x tenants) with classes, one pass over a FCFS queue
+    (at most max_queue requests, at scrape time only)."""
+    if router.classes is not None:
+        return router.classes.lengths()
+    lengths: dict[tuple[str, str], int] = {}
+    for r in router.queue:
+        lengths[(r.priority, r.tenant)] = lengths.get((r.priority, r.tenant), 0) + 1
+    return lengths
+
+
 class BalancerMetrics:
     """All metrics of one balancer; ``render()`` gives the Prometheus text.
 
@@ -85,6 +102,9 @@ class BalancerMetrics:
                               registry=self.registry)
         self.queue_wait = Histogram("skylb_queue_wait_seconds", "Time requests waited in the queue, s.", ["region"],
                                     buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.queue_wait_by_class = Histogram("skylb_queue_wait_by_class_seconds", "Time requests waited in the "
+                                             "queue by priority class, s.", ["region", "priority"],
+                                             buckets=_LATENCY_BUCKETS_S, registry=self.registry)
         self.rejected = Counter("skylb_rejected_requests", "Client requests the balancer answered with an error "
                                 "of its own (bad input, unknown or unavailable model, queue full, internal error), "
                                 "by reason and HTTP status.", ["region", "reason", "status"], registry=self.registry)

@@ -19,18 +19,20 @@ import structlog
 from aiohttp import web
 
 from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_openai
-from skylb.balancer.auth import tenant_of
 from skylb.balancer.balancer import Balancer
+from skylb.balancer.classes import classify_request
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
 from skylb.balancer.fleet import pin_num_ctx
 from skylb.balancer.retry import backoff_s
 from skylb.balancer.retry_after import queue_retry_after_s
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
-                                     REQUEST_ID_HEADER, TOKEN_HEADER, client_request_id, queued_ms, token_ok)
+                                     REQUEST_ID_HEADER, ROUTE_HEADER, TOKEN_HEADER, client_request_id, queued_ms,
+                                     token_ok)
 from skylb.balancer.status import BALANCER
 from skylb.balancer.usage import observe as observe_usage
 from skylb.core import Decision, Request
 from skylb.quota.gate import QuotaExceeded
+from skylb.quota.priorities import BadPriority
 
 __all__ = ["handle_generate", "finish_request", "GENERATE_PATHS", "REQUEST_IDS", "api_of"]
 
@@ -94,6 +96,22 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     if forwarded_from is not None and not token_ok(cfg.peer_token, request.headers.get(TOKEN_HEADER)):
         return reject(403, "forwarded request with a missing or wrong peer token", "forbidden",
                       model=parsed.model, type_="permission_error")
+    # Priority class and tenant (skylb/balancer/classes.py); a repeated embedding is answered from the cache here,
+    # before the queue (skylb/balancer/embed_cache.py).
+    try:
+        priority, tenant = classify_request(balancer, request, forwarded=forwarded_from is not None)
+    except BadPriority as exc:
+        return reject(400, str(exc), "bad_priority", model=parsed.model)
+    cache = balancer.embed_cache
+    cache_key = None if cache is None else cache.key(
+        request.path, body, tenant=tenant,
+        authorization=None if balancer.client_keys else request.headers.get("Authorization"))
+    if cache_key is not None:
+        hit = cache.get(cache_key)
+        if hit is not None:
+            hit.headers[ROUTE_HEADER] = "cache"
+            return finish_request(balancer, hit, request_id, parsed.model, started, client_id=client_id,
+                                  reason="embedding_cache_hit")
     router = balancer.router
     if api == "ollama":  # num_ctx pinning (skylb/balancer/fleet.py), so no client makes Ollama reload a model
         body = pin_num_ctx(cfg.ollama_fleet, parsed.model, body)
@@ -112,15 +130,16 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                 if forwarded_from is not None else 0.0)
     routed = Request(id=request_id, text=parsed.text, arrived_at=arrived_at, model=parsed.model,
                      session_key=parsed.session_key, forwarded_from=forwarded_from, api=api, waited_s=waited_s,
-                     embedding=request.path in ("/v1/embeddings", "/api/embed", "/api/embeddings"))
+                     embedding=request.path in ("/v1/embeddings", "/api/embed", "/api/embeddings"),
+                     priority=priority, tenant=tenant)
     try:  # quotas: wait for room in every bucket of the tenant and model (skylb/quota/gate.py), else 429
         admission = await balancer.quota_gate.admit_request(
-            tenant=tenant_of(request), model=parsed.model, text=parsed.text, max_tokens=parsed.max_tokens,
+            tenant=tenant, model=parsed.model, text=parsed.text, max_tokens=parsed.max_tokens,
             path=request.path, arrived_at=arrived_at, forwarded=forwarded_from is not None)
     except QuotaExceeded as exc:
         return reject(429, str(exc), exc.reason, model=parsed.model, type_="rate_limit_exceeded",
                       retry_after=exc.retry_after_s)
-    served = False  # a replica or peer answered: the admission's tokens were used
+    answered = False  # a replica or peer answered: the admission's tokens were used
     dispatcher, relay, metrics = balancer.dispatcher, balancer.relay, balancer.metrics
     budget, policy = balancer.retry_budget, cfg.retry_policy
     attempt = 0
@@ -154,10 +173,13 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                 dispatcher.release(decision)
                 balancer.fleet.finished(decision)
             _outlier(balancer, decision, outcome.failure)
-            served = served or outcome.response is not None
+            answered = answered or outcome.response is not None
             if retrying:
                 budget.release()
                 retrying = False
+            if cache_key is not None and outcome.status == 200 and outcome.error is None \
+                    and isinstance(outcome.response, web.Response) and not parsed.stream:
+                cache.put(cache_key, outcome.response.body, outcome.response.content_type)
             if outcome.response is None:  # failed before any byte reached the client
                 if not budget.try_acquire(balancer.in_flight()):
                     metrics.retry_budget_exhausted.labels(balancer.region).inc()
@@ -182,7 +204,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
         if retrying:
             budget.release()
         # Never leak a quota slot (answered, failed, cancelled, client gone); unused tokens go back.
-        balancer.quota_gate.release(admission, refund_tokens=0 if served or admission is None else admission.tokens)
+        balancer.quota_gate.release(admission, refund_tokens=0 if answered or admission is None else admission.tokens)
 
 
 def _queue_retry_after(balancer: Balancer) -> int:
@@ -238,6 +260,8 @@ def finish_request(balancer: Balancer, response: web.StreamResponse, request_id:
     balancer.metrics.responses.labels(balancer.region, str(status)).inc()
     log.info("request", id=request_id, client_request_id=client_id, reason=reason, region=balancer.region,
              model=model,
+             priority=None if decision is None else decision.request.priority,
+             tenant=None if decision is None else decision.request.tenant,
              route=None if decision is None else decision.route,
              target=None if decision is None else decision.target,
              queued_ms=None if decision is None else round(decision.queued_s * 1000, 1),

@@ -25,6 +25,7 @@ from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM,
 from skylb.balancer.usage import UsageTap, usage_of_body
 from skylb.core import Decision
 from skylb.core.rates import Usage
+from skylb.quota.priorities import peer_headers
 
 __all__ = ["Relay", "RelayOutcome", "RETRYABLE_STATUSES", "STREAM_STARTED"]
 
@@ -103,6 +104,9 @@ class Relay:
             headers[FORWARDED_FROM] = self.region
             # Its wait here so far: the peer queues it in first-come, first-served order across regions.
             headers[QUEUE_MS_HEADER] = f"{decision.queued_s * 1000.0:.0f}"
+            # Its class and tenant: the peer queues it as this balancer did (trusted there with the peer token).
+            if decision.request is not None:
+                headers.update(peer_headers(decision.request.priority, decision.request.tenant))
             if self.peer_token:
                 headers[TOKEN_HEADER] = self.peer_token
         elif self.replica_api_key:

@@ -59,7 +59,10 @@ def build_rules(settings: RouterSettings) -> AvailabilityRules:
 def build_router(region: str, settings: RouterSettings, *, max_queue: int | None = None) -> Router:
     """A Router for ``region`` from ``settings``; ``max_queue`` overrides ``settings.max_queue`` (the simulator
     never refuses a request, so it passes a bound no run reaches). Raises PolicyError on an invalid policy."""
+    priorities = getattr(settings, "priorities", None)  # skylb/quota/priorities.py; absent: FCFS
+    on = bool(priorities is not None and priorities.enabled)
     return Router(region=region, policy=build_policy(settings), rules=build_rules(settings),
                   max_queue=settings.max_queue if max_queue is None else max_queue,
                   outlier=OutlierDetector.from_settings(getattr(settings, "outlier_detection", None)),
-                  fleet=FleetRules(getattr(settings, "ollama_fleet", None) or FleetSettings()))
+                  fleet=FleetRules(getattr(settings, "ollama_fleet", None) or FleetSettings()),
+                  priorities=on, aging_s=priorities.aging_s if on else 0.0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from skylb.quota.limits import DEFAULT_TENANT
+
 __all__ = ["Request"]
 
 
@@ -27,6 +29,11 @@ class Request:
             first-come, first-served order across regions.
         avoid: targets that failed this request before its first byte, as ("local", replica id) or ("peer",
             region); a retry goes elsewhere while another target is usable (Envoy's ``previous_hosts`` predicate).
+        priority: its priority class, one of skylb.quota.limits.PRIORITIES ("critical", "high", "normal", "low");
+            only a router with priority classes on reads it (skylb/core/class_queue.py).
+        tenant: the tenant it belongs to (its client API key's; "default" without one); tenants of one class share
+            the queue by weighted deficit round robin.
+        cost: what one placement charges its tenant under deficit round robin (1: shares counted in requests).
     """
 
     id: str
@@ -42,6 +49,9 @@ class Request:
     #: An embedding request (/v1/embeddings, /api/embed, /api/embeddings): may use an Ollama replica's embedding
     #: slot (skylb/core/fleet.py ``FleetSettings.embedding_slot``).
     embedding: bool = False
+    priority: str = "normal"
+    tenant: str = DEFAULT_TENANT
+    cost: float = 1.0
     #: The prompt's trie key, cached with the trie's ``chunking`` it was cut with.
     chunks: tuple[str, ...] | None = field(default=None, repr=False)
     chunking: tuple[int, int] | None = field(default=None, repr=False)

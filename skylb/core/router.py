@@ -8,6 +8,11 @@ replica holds its prefix (``queue_lookahead``, the head passed over at most ``ma
 head to a peer with no room but younger requests queued (``forward_queued``). The queue is ordered by
 ``Request.queued_since``, so a forwarded request keeps its age.
 
+With priority classes on (``priorities``; off by default, and then nothing here changes), the queue is a
+``ClassQueue`` (skylb/core/class_queue.py): the request that goes next is chosen by class (with aging), then tenant
+by weighted deficit round robin, then age; look-ahead, bypass and forwarding apply to that chosen head as they do
+to the FCFS head, the look-ahead window being the head's own tenant's later requests.
+
 Pure: no I/O, no clock. Callers pass ``now`` (s, any monotonic clock) and apply the returned decisions. The live
 balancer and the trace-driven simulator both drive this class.
 """
@@ -16,11 +21,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from skylb.core.fleet import FleetRules
 from skylb.core.fleet import load_s as fleet_load_s
+from skylb.core.class_queue import ClassQueue
 from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy
 from skylb.core.rates import Usage
@@ -63,10 +69,13 @@ class Router:
         max_queue: the most requests the queue holds; more raise QueueFull.
         outlier: outlier detection (ejection of failing targets; skylb/core/outlier.py).
         fleet: the Ollama fleet rules (elimination, fit, hot preference; skylb/core/fleet.py).
+        priorities: order the queue by priority class and tenant (skylb/core/class_queue.py) instead of FCFS.
+        aging_s: with ``priorities``, a request's class rises one step per this many seconds waited (0: never).
     """
 
     def __init__(self, *, region: str, policy: Policy, rules: AvailabilityRules | None = None,
-                 max_queue: int = 10_000, outlier: OutlierDetector | None = None, fleet: FleetRules | None = None):
+                 max_queue: int = 10_000, outlier: OutlierDetector | None = None, fleet: FleetRules | None = None,
+                 priorities: bool = False, aging_s: float = 0.0):
         self.region = region
         self.policy = policy
         self.rules = rules or AvailabilityRules()
@@ -79,7 +88,8 @@ class Router:
         self.max_queue = max_queue
         self.replicas: dict[str, ReplicaState] = {}
         self.peers: dict[str, PeerState] = {}
-        self.queue: deque[Request] = deque()
+        #: The queue: FCFS (a deque in ``queued_since`` order), or by class and tenant with ``priorities``.
+        self.queue: deque[Request] | ClassQueue = ClassQueue(aging_s=aging_s) if priorities else deque()
         self._bypassed: tuple[str | None, int] = (None, 0)
         self._placed_at: deque[float] = deque(maxlen=32)
 
@@ -128,10 +138,22 @@ class Router:
         self.policy.set_members([r for r, s in self.replicas.items() if not s.draining], self.peers)
 
     # -- the queue ----------------------------------------------------------------------------------------------
+    @property
+    def classes(self) -> ClassQueue | None:
+        """The queue by priority class and tenant, or None when the queue is plain FCFS."""
+        return self.queue if isinstance(self.queue, ClassQueue) else None
+
+    def set_tenant_weights(self, weight_of: Callable[[str], float]) -> None:
+        """Tenants' weights for deficit round robin (with priority classes): ``weight_of(tenant)`` > 0, read when a
+        tenant's turn starts (so a change applies from the next turn). Ignored on a FCFS queue."""
+        if self.classes is not None:
+            self.classes.weight_of = weight_of
+
     def requeue(self, request: Request) -> None:
         """Put ``request`` back in its place (its target failed before the first byte): at the head, unless an older
-        forwarded request is queued (``queued_since`` order, as ``enqueue`` keeps it); ignores ``max_queue``."""
-        self._insert(request)
+        forwarded request is queued (``queued_since`` order, as ``enqueue`` keeps it); ignores ``max_queue``. With
+        priority classes: at the front of its class, in age order among retries."""
+        self._insert(request, retry=True)
 
     def enqueue(self, request: Request) -> None:
         """Add ``request`` to the FCFS queue in ``queued_since`` order: a client's request goes to the tail, a
@@ -141,8 +163,12 @@ class Router:
             raise QueueFull(f"queue is full ({self.max_queue} requests)")
         self._insert(request)
 
-    def _insert(self, request: Request) -> None:
-        """Insert ``request`` in ``queued_since`` order (after those that joined at the same time)."""
+    def _insert(self, request: Request, *, retry: bool = False) -> None:
+        """Insert ``request`` in ``queued_since`` order (after those that joined at the same time); with classes,
+        in its class and tenant (``retry``: ahead of its class's tenants)."""
+        if self.classes is not None:
+            self.classes.add(request, retry=retry)
+            return
         since = request.queued_since
         if not self.queue or self.queue[-1].queued_since <= since:
             self.queue.append(request)
@@ -155,6 +181,8 @@ class Router:
 
     def cancel(self, request_id: str) -> bool:
         """Remove a still-queued request (its client went away); True if it was queued."""
+        if self.classes is not None:
+            return self.classes.cancel(request_id) is not None
         for i, r in enumerate(self.queue):
             if r.id == request_id:
                 del self.queue[i]
@@ -167,8 +195,11 @@ class Router:
         A request's wait counts from ``queued_since`` (a forwarded request's wait at its first balancer included).
         Those times never decrease from the head (``enqueue`` and ``requeue`` keep the order), so only the head
         needs looking at: O(expired), not O(queue),
-        per dispatch tick.
+        per dispatch tick. With priority classes: each class's oldest through its age heap, O(classes + expired x
+        log n).
         """
+        if self.classes is not None:
+            return self.classes.expire(now, timeout_s)
         expired = []
         while self.queue and now - self.queue[0].queued_since > timeout_s:
             expired.append(self.queue.popleft())
@@ -183,17 +214,25 @@ class Router:
         response ends.
         """
         out: list[Decision] = []
+        classes = self.classes
+        if classes is not None:
+            classes.new_pass()
         while self.queue:
-            i = self._next_index(now)
-            decision = self._place(self.queue[i], now)
+            # FCFS: the queue itself; with classes: the chosen head and its tenant's later requests.
+            window = self.queue if classes is None else classes.window(now, max(1, self.policy.queue_lookahead))
+            i = self._next_index(now, window)
+            decision = self._place(window[i], now)
             if decision is None and i:
-                i, decision = 0, self._place(self.queue[0], now)
+                i, decision = 0, self._place(window[0], now)
             if decision is None:
                 break
             if i:
-                head = self.queue[0].id
+                head = window[0].id
                 self._bypassed = (head, (self._bypassed[1] + 1) if self._bypassed[0] == head else 1)
-            del self.queue[i]
+            if classes is None:
+                del self.queue[i]
+            else:
+                classes.take(now, window[i])
             self._placed_at.append(now)
             out.append(decision)
         return out
@@ -207,20 +246,23 @@ class Router:
     def queue_age_s(self, now: float) -> float:
         """How long the oldest queued request has waited at ``now``, s (its wait at a forwarding balancer
         included); 0 when the queue is empty."""
+        if self.classes is not None:
+            since = self.classes.oldest_since()
+            return 0.0 if since is None else max(0.0, now - since)
         return max(0.0, now - self.queue[0].queued_since) if self.queue else 0.0
 
-    def _next_index(self, now: float) -> int:
-        """Which queued request to place next: the head, unless the policy looks ahead
-        (``Policy.queue_lookahead`` > 1) and picks a later one within that window, and the head has been passed
-        over fewer than ``Policy.max_bypass`` times."""
+    def _next_index(self, now: float, queue: deque[Request] | list[Request]) -> int:
+        """Which request of ``queue`` (the FCFS queue, or the class queue's window) to place next: the head, unless
+        the policy looks ahead (``Policy.queue_lookahead`` > 1) and picks a later one within that window, and the
+        head has been passed over fewer than ``Policy.max_bypass`` times."""
         policy = self.policy
         k = policy.queue_lookahead
-        if k <= 1 or len(self.queue) < 2:
+        if k <= 1 or len(queue) < 2:
             return 0
-        head = self.queue[0]
+        head = queue[0]
         if self._bypassed[0] == head.id and self._bypassed[1] >= policy.max_bypass:
             return 0
-        window = list(itertools.islice(self.queue, k))
+        window = list(itertools.islice(queue, k))
         usable = self.replica_available if policy.selective else self._replica_usable
         local = [r for r in self.replicas.values() if usable(r, now)]
         peers = [p for p in self.peers.values() if self.peer_available(p, now, head.model, head.api)]
