@@ -22,6 +22,8 @@ from skylb.balancer.relay import Relay
 from skylb.balancer.retry import RetryBudget
 from skylb.config import BalancerConfig
 from skylb.core import Decision, build_router
+from skylb.quota.buckets import LimitBackend, LocalLimits
+from skylb.quota.groups import ModelGate
 from skylb.quota.limits import Quotas
 
 __all__ = ["Balancer", "DRAIN_END_S"]
@@ -46,6 +48,11 @@ class Balancer:
         self.client_keys = client_keys
         #: The quotas in force: the config's, replaced by the controller's when it holds some (skylb/quota).
         self.quotas: Quotas = cfg.quotas
+        self.limits: LimitBackend = LocalLimits()
+        #: Model groups and admissions (skylb/quota/groups.py): reads the quotas, limits and served models in force.
+        self.gate = ModelGate(quotas=lambda: self.quotas, limits=lambda: self.limits, now=self.now,
+                              served=lambda api: (self.router.served_models(api)
+                                                  if self.router.models_known() else None))
         self.region = region
         self.advertise_url = advertise_url
         self.router = build_router(region, cfg)
