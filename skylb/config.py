@@ -20,6 +20,7 @@ from controller.dns import DnsConfig
 from skylb.core.fleet import FleetSettings
 from skylb.core.policies import options_class, policy_options
 from skylb.quota.limits import Quotas
+from skylb.quota.settings import QuotaSettings
 
 __all__ = [
     "ConfigError",
@@ -253,6 +254,8 @@ class BalancerConfig(_Strict):
     tenants: dict[str, list[str]] = Field(default_factory=dict)
     #: Tenant and model limits, model groups (skylb/quota/limits.py); a controller's copy replaces it at runtime.
     quotas: Quotas = Field(default_factory=Quotas)
+    #: How requests over a limit wait (skylb/quota/settings.py).
+    quota: QuotaSettings = Field(default_factory=QuotaSettings)
     #: Accepted on /metrics as ``Authorization: Bearer <token>`` besides the peer token; $SKYLB_METRICS_TOKEN
     #: overrides it.
     metrics_token: str | None = None

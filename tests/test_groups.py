@@ -176,3 +176,36 @@ def test_gate_plain_model_is_a_group_of_one(plain):
         assert first.model == "a" and not gate.is_group("a")
         assert isinstance(await gate.try_admit(plain, 10, "default"), Refused)
     asyncio.run(run())
+
+
+def test_lease_table_lifecycle():
+    from skylb.quota.admission import LeaseTable
+    table = LeaseTable(max_leases=2)
+    admitted = Admitted("a", [], 10)
+    lease = table.add(admitted, name="g", tenant="t", ttl_s=1.0, now=0.0)
+    assert table.get(lease.id, 0.5) is lease and table.get("nope", 0.5) is None
+    assert table.heartbeat(lease.id, 0.9) is lease and lease.expires_at == 1.9
+    assert table.pop_expired(1.5) == [] and table.get(lease.id, 1.95) is None
+    other = table.add(admitted, name="g", tenant="t", ttl_s=1.0, now=1.0)
+    assert table.full() is True
+    assert table.pop(other.id, 1.2) is other and table.pop(other.id, 1.2) is None
+    assert table.pop_expired(2.0) == [lease] and len(table) == 0
+
+
+def test_advice_follows_the_seed_formula():
+    from skylb.quota.admission import AdviceWindow
+    window = AdviceWindow(window_s=60.0)
+    idle = window.advice(0.0, in_flight=0, capacity=20)
+    assert (idle.backpressure_score, idle.suggested_parallelism) == (0.0, 20)
+    for i in range(10):
+        window.record(float(i), None)
+    for i in range(10):
+        window.record(10.0 + i, 1000 if i < 9 else 5000)
+    hot = window.advice(20.0, in_flight=10, capacity=20)
+    # p95 of ten waits (nine of 1000 ms, one of 5000 ms) is 5000 ms -> 1; admit rate 0.5 -> score 0.75.
+    assert hot.p95_wait_ms == 5000 and hot.admit_rate == 0.5 and hot.backpressure_score == 0.75
+    assert hot.suggested_parallelism == 10 + round(10 * 0.25)
+    # A minute later the window is empty again; the floor of 4 holds; no caps: double while no pressure.
+    later = window.advice(80.0, in_flight=1, capacity=2)
+    assert later.backpressure_score == 0.0 and later.suggested_parallelism == 4
+    assert window.advice(80.0, in_flight=10, capacity=None).suggested_parallelism == 20

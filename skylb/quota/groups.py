@@ -110,9 +110,10 @@ class Wdrr:
         self.deficits[model] = 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class Waiter:
-    """A request waiting in the balancer for a group: its estimated ``tokens`` and when it started waiting (s)."""
+    """A request waiting in the balancer for a group: its estimated ``tokens`` and when it started waiting (s).
+    Compared by identity: two waiters of the same size arriving at the same instant are still two."""
 
     tokens: int
     since: float
