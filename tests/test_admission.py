@@ -73,6 +73,17 @@ def test_group_spreads_by_weight_respects_caps_and_names_the_model(procs, tmp_pa
     # Every slot came back: the next admission is immediate (schedule admits without a wait).
     status, body, _ = post_json(f"{url}/skylb/v1/schedule", {"model": "fast", "estimated_tokens": 10})
     assert status == 200 and body["model"] in {"m-a", "m-b"}
+    assert get_json(f"{url}/skylb/v1/advice")["in_flight"] == 1
+    post_json(f"{url}/skylb/v1/complete", {"lease_id": body["lease_id"]})
+
+    # A client that goes away mid-stream gives its slot back too.
+    stream = client.chat.completions.create(model="fast", messages=[{"role": "user", "content": "long"}],
+                                            stream=True, max_tokens=200, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert get_json(f"{url}/skylb/v1/advice")["in_flight"] == 1
+    stream.close()
+    cluster.wait_until(lambda: get_json(f"{url}/skylb/v1/advice")["in_flight"] == 0, timeout_s=5,
+                       what="the slot of a cancelled stream released")
 
 
 def test_expired_lease_is_reclaimed_with_its_slot_and_tokens(procs, tmp_path):
