@@ -84,6 +84,12 @@ def test_group_spreads_by_weight_respects_caps_and_names_the_model(procs, tmp_pa
     stream.close()
     cluster.wait_until(lambda: get_json(f"{url}/skylb/v1/advice")["in_flight"] == 0, timeout_s=5,
                        what="the slot of a cancelled stream released")
+    metrics = requests.get(f"{url}/metrics", timeout=5).text
+    counts = {m: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                     if line.startswith("skylb_group_admissions_total{") and f'model="{m}"' in line
+                     and 'via="request"' in line) for m in ("m-a", "m-b")}
+    assert counts["m-a"] + counts["m-b"] == 8 + 12 + 1 and counts["m-a"] >= 6
+    assert 'skylb_admission_leases{region="us"} 0.0' in metrics
 
 
 def test_expired_lease_is_reclaimed_with_its_slot_and_tokens(procs, tmp_path):

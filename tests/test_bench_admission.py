@@ -15,8 +15,9 @@ def test_tpm_overruns_follow_the_bucket():
     spec = ModelSpec("m", 0.1, 100, 600)  # 600 tokens of burst, 10 tokens/s after
     burst = [(0.0, 0.1, 300), (0.0, 0.1, 300)]
     assert overruns(burst, spec)["tpm"] == 0
-    assert overruns(burst + [(1.0, 1.1, 20)], spec)["tpm"] == 1   # 620 > 600 + 10
+    assert overruns(burst + [(1.0, 1.1, 20)], spec)["tpm"] == 1   # 620 > 600 + 10 x (1 + 0.05)
     assert overruns(burst + [(2.0, 2.1, 20)], spec)["tpm"] == 0   # 620 <= 600 + 20
+    assert overruns(burst + [(1.96, 2.0, 20)], spec)["tpm"] == 0  # within the 50 ms admission lag
     u = utilisation(burst, spec, 60.0)
     assert u["tasks"] == 2 and u["tokens"] == 600 / 1200
 

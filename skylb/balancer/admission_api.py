@@ -30,6 +30,7 @@ from dataclasses import asdict
 
 import structlog
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from skylb.balancer.api import openai_error
 from skylb.balancer.auth import tenant_of
@@ -38,7 +39,8 @@ from skylb.balancer.status import BALANCER
 from skylb.quota.admission import AdviceWindow, LeaseTable
 from skylb.quota.groups import Admitted
 
-__all__ = ["AdmissionState", "ADMISSION", "register", "lease_model", "lease_covers", "CLIENT_PATHS",
+__all__ = ["AdmissionState", "ADMISSION", "register", "lease_model", "lease_covers", "count_group_admission",
+           "CLIENT_PATHS",
            "DEFAULT_LEASE_TTL_MS", "RECLAIM_EVERY_S"]
 
 SCHEDULE_PATH, HEARTBEAT_PATH = "/skylb/v1/schedule", "/skylb/v1/heartbeat"
@@ -57,13 +59,56 @@ log = structlog.get_logger("skylb.admission")
 
 
 class AdmissionState:
-    """This balancer's leases, schedule-outcome window and jitter source."""
+    """This balancer's leases, schedule-outcome window and jitter source, and the counts its metrics report:
+    ``reclaimed`` (leases expired and reclaimed), ``admitted`` ({(group or model asked, model chosen, via): n},
+    via "schedule" for the admission API, "request" for a generation naming a group)."""
 
     def __init__(self, rng: random.Random | None = None):
         self.leases = LeaseTable()
         self.window = AdviceWindow()
         self.rng = rng or random.Random()
         self.reclaimed = 0
+        self.admitted: dict[tuple[str, str, str], int] = {}
+
+    def count(self, name: str, model: str, via: str) -> None:
+        """One admission of ``model`` for ``name`` through ``via``."""
+        key = (name, model, via)
+        self.admitted[key] = self.admitted.get(key, 0) + 1
+
+
+class _Collector:
+    """Admission metrics, read at scrape time: leases held and reclaimed, admissions by group and model, and the
+    advice (backpressure score, suggested parallelism)."""
+
+    def __init__(self, balancer, state: AdmissionState):
+        self.balancer, self.state = balancer, state
+
+    def collect(self):
+        region, state = self.balancer.region, self.state
+        leases = GaugeMetricFamily("skylb_admission_leases", "Admission leases held (POST /skylb/v1/schedule).",
+                                   labels=["region"])
+        leases.add_metric([region], len(state.leases))
+        yield leases
+        reclaimed = CounterMetricFamily("skylb_admission_leases_reclaimed", "Admission leases that expired "
+                                        "without complete or heartbeat and were reclaimed.", labels=["region"])
+        reclaimed.add_metric([region], state.reclaimed)
+        yield reclaimed
+        admitted = CounterMetricFamily("skylb_group_admissions", "Admissions by the group (or model) asked for, "
+                                       "the model chosen, and via (schedule: the admission API; request: a "
+                                       "generation naming a group).", labels=["region", "group", "model", "via"])
+        for (name, model, via), n in sorted(state.admitted.items()):
+            admitted.add_metric([region, name, model, via], n)
+        yield admitted
+        in_flight, capacity = _in_flight_and_capacity(self.balancer)
+        advice = state.window.advice(self.balancer.now(), in_flight=in_flight, capacity=capacity)
+        score = GaugeMetricFamily("skylb_admission_backpressure_score", "GET /skylb/v1/advice's backpressure "
+                                  "score (0: no pressure, 1: long waits, few admissions).", labels=["region"])
+        score.add_metric([region], advice.backpressure_score)
+        yield score
+        suggested = GaugeMetricFamily("skylb_admission_suggested_parallelism", "GET /skylb/v1/advice's suggested "
+                                      "number of batch workers.", labels=["region"])
+        suggested.add_metric([region], advice.suggested_parallelism)
+        yield suggested
 
 
 ADMISSION = web.AppKey("skylb_admission", AdmissionState)
@@ -140,6 +185,7 @@ async def handle_schedule(request: web.Request) -> web.Response:
     if isinstance(outcome, Admitted):
         lease = state.leases.add(outcome, name=name, tenant=tenant, ttl_s=ttl_ms / 1000.0, now=now)
         state.window.record(now, None)
+        state.count(name, outcome.model, "schedule")
         return web.json_response({"model": outcome.model, "lease_id": lease.id, "lease_ttl_ms": ttl_ms})
     if not outcome.served:
         return openai_error(503, f"no model of '{name}' is served by a replica or peer reachable now; retry later",
@@ -218,6 +264,13 @@ def lease_model(request: web.Request, lease_id: str | None, name: str) -> str | 
     return lease.admitted.model
 
 
+def count_group_admission(request: web.Request, group: str, model: str) -> None:
+    """Count a generation naming ``group`` that was admitted to ``model`` (the metrics)."""
+    state = request.app.get(ADMISSION)
+    if state is not None:
+        state.count(group, model, "request")
+
+
 def lease_covers(request: web.Request, model: str) -> bool:
     """True when the request carries ``X-SkyLB-Lease`` of a live lease of its tenant for ``model``: it was admitted
     by /skylb/v1/schedule and must not be charged again (for the per-request quota gate)."""
@@ -238,7 +291,9 @@ async def _reclaim_loop(app: web.Application) -> None:
 def register(app: web.Application) -> None:
     """Add the admission API's routes, its lease reclaimer (started and stopped with the app, after the Balancer)
     and the ``X-SkyLB-Model`` response header of model-group requests to the balancer's ``app``."""
-    app[ADMISSION] = AdmissionState()
+    app[ADMISSION] = state = AdmissionState()
+    balancer = app[BALANCER]
+    balancer.metrics.registry.register(_Collector(balancer, state))
     app.router.add_post(SCHEDULE_PATH, handle_schedule)
     app.router.add_post(HEARTBEAT_PATH, handle_heartbeat)
     app.router.add_post(COMPLETE_PATH, handle_complete)

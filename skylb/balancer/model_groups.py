@@ -54,7 +54,7 @@ def rewrite_model(body: bytes, model: str) -> bytes:
 async def choose_group_model(request: web.Request, balancer, api: str, group: str, body: bytes,
                              text: str) -> GroupChoice:
     """Choose and admit a model of ``group`` for this request (see the module docstring)."""
-    from skylb.balancer.admission_api import lease_model  # the admission API imports this module
+    from skylb.balancer.admission_api import count_group_admission, lease_model  # it imports this module
 
     gate = balancer.gate
     leased = lease_model(request, request.headers.get(LEASE_HEADER), group)
@@ -65,6 +65,7 @@ async def choose_group_model(request: web.Request, balancer, api: str, group: st
     outcome = await gate.admit(group, tokens, tenant_of(request), balancer.cfg.quota.wait_s, api=api)
     if isinstance(outcome, Admitted):
         request[CHOSEN_MODEL] = outcome.model
+        count_group_admission(request, group, outcome.model)
         return GroupChoice(model=outcome.model, body=rewrite_model(body, outcome.model), admitted=outcome)
     retry_after = max(1, math.ceil(gate.wait_ms(outcome) / 1000))
     if not outcome.served:
