@@ -79,7 +79,8 @@ async def choose_group_model(request: web.Request, balancer, api: str, group: st
 
 
 async def add_model_header(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare`` hook: a group request's response (streamed or not) names the model that served it."""
+    """``on_response_prepare`` hook: a group request's response (streamed or not) names the model that served it,
+    unless the relay already named it (a fallback model of an Ollama fleet, for one, wins)."""
     model = request.get(CHOSEN_MODEL)
     if model is not None:
-        response.headers[MODEL_HEADER] = model
+        response.headers.setdefault(MODEL_HEADER, model)
