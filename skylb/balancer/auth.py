@@ -5,7 +5,8 @@
 - The peer endpoint ``GET /skylb/v1/status`` (msgpack and ``?format=json``): the peer token (``X-SkyLB-Token``).
 - ``GET /metrics``: the metrics token or the peer token, as ``Authorization: Bearer <token>`` (what Prometheus's
   ``authorization`` setting sends); the peer token also as ``X-SkyLB-Token``.
-- The client APIs (``/v1/*``, ``/api/*``): a client API key, ``Authorization: Bearer <key>``, when keys are
+- The client APIs (``/v1/*``, ``/api/*``, the admission API ``/skylb/v1/schedule``, ``heartbeat``, ``complete``,
+  ``advice``): a client API key, ``Authorization: Bearer <key>``, when keys are
   configured; 401 in the API's shape otherwise. A request carrying the peer token is a peer's (a forwarded request,
   ``/api/show`` asked of a peer) and needs no client key: the forwarding balancer checked it.
 - A request marked forwarded (``X-SkyLB-Forwarded-From``) without the peer token is refused (403): a client cannot
@@ -47,6 +48,8 @@ METRICS_TOKEN_ENV = "SKYLB_METRICS_TOKEN"
 
 _OPEN_PATHS = frozenset({"/healthz", "/"})
 _API_PREFIXES = ("/v1/", "/api/")
+#: The admission API (skylb/balancer/admission_api.py): client endpoints too; /skylb/v1/status stays peer-only.
+_CLIENT_PATHS = frozenset({"/skylb/v1/schedule", "/skylb/v1/heartbeat", "/skylb/v1/complete", "/skylb/v1/advice"})
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def auth_middleware(creds: Credentials):
                 return openai_error(403, _peer_refusal(creds, "/metrics"), type_="permission_error")
         elif FORWARDED_FROM in request.headers and (creds.peer_token or not local):
             return error_response(api, 403, _peer_refusal(creds, "a forwarded request"), type_="permission_error")
-        elif creds.api_keys and path.startswith(_API_PREFIXES):
+        elif creds.api_keys and (path.startswith(_API_PREFIXES) or path in _CLIENT_PATHS):
             key = _bearer(request)
             if not secret_matches(key, *creds.api_keys):
                 message = ("missing API key: send Authorization: Bearer <key>" if _bearer(request) is None

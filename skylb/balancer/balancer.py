@@ -26,6 +26,7 @@ from skylb.balancer.retry import RetryBudget
 from skylb.config import BalancerConfig
 from skylb.core import Decision, build_router
 from skylb.quota.buckets import LimitBackend, LocalLimits
+from skylb.quota.groups import ModelGate
 from skylb.quota.limits import Quotas
 from skylb.quota.regional import apply_shares, demand_report
 from skylb.quota.wiring import build_gate, build_limits, quota_loop
@@ -56,6 +57,10 @@ class Balancer:
         self.quotas: Quotas = cfg.quotas
         #: Called with the new quotas after each ``apply_quotas`` (parts that derive state from them append here).
         self.quota_listeners: list[Callable[[Quotas], None]] = []
+        #: Model groups and admissions (skylb/quota/groups.py): reads the quotas, limits and served models in force.
+        self.gate = ModelGate(quotas=lambda: self.quotas, limits=lambda: self.limits, now=self.now,
+                              served=lambda api: (self.router.served_models(api)
+                                                  if self.router.models_known() else None))
         self.region = region
         self.advertise_url = advertise_url
         self.router = build_router(region, cfg)

@@ -23,6 +23,8 @@ from skylb.balancer.balancer import Balancer
 from skylb.balancer.classes import classify_request
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
 from skylb.balancer.fleet import pin_num_ctx
+from skylb.balancer.admission_api import lease_covers
+from skylb.balancer.model_groups import choose_group_model
 from skylb.balancer.retry import backoff_s
 from skylb.balancer.retry_after import queue_retry_after_s
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER,
@@ -116,7 +118,8 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     if api == "ollama":  # num_ctx pinning (skylb/balancer/fleet.py), so no client makes Ollama reload a model
         body = pin_num_ctx(cfg.ollama_fleet, parsed.model, body)
     served = router.served_models(api, with_peers=forwarded_from is None)
-    if not balancer.fleet.any_served(parsed.model, served) and router.models_known():
+    if (not balancer.fleet.any_served(parsed.model, served) and not balancer.gate.is_group(parsed.model)
+            and router.models_known()):
         if balancer.model_recently_served(api, parsed.model, with_peers=forwarded_from is None):
             return reject(503, f"model '{parsed.model}' is served by no replica or peer reachable now; retry later",
                           "model_unavailable", model=parsed.model, type_="service_unavailable", retry_after=True)
@@ -124,6 +127,19 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                    f"The model `{parsed.model}` does not exist.")
         hint = f" Models served here: {', '.join(sorted(served)) or 'none'}."
         return reject(404, message + hint, "unknown_model", model=parsed.model, param="model")
+    admitted = None  # a model group's admission: released when the request ends (skylb/balancer/model_groups.py)
+    # Charged once: a group's gate charges the tenant's and the chosen model's buckets, a lease from
+    # /skylb/v1/schedule was charged when granted; every other request goes through the quota gate below.
+    charged = lease_covers(request, parsed.model)
+    if balancer.gate.is_group(parsed.model):
+        charged = True
+        group = await choose_group_model(request, balancer, api, parsed.model, body, parsed.text)
+        if group.status is not None:
+            response = reject(group.status, group.message, group.reason, model=parsed.model, retry_after=True,
+                              type_="rate_limit_exceeded" if group.status == 429 else "service_unavailable")
+            response.headers["Retry-After"] = str(group.retry_after_s)
+            return response
+        admitted, body, parsed.model = group.admitted, group.body, group.model
     # A forwarded request keeps its place in first-come, first-served order: its wait at the forwarding balancer
     # counts here (capped by the queue timeout, so a bad value cannot put it ahead of everything for long).
     waited_s = (min(queued_ms(request.headers.get(QUEUE_MS_HEADER)) / 1000.0, cfg.queue_timeout_s)
@@ -133,7 +149,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
                      embedding=request.path in ("/v1/embeddings", "/api/embed", "/api/embeddings"),
                      priority=priority, tenant=tenant)
     try:  # quotas: wait for room in every bucket of the tenant and model (skylb/quota/gate.py), else 429
-        admission = await balancer.quota_gate.admit_request(
+        admission = None if charged else await balancer.quota_gate.admit_request(
             tenant=tenant, model=parsed.model, text=parsed.text, max_tokens=parsed.max_tokens,
             path=request.path, arrived_at=arrived_at, forwarded=forwarded_from is not None)
     except QuotaExceeded as exc:
@@ -205,6 +221,8 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
             budget.release()
         # Never leak a quota slot (answered, failed, cancelled, client gone); unused tokens go back.
         balancer.quota_gate.release(admission, refund_tokens=0 if answered or admission is None else admission.tokens)
+        if admitted is not None:
+            await balancer.gate.release(admitted)
 
 
 def _queue_retry_after(balancer: Balancer) -> int:

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from controller.tokens import check_token
 from skylb import aio
-from skylb.balancer import fleet, ollama_api, status
+from skylb.balancer import admission_api, fleet, ollama_api, status
 from skylb.balancer.api import error_response
 from skylb.balancer.auth import METRICS_TOKEN_ENV, Credentials, auth_middleware, load_api_keys, load_tenants
 from skylb.balancer.balancer import Balancer
@@ -120,6 +120,7 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     app.router.add_get("/healthz", status.handle_healthz)
     app.router.add_get("/metrics", status.handle_metrics)
     app.router.add_get("/skylb/v1/status", status.handle_status)
+    admission_api.register(app)  # /skylb/v1/schedule, heartbeat, complete, advice; X-SkyLB-Model
     return app
 
 

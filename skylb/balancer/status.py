@@ -124,7 +124,11 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 
 async def handle_models(request: web.Request) -> web.Response:
-    """``GET /v1/models``: the union of models the local replicas (and peers) serve, in OpenAI's list shape."""
+    """``GET /v1/models``: the union of models the local replicas (and peers) serve, then the model group aliases
+    (with ``skylb_group``: their models), in OpenAI's list shape."""
     balancer = request.app[BALANCER]
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "skylb"} for m in balancer.served_models()]
+    # Model group aliases (skylb/balancer/model_groups.py), with the models that serve them.
+    data += [{"id": alias, "object": "model", "created": 0, "owned_by": "skylb", "skylb_group": sorted(members)}
+             for alias, members in sorted(balancer.quotas.groups.items())]
     return web.json_response({"object": "list", "data": data})
