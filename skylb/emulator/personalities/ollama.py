@@ -207,15 +207,21 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
                            "context_length": m.num_ctx})
         return web.json_response({"models": models})
 
+    async def _served_name(self, request: web.Request) -> str:
+        """The served model a request body names (``model``, or the deprecated ``name``); ApiError 400 when it names
+        none, 404 (Ollama's ``model 'x' not found``) when it is not served here."""
+        body = _body(await request.read())
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "model is required")
+        if canonical(name) not in self._served:
+            raise ApiError(404, f"model '{name}' not found")
+        return name
+
     async def show(self, request: web.Request) -> web.Response:
         """``POST /api/show`` ``{"model"}`` (or the deprecated ``{"name"}``): model details."""
         try:
-            body = _body(await request.read())
-            name = body.get("model") or body.get("name")
-            if not isinstance(name, str) or not name:
-                raise ApiError(400, "model is required")
-            if canonical(name) not in self._served:
-                raise ApiError(404, f"model '{name}' not found")
+            name = await self._served_name(request)
         except ApiError as err:
             return self.native_error(err)
         served = self._served[canonical(name)]
@@ -368,12 +374,7 @@ class OllamaPersonality(OpenAIServing, name="ollama"):
     async def delete(self, request: web.Request) -> web.Response:
         """``DELETE /api/delete`` ``{"model"}``: 200 with an empty body, 404 ``model 'x' not found``."""
         try:
-            body = _body(await request.read())
-            name = body.get("model") or body.get("name")
-            if not isinstance(name, str) or not name:
-                raise ApiError(400, "model is required")
-            if canonical(name) not in self._served:
-                raise ApiError(404, f"model '{name}' not found")
+            name = await self._served_name(request)
         except ApiError as err:
             return self.native_error(err)
         self._remove_model(name)
