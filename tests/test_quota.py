@@ -9,7 +9,6 @@ import json
 import math
 import threading
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +16,7 @@ import openai
 import pytest
 
 from tests.cluster import MODEL, Cluster
+from tests.quota_http import http_post as http
 from tests.redis import start_redis
 
 PEER = "peer-token-for-quota-tests-0123456789"
@@ -25,17 +25,6 @@ KEY_A, KEY_B, KEY_C = "sk-alpha-key-0123456789", "sk-beta-key-0123456789", "sk-g
 OLLAMA_MODEL = "llama3.1:8b"
 #: Emulated replicas: one running slot, 40 ms per decode step, and without ignore_eos at most 8 tokens.
 EMULATOR = ("--max-num-seqs", "1", "--decode-base-ms", "40", "--eos-max-tokens", "8")
-
-
-def http(url: str, body: dict, *, key: str | None = None, timeout: float = 30.0) -> tuple[int, dict, dict]:
-    """POST JSON; (status, decoded body, headers) also for error statuses."""
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read()), dict(resp.headers)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}"), dict(exc.headers)
 
 
 def chat(max_tokens: int = 4, **extra) -> dict:

@@ -367,56 +367,50 @@ def test_local_limits_per_key_shares_and_demand():
 
 
 def test_busy_region_share_grows_while_the_idle_one_shrinks(procs, tmp_path):
-    """Two regions, no Redis, a real controller and eu's real balancer process (idle); us's balancer runs in this
-    process, so this test can draw on its buckets directly (the per-request quota gate that calls them is another
-    branch's). A limit set with skylb-ctl reaches us's balancer through the watch; us then asks its bucket for more
-    than its half and is refused; its heartbeats report that demand, and the controller moves the unused share:
-    us's share of the bucket grows to 1 - floor (0.9) while eu's shrinks to the floor (0.1), as eu's status shows.
-    The controller's health check is off, because us's in-process balancer serves no HTTP."""
-    from skylb.balancer.balancer import Balancer
-    from skylb.config import BalancerConfig
-    from tests.procs import free_port
+    """Two regions, no Redis, all real processes: a limit set with skylb-ctl (6000 tokens a minute for the tenant
+    ``default``) is in force on both balancers, each enforcing its half; us's clients ask for more than its half:
+    us answers 429 (OpenAI's shape, Retry-After) once its half is spent, never admitting more than the whole limit;
+    its heartbeats report the refused demand, and the controller moves the unused share: us's share of the bucket
+    grows to 1 - floor (0.9) while eu's shrinks to the floor (0.1), as both statuses show."""
+    from tests.quota_http import http_post
 
-    regions, key = ["us", "eu"], "tenant/acme/*"
-    cluster = Cluster(procs, tmp_path, admin_token=ADMIN, balancer={"heartbeat_s": 0.3},
-                      controller={"health": {"enabled": False}})
-    controller = cluster.start_controller(regions)
-    cluster.start_balancer("eu", regions)
-    body = _ctl_json(cluster, "quota", "set", "--tenant", "acme", "--tokens-per-minute", "6000")
+    regions, key = ["us", "eu"], "tenant/default/*"
+    cluster = Cluster(procs, tmp_path, admin_token=ADMIN,
+                      balancer={"heartbeat_s": 0.3, "quota": {"wait_s": 0.2}})
+    cluster.start_controller(regions)
+    urls = cluster.start_emulator(2, "--decode-base-ms", "1", "--eos-max-tokens", "4")
+    for region, url in zip(regions, urls):
+        cluster.start_balancer(region, regions)
+        cluster.add_replica(region, url)
+    for region in regions:
+        cluster.wait_replicas_healthy(region, 1)
+    body = _ctl_json(cluster, "quota", "set", "--tenant", "default", "--tokens-per-minute", "6000")
+    cluster.wait_until(lambda: all(_quotas_in_force(cluster, r)["revision"] == body["revision"] for r in regions),
+                       timeout_s=5.0, what="the limit in force on both balancers")
 
-    def eu_shares() -> dict:
-        return cluster.status("eu")["quotas"]["shares"]
-
-    async def busy_us() -> tuple[dict, int, int]:
-        cfg = BalancerConfig(controller_url=controller, heartbeat_s=0.3, state_dir=str(tmp_path / "us-state"))
-        balancer = Balancer(cfg, region="us", advertise_url=f"http://127.0.0.1:{free_port()}")
-        await balancer.start()
-        admitted = refused = 0
-        try:
-            assert balancer.membership.quotas_revision == body["revision"]  # the controller's quotas, by the watch
-            loop, deadline = asyncio.get_running_loop(), asyncio.get_running_loop().time() + 30.0
-            for _ in range(600):  # bounded: 600 attempts, 30 s
-                buckets = balancer.quotas.limits_for("acme", MODEL)
-                grant = balancer.limits.acquire_now(buckets, 500, balancer.now())
-                admitted, refused = admitted + grant.ok, refused + (not grant.ok)
-                if grant.ok:
-                    balancer.limits.release_now(buckets, balancer.now())
-                if balancer.limits.shares.get(key, 0.0) > 0.85 or loop.time() > deadline:
-                    break
-                await asyncio.sleep(0.05)
-            return {"default": balancer.limits.share, "buckets": dict(balancer.limits.shares)}, admitted, refused
-        finally:
-            await balancer.stop()
-
-    assert eu_shares()["buckets"] == {}
-    us_shares, admitted, refused = asyncio.run(busy_us())
-    # Its first half (3000 tokens) was admitted, then it was refused.
-    assert refused > 0 and admitted >= 6, (us_shares, admitted, refused)
-    assert us_shares["default"] == pytest.approx(0.5)
-    assert us_shares["buckets"][key] == pytest.approx(0.9)
-    cluster.wait_until(lambda: eu_shares()["buckets"].get(key) == pytest.approx(0.1), timeout_s=5.0,
+    def shares(region: str) -> dict:
+        return _quotas_in_force(cluster, region)["shares"]
+    assert shares("us")["default"] == shares("eu")["default"] == pytest.approx(0.5)
+    # ~500 tokens a request (prompt + max_tokens): 6 fit us's half of 6000.
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 496}
+    admitted = 0
+    refused = None
+    for _ in range(40):  # bounded: 40 requests
+        status, answer, headers = http_post(f"{cluster.balancers['us']}/v1/chat/completions", request)
+        if status == 429:
+            refused = (answer, headers)
+            break
+        assert status == 200, answer
+        admitted += 1
+    assert refused is not None, "us never refused a request over its share"
+    answer, headers = refused
+    assert answer["error"]["type"] == "rate_limit_exceeded" and int(headers["Retry-After"]) >= 1
+    assert 1 <= admitted <= 12  # its half first (6), never more than the whole limit
+    cluster.wait_until(lambda: shares("us")["buckets"].get(key) == pytest.approx(0.9), timeout_s=10.0,
+                       what="us's share of the bucket up to 1 - floor")
+    cluster.wait_until(lambda: shares("eu")["buckets"].get(key) == pytest.approx(0.1), timeout_s=10.0,
                        what="eu's share of the bucket down to the floor")
-    assert eu_shares()["default"] == pytest.approx(0.5)
+    assert shares("eu")["default"] == pytest.approx(0.5)  # buckets nobody asked more of keep the even split
 
 
 def test_quotas_on_etcd_reach_a_balancer_through_another_controller(procs, tmp_path, etcd):
