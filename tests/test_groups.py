@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from skylb.quota.buckets import LocalLimits
 from skylb.quota.groups import (AGE_BONUS_TOKENS_PER_S, Admitted, ModelGate, Refused, Waiter, Wdrr,
-                                blocked_by_elder, estimate_tokens, jittered_wait_ms)
+                                blocked_by_elder, jittered_wait_ms)
 from skylb.quota.limits import Limit, Quotas, TenantQuota
 
 
@@ -80,12 +80,6 @@ def test_jittered_wait_is_within_ten_percent_and_aligned():
             assert ms >= 50
             assert ms >= base_s * 900 - 1e-6 and ms <= base_s * 1100 + 100
     assert jittered_wait_ms(1.0, 0.0) == 900 and jittered_wait_ms(1.0, 0.9999) == 1100
-
-
-def test_estimate_tokens():
-    assert estimate_tokens(b'{"max_tokens": 50}', "x" * 40) == 60
-    assert estimate_tokens(b'{"options": {"num_predict": 7}}', "") == 8
-    assert estimate_tokens(b'{}', "abcd") == 1 + 256
 
 
 def _gate(quotas: Quotas, served=None, limits=None):

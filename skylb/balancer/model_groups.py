@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from skylb.balancer.auth import tenant_of
-from skylb.quota.groups import Admitted, estimate_tokens
+from skylb.quota.estimate import is_embedding_path, request_tokens
+from skylb.quota.groups import Admitted
 
 __all__ = ["MODEL_HEADER", "LEASE_HEADER", "CHOSEN_MODEL", "GroupChoice", "choose_group_model",
            "add_model_header", "rewrite_model"]
@@ -52,8 +53,9 @@ def rewrite_model(body: bytes, model: str) -> bytes:
 
 
 async def choose_group_model(request: web.Request, balancer, api: str, group: str, body: bytes,
-                             text: str) -> GroupChoice:
-    """Choose and admit a model of ``group`` for this request (see the module docstring)."""
+                             text: str, max_tokens: int | None) -> GroupChoice:
+    """Choose and admit a model of ``group`` for this request (see the module docstring); its tokens are estimated
+    as the quota gate estimates them (skylb/quota/estimate.py: prompt text, ``max_tokens`` cap)."""
     from skylb.balancer.admission_api import count_group_admission, lease_model  # it imports this module
 
     gate = balancer.gate
@@ -61,7 +63,8 @@ async def choose_group_model(request: web.Request, balancer, api: str, group: st
     if leased is not None:
         request[CHOSEN_MODEL] = leased
         return GroupChoice(model=leased, body=rewrite_model(body, leased))
-    tokens = estimate_tokens(body, text)
+    tokens = request_tokens(text, max_tokens, embedding=is_embedding_path(request.path),
+                            default_max_tokens=balancer.cfg.quota.default_max_tokens)
     outcome = await gate.admit(group, tokens, tenant_of(request), balancer.cfg.quota.wait_s, api=api)
     if isinstance(outcome, Admitted):
         request[CHOSEN_MODEL] = outcome.model

@@ -133,7 +133,8 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
     charged = lease_covers(request, parsed.model)
     if balancer.gate.is_group(parsed.model):
         charged = True
-        group = await choose_group_model(request, balancer, api, parsed.model, body, parsed.text)
+        group = await choose_group_model(request, balancer, api, parsed.model, body, parsed.text,
+                                         parsed.max_tokens)
         if group.status is not None:
             response = reject(group.status, group.message, group.reason, model=parsed.model, retry_after=True,
                               type_="rate_limit_exceeded" if group.status == 429 else "service_unavailable")

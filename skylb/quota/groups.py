@@ -33,7 +33,6 @@ not admitted ahead of it. Small requests pass large ones at first (size-aware), 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -43,7 +42,7 @@ from skylb.quota.buckets import Grant, LimitBackend
 from skylb.quota.limits import Limit, Quotas
 
 __all__ = ["Wdrr", "Waiter", "blocked_by_elder", "jittered_wait_ms", "ModelGate", "Admitted", "Refused",
-           "estimate_tokens", "AGE_BONUS_TOKENS_PER_S", "SLOT_RETRY_S", "TICK_MS", "MIN_WAIT_MS"]
+           "AGE_BONUS_TOKENS_PER_S", "SLOT_RETRY_S", "TICK_MS", "MIN_WAIT_MS"]
 
 #: Credit a waiting request earns per second waited (tokens/s): the age bonus of seed 001 iteration 2 C.
 AGE_BONUS_TOKENS_PER_S = 1000.0
@@ -54,8 +53,6 @@ SLOT_RETRY_S = 0.2
 TICK_MS = 100
 #: The smallest wait returned (ms; seed 001 iteration 2 D, ``max(50, aligned_wait_ms)``).
 MIN_WAIT_MS = 50
-#: Estimated completion tokens of a request that sets no ``max_tokens`` (tokens).
-DEFAULT_COMPLETION_TOKENS = 256
 
 
 class Wdrr:
@@ -139,23 +136,6 @@ def jittered_wait_ms(base_s: float, rand: float, *, tick_ms: int = TICK_MS, min_
     jittered = base_ms + (rand * 2.0 - 1.0) * 0.1 * base_ms
     aligned = math.ceil(jittered / tick_ms - 1e-9) * tick_ms
     return int(max(min_ms, aligned))
-
-
-def estimate_tokens(body: bytes, text: str) -> int:
-    """A request's estimated tokens for the buckets: prompt (about 4 characters a token) plus its completion cap
-    (``max_tokens``, ``max_completion_tokens`` or Ollama's ``options.num_predict``; 256 when none). Tokens."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        data = {}
-    cap = None
-    if isinstance(data, dict):
-        options = data.get("options") if isinstance(data.get("options"), dict) else {}
-        for value in (data.get("max_tokens"), data.get("max_completion_tokens"), options.get("num_predict")):
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                cap = value
-                break
-    return max(1, math.ceil(len(text) / 4)) + (cap if cap is not None else DEFAULT_COMPLETION_TOKENS)
 
 
 @dataclass
