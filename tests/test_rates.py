@@ -236,13 +236,21 @@ def test_load_time_hook_adds_to_the_estimate():
     assert d.target == "r0"
 
 
-def test_the_router_counts_the_fleets_load_time():
-    """The Router sets RateBook.load_s to the fleet's (skylb/core/fleet.py): 0 where the model is hot or the replica
-    is not an Ollama one, the measured or default load time where the model is only on disk; so the estimate of a
-    fast replica that must load the model exceeds that of a slower one where it is hot."""
-    from skylb.core.fleet import FleetView, canonical
+def test_the_router_counts_the_fleets_load_time_with_hot_preference():
+    """With hot preference on, the Router sets RateBook.load_s to the fleet's (skylb/core/fleet.py): 0 where the
+    model is hot or the replica is not an Ollama one, the measured or default load time where the model is only on
+    disk; so the estimate of a fast replica that must load the model exceeds that of a slower one where it is hot.
+    Off (the default), load time counts nothing: thermal state changes no routing."""
+    from skylb.core.fleet import FleetRules, FleetSettings, FleetView, canonical
 
-    router = _router()
+    assert _router().policy.rates.load_s(ReplicaState(id="x", url="http://x", engine="ollama"), "m") == 0.0
+    router = Router(region="us", policy=make_policy("estimated-wait"),
+                    rules=AvailabilityRules(max_dispatch_per_probe=0),
+                    fleet=FleetRules(FleetSettings(hot_preference=True)))
+    router.set_replicas([(f"r{i}", f"http://r{i}", "ollama") for i in range(2)])
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True)
+        router.set_replica_models(rid, ["m"])
     _serve(router, "r0", 0, 0.03)
     _serve(router, "r1", 0, 0.01)
     hook = router.policy.rates.load_s

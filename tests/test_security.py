@@ -314,8 +314,9 @@ def test_secrets_never_appear_in_logs(secured, procs, tmp_path):
 
 def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run([require_binary("openssl"), "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+    subprocess.run([require_binary("openssl"), "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
     return cert, key
 
@@ -362,7 +363,7 @@ def test_tls_needs_both_files(tmp_path):
     assert done.returncode == 2 and "tls_key_file" in done.stderr
 
 
-# --- skylb local -------------------------------------------------------------------------------------------------------
+# --- skylb local ------------------------------------------------------------------------------------------------
 
 def test_skylb_local_generates_tokens_per_run(tmp_path):
     """`skylb local` (Deployment) makes fresh random admin and peer tokens per run, one peer token for every region

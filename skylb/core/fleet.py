@@ -57,7 +57,8 @@ class FleetSettings(BaseModel):
             the model, even after unloading idle models, is not a candidate.
         paused: replica ids the operator paused: not candidates (their in-flight requests finish).
         prewarm: pre-warm on (stage 4); prewarm_threshold: more queued requests for a model at the balancer than
-            this trigger it (seed 002: "exceeds the pre-warm threshold (default: 3)"); prewarm_keep_alive: the keep_alive sent with the empty generate.
+            this trigger it (seed 002: "exceeds the pre-warm threshold (default: 3)"); prewarm_keep_alive: the
+            keep_alive sent with the empty generate.
         fallbacks: per model, fallback models in order, tried after ``fallback_hold_s`` seconds when no replica
             (local or peer) can take the primary.
         num_ctx: per model, ``options.num_ctx`` pinned to an integer, or "strip" to remove it, so clients cannot

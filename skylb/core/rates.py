@@ -162,7 +162,8 @@ class RateBook:
         self.learned_factor: float | None = None
         #: Model load time: ``load_s(replica, model)`` -> seconds before ``model`` could start on ``replica`` (a
         #: ReplicaState) because it must be loaded first; added to W^ by policies/measured_wait.py
-        #: ``pick_by_estimated_wait``. The Router sets it to skylb/core/fleet.py ``load_s`` (0 where hot).
+        #: ``pick_by_estimated_wait``. With ``ollama_fleet.hot_preference`` on, the Router sets it to
+        #: skylb/core/fleet.py ``load_s`` (0 where hot); else it stays 0.
         self.load_s: Callable[[Any, str], float] = _no_load
 
     # -- the estimate ---------------------------------------------------------------------------------------------

@@ -81,10 +81,13 @@ class Router:
         self.rules = rules or AvailabilityRules()
         self.outlier = outlier or OutlierDetector()
         self.fleet = fleet or FleetRules()
-        # The estimated-wait policy counts a model's load time (0 where it is hot): total time = queue wait + load
-        # time + inference time (seed 002 signal 1 with seed 000's estimate).
-        default_load_s = self.fleet.settings.default_load_s
-        self.policy.rates.load_s = lambda replica, model: fleet_load_s(replica, model, default_load_s)
+        # With hot preference on, the estimated-wait policy counts a model's load time (0 where it is hot): total
+        # time = queue wait + load time + inference time (seed 002 signal 1 with seed 000's estimate). Off, thermal
+        # state changes no routing (an unmeasured load time would keep requests off a cold replica for good, and
+        # seed 000's exploration of unmeasured replicas with it).
+        if self.fleet.settings.hot_preference:
+            default_load_s = self.fleet.settings.default_load_s
+            self.policy.rates.load_s = lambda replica, model: fleet_load_s(replica, model, default_load_s)
         self.max_queue = max_queue
         self.replicas: dict[str, ReplicaState] = {}
         self.peers: dict[str, PeerState] = {}

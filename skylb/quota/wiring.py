@@ -37,8 +37,8 @@ def regions_share(balancer: "Balancer") -> float:
 
 
 def build_limits(settings: QuotaSettings, balancer: "Balancer") -> LimitBackend:
-    """RedisLimits when ``$SKYLB_REDIS_URL`` or ``settings.redis_url`` is set (its fallback share: ``local_share``, else the regions'
-    share), else LocalLimits at ``local_share`` (else 1 until the upkeep loop reads membership)."""
+    """RedisLimits when ``$SKYLB_REDIS_URL`` or ``settings.redis_url`` is set (its fallback share: ``local_share``,
+    else the regions' share), else LocalLimits at ``local_share`` (else 1 until the upkeep loop reads membership)."""
     url = os.environ.get(REDIS_URL_ENV) or settings.redis_url
     if url:
         settings = settings.model_copy(update={"redis_url": url})

@@ -29,6 +29,7 @@ from skylb.core.policies.scoring import least_loaded, loads_imbalanced, most_roo
 from skylb.core.policies.sglang import SGLangCacheAwarePolicy, SGLangSelectivePolicy
 
 __all__ = ["POLICIES", "Policy", "PolicyError", "make_policy", "options_class", "policy_names", "policy_options",
-           "PrefixPolicy", "EstimatedWaitPolicy", "HashRingPolicy", "ConsistentHashPolicy", "RoundRobinPolicy", "LeastLoadPolicy", "MeasuredWaitPolicy",
+           "PrefixPolicy", "EstimatedWaitPolicy", "HashRingPolicy", "ConsistentHashPolicy", "RoundRobinPolicy",
+           "LeastLoadPolicy", "MeasuredWaitPolicy",
            "SGLangCacheAwarePolicy", "SGLangSelectivePolicy", "trie_key", "loads_imbalanced", "least_loaded",
            "most_room"]
