@@ -79,13 +79,7 @@ def load_api_keys(keys: list[str], keys_file: str | None) -> frozenset[str]:
     Raises ValueError when the file cannot be read (its path in the message, never its content).
     """
     found = [k.strip() for k in keys]
-    path = os.environ.get(API_KEYS_FILE_ENV) or keys_file
-    if path:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ValueError(f"cannot read the API keys file {path}: {exc.strerror}") from None
-        found += [(line.split("#", 1)[0].split() or [""])[0] for line in text.splitlines()]
+    found += [fields[0] for fields in _keys_file_lines(keys_file)]
     found += (k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(","))
     return frozenset(k for k in found if k)
 
@@ -104,17 +98,24 @@ def load_tenants(tenants: dict[str, list[str]], keys_file: str | None) -> dict[s
     for tenant, keys in tenants.items():
         for key in keys:
             add(key.strip(), tenant)
-    path = os.environ.get(API_KEYS_FILE_ENV) or keys_file
-    if path:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ValueError(f"cannot read the API keys file {path}: {exc.strerror}") from None
-        for line in text.splitlines():
-            fields = line.split("#", 1)[0].split()
-            if len(fields) >= 2:
-                add(fields[0], fields[1])
+    for fields in _keys_file_lines(keys_file):
+        if len(fields) >= 2:
+            add(fields[0], fields[1])
     return out
+
+
+def _keys_file_lines(keys_file: str | None) -> list[list[str]]:
+    """The keys file's non-empty lines as fields (``<key>`` or ``<key> <tenant>``; ``#`` starts a comment),
+    ``$SKYLB_API_KEYS_FILE`` over ``keys_file``; [] without a file. Raises ValueError when it cannot be read (its
+    path in the message, never its content)."""
+    path = os.environ.get(API_KEYS_FILE_ENV) or keys_file
+    if not path:
+        return []
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read the API keys file {path}: {exc.strerror}") from None
+    return [fields for line in text.splitlines() if (fields := line.split("#", 1)[0].split())]
 
 
 def tenant_of(request: web.Request) -> str:

@@ -22,6 +22,7 @@ import structlog
 from aiohttp import web
 
 from skylb.balancer.api import ollama_error
+from skylb.balancer.protocol import MODEL_HEADER
 from skylb.core.fleet import FleetSettings, ModelSlot, canonical, thermal
 
 if TYPE_CHECKING:
@@ -34,7 +35,6 @@ __all__ = ["Fleet", "pin_num_ctx", "with_model", "add_management_routes", "MODEL
 log = structlog.get_logger("skylb.fleet")
 
 #: The model that served a response (after a fallback, the fallback's name).
-MODEL_HEADER = "X-SkyLB-Model"
 #: Names the replica (its id) a model-management request goes to; absent: every Ollama replica of the region.
 REPLICA_HEADER = "X-SkyLB-Replica"
 #: Ollama's model-management endpoints relayed by the balancer, with their HTTP method.

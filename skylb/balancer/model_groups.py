@@ -10,21 +10,21 @@ admission_api.py) is already admitted: it gets the lease's model and is not char
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from skylb.balancer.auth import tenant_of
+from skylb.balancer.fleet import with_model
+from skylb.balancer.protocol import MODEL_HEADER
 from skylb.quota.estimate import is_embedding_path, request_tokens
 from skylb.quota.groups import Admitted
 
 __all__ = ["MODEL_HEADER", "LEASE_HEADER", "CHOSEN_MODEL", "GroupChoice", "choose_group_model",
-           "add_model_header", "rewrite_model"]
+           "add_model_header"]
 
 #: Response header: the model that served a request sent to a model group.
-MODEL_HEADER = "X-SkyLB-Model"
 #: Request header: the id of an admission lease (POST /skylb/v1/schedule) the request runs under.
 LEASE_HEADER = "X-SkyLB-Lease"
 #: Request key: the model chosen for a group request (read when the response's headers are prepared).
@@ -45,13 +45,6 @@ class GroupChoice:
     retry_after_s: int | None = None
 
 
-def rewrite_model(body: bytes, model: str) -> bytes:
-    """``body`` (a JSON object, already validated by the parser) with ``model`` in place of its model."""
-    data = json.loads(body)
-    data["model"] = model
-    return json.dumps(data, ensure_ascii=False).encode()
-
-
 async def choose_group_model(request: web.Request, balancer, api: str, group: str, body: bytes,
                              text: str, max_tokens: int | None) -> GroupChoice:
     """Choose and admit a model of ``group`` for this request (see the module docstring); its tokens are estimated
@@ -62,14 +55,14 @@ async def choose_group_model(request: web.Request, balancer, api: str, group: st
     leased = lease_model(request, request.headers.get(LEASE_HEADER), group)
     if leased is not None:
         request[CHOSEN_MODEL] = leased
-        return GroupChoice(model=leased, body=rewrite_model(body, leased))
+        return GroupChoice(model=leased, body=with_model(body, leased))
     tokens = request_tokens(text, max_tokens, embedding=is_embedding_path(request.path),
                             default_max_tokens=balancer.cfg.quota.default_max_tokens)
     outcome = await gate.admit(group, tokens, tenant_of(request), balancer.cfg.quota.wait_s, api=api)
     if isinstance(outcome, Admitted):
         request[CHOSEN_MODEL] = outcome.model
         count_group_admission(request, group, outcome.model)
-        return GroupChoice(model=outcome.model, body=rewrite_model(body, outcome.model), admitted=outcome)
+        return GroupChoice(model=outcome.model, body=with_model(body, outcome.model), admitted=outcome)
     retry_after = max(1, math.ceil(gate.wait_ms(outcome) / 1000))
     if not outcome.served:
         return GroupChoice(status=503, reason="model_unavailable", retry_after_s=balancer.cfg.retry_after_s,

@@ -21,7 +21,7 @@ from aiohttp import web
 from skylb.balancer.api import error_response
 from skylb.balancer.framing import FramingError, StreamFramer, stream_kind
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER,
-                                     ROUTE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER)
+                                     MODEL_HEADER, ROUTE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER)
 from skylb.balancer.usage import UsageTap, usage_of_body
 from skylb.core import Decision
 from skylb.core.rates import Usage
@@ -121,7 +121,7 @@ class Relay:
         headers = {ROUTE_HEADER: route, SERVED_BY_HEADER: served_by, BALANCER_REQUEST_ID_HEADER: request_id,
                    QUEUE_MS_HEADER: f"{decision.queued_s * 1000:.1f}"}
         if decision.request.model:  # the model asked of the target (after a fallback, the fallback's)
-            headers["X-SkyLB-Model"] = decision.request.model
+            headers[MODEL_HEADER] = decision.request.model
         if "Content-Type" in upstream.headers:
             headers["Content-Type"] = upstream.headers["Content-Type"]
         return headers
