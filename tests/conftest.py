@@ -1,6 +1,9 @@
-"""Shared fixtures: a ProcGroup per test whose processes are always stopped, even when the test fails."""
+"""Shared fixtures: a ProcGroup per test whose processes are always stopped, even when the test fails; a real etcd;
+the membership stores of each backend (``reopen``)."""
 
 from __future__ import annotations
+
+import uuid
 
 import pytest
 
@@ -37,3 +40,24 @@ def etcd(tmp_path_factory):
 
     with start_etcd(tmp_path_factory.mktemp("etcd")) as url:
         yield url
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def reopen(request, tmp_path):
+    """Opens a store of each backend, always the same one (a SQLite file, an etcd key prefix); all closed at the
+    end. etcd's tests share one real etcd server (the session's ``etcd`` fixture)."""
+    from controller.etcd_store import EtcdMembershipStore
+    from controller.store import MembershipStore
+
+    if request.param == "sqlite":
+        def open_store():
+            return MembershipStore(tmp_path / "new-dir" / "m.sqlite")  # "new-dir": the store creates it
+    else:
+        endpoint, prefix = request.getfixturevalue("etcd"), f"/test/{uuid.uuid4().hex}"
+
+        def open_store():
+            return EtcdMembershipStore([endpoint], prefix=prefix)
+    opened = []
+    yield lambda: opened.append(open_store()) or opened[-1]
+    for store in opened:
+        store.close()

@@ -12,9 +12,8 @@ import uuid
 import pytest
 import requests
 
-from controller.etcd_store import EtcdMembershipStore
 from controller.quotas import remove_entry, set_entry
-from controller.store import InvalidInput, MembershipStore, NotFound
+from controller.store import InvalidInput, NotFound
 from skylb.quota.limits import Quotas
 from tests.cluster import Cluster, get_json
 
@@ -25,23 +24,6 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 # --- the stores ---------------------------------------------------------------------------------------------------
-
-@pytest.fixture(params=["sqlite", "etcd"])
-def reopen(request, tmp_path):
-    """Opens a store of each backend, always the same one (a SQLite file, an etcd key prefix of a real etcd)."""
-    if request.param == "sqlite":
-        def open_store():
-            return MembershipStore(tmp_path / "m.sqlite")
-    else:
-        endpoint, prefix = request.getfixturevalue("etcd"), f"/test/{uuid.uuid4().hex}"
-
-        def open_store():
-            return EtcdMembershipStore([endpoint], prefix=prefix)
-    opened = []
-    yield lambda: opened.append(open_store()) or opened[-1]
-    for store in opened:
-        store.close()
-
 
 def test_store_keeps_quotas_bumps_revision_and_survives_reopen(reopen):
     """A quota change is a membership revision (the snapshot carries it); an edit that changes nothing is not; a

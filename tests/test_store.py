@@ -16,24 +16,6 @@ from controller.store import Assignment, Conflict, InvalidInput, MembershipStore
 from tests.procs import free_port
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
-def reopen(request, tmp_path):
-    """Opens a store of each backend, always the same one (a SQLite file, an etcd key prefix); all closed at the
-    end. etcd's tests share one real etcd server (the session's ``etcd`` fixture)."""
-    if request.param == "sqlite":
-        def open_store():
-            return MembershipStore(tmp_path / "new-dir" / "m.sqlite")  # "new-dir": the store creates it
-    else:
-        endpoint, prefix = request.getfixturevalue("etcd"), f"/test/{uuid.uuid4().hex}"
-
-        def open_store():
-            return EtcdMembershipStore([endpoint], prefix=prefix)
-    opened = []
-    yield lambda: opened.append(open_store()) or opened[-1]
-    for store in opened:
-        store.close()
-
-
 @pytest.fixture
 def store(reopen):
     """An empty store of each backend."""

@@ -48,11 +48,8 @@ def pin_num_ctx(settings: FleetSettings, model: str, body: bytes) -> bytes:
     rule = settings.num_ctx.get(model, settings.num_ctx.get(canonical(model)))
     if rule is None:
         return body
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body
-    if not isinstance(data, dict):
+    data = _json_object(body)
+    if data is None:
         return body
     options = data.get("options") if isinstance(data.get("options"), dict) else {}
     if rule == "strip":
@@ -64,15 +61,22 @@ def pin_num_ctx(settings: FleetSettings, model: str, body: bytes) -> bytes:
 
 
 def with_model(body: bytes, model: str) -> bytes:
-    """``body`` (a JSON object) asking for ``model`` instead (a fallback); unchanged when not a JSON object."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body
-    if not isinstance(data, dict):
+    """``body`` (a JSON object) asking for ``model`` instead (a fallback, a model group's choice); unchanged when not
+    a JSON object."""
+    data = _json_object(body)
+    if data is None:
         return body
     data["model"] = model
     return json.dumps(data).encode()
+
+
+def _json_object(body: bytes) -> dict | None:
+    """``body`` decoded when it is a JSON object, else None."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 class Fleet:
