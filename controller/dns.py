@@ -129,12 +129,14 @@ class DnsConfig(_Strict):
 _KEY_STATEMENT = re.compile(
     r'key\s+"?(?P<name>[^"\s{]+)"?\s*\{(?P<body>[^}]*)\}\s*;', re.DOTALL)
 _KEY_FIELD = re.compile(r'(?P<field>algorithm|secret)\s+"?(?P<value>[^";\s]+)"?\s*;')
+# A quoted string (kept: a base64 secret may hold "//") or a comment in any of named.conf's three styles (dropped).
+_STRING_OR_COMMENT = re.compile(r'(?P<string>"[^"]*")|#[^\n]*|//[^\n]*|/\*.*?\*/', re.DOTALL)
 
 
 def read_key_file(path: str | Path) -> dict[str, TsigKey]:
     """The TSIG keys of a BIND key file (``key "NAME" { algorithm A; secret "S"; };``, comments allowed), by name
     without a trailing dot. Raises OSError when unreadable, ValueError for a key without a secret."""
-    text = re.sub(r"(#|//)[^\n]*", "", Path(path).read_text())
+    text = _STRING_OR_COMMENT.sub(lambda m: m["string"] or "", Path(path).read_text())
     keys = {}
     for match in _KEY_STATEMENT.finditer(text):
         fields = {m["field"]: m["value"] for m in _KEY_FIELD.finditer(match["body"])}

@@ -195,6 +195,17 @@ def test_named_accepts_the_generated_config(tmp_path):
     assert set(read_key_file(server.key_file)) == {"skylb-us", "skylb-eu", "skylb-asia"}
 
 
+def test_read_key_file_keeps_secrets_that_look_like_comments(tmp_path):
+    """A base64 secret may hold "//" (about one key in 90 does): only comments outside quotes are dropped, in all three
+    named.conf styles. CI once failed when a random secret held "//" and the reader cut it as a comment."""
+    path = tmp_path / "keys.conf"
+    path.write_text('# hash comment\n/* block\n comment */ key "a" { algorithm hmac-sha256; secret "ab//cd+/=="; };\n'
+                    'key "b." { secret "x#y//z"; }; // trailing comment\n')
+    keys = read_key_file(path)
+    assert {name: k.secret for name, k in keys.items()} == {"a": "ab//cd+/==", "b": "x#y//z"}
+    assert keys["b"].algorithm == "hmac-sha256"
+
+
 def test_address_of_and_record_types():
     """address_of takes the host of a balancer URL; record_for maps IPv4 -> A, IPv6 -> AAAA, a name -> CNAME."""
     assert address_of("http://127.0.0.12:8080") == "127.0.0.12"
