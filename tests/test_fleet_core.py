@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from skylb.core import Request, Router, make_policy
 from skylb.core.fleet import (ABSENT, DISK, HOT, RECENT, FleetRules, FleetSettings, FleetView, ModelSlot, load_s,
-                              thermal)
+                              resolve_name, thermal)
 from skylb.core.state import ReplicaState
 
 GIB = 2**30
@@ -113,3 +113,16 @@ def test_embedding_slot_admits_one_embedding_beside_a_generation():
             assert busy.fleet.embeddings == 1 and router.dispatch(0.0) == []
             router.finished(decisions[0])
             assert busy.fleet.embeddings == 0 and [d.target for d in router.dispatch(0.0)] == ["b"]
+
+
+def test_resolve_name_as_ollama_resolves_model_names():
+    """A request's model resolves to the one served name with the same canonical form (default tag ``latest``, any
+    case, as Ollama's types/model/name.go); an exact or unknown name, or an ambiguous one, stays as asked."""
+    served = {"gemma3:latest", "llama3:8b", "Qwen/Qwen2.5-7B", "phi:latest", "PHI:latest"}
+    assert resolve_name("gemma3", served) == "gemma3:latest"
+    assert resolve_name("Gemma3:Latest", served) == "gemma3:latest"
+    assert resolve_name("llama3:8b", served) == "llama3:8b"
+    assert resolve_name("llama3", served) == "llama3"  # no llama3:latest: another tag is another model
+    assert resolve_name("qwen/qwen2.5-7b", served) == "Qwen/Qwen2.5-7B"
+    assert resolve_name("phi", served) == "phi"  # two served names equally close
+    assert resolve_name("", served) == "" and resolve_name("gemma3", set()) == "gemma3"

@@ -243,3 +243,18 @@ def test_embedding_slot_runs_an_embedding_beside_a_generation(procs, tmp_path, s
     finally:
         thread.join(timeout=60)
     assert order == (["embed 200", "generate 200"] if slot else ["generate 200", "embed 200"])
+
+
+def test_a_short_model_name_means_its_latest_tag(procs, tmp_path):
+    """The replicas list ``m:latest``; a client asking for ``m`` or ``M`` (as `ollama run m` does) is served through
+    either API, its body naming the served model, and its route keyed by that name; an unknown tag is still
+    a 404 in the API's shape."""
+    cluster, url, urls, ids = _fleet(procs, tmp_path, {}, load_s=0.1)
+    client = ollama.Client(host=url, timeout=30)
+    answer = client.generate(model="m", prompt="hello there", options={"num_predict": 2})
+    assert answer["model"] == MODEL and answer["done"]
+    status, body, _ = post_json(f"{url}/v1/chat/completions", {"model": "M", "max_tokens": 2,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and body["model"] == MODEL, body
+    missing = requests.post(f"{url}/api/generate", json={"model": "m:7b", "prompt": "x", "stream": False}, timeout=30)
+    assert missing.status_code == 404 and "m:7b" in missing.json()["error"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,6 +37,19 @@ def canonical(name: str) -> str:
     """Ollama's matching form of a model name: lower case, ``:latest`` when no tag is given."""
     last = name.rsplit("/", 1)[-1]
     return (name if ":" in last else f"{name}:latest").lower()
+
+
+def resolve_name(model: str, served: Iterable[str]) -> str:
+    """The served name a request for ``model`` means: ``model`` itself when served, else the one served name with
+    the same :func:`canonical` form (``gemma3`` -> ``gemma3:latest``, ``Gemma3:Latest`` -> ``gemma3:latest``, as
+    Ollama resolves names: types/model/name.go, ParseName's default ``:latest`` fill and EqualFold), else ``model`` unchanged (unknown, or two
+    served names equally close)."""
+    served = set(served)
+    if not model or model in served:
+        return model
+    want = canonical(model)
+    matches = [name for name in served if canonical(name) == want]
+    return matches[0] if len(matches) == 1 else model
 
 
 class FleetSettings(BaseModel):
