@@ -39,6 +39,8 @@ def test_group_spreads_by_weight_respects_caps_and_names_the_model(procs, tmp_pa
 
     listed = {m.id for m in client.models.list().data}
     assert {"fast", "m-a", "m-b"} <= listed
+    tags = {m["name"]: m for m in requests.get(f"{url}/api/tags", timeout=10).json()["models"]}  # Ollama's list too
+    assert {"fast", "m-a", "m-b"} <= set(tags) and tags["fast"]["skylb_group"] == ["m-a", "m-b"]
 
     def ask(i: int) -> str:
         raw = client.chat.completions.with_raw_response.create(

@@ -60,6 +60,10 @@ def add_metadata_routes(app: web.Application, key: web.AppKey) -> None:
         for name in balancer.served_models("ollama") + balancer.served_models("openai"):
             entries.setdefault(name, {"name": name, "model": name, "modified_at": "1970-01-01T00:00:00Z",
                                       "size": 0, "digest": "", "details": {}})
+        # Model group aliases (skylb/balancer/model_groups.py), as /v1/models lists them: a client picks one by name.
+        for alias, members in balancer.quotas.groups.items():
+            entries.setdefault(alias, {"name": alias, "model": alias, "modified_at": "1970-01-01T00:00:00Z",
+                                       "size": 0, "digest": "", "details": {}, "skylb_group": sorted(members)})
         return web.json_response({"models": sorted(entries.values(), key=lambda m: m["name"])})
 
     async def ps(request):
