@@ -205,6 +205,23 @@ def test_default_policy_shares_the_measured_prefill_rate():
     assert WaitModel().prefill_s(2000, r) == pytest.approx(1.0)
 
 
+def test_default_policy_explores_an_unmeasured_replica_beside_a_measured_one():
+    """A replica added (or failed over) beside one measured 20x faster than the configured constant: the new one is
+    estimated at the fastest measured rate, so at idle the two tie and it is tried (then measured); at the configured
+    constant it lost every idle-time choice and stayed unmeasured (CI: 20 of 20 probes on the measured replica)."""
+    for measured_prefill, expected in ((True, "r1"), (False, "r1")):
+        router = _router("skylb", measured_prefill=measured_prefill)
+        _serve(router, "r0", 0, 0.0005 / 20, text="warm zero")  # 20x the configured 2000 tokens/s
+        prior = router.policy.wait.prior_s_per_token(router.replicas.values())
+        assert prior == (pytest.approx(0.0005 / 20) if measured_prefill else None)
+        router.enqueue(Request("a", "a fresh prompt " * 40, 0.0, model="m"))
+        (d,) = router.dispatch(0.0)
+        assert d.target == expected
+    unmeasured = router.replicas["r1"]
+    assert WaitModel().prefill_s(2000, unmeasured, 0.0001) == pytest.approx(0.2)
+    assert WaitModel(measured=False).prefill_s(2000, unmeasured, 0.0001) == pytest.approx(1.0)
+
+
 def test_default_policy_breaks_ties_by_estimated_wait():
     """Two idle replicas, no prefix match anywhere, a prompt too short for the prefill difference to matter: the
     faster one by measured time per token wins every time (tie_break), turns otherwise."""

@@ -56,14 +56,27 @@ class WaitModel:
         unknown = max(0, replica.pending - len(replica.unprefilled))
         return replica.backlog_tokens + unknown * self.default_prompt_tokens
 
-    def prefill_s(self, tokens: float, replica: ReplicaState | None = None) -> float:
+    def prefill_s(self, tokens: float, replica: ReplicaState | None = None,
+                  prior_s_per_token: float | None = None) -> float:
         """Seconds to prefill ``tokens`` uncached prompt tokens on ``replica`` (at its measured rate when it has
-        one and ``measured``), or on a replica of the configured speed (``replica`` None or unmeasured)."""
+        one and ``measured``); on an unmeasured replica at ``prior_s_per_token`` (s/token) when given, else (and
+        for ``replica`` None) at the configured ``prefill_tokens_per_s``."""
         per_token = replica.rates.prefill_s_per_token if replica is not None and self.measured else None
         if per_token is None:
-            return max(0.0, tokens) / self.prefill_tokens_per_s
+            per_token = prior_s_per_token if self.measured and prior_s_per_token else 1.0 / self.prefill_tokens_per_s
         return max(0.0, tokens) * per_token
 
-    def wait_s(self, replica: ReplicaState) -> float:
-        """Estimated seconds before a new request's prefill starts on ``replica`` (its backlog's prefill time)."""
-        return self.prefill_s(self.backlog_tokens(replica), replica)
+    def wait_s(self, replica: ReplicaState, prior_s_per_token: float | None = None) -> float:
+        """Estimated seconds before a new request's prefill starts on ``replica`` (its backlog's prefill time;
+        ``prior_s_per_token`` as in :meth:`prefill_s`)."""
+        return self.prefill_s(self.backlog_tokens(replica), replica, prior_s_per_token)
+
+    def prior_s_per_token(self, replicas) -> float | None:
+        """The fastest measured prefill rate among ``replicas`` (s/token), the estimate for an unmeasured one beside
+        them; None when none is measured or ``measured`` is off. Optimistic on purpose, as seed 000 tries an
+        unmeasured replica first: with the configured constant (often slower than a measured replica) a new or
+        failed-over replica lost every idle-time tie and stayed unmeasured until the others were busy."""
+        if not self.measured:
+            return None
+        rates = [r.rates.prefill_s_per_token for r in replicas if r.rates.prefill_s_per_token is not None]
+        return min(rates) if rates else None

@@ -155,8 +155,9 @@ class EstimatedWaitPolicy(PrefixPolicy, name="skylb"):
         """Candidate id -> estimated seconds to its first token (wait + uncached prefill)."""
         tokens = prompt_tokens(request)
         members = {c.id for c in candidates}
-        return {c.id: self.wait.wait_s(c) + self.wait.prefill_s(
-                    tokens * (1.0 - self._matched_fraction(request, c.id, members)), c)
+        prior = self.wait.prior_s_per_token(candidates)
+        return {c.id: self.wait.wait_s(c, prior) + self.wait.prefill_s(
+                    tokens * (1.0 - self._matched_fraction(request, c.id, members)), c, prior)
                 for c in candidates}
 
     def pick_replica(self, request, candidates):
