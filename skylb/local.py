@@ -98,7 +98,10 @@ class Deployment:
         cfg, regions = self.cfg, list(self.cfg.regions)
         self._write_tokens()
         n_replicas = sum(r.replicas for r in cfg.regions.values())
-        ports = iter(free_ports(3 + len(regions) + n_replicas))
+        # One reservation for every port, the latency links' too: a link given port 0 once got a balancer's port
+        # before that balancer had bound it.
+        n_links = len(regions) * (len(regions) - 1)
+        ports = iter(free_ports(3 + len(regions) + n_replicas + n_links))
         controller_port, proxy_port, dns_port = next(ports), next(ports), next(ports)
         if self.dns:
             hosts = {r: balancer_address(i) for i, r in enumerate(regions)}
@@ -149,7 +152,8 @@ class Deployment:
                     continue
                 rtt = cfg.latency.rtt(a, b)
                 listen = self.links.link(f"skylb-{a}-to-{b}", f"{hosts[b]}:{balancer_ports[b]}", rtt_ms=rtt,
-                                         jitter_ms=cfg.latency.jitter_ms)
+                                         jitter_ms=cfg.latency.jitter_ms,
+                                         listen_port=0 if os.environ.get("TOXIPROXY_URL") else next(ports))
                 peer_args[a] += ["--peer-url", f"{b}=http://{listen}"]
                 _say(f"link {a} -> {b}: round trip {rtt:g} ms via {listen}")
 

@@ -190,9 +190,11 @@ def three_regions(procs, tmp_path):
     api = cluster.start_toxiproxy()
     from skylb.latency.links import LatencyLinks
     links = LatencyLinks(api)
-    ports = dict(zip(regions, free_ports(3)))
-    to_eu = links.link("us-to-eu", f"127.0.0.1:{ports['eu']}", rtt_ms=80)
-    to_asia = links.link("us-to-asia", f"127.0.0.1:{ports['asia']}", rtt_ms=150)
+    # One reservation for the balancers' and the links' ports: a link on port 0 once took asia's before it bound it.
+    *reserved, eu_link, asia_link = free_ports(5)
+    ports = dict(zip(regions, reserved))
+    to_eu = links.link("us-to-eu", f"127.0.0.1:{ports['eu']}", rtt_ms=80, listen_port=eu_link)
+    to_asia = links.link("us-to-asia", f"127.0.0.1:{ports['asia']}", rtt_ms=150, listen_port=asia_link)
     cluster.start_balancer("eu", regions, port=ports["eu"])
     cluster.start_balancer("asia", regions, port=ports["asia"])
     cluster.start_balancer("us", regions, port=ports["us"],

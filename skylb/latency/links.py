@@ -98,21 +98,23 @@ class LatencyLinks:
             APIConsumer.host, APIConsumer.port = self._host, self._port
             return getattr(APIConsumer, method)(path, timeout=self.timeout_s, **kwargs)
 
-    def link(self, name: str, upstream: str, rtt_ms: float, jitter_ms: float = 0.0) -> str:
+    def link(self, name: str, upstream: str, rtt_ms: float, jitter_ms: float = 0.0, *, listen_port: int = 0) -> str:
         """Proxy ``name`` to ``upstream`` (``"host:port"``) with a round trip of ``rtt_ms`` +/- ``jitter_ms``.
 
         Replaces a proxy of that name if one exists. Adds latency toxics ``latency_upstream`` (client -> server)
         and ``latency_downstream`` (server -> client), half the RTT each, so a request/response exchange pays the
-        whole RTT (the TCP handshake itself is not delayed, as with Toxiproxy). Returns the listen ``"host:port"``
-        (a free port picked by the server). Raises ``requests.RequestException`` if the API is unreachable and the
-        client's exceptions (``toxiproxy.exceptions.*``) if it refuses the request.
+        whole RTT (the TCP handshake itself is not delayed, as with Toxiproxy). Returns the listen ``"host:port"``:
+        ``listen_port``, or with 0 a free port picked by the server (which may be a port the caller reserved with
+        free_ports and has not bound yet: pass one from the same reservation to rule that out). Raises
+        ``requests.RequestException`` if the API is unreachable and the client's exceptions
+        (``toxiproxy.exceptions.*``) if it refuses the request (a port in use among them).
         """
         if not name or "/" in name:
             raise ValueError(f"link name must be non-empty without '/', got {name!r}")
         up, down = split_rtt(rtt_ms, jitter_ms)
         path = f"/proxies/{quote(name, safe='')}"
         self.unlink(name)
-        info = self._call("post", "/proxies", json={"name": name, "listen": f"{self.listen_host}:0",
+        info = self._call("post", "/proxies", json={"name": name, "listen": f"{self.listen_host}:{listen_port}",
                                                     "upstream": upstream, "enabled": True}).json()
         self._links[name] = info["listen"]
         try:
