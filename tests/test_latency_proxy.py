@@ -611,6 +611,9 @@ async def test_latency_links_round_trip_pays_the_rtt(api, http_upstream):
         assert {(t["stream"], t["attributes"]["latency"]) for t in toxics} == {("upstream", 40), ("downstream", 40)}
         for _ in range(3):  # the request pays 40 ms on the way in, the response 40 ms on the way out
             assert 0.080 <= await timed_get(session, f"http://{listen}/ping") < 0.5
+        port = free_port()  # a port the caller reserved: the link listens there, not on one the server picks
+        assert links.link("pinned", http_upstream, rtt_ms=10, listen_port=port) == f"127.0.0.1:{port}"
+        assert 0.010 <= await timed_get(session, f"http://127.0.0.1:{port}/ping") < 0.5
         links.close()
     assert requests.get(f"{api}/proxies", timeout=5).json() == {}
     assert links.links == {}
