@@ -15,8 +15,9 @@ model when the winner's queue passes a threshold, default 3).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,12 +40,11 @@ def canonical(name: str) -> str:
     return (name if ":" in last else f"{name}:latest").lower()
 
 
-def resolve_name(model: str, served: Iterable[str]) -> str:
+def resolve_name(model: str, served: Collection[str]) -> str:
     """The served name a request for ``model`` means: ``model`` itself when served, else the one served name with
     the same :func:`canonical` form (``gemma3`` -> ``gemma3:latest``, ``Gemma3:Latest`` -> ``gemma3:latest``, as
-    Ollama resolves names: types/model/name.go, ParseName's default ``:latest`` fill and EqualFold), else ``model`` unchanged (unknown, or two
-    served names equally close)."""
-    served = set(served)
+    Ollama resolves names: types/model/name.go, ParseName's default ``:latest`` fill and EqualFold), else ``model``
+    unchanged (unknown, or two served names equally close)."""
     if not model or model in served:
         return model
     want = canonical(model)
