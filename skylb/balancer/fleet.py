@@ -29,12 +29,10 @@ if TYPE_CHECKING:
     from skylb.balancer.balancer import Balancer
     from skylb.core import Decision, ReplicaState
 
-__all__ = ["Fleet", "pin_num_ctx", "with_model", "add_management_routes", "MODEL_HEADER", "REPLICA_HEADER",
-           "MANAGEMENT_PATHS"]
+__all__ = ["Fleet", "pin_num_ctx", "with_model", "add_management_routes", "REPLICA_HEADER", "MANAGEMENT_PATHS"]
 
 log = structlog.get_logger("skylb.fleet")
 
-#: The model that served a response (after a fallback, the fallback's name).
 #: Names the replica (its id) a model-management request goes to; absent: every Ollama replica of the region.
 REPLICA_HEADER = "X-SkyLB-Replica"
 #: Ollama's model-management endpoints relayed by the balancer, with their HTTP method.
