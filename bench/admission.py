@@ -50,7 +50,7 @@ import aiohttp
 from bench.launchers import start_skylb
 from bench.report import emit_markdown, markdown_table
 from bench.sampling import MachineLoad, conditions_lines
-from skylb.procs import ProcGroup, free_ports, wait_http
+from bench.procs import ProcGroup, free_ports, wait_http
 
 __all__ = ["ModelSpec", "MODELS", "MAX_TOKENS", "run_benchmark", "overruns", "format_markdown", "main"]
 

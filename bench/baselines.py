@@ -36,7 +36,7 @@ from bench.replay import replay
 from bench.report import emit_markdown, markdown_table
 from bench.sampling import BUSY_FRACTION, MachineLoad, PendingSampler
 from bench.workload import WorkloadConfig, describe, synthetic_workload
-from skylb.procs import ProcGroup, free_ports
+from bench.procs import ProcGroup, free_ports
 
 __all__ = ["SYSTEMS", "BaselinesSetup", "run_system", "run_baselines", "format_markdown", "build_parser", "main"]
 

@@ -182,7 +182,7 @@ def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: i
     lines += [f"Produced by `{command}` in {wall_s:.0f} s of wall time on {jobs} worker "
               f"process(es) ({os.cpu_count()} CPUs, Python {platform.python_version()}). Every number below is "
               "simulated: the routing decisions are made by `skylb.core.Router` and its policies (the code the live "
-              "balancer runs), the replicas are `skylb.emulator.model.EngineModel` (continuous batching, KV "
+              "balancer runs), the replicas are `bench.emulator.model.EngineModel` (continuous batching, KV "
               "capacity, block prefix cache; L4 / Llama-3.1-8B timings), and time is simulated (bench/sim).", ""]
     lines += [f"**Seeds.** Every run is repeated with seeds {', '.join(map(str, seeds))}; each figure is the mean "
               "over them, shown as mean [min, max] where the spread matters (req/s, TTFT p50/p90, E2E p90, hit rate; "

@@ -1,4 +1,4 @@
-"""Calibrate the engine model (skylb/emulator/model.py): step times against the SkyLB paper's L4 figure, and
+"""Calibrate the engine model (bench/emulator/model.py): step times against the SkyLB paper's L4 figure, and
 queueing against a real llama-server replica on this machine, the same requests on both.
 
 `skylb bench calibrate` (or `python -m bench.calibrate`) does three things and writes bench/results/calibration.md:
@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 from bench.report import emit_markdown, markdown_table, percentile
 from bench.sampling import BUSY_FRACTION, MachineLoad, conditions_lines, process_cpu_s
 from bench.sim.engine import EventLoop
-from skylb.emulator.model import EngineModel, EngineParams
+from bench.emulator.model import EngineModel, EngineParams
 
 __all__ = [
     "PAPER_PREFILL_512_MS",
@@ -783,11 +783,11 @@ def llama_server(*, parallel: int, ctx_size: int, threads: int, binary: str | Pa
     wait until /health answers 200, yield ``{"url", "pid", "model", "binary", "total_slots", "log"}``, and stop it
     (its whole process group) on the way out, also on failure.
 
-    Raises skylb.llamacpp.LlamaCppUnavailable when the binary (never built here) or the model is missing, and
+    Raises bench.llamacpp.LlamaCppUnavailable when the binary (never built here) or the model is missing, and
     RuntimeError (with the log's tail) when it does not become ready within 120 s.
     """
-    from skylb.llamacpp import gemma_model_path, llama_server_binary, llama_server_command, model_alias
-    from skylb.procs import ProcGroup, free_port, wait_http
+    from bench.llamacpp import gemma_model_path, llama_server_binary, llama_server_command, model_alias
+    from bench.procs import ProcGroup, free_port, wait_http
     binary = Path(binary) if binary else llama_server_binary(build=False)
     model_path = Path(model_path) if model_path else gemma_model_path()
     port = free_port()
@@ -1006,7 +1006,7 @@ def _paper_lines(paper: dict[str, Any]) -> list[str]:
     p = paper["params"]
     lines += [f"The model's prefill step is `decode_base_ms` + `prefill_ms_per_token` x tokens = {p['decode_base_ms']}"
               f" + {p['prefill_ms_per_token']} x 512; the derivations are in `EngineParams`'s docstring "
-              "(skylb/emulator/model.py). The paper gives no decode figure, so the decode rows rest on the L4's "
+              "(bench/emulator/model.py). The paper gives no decode figure, so the decode rows rest on the L4's "
               "memory bandwidth alone.", ""]
     return lines
 
@@ -1051,7 +1051,7 @@ def _fit_lines(result: dict[str, Any]) -> list[str]:
             ["decode_ms_per_kv_token", f"{params['decode_ms_per_kv_token']:.5f}",
              "decode fit, per context token (one stream, short vs long prompt); largest residual of the decode fit "
              f"{df['max_residual_ms']:.1f} ms"]]
-    lines += ["Fitted `EngineParams` (what `skylb.emulator.model.EngineModel` gets below):", "",
+    lines += ["Fitted `EngineParams` (what `bench.emulator.model.EngineModel` gets below):", "",
               markdown_table(["parameter", "value", "from"], rows), ""]
     lines += [f"For comparison with the L4 defaults: this CPU prefills {1000 / params['prefill_ms_per_token']:.0f} "
               f"tokens/s and decodes one stream at {1000 / max(1e-9, df['base_ms'] + df['per_seq_ms']):.0f} "
@@ -1287,7 +1287,7 @@ def format_markdown(result: dict[str, Any]) -> str:
     lines = ["# Engine model calibration", "",
              f"Produced by `skylb bench calibrate` ({result['wall_s']:.0f} s, "
              f"{result.get('started') or time.strftime('%Y-%m-%d %H:%M')}, "
-             f"Python {platform.python_version()}). It checks `skylb.emulator.model.EngineModel` twice: its default "
+             f"Python {platform.python_version()}). It checks `bench.emulator.model.EngineModel` twice: its default "
              "step times against the SkyLB paper's L4 figure, and its queueing against a real llama-server on this "
              "machine, fitted to that server and sent the same requests. Tests: tests/test_calibrate.py.", ""]
     if result.get("model_source"):
@@ -1351,7 +1351,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_source() -> str:
-    """Which engine model ran: skylb/emulator/model.py's last commit, and whether the working tree changed it."""
+    """Which engine model ran: bench/emulator/model.py's last commit, and whether the working tree changed it."""
     import subprocess
     path = Path(EngineModel.__module__.replace(".", "/") + ".py")
     root = Path(__file__).resolve().parent.parent
@@ -1373,7 +1373,7 @@ def _model_source() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the calibration and write the report; 0 when every request completed, 1 otherwise, 2 when no
     llama-server can run here (the report then holds the paper check only)."""
-    from skylb.llamacpp import LlamaCppUnavailable
+    from bench.llamacpp import LlamaCppUnavailable
     args = build_parser().parse_args(argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())

@@ -1,6 +1,6 @@
 """`skylb local`: a whole multi-region SkyLB deployment on this machine, a workload replay, and the report.
 
-The deployment is skylb/local.py's :class:`~skylb.local.Deployment` (controller, replicas, latency proxy, one
+The deployment is bench/local.py's :class:`~bench.local.Deployment` (controller, replicas, latency proxy, one
 balancer per region, all real processes talking real HTTP). This module is the demo around it: it reads the
 deployment YAML (the ``workload`` section validated by bench/workload.py), applies the command line's overrides,
 starts the deployment, replays the workload with each region's clients calling their own region's balancer (the
@@ -10,7 +10,7 @@ writes it as JSON. Every process it started is stopped at the end, also on Ctrl-
 With ``--dns`` the launcher no longer plays DNS: BIND 9 runs with a view per region, the balancers listen on
 127.0.0.11, .12, .13 (one port), and each region's clients call the one service URL (``http://llm.skylb.test:PORT``)
 from their region's source address (127.0.11.1, 127.0.12.1, 127.0.13.1), resolving the name against named from
-that address (skylb/dns/resolver.py; the system resolver can neither ask a given port nor pick the source). The
+that address (bench/dns/resolver.py; the system resolver can neither ask a given port nor pick the source). The
 report then also checks that the name resolved to each region's own balancer (:func:`dns_check`).
 """
 
@@ -30,8 +30,8 @@ from bench.report import format_table
 from bench.workload import WorkloadConfig, workload_settings
 from skylb.config import ConfigError, DeploymentConfig, default_config_path, load_config
 from skylb.core import policy_names
-from skylb.dns.resolver import SourceResolver, region_connector
-from skylb.local import Deployment
+from bench.dns.resolver import SourceResolver, region_connector
+from bench.local import Deployment
 
 __all__ = ["add_arguments", "main", "apply_overrides", "deployment_checks", "dns_check", "LLAMACPP_REPLICAS",
            "LLAMACPP_MAX_TOKEN_SCALE"]

@@ -31,7 +31,7 @@ import yaml
 from bench.harness import now_label
 from bench.report import emit_markdown, markdown_table
 from skylb.config import HealthCheck
-from skylb.procs import ProcGroup, free_port, wait_http
+from bench.procs import ProcGroup, free_port, wait_http
 
 __all__ = ["run_once", "run_failover", "format_markdown", "main"]
 
@@ -65,7 +65,7 @@ def _until(predicate: Callable[[], bool], what: str) -> float:
 def run_once(work: Path, *, dns: bool = True) -> dict[str, float | None]:
     """One kill-and-restart of us's balancer; returns seconds from the kill (detected, failed_over, dns_moved) and
     from the restart (recovered, dns_back); DNS figures are None without named."""
-    from skylb.dns.bind import BindServer, balancer_address, client_address
+    from bench.dns.bind import BindServer, balancer_address, client_address
     procs = ProcGroup(work / "logs")
     try:
         hosts = {region: balancer_address(i) for i, region in enumerate(REGIONS)}

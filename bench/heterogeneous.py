@@ -46,7 +46,7 @@ import requests
 from bench.harness import now_label
 from bench.launchers import start_skylb
 from bench.report import emit_markdown, markdown_table
-from skylb.procs import ProcGroup, free_ports
+from bench.procs import ProcGroup, free_ports
 
 __all__ = ["SYSTEMS", "SEED_TABLE", "HeteroSetup", "workload", "run_once", "run_all", "format_markdown", "main"]
 

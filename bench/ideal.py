@@ -7,7 +7,7 @@ so a block counts only when every block before it counts too.
 
 Granularity: ``block_tokens`` tokens per block, full blocks only, chained like vLLM's block hashes (block i is
 identified by blocks 0..i), and at least the last prompt token is computed (an engine recomputes it for the
-logits; skylb/emulator/model.py ``cached_prefix_tokens`` does the same). With the simulator's engine block
+logits; bench/emulator/model.py ``cached_prefix_tokens`` does the same). With the simulator's engine block
 (16 tokens, vLLM's default) the ideal is exactly the engine model's hit rule with an infinite cache; with 1 it is
 the longest prefix shared with any earlier prompt (no engine caches more, whatever its block size). The
 Mooncake trace's 512-token blocks (64 words at the simulator's 1/8 scale) are multiples of either, so every

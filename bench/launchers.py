@@ -3,7 +3,7 @@
 The emulated vLLM replicas (:func:`start_emulator`), SkyLB with its controller (:func:`start_skylb`), the SGLang
 router from PyPI (:func:`start_sglang`) and HAProxy from Debian (:func:`start_haproxy`); :func:`start_system` starts
 one :class:`System` and waits until it serves a completion. Every process goes into the caller's
-:class:`skylb.procs.ProcGroup`, which stops it. A system whose binary or package is missing raises
+:class:`bench.procs.ProcGroup`, which stops it. A system whose binary or package is missing raises
 :class:`Unavailable` (:func:`unavailable_reason` says why beforehand, so a benchmark can skip it).
 """
 
@@ -24,7 +24,7 @@ from typing import Sequence
 
 import yaml
 
-from skylb.procs import ProcGroup, free_ports, wait_http
+from bench.procs import ProcGroup, free_ports, wait_http
 
 __all__ = [
     "MODEL", "START_TIMEOUT_S", "System", "Unavailable", "haproxy_binary", "haproxy_version",

@@ -8,7 +8,7 @@ Entry points:
   the ranking (throughput and P90 TTFT per system) beside the simulator's, from :func:`simulate_setup`: the same
   requests, replicas and round trips in bench/sim (bench/sim/twin.py), and Kendall's tau between the two orders.
 
-Each system gets its own fresh deployment (skylb/local.py ``Deployment``: controller, one emulator process per
+Each system gets its own fresh deployment (bench/local.py ``Deployment``: controller, one emulator process per
 region, the latency proxy with the configured round trips between regions, one balancer per region, all real
 processes) and the same multi-region workload: closed-loop multi-turn conversations (bench/workload.py), regionally
 skewed like the paper's 120/40/40 clients (§5.2 "Diurnal pattern"): weights us 0.6, eu 0.2, asia 0.2. With
@@ -43,7 +43,7 @@ from bench.sampling import MachineLoad
 from bench.sim.twin import simulate
 from bench.workload import Request, WorkloadConfig, describe, load_workload
 from skylb.config import DeploymentConfig, load_config
-from skylb.local import Deployment
+from bench.local import Deployment
 
 __all__ = ["LIVE_SYSTEMS", "LiveSetup", "RegionLocalDeployment", "deployment_config", "run_system", "run_live",
            "simulate_setup", "workload_requests", "ranking", "order", "kendall_tau", "format_markdown", "main"]
@@ -266,7 +266,7 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
               "includes the round trip to the peer). Throughput: completed requests (output tokens) per second of "
               "the replay's wall time. Forwarded: completed requests served by a peer region.", "",
               "## Setup", "",
-              f"- Per system a fresh `skylb local` deployment (skylb/local.py `Deployment`, real processes): "
+              f"- Per system a fresh `skylb local` deployment (bench/local.py `Deployment`, real processes): "
               f"regions us, eu, asia with {s['replicas']} emulated vLLM replicas each (`--max-num-seqs "
               f"{s['max_num_seqs']}`, `--time-scale {s['time_scale']:g}`), controller, one balancer per region "
               f"(default config: probe every 100 ms, tau 2, `max_dispatch_per_probe 4`), the latency proxy "

@@ -51,14 +51,14 @@ from bench.sampling import MachineLoad, conditions_lines, process_cpu_s
 from bench.workload import VOCABULARY
 from skylb.config import BalancerConfig
 from skylb.core import Request, Router, build_policy, build_router
-from skylb.core.policies.prefix import PrefixOptions
+from skylb.core.policies.skylb_paper import SkyLBPaperOptions
 from skylb.core.state import ReplicaState
-from skylb.procs import ProcGroup, free_ports
+from bench.procs import ProcGroup, free_ports
 
 #: The shipped default of the ``skylb`` policy's ``trie_chunk_chars``, so part (d) measures what users run.
-DEFAULT_CHUNK_CHARS = PrefixOptions().trie_chunk_chars
+DEFAULT_CHUNK_CHARS = SkyLBPaperOptions().trie_chunk_chars
 #: ... and of its ``trie_chunk_doubling`` (chunks double in length after every this many).
-DEFAULT_CHUNK_DOUBLING = PrefixOptions().trie_chunk_doubling
+DEFAULT_CHUNK_DOUBLING = SkyLBPaperOptions().trie_chunk_doubling
 
 
 def _settings(trie_max_chars: int, chunk_chars: int, **overrides) -> BalancerConfig:

@@ -3,7 +3,7 @@
 ``.venv/bin/python -m bench.queue_classes [--requests 10000] [--tenants 100]``: fills a router's queue with
 ``--requests`` requests spread over ``--tenants`` tenants and three classes (high, normal, low), then places them
 one at a time on a one-slot replica (expiring overdue ones at every pass, as the dispatcher does), and prints the
-mean time per placement, µs, for the FCFS queue and for the class queue (skylb/core/class_queue.py). The placement
+mean time per placement, µs, for the FCFS queue and for the class queue (skylb/core/queue.py). The placement
 itself (the policy's choice of replica, the prefix trie) is in both figures; the difference is the queue's cost.
 """
 

@@ -271,7 +271,7 @@ async def replay(
     each request, ``deadline_s`` the whole replay (default :func:`default_deadline_s`); requests still in flight
     or unsent at the deadline get failed records. ``progress``: show a tqdm bar (None: only on a TTY).
     ``connector_for``: region -> a new connector for that region's clients, each region then with its own session
-    (``skylb local --dns``: skylb.dns.resolver.region_connector, which resolves the balancers' one service name from
+    (``skylb local --dns``: bench.dns.resolver.region_connector, which resolves the balancers' one service name from
     the region's source address; give it ``limit=0``); None: one connector without a pool limit for all regions.
     ``api_key``: sent as ``Authorization: Bearer`` on every request (balancers with client API keys).
     Raises ReplayError before sending anything when a region has no balancer or the model list is unreadable.

@@ -35,7 +35,7 @@ import yaml
 
 from bench.harness import now_label
 from bench.report import emit_markdown, markdown_table
-from skylb.procs import ProcGroup, free_port, wait_http
+from bench.procs import ProcGroup, free_port, wait_http
 
 __all__ = ["run_soak", "classify_stream", "format_markdown", "main"]
 

@@ -1,7 +1,7 @@
 """Point a region's DNS answer at a balancer: RFC 2136 dynamic updates signed with TSIG, through dnspython.
 
 Clients reach their region's balancer by one service name (``llm.skylb.test.`` by default). The authoritative
-server answers that name per region: BIND 9 with one view per region (skylb/dns/bind.py runs one on this machine),
+server answers that name per region: BIND 9 with one view per region (bench/dns/bind.py runs one on this machine),
 where a view matches its region's clients by source address and its region's TSIG key, so an update signed with
 region R's key changes only what R's clients get. The controller calls ``await updater.point(region,
 address_of(balancer_url))`` when a region's balancer fails over to another region's balancer, and again when it

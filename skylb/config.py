@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from controller.dns import DnsConfig
-from skylb.core.fleet import FleetSettings
+from skylb.core.fleet_rules import FleetSettings
 from skylb.core.policies import options_class, policy_options
 from skylb.quota.limits import Quotas
 from skylb.quota.settings import QuotaSettings
@@ -282,7 +282,7 @@ class BalancerConfig(_Strict):
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
     #: Ollama fleets: thermal state, fit, hot preference, pre-warm, fallbacks, num_ctx pinning, embedding slot
-    #: (skylb/core/fleet.py ``FleetSettings``; README "Ollama fleets"); routing changes are off by default.
+    #: (skylb/core/fleet_rules.py ``FleetSettings``; README "Ollama fleets"); routing changes are off by default.
     ollama_fleet: FleetSettings = Field(default_factory=FleetSettings)
     #: Priority classes and tenants in the queue (skylb/quota/priorities.py): ``{enabled: false, aging_s: 60}``.
     priorities: PrioritySettings = Field(default_factory=PrioritySettings)
@@ -321,10 +321,10 @@ class BalancerConfig(_Strict):
 
 
 class EmulatorConfig(_Strict):
-    """The replicas `skylb local` starts: emulated vLLM (see skylb/emulator) or real llama.cpp ``llama-server``.
+    """The replicas `skylb local` starts: emulated vLLM (see bench/emulator) or real llama.cpp ``llama-server``.
 
     ``engine: vllm`` starts one emulator process per region (``model``, ``time_scale`` and ``extra_args`` are the
-    emulator's). ``engine: llamacpp`` starts one real llama-server per replica (skylb/llamacpp.py; CPU only, so keep
+    emulator's). ``engine: llamacpp`` starts one real llama-server per replica (bench/llamacpp.py; CPU only, so keep
     it to 1-2 replicas per region on a small machine): the ``llamacpp_*`` fields apply, ``extra_args`` are appended
     to llama-server's command line, ``model`` and ``time_scale`` are ignored, and the model id clients send is the
     one llama-server's /v1/models reports (the GGUF file's name, e.g. gemma-3-270m-q4_k_m).

@@ -188,7 +188,7 @@ def three_regions(procs, tmp_path):
     eu_r = cluster.start_emulator(1, *FAST, "--max-num-seqs", "1", name="emu-eu")
     asia_r = cluster.start_emulator(2, *FAST, name="emu-asia")
     api = cluster.start_toxiproxy()
-    from skylb.latency.links import LatencyLinks
+    from bench.latency.links import LatencyLinks
     links = LatencyLinks(api)
     # One reservation for the balancers' and the links' ports: a link on port 0 once took asia's before it bound it.
     *reserved, eu_link, asia_link = free_ports(5)

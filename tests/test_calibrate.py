@@ -17,7 +17,7 @@ from bench.calibrate import (MAX_REQUESTS, PAPER_PREFILL_512_MS, CalRequest, Dec
                              Scenario, SideRun, as_slots, build_parser, calibrate, chunk_probe, compare, decode_points,
                              default_scenarios, fit_decode, fit_prefill, fit_probes, fitted_params, format_markdown,
                              llama_server, paper_check, prefill_points, prompt_words, replay_model, stalls)
-from skylb.emulator.model import EngineParams
+from bench.emulator.model import EngineParams
 
 #: A small engine like the fitted llama-server (4 slots of 1024 tokens), with step times of a CPU.
 CPU_LIKE = EngineParams(max_num_seqs=4, max_num_batched_tokens=2048, kv_cache_tokens=4096, max_model_len=1024,
@@ -183,7 +183,7 @@ def test_report_without_llama_server_still_gives_the_paper_check():
 @pytest.fixture(scope="module")
 def llama_paths() -> dict:
     """The cached llama-server binary and the gemma model; skip without them, fail when CI=true."""
-    from skylb.llamacpp import LlamaCppUnavailable, gemma_model_path, llama_server_binary
+    from bench.llamacpp import LlamaCppUnavailable, gemma_model_path, llama_server_binary
     try:
         return {"binary": llama_server_binary(build=False), "model": gemma_model_path()}
     except LlamaCppUnavailable as exc:

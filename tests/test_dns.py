@@ -18,8 +18,8 @@ import pytest
 from aiohttp import web
 
 from controller.dns import DnsConfig, DnsUpdateError, DnsUpdater, address_of, read_key_file, record_for
-from skylb.dns.bind import BindError, BindServer, balancer_address, client_address
-from skylb.dns.resolver import SourceResolver, region_connector
+from bench.dns.bind import BindError, BindServer, balancer_address, client_address
+from bench.dns.resolver import SourceResolver, region_connector
 from tests.procs import free_port
 from tests.system import require_binary
 

@@ -1,4 +1,4 @@
-"""Unit tests of the pure engine model (skylb/emulator/model.py): batching, admission, preemption, prefix cache,
+"""Unit tests of the pure engine model (bench/emulator/model.py): batching, admission, preemption, prefix cache,
 timing."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from skylb.emulator.model import (
+from bench.emulator.model import (
     EngineModel,
     EngineParams,
     RequestTooLong,

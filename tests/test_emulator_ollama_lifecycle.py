@@ -13,8 +13,8 @@ import aiohttp
 import ollama
 import pytest
 
-from skylb.emulator.ollama_lifecycle import FOREVER_S, ModelLifecycle, ModelSpec, OutOfMemory, parse_keep_alive
-from skylb.procs import ProcGroup, free_ports, wait_http
+from bench.emulator.ollama_lifecycle import FOREVER_S, ModelLifecycle, ModelSpec, OutOfMemory, parse_keep_alive
+from bench.procs import ProcGroup, free_ports, wait_http
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,9 +8,9 @@ import math
 import aiohttp
 import pytest
 
-from skylb.emulator.personalities.base import EMBEDDING_DIM
-from skylb.emulator.personalities.ollama import QUEUE_FULL
-from skylb.procs import ProcGroup, free_ports, wait_http
+from bench.emulator.personalities.base import EMBEDDING_DIM
+from bench.emulator.personalities.ollama import QUEUE_FULL
+from bench.procs import ProcGroup, free_ports, wait_http
 
 pytestmark = pytest.mark.timeout(60)
 

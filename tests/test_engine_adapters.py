@@ -12,7 +12,7 @@ from aiohttp import web
 from skylb.engines import ADAPTERS, adapter_for, detect_engine
 from skylb.core import AvailabilityRules, Router, make_policy
 from skylb.engines.openai import DEFAULT_SLOTS
-from skylb.procs import ProcGroup, free_port, free_ports, wait_http
+from bench.procs import ProcGroup, free_port, free_ports, wait_http
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -258,7 +258,7 @@ def test_dns_follows_the_failover_and_the_recovery(procs, tmp_path):
     import dns.message
     import dns.query
 
-    from skylb.dns.bind import BindServer, balancer_address, client_address
+    from bench.dns.bind import BindServer, balancer_address, client_address
     from tests.procs import free_port
     from tests.system import require_binary
 

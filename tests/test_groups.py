@@ -173,7 +173,7 @@ def test_gate_plain_model_is_a_group_of_one(plain):
 
 
 def test_lease_table_lifecycle():
-    from skylb.quota.admission import LeaseTable
+    from skylb.quota.leases import LeaseTable
     table = LeaseTable(max_leases=2)
     admitted = Admitted("a", [], 10)
     lease = table.add(admitted, name="g", tenant="t", ttl_s=1.0, now=0.0)
@@ -187,7 +187,7 @@ def test_lease_table_lifecycle():
 
 
 def test_advice_follows_the_seed_formula():
-    from skylb.quota.admission import AdviceWindow
+    from skylb.quota.leases import AdviceWindow
     window = AdviceWindow(window_s=60.0)
     idle = window.advice(0.0, in_flight=0, capacity=20)
     assert (idle.backpressure_score, idle.suggested_parallelism) == (0.0, 20)

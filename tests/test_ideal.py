@@ -7,7 +7,7 @@ import pytest
 from bench.ideal import ideal_cached_tokens, ideal_hit_rate, replay_ideal_hit_rate
 from bench.sim.scenarios import execute, runs_of
 from bench.workload import Request
-from skylb.emulator.model import EngineModel, EngineParams
+from bench.emulator.model import EngineModel, EngineParams
 
 A = "a b c d e f g h".split()
 

@@ -25,7 +25,7 @@ from toxiproxy import Toxiproxy
 from toxiproxy.api import APIConsumer
 from toxiproxy.exceptions import InvalidToxic, NotFound, ProxyExists
 
-from skylb.latency.links import ENV_VAR, LatencyLinks, api_reachable, split_rtt
+from bench.latency.links import ENV_VAR, LatencyLinks, api_reachable, split_rtt
 from tests.procs import ProcGroup, free_port
 
 pytestmark = pytest.mark.timeout(30)

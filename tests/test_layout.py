@@ -26,3 +26,20 @@ def test_product_never_imports_bench():
     modules = [p for package in PRODUCT for p in sorted((ROOT / package).rglob("*.py"))]
     assert len(modules) > 20
     assert [hit for path in modules for hit in _bench_imports(path)] == []
+
+
+def test_product_holds_no_harness():
+    """skylb/ holds no emulator, latency proxy or process launcher: those live in bench/ (the harness)."""
+    assert not [p for p in ("emulator", "latency", "dns", "procs.py", "llamacpp.py", "local.py")
+                if (ROOT / "skylb" / p).exists()]
+    assert (ROOT / "bench" / "emulator" / "server.py").exists() and (ROOT / "bench" / "latency" / "server.py").exists()
+
+
+def test_the_wheel_ships_no_bench_package():
+    """pyproject's package list takes skylb and controller only; bench/ reaches `skylb` as entry-point plugins."""
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not [pattern for pattern in include if pattern.startswith("bench")]
+    plugins = project["project"]["entry-points"]["skylb.commands"]
+    assert set(plugins) == {"emulator", "toxiproxy", "local", "replay", "bench"}

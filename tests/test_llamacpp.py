@@ -24,7 +24,7 @@ import pytest
 import requests
 import yaml
 
-from skylb.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
+from bench.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
                             model_alias)
 from tests.cluster import Cluster, emulator_gauge, post_json
 from tests.procs import free_ports, wait_http

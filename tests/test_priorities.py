@@ -240,8 +240,11 @@ def test_a_forwarded_request_keeps_its_class_and_tenant_and_clients_cannot_set_t
     us = cluster.start_balancer("us", regions)
     cluster.ctl("replica", "add", "--region", "eu", "--url", replica, "--engine", "ollama", "--max-concurrency", "1")
     cluster.wait_replicas_healthy("eu", 1)
-    cluster.wait_until(lambda: [p["available"] for p in cluster.status("us")["peers"]] == [True],
-                       what="eu available to us")
+    # Available and serving the model: eu's status can say "1 available replica" before eu has read that replica's
+    # model list, and us answers 404 for a model no one reports (CI-style run).
+    cluster.wait_until(lambda: [p["available"] and bool(p["models"] and any(p["models"].values()))
+                                for p in cluster.status("us")["peers"]] == [True],
+                       what="eu available to us with its models")
     forwarded = _generate(us, "from us", 2, headers={"Authorization": "Bearer key-a", "X-Priority": "high"})
     assert forwarded.status_code == 200 and forwarded.headers["X-SkyLB-Route"] == "peer:eu"
     direct = _generate(eu, "direct", 2, headers={"Authorization": "Bearer key-b", "X-SkyLB-Priority": "critical",

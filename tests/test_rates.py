@@ -254,11 +254,11 @@ def test_load_time_hook_adds_to_the_estimate():
 
 
 def test_the_router_counts_the_fleets_load_time_with_hot_preference():
-    """With hot preference on, the Router sets RateBook.load_s to the fleet's (skylb/core/fleet.py): 0 where the
+    """With hot preference on, the Router sets RateBook.load_s to the fleet's (skylb/core/fleet_rules.py): 0 where the
     model is hot or the replica is not an Ollama one, the measured or default load time where the model is only on
     disk; so the estimate of a fast replica that must load the model exceeds that of a slower one where it is hot.
     Off (the default), load time counts nothing: thermal state changes no routing."""
-    from skylb.core.fleet import FleetRules, FleetSettings, FleetView, canonical
+    from skylb.core.fleet_rules import FleetRules, FleetSettings, FleetView, canonical
 
     assert _router().policy.rates.load_s(ReplicaState(id="x", url="http://x", engine="ollama"), "m") == 0.0
     router = Router(region="us", policy=make_policy("estimated-wait"),

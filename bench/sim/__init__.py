@@ -1,7 +1,7 @@
 """A trace-driven discrete-event simulator of SkyLB deployments, reproducing the paper's evaluation (§5).
 
 It drives the same routing core as the live balancer (``skylb.core.Router`` and its policies) and the emulator's
-engine model (``skylb.emulator.model.EngineModel``) in simulated time, so a result is a statement about the code
+engine model (``bench.emulator.model.EngineModel``) in simulated time, so a result is a statement about the code
 that serves traffic. Modules, in the order a request meets them:
 
 * ``workloads``: what clients send (conversations, Tree of Thoughts, Mixed Tree, the Mooncake trace).

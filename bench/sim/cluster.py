@@ -15,7 +15,7 @@ time, so the decisions are made by the same ``skylb.core.Router`` and policy obj
   needed here.
 * Responses: the first token and the end of the stream travel back along the request's path; each balancer on the
   path releases its decision (``Router.finished``) when the stream end passes it.
-* Replicas: one ``skylb.emulator.model.EngineModel`` each (continuous batching, KV capacity, block prefix cache
+* Replicas: one ``bench.emulator.model.EngineModel`` each (continuous batching, KV capacity, block prefix cache
   with LRU; L4 / Llama-3.1-8B timings). One event per engine iteration, never one per token.
 * The oracle balancer (``fresh_view``) re-reads every replica's real state before each placement, with zero
   network latency: no staleness at all.
@@ -36,7 +36,7 @@ from bench.sim.workloads import ClientSpec, SimRequest, Workload
 from skylb.config import BalancerConfig
 from skylb.core import Decision, PeerStatus, Request, build_router
 from skylb.core.state import load_from_outstanding
-from skylb.emulator.model import EngineModel, EngineParams, FinishedRequest
+from bench.emulator.model import EngineModel, EngineParams, FinishedRequest
 
 __all__ = ["Network", "DEFAULT_RTT_MS", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
 

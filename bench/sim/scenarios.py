@@ -551,7 +551,7 @@ def observations(results: list[RunSummary]) -> list[str]:
     imb = [(wl, rows[(wl, paper)].outstanding_var, rows[(wl, "SGL")].outstanding_var)
            for wl in ("tot", "mixed_tree", "mooncake") if (wl, paper) in rows and (wl, "SGL") in rows]
     if imb:
-        out.append("The paper's rule (policy `skylb-paper`, skylb/core/policies/prefix.py) considers only "
+        out.append("The paper's rule (policy `skylb-paper`, skylb/core/policies/skylb_paper.py) considers only "
                    "available replicas (0 pending at the last probe); among them it follows the longest prefix match "
                    "unless their outstanding requests are imbalanced (the prototype's SGLang-derived guard: max - min "
                    "> 32 and max > 1.0001 x min; reference/peers.md). A shared prefix above the 0.5 match threshold "

@@ -26,7 +26,7 @@ One balancer per region (clients reach their own region's, as DNS would send the
 * SkyLB-CH: ``skylb-ch`` (hash ring + selective pushing) with forwarding to peers.
 * SkyLB: ``skylb`` (prefix trie + regional snapshot + selective pushing on estimated wait: prefill backlog, engine
   queue and KV usage; placement by estimated time to first token; forwarding when a peer's estimate plus the round
-  trip is better; skylb/core/policies/estimated_wait.py) with forwarding to peers.
+  trip is better; skylb/core/policies/skylb.py) with forwarding to peers.
 
 * SkyLB-paper: ``skylb-paper`` (the paper's rule kept as a policy: a replica is available while its last probe
   showed 0 pending requests) with forwarding to peers, for reproduction.
@@ -75,7 +75,7 @@ from bench.sim.cluster import BalancerSetup, Cluster, Network
 from bench.sim.workloads import Workload
 from skylb.config import BalancerConfig
 from skylb.core.policies import policy_names
-from skylb.emulator.model import EngineParams
+from bench.emulator.model import EngineParams
 
 __all__ = ["System", "SYSTEMS", "FIG8_SYSTEMS", "FIG9_SYSTEMS", "MOONCAKE_SYSTEMS", "ORACLE_CANDIDATES",
            "SIM_POLICY_OPTIONS", "replica_layout", "build", "settings_for"]

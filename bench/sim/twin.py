@@ -25,7 +25,7 @@ from bench.sim.cluster import Network
 from bench.sim.systems import SYSTEMS, System, build
 from bench.sim.workloads import replayed
 from bench.workload import Request
-from skylb.emulator.model import EngineParams
+from bench.emulator.model import EngineParams
 
 __all__ = ["TWIN_SYSTEMS", "simulate"]
 

@@ -48,7 +48,7 @@ METRICS_TOKEN_ENV = "SKYLB_METRICS_TOKEN"
 
 _OPEN_PATHS = frozenset({"/healthz", "/"})
 _API_PREFIXES = ("/v1/", "/api/")
-#: The admission API (skylb/balancer/admission_api.py): client endpoints too; /skylb/v1/status stays peer-only.
+#: The admission API (skylb/balancer/lease_api.py): client endpoints too; /skylb/v1/status stays peer-only.
 _CLIENT_PATHS = frozenset({"/skylb/v1/schedule", "/skylb/v1/heartbeat", "/skylb/v1/complete", "/skylb/v1/advice"})
 
 

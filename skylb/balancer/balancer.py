@@ -16,7 +16,7 @@ import aiohttp
 import structlog
 
 from skylb.balancer.dispatcher import Dispatcher
-from skylb.balancer.fleet import Fleet
+from skylb.balancer.ollama_fleet import Fleet
 from skylb.balancer.embed_cache import EmbeddingCache
 from skylb.balancer.membership import MembershipWatcher
 from skylb.balancer.metrics import BalancerMetrics
@@ -92,7 +92,7 @@ class Balancer:
         #: {(api, model): (last seen on a local replica, last seen locally or on a peer)}, balancer clock (s).
         self._models_seen: dict[tuple[str, str], tuple[float | None, float]] = {}
         self._tasks: list[asyncio.Task] = []
-        #: Ollama fleets: pre-warm, fallbacks, load times (skylb/balancer/fleet.py).
+        #: Ollama fleets: pre-warm, fallbacks, load times (skylb/balancer/ollama_fleet.py).
         self.fleet = Fleet(self)
 
     def now(self) -> float:

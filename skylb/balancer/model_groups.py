@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from skylb.balancer.auth import tenant_of
-from skylb.balancer.fleet import with_model
+from skylb.balancer.ollama_fleet import with_model
 from skylb.balancer.protocol import MODEL_HEADER
 from skylb.quota.estimate import is_embedding_path, request_tokens
 from skylb.quota.groups import Admitted
@@ -49,7 +49,7 @@ async def choose_group_model(request: web.Request, balancer, api: str, group: st
                              text: str, max_tokens: int | None) -> GroupChoice:
     """Choose and admit a model of ``group`` for this request (see the module docstring); its tokens are estimated
     as the quota gate estimates them (skylb/quota/estimate.py: prompt text, ``max_tokens`` cap)."""
-    from skylb.balancer.admission_api import count_group_admission, lease_model  # it imports this module
+    from skylb.balancer.lease_api import count_group_admission, lease_model  # it imports this module
 
     gate = balancer.gate
     leased = lease_model(request, request.headers.get(LEASE_HEADER), group)

@@ -22,8 +22,8 @@ from skylb.balancer.api import BadRequest, error_response, parse_ollama, parse_o
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.classes import classify_request
 from skylb.balancer.dispatcher import QueueFull, QueueTimeout
-from skylb.balancer.fleet import pin_num_ctx, with_model
-from skylb.balancer.admission_api import lease_covers
+from skylb.balancer.ollama_fleet import pin_num_ctx, with_model
+from skylb.balancer.lease_api import lease_covers
 from skylb.balancer.model_groups import choose_group_model
 from skylb.balancer.retry import backoff_s
 from skylb.balancer.retry_after import queue_retry_after_s
@@ -33,7 +33,7 @@ from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM,
 from skylb.balancer.status import BALANCER
 from skylb.balancer.usage import observe as observe_usage
 from skylb.core import Decision, Request
-from skylb.core.fleet import resolve_name
+from skylb.core.fleet_rules import resolve_name
 from skylb.quota.gate import QuotaExceeded
 from skylb.quota.priorities import BadPriority
 
@@ -121,7 +121,7 @@ async def _generate(request: web.Request, balancer: Balancer) -> web.StreamRespo
         resolved = resolve_name(parsed.model, served)
         if resolved != parsed.model:
             parsed.model, body = resolved, with_model(body, resolved)
-    if api == "ollama":  # num_ctx pinning (skylb/balancer/fleet.py), so no client makes Ollama reload a model
+    if api == "ollama":  # num_ctx pinning (skylb/balancer/ollama_fleet.py), so no client makes Ollama reload a model
         body = pin_num_ctx(cfg.ollama_fleet, parsed.model, body)
     if (not balancer.fleet.any_served(parsed.model, served) and not balancer.gate.is_group(parsed.model)
             and router.models_known()):

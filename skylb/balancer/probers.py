@@ -18,7 +18,7 @@ import structlog
 
 from skylb.balancer.protocol import MAX_STATUS_BYTES, STATUS_PATH, TOKEN_HEADER, ProtocolError, decode_status
 from skylb.core import PeerState, ReplicaState, Router
-from skylb.core.fleet import FleetView
+from skylb.core.fleet_rules import FleetView
 from skylb.engines import adapter_for
 from skylb.engines.auto import detected_engine
 
@@ -128,7 +128,7 @@ class Probers:
 
     async def _probe_ollama_models(self, state: ReplicaState) -> None:
         """Every round: the loaded models (``/api/ps``), and when the model list is due, the models on disk with
-        their sizes (``/api/tags``), into the replica's thermal state (skylb/core/fleet.py)."""
+        their sizes (``/api/tags``), into the replica's thermal state (skylb/core/fleet_rules.py)."""
         adapter = adapter_for("ollama")
         view = state.fleet or FleetView()
         try:

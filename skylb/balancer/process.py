@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from controller.tokens import check_token
 from skylb import aio
-from skylb.balancer import admission_api, fleet, ollama_api, status
+from skylb.balancer import lease_api, ollama_api, ollama_fleet, status
 from skylb.balancer.api import error_response
 from skylb.balancer.auth import METRICS_TOKEN_ENV, Credentials, auth_middleware, load_api_keys, load_tenants
 from skylb.balancer.balancer import Balancer
@@ -115,12 +115,12 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     for path in GENERATE_PATHS:
         app.router.add_post(path, handle_generate)
     ollama_api.add_metadata_routes(app, BALANCER)
-    fleet.add_management_routes(app, BALANCER)  # /api/pull, /api/delete, /api/copy, /api/create
+    ollama_fleet.add_management_routes(app, BALANCER)  # /api/pull, /api/delete, /api/copy, /api/create
     app.router.add_get("/v1/models", status.handle_models)
     app.router.add_get("/healthz", status.handle_healthz)
     app.router.add_get("/metrics", status.handle_metrics)
     app.router.add_get("/skylb/v1/status", status.handle_status)
-    admission_api.register(app)  # /skylb/v1/schedule, heartbeat, complete, advice; X-SkyLB-Model
+    lease_api.register(app)  # /skylb/v1/schedule, heartbeat, complete, advice; X-SkyLB-Model
     return app
 
 

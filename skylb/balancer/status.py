@@ -9,7 +9,7 @@ from aiohttp import web
 
 from skylb.balancer.api import openai_error
 from skylb.balancer.balancer import Balancer
-from skylb.balancer.fleet import replica_thermal
+from skylb.balancer.ollama_fleet import replica_thermal
 from skylb.balancer.metrics import CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 from skylb.quota.buckets import LocalLimits

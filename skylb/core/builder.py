@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from skylb.core.fleet import FleetRules, FleetSettings
+from skylb.core.fleet_rules import FleetRules, FleetSettings
 from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy, make_policy
 from skylb.core.router import Router

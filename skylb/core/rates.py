@@ -163,7 +163,7 @@ class RateBook:
         #: Model load time: ``load_s(replica, model)`` -> seconds before ``model`` could start on ``replica`` (a
         #: ReplicaState) because it must be loaded first; added to W^ by policies/measured_wait.py
         #: ``pick_by_estimated_wait``. With ``ollama_fleet.hot_preference`` on, the Router sets it to
-        #: skylb/core/fleet.py ``load_s`` (0 where hot); else it stays 0.
+        #: skylb/core/fleet_rules.py ``load_s`` (0 where hot); else it stays 0.
         self.load_s: Callable[[Any, str], float] = _no_load
 
     # -- the estimate ---------------------------------------------------------------------------------------------

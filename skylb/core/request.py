@@ -30,7 +30,7 @@ class Request:
         avoid: targets that failed this request before its first byte, as ("local", replica id) or ("peer",
             region); a retry goes elsewhere while another target is usable (Envoy's ``previous_hosts`` predicate).
         priority: its priority class, one of skylb.quota.limits.PRIORITIES ("critical", "high", "normal", "low");
-            only a router with priority classes on reads it (skylb/core/class_queue.py).
+            only a router with priority classes on reads it (skylb/core/queue.py).
         tenant: the tenant it belongs to (its client API key's; "default" without one); tenants of one class share
             the queue by weighted deficit round robin.
         cost: what one placement charges its tenant under deficit round robin (1: shares counted in requests).
@@ -47,7 +47,7 @@ class Request:
     waited_s: float = 0.0
     avoid: frozenset[tuple[str, str]] = frozenset()
     #: An embedding request (/v1/embeddings, /api/embed, /api/embeddings): may use an Ollama replica's embedding
-    #: slot (skylb/core/fleet.py ``FleetSettings.embedding_slot``).
+    #: slot (skylb/core/fleet_rules.py ``FleetSettings.embedding_slot``).
     embedding: bool = False
     priority: str = "normal"
     tenant: str = DEFAULT_TENANT

@@ -3,13 +3,13 @@
 Source: SkyLB paper Algorithm 1 (HANDLEREQUEST, lines 27-30) and §4.1 "Request life cycle": a request waits in a
 first-come, first-served queue; at the head it goes to an available local replica if there is one, else to an
 available peer (never for a request that came from a peer), else it stays at the head and everything waits behind it.
-Beyond the paper, a policy may (skylb/core/policies/estimated_wait.py): take a later request first when a free
+Beyond the paper, a policy may (skylb/core/policies/skylb.py): take a later request first when a free
 replica holds its prefix (``queue_lookahead``, the head passed over at most ``max_bypass`` times), and forward the
 head to a peer with no room but younger requests queued (``forward_queued``). The queue is ordered by
 ``Request.queued_since``, so a forwarded request keeps its age.
 
 With priority classes on (``priorities``; off by default, and then nothing here changes), the queue is a
-``ClassQueue`` (skylb/core/class_queue.py): the request that goes next is chosen by class (with aging), then tenant
+``ClassQueue`` (skylb/core/queue.py): the request that goes next is chosen by class (with aging), then tenant
 by weighted deficit round robin, then age; look-ahead, bypass and forwarding apply to that chosen head as they do
 to the FCFS head, the look-ahead window being the head's own tenant's later requests.
 
@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from skylb.core.fleet import FleetRules
-from skylb.core.fleet import load_s as fleet_load_s
-from skylb.core.class_queue import ClassQueue
+from skylb.core.fleet_rules import FleetRules
+from skylb.core.fleet_rules import load_s as fleet_load_s
+from skylb.core.queue import ClassQueue
 from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy
 from skylb.core.rates import Usage
@@ -68,8 +68,8 @@ class Router:
         rules: the availability rules (tau, staleness, dispatch cap).
         max_queue: the most requests the queue holds; more raise QueueFull.
         outlier: outlier detection (ejection of failing targets; skylb/core/outlier.py).
-        fleet: the Ollama fleet rules (elimination, fit, hot preference; skylb/core/fleet.py).
-        priorities: order the queue by priority class and tenant (skylb/core/class_queue.py) instead of FCFS.
+        fleet: the Ollama fleet rules (elimination, fit, hot preference; skylb/core/fleet_rules.py).
+        priorities: order the queue by priority class and tenant (skylb/core/queue.py) instead of FCFS.
         aging_s: with ``priorities``, a request's class rises one step per this many seconds waited (0: never).
     """
 

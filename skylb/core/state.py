@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from skylb.core.rates import ReplicaRates
-from skylb.core.fleet import FleetView
+from skylb.core.fleet_rules import FleetView
 
 __all__ = ["ReplicaState", "PeerState", "PeerStatus", "AvailabilityRules", "load_from_outstanding"]
 
@@ -80,7 +80,7 @@ class ReplicaState:
     backlog_tokens: int = field(default=0, repr=False)
     #: Measured speed (EMAs of time per token per model) and this balancer's requests in flight (skylb/core/rates.py).
     rates: ReplicaRates = field(default_factory=ReplicaRates, repr=False)
-    #: Ollama replicas: models on disk and loaded, recent loads (skylb/core/fleet.py); None for other engines.
+    #: Ollama replicas: models on disk and loaded, recent loads (skylb/core/fleet_rules.py); None for other engines.
     fleet: FleetView | None = field(default=None, repr=False)
 
     def add_unprefilled(self, request_id: str, tokens: int) -> None:

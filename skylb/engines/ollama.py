@@ -4,7 +4,7 @@ pending = max(0, outstanding - slots) and running = min(outstanding, slots), whe
 ``max_concurrency`` (its ``OLLAMA_NUM_PARALLEL``) or 1, Ollama's default. Health is ``GET /`` answering
 "Ollama is running"; served models come from ``GET /api/tags`` (``models[].name``, ``size`` in bytes) and loaded
 ones from ``GET /api/ps`` (``models[].name``, ``size``, ``size_vram``, ``expires_at``), read on every probe round
-(the model thermal state, skylb/core/fleet.py).
+(the model thermal state, skylb/core/fleet_rules.py).
 
 Sources: shared/reference/engines.md (Ollama row: no queue or load metric, ollama/ollama issue #3144 still open;
 ``OLLAMA_NUM_PARALLEL`` default 1); ollama/ollama ``server/routes.go`` (``GET /`` and ``HEAD /`` answer "Ollama is
@@ -13,7 +13,7 @@ running"; ``ListHandler`` for /api/tags).
 
 from __future__ import annotations
 
-from skylb.core.fleet import ModelSlot, canonical
+from skylb.core.fleet_rules import ModelSlot, canonical
 from skylb.core.state import load_from_outstanding
 from skylb.engines.base import EngineAdapter, ProbeResult
 from skylb.engines.fetch import FetchError, get, json_or_none

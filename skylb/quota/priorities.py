@@ -12,7 +12,7 @@ Classification (../shared/seeds/003_33281541f069f9cd.txt, "Three priority tiers"
 A forwarded request keeps the class and tenant it got at its first balancer: they travel as X-SkyLB-Priority and
 X-SkyLB-Tenant, read only on a request that passed the peer token check (like X-SkyLB-Queue-Ms).
 
-The queue itself (classes, aging, tenants by weighted deficit round robin) is skylb/core/class_queue.py.
+The queue itself (classes, aging, tenants by weighted deficit round robin) is skylb/core/queue.py.
 """
 
 from __future__ import annotations

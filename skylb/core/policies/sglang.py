@@ -27,10 +27,10 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from skylb.core.policies.base import OPTIONS_CONFIG, Policy
-from skylb.core.policies.scoring import loads_imbalanced, prefix_lookahead, trie_key
+from skylb.core.policies.scoring import loads_imbalanced, trie_key
 from skylb.core.prefix_trie import PrefixTrie
 
-__all__ = ["SGLangCacheAwarePolicy", "SGLangSelectivePolicy", "SGLangOptions", "SGLangSelectiveOptions"]
+__all__ = ["SGLangCacheAwarePolicy", "SGLangOptions"]
 
 
 @dataclass(frozen=True, config=OPTIONS_CONFIG)
@@ -96,34 +96,3 @@ class SGLangCacheAwarePolicy(Policy, name="sglang"):
             del self.tree_chars[gone]
         for r in replicas:
             self.tree_chars.setdefault(r, 0)
-
-
-@dataclass(frozen=True, config=OPTIONS_CONFIG)
-class SGLangSelectiveOptions(SGLangOptions):
-    """Options of ``sglang-selective``: SGLang's, and the queue's look-ahead (skylb/core/policies/scoring.py
-    ``prefix_lookahead``).
-
-    Attributes:
-        queue_lookahead: how many queued requests, from the head, are searched for one whose prefix a free replica
-            holds (0 or 1: first come, first served, the paper's SP-P).
-        max_bypass: how many times the head may be passed over for a later request before it goes first.
-    """
-
-    queue_lookahead: int = Field(64, ge=0)
-    max_bypass: int = Field(64, ge=0)
-
-
-class SGLangSelectivePolicy(SGLangCacheAwarePolicy, name="sglang-selective"):
-    """SGLang's cache-aware choice among available replicas only (selective pushing), and a prefix-aware queue:
-    a free replica takes the first of the next ``queue_lookahead`` queued requests whose prefix it holds."""
-
-    selective = True
-    Options = SGLangSelectiveOptions
-
-    def __init__(self, options: SGLangSelectiveOptions | None = None):
-        super().__init__(options)
-        self.queue_lookahead = self.options.queue_lookahead
-        self.max_bypass = self.options.max_bypass
-
-    def next_in_queue(self, window, local, peers, replicas):
-        return prefix_lookahead(window, local, replicas, self.tree, self.options.match_threshold)

@@ -1,0 +1,222 @@
+"""``skylb``: prefix trie + selective pushing on estimated wait, forwarding when a peer is faster (the default).
+
+Builds on the paper's rule (``skylb-paper``, prefix.py) with what issue 8 measured on real load:
+
+* Availability sees prefill backlog and KV pressure. Besides 0 pending at the latest probe, a replica must have less
+  than ``backlog_budget_tokens`` of this balancer's prompt tokens still waiting for their first token (about one
+  chunked-prefill step: vLLM's ``max_num_batched_tokens`` default is 2048), and, when the engine reports it, KV
+  usage below ``kv_high_watermark``. Under chunked prefill an engine admits long prompts into its running batch
+  (0 pending) while every request on it slows down; the backlog clause stops piling more prompts there.
+* A finished request frees its replica's place at once (``reuse_freed_slots``); probes correct the estimate.
+* Placement by estimated time to first token: for each candidate, its estimated wait (skylb/core/estimate.py) plus
+  the prefill of the part of the prompt it is not expected to have cached. A prefix match of ratio m (at least
+  ``match_threshold``; the trie's match at the deepest node) saves m x prompt tokens of prefill, converted to
+  seconds at ``prefill_tokens_per_s``; that is how locality is weighed against queueing. The load guard
+  (``balance_*_threshold``) still wins when outstanding requests are imbalanced.
+* Measured speed (seed 000; skylb/core/rates.py): once a replica's responses have been measured, its own prefill
+  seconds per token replace ``prefill_tokens_per_s`` in its wait and prefill estimates (``measured_prefill``), and
+  among candidates left tied (estimates within a millisecond, equal prefix matches) the one with the least
+  estimated wait from measured time per token goes first (``tie_break``: seed 000's Algorithm 1,
+  measured_wait.py ``pick_by_estimated_wait``), so a slower replica gets less of the work than a faster one.
+* Forwarding on the estimate: a request goes to an available peer when that peer's estimated wait (from its status),
+  plus the measured round trip, plus the prefill of the part its snapshot match does not cover, beats the best
+  local replica's estimate by ``forward_margin_ms``, even when a local replica has room. With no local replica
+  available it goes to a peer as in the paper. The one-hop rule is the router's and is unchanged.
+* First come, first served across regions (``forward_queued``): with no room here or at any peer, the oldest
+  request goes to a peer whose oldest queued request is younger than it by more than the round trip, the prefill
+  its cached prefix would have saved here, and ``queue_forward_margin_ms``; it keeps its age there
+  (``Request.waited_s``, the ``X-SkyLB-Queue-Ms`` header), so it queues ahead of younger requests. Without this, a
+  busy region's requests wait tens of seconds while its peers serve requests that arrived a moment ago (Mooncake
+  trace at 2x: us P90 TTFT 50 s, eu and asia 15-17 s; a single scheduler with a global queue, 31 s everywhere).
+* Look-ahead (``queue_lookahead``): when a replica has room, the first of the next ``queue_lookahead`` queued
+  requests whose prefix that replica holds goes there before a head that has no match on it (SGLang's scheduler
+  orders its waiting queue by longest prefix match for the same reason: under load, each cache hit is prefill
+  saved). The head is passed over at most ``max_bypass`` times, so nobody starves.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from skylb.core.estimate import WaitModel, prompt_tokens
+from skylb.core.policies.base import OPTIONS_CONFIG
+from skylb.core.policies.skylb_paper import SkyLBPaperOptions, SkyLBPaperPolicy
+from skylb.core.policies.estimated_wait import pick_by_estimated_wait
+from skylb.core.policies.scoring import prefix_lookahead
+
+__all__ = ["SkyLBPolicy", "SkyLBOptions"]
+
+
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
+class SkyLBOptions(SkyLBPaperOptions):
+    """Options of ``skylb``: those of ``skylb-paper`` (SkyLBPaperOptions) and:
+
+    Attributes:
+        prefill_tokens_per_s: one replica's prefill throughput, tokens/s (default: Llama-3.1-8B on an L4, about
+            2000; set it for your engine and GPU: it converts token backlogs and cached prefixes to seconds).
+        backlog_budget_tokens: a replica with this many of this balancer's prompt tokens not yet prefilled takes
+            no more (0: no such clause).
+        kv_high_watermark: a replica whose engine reports KV usage at or above this fraction takes no more (1: off).
+        forward_margin_ms: a peer must beat the best local estimate by this much to get a request a local replica
+            could take, ms.
+        default_prompt_tokens: the length assumed for a pending request this balancer did not send, tokens.
+        queue_forward_margin_ms: with no room anywhere, a peer's oldest queued request must be younger than ours by
+            this much (beyond the round trip and the prefill lost) for ours to go there, ms.
+        queue_lookahead: how many queued requests, from the head, are searched for one whose prefix a free
+            replica holds (0 or 1: strict first come, first served).
+        max_bypass: how many times the head may be passed over for a later request before it goes first.
+        tie_break: among available replicas left tied by the estimate above with equal prefix matches:
+            "estimated-wait" (seed 000's least estimated wait from measured time per token, then the smaller queue,
+            then turns) or "least-load" (fewest in flight, then turns: the behaviour before measured speeds).
+        measured_prefill: use a replica's measured prefill rate in place of ``prefill_tokens_per_s`` once it is
+            measured (skylb/core/estimate.py WaitModel).
+    """
+
+    prefill_tokens_per_s: float = Field(2000.0, gt=0)
+    backlog_budget_tokens: int = Field(2048, ge=0)
+    kv_high_watermark: float = Field(0.95, gt=0, le=1)
+    forward_margin_ms: float = Field(50.0, ge=0)
+    default_prompt_tokens: int = Field(512, ge=1)
+    queue_forward_margin_ms: float = Field(2000.0, ge=0)
+    queue_lookahead: int = Field(64, ge=0)
+    max_bypass: int = Field(64, ge=0)
+    tie_break: Literal["estimated-wait", "least-load"] = "estimated-wait"
+    measured_prefill: bool = True
+
+
+class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
+    """Prefix-aware placement by estimated time to first token, locally and across regions."""
+
+    Options = SkyLBOptions
+    reuse_freed_slots = True
+
+    def __init__(self, options: SkyLBOptions | None = None):
+        super().__init__(options)
+        o = self.options
+        self.wait = WaitModel(prefill_tokens_per_s=o.prefill_tokens_per_s,
+                              default_prompt_tokens=o.default_prompt_tokens, measured=o.measured_prefill)
+        # One decision needs the prompt's replica-trie match three times (pick, forward check, backlog accounting);
+        # the trie changes only in ``routed``, so the pick's match is kept until then.
+        self._memo: tuple[object, object] | None = None
+        self.queue_lookahead = o.queue_lookahead
+        self.max_bypass = o.max_bypass
+
+    # -- availability and estimates -----------------------------------------------------------------------------
+    def replica_unavailable_reason(self, replica):
+        o = self.options
+        if o.backlog_budget_tokens and replica.unprefilled and replica.backlog_tokens >= o.backlog_budget_tokens:
+            return "prefill backlog"
+        if replica.kv_usage is not None and o.kv_high_watermark < 1 and replica.kv_usage >= o.kv_high_watermark:
+            return "KV cache full"
+        return None
+
+    def estimated_wait_s(self, replica):
+        return self.wait.wait_s(replica)
+
+    def _matched(self, request, trie, members) -> tuple[frozenset[str], float]:
+        """(targets with the deepest match, matched fraction), the fraction 0 below ``match_threshold``."""
+        m = trie.match(self._key(request), members)
+        if not m.targets or m.ratio < self.options.match_threshold:
+            return frozenset(), 0.0
+        return m.targets, m.ratio
+
+    def _replica_match(self, request, members):
+        """``request``'s replica-trie match among ``members`` (replica ids), computed once per decision: the
+        first call (the pick, over the available candidates) is reused until ``routed``."""
+        if self._memo is None or self._memo[0] is not request:
+            self._memo = (request, self.replica_trie.match(self._key(request), members))
+        return self._memo[1]
+
+    def _matched_fraction(self, request, replica_id, members) -> float:
+        """The fraction of ``request``'s prompt expected cached at ``replica_id``: the match ratio when the replica
+        holds the deepest match among ``members`` and the ratio reaches ``match_threshold``, else 0."""
+        m = self._replica_match(request, members)
+        if replica_id not in m.targets or m.ratio < self.options.match_threshold:
+            return 0.0
+        return m.ratio
+
+    def uncached_tokens(self, request, replica_id):
+        return round(prompt_tokens(request) * (1.0 - self._matched_fraction(request, replica_id, self._replicas)))
+
+    def routed(self, request, *, replica=None, peer=None):
+        self._memo = None
+        super().routed(request, replica=replica, peer=peer)
+
+    def next_in_queue(self, window, local, peers, replicas):
+        """scoring.prefix_lookahead over the replica trie (a free replica takes a request whose prefix it holds;
+        with only peers free, one whose cache is not here goes first)."""
+        return prefix_lookahead(window, local, replicas, self.replica_trie, self.options.match_threshold)
+
+    # -- placement ------------------------------------------------------------------------------------------------
+    def _local_costs(self, request, candidates) -> dict[str, float]:
+        """Candidate id -> estimated seconds to its first token (wait + uncached prefill)."""
+        tokens = prompt_tokens(request)
+        members = {c.id for c in candidates}
+        prior = self.wait.prior_s_per_token(candidates)
+        return {c.id: self.wait.wait_s(c, prior) + self.wait.prefill_s(
+                    tokens * (1.0 - self._matched_fraction(request, c.id, members)), c, prior)
+                for c in candidates}
+
+    def pick_replica(self, request, candidates):
+        if len(candidates) > 1 and self.imbalanced(candidates):
+            return self.least_loaded(candidates)
+        costs = self._local_costs(request, candidates)
+        best = min(costs.values())
+        # Within a millisecond is a tie: spread over the tied ones by load rather than by dict order.
+        tied = [c for c in candidates if costs[c.id] <= best + 1e-3]
+        if len(tied) > 1 and self.options.tie_break == "estimated-wait":
+            members = {c.id for c in candidates}
+            ratio = {c.id: self._matched_fraction(request, c.id, members) for c in tied}
+            top = max(ratio.values())
+            tied = pick_by_estimated_wait(self.rates, request, [c for c in tied if ratio[c.id] == top])
+        return self.least_loaded(tied)
+
+    def peer_cost_s(self, request, peer, ratio: float) -> float | None:
+        """Estimated seconds to ``request``'s first token through ``peer`` (its status's wait, the round trip, the
+        requests forwarded there since that status spread over its available replicas, and the prefill of the
+        part of the prompt not matched (``ratio``) in the regional snapshot); None when the peer gave no wait or
+        its round trip is not measured yet."""
+        if peer.wait_s is None or peer.rtt_s is None:
+            return None
+        queued = peer.sent_since_probe * self.options.default_prompt_tokens / max(1, peer.available_replicas)
+        return (peer.rtt_s + peer.wait_s + self.wait.prefill_s(queued)
+                + self.wait.prefill_s(prompt_tokens(request) * (1.0 - ratio)))
+
+    def forward_queued(self, request, now, peers):
+        """The peer whose queue head is youngest relative to ``request``'s age, by more than the round trip, the
+        prefill lost (local match ratio less the peer's snapshot match, at ``prefill_tokens_per_s``) and
+        ``queue_forward_margin_ms``; None when none is (or none reports its queue age and dispatch rate)."""
+        # Global first come, first served, approximately: a peer whose queue head is younger than this request
+        # (by more than the round trip, the prefix cache lost and the margin) would serve younger requests first.
+        # The forwarded request keeps its age there (Request.waited_s), so it queues ahead of them. Requests
+        # already forwarded since the peer's status sit ahead too, for sent_since_probe / dispatch_rate seconds.
+        age = now - request.queued_since
+        tokens = prompt_tokens(request)
+        local = self._replica_match(request, self._replicas)
+        local_ratio = local.ratio if local.targets and local.ratio >= self.options.match_threshold else 0.0
+        targets, ratio = self._matched(request, self.snapshot_trie, {p.region for p in peers})
+        best, best_gain = None, 0.0
+        for p in sorted(peers, key=lambda p: p.region):
+            if p.queue_age_s is None or not p.dispatch_rate or p.rtt_s is None or p.probed_at is None:
+                continue
+            ahead_s = p.queue_age_s + (now - p.probed_at) + p.sent_since_probe / p.dispatch_rate
+            lost = max(0.0, local_ratio - (ratio if p.region in targets else 0.0))
+            gain = (age - ahead_s - p.rtt_s - self.wait.prefill_s(tokens * lost)
+                    - self.options.queue_forward_margin_ms / 1e3)
+            if gain > best_gain:
+                best, best_gain = p, gain
+        return best
+
+    def prefer_peer(self, request, replica, peers):
+        local_s = self._local_costs(request, [replica])[replica.id]
+        margin_s = self.options.forward_margin_ms / 1000.0
+        targets, ratio = self._matched(request, self.snapshot_trie, {p.region for p in peers})
+        best, best_s = None, local_s - margin_s
+        for p in sorted(peers, key=lambda p: p.region):
+            cost = self.peer_cost_s(request, p, ratio if p.region in targets else 0.0)
+            if cost is not None and cost < best_s:
+                best, best_s = p, cost
+        return best
