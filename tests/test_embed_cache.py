@@ -109,13 +109,13 @@ def test_class_and_tenant_travel_to_peers_and_bad_values_are_dropped():
 
 
 def test_the_pipeline_classifies_by_the_tenants_default_class_and_trusts_peers_only():
-    """classify_request (the pipeline's call): a tenant's default class without a header; X-Priority over it; the
+    """classify_request (the classify stage's rule): a tenant's default class without a header; X-Priority over it; the
     peer headers only on a forwarded request; with classes off the header is ignored but embeddings stay critical."""
     from aiohttp.test_utils import make_mocked_request
 
     from skylb.balancer.auth import TENANT
     from skylb.balancer.balancer import Balancer
-    from skylb.balancer.classes import classify_request
+    from skylb.balancer.stages.classify import classify_request
 
     quotas = {"tenants": {"batch": {"priority": "low", "weight": 0.5}}}
 
@@ -125,15 +125,15 @@ def test_the_pipeline_classifies_by_the_tenants_default_class_and_trusts_peers_o
         return req
 
     on = Balancer(BalancerConfig(priorities={"enabled": True}, quotas=quotas), region="us", advertise_url="http://x")
-    assert classify_request(on, request(), forwarded=False) == ("low", "batch")
-    assert classify_request(on, request(**{"X-Priority": "high"}), forwarded=False) == ("high", "batch")
-    assert classify_request(on, request(tenant="default"), forwarded=False) == ("normal", "default")
+    assert classify_request(request(), forwarded=False, quotas=on.quotas, use_header=True) == ("low", "batch")
+    assert classify_request(request(**{"X-Priority": "high"}), forwarded=False, quotas=on.quotas, use_header=True) == ("high", "batch")
+    assert classify_request(request(tenant="default"), forwarded=False, quotas=on.quotas, use_header=True) == ("normal", "default")
     spoofed = request(**{"X-SkyLB-Priority": "critical", "X-SkyLB-Tenant": "vip"})
-    assert classify_request(on, spoofed, forwarded=False) == ("low", "batch")
-    assert classify_request(on, spoofed, forwarded=True) == ("critical", "vip")
+    assert classify_request(spoofed, forwarded=False, quotas=on.quotas, use_header=True) == ("low", "batch")
+    assert classify_request(spoofed, forwarded=True, quotas=on.quotas, use_header=True) == ("critical", "vip")
     with pytest.raises(BadPriority):
-        classify_request(on, request(**{"X-Priority": "now"}), forwarded=False)
+        classify_request(request(**{"X-Priority": "now"}), forwarded=False, quotas=on.quotas, use_header=True)
     assert on.router.classes.weight_of("batch") == 0.5 and on.router.classes.weight_of("other") == 1.0
     off = Balancer(BalancerConfig(quotas=quotas), region="us", advertise_url="http://x")
-    assert classify_request(off, request(**{"X-Priority": "now"}), forwarded=False) == ("low", "batch")
-    assert classify_request(off, request("/v1/embeddings"), forwarded=False) == ("critical", "batch")
+    assert classify_request(request(**{"X-Priority": "now"}), forwarded=False, quotas=off.quotas, use_header=False) == ("low", "batch")
+    assert classify_request(request("/v1/embeddings"), forwarded=False, quotas=off.quotas, use_header=False) == ("critical", "batch")

@@ -1,9 +1,12 @@
-"""One region's balancer: the parts of the request flow wired together, started and stopped as one.
+"""One region's balancer: the parts of the request flow assembled, started and stopped as one.
 
 The parts, one module each (DESIGN.md "Components and the way a request flows"): the dispatcher (queue ->
-routing decision), the probers (replicas and peers), membership (from the controller, kept on disk), the relay
-(used by the request pipeline) and the metrics. The routing core (``skylb.core.Router``) holds the state they share;
-it is built from the settings by ``skylb.core.build_router``, the same builder the simulator uses.
+routing decision), the probers (replicas and peers), membership (from the controller, kept on disk), the relay, the
+quota gate and model groups, the Ollama fleet's actions, the metrics, and the chain of stages every request passes
+(skylb/balancer/stages/, built by ``build_chain`` from the settings). The routing core (``skylb.core.Router``)
+holds the state they share; it is built from the settings by ``skylb.core.build_router``, the same builder the
+simulator uses. The Balancer assembles and owns their lifecycles; it serves no request itself, and no part
+receives it: each gets the narrow dependencies it needs.
 """
 
 from __future__ import annotations
@@ -16,17 +19,19 @@ import aiohttp
 import structlog
 
 from skylb.balancer.dispatcher import Dispatcher
-from skylb.balancer.ollama_fleet import Fleet
 from skylb.balancer.embed_cache import EmbeddingCache
+from skylb.balancer.ollama_fleet import Fleet
 from skylb.balancer.membership import MembershipWatcher
 from skylb.balancer.metrics import BalancerMetrics
 from skylb.balancer.probers import Probers
 from skylb.balancer.relay import Relay
 from skylb.balancer.retry import RetryBudget
+from skylb.balancer.stages import Chain, RequestLog, build_chain
 from skylb.config import BalancerConfig
 from skylb.core import Decision, build_router
-from skylb.quota.buckets import LimitBackend, LocalLimits
+from skylb.quota.buckets import LimitBackend
 from skylb.quota.groups import ModelGate
+from skylb.quota.leases import LeaseBook
 from skylb.quota.limits import Quotas
 from skylb.quota.regional import apply_shares, demand_report
 from skylb.quota.wiring import build_gate, build_limits, quota_loop
@@ -74,9 +79,18 @@ class Balancer:
                                      tick_s=cfg.dispatch_tick_ms / 1000, on_routed=self._count_routed)
         self.retry_budget = RetryBudget(cfg.retry_policy)
         #: Where quota buckets live: Redis shared by every balancer, or this process (``balancer.quota``).
-        self.limits: LimitBackend = build_limits(cfg.quota, self)
-        #: Admission by quotas: the pipeline waits here before the queue (skylb/quota/gate.py).
-        self.quota_gate = build_gate(self)
+        self.limits: LimitBackend = build_limits(cfg.quota, regions_share=self.regions_share)
+        #: The quota gate: a request waits here before the queue (skylb/quota/gate.py).
+        self.quota_gate = build_gate(cfg.quota, quotas=lambda: self.quotas, limits=self.limits, now=self.now,
+                                     registry=self.metrics.registry, region=region,
+                                     queue_timeout_s=cfg.queue_timeout_s)
+        self.quota_listeners.append(self.quota_gate.wake_all)
+        #: The lease API's leases (skylb/balancer/lease_api.py), which the model-group stage honours.
+        self.leases = LeaseBook()
+        #: Counts every response and writes its log line (the chain's end, and errors answered by middleware).
+        self.request_log = RequestLog(self.metrics, region=region)
+        #: The request's path, built at ``start`` (it needs the relay's session).
+        self.chain: Chain | None = None
         self.session: aiohttp.ClientSession | None = None
         self.relay: Relay | None = None
         self.membership: MembershipWatcher | None = None
@@ -93,7 +107,8 @@ class Balancer:
         self._models_seen: dict[tuple[str, str], tuple[float | None, float]] = {}
         self._tasks: list[asyncio.Task] = []
         #: Ollama fleets: pre-warm, fallbacks, load times (skylb/balancer/ollama_fleet.py).
-        self.fleet = Fleet(self)
+        self.fleet = Fleet(cfg.ollama_fleet, router=self.router, dispatcher=self.dispatcher, now=self.now,
+                           session=lambda: self.session, region=region, response_timeout_s=cfg.response_timeout_s)
 
     def now(self) -> float:
         """The balancer's clock: the event loop's monotonic time, s."""
@@ -129,6 +144,12 @@ class Balancer:
                            session_header=cfg.session_header, forward_client_auth=not self.client_keys,
                            replica_api_key=cfg.replica_api_key, first_byte_timeout_s=cfg.first_byte_timeout_s,
                            response_timeout_s=cfg.response_timeout_s, idle_timeout_s=cfg.idle_timeout_s)
+        self.chain = build_chain(
+            cfg, region=self.region, router=self.router, dispatcher=self.dispatcher, relay=self.relay,
+            fleet=self.fleet, metrics=self.metrics, budget=self.retry_budget, now=self.now, in_flight=self.in_flight,
+            quotas=lambda: self.quotas, quota_gate=self.quota_gate, group_gate=self.gate, leases=self.leases,
+            embed_cache=self.embed_cache, client_keys=self.client_keys, recently_served=self.model_recently_served,
+            request_log=self.request_log)
         self.membership = MembershipWatcher(
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
             state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
@@ -144,7 +165,8 @@ class Balancer:
                           interval_s=cfg.probe_interval_ms / 1000, timeout_s=cfg.probe_timeout_ms / 1000,
                           peer_token=cfg.peer_token, models_refresh_s=cfg.models_refresh_s)
         self._tasks = [asyncio.create_task(self.dispatcher.run()), *probers.tasks()]
-        self._tasks.append(asyncio.create_task(quota_loop(self)))
+        self._tasks.append(asyncio.create_task(quota_loop(cfg.quota, limits=self.limits, gate=self.quota_gate,
+                                                          now=self.now, regions_share=self.regions_share)))
 
     async def drain(self, timeout_s: float) -> float:
         """Shut down gracefully: fail readiness and refuse new requests, serve what is held (queued requests are
@@ -236,6 +258,10 @@ class Balancer:
             return False
         at = seen[1] if with_peers else seen[0]
         return at is not None and self.now() - at <= self.cfg.model_memory_s
+
+    def regions_share(self) -> float:
+        """1 / the number of regions whose balancers this one knows in membership (itself and its live peers)."""
+        return 1.0 / (1 + len(self.router.peers))
 
     def in_flight(self) -> int:
         """Requests this balancer holds: queued, or sent to a replica or a peer and not yet finished."""

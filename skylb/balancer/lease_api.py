@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from dataclasses import asdict
 
 import structlog
@@ -34,14 +33,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from skylb.balancer.api import openai_error
 from skylb.balancer.auth import tenant_of
-from skylb.balancer.model_groups import LEASE_HEADER, add_model_header
 from skylb.balancer.status import BALANCER
-from skylb.quota.leases import AdviceWindow, LeaseTable
+from skylb.quota.leases import LeaseBook
 from skylb.quota.groups import Admitted
 
-__all__ = ["AdmissionState", "ADMISSION", "register", "lease_model", "lease_covers", "count_group_admission",
-           "CLIENT_PATHS",
-           "DEFAULT_LEASE_TTL_MS", "RECLAIM_EVERY_S"]
+__all__ = ["register", "CLIENT_PATHS", "DEFAULT_LEASE_TTL_MS", "RECLAIM_EVERY_S"]
 
 SCHEDULE_PATH, HEARTBEAT_PATH = "/skylb/v1/schedule", "/skylb/v1/heartbeat"
 COMPLETE_PATH, ADVICE_PATH = "/skylb/v1/complete", "/skylb/v1/advice"
@@ -58,29 +54,11 @@ RECLAIM_EVERY_S = 0.2
 log = structlog.get_logger("skylb.admission")
 
 
-class AdmissionState:
-    """This balancer's leases, schedule-outcome window and jitter source, and the counts its metrics report:
-    ``reclaimed`` (leases expired and reclaimed), ``admitted`` ({(group or model asked, model chosen, via): n},
-    via "schedule" for the admission API, "request" for a generation naming a group)."""
-
-    def __init__(self, rng: random.Random | None = None):
-        self.leases = LeaseTable()
-        self.window = AdviceWindow()
-        self.rng = rng or random.Random()
-        self.reclaimed = 0
-        self.admitted: dict[tuple[str, str, str], int] = {}
-
-    def count(self, name: str, model: str, via: str) -> None:
-        """One admission of ``model`` for ``name`` through ``via``."""
-        key = (name, model, via)
-        self.admitted[key] = self.admitted.get(key, 0) + 1
-
-
 class _Collector:
     """Admission metrics, read at scrape time: leases held and reclaimed, admissions by group and model, and the
     advice (backpressure score, suggested parallelism)."""
 
-    def __init__(self, balancer, state: AdmissionState):
+    def __init__(self, balancer, state: LeaseBook):
         self.balancer, self.state = balancer, state
 
     def collect(self):
@@ -109,9 +87,6 @@ class _Collector:
                                       "number of batch workers.", labels=["region"])
         suggested.add_metric([region], advice.suggested_parallelism)
         yield suggested
-
-
-ADMISSION = web.AppKey("skylb_admission", AdmissionState)
 
 
 class _BadInput(ValueError):
@@ -162,7 +137,8 @@ def _in_flight_and_capacity(balancer) -> tuple[int, int | None]:
 
 async def handle_schedule(request: web.Request) -> web.Response:
     """``POST /skylb/v1/schedule`` (module docstring)."""
-    balancer, state = request.app[BALANCER], request.app[ADMISSION]
+    balancer = request.app[BALANCER]
+    state = balancer.leases
     try:
         data = await _json_object(request)
         name = _str_field(data, "model")
@@ -210,7 +186,8 @@ def _unknown_lease(lease_id: str) -> web.Response:
 
 async def handle_heartbeat(request: web.Request) -> web.Response:
     """``POST /skylb/v1/heartbeat`` (module docstring)."""
-    balancer, state = request.app[BALANCER], request.app[ADMISSION]
+    balancer = request.app[BALANCER]
+    state = balancer.leases
     parsed = await _lease_request(request)
     if isinstance(parsed, web.Response):
         return parsed
@@ -224,7 +201,8 @@ async def handle_heartbeat(request: web.Request) -> web.Response:
 
 async def handle_complete(request: web.Request) -> web.Response:
     """``POST /skylb/v1/complete`` (module docstring)."""
-    balancer, state = request.app[BALANCER], request.app[ADMISSION]
+    balancer = request.app[BALANCER]
+    state = balancer.leases
     parsed = await _lease_request(request)
     if isinstance(parsed, web.Response):
         return parsed
@@ -246,39 +224,16 @@ async def handle_complete(request: web.Request) -> web.Response:
 
 async def handle_advice(request: web.Request) -> web.Response:
     """``GET /skylb/v1/advice`` (module docstring)."""
-    balancer, state = request.app[BALANCER], request.app[ADMISSION]
+    balancer = request.app[BALANCER]
+    state = balancer.leases
     in_flight, capacity = _in_flight_and_capacity(balancer)
     advice = state.window.advice(balancer.now(), in_flight=in_flight, capacity=capacity)
     return web.json_response({**asdict(advice), "leases": len(state.leases)})
 
 
-def lease_model(request: web.Request, lease_id: str | None, name: str) -> str | None:
-    """The model of the live lease ``lease_id`` when it was granted to this request's tenant for ``name`` (the
-    group or model it was scheduled for, or the model it chose), else None."""
-    state = request.app.get(ADMISSION)
-    if state is None or not lease_id:
-        return None
-    lease = state.leases.get(lease_id, request.app[BALANCER].now())
-    if lease is None or lease.tenant != tenant_of(request) or name not in (lease.name, lease.admitted.model):
-        return None
-    return lease.admitted.model
-
-
-def count_group_admission(request: web.Request, group: str, model: str) -> None:
-    """Count a generation naming ``group`` that was admitted to ``model`` (the metrics)."""
-    state = request.app.get(ADMISSION)
-    if state is not None:
-        state.count(group, model, "request")
-
-
-def lease_covers(request: web.Request, model: str) -> bool:
-    """True when the request carries ``X-SkyLB-Lease`` of a live lease of its tenant for ``model``: it was admitted
-    by /skylb/v1/schedule and must not be charged again (for the per-request quota gate)."""
-    return lease_model(request, request.headers.get(LEASE_HEADER), model) is not None
-
-
 async def _reclaim_loop(app: web.Application) -> None:
-    balancer, state = app[BALANCER], app[ADMISSION]
+    balancer = app[BALANCER]
+    state = balancer.leases
     while True:
         await asyncio.sleep(RECLAIM_EVERY_S)
         for lease in state.leases.pop_expired(balancer.now()):
@@ -289,16 +244,14 @@ async def _reclaim_loop(app: web.Application) -> None:
 
 
 def register(app: web.Application) -> None:
-    """Add the admission API's routes, its lease reclaimer (started and stopped with the app, after the Balancer)
-    and the ``X-SkyLB-Model`` response header of model-group requests to the balancer's ``app``."""
-    app[ADMISSION] = state = AdmissionState()
+    """Add the lease API's routes and its lease reclaimer (started and stopped with the app, after the Balancer)
+    to the balancer's ``app``; the leases are the Balancer's ``leases`` (skylb/quota/leases.py LeaseBook)."""
     balancer = app[BALANCER]
-    balancer.metrics.registry.register(_Collector(balancer, state))
+    balancer.metrics.registry.register(_Collector(balancer, balancer.leases))
     app.router.add_post(SCHEDULE_PATH, handle_schedule)
     app.router.add_post(HEARTBEAT_PATH, handle_heartbeat)
     app.router.add_post(COMPLETE_PATH, handle_complete)
     app.router.add_get(ADVICE_PATH, handle_advice)
-    app.on_response_prepare.append(add_model_header)
 
     async def reclaimer(app: web.Application):
         task = asyncio.create_task(_reclaim_loop(app))

@@ -28,11 +28,12 @@ from pydantic import ValidationError
 
 from controller.tokens import check_token
 from skylb import aio
-from skylb.balancer import lease_api, ollama_api, ollama_fleet, status
-from skylb.balancer.api import error_response
+from skylb.balancer import lease_api, model_management, ollama_api, status
 from skylb.balancer.auth import METRICS_TOKEN_ENV, Credentials, auth_middleware, load_api_keys, load_tenants
 from skylb.balancer.balancer import Balancer
-from skylb.balancer.pipeline import GENERATE_PATHS, REQUEST_IDS, api_of, finish_request, handle_generate
+from skylb.balancer.handler import GENERATE_PATHS, REQUEST_IDS, api_of, handle_generate
+from skylb.balancer.stages import RequestContext
+from skylb.balancer.stages.model_group import add_model_header
 from skylb.balancer.relay import STREAM_STARTED
 from skylb.balancer.status import BALANCER
 from skylb.config import BalancerConfig, ConfigError, load_config
@@ -86,11 +87,11 @@ async def _errors_in_api_shape(request: web.Request, handler):
 def _answered_error(request: web.Request, status: int, message: str, reason: str) -> web.Response:
     balancer = request.app[BALANCER]
     request_id, client_id = request.get(REQUEST_IDS) or (uuid.uuid4().hex, None)
-    response = error_response(api_of(request.path), status, message)
-    balancer.metrics.rejected.labels(balancer.region, reason, str(status)).inc()
-    finish_request(balancer, response, request_id, None, time.time(), client_id=client_id, reason=reason,
-                   error=message)
-    return response
+    ctx = RequestContext(http=request, api=api_of(request.path), request_id=request_id, client_id=client_id,
+                         arrived_at=balancer.now(), started=time.time())
+    response = ctx.reject(status, message, reason)
+    ctx.error = message
+    return balancer.request_log.finish(ctx, response)
 
 
 def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
@@ -115,12 +116,14 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     for path in GENERATE_PATHS:
         app.router.add_post(path, handle_generate)
     ollama_api.add_metadata_routes(app, BALANCER)
-    ollama_fleet.add_management_routes(app, BALANCER)  # /api/pull, /api/delete, /api/copy, /api/create
+    model_management.add_management_routes(app, BALANCER)  # /api/pull, /api/delete, /api/copy, /api/create
     app.router.add_get("/v1/models", status.handle_models)
     app.router.add_get("/healthz", status.handle_healthz)
     app.router.add_get("/metrics", status.handle_metrics)
     app.router.add_get("/skylb/v1/status", status.handle_status)
-    lease_api.register(app)  # /skylb/v1/schedule, heartbeat, complete, advice; X-SkyLB-Model
+    if cfg.quota.enabled:
+        lease_api.register(app)  # /skylb/v1/schedule, heartbeat, complete, advice
+        app.on_response_prepare.append(add_model_header)  # X-SkyLB-Model on a model group's answers
     return app
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from skylb import PROTOCOL_VERSION
 from skylb.core import PeerStatus
 
-__all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SERVED_BY_HEADER", "MODEL_HEADER",
+__all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SERVED_BY_HEADER", "MODEL_HEADER", "LEASE_HEADER",
            "QUEUE_MS_HEADER",
            "REQUEST_ID_HEADER", "BALANCER_REQUEST_ID_HEADER", "MAX_CLIENT_ID_CHARS", "MAX_STATUS_BYTES",
            "client_request_id", "ProtocolError", "queued_ms", "encode_status", "decode_status", "token_ok"]
@@ -33,6 +33,8 @@ ROUTE_HEADER = "X-SkyLB-Route"
 SERVED_BY_HEADER = "X-SkyLB-Served-By"
 #: On a response: the model that served it (a model group's choice, an Ollama fleet's fallback, else the request's).
 MODEL_HEADER = "X-SkyLB-Model"
+#: Request header: the id of an admission lease (POST /skylb/v1/schedule) the request runs under.
+LEASE_HEADER = "X-SkyLB-Lease"
 #: On responses: time the request waited in the balancer's queue, ms. On a forwarded request: time it waited in the
 #: forwarding balancer's queue, ms (the peer queues it as if it had arrived that much earlier).
 QUEUE_MS_HEADER = "X-SkyLB-Queue-Ms"

@@ -38,7 +38,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "served_regions": balancer.served_epochs,
         "ollama_fleet": balancer.fleet.status(),
         "quotas": quotas_in_force(balancer),
-        "quota": quota_status(balancer),
+        "quota": quota_status(balancer.limits, balancer.quota_gate, now),
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,

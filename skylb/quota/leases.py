@@ -8,13 +8,14 @@ The HTTP endpoints are in skylb/balancer/lease_api.py.
 from __future__ import annotations
 
 import math
+import random
 import secrets
 from collections import deque
 from dataclasses import dataclass
 
 from skylb.quota.groups import Admitted
 
-__all__ = ["Lease", "LeaseTable", "AdviceWindow", "Advice", "WINDOW_S", "MIN_PARALLELISM"]
+__all__ = ["Lease", "LeaseTable", "AdviceWindow", "Advice", "LeaseBook", "WINDOW_S", "MIN_PARALLELISM"]
 
 #: The rolling window advice is computed over (s; seed iteration 2 A: "last 60s").
 WINDOW_S = 60.0
@@ -146,3 +147,31 @@ class AdviceWindow:
             suggested = int(_clamp(in_flight + round(headroom * (1.0 - score)), MIN_PARALLELISM,
                                    max(MIN_PARALLELISM, capacity)))
         return Advice(round(score, 4), int(suggested), p95, round(admit_rate, 4), in_flight, capacity)
+
+
+class LeaseBook:
+    """One balancer's leases, schedule-outcome window and jitter source, and the counts its metrics report:
+    ``reclaimed`` (leases expired and reclaimed), ``admitted`` ({(group or model asked, model chosen, via): n},
+    via "schedule" for the lease API, "request" for a generation naming a group)."""
+
+    def __init__(self, rng: random.Random | None = None):
+        self.leases = LeaseTable()
+        self.window = AdviceWindow()
+        self.rng = rng or random.Random()
+        self.reclaimed = 0
+        self.admitted: dict[tuple[str, str, str], int] = {}
+
+    def count(self, name: str, model: str, via: str) -> None:
+        """One admission of ``model`` for ``name`` through ``via``."""
+        key = (name, model, via)
+        self.admitted[key] = self.admitted.get(key, 0) + 1
+
+    def leased_model(self, lease_id: str | None, *, tenant: str, name: str, now: float) -> str | None:
+        """The model of the live lease ``lease_id`` when it was granted to ``tenant`` for ``name`` (the group or
+        model it was scheduled for, or the model it chose), else None."""
+        if not lease_id:
+            return None
+        lease = self.leases.get(lease_id, now)
+        if lease is None or lease.tenant != tenant or name not in (lease.name, lease.admitted.model):
+            return None
+        return lease.admitted.model

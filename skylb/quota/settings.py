@@ -18,6 +18,9 @@ class QuotaSettings(BaseModel):
     """The ``balancer.quota`` section.
 
     Attributes:
+        enabled: quotas, model groups and admission leases in the request path (the default). False leaves the quota
+            gate and the model-group stage out of the balancer's chain: no limit is enforced, quotas from the
+            controller are ignored, a model group alias is an unknown model.
         redis_url: a Redis shared by every balancer (``redis://host:6379/0``, ``rediss://`` for TLS; a password in
             the URL or ``$SKYLB_REDIS_URL``): limits are then global, counted atomically by Lua scripts. None (the
             default): each balancer counts in its own process, enforcing its share of every limit.
@@ -40,6 +43,7 @@ class QuotaSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    enabled: bool = True
     redis_url: str | None = None
     key_prefix: str = Field("skylb:quota:", max_length=200)
     wait_s: float = Field(30.0, ge=0)

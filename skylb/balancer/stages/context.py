@@ -1,0 +1,99 @@
+"""The state of one request as it passes the stages: what was parsed, who sent it, what it was granted, where it
+went, how it ended.
+
+A stage reads what the stages before it set and sets its own part; it never reaches for the balancer. Settings are
+given to each stage when the chain is built (skylb/balancer/stages/build.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from skylb.balancer.api import ParsedRequest, error_response
+
+__all__ = ["RequestContext", "EndHook", "EMBEDDING_PATHS"]
+
+#: Called once when the request ends, however it ends (answered, rejected, failed, cancelled, client gone).
+EndHook = Callable[["RequestContext"], Awaitable[None] | None]
+
+#: The embedding endpoints of both dialects (their requests take the embedding slot of an Ollama fleet).
+EMBEDDING_PATHS = frozenset({"/v1/embeddings", "/api/embed", "/api/embeddings"})
+
+
+@dataclass
+class RequestContext:
+    """One generation or embedding request on its way through the chain.
+
+    Attributes:
+        http: the aiohttp request. api: its dialect, "openai" or "ollama". request_id: the balancer's own id (hex);
+        client_id: the client's X-Request-Id label, or None. arrived_at: arrival on the balancer's clock, s;
+        started: arrival on the wall clock (time.time()), s, for the end-to-end time in the log line.
+        body: the request body, bytes (rewritten by the stages that change the model or options).
+        parsed: the routing view of the body (parse stage). forwarded_from: the peer region that forwarded it, or
+        None for a client's request. priority, tenant: its class and tenant (classify stage).
+        charged: True once a model group or an admission lease has charged the quotas (the quota gate skips it).
+        decision, outcome: the routing decision and relay outcome of the last attempt (route stage).
+        answered: a replica or peer answered some attempt (the quota's tokens were used).
+        ttft_s, error, status: for the log line. reason: why the balancer answered the request itself;
+        rejected: that answer counts as a rejection (skylb_rejected_total).
+    """
+
+    http: web.Request
+    api: str
+    request_id: str
+    client_id: str | None
+    arrived_at: float
+    started: float
+    body: bytes = b""
+    parsed: ParsedRequest | None = None
+    forwarded_from: str | None = None
+    priority: str = "normal"
+    tenant: str = "default"
+    charged: bool = False
+    decision: Any = None
+    outcome: Any = None
+    answered: bool = False
+    ttft_s: float | None = None
+    error: str | None = None
+    status: int | None = None
+    reason: str | None = None
+    rejected: bool = False
+    _end_hooks: list[EndHook] = field(default_factory=list)
+
+    @property
+    def model(self) -> str | None:
+        """The model the request asks for now (None before the parse stage)."""
+        return None if self.parsed is None else self.parsed.model
+
+    @property
+    def forwarded(self) -> bool:
+        """True when a peer forwarded this request (its peer token was checked by the parse stage)."""
+        return self.forwarded_from is not None
+
+    @property
+    def embedding(self) -> bool:
+        """True for an embedding request (either dialect)."""
+        return self.http.path in EMBEDDING_PATHS
+
+    def on_end(self, hook: EndHook) -> None:
+        """Run ``hook(self)`` when the request ends; hooks run once each, the last registered first."""
+        self._end_hooks.append(hook)
+
+    def take_end_hooks(self) -> list[EndHook]:
+        """The registered hooks, last first, and none left: a second call returns []."""
+        hooks, self._end_hooks = self._end_hooks[::-1], []
+        return hooks
+
+    def reject(self, status: int, message: str, reason: str, *, type_: str | None = None, param: str | None = None,
+               retry_after_s: int | None = None) -> web.Response:
+        """An error in the request's API shape, counted as a rejection with ``reason``; ``retry_after_s`` adds a
+        Retry-After header (seconds)."""
+        response = error_response(self.api, status, message, type_=type_, param=param)
+        if retry_after_s is not None:
+            response.headers["Retry-After"] = str(retry_after_s)
+        self.reason, self.rejected = reason, True
+        return response

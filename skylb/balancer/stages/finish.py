@@ -1,0 +1,50 @@
+"""The end of every request: its response counted and its one canonical log line written.
+
+One structured line per request (structlog's "canonical log lines"): the ids, model, class and tenant, where it
+went, how long it queued, TTFT and end-to-end time (ms), status and error.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+from aiohttp import web
+
+from skylb.balancer.metrics import BalancerMetrics
+from skylb.balancer.protocol import BALANCER_REQUEST_ID_HEADER, REQUEST_ID_HEADER
+
+__all__ = ["RequestLog"]
+
+log = structlog.get_logger("skylb.request")
+
+
+class RequestLog:
+    """Counts responses (``skylb_responses_total``, ``skylb_rejected_total``) and logs each request once."""
+
+    def __init__(self, metrics: BalancerMetrics, *, region: str):
+        self.metrics = metrics
+        self.region = region
+
+    def finish(self, ctx, response: web.StreamResponse) -> web.StreamResponse:
+        """Count ``response`` (a rejection too when ``ctx.rejected``) and write ``ctx``'s log line; a response not
+        yet sent gets the ids as headers (X-SkyLB-Request-Id, the client's X-Request-Id echoed). Returns it."""
+        status = ctx.status if ctx.status is not None else response.status
+        if not response.prepared:
+            response.headers[BALANCER_REQUEST_ID_HEADER] = ctx.request_id
+            if ctx.client_id is not None:
+                response.headers[REQUEST_ID_HEADER] = ctx.client_id
+        if ctx.rejected:
+            self.metrics.rejected.labels(self.region, ctx.reason, str(status)).inc()
+        self.metrics.responses.labels(self.region, str(status)).inc()
+        decision = ctx.decision
+        log.info("request", id=ctx.request_id, client_request_id=ctx.client_id, reason=ctx.reason,
+                 region=self.region, model=ctx.model,
+                 priority=None if decision is None else decision.request.priority,
+                 tenant=None if decision is None else decision.request.tenant,
+                 route=None if decision is None else decision.route,
+                 target=None if decision is None else decision.target,
+                 queued_ms=None if decision is None else round(decision.queued_s * 1000, 1),
+                 ttft_ms=None if ctx.ttft_s is None else round(ctx.ttft_s * 1000, 1),
+                 e2e_ms=round((time.time() - ctx.started) * 1000, 1), status=status, error=ctx.error)
+        return response

@@ -1,0 +1,49 @@
+"""Stage 1, parse: read the body, parse it in the request's dialect, and check a forwarded request's peer token.
+
+Answers 413 for a body over ``balancer.max_body_bytes``, 400 for a body that is not a valid request (OpenAI or
+Ollama API reference), 403 for a request marked as forwarded without the right peer token (DESIGN.md decision 3:
+only a peer may mark a request as forwarded).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from skylb.balancer.api import BadRequest, parse_ollama, parse_openai
+from skylb.balancer.protocol import FORWARDED_FROM, TOKEN_HEADER, token_ok
+from skylb.balancer.stages.context import RequestContext
+
+__all__ = ["ParseStage"]
+
+
+class ParseStage:
+    """Sets ``ctx.body``, ``ctx.parsed`` and ``ctx.forwarded_from``.
+
+    Args: max_body_bytes: the body limit, bytes (enforced by aiohttp; named in the 413); session_header: the header
+    that carries a session key; peer_token: the shared secret between balancers (None: none configured).
+    """
+
+    name = "parse"
+
+    def __init__(self, *, max_body_bytes: int, session_header: str, peer_token: str | None):
+        self.max_body_bytes = max_body_bytes
+        self.session_header = session_header
+        self.peer_token = peer_token
+
+    async def handle(self, ctx: RequestContext) -> web.StreamResponse | None:
+        request = ctx.http
+        try:
+            ctx.body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return ctx.reject(413, f"request body is larger than balancer.max_body_bytes ({self.max_body_bytes} "
+                                   "bytes)", "body_too_large")
+        parse = parse_ollama if ctx.api == "ollama" else parse_openai
+        try:
+            ctx.parsed = parse(request.path, ctx.body, session_header_value=request.headers.get(self.session_header))
+        except BadRequest as exc:
+            return ctx.reject(400, str(exc), exc.reason, param=exc.param)
+        ctx.forwarded_from = request.headers.get(FORWARDED_FROM)
+        if ctx.forwarded and not token_ok(self.peer_token, request.headers.get(TOKEN_HEADER)):
+            return ctx.reject(403, "forwarded request with a missing or wrong peer token", "forbidden",
+                              type_="permission_error")
+        return None

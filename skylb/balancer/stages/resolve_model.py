@@ -1,0 +1,63 @@
+"""Stage 4, resolve the model: the name a replica serves, or 404 / 503 when nobody serves it.
+
+Names resolve as Ollama resolves them (``gemma3`` means ``gemma3:latest``, any case; Ollama's
+``types/model/name.go``), and the body is rewritten to the served name. A model that no replica or peer reports
+gets 404 in the API's shape, listing what is served; one served within the last ``model_memory_s`` seconds (its
+replicas or region went away) gets 503 with Retry-After instead, since it is likely back soon. A model group alias
+or a model with a fallback chain (Ollama fleet router "Routing Engine" guide, fallback chain) counts as served when
+one of its models is. Until the first model lists are read, every name passes (nothing is known yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from aiohttp import web
+
+from skylb.balancer.ollama_fleet import with_model
+from skylb.balancer.stages.context import RequestContext
+from skylb.core.fleet_rules import resolve_name
+
+__all__ = ["ResolveModelStage"]
+
+
+class ResolveModelStage:
+    """Rewrites ``ctx.parsed.model`` and ``ctx.body`` to the served name.
+
+    Args:
+        served_models(api, with_peers): the models served in a dialect, locally and (``with_peers``) by peers.
+        models_known(): True once model lists were read. is_group(name): a model group alias.
+        any_served(model, served): the model or one of its fallbacks is in ``served``.
+        recently_served(api, model, with_peers): served within ``model_memory_s``. retry_after_s: Retry-After, s.
+    """
+
+    name = "resolve_model"
+
+    def __init__(self, *, served_models: Callable[..., Collection[str]], models_known: Callable[[], bool],
+                 is_group: Callable[[str], bool], any_served: Callable[[str, Collection[str]], bool],
+                 recently_served: Callable[..., bool], retry_after_s: int):
+        self.served_models = served_models
+        self.models_known = models_known
+        self.is_group = is_group
+        self.any_served = any_served
+        self.recently_served = recently_served
+        self.retry_after_s = retry_after_s
+
+    async def handle(self, ctx: RequestContext) -> web.StreamResponse | None:
+        parsed, with_peers = ctx.parsed, not ctx.forwarded
+        served = self.served_models(ctx.api, with_peers=with_peers)
+        group = self.is_group(parsed.model)
+        if not group:
+            resolved = resolve_name(parsed.model, served)
+            if resolved != parsed.model:
+                parsed.model, ctx.body = resolved, with_model(ctx.body, resolved)
+        if group or self.any_served(parsed.model, served) or not self.models_known():
+            return None
+        if self.recently_served(ctx.api, parsed.model, with_peers=with_peers):
+            return ctx.reject(503, f"model '{parsed.model}' is served by no replica or peer reachable now; retry "
+                                   "later", "model_unavailable", type_="service_unavailable",
+                              retry_after_s=self.retry_after_s)
+        message = (f"model '{parsed.model}' not found" if ctx.api == "ollama" else
+                   f"The model `{parsed.model}` does not exist.")
+        hint = f" Models served here: {', '.join(sorted(served)) or 'none'}."
+        return ctx.reject(404, message + hint, "unknown_model", param="model")

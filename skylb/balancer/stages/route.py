@@ -1,0 +1,155 @@
+"""The terminal stage: queue, route, relay, and retry before the first byte.
+
+Like Envoy's router filter (Envoy architecture overview, "HTTP routing" and "Retry semantics"), it always answers,
+and a retry happens inside it, so no stage before it runs twice. The request waits in the balancer's queue until
+the dispatcher routes it to a local replica or a peer (SkyLB paper §3.3, selective pushing), through an Ollama
+fleet's fallback chain when its model has one; the relay streams the answer back. A target that fails before the
+first byte (refused, reset, timed out, 502/503/504) counts a gateway failure for outlier detection (ejected after
+enough in a row: skylb/core/outlier.py), and the request, after a jittered backoff, goes back to the head of the
+queue to be routed to another target while it has retries left (``retry_policy.num_retries``) and the retry budget
+allows (skylb/balancer/retry.py; Envoy's names). Once a byte reached the client it is never retried (DESIGN.md
+decision 6). 503 with an estimated Retry-After when the queue is full or the request waited past the queue timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+from aiohttp import web
+
+from skylb.balancer.api import error_response
+from skylb.balancer.dispatcher import Dispatcher, QueueFull, QueueTimeout
+from skylb.balancer.metrics import BalancerMetrics
+from skylb.balancer.ollama_fleet import Fleet
+from skylb.balancer.protocol import QUEUE_MS_HEADER, queued_ms
+from skylb.balancer.relay import Relay
+from skylb.balancer.retry import RetryBudget, backoff_s
+from skylb.balancer.retry_after import queue_retry_after_s
+from skylb.balancer.stages.context import RequestContext
+from skylb.balancer.usage import observe as observe_usage
+from skylb.config import BalancerConfig
+from skylb.core import Decision, Request, Router
+
+__all__ = ["RouteStage"]
+
+log = structlog.get_logger("skylb.request")
+
+
+class RouteStage:
+    """Queue, route, relay with retries; sets ``ctx.decision``, ``ctx.outcome``, ``ctx.answered`` and the log fields.
+
+    Args: cfg: the balancer's settings (queue timeout, retry policy, probe interval, Retry-After); router, dispatcher,
+    relay, fleet: the balancer's parts; metrics: its metrics; budget: its retry budget; now(): its clock, s;
+    in_flight(): requests it holds now (the retry budget's base); region: its region.
+    """
+
+    name = "route"
+
+    def __init__(self, cfg: BalancerConfig, *, router: Router, dispatcher: Dispatcher, relay: Relay, fleet: Fleet,
+                 metrics: BalancerMetrics, budget: RetryBudget, now: Callable[[], float],
+                 in_flight: Callable[[], int], region: str):
+        self.cfg, self.router, self.dispatcher, self.relay, self.fleet = cfg, router, dispatcher, relay, fleet
+        self.metrics, self.budget, self.now, self.in_flight, self.region = metrics, budget, now, in_flight, region
+
+    async def handle(self, ctx: RequestContext) -> web.StreamResponse:
+        routed = self._core_request(ctx)
+        attempt, retrying = 0, False  # retrying: holds a place in the retry budget
+        try:
+            while True:
+                ctx.decision = None  # a request given up in the queue was routed nowhere (its log line)
+                try:
+                    ctx.decision, ctx.body = await self.fleet.acquire(routed, ctx.body, retry=attempt > 0)
+                except (QueueFull, QueueTimeout) as exc:
+                    full = isinstance(exc, QueueFull)
+                    return ctx.reject(503, f"{exc}; retry later" if full else str(exc),
+                                      "queue_full" if full else "queue_timeout", type_="overloaded_error",
+                                      retry_after_s=self._queue_retry_after())
+                outcome = await self._attempt(ctx, attempt)
+                if retrying:
+                    self.budget.release()
+                    retrying = False
+                if outcome.response is not None:
+                    ctx.ttft_s, ctx.error, ctx.status = outcome.ttft_s, outcome.error, outcome.status
+                    return outcome.response
+                if not self.budget.try_acquire(self.in_flight()):  # failed before any byte reached the client
+                    self.metrics.retry_budget_exhausted.labels(self.region).inc()
+                    ctx.error, ctx.status = f"{outcome.error}; not retried: retry budget exhausted", outcome.status
+                    return error_response(ctx.api, outcome.status, ctx.error)
+                retrying, attempt = True, attempt + 1
+                await self._back_off(ctx, routed, attempt)
+        finally:
+            if retrying:
+                self.budget.release()
+
+    def _core_request(self, ctx: RequestContext) -> Request:
+        # A forwarded request keeps its place in first-come, first-served order: its wait at the forwarding balancer
+        # counts here (capped by the queue timeout, so a bad value cannot put it ahead of everything for long).
+        waited_s = (min(queued_ms(ctx.http.headers.get(QUEUE_MS_HEADER)) / 1000.0, self.cfg.queue_timeout_s)
+                    if ctx.forwarded else 0.0)
+        parsed = ctx.parsed
+        return Request(id=ctx.request_id, text=parsed.text, arrived_at=ctx.arrived_at, model=parsed.model,
+                       session_key=parsed.session_key, forwarded_from=ctx.forwarded_from, api=ctx.api,
+                       waited_s=waited_s, embedding=ctx.embedding, priority=ctx.priority, tenant=ctx.tenant)
+
+    async def _attempt(self, ctx: RequestContext, attempt: int):
+        """One relay to the decision's target; the target's slot is released and outlier detection told, however
+        the relay ends."""
+        decision = ctx.decision
+        ttft_histogram = self.metrics.ttft.labels(self.region, decision.route)
+
+        def first_byte(ttft_s: float) -> None:
+            ttft_histogram.observe(ttft_s)
+            self.router.first_token(decision)  # its prompt left the replica's prefill backlog
+            self.fleet.first_byte(decision, ttft_s)
+            self.dispatcher.wake()
+
+        try:
+            ctx.outcome = outcome = await self.relay.relay(
+                ctx.http, ctx.body, decision, request_id=ctx.request_id, arrived_at=ctx.arrived_at,
+                retry_allowed=attempt < self.cfg.retry_policy.num_retries, api=ctx.api, stream=ctx.parsed.stream,
+                on_first_byte=first_byte, client_request_id=ctx.client_id, abandon=self._peer_gone(decision),
+                check_s=self.cfg.probe_interval_ms / 1000)
+            observe_usage(self.router, decision, outcome, self.now())  # measured speed, before release
+        finally:
+            self.dispatcher.release(decision)
+            self.fleet.finished(decision)
+        self._outlier(decision, outcome.failure)
+        ctx.answered = ctx.answered or outcome.response is not None
+        return outcome
+
+    async def _back_off(self, ctx: RequestContext, routed: Request, attempt: int) -> None:
+        decision, outcome = ctx.decision, ctx.outcome
+        self.metrics.retries.labels(self.region).inc()
+        routed.avoid = routed.avoid | {(decision.route, decision.target)}
+        delay = backoff_s(self.cfg.retry_policy, attempt)
+        log.warning("retrying", id=ctx.request_id, region=self.region, route=decision.route, target=decision.target,
+                    error=outcome.error, attempt=attempt, backoff_ms=round(delay * 1000, 1))
+        await asyncio.sleep(delay)
+
+    def _queue_retry_after(self) -> int:
+        return queue_retry_after_s(self.router, self.now(), default_s=self.cfg.retry_after_s,
+                                   max_s=self.cfg.queue_timeout_s)
+
+    def _peer_gone(self, decision: Decision) -> Callable[[], str | None] | None:
+        """For a forwarded request: a check that says why its peer is to be given up before the first byte (its
+        status stale or failing: a partition), else None. Local replicas are not given up on a probe: a busy engine
+        may answer its probe late while it works on the request."""
+        if decision.route != "peer":
+            return None
+
+        def gone() -> str | None:
+            peer = self.router.peers.get(decision.target)
+            if peer is None:
+                return "left membership"
+            return self.router.rules.peer_unreachable_reason(peer, self.now())
+        return gone
+
+    def _outlier(self, decision: Decision, failure: str | None) -> None:
+        """Outlier detection: count a failure (ejecting the target after enough in a row) or an answer."""
+        if failure is None:
+            self.router.target_answered(decision)
+        elif self.router.target_failed(decision, now=self.now(), gateway=failure == "gateway"):
+            self.metrics.ejections.labels(self.region, decision.route, decision.target).inc()
+            log.warning("ejected", region=self.region, route=decision.route, target=decision.target, failure=failure)
