@@ -131,7 +131,8 @@ def blocked_by_elder(waiters: Sequence[Waiter], me: Waiter | None, now: float,
 
 def jittered_wait_ms(base_s: float, rand: float, *, tick_ms: int = TICK_MS, min_ms: int = MIN_WAIT_MS) -> int:
     """The wait to return for a minimal wait of ``base_s`` seconds (LLM-Load-Balancer "Iteration 2" D):
-    jittered by ±10 % (``rand`` uniform in [0, 1)), rounded up to the next ``tick_ms`` boundary, at least ``min_ms``. Returns ms."""
+    jittered by ±10 % (``rand`` uniform in [0, 1)), rounded up to the next ``tick_ms`` boundary, at least
+    ``min_ms``. Returns ms."""
     base_ms = max(0.0, base_s) * 1000.0
     jittered = base_ms + (rand * 2.0 - 1.0) * 0.1 * base_ms
     aligned = math.ceil(jittered / tick_ms - 1e-9) * tick_ms
