@@ -1,11 +1,12 @@
 """The relay: sends a request to its target (a local replica or a peer balancer) and the response back, chunk by chunk.
 
-Rules (DESIGN.md decision 6, shared/reference/reliability.md): a request is retried only before its first byte went
-to the client; once streaming has started, a failing upstream ends the stream with a well-formed error event instead
-of a retry (no spliced, duplicated generation). Closing the upstream response when the client leaves aborts the
-upstream request, so the engine frees the slot. Timeouts are per phase (first byte, then idle between chunks),
-never a total that would cut a long generation (reliability.md). Streams are relayed whole event by whole event
-(framing.py), so an error event is never spliced into half an event, and garbage is caught.
+Rules (Envoy's router filter, "Retry semantics"; aiohttp's "Web Server Advanced", "Peer disconnection"): a request is
+retried only before its first byte went to the client; once streaming has started, a failing upstream ends the stream
+with a well-formed error event instead of a retry (no spliced, duplicated generation). Closing the upstream response
+when the client leaves aborts the upstream request, so the engine frees the slot. Timeouts are per phase (first byte,
+then idle between chunks), never a total that would cut a long generation (aiohttp's client default, a 300 s total,
+would). Streams are relayed whole event by whole event (framing.py), so an error event is never spliced into half an
+event, and garbage is caught.
 """
 
 from __future__ import annotations
