@@ -6,7 +6,7 @@ eq. (1)-(2) and §4.3 "Parameter Updating". For a request
 with ``p`` prompt characters on replica ``i``:
 
 * ``T^ = p x f`` tokens, where ``f`` (the token-estimation factor) is an EMA of (prompt + output tokens) / prompt
-  characters over every response (characters counted with runs of whitespace as one, as the seed does);
+  characters over every response (characters counted with runs of whitespace as one, as the paper does);
 * ``W^(i) = (gamma_i x q_i x f + T^) x t^_i`` seconds, where ``q_i`` is the prompt characters of the requests this
   balancer has in flight on ``i``, ``t^_i`` the EMA of seconds per token (prompt + output) on ``i`` for the
   request's model, and ``gamma_i`` in [0, 2] the queue weight;
@@ -16,7 +16,7 @@ with ``p`` prompt characters on replica ``i``:
 One refinement: when the engine reports its own durations (Ollama's ``prompt_eval_duration`` + ``eval_duration``),
 ``t^`` learns from that service time rather than from the measured end-to-end time, so queueing in the engine is
 counted once (by ``gamma x q``), not also inside ``t^``; ``gamma`` still learns from the measured end-to-end time
-against the estimate made at dispatch. Besides the seed's ``t^``, each replica keeps EMAs of prefill seconds per
+against the estimate made at dispatch. Besides the paper's ``t^``, each replica keeps EMAs of prefill seconds per
 prompt token and decode seconds per output token; the prefill rate is what skylb/core/estimate.py's WaitModel uses in
 place of its configured constant once a replica is measured (one estimator, shared).
 
@@ -78,7 +78,7 @@ class ModelRates:
     """EMAs for one replica and model (or every model together). None: not measured yet.
 
     Attributes:
-        time_per_token_s: the seed's t^: service seconds per token, prompt and output together.
+        time_per_token_s: the paper's t^: service seconds per token, prompt and output together.
         prefill_s_per_token: seconds per prefilled prompt token; decode_s_per_token: seconds per output token.
         samples: responses learned from.
     """
@@ -223,7 +223,7 @@ class RateBook:
         """Learn from request ``request_id``'s response on the replica with ``rates`` (OllamaRouter §4.3).
 
         ``usage``: what the response reported; ``ttft_s``: dispatch to first byte, s (None: not streamed);
-        ``e2e_s``: dispatch to the end of the response, s (the seed's measured W). Call before ``released``.
+        ``e2e_s``: dispatch to the end of the response, s (the paper's measured W). Call before ``released``.
         Returns False (nothing learned) for a request not in flight there or a response without token counts.
         """
         flight = rates.inflight.get(request_id)

@@ -46,8 +46,8 @@ __all__ = ["Wdrr", "Waiter", "blocked_by_elder", "jittered_wait_ms", "ModelGate"
 
 #: Credit a waiting request earns per second waited (tokens/s): the age bonus of LLM-Load-Balancer's "Iteration 2" C.
 AGE_BONUS_TOKENS_PER_S = 1000.0
-#: Retry delay when the refusal is a concurrency cap, whose release time nobody can predict (s; the seed's
-#: SHORT_BACKOFF_MS "100-250 ms"). A release on this balancer wakes its waiters sooner.
+#: Retry delay when the refusal is a concurrency cap, whose release time nobody can predict (s; the LLM-Load-Balancer
+#: README's SHORT_BACKOFF_MS "100-250 ms"). A release on this balancer wakes its waiters sooner.
 SLOT_RETRY_S = 0.2
 #: The refill tick waits are aligned to (ms; LLM-Load-Balancer "Iteration 2" D, "next 100 ms boundary").
 TICK_MS = 100

@@ -7,11 +7,11 @@ factor, the queue weight gamma); a request goes to the candidate with the least 
 
 * Candidates (CHOOSEINSTANCE / FILTERCANDIDATEINSTANCES): when some replica is measured for the request's model,
   the measured ones and the unmeasured ones with nothing in flight from this balancer; otherwise all.
-* An unmeasured candidate counts W^ = 0, so an idle unmeasured replica is tried first (the seed's exploration: its
+* An unmeasured candidate counts W^ = 0, so an idle unmeasured replica is tried first (the paper's exploration: its
   JavaScript multiplies by a null estimate, which is 0).
 * Ties on W^ go to the smaller queue (q x f tokens), then take turns (``Policy.least_loaded``).
 
-Blind pushing, like the seed (each Ollama instance queues what it cannot run yet): the router offers every healthy
+Blind pushing, like OllamaRouter (each Ollama instance queues what it cannot run yet): the router offers every healthy
 replica serving the model, busy or not, and W^ decides. ``pick_by_estimated_wait`` is shared with the default
 ``skylb`` policy, which uses it as the tie-breaker among replicas its own estimate leaves equal.
 """
