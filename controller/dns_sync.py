@@ -1,5 +1,6 @@
-"""Keep each region's DNS answer on the balancer that serves it (issue 9, item 6): after a failover, a region's
-clients resolve the service name to the closest live region's balancer; after recovery, to their own again.
+"""Keep each region's DNS answer on the balancer that serves it (SkyLB paper §4.1 "Load balancer distribution", §4.2
+"Failure recovery of load balancers"): after a failover, a region's clients resolve the service name to the closest live
+region's balancer; after recovery, to their own again.
 
 The desired answer of region R is the address of a live (healthy, not draining) balancer of the region R is
 assigned to (controller/store.py ``assignments``). :class:`DnsSync` writes it through :class:`DnsUpdater` (RFC 2136

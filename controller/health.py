@@ -1,5 +1,5 @@
-"""The controller's active health check of replicas and balancers, and the failover it drives (issue 9, items 1-2;
-SkyLB paper §4.2 "Service controller" and "Failure recovery of load balancers").
+"""The controller's active health check of replicas and balancers, and the failover it drives (SkyLB paper §4.2
+"Service controller" and "Failure recovery of load balancers").
 
 Each registered replica is probed through its engine adapter (skylb/engines: the same probe a balancer uses for
 load, so "healthy" means the same thing to both); each balancer on ``GET /healthz``. Rise and fall as in HAProxy's

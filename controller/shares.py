@@ -1,5 +1,5 @@
-"""Each region's share of every limit, without Redis (issue 11, item 3: "the embedded default splits each limit
-across regions and the controller moves unused share to busy regions").
+"""Each region's share of every limit, without Redis (the embedded default splits each limit across regions and the
+controller moves unused share to busy regions).
 
 Balancers enforce their share of each bucket in-process (skylb/quota/buckets.py ``LocalLimits.set_shares``) and
 report, in every heartbeat, the demand each bucket saw over the last minute (skylb/quota/demand.py). The controller

@@ -2,8 +2,8 @@
 
 The controller is the only writer of membership, and this store is where it writes. Every write runs in one
 transaction that also bumps ``revision``, so a reader that saw revision N and later sees N + k knows exactly that
-something changed, and a restart resumes from the same revision (balancers watch from a revision; see
-shared/reference/reliability.md, "Control-plane durability").
+something changed, and a restart resumes from the same revision (balancers watch from a revision, as etcd's watch API
+resumes from one: etcd documentation, "etcd API", "Revisions" and "Watch API").
 
 Calls are synchronous and short (one local transaction, well under a millisecond on an SSD); the server calls them
 from its event loop directly rather than from a thread, which keeps every write strictly ordered.

@@ -2,7 +2,8 @@
 
 Only the fields routing needs are read (model, stream, the prompt text, the session key); the body is forwarded
 unchanged so engine extras (vLLM ``ignore_eos``, llama.cpp ``cache_prompt``, ...) pass through.
-Source: shared/reference/engines.md, "OpenAI-compatible API, as a balancer sees it".
+Source: the OpenAI API reference ("Chat", "Completions", "Embeddings", "Models") and Ollama's "OpenAI compatibility"
+docs.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def parse_ollama(path: str, body: bytes, *, session_header_value: str | None) ->
     """Parse an Ollama ``/api/generate``, ``/api/chat``, ``/api/embed`` or ``/api/embeddings`` body.
 
     ``stream`` defaults to true as in Ollama (embeddings never stream). An empty prompt or message list is valid
-    (Ollama loads the model). Source: shared/reference/engines.md, "Ollama API, as a balancer sees it".
+    (Ollama loads the model). Source: Ollama's API docs (``docs/api.md``, "Load a model").
     Raises BadRequest naming the field.
     """
     data = _load_object(body)

@@ -16,7 +16,7 @@ Without a peer token, peer endpoints, /metrics (without a metrics token) and the
 only (protected mode, as Redis's: loopback addresses), so a deployment that forgot its token is not open to the
 network; without keys the client APIs are open (a load balancer's usual default). process.py logs a warning at start
 for each check that is narrowed or off. Secrets are compared
-in constant time and never logged. Source: DESIGN.md decision 8 (secure by default); OpenAI's and Ollama's error
+in constant time and never logged. Secure by default. Source: OpenAI's and Ollama's error
 shapes (api.py).
 """
 

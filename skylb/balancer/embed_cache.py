@@ -1,7 +1,7 @@
 """The embedding cache: identical embedding requests are answered from memory, before the queue.
 
-Source: ../shared/seeds/003_33281541f069f9cd.txt, "The Embed Cache": embeddings are deterministic (same model, same
-input, same vector), so a repeated one costs a replica nothing; the seed keys on model and input with a 5 minute
+Source: "Why I Built a Priority Queue for Ollama", "The Embed Cache": embeddings are deterministic (same model, same
+input, same vector), so a repeated one costs a replica nothing; the blog keys on model and input with a 5 minute
 TTL and a hit is answered before the queue. Here the key also holds everything else that can change the answer
 (every body field but ``user`` and ``keep_alive``: ``dimensions``, ``encoding_format``, ``truncate``, ``options``,
 ...), the path (the three embedding APIs answer in different shapes), the tenant, and, when clients' own
@@ -40,7 +40,7 @@ class EmbeddingCacheSettings(BaseModel):
 
     Attributes:
         enabled: keep successful embedding answers and answer identical requests from memory.
-        ttl_s: how long an answer is kept, s (seed 003: 5 minutes).
+        ttl_s: how long an answer is kept, s ("Why I Built a Priority Queue for Ollama": 5 minutes).
         max_bytes: the most memory the answers take, bytes (bodies plus 256 bytes per entry); the least recently
             used go first. An answer larger than this is not kept.
     """

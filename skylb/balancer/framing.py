@@ -7,8 +7,9 @@ client, the tail waits for its end, and a failure drops the tail and appends a w
 also says whether the stream ended properly (SSE ``data: [DONE]``, an NDJSON object with ``"done": true``, or an
 error event of the engine's own) and whether an event is garbage (not JSON), so a truncated or garbled stream is
 reported to the client and counted against the replica instead of ending silently.
-Source: shared/reference/engines.md ("Streaming"; Ollama NDJSON), the WHATWG SSE format (field lines, blank line
-ends an event, lines starting with ``:`` are comments).
+Sources: Ollama's API docs ("Streaming responses": NDJSON), the OpenAI API reference ("Streaming"), the WHATWG
+HTML Standard §9.2 "Server-sent events" (field lines, blank line ends an event, lines starting with ``:`` are
+comments).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Membership from the controller: watch it, apply it to the router, keep it on disk.
 
-Static stability (DESIGN.md decision 5): the last membership is persisted to ``state_dir``; at start the balancer
-loads it before the controller answers, and when the controller is unreachable it keeps serving on it and says so
-(``controller_reachable`` in status and metrics). The controller is watched with a long poll from the last revision;
-every answer is a full snapshot, so a missed change is never lost.
+Static stability (the Amazon Builders' Library, "Static stability using Availability Zones"): the last membership is
+persisted to ``state_dir``; at start the balancer loads it before the controller answers, and when the controller is
+unreachable it keeps serving on it and says so (``controller_reachable`` in status and metrics). The controller is
+watched with a long poll from the last revision; every answer is a full snapshot, so a missed change is never lost.
 
 The snapshot also carries the controller's quotas (``quotas``, ``quotas_revision``; controller/quotas.py): when they
 differ from the ones applied, ``apply_quotas`` gets them, so a `skylb-ctl quota set` reaches every balancer within

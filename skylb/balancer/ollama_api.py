@@ -4,7 +4,7 @@
 (every model the region can serve: its Ollama replicas' entries, plus the models of its other replicas and of its
 peers, since those are forwarded), ``GET /api/ps`` (models loaded on the local Ollama replicas), ``POST /api/show``
 (asked of a local Ollama replica serving the model, else of a peer that serves it).
-Source: shared/reference/engines.md, "Ollama API, as a balancer sees it"; seed 003 (pass-through endpoints).
+Sources: Ollama's API docs (``docs/api.md``); "Why I Built a Priority Queue for Ollama" (pass-through endpoints).
 """
 
 from __future__ import annotations

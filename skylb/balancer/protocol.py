@@ -1,7 +1,7 @@
 """Balancer-to-balancer protocol: the msgpack peer status and the headers that mark forwarded requests.
 
-Source: DESIGN.md decision 3 (msgpack, versioned, authenticated; one hop) and SkyLB paper Algorithm 1 line 10
-(PROBELB returns the peer's available replicas and queue size).
+Messages are msgpack, versioned and authenticated; a forwarded request is never forwarded again (one hop). Source:
+SkyLB paper Algorithm 1 line 10 (PROBELB returns the peer's available replicas and queue size).
 """
 
 from __future__ import annotations

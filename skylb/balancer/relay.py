@@ -1,11 +1,12 @@
 """The relay: sends a request to its target (a local replica or a peer balancer) and the response back, chunk by chunk.
 
-Rules (DESIGN.md decision 6, shared/reference/reliability.md): a request is retried only before its first byte went
-to the client; once streaming has started, a failing upstream ends the stream with a well-formed error event instead
-of a retry (no spliced, duplicated generation). Closing the upstream response when the client leaves aborts the
-upstream request, so the engine frees the slot. Timeouts are per phase (first byte, then idle between chunks),
-never a total that would cut a long generation (reliability.md). Streams are relayed whole event by whole event
-(framing.py), so an error event is never spliced into half an event, and garbage is caught.
+Rules (Envoy's router filter, "Retry semantics"; aiohttp's "Web Server Advanced", "Peer disconnection"): a request is
+retried only before its first byte went to the client; once streaming has started, a failing upstream ends the stream
+with a well-formed error event instead of a retry (no spliced, duplicated generation). Closing the upstream response
+when the client leaves aborts the upstream request, so the engine frees the slot. Timeouts are per phase (first byte,
+then idle between chunks), never a total that would cut a long generation (aiohttp's client default, a 300 s total,
+would). Streams are relayed whole event by whole event (framing.py), so an error event is never spliced into half an
+event, and garbage is caught.
 """
 
 from __future__ import annotations
@@ -173,17 +174,7 @@ class Relay:
                     upstream = await upstream_cm.__aenter__()
                     if upstream.status in RETRYABLE_STATUSES and retry_allowed:
                         return failed(upstream.status, f"{decision.target} answered {upstream.status}")
-                    kind = stream_kind(upstream.headers.get("Content-Type", ""))
-                    if kind is None:
-                        data = await upstream.read()
-                    else:
-                        framer = StreamFramer(kind)
-                        while not first and not eof:  # the client's first byte is the target's first whole event
-                            chunk = await upstream.content.readany()
-                            if chunk:
-                                first = framer.feed(chunk)
-                            else:
-                                eof, first = True, framer.finish()
+                    framer, first, data, eof = await _read_until_first_event(upstream)
             except TimeoutError:
                 if abandoned:
                     return failed(504, f"{decision.route} {decision.target} given up before its first byte: "
@@ -295,6 +286,28 @@ async def _watch(abandon: Callable[[], str | None], every_s: float, deadline: as
             reasons.append(reason)
             deadline.reschedule(loop.time())
             return
+
+
+async def _read_until_first_event(upstream: aiohttp.ClientResponse
+                                  ) -> tuple[StreamFramer | None, bytes, bytes, bool]:
+    """Read the target's answer up to what the client's first byte will be: ``(framer, first, data, eof)``.
+
+    A whole answer (not SSE or NDJSON): ``(None, b"", body, False)``. A stream: its framer, its first whole event
+    ``first`` (empty when the stream ended before one: ``eof`` True). Raises what the read raises (FramingError,
+    aiohttp.ClientError, OSError); the caller's first-byte timeout applies around it.
+    """
+    kind = stream_kind(upstream.headers.get("Content-Type", ""))
+    if kind is None:
+        return None, b"", await upstream.read(), False
+    framer = StreamFramer(kind)
+    first, eof = b"", False
+    while not first and not eof:  # the client's first byte is the target's first whole event
+        chunk = await upstream.content.readany()
+        if chunk:
+            first = framer.feed(chunk)
+        else:
+            eof, first = True, framer.finish()
+    return framer, first, b"", eof
 
 
 async def _start_stream(request: web.Request, status: int, headers: dict) -> web.StreamResponse:

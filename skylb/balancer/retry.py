@@ -1,4 +1,5 @@
-"""Retry budget and backoff (Envoy's ``retry_budget`` and ``retry_back_off``; shared/reference/reliability.md).
+"""Retry budget and backoff (Envoy's ``retry_budget`` and ``retry_back_off``: Envoy docs,
+"Retry semantics" and the ``config.route.v3.RetryPolicy`` / ``config.cluster.v3.CircuitBreakers`` API reference).
 
 A retry budget bounds retries as a share of the load instead of per request, so a failing region does not multiply
 its own load: at most ``budget_percent`` of the requests a balancer holds may be in a retry at once, and never fewer

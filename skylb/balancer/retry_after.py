@@ -3,7 +3,7 @@ placed, estimated from the dispatch rate.
 
 A new request waits behind the ``q`` requests queued; the router places about ``r`` requests per second (its recent
 dispatch rate), so it would be placed in about (q + 1) / r seconds. Jittered +-10 % and rounded up to whole
-seconds, at least 1 (seed 001 iteration 2, "Smarter waits"), at most ``max_s``; the configured
+seconds, at least 1 (LLM-Load-Balancer README, "Iteration 2", "Smarter waits"), at most ``max_s``; the configured
 ``retry_after_s`` when nothing was placed lately (no rate to go by).
 """
 

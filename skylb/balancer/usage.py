@@ -1,7 +1,9 @@
 """Token counts and engine durations read from responses as the relay passes them on, for measured speed
-(skylb/core/rates.py; seed 000 §4.3 "Parameter updating").
+(skylb/core/rates.py; OllamaRouter paper, "Adaptive Load Balancing for Distributed LLM Inference Using Ollama",
+§4.3 "Parameter Updating").
 
-Where they are (shared/reference/engines.md; Ollama ``api/types.go`` Metrics, OpenAI's chat completion object):
+Where they are (Ollama's API docs, "Generate a completion" response; Ollama ``api/types.go`` Metrics; OpenAI's chat
+completion object):
 
 * Ollama native (``/api/generate``, ``/api/chat``): the non-streamed body, or the last NDJSON object of a stream
   (``"done": true``), carries ``prompt_eval_count``, ``eval_count`` and ``prompt_eval_duration``, ``eval_duration``

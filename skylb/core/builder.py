@@ -4,7 +4,7 @@
 BalancerConfig``, or any object with the same attributes) into a ``Router``: the policy by registry name with its
 validated options, and the availability rules. So the simulated SkyLB and the live balancer built from the same
 config route with equal routers (tests/test_builder.py), and a setting cannot be passed in one place and forgotten
-in another (DESIGN.md decision 9).
+in another.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """How long a new request would wait on a replica before its prefill starts, from what a balancer knows.
 
-Source: issue 8 ("a load signal that sees prefill backlog and KV pressure") and the engines' schedulers: vLLM V1 and
+Source: the engines' schedulers (a load signal that sees prefill backlog and KV pressure): vLLM V1 and
 SGLang run prompts in FCFS order with chunked prefill, so a new request's first token waits for the prompts queued
 ahead of it on that replica, plus its own prefill. What the balancer knows exactly is its own share of that queue:
 the prompts it sent that have not streamed a first token yet (``ReplicaState.unprefilled``, less the prefix it
 expects the engine to have cached). Requests the engine reports pending beyond those (sent by another balancer)
 are counted at ``default_prompt_tokens`` each. Tokens become seconds at the replica's prefill rate: the one measured
-on that replica (``ReplicaState.rates``, an EMA of prefill seconds per prompt token learned from responses; seed 000,
-skylb/core/rates.py) once it is measured, else the configured ``prefill_tokens_per_s``.
+on that replica (``ReplicaState.rates``, an EMA of prefill seconds per prompt token learned from responses;
+OllamaRouter §4.3, skylb/core/rates.py) once it is measured, else the configured ``prefill_tokens_per_s``.
 
 Units: tokens, tokens/s, seconds. Pure: no clock, no I/O.
 """
@@ -73,7 +73,7 @@ class WaitModel:
 
     def prior_s_per_token(self, replicas) -> float | None:
         """The fastest measured prefill rate among ``replicas`` (s/token), the estimate for an unmeasured one beside
-        them; None when none is measured or ``measured`` is off. Optimistic on purpose, as seed 000 tries an
+        them; None when none is measured or ``measured`` is off. Optimistic on purpose, as OllamaRouter tries an
         unmeasured replica first: with the configured constant (often slower than a measured replica) a new or
         failed-over replica lost every idle-time tie and stayed unmeasured until the others were busy."""
         if not self.measured:

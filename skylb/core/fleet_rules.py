@@ -5,7 +5,7 @@ Pure: no I/O, no clock reads (``now`` is an argument, s on the balancer's clock)
 ``FleetRules.candidates`` which local replicas may take a request (skylb/core/router.py); the balancer's fleet
 module acts on its answers (pre-warm, fallback; skylb/balancer/ollama_fleet.py).
 
-Source: seed 002 (the Ollama fleet router's routing engine): stage 1 elimination (model on disk, enough free memory
+Source: the Ollama fleet router's "Routing Engine" guide: stage 1 elimination (model on disk, enough free memory
 to load it, not paused), signal 1 model thermal state (hot: loaded now; recent: loaded within the last 30 minutes,
 the OS likely still caches its file; disk; absent), the goal ``total_time = queue_wait_time + cold_load_time +
 inference_time`` (a hot model beats an idle replica that must load it), stage 4 pre-warm (the runner-up loads the
@@ -59,7 +59,8 @@ class FleetSettings(BaseModel):
     costs one ``GET /api/ps`` per probe round) and shown in status.
 
     Attributes:
-        recent_window_s: a model unloaded less than this ago is "recent" rather than "disk" (s; seed 002: 30 min).
+        recent_window_s: a model unloaded less than this ago is "recent" rather than "disk" (s; "Routing
+            Engine": 30 min).
         hot_preference: prefer replicas where the request's model is hot over ones that must load it, by the cost
             queue wait + load time (off: every replica serving the model is equal).
         default_load_s: load time assumed for a model before one was measured on a replica (s).
@@ -70,7 +71,8 @@ class FleetSettings(BaseModel):
             the model, even after unloading idle models, is not a candidate.
         paused: replica ids the operator paused: not candidates (their in-flight requests finish).
         prewarm: pre-warm on (stage 4); prewarm_threshold: more queued requests for a model at the balancer than
-            this trigger it (seed 002: "exceeds the pre-warm threshold (default: 3)"); prewarm_keep_alive: the
+            this trigger it ("Routing Engine", "Stage 4: Pre-Warm": "exceeds the pre-warm
+            threshold (default: 3)"); prewarm_keep_alive: the
             keep_alive sent with the empty generate.
         fallbacks: per model, fallback models in order, tried after ``fallback_hold_s`` seconds when no replica
             (local or peer) can take the primary.
@@ -149,7 +151,7 @@ class FleetView:
 
 
 def thermal(replica: "ReplicaState", model: str, now: float, recent_window_s: float = 1800.0) -> Thermal:
-    """The model's thermal state on ``replica`` at ``now`` (seed 002 signal 1): "hot" (in the latest /api/ps),
+    """The model's thermal state on ``replica`` at ``now`` ("Routing Engine", signal 1): "hot" (in the latest /api/ps),
     "recent" (seen loaded within ``recent_window_s`` s), "disk" (listed by /api/tags or served), "absent".
     A replica without fleet state (not Ollama) counts its served models as hot: they are always loaded."""
     view = replica.fleet
@@ -188,8 +190,8 @@ class FleetRules:
     settings: FleetSettings = field(default_factory=FleetSettings)
 
     def eliminated(self, replica: "ReplicaState", model: str, now: float) -> str | None:
-        """Why ``replica`` cannot serve ``model`` at all now (seed 002 stage 1), or None: paused or draining, the
-        model absent, or not enough memory to load it even after unloading idle models (models with no request of
+        """Why ``replica`` cannot serve ``model`` at all now ("Routing Engine", stage 1), or None: paused or draining,
+        the model absent, or not enough memory to load it even after unloading idle models (models with no request of
         this balancer in flight there; Ollama unloads idle ones to make room)."""
         if replica.draining:
             return "draining"
@@ -220,8 +222,9 @@ class FleetRules:
 
         ``wait_s(replica)``: a policy's estimated wait (s) or None; without one, a busy replica's wait is its
         requests beyond its slots times ``service_s``. ``embedding`` with ``embedding_slot`` on: an Ollama replica
-        with one generation slot, busy, is a candidate too while no other embedding runs there (seed 003's
-        concurrent embed slot); ``usable(replica)`` says it is healthy, fresh, not draining, not ejected.
+        with one generation slot, busy, is a candidate too while no other embedding runs there ("Why I Built a
+        Priority Queue for Ollama": a concurrent embed slot); ``usable(replica)`` says it is healthy, fresh, not
+        draining, not ejected.
         """
         s = self.settings
         if embedding and s.embedding_slot and usable is not None:
@@ -259,8 +262,8 @@ class FleetRules:
 
     def runner_up(self, model: str, api: str, winner: "ReplicaState", replicas: list["ReplicaState"],
                   now: float) -> "ReplicaState | None":
-        """The replica to pre-warm ``model`` on (seed 002 stage 4): not the winner, healthy, not eliminated, the
-        model not hot there; the one with the fewest outstanding requests (ties: the lowest id). None if none."""
+        """The replica to pre-warm ``model`` on ("Routing Engine", stage 4): not the winner, healthy, not eliminated,
+        the model not hot there; the one with the fewest outstanding requests (ties: the lowest id). None if none."""
         options = [r for r in replicas if r is not winner and r.fleet is not None and r.healthy
                    and r.serves("", api) and self.eliminated(r, model, now) is None
                    and thermal(r, model, now, self.settings.recent_window_s) != HOT]

@@ -1,13 +1,14 @@
 """Outlier detection (passive health checking) with Envoy's names and defaults.
 
-Source: Envoy's ``outlier_detection`` (docs: "Outlier detection", "Panic threshold"; shared/reference/
-reliability.md). A target (a local replica or a peer balancer) that fails ``consecutive_5xx`` requests in a row, or
-``consecutive_gateway_failure`` of them with a gateway failure (refused, reset, timed out before the first byte,
-502/503/504), is ejected for ``base_ejection_time_s`` x its ejection count (at most ``max_ejection_time_s``); the
-count drops by one for every ``interval_s`` spent un-ejected. At most ``max_ejection_percent`` of a population (the
-local replicas; the peers) is ejected at once, rounded down but at least one target, as Envoy ejects at least one
-host whatever the percentage. When fewer than ``healthy_panic_threshold`` percent of a population is healthy and
-un-ejected, ejection is ignored for it (panic): routing to a possibly bad target beats routing nowhere.
+Source: Envoy's ``outlier_detection`` (Envoy docs, architecture overview: "Outlier detection" and "Panic threshold"; API
+reference ``config.cluster.v3.OutlierDetection``). A target (a local replica or a peer balancer) that fails
+``consecutive_5xx`` requests in a row, or ``consecutive_gateway_failure`` of them with a gateway failure (refused,
+reset, timed out before the first byte, 502/503/504), is ejected for ``base_ejection_time_s`` x its ejection count (at
+most ``max_ejection_time_s``); the count drops by one for every ``interval_s`` spent un-ejected. At most
+``max_ejection_percent`` of a population (the local replicas; the peers) is ejected at once, rounded down but at least
+one target, as Envoy ejects at least one host whatever the percentage. When fewer than ``healthy_panic_threshold``
+percent of a population is healthy and un-ejected, ejection is ignored for it (panic): routing to a possibly bad target
+beats routing nowhere.
 
 Pure: no clock, no I/O; times are arguments (s).
 """

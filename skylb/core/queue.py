@@ -1,13 +1,12 @@
 """The queue with priority classes: classes strictly in order (with aging), tenants of a class by weighted deficit
 round robin, first come, first served inside a tenant.
 
-Sources: DESIGN.md's request flow ("queue: priority classes, then tenants by weighted deficit round robin, FCFS
-inside"); ../shared/seeds/003_33281541f069f9cd.txt (three strict tiers: embeddings critical by path, then
+Sources: "Why I Built a Priority Queue for Ollama" (three strict tiers: embeddings critical by path, then
 ``X-Priority: high``, then the rest); deficit round robin after Shreedhar and Varghese, "Efficient fair queueing
 using deficit round robin" (SIGCOMM 1995), with a tenant's quantum scaled by its weight.
 
-Aging (ours, not the seed's): a request's class rises one step per ``aging_s`` waited (from ``queued_since``), up
-to ``critical``. The seed's proxy serves strict tiers because its queue drains in seconds; a balancer shared by
+Aging (ours, not the blog's): a request's class rises one step per ``aging_s`` waited (from ``queued_since``), up
+to ``critical``. The blog's proxy serves strict tiers because its queue drains in seconds; a balancer shared by
 many tenants can be saturated for minutes, and strict tiers would then starve ``low`` (and ``normal``) until the
 queue timeout failed them. With aging, a request waits at most about ``aging_s`` per class step before it competes,
 oldest first, with the class above. ``aging_s`` 0 keeps strict tiers.

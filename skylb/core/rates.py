@@ -1,11 +1,12 @@
 """Measured speed per replica and model: exponential moving averages (EMAs) of time per token, learned from what
 each response reports, and the estimated wait built on them.
 
-Source: seed 000 (OllamaRouter; ../shared/seeds/000_b071411eabc9df88.txt) §3 eq. (1)-(2) and §4.3. For a request
+Source: the OllamaRouter paper ("Adaptive Load Balancing for Distributed LLM Inference Using Ollama") §3
+eq. (1)-(2) and §4.3 "Parameter Updating". For a request
 with ``p`` prompt characters on replica ``i``:
 
 * ``T^ = p x f`` tokens, where ``f`` (the token-estimation factor) is an EMA of (prompt + output tokens) / prompt
-  characters over every response (characters counted with runs of whitespace as one, as the seed does);
+  characters over every response (characters counted with runs of whitespace as one, as the paper does);
 * ``W^(i) = (gamma_i x q_i x f + T^) x t^_i`` seconds, where ``q_i`` is the prompt characters of the requests this
   balancer has in flight on ``i``, ``t^_i`` the EMA of seconds per token (prompt + output) on ``i`` for the
   request's model, and ``gamma_i`` in [0, 2] the queue weight;
@@ -15,7 +16,7 @@ with ``p`` prompt characters on replica ``i``:
 One refinement: when the engine reports its own durations (Ollama's ``prompt_eval_duration`` + ``eval_duration``),
 ``t^`` learns from that service time rather than from the measured end-to-end time, so queueing in the engine is
 counted once (by ``gamma x q``), not also inside ``t^``; ``gamma`` still learns from the measured end-to-end time
-against the estimate made at dispatch. Besides the seed's ``t^``, each replica keeps EMAs of prefill seconds per
+against the estimate made at dispatch. Besides the paper's ``t^``, each replica keeps EMAs of prefill seconds per
 prompt token and decode seconds per output token; the prefill rate is what skylb/core/estimate.py's WaitModel uses in
 place of its configured constant once a replica is measured (one estimator, shared).
 
@@ -38,7 +39,7 @@ _WHITESPACE = re.compile(r"\s+")
 
 
 def prompt_chars(text: str) -> int:
-    """Characters of ``text`` with each run of whitespace counted once, ends stripped (seed 000 §3)."""
+    """Characters of ``text`` with each run of whitespace counted once, ends stripped (OllamaRouter §3)."""
     return len(_WHITESPACE.sub(" ", text.strip()))
 
 
@@ -77,7 +78,7 @@ class ModelRates:
     """EMAs for one replica and model (or every model together). None: not measured yet.
 
     Attributes:
-        time_per_token_s: the seed's t^: service seconds per token, prompt and output together.
+        time_per_token_s: the paper's t^: service seconds per token, prompt and output together.
         prefill_s_per_token: seconds per prefilled prompt token; decode_s_per_token: seconds per output token.
         samples: responses learned from.
     """
@@ -108,8 +109,8 @@ class ReplicaRates:
 
     Attributes:
         models: model -> its EMAs on this replica; overall: EMAs over every model (for backlogs mixing models).
-        gamma: the queue weight, in [0, 2] (seed 000 §3; 1 until learned).
-        inflight: request id -> InFlight; queued_chars: the sum of their ``chars`` (the seed's q_i).
+        gamma: the queue weight, in [0, 2] (OllamaRouter §3; 1 until learned).
+        inflight: request id -> InFlight; queued_chars: the sum of their ``chars`` (the paper's q_i).
     """
 
     models: dict[str, ModelRates] = field(default_factory=dict)
@@ -145,7 +146,7 @@ class RateBook:
 
     Args:
         alpha: EMA smoothing factor in (0, 1]: the weight of the newest response.
-        gamma: None: the queue weight is learned per replica (seed 000 §4.3); a number in [0, 2]: fixed.
+        gamma: None: the queue weight is learned per replica (OllamaRouter §4.3); a number in [0, 2]: fixed.
         token_factor: None: ``f`` is learned (starting at DEFAULT_TOKEN_FACTOR); a number: fixed, tokens per char.
     """
 
@@ -183,7 +184,7 @@ class RateBook:
         return rates.queued_chars * self.token_factor
 
     def estimate_s(self, rates: ReplicaRates, model: str, chars: int) -> float | None:
-        """W^ (seed 000 eq. 1): seconds until a new ``model`` request of ``chars`` prompt characters would be
+        """W^ (OllamaRouter eq. 1): seconds until a new ``model`` request of ``chars`` prompt characters would be
         answered by the replica with ``rates``; None when the replica is unmeasured for ``model``."""
         measured = rates.for_model(model)
         if measured is None:
@@ -219,10 +220,10 @@ class RateBook:
 
     def observe(self, rates: ReplicaRates, request_id: str, usage: Usage, *, ttft_s: float | None,
                 e2e_s: float) -> bool:
-        """Learn from request ``request_id``'s response on the replica with ``rates`` (seed 000 §4.3).
+        """Learn from request ``request_id``'s response on the replica with ``rates`` (OllamaRouter §4.3).
 
         ``usage``: what the response reported; ``ttft_s``: dispatch to first byte, s (None: not streamed);
-        ``e2e_s``: dispatch to the end of the response, s (the seed's measured W). Call before ``released``.
+        ``e2e_s``: dispatch to the end of the response, s (the paper's measured W). Call before ``released``.
         Returns False (nothing learned) for a request not in flight there or a response without token counts.
         """
         flight = rates.inflight.get(request_id)

@@ -20,7 +20,7 @@ class Request:
         model: the requested model name.
         session_key: the hash-ring key (session header, OpenAI ``user`` or ``prompt_cache_key``), or None.
         forwarded_from: the region of the peer that forwarded this request, or None when a client sent it here.
-            A forwarded request is never forwarded again (one hop; DESIGN.md decision 3).
+            A forwarded request is never forwarded again (one hop: no request loops between regions).
         prompt_tokens: an estimate of the prompt's length in tokens, when known (for reporting only).
         api: the API dialect the request must be served in: "openai" (every engine) or "ollama" (Ollama replicas
             and peer balancers only).

@@ -81,10 +81,10 @@ class Router:
         self.rules = rules or AvailabilityRules()
         self.outlier = outlier or OutlierDetector()
         self.fleet = fleet or FleetRules()
-        # With hot preference on, the estimated-wait policy counts a model's load time (0 where it is hot): total
-        # time = queue wait + load time + inference time (seed 002 signal 1 with seed 000's estimate). Off, thermal
-        # state changes no routing (an unmeasured load time would keep requests off a cold replica for good, and
-        # seed 000's exploration of unmeasured replicas with it).
+        # With hot preference on, the estimated-wait policy counts a model's load time (0 where it is hot): total time =
+        # queue wait + load time + inference time (the fleet router's "Routing Engine" guide, signal 1, with
+        # OllamaRouter's estimate). Off, thermal state changes no routing (an unmeasured load time would keep requests
+        # off a cold replica for good, and OllamaRouter's exploration of unmeasured replicas with it).
         if self.fleet.settings.hot_preference:
             default_load_s = self.fleet.settings.default_load_s
             self.policy.rates.load_s = lambda replica, model: fleet_load_s(replica, model, default_load_s)
@@ -320,7 +320,7 @@ class Router:
                 state.prefilled(decision.request.id)
 
     def observe_response(self, decision: Decision, usage: Usage, *, ttft_s: float | None, e2e_s: float) -> bool:
-        """Learn the replica's speed from ``decision``'s response (skylb/core/rates.py, seed 000 §4.3): ``usage``
+        """Learn the replica's speed from ``decision``'s response (skylb/core/rates.py, OllamaRouter §4.3): ``usage``
         as the response reported it, ``ttft_s`` and ``e2e_s`` measured from dispatch (s). Call before
         ``finished``. Returns False when nothing was learned (a peer's, or no token counts)."""
         state = self.replicas.get(decision.target) if decision.route == "local" else None

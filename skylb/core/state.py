@@ -123,10 +123,10 @@ class ReplicaState:
             self.dispatch_times.popleft()
 
     def slot_freed(self, dispatched_at: float) -> None:
-        """A request sent here at ``dispatched_at`` (s) finished: its place in the engine is free now, before the
-        next probe says so (issue 8, "pushing without idle slots"). Sent after the latest probe: it no longer counts
-        as unseen. Seen by it: the engine admits one of its pending requests, or, with none pending, one more slot of
-        its running batch is free. The next probe corrects any error."""
+        """A request sent here at ``dispatched_at`` (s) finished: its place in the engine is free now, before the next
+        probe says so (pushing without idle slots, where the SkyLB paper's §3.3 waits for the next probe). Sent after
+        the latest probe: it no longer counts as unseen. Seen by it: the engine admits one of its pending requests, or,
+        with none pending, one more slot of its running batch is free. The next probe corrects any error."""
         try:
             self.dispatch_times.remove(dispatched_at)
             return

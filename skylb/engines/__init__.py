@@ -1,6 +1,6 @@
 """Engine adapters: how to read pending / running / health / served models from one replica of each engine.
 
-Adding an engine is adding one adapter module and its test (DESIGN.md decision 2). ``adapter_for(engine)`` returns
+Adding an engine is adding one adapter module and its test. ``adapter_for(engine)`` returns
 the adapter registered under that engine name:
 
 ========  =====================================================  ==========================================

@@ -1,6 +1,6 @@
 """``--engine auto``: tell which engine serves a URL by probing it once, remember the answer, then delegate.
 
-Detection, first conclusive answer wins (sources: shared/reference/engines.md and each adapter module):
+Detection, first conclusive answer wins (sources: each engine's documentation, cited in its adapter module):
 
 1. ``GET /metrics``: metric names starting ``vllm:``, ``sglang:``, ``llamacpp:`` or ``tgi_``; llama.cpp also
    answers 501 "... Start it with `--metrics`" (metrics off) or 503 "Loading model".

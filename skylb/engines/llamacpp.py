@@ -1,8 +1,9 @@
 """llama.cpp (``llama-server``): pending = ``llamacpp:requests_deferred``, running = ``llamacpp:requests_processing``,
 both from ``GET /metrics`` (one unlabelled sample each).
 
-Sources: shared/reference/engines.md (llama.cpp row; checked on a real llama-server with ``-np 4 --metrics``: 8
-concurrent requests gave requests_processing 4 and requests_deferred 4); ggml-org/llama.cpp ``tools/server``:
+Sources: the llama.cpp server README (``tools/server/README.md``, "GET /metrics"; checked on a real llama-server
+with ``-np 4 --metrics``: 8 concurrent requests gave requests_processing 4 and requests_deferred 4);
+ggml-org/llama.cpp ``tools/server``:
 ``/metrics`` answers 501 "This server does not support metrics endpoint. Start it with `--metrics`" when metrics
 are off, and while the model loads every route but /models, /v1/models and /api/tags answers 503
 ``{"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}`` (so /metrics alone tells

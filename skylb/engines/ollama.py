@@ -6,9 +6,9 @@ pending = max(0, outstanding - slots) and running = min(outstanding, slots), whe
 ones from ``GET /api/ps`` (``models[].name``, ``size``, ``size_vram``, ``expires_at``), read on every probe round
 (the model thermal state, skylb/core/fleet_rules.py).
 
-Sources: shared/reference/engines.md (Ollama row: no queue or load metric, ollama/ollama issue #3144 still open;
-``OLLAMA_NUM_PARALLEL`` default 1); ollama/ollama ``server/routes.go`` (``GET /`` and ``HEAD /`` answer "Ollama is
-running"; ``ListHandler`` for /api/tags).
+Sources: the Ollama documentation, "API" (``docs/api.md``) and "FAQ" (no queue or load metric, ollama/ollama
+issue #3144 still open; ``OLLAMA_NUM_PARALLEL`` default 1); ollama/ollama ``server/routes.go`` (``GET /`` and
+``HEAD /`` answer "Ollama is running"; ``ListHandler`` for /api/tags).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the balancer's own in-flight count against the replica's configured concurrency.
 pending = max(0, outstanding - limit) and running = min(outstanding, limit), where limit = the replica's
 ``max_concurrency`` or :data:`DEFAULT_SLOTS` (8: a conservative guess for one GPU server; set the real
 limit with ``skylb-ctl replica add --max-concurrency N``). Health is ``GET /v1/models`` answering 200 with an
-OpenAI model list. Source: shared/reference/engines.md ("any OpenAI-compatible server" row).
+OpenAI model list. Source: the OpenAI API reference, "Models: List models" (``GET /v1/models``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 endpoints ``GET /v1/loads`` (``loads[].num_waiting_reqs``) and the legacy ``GET /get_load`` (a list of
 ``{"dp_rank", "num_reqs", "num_waiting_reqs", ...}``).
 
-Sources: shared/reference/engines.md (SGLang row); sgl-project/sglang ``python/sglang/srt/metrics/collector.py``
+Sources: the SGLang documentation, "Production Metrics"; sgl-project/sglang ``python/sglang/srt/metrics/collector.py``
 ("sglang:num_queue_reqs: The number of requests in the waiting queue", labels ``model_name``, ``engine_type``,
 ``tp_rank``, ``pp_rank`` and ``dp_rank`` with data parallelism), ``entrypoints/v1_loads.py`` and
 ``entrypoints/http_server.py`` (``/get_load``). /metrics exists only with ``--enable-metrics``; /v1/loads only in

@@ -1,6 +1,6 @@
 """Hugging Face TGI: pending = ``tgi_queue_size``, running = ``tgi_batch_current_size``, from ``GET /metrics``.
 
-Sources: shared/reference/engines.md (TGI row); huggingface/text-generation-inference ``router/src``: the
+Sources: the TGI documentation, "Metrics" reference; huggingface/text-generation-inference ``router/src``: the
 router's gauges ``tgi_queue_size`` (requests waiting for a batch) and ``tgi_batch_current_size`` (requests in the
 running batch), unlabelled, exported by metrics-exporter-prometheus. Overload shows as 429 "Model is overloaded" on
 requests, not in /metrics.

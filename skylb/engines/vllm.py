@@ -1,6 +1,6 @@
 """vLLM: pending = ``vllm:num_requests_waiting`` from ``GET /metrics``, summed over the ``engine`` label.
 
-Source: shared/reference/engines.md (vLLM V1 metrics); vLLM's waiting queue is unbounded, so this gauge is the
+Source: the vLLM documentation, "Metrics" (V1 engine); vLLM's waiting queue is unbounded, so this gauge is the
 only sign that its continuous batch is full. A replica whose /metrics does not answer 200, or answers text that
 is not Prometheus exposition, is unhealthy.
 """

@@ -1,2 +1,2 @@
-"""Quotas, model groups, priorities and admission (issue 11; seeds 001 and 003): limits (limits.py), the buckets
-that enforce them (buckets.py)."""
+"""Quotas, model groups, priorities and admission (after "LLM-Load-Balancer" and "Why I Built a Priority Queue for
+Ollama"): limits (limits.py), the buckets that enforce them (buckets.py)."""

@@ -3,11 +3,11 @@ one (one balancer, or each balancer enforcing its region's share).
 
 A request draws on several buckets at once (its tenant's limits and its model's: ``Quotas.limits_for``). ``acquire``
 is all or nothing: every bucket has room, then every one is charged; else nothing is, and the answer says how long
-until the tightest bucket will have room (seed 001's "minimal wait": the token refill for tokens and requests;
+until the tightest bucket will have room (LLM-Load-Balancer's "minimal wait": the token refill for tokens and requests;
 a slot's release is not predictable from the bucket alone, so ``wait_s`` is None for it and the caller estimates).
 
-Bucket arithmetic (seed 001, iteration 1): a bucket starts full, refills continuously at ``per_minute / 60`` per
-second up to ``per_minute``; a charge larger than the whole bucket is admitted when the bucket is full (it is cut to
+Bucket arithmetic (LLM-Load-Balancer, "Iteration 1"): a bucket starts full, refills continuously at ``per_minute / 60``
+per second up to ``per_minute``; a charge larger than the whole bucket is admitted when the bucket is full (it is cut to
 the capacity, so a huge request is slow, never impossible). Units: tokens, requests, seconds.
 """
 

@@ -1,5 +1,5 @@
 """Per-bucket demand a balancer records and reports to the controller, which moves unused share of every limit to
-the regions that need it (controller/shares.py; the embedded default without Redis, issue 11 item 3).
+the regions that need it (controller/shares.py; the embedded default without Redis).
 
 For each bucket key (``tenant/<t>/<m>``, ``model/<m>``), over the last ``window_s`` seconds (default 60: the limits
 are per minute): tokens asked for (every acquire attempt, so a request that waits and tries again counts each try),

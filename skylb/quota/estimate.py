@@ -2,8 +2,9 @@
 
 Prompt tokens are estimated from the prompt's characters (``CHARS_PER_TOKEN``, skylb/core/estimate.py: about 4 for
 English BPE vocabularies); output tokens are what the request caps them at (``max_tokens``), else the configured
-``default_max_tokens``; embeddings generate none. Source: seed 001 iteration 1 ("prompt plus max_tokens, or an
-estimate"), OpenAI's own rate limiter (it charges the prompt plus ``max_tokens`` times ``n`` up front).
+``default_max_tokens``; embeddings generate none. Source: the LLM-Load-Balancer README, "Iteration 1" ("prompt plus
+max_tokens, or an estimate"), OpenAI's own rate limiter (it charges the prompt plus ``max_tokens`` times ``n`` up
+front).
 Pure: no I/O.
 """
 

@@ -1,6 +1,6 @@
 """The quota gate: a request waits here until every bucket it draws on has room, then holds its slot until it ends.
 
-Flow (DESIGN.md "api -> admission -> queue"): the pipeline calls ``admit`` before the dispatcher's queue. The gate
+Flow (api -> admission -> queue): the pipeline calls ``admit`` before the dispatcher's queue. The gate
 reads the quotas in force (``Balancer.quotas``) on every request, so a change at runtime applies at once, and asks
 the limit backend (``Balancer.limits``: in-process, or Redis shared by every balancer) for all the request's buckets
 at once (all or nothing). A refusal is not an error yet: the request waits, counted as waiting (metrics, status),
@@ -9,8 +9,8 @@ set by ``release``), re-checking at least every ``MAX_SLEEP_S`` (a slot freed by
 never a busy loop. At its deadline (``quota.wait_s`` after arrival, capped by ``queue_timeout_s``) it raises
 ``QuotaExceeded`` carrying a Retry-After.
 
-Retry-After (seed 001 iteration 2, "Smarter waits" and "Smoothed Retry Timing"): the time until the refusing bucket
-refills enough for this request, or, for a concurrency cap, until a slot is expected to free (the oldest request
+Retry-After (LLM-Load-Balancer, "Iteration 2": "Smarter waits" and "Smoothed Retry Timing"): the time until the refusing
+bucket refills enough for this request, or, for a concurrency cap, until a slot is expected to free (the oldest request
 in flight on that bucket here ends after the bucket's recent mean duration; ``DEFAULT_DURATION_S`` before any has
 ended), jittered by +-10 % so clients told to come back do not return together, rounded up to whole seconds (the
 header's unit), at least 1 s.

@@ -1,18 +1,18 @@
 """Model groups: choose which model of a group serves a request, by weighted deficit round robin (WDRR) gated per
 model by its limits (tokens-per-minute bucket, concurrency cap) and by the model being served somewhere.
 
-Source: ../shared/seeds/001_d5e08c14a0cf6642.txt, iteration 1 ("Scheduling Model (WDRR + Concurrency + TPM)") and
-iteration 2 C/D (age bonus, jittered waits aligned to the refill tick).
+Source: the LLM-Load-Balancer README, "Iteration 1" ("Scheduling Model (WDRR + Concurrency + TPM)") and
+"Iteration 2" C/D (age bonus, jittered waits aligned to the refill tick).
 
 Two layers:
 
 * Pure arithmetic (no I/O, no clock: time is an argument): :class:`Wdrr` (deficits and the round-robin pointer of
-  one group), :func:`blocked_by_elder` (the age bonus), :func:`jittered_wait_ms` (seed iteration 2 D).
+  one group), :func:`blocked_by_elder` (the age bonus), :func:`jittered_wait_ms` ("Iteration 2" D).
 * The gate, async: :class:`ModelGate` tries the group's models in WDRR order through the LimitBackend
   (``balancer.limits``), charging the tenant's and the model's buckets (``Quotas.limits_for``), and either admits
   one (an :class:`Admitted`, to be released when the request ends) or says how long until capacity may be back.
 
-WDRR as implemented (seed iteration 1, with two deliberate differences):
+WDRR as implemented (the README's "Iteration 1", with two deliberate differences):
 
 * Rounds a request cannot be served in are skipped at once (closed form) instead of one round per schedule call,
   so WDRR alone never makes a request wait while a model has room: only the limits do.
@@ -23,7 +23,7 @@ WDRR as implemented (seed iteration 1, with two deliberate differences):
 A model refused by its limits is treated as an empty queue of classic DRR: its deficit is reset to 0 (it cannot
 take its share now, so it does not bank credit for a burst later).
 
-Age bonus (seed iteration 2 C, "so large tasks do not starve"): a request waiting in the balancer earns
+Age bonus ("Iteration 2" C, "so large tasks do not starve"): a request waiting in the balancer earns
 ``AGE_BONUS_TOKENS_PER_S`` tokens of credit per second waited; once its credit covers its estimated tokens it is
 *ripe*, and while the oldest ripe waiter of a (group, tenant) waits, younger requests of that (group, tenant) are
 not admitted ahead of it. Small requests pass large ones at first (size-aware), yet a large one waits at most about
@@ -44,14 +44,14 @@ from skylb.quota.limits import Limit, Quotas
 __all__ = ["Wdrr", "Waiter", "blocked_by_elder", "jittered_wait_ms", "ModelGate", "Admitted", "Refused",
            "AGE_BONUS_TOKENS_PER_S", "SLOT_RETRY_S", "TICK_MS", "MIN_WAIT_MS"]
 
-#: Credit a waiting request earns per second waited (tokens/s): the age bonus of seed 001 iteration 2 C.
+#: Credit a waiting request earns per second waited (tokens/s): the age bonus of LLM-Load-Balancer's "Iteration 2" C.
 AGE_BONUS_TOKENS_PER_S = 1000.0
-#: Retry delay when the refusal is a concurrency cap, whose release time nobody can predict (s; the seed's
-#: SHORT_BACKOFF_MS "100-250 ms"). A release on this balancer wakes its waiters sooner.
+#: Retry delay when the refusal is a concurrency cap, whose release time nobody can predict (s; the LLM-Load-Balancer
+#: README's SHORT_BACKOFF_MS "100-250 ms"). A release on this balancer wakes its waiters sooner.
 SLOT_RETRY_S = 0.2
-#: The refill tick waits are aligned to (ms; seed 001 iteration 2 D, "next 100 ms boundary").
+#: The refill tick waits are aligned to (ms; LLM-Load-Balancer "Iteration 2" D, "next 100 ms boundary").
 TICK_MS = 100
-#: The smallest wait returned (ms; seed 001 iteration 2 D, ``max(50, aligned_wait_ms)``).
+#: The smallest wait returned (ms; LLM-Load-Balancer "Iteration 2" D, ``max(50, aligned_wait_ms)``).
 MIN_WAIT_MS = 50
 
 
@@ -130,8 +130,9 @@ def blocked_by_elder(waiters: Sequence[Waiter], me: Waiter | None, now: float,
 
 
 def jittered_wait_ms(base_s: float, rand: float, *, tick_ms: int = TICK_MS, min_ms: int = MIN_WAIT_MS) -> int:
-    """The wait to return for a minimal wait of ``base_s`` seconds (seed 001 iteration 2 D): jittered by ±10 %
-    (``rand`` uniform in [0, 1)), rounded up to the next ``tick_ms`` boundary, at least ``min_ms``. Returns ms."""
+    """The wait to return for a minimal wait of ``base_s`` seconds (LLM-Load-Balancer "Iteration 2" D):
+    jittered by ±10 % (``rand`` uniform in [0, 1)), rounded up to the next ``tick_ms`` boundary, at least
+    ``min_ms``. Returns ms."""
     base_ms = max(0.0, base_s) * 1000.0
     jittered = base_ms + (rand * 2.0 - 1.0) * 0.1 * base_ms
     aligned = math.ceil(jittered / tick_ms - 1e-9) * tick_ms

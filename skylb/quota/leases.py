@@ -1,6 +1,6 @@
 """The admission API's state, pure (time is an argument): leases and the backpressure window.
 
-Source: ../shared/seeds/001_d5e08c14a0cf6642.txt, iteration 2: A (adaptive backpressure and parallelism advice,
+Source: the LLM-Load-Balancer README, "Iteration 2": A (adaptive backpressure and parallelism advice,
 "Pseudocode — computing advice"), B (leases, heartbeats and reclaim, "Pseudocode — lease lifecycle").
 The HTTP endpoints are in skylb/balancer/lease_api.py.
 """
@@ -17,11 +17,11 @@ from skylb.quota.groups import Admitted
 
 __all__ = ["Lease", "LeaseTable", "AdviceWindow", "Advice", "LeaseBook", "WINDOW_S", "MIN_PARALLELISM"]
 
-#: The rolling window advice is computed over (s; seed iteration 2 A: "last 60s").
+#: The rolling window advice is computed over (s; LLM-Load-Balancer README, "Iteration 2" A: "last 60s").
 WINDOW_S = 60.0
-#: The smallest suggested parallelism (seed iteration 2 A: ``min=4``).
+#: The smallest suggested parallelism (LLM-Load-Balancer README, "Iteration 2" A: ``min=4``).
 MIN_PARALLELISM = 4
-#: p95 wait normalised between these (ms; seed iteration 2 A: ``normalize(p95_wait_ms, low=25ms, high=1000ms)``).
+#: p95 wait normalised between these (ms; "Iteration 2" A: ``normalize(p95_wait_ms, low=25ms, high=1000ms)``).
 WAIT_LOW_MS, WAIT_HIGH_MS = 25.0, 1000.0
 
 
@@ -124,7 +124,7 @@ class AdviceWindow:
             self._samples.popleft()
 
     def advice(self, now: float, *, in_flight: int, capacity: int | None) -> Advice:
-        """Seed 001 iteration 2 A, exactly:
+        """The LLM-Load-Balancer README, "Iteration 2" A, exactly:
 
         ``score = clamp(0.5 * normalize(p95_wait_ms, 25, 1000) + 0.5 * (1 - admit_rate), 0, 1)``;
         ``suggested = clamp(in_flight + round((capacity - in_flight) * (1 - score)), 4, capacity)``.

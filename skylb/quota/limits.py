@@ -1,19 +1,20 @@
-"""Quotas: what limits exist, as the config file and the controller hold them (issue 11).
+"""Quotas: what limits exist, as the config file and the controller hold them.
 
 Three kinds of entry, all optional, all changeable at runtime through the controller (``skylb-ctl quota``):
 
 * ``tenants``: per tenant (the name its API keys map to; ``default`` for requests without a tenant), a ``weight``
   (its share of the queue under weighted deficit round robin), a default ``priority`` class, and per model (or
   ``"*"``: every model together) a :class:`Limit`.
-* ``models``: per model, a :class:`Limit` on all traffic to it, whatever the tenant (seed 001: a model's
+* ``models``: per model, a :class:`Limit` on all traffic to it, whatever the tenant (LLM-Load-Balancer: a model's
   tokens-per-minute bucket and concurrency cap).
 * ``groups``: per group alias (for example ``fast``), the models that serve it interchangeably with their weights
-  (seed 001, iteration 1: weighted deficit round robin across models).
+  (LLM-Load-Balancer, "Iteration 1": weighted deficit round robin across models).
 
 A limit is global across regions: balancers share counters through Redis when ``quota.redis_url`` is set, else
 each balancer enforces its region's share (skylb/quota/buckets.py).
 
-Source: ../shared/seeds/001_d5e08c14a0cf6642.txt (quota-aware router), 003_33281541f069f9cd.txt (priority classes).
+Sources: "LLM-Load-Balancer" (the quota-aware router's README); "Why I Built a Priority Queue for Ollama" (priority
+classes).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["Limit", "TenantQuota", "Quotas", "PRIORITIES", "Priority", "ALL_MODELS", "DEFAULT_TENANT"]
 
-#: Priority classes, most urgent first (seed 003: embeddings first, then ``X-Priority: high``, then the rest).
+#: Priority classes, most urgent first ("Why I Built a Priority Queue for Ollama": embeddings first, then
+#: ``X-Priority: high``, then the rest).
 PRIORITIES = ("critical", "high", "normal", "low")
 Priority = Literal["critical", "high", "normal", "low"]
 #: The model key of a tenant limit on all its models together.
@@ -42,7 +44,7 @@ class Limit(_Strict):
 
     Attributes:
         tokens_per_minute: prompt plus ``max_tokens`` (or an estimate) admitted per minute; refills continuously
-            at tokens_per_minute / 60 per second, starting full (seed 001's TPM bucket).
+            at tokens_per_minute / 60 per second, starting full (LLM-Load-Balancer's TPM bucket).
         requests_per_minute: requests admitted per minute, refilled the same way.
         max_concurrent: requests in flight at once (admitted and not yet finished).
     """

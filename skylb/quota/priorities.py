@@ -1,6 +1,6 @@
 """Priority classes: the ``balancer.priorities`` settings and how a request gets its class.
 
-Classification (../shared/seeds/003_33281541f069f9cd.txt, "Three priority tiers", extended with tenants):
+Classification ("Why I Built a Priority Queue for Ollama", its three priority tiers, extended with tenants):
 
 * embeddings (``/v1/embeddings``, ``/api/embed``, ``/api/embeddings``) are ``critical`` by their path alone: no
   client change is needed for the case that matters most (a 30 ms embedding must not wait behind minutes of
@@ -24,13 +24,13 @@ from skylb.quota.limits import PRIORITIES
 __all__ = ["PrioritySettings", "PRIORITY_HEADER", "PEER_PRIORITY_HEADER", "PEER_TENANT_HEADER", "EMBEDDING_PATHS",
            "HEADER_CLASSES", "BadPriority", "classify", "peer_class", "peer_headers"]
 
-#: The client's header choosing a class (seed 003).
+#: The client's header choosing a class ("Why I Built a Priority Queue for Ollama").
 PRIORITY_HEADER = "X-Priority"
 #: On a forwarded request: the class it got at the forwarding balancer (trusted only with the peer token).
 PEER_PRIORITY_HEADER = "X-SkyLB-Priority"
 #: On a forwarded request: its tenant at the forwarding balancer (trusted only with the peer token).
 PEER_TENANT_HEADER = "X-SkyLB-Tenant"
-#: Paths whose requests are ``critical`` (seed 003: embeddings are classified by URL path).
+#: Paths whose requests are ``critical`` (the priority-queue blog: embeddings are classified by URL path).
 EMBEDDING_PATHS = frozenset({"/v1/embeddings", "/api/embed", "/api/embeddings"})
 #: The classes a client may ask for with X-Priority.
 HEADER_CLASSES = ("high", "normal", "low")

@@ -1,8 +1,8 @@
 """Quota buckets in Redis, shared by every balancer, so a limit is global; with a fallback to this balancer's share
 when Redis is unreachable.
 
-Source: ../shared/seeds/001_d5e08c14a0cf6642.txt, iteration 1 ("state lives in Redis", "all writes use Lua
-scripts") and iteration 2 (leases). One Lua script per operation, so each is atomic on the server:
+Source: the LLM-Load-Balancer README, "Iteration 1" ("state lives in Redis", "all writes use Lua
+scripts") and "Iteration 2" (leases). One Lua script per operation, so each is atomic on the server:
 
 * acquire: refill every bucket of the request from the time since its last update (Redis server ``TIME``, so
   balancers' clocks do not matter), check all of them, and charge all or none; the same arithmetic as

@@ -3,8 +3,8 @@ over a limit waits before 429, and how requests are sized in tokens.
 
 The limits themselves are ``balancer.quotas`` (skylb/quota/limits.py). With no quotas configured nothing here has
 any effect: every request passes the gate at once, as before quotas existed. Units are in the key names.
-Source: ../shared/seeds/001_d5e08c14a0cf6642.txt (iteration 1: token buckets in Redis, updated by Lua scripts;
-iteration 2: jittered waits, leases).
+Source: the LLM-Load-Balancer README ("Iteration 1": token buckets in Redis, updated by Lua scripts;
+"Iteration 2": jittered waits, leases).
 """
 
 from __future__ import annotations

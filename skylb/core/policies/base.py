@@ -3,7 +3,7 @@
 A policy answers two narrow questions (pick a local replica, pick a peer) among candidates the router already
 filtered, and learns from each decision. Each policy registers itself by name (``class X(Policy, name="x")``;
 SkyServe's registry pattern) and declares its options as a frozen pydantic dataclass ``Options``: unknown and
-ill-typed options are errors, so a misspelt setting never falls back to a default silently (DESIGN.md decision 9).
+ill-typed options are errors, so a misspelt setting never falls back to a default silently.
 """
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
-"""``estimated-wait``: blind pushing to the replica with the least estimated wait from measured speed (seed 000).
+"""``estimated-wait``: blind pushing to the replica with the least estimated wait from measured speed (OllamaRouter).
 
-Source: seed 000 (OllamaRouter, ../shared/seeds/000_b071411eabc9df88.txt) §3 Algorithm 1 and §4.3. Each replica's
+Source: the OllamaRouter paper ("Adaptive Load Balancing for Distributed LLM Inference Using Ollama") §3 Algorithm 1
+and §4.3. Each replica's
 speed is learned from its responses (skylb/core/rates.py: EMAs of time per token per model, the token-estimation
 factor, the queue weight gamma); a request goes to the candidate with the least W^ = (gamma x q x f + p x f) x t^.
 
 * Candidates (CHOOSEINSTANCE / FILTERCANDIDATEINSTANCES): when some replica is measured for the request's model,
   the measured ones and the unmeasured ones with nothing in flight from this balancer; otherwise all.
-* An unmeasured candidate counts W^ = 0, so an idle unmeasured replica is tried first (the seed's exploration: its
+* An unmeasured candidate counts W^ = 0, so an idle unmeasured replica is tried first (the paper's exploration: its
   JavaScript multiplies by a null estimate, which is 0).
 * Ties on W^ go to the smaller queue (q x f tokens), then take turns (``Policy.least_loaded``).
 
-Blind pushing, like the seed (each Ollama instance queues what it cannot run yet): the router offers every healthy
+Blind pushing, like OllamaRouter (each Ollama instance queues what it cannot run yet): the router offers every healthy
 replica serving the model, busy or not, and W^ decides. ``pick_by_estimated_wait`` is shared with the default
 ``skylb`` policy, which uses it as the tie-breaker among replicas its own estimate leaves equal.
 """
@@ -50,7 +51,7 @@ class EstimatedWaitOptions:
 
 def pick_by_estimated_wait(book: RateBook, request: Request,
                            candidates: Sequence[ReplicaState]) -> list[ReplicaState]:
-    """The candidates (non-empty) tied best by seed 000's Algorithm 1: least W^ (unmeasured ones counting 0, and
+    """The candidates (non-empty) tied best by OllamaRouter's Algorithm 1: least W^ (unmeasured ones counting 0, and
     admitted only with nothing in flight when some candidate is measured), then the smallest queue. Returns a
     non-empty sub-list, in the candidates' order; the caller breaks what ties remain."""
     model = request.model
@@ -67,7 +68,7 @@ def pick_by_estimated_wait(book: RateBook, request: Request,
 
 
 class EstimatedWaitPolicy(Policy, name="estimated-wait"):
-    """Least estimated wait from measured per-replica, per-model speed (seed 000); blind pushing."""
+    """Least estimated wait from measured per-replica, per-model speed (OllamaRouter); blind pushing."""
 
     Options = EstimatedWaitOptions
     selective = False

@@ -1,7 +1,7 @@
 """Scoring helpers the policies share: trie keys, load imbalance, least load, the peer with most room.
 
-Each helper is a pure function over candidate states; policies combine them (the endpoint picker's
-filter -> scorer -> picker shape, DESIGN.md "Style to absorb").
+Each helper is a pure function over candidate states; policies combine them (the Gateway API Inference
+Extension endpoint picker's filter -> scorer -> picker shape).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def loads_imbalanced(candidates: Sequence[ReplicaState], abs_threshold: float, r
     """SGLang's imbalance test over outstanding requests: max - min > abs and max > rel x min.
 
     Source: sgl-project/sglang ``sgl-router/src/policies/cache_aware.rs`` (balance_abs_threshold,
-    balance_rel_threshold); the SkyLB prototype uses the same rule as its load guard (reference/peers.md).
+    balance_rel_threshold); the SkyLB prototype uses the same rule as its load guard.
     """
     loads = [c.outstanding for c in candidates]
     high, low = max(loads), min(loads)

@@ -1,6 +1,6 @@
 """SGLang router's ``cache_aware`` policy: ``sglang`` (blind pushing) and ``sglang-selective`` (with a queue).
 
-Source: sgl-project/sglang ``sgl-router/src/policies/cache_aware.rs`` and reference/peers.md. Per request:
+Source: sgl-project/sglang ``sgl-router/src/policies/cache_aware.rs``. Per request:
 
 1. Load = this balancer's in-flight requests per worker (``ReplicaState.outstanding``). When the candidates are
    imbalanced, ``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold * min``, route to the least

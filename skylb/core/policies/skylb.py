@@ -1,6 +1,7 @@
 """``skylb``: prefix trie + selective pushing on estimated wait, forwarding when a peer is faster (the default).
 
-Builds on the paper's rule (``skylb-paper``, prefix.py) with what issue 8 measured on real load:
+Builds on the paper's rule (``skylb-paper``, prefix.py) with what measurements on real load showed
+(the busiest region's TTFT under the Mooncake trace):
 
 * Availability sees prefill backlog and KV pressure. Besides 0 pending at the latest probe, a replica must have less
   than ``backlog_budget_tokens`` of this balancer's prompt tokens still waiting for their first token (about one
@@ -13,10 +14,10 @@ Builds on the paper's rule (``skylb-paper``, prefix.py) with what issue 8 measur
   ``match_threshold``; the trie's match at the deepest node) saves m x prompt tokens of prefill, converted to
   seconds at ``prefill_tokens_per_s``; that is how locality is weighed against queueing. The load guard
   (``balance_*_threshold``) still wins when outstanding requests are imbalanced.
-* Measured speed (seed 000; skylb/core/rates.py): once a replica's responses have been measured, its own prefill
+* Measured speed (OllamaRouter; skylb/core/rates.py): once a replica's responses have been measured, its own prefill
   seconds per token replace ``prefill_tokens_per_s`` in its wait and prefill estimates (``measured_prefill``), and
   among candidates left tied (estimates within a millisecond, equal prefix matches) the one with the least
-  estimated wait from measured time per token goes first (``tie_break``: seed 000's Algorithm 1,
+  estimated wait from measured time per token goes first (``tie_break``: OllamaRouter's Algorithm 1,
   measured_wait.py ``pick_by_estimated_wait``), so a slower replica gets less of the work than a faster one.
 * Forwarding on the estimate: a request goes to an available peer when that peer's estimated wait (from its status),
   plus the measured round trip, plus the prefill of the part its snapshot match does not cover, beats the best
@@ -69,7 +70,7 @@ class SkyLBOptions(SkyLBPaperOptions):
             replica holds (0 or 1: strict first come, first served).
         max_bypass: how many times the head may be passed over for a later request before it goes first.
         tie_break: among available replicas left tied by the estimate above with equal prefix matches:
-            "estimated-wait" (seed 000's least estimated wait from measured time per token, then the smaller queue,
+            "estimated-wait" (OllamaRouter's least estimated wait from measured time per token, then the smaller queue,
             then turns) or "least-load" (fewest in flight, then turns: the behaviour before measured speeds).
         measured_prefill: use a replica's measured prefill rate in place of ``prefill_tokens_per_s`` once it is
             measured (skylb/core/estimate.py WaitModel).

@@ -9,7 +9,8 @@ match covers less than ``match_threshold`` of the prompt, the least loaded candi
 SGLang-derived rule, threshold 0.5: a weak match is not worth concentrating load for). Peers are chosen the same way
 in the regional snapshot trie (what this balancer forwarded to each).
 
-Load guard (the SkyLB prototype's rule, ported from SGLang's cache-aware policy; shared/reference/peers.md): when
+Load guard (the SkyLB prototype's rule, ported from the SGLang router's cache-aware policy, sgl-project/sglang
+``sgl-router/src/policies/cache_aware.rs``): when
 the candidates' loads are imbalanced (max - min outstanding > ``balance_abs_threshold`` and max >
 ``balance_rel_threshold`` x min), the least loaded candidate wins over the prefix match. Without it a popular shared
 prefix keeps feeding one replica, which stays "available" for a long time because shared KV blocks let it admit
