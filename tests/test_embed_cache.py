@@ -125,15 +125,22 @@ def test_the_pipeline_classifies_by_the_tenants_default_class_and_trusts_peers_o
         return req
 
     on = Balancer(BalancerConfig(priorities={"enabled": True}, quotas=quotas), region="us", advertise_url="http://x")
-    assert classify_request(request(), forwarded=False, quotas=on.quotas, use_header=True) == ("low", "batch")
-    assert classify_request(request(**{"X-Priority": "high"}), forwarded=False, quotas=on.quotas, use_header=True) == ("high", "batch")
-    assert classify_request(request(tenant="default"), forwarded=False, quotas=on.quotas, use_header=True) == ("normal", "default")
+
+    def on_(req, forwarded=False):
+        return classify_request(req, forwarded=forwarded, quotas=on.quotas, use_header=True)
+
+    def off_(req):
+        return classify_request(req, forwarded=False, quotas=off.quotas, use_header=False)
+
+    assert on_(request()) == ("low", "batch")
+    assert on_(request(**{"X-Priority": "high"})) == ("high", "batch")
+    assert on_(request(tenant="default")) == ("normal", "default")
     spoofed = request(**{"X-SkyLB-Priority": "critical", "X-SkyLB-Tenant": "vip"})
-    assert classify_request(spoofed, forwarded=False, quotas=on.quotas, use_header=True) == ("low", "batch")
-    assert classify_request(spoofed, forwarded=True, quotas=on.quotas, use_header=True) == ("critical", "vip")
+    assert on_(spoofed) == ("low", "batch")
+    assert on_(spoofed, forwarded=True) == ("critical", "vip")
     with pytest.raises(BadPriority):
-        classify_request(request(**{"X-Priority": "now"}), forwarded=False, quotas=on.quotas, use_header=True)
+        on_(request(**{"X-Priority": "now"}))
     assert on.router.classes.weight_of("batch") == 0.5 and on.router.classes.weight_of("other") == 1.0
     off = Balancer(BalancerConfig(quotas=quotas), region="us", advertise_url="http://x")
-    assert classify_request(request(**{"X-Priority": "now"}), forwarded=False, quotas=off.quotas, use_header=False) == ("low", "batch")
-    assert classify_request(request("/v1/embeddings"), forwarded=False, quotas=off.quotas, use_header=False) == ("critical", "batch")
+    assert off_(request(**{"X-Priority": "now"})) == ("low", "batch")
+    assert off_(request("/v1/embeddings")) == ("critical", "batch")

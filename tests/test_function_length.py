@@ -13,15 +13,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("skylb", "controller")
 MAX_LINES = 80
 
-#: Functions still over MAX_LINES in modules being rewritten elsewhere (the request path as a chain of stages; the
-#: Balancer that assembles instead of serving). Listed so this test guards every other module now; whoever rewrites
-#: these modules removes each entry as its function is split, and the list is to end empty. Entries are
-#: "path/to/module.py:qualified.name".
-TOO_LONG_FOR_NOW: frozenset[str] = frozenset({
-    "skylb/balancer/pipeline.py:_generate",
-})
-
-
 def is_parser_builder(name: str) -> bool:
     """Argument-parser builders: ``add_arguments``, ``build_parser`` and any ``*_parser``."""
     return name in ("add_arguments", "build_parser") or name.endswith("_parser")
@@ -56,15 +47,9 @@ def _functions(node: ast.AST, prefix: str):
 
 
 def test_no_function_over_max_lines():
-    too_long = {key: n for key, n in long_functions().items() if key not in TOO_LONG_FOR_NOW}
+    too_long = long_functions()
     assert not too_long, (f"functions over {MAX_LINES} lines (split them into named helpers): "
                           + ", ".join(f"{key} ({n} lines)" for key, n in sorted(too_long.items())))
-
-
-def test_allow_list_names_only_functions_still_too_long():
-    """An entry whose function was split (or renamed, or moved) is removed, so the list only ever shrinks."""
-    stale = TOO_LONG_FOR_NOW - set(long_functions())
-    assert not stale, f"no longer over {MAX_LINES} lines (or gone); remove from TOO_LONG_FOR_NOW: {sorted(stale)}"
 
 
 def test_detects_a_long_function_and_exempts_parser_builders(tmp_path):

@@ -1,6 +1,6 @@
 """One region's balancer: the parts of the request flow assembled, started and stopped as one.
 
-The parts, one module each (DESIGN.md "Components and the way a request flows"): the dispatcher (queue ->
+The parts, one module each (README "A request's path"): the dispatcher (queue ->
 routing decision), the probers (replicas and peers), membership (from the controller, kept on disk), the relay, the
 quota gate and model groups, the Ollama fleet's actions, the metrics, and the chain of stages every request passes
 (skylb/balancer/stages/, built by ``build_chain`` from the settings). The routing core (``skylb.core.Router``)

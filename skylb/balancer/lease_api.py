@@ -1,4 +1,4 @@
-"""The admission API for batch clients (seed 001: ../shared/seeds/001_d5e08c14a0cf6642.txt, iterations 1 and 2).
+"""The lease API for batch clients ("LLM-Load-Balancer", the quota-aware router's README, iterations 1 and 2).
 
 A batch client (an Airflow DAG draining a backlog, say) asks before each task which model to call and when:
 

@@ -1,13 +1,14 @@
-"""The balancer's side of Ollama fleets: pre-warm, the fallback model chain, ``num_ctx`` pinning and the status
-view. Model management through the balancer (``/api/pull``, ...) is skylb/balancer/model_management.py.
+"""The balancer's side of Ollama fleets: pre-warm, the fallback model chain, ``num_ctx`` pinning and the status view.
+Model management through the balancer (``/api/pull``, ...) is skylb/balancer/model_management.py.
 
-The routing rules themselves (thermal state, elimination and fit, hot preference) are pure, in skylb/core/fleet_rules.py.
-Settings: ``balancer.ollama_fleet`` (``FleetSettings``; README "Ollama fleets").
+The routing rules themselves (thermal state, elimination and fit, hot preference) are pure, in
+skylb/core/fleet_rules.py. Settings: ``balancer.ollama_fleet`` (``FleetSettings``; README "Ollama fleets").
 
-Sources: seed 002 (stage 4 pre-warm: "loads the same model on the runner-up node by sending an empty generate
-request ... A lock prevents duplicate pre-warm requests for the same model on the same node"; the fallback chain;
-signal 7, a context resize causes a model reload), seed 003 (pass-through endpoints: model pulls bypass the queue),
-ollama/ollama docs/api.md (pull, delete, copy, create; streamed status lines; ``keep_alive``).
+Sources: the Ollama fleet router's "Routing Engine" guide (stage 4 pre-warm: "loads the same model on the runner-up node
+by sending an empty generate request ... A lock prevents duplicate pre-warm requests for the same model on the same
+node"; the fallback chain; signal 7, a context resize causes a model reload), "Why I Built a Priority Queue for Ollama"
+(pass-through endpoints: model pulls bypass the queue), ollama/ollama docs/api.md (pull, delete, copy, create; streamed
+status lines; ``keep_alive``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ log = structlog.get_logger("skylb.fleet")
 
 def pin_num_ctx(settings: FleetSettings, model: str, body: bytes) -> bytes:
     """``body`` (an Ollama request) with ``options.num_ctx`` pinned to the model's setting, or stripped when the
-    setting is "strip"; unchanged when the model has no setting or the body is not a JSON object. Source: seed 002
-    signal 7 (a request with another context size makes Ollama reload the model)."""
+    setting is "strip"; unchanged when the model has no setting or the body is not a JSON object. Source: the Ollama
+    fleet router's "Routing Engine" guide, signal 7 (a request with another context size makes Ollama reload the
+    model)."""
     rule = settings.num_ctx.get(model, settings.num_ctx.get(canonical(model)))
     if rule is None:
         return body
@@ -120,10 +122,10 @@ class Fleet:
         """The response ended: forget a cold dispatch that never produced a byte."""
         self._cold.pop(decision.request.id, None)
 
-    # ---- pre-warm (seed 002 stage 4) -----------------------------------------------------------------------------
+    # ---- pre-warm ("Routing Engine" guide, stage 4) ---------------------------------------------------------------
 
     def check_prewarm(self) -> None:
-        """For every model with more than ``prewarm_threshold`` requests queued here (seed 002: "exceeds"), load it
+        """For every model with more than ``prewarm_threshold`` requests queued here (the guide: "exceeds"), load it
         on the runner-up replica (not hot there) with an empty generate, once per (model, replica) at a time."""
         if not self.settings.prewarm:
             return

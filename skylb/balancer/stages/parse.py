@@ -1,8 +1,8 @@
 """Stage 1, parse: read the body, parse it in the request's dialect, and check a forwarded request's peer token.
 
-Answers 413 for a body over ``balancer.max_body_bytes``, 400 for a body that is not a valid request (OpenAI or
-Ollama API reference), 403 for a request marked as forwarded without the right peer token (DESIGN.md decision 3:
-only a peer may mark a request as forwarded).
+Answers 413 for a body over ``balancer.max_body_bytes``, 400 for a body that is not a valid request (OpenAI or Ollama
+API reference), 403 for a request marked as forwarded without the right peer token (SkyLB paper §3.3: a forwarded
+request is never forwarded again, so only a peer may mark one).
 """
 
 from __future__ import annotations

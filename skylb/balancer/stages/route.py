@@ -1,14 +1,14 @@
 """The terminal stage: queue, route, relay, and retry before the first byte.
 
-Like Envoy's router filter (Envoy architecture overview, "HTTP routing" and "Retry semantics"), it always answers,
-and a retry happens inside it, so no stage before it runs twice. The request waits in the balancer's queue until
-the dispatcher routes it to a local replica or a peer (SkyLB paper §3.3, selective pushing), through an Ollama
-fleet's fallback chain when its model has one; the relay streams the answer back. A target that fails before the
-first byte (refused, reset, timed out, 502/503/504) counts a gateway failure for outlier detection (ejected after
-enough in a row: skylb/core/outlier.py), and the request, after a jittered backoff, goes back to the head of the
-queue to be routed to another target while it has retries left (``retry_policy.num_retries``) and the retry budget
-allows (skylb/balancer/retry.py; Envoy's names). Once a byte reached the client it is never retried (DESIGN.md
-decision 6). 503 with an estimated Retry-After when the queue is full or the request waited past the queue timeout.
+Like Envoy's router filter (Envoy architecture overview, "HTTP routing" and "Retry semantics"), it always answers, and a
+retry happens inside it, so no stage before it runs twice. The request waits in the balancer's queue until the
+dispatcher routes it to a local replica or a peer (SkyLB paper §3.3, selective pushing), through an Ollama fleet's
+fallback chain when its model has one; the relay streams the answer back. A target that fails before the first byte
+(refused, reset, timed out, 502/503/504) counts a gateway failure for outlier detection (ejected after enough in a row:
+skylb/core/outlier.py), and the request, after a jittered backoff, goes back to the head of the queue to be routed to
+another target while it has retries left (``retry_policy.num_retries``) and the retry budget allows
+(skylb/balancer/retry.py; Envoy's names). Once a byte reached the client it is never retried (a started stream cannot be
+spliced). 503 with an estimated Retry-After when the queue is full or the request waited past the queue timeout.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """``skylb-ch``: consistent hashing of the session key with selective pushing.
 
-SkyLB-CH: SkyLB paper §3.2 "SkyLB-CH" and Algorithm 1 lines 23-26: a ring at both layers (local replicas, peer regions),
-walking past unavailable targets. ``consistent-hash``: paper §5.1 "Consistent Hashing (CH): a ring hash based consistent
-hashing algorithm, using the user's IP address and session ID as hash key", deployed as one balancer with blind pushing
-(Envoy's ring hash: Envoy docs, "Load balancers", "Ring hash"): every healthy replica is a candidate, so a key always
-lands on its owner however loaded it is.
+SkyLB paper §3.2 "SkyLB-CH" and Algorithm 1 lines 23-26: a ring at both layers (local replicas, peer regions),
+walking past unavailable targets. The blind baseline on the same ring is ``consistent-hash``
+(skylb/core/policies/consistent_hash.py).
 
-A request without a session key is keyed by the first ``fallback_key_chars`` characters of its prompt (as Olla
-does), so requests sharing a system prompt and first turn stay together.
+A request without a session key is keyed by the first ``fallback_key_chars`` characters of its prompt (as Olla does), so
+requests sharing a system prompt and first turn stay together.
 """
 
 from __future__ import annotations
