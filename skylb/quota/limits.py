@@ -18,19 +18,14 @@ Source: ../shared/seeds/001_d5e08c14a0cf6642.txt (quota-aware router), 003_33281
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["Limit", "TenantQuota", "Quotas", "PRIORITIES", "Priority", "ALL_MODELS", "DEFAULT_TENANT"]
+from skylb.core.request import Priority
 
-#: Priority classes, most urgent first (seed 003: embeddings first, then ``X-Priority: high``, then the rest).
-PRIORITIES = ("critical", "high", "normal", "low")
-Priority = Literal["critical", "high", "normal", "low"]
+__all__ = ["Limit", "TenantQuota", "Quotas", "ALL_MODELS"]
+
 #: The model key of a tenant limit on all its models together.
 ALL_MODELS = "*"
-#: The tenant of a request whose API key names none (or when the balancer checks no keys).
-DEFAULT_TENANT = "default"
 
 
 class _Strict(BaseModel):
