@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 import requests
 
-from controller.tokens import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, read_token_file
 from controller.ctl_views import (balancer_status, balancer_table, quota_tables, replica_table, request_error,
                                   status_tables, system_status)
 from controller.store import ENGINES, InvalidInput, normalize_url
-from skylb.quota.limits import PRIORITIES
+from skylb.core.request import PRIORITIES
+from skylb.tokens import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, read_token_file
 
 __all__ = ["DEFAULT_CONTROLLER", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_DRAIN_TIMEOUT", "CtlError",
            "build_parser", "main", "system_status"]

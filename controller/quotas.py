@@ -26,7 +26,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from controller.store import InvalidInput, NotFound
-from skylb.quota.limits import ALL_MODELS, PRIORITIES, Quotas
+from skylb.core.request import PRIORITIES
+from skylb.quota.limits import ALL_MODELS, Quotas
 
 __all__ = ["LIMIT_FIELDS", "set_entry", "remove_entry", "validate_name"]
 

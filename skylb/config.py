@@ -16,9 +16,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from controller.dns import DnsConfig
 from skylb.core.fleet_rules import FleetSettings
 from skylb.core.policies import options_class, policy_options
+from skylb.dns_settings import DnsConfig
 from skylb.quota.limits import Quotas
 from skylb.quota.settings import QuotaSettings
 from skylb.quota.priorities import PrioritySettings

@@ -18,7 +18,7 @@ import pytest
 import requests
 from aiohttp import web
 
-from controller.client import ControllerClient, ControllerError, ControllerUnavailable
+from skylb.balancer.controller_client import ControllerClient, ControllerError, ControllerUnavailable
 from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent  # skylb-ctl runs from the repository root, like an operator's shell

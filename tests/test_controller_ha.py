@@ -20,7 +20,7 @@ import yaml
 from aiohttp import web
 from etcd3gw.lease import Lease
 
-from controller.client import ControllerClient, ControllerUnavailable
+from skylb.balancer.controller_client import ControllerClient, ControllerUnavailable
 from controller.etcd_store import EtcdConnection
 from controller import leader
 from controller.leader import POLL_S, EtcdElection, SoleLeader

@@ -303,7 +303,7 @@ def test_balancer_reads_the_peer_token_the_env_file_sets():
 def test_controller_reads_the_admin_and_peer_tokens_the_env_files_set():
     """Secure by default: the controller unit requires both files (no '-' prefix), which set exactly the variables
     `skylb controller` reads for the admin token and the balancers' heartbeat token."""
-    from controller.tokens import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV
+    from skylb.tokens import ADMIN_TOKEN_ENV, PEER_TOKEN_ENV
 
     unit = parse_unit(SYSTEMD / "skylb-controller.service")
     assert values(unit, "Service", "EnvironmentFile") == ["/etc/skylb/admin-token.env", "/etc/skylb/peer-token.env"]

@@ -1,5 +1,5 @@
 """DNS as users run it (issue 9, item 6): the real BIND 9 with one view per region, RFC 2136 updates signed with
-TSIG through controller/dns.py, and clients that resolve from their region's source address."""
+TSIG through controller/dns.py (settings: skylb/dns_settings.py), and clients that resolve from their region's source address."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import dns.update
 import pytest
 from aiohttp import web
 
-from controller.dns import DnsConfig, DnsUpdateError, DnsUpdater, address_of, read_key_file, record_for
+from controller.dns import DnsUpdateError, DnsUpdater, address_of, record_for
+from skylb.dns_settings import DnsConfig, read_key_file
 from bench.dns.bind import BindError, BindServer, balancer_address, client_address
 from bench.dns.resolver import SourceResolver, region_connector
 from tests.procs import free_port

@@ -4,8 +4,8 @@ runner-up choice, through the Router."""
 from __future__ import annotations
 
 from skylb.core import Request, Router, make_policy
-from skylb.core.fleet_rules import (ABSENT, DISK, HOT, RECENT, FleetRules, FleetSettings, FleetView, ModelSlot, load_s,
-                              resolve_name, thermal)
+from skylb.core.fleet_rules import (ABSENT, DISK, HOT, RECENT, FleetReplica, FleetRules, FleetSettings, FleetView,
+                                    ModelSlot, load_s, resolve_name, thermal)
 from skylb.core.state import ReplicaState
 
 GIB = 2**30
@@ -19,6 +19,16 @@ def _replica(rid: str, *, disk=("m:latest",), loaded=(), now=0.0, outstanding=0,
     r.fleet.observe_tags({n: ModelSlot(size) for n in disk})
     r.fleet.observe_ps({n: ModelSlot(size) for n in loaded}, now)
     return r
+
+
+def test_replica_state_has_what_the_fleet_rules_read():
+    """ReplicaState has every attribute and method of the FleetReplica Protocol the rules name a replica by, with
+    the same annotation for each attribute."""
+    replica = _replica("a")
+    wanted = FleetReplica.__annotations__
+    assert set(wanted) <= set(ReplicaState.__annotations__)
+    assert {name: ReplicaState.__annotations__[name] for name in wanted} == wanted
+    assert callable(replica.serves) and replica.serves("m:latest", "ollama")
 
 
 def test_thermal_states_and_load_time():

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from skylb.config import BalancerConfig
 from skylb.core import AvailabilityRules, Request, Router, build_router, make_policy
 from skylb.core.queue import ClassQueue
-from skylb.quota.limits import PRIORITIES
+from skylb.core.request import PRIORITIES
 
 
 def _router(*, slots=1, aging_s=0.0, weights=None, policy="skylb"):

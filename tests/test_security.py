@@ -487,7 +487,7 @@ def test_without_tokens_peer_and_admin_endpoints_answer_this_machine_only():
     from aiohttp.test_utils import make_mocked_request
 
     from controller import auth as controller_auth
-    from controller.tokens import from_this_machine
+    from skylb.tokens import from_this_machine
     from skylb.balancer import auth as balancer_auth
 
     assert from_this_machine("127.0.0.1") and from_this_machine("127.0.0.13") and from_this_machine("::1")

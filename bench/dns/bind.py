@@ -44,8 +44,8 @@ import dns.name
 import dns.query
 import dns.rcode
 
-from controller.dns import DnsConfig, TsigKey
 from bench.procs import Proc, ProcGroup
+from skylb.dns_settings import DnsConfig, TsigKey
 
 __all__ = ["BindServer", "BindError", "balancer_address", "client_address", "client_prefix", "new_tsig_key",
            "START_TIMEOUT_S", "MAX_REGIONS"]

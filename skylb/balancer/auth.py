@@ -28,10 +28,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from controller.tokens import from_this_machine, secret_matches
 from skylb.balancer.api import error_response, openai_error
 from skylb.balancer.protocol import FORWARDED_FROM, STATUS_PATH, TOKEN_HEADER
-from skylb.quota.limits import DEFAULT_TENANT
+from skylb.core.request import DEFAULT_TENANT
+from skylb.tokens import from_this_machine, secret_matches
 
 __all__ = ["Credentials", "API_KEYS_ENV", "API_KEYS_FILE_ENV", "METRICS_TOKEN_ENV", "load_api_keys",
            "load_tenants", "auth_middleware", "tenant_of", "TENANT"]

@@ -23,7 +23,7 @@ import aiohttp
 import structlog
 from pydantic import ValidationError
 
-from controller.client import ControllerClient, ControllerError, ControllerUnavailable
+from skylb.balancer.controller_client import ControllerClient, ControllerError, ControllerUnavailable
 from skylb.quota.limits import Quotas
 
 __all__ = ["MembershipWatcher"]

@@ -26,7 +26,6 @@ import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
-from controller.tokens import check_token
 from skylb import aio
 from skylb.balancer import lease_api, model_management, ollama_api, status
 from skylb.balancer.auth import METRICS_TOKEN_ENV, Credentials, auth_middleware, load_api_keys, load_tenants
@@ -39,6 +38,7 @@ from skylb.balancer.status import BALANCER
 from skylb.config import BalancerConfig, ConfigError, load_config
 from skylb.core import policy_names
 from skylb.logs import configure_logging
+from skylb.tokens import check_token
 
 __all__ = ["build_app", "add_arguments", "main", "BALANCER", "PEER_TOKEN_ENV", "REPLICA_API_KEY_ENV",
            "stop_time_bound_s"]

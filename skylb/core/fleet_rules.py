@@ -17,15 +17,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-if TYPE_CHECKING:
-    from skylb.core.state import ReplicaState
-
-__all__ = ["FleetSettings", "ModelSlot", "FleetView", "FleetRules", "Thermal", "canonical", "thermal", "load_s",
-           "HOT", "RECENT", "DISK", "ABSENT"]
+__all__ = ["FleetSettings", "ModelSlot", "FleetView", "FleetReplica", "FleetRules", "Thermal", "canonical", "thermal",
+           "load_s", "HOT", "RECENT", "DISK", "ABSENT"]
 
 Thermal = Literal["hot", "recent", "disk", "absent"]
 HOT: Thermal = "hot"
@@ -150,8 +147,38 @@ class FleetView:
         return None
 
 
-def thermal(replica: "ReplicaState", model: str, now: float, recent_window_s: float = 1800.0) -> Thermal:
-    """The model's thermal state on ``replica`` at ``now`` ("Routing Engine", signal 1): "hot" (in the latest /api/ps),
+class FleetReplica(Protocol):
+    """What the fleet rules read of a local replica: :class:`skylb.core.state.ReplicaState` has all of it (the
+    state module holds a :class:`FleetView` per replica, so the rules name the replica by this shape instead of
+    importing the state module back).
+
+    Attributes:
+        id: the replica id. fleet: its Ollama model state, None for other engines. models: the model ids it
+            serves (None until learned). healthy: the latest probe succeeded. draining: gets no new requests.
+        outstanding: this balancer's requests there that have not finished. max_concurrency, slots: its parallel
+            slots when configured or reported (None: unknown).
+    """
+
+    id: str
+    fleet: FleetView | None
+    models: frozenset[str] | None
+    healthy: bool
+    draining: bool
+    outstanding: int
+    max_concurrency: int | None
+    slots: int | None
+
+    def serves(self, model: str, api: str) -> bool:
+        """True when the replica serves ``model`` ("" = any model) in dialect ``api``."""
+
+
+# A replica type that satisfies FleetReplica: ``candidates`` and ``runner_up`` give back replicas they were given.
+_R = TypeVar("_R", bound=FleetReplica)
+
+
+def thermal(replica: FleetReplica, model: str, now: float, recent_window_s: float = 1800.0) -> Thermal:
+    """The model's thermal state on ``replica`` at ``now`` ("Routing Engine", signal 1): "hot" (in the latest
+    /api/ps),
     "recent" (seen loaded within ``recent_window_s`` s), "disk" (listed by /api/tags or served), "absent".
     A replica without fleet state (not Ollama) counts its served models as hot: they are always loaded."""
     view = replica.fleet
@@ -170,7 +197,7 @@ def thermal(replica: "ReplicaState", model: str, now: float, recent_window_s: fl
     return DISK if on_disk else ABSENT
 
 
-def load_s(replica: "ReplicaState", model: str, default_s: float = 10.0, *, now: float | None = None) -> float:
+def load_s(replica: FleetReplica, model: str, default_s: float = 10.0, *, now: float | None = None) -> float:
     """Seconds ``replica`` needs to load ``model`` before serving it: 0 when hot (or not an Ollama replica), else
     the mean of its recent measured loads of that model (or of any model), else ``default_s``; infinite when the
     model is absent. Shared with the estimated-wait policy (cost = queue wait + load time + inference time)."""
@@ -189,7 +216,7 @@ class FleetRules:
 
     settings: FleetSettings = field(default_factory=FleetSettings)
 
-    def eliminated(self, replica: "ReplicaState", model: str, now: float) -> str | None:
+    def eliminated(self, replica: FleetReplica, model: str, now: float) -> str | None:
         """Why ``replica`` cannot serve ``model`` at all now ("Routing Engine", stage 1), or None: paused or draining,
         the model absent, or not enough memory to load it even after unloading idle models (models with no request of
         this balancer in flight there; Ollama unloads idle ones to make room)."""
@@ -214,8 +241,8 @@ class FleetRules:
             return f"not enough memory to load {model}"
         return None
 
-    def candidates(self, model: str, api: str, local: list["ReplicaState"], replicas: list["ReplicaState"],
-                   now: float, wait_s=None, *, embedding: bool = False, usable=None) -> list["ReplicaState"]:
+    def candidates(self, model: str, api: str, local: list[_R], replicas: list[_R],
+                   now: float, wait_s=None, *, embedding: bool = False, usable=None) -> list[_R]:
         """The local replicas (of ``local``, those with room) the request may go to now: eliminated ones removed;
         with ``hot_preference``, only the cheapest by queue wait + load time, and none (the request waits) when a
         busy replica among ``replicas`` where the model is hot would serve it sooner than loading it would.
@@ -235,7 +262,7 @@ class FleetRules:
         if not s.hot_preference or not model:
             return local
 
-        def cost(r: "ReplicaState") -> float:
+        def cost(r: FleetReplica) -> float:
             return _wait(r, wait_s, s.service_s) + load_s(r, model, s.default_load_s, now=now)
         if local:
             best = min(cost(r) for r in local)
@@ -250,27 +277,27 @@ class FleetRules:
                 return []
         return local
 
-    def routed(self, request, replica: "ReplicaState") -> None:
+    def routed(self, request, replica: FleetReplica) -> None:
         """``request`` went to local ``replica``: an embedding there takes its embedding slot until ``finished``."""
         if request.embedding and replica.fleet is not None:
             replica.fleet.embeddings += 1
 
-    def finished(self, request, replica: "ReplicaState | None") -> None:
+    def finished(self, request, replica: FleetReplica | None) -> None:
         """``request``'s response on local ``replica`` ended: free its embedding slot."""
         if request.embedding and replica is not None and replica.fleet is not None:
             replica.fleet.embeddings = max(0, replica.fleet.embeddings - 1)
 
-    def runner_up(self, model: str, api: str, winner: "ReplicaState", replicas: list["ReplicaState"],
-                  now: float) -> "ReplicaState | None":
-        """The replica to pre-warm ``model`` on ("Routing Engine", stage 4): not the winner, healthy, not eliminated,
-        the model not hot there; the one with the fewest outstanding requests (ties: the lowest id). None if none."""
+    def runner_up(self, model: str, api: str, winner: FleetReplica, replicas: list[_R],
+                  now: float) -> _R | None:
+        """The replica to pre-warm ``model`` on ("Routing Engine", stage 4): not the winner, healthy, not
+        eliminated, the model not hot there; the one with the fewest outstanding requests (ties: the lowest id). None if none."""
         options = [r for r in replicas if r is not winner and r.fleet is not None and r.healthy
                    and r.serves("", api) and self.eliminated(r, model, now) is None
                    and thermal(r, model, now, self.settings.recent_window_s) != HOT]
         return min(options, key=lambda r: (r.outstanding, r.id)) if options else None
 
 
-def _wait(r: "ReplicaState", wait_s, service_s: float) -> float:
+def _wait(r: FleetReplica, wait_s, service_s: float) -> float:
     estimate = wait_s(r) if wait_s is not None else None
     if estimate is not None:
         return estimate

@@ -39,8 +39,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from skylb.core.request import Request
-from skylb.quota.limits import PRIORITIES
+from skylb.core.request import PRIORITIES, Request
 
 __all__ = ["ClassQueue"]
 

@@ -1,12 +1,21 @@
-"""The routing core's view of a request: what routing needs, nothing about HTTP."""
+"""The routing core's view of a request: what routing needs, nothing about HTTP; and the names the queue orders
+requests by (priority classes, the default tenant), which the quotas, the balancer and the controller take from here.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from skylb.quota.limits import DEFAULT_TENANT
+__all__ = ["Request", "PRIORITIES", "Priority", "DEFAULT_TENANT"]
 
-__all__ = ["Request"]
+#: Priority classes, most urgent first: embeddings (critical), then ``X-Priority: high``, then the rest, as in
+#: "Why I Built a Priority Queue for Ollama" (three strict tiers), with ``low`` below ``normal``.
+PRIORITIES = ("critical", "high", "normal", "low")
+#: One of :data:`PRIORITIES`, for pydantic fields and type hints.
+Priority = Literal["critical", "high", "normal", "low"]
+#: The tenant of a request whose API key names none (or when the balancer checks no keys).
+DEFAULT_TENANT = "default"
 
 
 @dataclass(eq=False)
@@ -29,7 +38,7 @@ class Request:
             first-come, first-served order across regions.
         avoid: targets that failed this request before its first byte, as ("local", replica id) or ("peer",
             region); a retry goes elsewhere while another target is usable (Envoy's ``previous_hosts`` predicate).
-        priority: its priority class, one of skylb.quota.limits.PRIORITIES ("critical", "high", "normal", "low");
+        priority: its priority class, one of :data:`PRIORITIES` ("critical", "high", "normal", "low");
             only a router with priority classes on reads it (skylb/core/queue.py).
         tenant: the tenant it belongs to (its client API key's; "default" without one); tenants of one class share
             the queue by weighted deficit round robin.

@@ -19,20 +19,14 @@ classes).
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["Limit", "TenantQuota", "Quotas", "PRIORITIES", "Priority", "ALL_MODELS", "DEFAULT_TENANT"]
+from skylb.core.request import Priority
 
-#: Priority classes, most urgent first ("Why I Built a Priority Queue for Ollama": embeddings first, then
-#: ``X-Priority: high``, then the rest).
-PRIORITIES = ("critical", "high", "normal", "low")
-Priority = Literal["critical", "high", "normal", "low"]
+__all__ = ["Limit", "TenantQuota", "Quotas", "ALL_MODELS"]
+
 #: The model key of a tenant limit on all its models together.
 ALL_MODELS = "*"
-#: The tenant of a request whose API key names none (or when the balancer checks no keys).
-DEFAULT_TENANT = "default"
 
 
 class _Strict(BaseModel):

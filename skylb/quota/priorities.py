@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from skylb.quota.limits import PRIORITIES
+from skylb.core.request import PRIORITIES
 
 __all__ = ["PrioritySettings", "PRIORITY_HEADER", "PEER_PRIORITY_HEADER", "PEER_TENANT_HEADER", "EMBEDDING_PATHS",
            "HEADER_CLASSES", "BadPriority", "classify", "peer_class", "peer_headers"]
