@@ -178,8 +178,7 @@ _R = TypeVar("_R", bound=FleetReplica)
 
 def thermal(replica: FleetReplica, model: str, now: float, recent_window_s: float = 1800.0) -> Thermal:
     """The model's thermal state on ``replica`` at ``now`` ("Routing Engine", signal 1): "hot" (in the latest
-    /api/ps),
-    "recent" (seen loaded within ``recent_window_s`` s), "disk" (listed by /api/tags or served), "absent".
+    /api/ps), "recent" (seen loaded within ``recent_window_s`` s), "disk" (listed by /api/tags or served), "absent".
     A replica without fleet state (not Ollama) counts its served models as hot: they are always loaded."""
     view = replica.fleet
     name = canonical(model)
