@@ -37,6 +37,7 @@ from skylb.balancer.relay import STREAM_STARTED
 from skylb.balancer.status import BALANCER
 from skylb.config import BalancerConfig, ConfigError, load_config
 from skylb.core import policy_names
+from skylb import logs
 from skylb.logs import configure_logging
 
 __all__ = ["build_app", "add_arguments", "main", "BALANCER", "PEER_TOKEN_ENV", "REPLICA_API_KEY_ENV",
@@ -136,6 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="routing policy (overrides the config): " + ", ".join(policy_names()))
     parser.add_argument("--peer-url", action="append", default=[], metavar="REGION=URL",
                         help="reach peer REGION at URL (e.g. through a latency proxy); repeatable")
+    logs.add_arguments(parser)
     parser.epilog = (f"environment: ${PEER_TOKEN_ENV}, when set and not empty, is the shared secret between "
                      "balancers (overrides balancer.peer_token in the config); $SKYLB_API_KEYS (comma-separated) "
                      "and $SKYLB_API_KEYS_FILE add client API keys; $SKYLB_METRICS_TOKEN, "
@@ -144,8 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run one balancer until SIGTERM or SIGINT; exit status 2 on a config error."""
-    configure_logging()
     try:
+        configure_logging(level=args.log_level)
         deployment = load_config(args.config)
         overrides = {k: v for k, v in {"host": args.host, "port": args.port, "controller_url": args.controller,
                                        "advertise_url": args.advertise_url, "policy": args.policy,
@@ -201,18 +203,20 @@ def _ssl_context(cfg: BalancerConfig) -> ssl.SSLContext | None:
     return context
 
 
-def _warn_open(cfg: BalancerConfig, api_keys: frozenset[str], region: str) -> None:
+def _warn_open(cfg: BalancerConfig, api_keys: frozenset[str]) -> None:
     """Say loudly which checks are off because their secret is not configured (README, "Security")."""
     if not cfg.peer_token:
-        log.warning("peer_endpoints_open", region=region,
+        log.warning("peer_endpoints_open",
                     detail=f"no peer token (${PEER_TOKEN_ENV}): /skylb/v1/status, /metrics and forwarded requests are "
                            "answered from this machine only, so peers elsewhere cannot forward here; set one")
     if not api_keys:
-        log.warning("client_api_open", region=region, detail="no client API keys: anyone can send requests")
+        log.warning("client_api_open", detail="no client API keys: anyone can send requests")
 
 
 async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_keys: frozenset[str] = frozenset(),
                  tenants: dict[str, str] | None = None, ssl_context: ssl.SSLContext | None = None) -> int:
+    # One region per process: every line this process logs from here on names it (skylb/logs.py).
+    structlog.contextvars.bind_contextvars(region=region)
     app = build_app(cfg, region=region, advertise_url=advertise_url, api_keys=api_keys, tenants=tenants)
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request leaves the queue
     # and an upstream request is aborted (aiohttp's default keeps running it; reliability.md).
@@ -221,10 +225,10 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_ke
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()
-    log.info("balancer_started", region=region, listen=f"{cfg.host}:{cfg.port}", tls=ssl_context is not None,
+    log.info("balancer_started", listen=f"{cfg.host}:{cfg.port}", tls=ssl_context is not None,
              policy=cfg.policy, controller=cfg.controller_url, client_api_keys=len(api_keys),
              peer_token=bool(cfg.peer_token), event_loop=aio.loop_name())
-    _warn_open(cfg, api_keys, region)
+    _warn_open(cfg, api_keys)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -234,7 +238,7 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_ke
     # and the controller see it draining rather than a refused connection), what is held is served, then stop.
     balancer = app[BALANCER]
     took = await balancer.drain(cfg.drain_timeout_s)
-    structlog.get_logger("skylb.balancer").info("balancer_drained", region=region, drain_s=round(took, 3),
+    structlog.get_logger("skylb.balancer").info("balancer_drained", drain_s=round(took, 3),
                                                 left=balancer.active_requests)
     await runner.cleanup()
     return 0
