@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from controller.dns import DnsConfig
 from skylb.core.fleet_rules import FleetSettings
@@ -27,7 +28,7 @@ from skylb.balancer.embed_cache import EmbeddingCacheSettings
 __all__ = [
     "ConfigError",
     "ControllerConfig", "HealthCheck", "Failover",
-    "BalancerConfig",
+    "BalancerConfig", "BalancerOverrides",
     "EtcdStoreConfig",
     "RetryPolicy",
     "OutlierDetection",
@@ -320,6 +321,47 @@ class BalancerConfig(_Strict):
         return policies
 
 
+def _partial(model: type[BaseModel]) -> type[BaseModel]:
+    """``model`` with every field optional and unset by default, for settings that override some of a full section.
+
+    Each field keeps its type and constraints (``ge``, ``gt``, ...) and also accepts None; a field whose type is a
+    model becomes that model's partial, so nested keys are checked the same way; unknown keys stay errors, and the
+    model's ``mode="before"`` validators (renamed keys) still run. Rules that relate several fields (``tls_pair``,
+    a retry's base and max) and per-field checks (a registered policy) run on the merged result instead
+    (``DeploymentConfig.balancer_for``). Read the keys given with ``model_dump(exclude_unset=True)``.
+    """
+    fields: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            annotation = _partial(annotation)
+        if info.metadata:
+            annotation = Annotated[annotation, *info.metadata]
+        fields[name] = (annotation | None, Field(None, description=info.description))
+    before = {f"_{name}": model_validator(mode="before")(classmethod(decorator.func.__func__))
+              for name, decorator in model.__pydantic_decorators__.model_validators.items()
+              if decorator.info.mode == "before"}
+    return create_model(f"{model.__name__}Overrides", __base__=_Strict, __module__=__name__,
+                        __doc__=f"Some keys of {model.__name__}, each optional.", __validators__=before, **fields)
+
+
+#: A region's overrides of the shared ``balancer`` section (``regions.<r>.balancer``): BalancerConfig's keys, each
+#: optional, with its type and bounds; a key BalancerConfig does not have is an error at load.
+BalancerOverrides = _partial(BalancerConfig)
+
+
+def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` laid over it: a mapping in both merges key by key (recursively); any other value
+    (a number, a string, a list, None) replaces the base's. Neither argument is changed."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 class EmulatorConfig(_Strict):
     """The replicas `skylb local` starts: emulated vLLM (see bench/emulator) or real llama.cpp ``llama-server``.
 
@@ -368,7 +410,8 @@ class LatencyConfig(_Strict):
 class RegionConfig(_Strict):
     """One region of a deployment: its balancer's overrides and how many emulated replicas `skylb local` starts."""
 
-    balancer: dict = Field(default_factory=dict)
+    #: Overrides of the shared ``balancer`` section for this region, merged deeply (``balancer_for``).
+    balancer: BalancerOverrides = Field(default_factory=BalancerOverrides)  # type: ignore[valid-type]
     replicas: int = Field(4, ge=0)
 
 
@@ -395,6 +438,13 @@ class DeploymentConfig(_Strict):
         return regions
 
     @model_validator(mode="after")
+    def _regions_balancers_valid(self) -> "DeploymentConfig":
+        # Every region's merged settings are checked at load, not when that region's balancer starts.
+        for region in self.regions:
+            self.balancer_for(region)
+        return self
+
+    @model_validator(mode="after")
     def _failover_rtt_from_latency(self) -> "DeploymentConfig":
         # One matrix for one deployment: where the file gives injected round trips but no failover ones, the
         # controller fails regions over by the same distances.
@@ -403,21 +453,29 @@ class DeploymentConfig(_Strict):
         return self
 
     def balancer_for(self, region: str) -> BalancerConfig:
-        """The balancer settings of ``region``: the shared ``balancer`` section with the region's overrides.
+        """The balancer settings of ``region``: the shared ``balancer`` section with the region's overrides laid
+        over it deeply (a region's ``retry_policy: {num_retries: 1}`` keeps the shared ``budget_percent``).
 
-        Raises ConfigError if the region is not in ``regions`` or an override is invalid.
+        Raises ConfigError if the region is not in ``regions`` or the merged settings are invalid (the message
+        names the key as ``regions.<region>.balancer.<key>``).
         """
         if region not in self.regions:
             raise ConfigError(f"region {region!r} is not in the config (regions: {', '.join(self.regions)})")
-        merged = self.balancer.model_dump() | self.regions[region].balancer
+        merged = _deep_merge(self.balancer.model_dump(), self.regions[region].balancer.model_dump(exclude_unset=True))
         try:
             return BalancerConfig.model_validate(merged)
         except ValidationError as exc:
-            raise ConfigError(f"regions.{region}.balancer: {_explain(exc)}") from exc
+            raise ConfigError(_explain(exc, prefix=f"regions.{region}.balancer")) from exc
 
 
-def _explain(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+def _explain(exc: ValidationError, *, prefix: str = "") -> str:
+    """One line per error: the key's dotted path (under ``prefix``) and pydantic's message."""
+    def line(error: dict) -> str:
+        where = ".".join(str(p) for p in (prefix, *error["loc"]) if p != "")
+        # A validator's own ValueError (often a ConfigError that already names its key) without "Value error, ".
+        message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+        return f"{where}: {message}" if where else message
+    return "; ".join(line(e) for e in exc.errors())
 
 
 def default_config_path() -> Path:
