@@ -9,15 +9,17 @@ silently; the ``workload`` section belongs to the demo and the benchmarks, which
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, create_model,
+                      field_validator, model_serializer, model_validator)
 
 from controller.dns import DnsConfig
+from skylb import environment
 from skylb.core.fleet_rules import FleetSettings
 from skylb.core.policies import options_class, policy_options
 from skylb.quota.limits import Quotas
@@ -36,7 +38,7 @@ __all__ = [
     "LatencyConfig",
     "RegionConfig",
     "DeploymentConfig",
-    "load_config",
+    "load_config", "balancer_environment", "balancer_settings",
     "default_config_path",
 ]
 
@@ -321,6 +323,15 @@ class BalancerConfig(_Strict):
         return policies
 
 
+class _Partial(_Strict):
+    """Base of the partial models: a dump holds only the keys that were given (so a config written back from a
+    loaded one, as `skylb local` does, sets no key to None that its author left out)."""
+
+    @model_serializer(mode="wrap")
+    def _only_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
 def _partial(model: type[BaseModel]) -> type[BaseModel]:
     """``model`` with every field optional and unset by default, for settings that override some of a full section.
 
@@ -328,7 +339,7 @@ def _partial(model: type[BaseModel]) -> type[BaseModel]:
     model becomes that model's partial, so nested keys are checked the same way; unknown keys stay errors, and the
     model's ``mode="before"`` validators (renamed keys) still run. Rules that relate several fields (``tls_pair``,
     a retry's base and max) and per-field checks (a registered policy) run on the merged result instead
-    (``DeploymentConfig.balancer_for``). Read the keys given with ``model_dump(exclude_unset=True)``.
+    (``DeploymentConfig.balancer_for``). Its ``model_dump()`` holds only the keys given.
     """
     fields: dict[str, Any] = {}
     for name, info in model.model_fields.items():
@@ -341,7 +352,7 @@ def _partial(model: type[BaseModel]) -> type[BaseModel]:
     before = {f"_{name}": model_validator(mode="before")(classmethod(decorator.func.__func__))
               for name, decorator in model.__pydantic_decorators__.model_validators.items()
               if decorator.info.mode == "before"}
-    return create_model(f"{model.__name__}Overrides", __base__=_Strict, __module__=__name__,
+    return create_model(f"{model.__name__}Overrides", __base__=_Partial, __module__=__name__,
                         __doc__=f"Some keys of {model.__name__}, each optional.", __validators__=before, **fields)
 
 
@@ -461,7 +472,7 @@ class DeploymentConfig(_Strict):
         """
         if region not in self.regions:
             raise ConfigError(f"region {region!r} is not in the config (regions: {', '.join(self.regions)})")
-        merged = _deep_merge(self.balancer.model_dump(), self.regions[region].balancer.model_dump(exclude_unset=True))
+        merged = _deep_merge(self.balancer.model_dump(), self.regions[region].balancer.model_dump())
         try:
             return BalancerConfig.model_validate(merged)
         except ValidationError as exc:
@@ -476,6 +487,39 @@ def _explain(exc: ValidationError, *, prefix: str = "") -> str:
         message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
         return f"{where}: {message}" if where else message
     return "; ".join(line(e) for e in exc.errors())
+
+
+def balancer_environment(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The balancer settings the environment overrides, as a partial ``balancer`` section: ``peer_token``
+    ($SKYLB_PEER_TOKEN), ``metrics_token`` ($SKYLB_METRICS_TOKEN), ``replica_api_key`` ($SKYLB_REPLICA_API_KEY),
+    ``api_keys_file`` ($SKYLB_API_KEYS_FILE) and ``quota.redis_url`` ($SKYLB_REDIS_URL), each only when set and not
+    empty (skylb.environment). $SKYLB_API_KEYS adds keys rather than replacing them: the balancer's
+    ``load_api_keys`` reads it."""
+    found: dict[str, Any] = {key: value for key, var in (
+        ("peer_token", environment.PEER_TOKEN), ("metrics_token", environment.METRICS_TOKEN),
+        ("replica_api_key", environment.REPLICA_API_KEY), ("api_keys_file", environment.API_KEYS_FILE))
+        if (value := environment.env(var, environ)) is not None}
+    if (redis_url := environment.env(environment.REDIS_URL, environ)) is not None:
+        found["quota"] = {"redis_url": redis_url}
+    return found
+
+
+def balancer_settings(deployment: DeploymentConfig, region: str, flags: Mapping[str, Any] | None = None, *,
+                      environ: Mapping[str, str] | None = None) -> BalancerConfig:
+    """The settings a balancer of ``region`` runs with, each layer laid deeply over the one before: the shared
+    ``balancer`` section, ``regions.<region>.balancer``, the environment (``balancer_environment``), then
+    ``flags`` (the command line's, as a partial section; None values are skipped).
+
+    Raises ConfigError naming the region and key when a layer makes the settings invalid.
+    """
+    layers = [balancer_environment(environ), {k: v for k, v in (flags or {}).items() if v is not None}]
+    merged = deployment.balancer_for(region).model_dump()
+    for layer in layers:
+        merged = _deep_merge(merged, layer)
+    try:
+        return BalancerConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc)) from exc
 
 
 def default_config_path() -> Path:

@@ -33,7 +33,7 @@ LOG_LEVEL = EnvVar("SKYLB_LOG_LEVEL", "the lowest log level written: debug, info
                                       "(--log-level wins)")
 EVENT_LOOP = EnvVar("SKYLB_EVENT_LOOP", "'asyncio' runs the standard event loop instead of uvloop")
 PEER_TOKEN = EnvVar("SKYLB_PEER_TOKEN", "the shared secret between balancers and of their heartbeats to the "
-                                        "controller (overrides peer_token)")
+                                        "controller (overrides balancer.peer_token and controller.peer_token)")
 METRICS_TOKEN = EnvVar("SKYLB_METRICS_TOKEN", "accepted on /metrics besides the peer token "
                                               "(overrides balancer.metrics_token)")
 REPLICA_API_KEY = EnvVar("SKYLB_REPLICA_API_KEY", "sent to local replicas as a bearer token "

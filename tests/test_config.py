@@ -7,8 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from skylb.config import BalancerOverrides, ConfigError, load_config
+from skylb.config import BalancerOverrides, ConfigError, DeploymentConfig, balancer_environment, balancer_settings, load_config
+from skylb.environment import BALANCER_VARIABLES, CONTROLLER_VARIABLES
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -73,8 +75,44 @@ regions:
 
 
 def test_an_override_holds_only_the_keys_given():
-    """The parsed override remembers which keys the file set, so unset ones never replace shared values."""
+    """A parsed override dumps only the keys the file set (renamed keys renamed), so unset ones never replace
+    shared values, and a config written back from a loaded one loads the same."""
     override = BalancerOverrides.model_validate({"tau": 3, "retry_policy": {"num_retries": 0},
-                                                 "read_timeout_s": 9})
-    assert override.model_dump(exclude_unset=True) == {"tau": 3, "retry_policy": {"num_retries": 0},
-                                                       "idle_timeout_s": 9}
+                                                 "read_timeout_s": 9, "advertise_url": None})
+    assert override.model_dump() == {"tau": 3, "retry_policy": {"num_retries": 0}, "idle_timeout_s": 9,
+                                     "advertise_url": None}
+    cfg = DeploymentConfig.model_validate({"balancer": {"tau": 5}, "regions": {"us": {"balancer": override}}})
+    again = DeploymentConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump())))
+    assert again.balancer_for("us") == cfg.balancer_for("us")
+
+
+def test_environment_overrides_come_from_one_table():
+    """balancer_environment reads the balancer's variables (empty ones count as unset) into a partial section."""
+    environ = {"SKYLB_PEER_TOKEN": "peer-1", "SKYLB_METRICS_TOKEN": "", "SKYLB_REDIS_URL": "redis://r:6379/0",
+               "SKYLB_REPLICA_API_KEY": " key ", "UNRELATED": "x"}
+    assert balancer_environment(environ) == {"peer_token": "peer-1", "replica_api_key": "key",
+                                             "quota": {"redis_url": "redis://r:6379/0"}}
+
+
+def test_settings_layers_file_region_environment_flags(tmp_path):
+    """A balancer's settings: the shared section, the region's overrides, the environment, then the flags."""
+    cfg = load_config(write(tmp_path, """
+balancer: {peer_token: from-file, port: 1000, quota: {wait_s: 3}}
+regions: {us: {balancer: {port: 2000}}}
+"""))
+    settings = balancer_settings(cfg, "us", {"port": None, "policy": "least-load"},
+                                 environ={"SKYLB_PEER_TOKEN": "from-env", "SKYLB_REDIS_URL": "redis://r"})
+    assert (settings.port, settings.policy, settings.peer_token) == (2000, "least-load", "from-env")
+    assert (settings.quota.redis_url, settings.quota.wait_s) == ("redis://r", 3)
+
+
+@pytest.mark.parametrize(("command", "variables"), [
+    ("balancer", BALANCER_VARIABLES), ("controller", CONTROLLER_VARIABLES)])
+def test_help_lists_the_environment_variables(command, variables):
+    """`skylb balancer --help` and `skylb controller --help` name every variable the process reads, and
+    --log-level."""
+    out = subprocess.run([sys.executable, "-m", "skylb", command, "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "--log-level" in out.stdout
+    for var in variables:
+        assert f"${var.name}:" in out.stdout

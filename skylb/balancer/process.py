@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import socket
 import ssl
@@ -35,9 +34,9 @@ from skylb.balancer.balancer import Balancer
 from skylb.balancer.pipeline import GENERATE_PATHS, REQUEST_IDS, api_of, finish_request, handle_generate
 from skylb.balancer.relay import STREAM_STARTED
 from skylb.balancer.status import BALANCER
-from skylb.config import BalancerConfig, ConfigError, load_config
+from skylb.config import BalancerConfig, ConfigError, balancer_settings, load_config
 from skylb.core import policy_names
-from skylb import logs
+from skylb import environment, logs
 from skylb.logs import configure_logging
 
 __all__ = ["build_app", "add_arguments", "main", "BALANCER", "PEER_TOKEN_ENV", "REPLICA_API_KEY_ENV",
@@ -55,9 +54,9 @@ def stop_time_bound_s(cfg: BalancerConfig) -> float:
 
 #: Environment variable with the peer token (overrides ``balancer.peer_token``), so the secret can live outside the
 #: config file: a systemd EnvironmentFile, a Kubernetes Secret. `skylb-ctl status` reads the same variable.
-PEER_TOKEN_ENV = "SKYLB_PEER_TOKEN"
+PEER_TOKEN_ENV = environment.PEER_TOKEN.name
 #: Environment variable with the key sent to local replicas (overrides ``balancer.replica_api_key``).
-REPLICA_API_KEY_ENV = "SKYLB_REPLICA_API_KEY"
+REPLICA_API_KEY_ENV = environment.REPLICA_API_KEY.name
 
 log = structlog.get_logger("skylb.balancer")
 
@@ -138,10 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-url", action="append", default=[], metavar="REGION=URL",
                         help="reach peer REGION at URL (e.g. through a latency proxy); repeatable")
     logs.add_arguments(parser)
-    parser.epilog = (f"environment: ${PEER_TOKEN_ENV}, when set and not empty, is the shared secret between "
-                     "balancers (overrides balancer.peer_token in the config); $SKYLB_API_KEYS (comma-separated) "
-                     "and $SKYLB_API_KEYS_FILE add client API keys; $SKYLB_METRICS_TOKEN, "
-                     f"${REPLICA_API_KEY_ENV} override balancer.metrics_token, balancer.replica_api_key")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog is a list, one variable a line
+    parser.epilog = (environment.epilog(environment.BALANCER_VARIABLES)
+                     + "\nprecedence: the config file's balancer section, its regions.<region>.balancer, the "
+                       "environment, the flags")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -149,21 +148,15 @@ def main(args: argparse.Namespace) -> int:
     try:
         configure_logging(level=args.log_level)
         deployment = load_config(args.config)
-        overrides = {k: v for k, v in {"host": args.host, "port": args.port, "controller_url": args.controller,
-                                       "advertise_url": args.advertise_url, "policy": args.policy,
-                                       "peer_token": os.environ.get(PEER_TOKEN_ENV) or None,
-                                       "metrics_token": os.environ.get(METRICS_TOKEN_ENV) or None,
-                                       "replica_api_key": os.environ.get(REPLICA_API_KEY_ENV) or None}.items()
-                     if v is not None}
         peer_urls = {}
         for item in args.peer_url:
             region, sep, url = item.partition("=")
             if not sep or not url:
                 raise ConfigError(f"--peer-url must be REGION=URL, got {item!r}")
             peer_urls[region] = url
-        base = deployment.balancer_for(args.region)
-        cfg = BalancerConfig.model_validate(base.model_dump() | overrides
-                                            | {"peer_urls": {**base.peer_urls, **peer_urls}})
+        cfg = balancer_settings(deployment, args.region, {
+            "host": args.host, "port": args.port, "controller_url": args.controller,
+            "advertise_url": args.advertise_url, "policy": args.policy, "peer_urls": peer_urls})
         if cfg.controller_url is None:
             c = deployment.controller
             cfg.controller_url = f"http://{c.host}:{c.port}"
