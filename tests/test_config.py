@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from skylb.config import BalancerOverrides, ConfigError, DeploymentConfig, balancer_environment, balancer_settings, load_config
+from skylb.config import (BalancerOverrides, ConfigError, DeploymentConfig, balancer_environment, balancer_settings,
+                          load_config)
 from skylb.environment import BALANCER_VARIABLES, CONTROLLER_VARIABLES
 
 
@@ -116,3 +117,15 @@ def test_help_lists_the_environment_variables(command, variables):
     assert out.returncode == 0 and "--log-level" in out.stdout
     for var in variables:
         assert f"${var.name}:" in out.stdout
+
+
+def test_the_demos_sections_are_checked_by_the_demo_not_the_product(tmp_path):
+    """``emulator`` and ``latency`` belong to the demo: load_config keeps them as given, bench.settings refuses a
+    typo in them naming the file and the key."""
+    from bench.settings import emulator_settings, latency_settings
+
+    path = write(tmp_path, "emulator: {engin: vllm}\nlatency: {rtt_ms: {us-eu: 9}}\n")
+    cfg = load_config(path)
+    assert latency_settings(cfg).rtt("eu", "us") == 9
+    with pytest.raises(ConfigError, match=r"config .*: emulator\.engin: Extra inputs are not permitted"):
+        emulator_settings(cfg, source=path)
