@@ -29,7 +29,7 @@ from controller.tokens import check_token
 from skylb import aio
 from skylb.balancer import lease_api, ollama_api, ollama_fleet, status
 from skylb.balancer.api import error_response
-from skylb.balancer.auth import METRICS_TOKEN_ENV, Credentials, auth_middleware, load_api_keys, load_tenants
+from skylb.balancer.auth import Credentials, auth_middleware, load_api_keys, load_tenants
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.pipeline import GENERATE_PATHS, REQUEST_IDS, api_of, finish_request, handle_generate
 from skylb.balancer.relay import STREAM_STARTED
