@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bench.replay import replay_and_report
 from bench.report import format_table
+from bench.settings import emulator_settings, latency_settings
 from bench.workload import WorkloadConfig, workload_settings
 from skylb.config import ConfigError, DeploymentConfig, default_config_path, load_config
 from skylb.core import policy_names
@@ -66,9 +67,10 @@ def deployment_checks(doc: dict, cfg: DeploymentConfig) -> list[tuple[str, bool,
         where = route[5:] if route.startswith("peer:") else x["region"]
         served_in[where] = served_in.get(where, 0) + 1
     sent_from = {r: sum(1 for x in records if x["region"] == r) for r in cfg.regions}
+    latency = latency_settings(cfg)
     short = [x for x in forwarded
-             if x["ttft_ms"] is None or x["ttft_ms"] < cfg.latency.rtt(x["region"], x["route"][5:])]
-    min_margin = min((x["ttft_ms"] - cfg.latency.rtt(x["region"], x["route"][5:]) for x in forwarded
+             if x["ttft_ms"] is None or x["ttft_ms"] < latency.rtt(x["region"], x["route"][5:])]
+    min_margin = min((x["ttft_ms"] - latency.rtt(x["region"], x["route"][5:]) for x in forwarded
                       if x["ttft_ms"] is not None), default=None)
     return [
         ("every region served requests", all(served_in.values()),
@@ -151,6 +153,7 @@ def apply_overrides(cfg: DeploymentConfig, args: argparse.Namespace, *,
     """
     data = cfg.model_dump()
     workload = workload_settings(cfg, source=source).model_dump()
+    emulator_settings(cfg, source=source), latency_settings(cfg, source=source)  # their typos, before anything runs
     if args.policy:
         data["balancer"]["policy"] = args.policy
     if getattr(args, "llamacpp", False):

@@ -40,6 +40,7 @@ from bench.launchers import MODEL
 from bench.replay import replay
 from bench.report import build_report, emit_markdown, markdown_table
 from bench.sampling import MachineLoad
+from bench.settings import latency_settings
 from bench.sim.twin import simulate
 from bench.workload import Request, WorkloadConfig, describe, load_workload
 from skylb.config import DeploymentConfig, load_config
@@ -188,7 +189,7 @@ def run_live(systems: Sequence[str] | None = None, *, setup: LiveSetup | None = 
     cfg = deployment_config(setup, policy="skylb", region_local=False)
     return {"setup": setup.__dict__.copy(), "workload": describe(requests),
             "ideal_prefix_hit_rate": replay_ideal_hit_rate(requests),
-            "rtt_ms": cfg.latency.rtt_ms, "rows": rows, "ranking": ranking(rows), "sim": sim,
+            "rtt_ms": latency_settings(cfg).rtt_ms, "rows": rows, "ranking": ranking(rows), "sim": sim,
             "sim_ranking": order(sim), "wall_s": time.monotonic() - t0, "load": load.stop(), "run_dir": str(run_dir),
             "generated": now_label()}
 
@@ -198,7 +199,7 @@ def simulate_setup(setup: LiveSetup, systems: Sequence[str]) -> dict[str, dict[s
     cfg = deployment_config(setup, policy="skylb", region_local=False)
     return simulate(workload_requests(setup), systems=systems,
                     replicas_per_region={r: setup.replicas for r in REGIONS}, max_num_seqs=setup.max_num_seqs,
-                    time_scale=setup.time_scale, rtt_ms=cfg.latency.rtt_ms, seed=setup.seed)
+                    time_scale=setup.time_scale, rtt_ms=latency_settings(cfg).rtt_ms, seed=setup.seed)
 
 
 def order(figures: dict[str, dict[str, Any]]) -> dict[str, list[str]]:

@@ -40,6 +40,7 @@ from bench.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_
                             model_alias)
 from bench.latency.links import LatencyLinks
 from bench.procs import ProcGroup, free_ports, wait_http
+from bench.settings import emulator_settings, failover_rtt_ms, latency_settings
 
 __all__ = ["Deployment", "LLAMACPP_START_TIMEOUT_S"]
 
@@ -64,6 +65,9 @@ class Deployment:
 
     def __init__(self, cfg: DeploymentConfig, run_dir: Path, *, dns: bool = False):
         self.cfg = cfg
+        #: The demo's own sections, checked before anything starts (ConfigError naming a bad key).
+        self.emulator = emulator_settings(cfg)
+        self.latency = latency_settings(cfg)
         self.run_dir = run_dir
         self.procs = ProcGroup(run_dir / "logs", pid_file=run_dir / "pids")
         self.links: LatencyLinks | None = None
@@ -124,16 +128,16 @@ class Deployment:
                               "SKYLB_PEER_TOKEN": self._controller_peer_token})
         _say(f"controller admin token in {self.run_dir / 'admin-token'} (skylb-ctl --admin-token-file)")
 
-        if cfg.emulator.engine == "llamacpp":
+        if self.emulator.engine == "llamacpp":
             self._start_llama_servers()
         for region, urls in self.replica_urls.items():
-            if not urls or cfg.emulator.engine == "llamacpp":
+            if not urls or self.emulator.engine == "llamacpp":
                 continue
             port_args = [a for u in urls for a in ("--port", u.rsplit(":", 1)[1])]
-            _say(f"{region}: {len(urls)} emulated {cfg.emulator.engine} replicas on ports "
+            _say(f"{region}: {len(urls)} emulated {self.emulator.engine} replicas on ports "
                  f"{', '.join(u.rsplit(':', 1)[1] for u in urls)}")
-            self.procs.skylb("emulator", "--engine", cfg.emulator.engine, "--model", cfg.emulator.model,
-                             "--time-scale", str(cfg.emulator.time_scale), *port_args, *cfg.emulator.extra_args,
+            self.procs.skylb("emulator", "--engine", self.emulator.engine, "--model", self.emulator.model,
+                             "--time-scale", str(self.emulator.time_scale), *port_args, *self.emulator.extra_args,
                              name=f"emulator-{region}", wait_url=f"{urls[0]}/health")
             for url in urls[1:]:
                 wait_http(f"{url}/health", timeout_s=20)
@@ -150,9 +154,9 @@ class Deployment:
             for b in regions:
                 if a == b:
                     continue
-                rtt = cfg.latency.rtt(a, b)
+                rtt = self.latency.rtt(a, b)
                 listen = self.links.link(f"skylb-{a}-to-{b}", f"{hosts[b]}:{balancer_ports[b]}", rtt_ms=rtt,
-                                         jitter_ms=cfg.latency.jitter_ms,
+                                         jitter_ms=self.latency.jitter_ms,
                                          listen_port=0 if os.environ.get("TOXIPROXY_URL") else next(ports))
                 peer_args[a] += ["--peer-url", f"{b}=http://{listen}"]
                 _say(f"link {a} -> {b}: round trip {rtt:g} ms via {listen}")
@@ -170,7 +174,7 @@ class Deployment:
         for region, urls in self.replica_urls.items():
             for url in urls:
                 _post_json(f"{self.controller_url}/v1/replicas",
-                           {"region": region, "url": url, "engine": cfg.emulator.engine},
+                           {"region": region, "url": url, "engine": self.emulator.engine},
                            headers={"Authorization": f"Bearer {self.admin_token}"})
         _say(f"registered {n_replicas} replicas through the controller")
         self._wait_ready()
@@ -194,7 +198,7 @@ class Deployment:
 
         Raises RuntimeError when llama-server or the model cannot be had, or a server does not come up.
         """
-        emu = self.cfg.emulator
+        emu = self.emulator
         try:
             binary = Path(emu.llamacpp_binary) if emu.llamacpp_binary else llama_server_binary(build=True)
             model = Path(emu.llamacpp_model) if emu.llamacpp_model else gemma_model_path()
@@ -228,6 +232,8 @@ class Deployment:
     def _write_config(self) -> Path:
         data = self.cfg.model_dump()
         data["balancer"]["state_dir"] = str(self.run_dir / "state")
+        # The controller fails regions over by the round trips this run injects (unless the file sets its own).
+        data["controller"]["failover"]["rtt_ms"] = failover_rtt_ms(self.cfg)
         if self.bind is not None:
             data["controller"]["dns"] = self.bind.dns_config().model_dump()
         path = self.run_dir / "config.yaml"

@@ -17,13 +17,13 @@ controller's error shape. Secrets are compared in constant time and never logged
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from skylb.tokens import (ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, PEER_TOKEN_ENV, check_token, from_this_machine,
                                read_token_file, secret_matches)
+from skylb.environment import env
 
 __all__ = ["ControllerCredentials", "CREDENTIALS", "resolve_credentials", "is_admin", "auth_middleware"]
 
@@ -50,12 +50,12 @@ def resolve_credentials(admin_token: str | None, admin_token_file: str | None,
     """The credentials from the config's values, overridden by the environment: ``$SKYLB_ADMIN_TOKEN``, then the
     file ``$SKYLB_ADMIN_TOKEN_FILE`` or ``admin_token_file``; ``$SKYLB_PEER_TOKEN``. Raises ValueError (an unreadable
     token file, a token still the deployment files' placeholder)."""
-    admin = os.environ.get(ADMIN_TOKEN_ENV) or None
-    if admin is None and (path := os.environ.get(ADMIN_TOKEN_FILE_ENV) or admin_token_file):
+    admin = env(ADMIN_TOKEN_ENV)
+    if admin is None and (path := env(ADMIN_TOKEN_FILE_ENV) or admin_token_file):
         admin = read_token_file(path)
     return ControllerCredentials(
         admin_token=check_token("the admin token", admin or admin_token or None),
-        peer_token=check_token("the peer token", os.environ.get(PEER_TOKEN_ENV) or peer_token or None))
+        peer_token=check_token("the peer token", env(PEER_TOKEN_ENV) or peer_token or None))
 
 
 def _bearer(request: web.Request) -> str | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any, Callable
@@ -23,6 +22,7 @@ from controller.ctl_views import (balancer_status, balancer_table, quota_tables,
                                   status_tables, system_status)
 from controller.store import ENGINES, InvalidInput, normalize_url
 from skylb.core.request import PRIORITIES
+from skylb.environment import CONTROLLER_URL, env
 from skylb.tokens import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, read_token_file
 
 __all__ = ["DEFAULT_CONTROLLER", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_DRAIN_TIMEOUT", "CtlError",
@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="skylb-ctl", description=__doc__.split("\n\n")[0].replace("\n", " "), epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--controller", metavar="URL", default=os.environ.get("SKYLB_CONTROLLER") or DEFAULT_CONTROLLER,
+    parser.add_argument("--controller", metavar="URL", default=env(CONTROLLER_URL) or DEFAULT_CONTROLLER,
                         help=f"controller URL (default: $SKYLB_CONTROLLER, else {DEFAULT_CONTROLLER})")
     parser.add_argument("--admin-token-file", metavar="FILE",
                         help="file holding the controller's admin token, sent with every change "
@@ -551,8 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "wait_timeout", 1.0) <= 0:
         return _fail("--wait-timeout must be > 0", EXIT_USAGE)
     try:
-        token = os.environ.get(ADMIN_TOKEN_ENV) or None
-        token_file = args.admin_token_file or (None if token else os.environ.get(ADMIN_TOKEN_FILE_ENV))
+        token = env(ADMIN_TOKEN_ENV)
+        token_file = args.admin_token_file or (None if token else env(ADMIN_TOKEN_FILE_ENV))
         if token_file:
             try:
                 token = read_token_file(token_file)

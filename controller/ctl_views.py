@@ -3,12 +3,13 @@ status) and the tables of replicas, balancers and quotas."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import requests
 from tabulate import tabulate
+
+from skylb.environment import PEER_TOKEN, env
 
 __all__ = ["balancer_status", "request_error", "system_status", "status_tables", "replica_table", "balancer_table",
            "quota_tables"]
@@ -32,7 +33,7 @@ def balancer_status(url: str, timeout_s: float) -> tuple[dict | None, str | None
 
     ``$SKYLB_PEER_TOKEN`` is sent when set.
     """
-    headers = {"X-SkyLB-Token": os.environ["SKYLB_PEER_TOKEN"]} if os.environ.get("SKYLB_PEER_TOKEN") else {}
+    headers = {"X-SkyLB-Token": token} if (token := env(PEER_TOKEN)) else {}
     try:
         resp = requests.get(f"{url.rstrip('/')}/skylb/v1/status", params={"format": "json"}, headers=headers,
                             timeout=timeout_s)

@@ -55,6 +55,7 @@ from controller.shares import ShareBook
 from controller.store import InvalidInput, StoreError, normalize_url, quotas_json, validate_region
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig, load_config
+from skylb import environment, logs
 from skylb.logs import configure_logging
 
 __all__ = ["MAX_WAIT_S", "RevisionWatch", "create_app", "serve", "add_arguments", "main"]
@@ -471,10 +472,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "controller) or etcd (several, one elected leader) (overrides the config)")
     parser.add_argument("--etcd-endpoints", metavar="URLS", help="etcd client URLs, comma-separated, e.g. "
                         "http://10.0.0.1:2379,http://10.0.0.2:2379 (overrides the config)")
-    parser.epilog = ("environment: $SKYLB_ADMIN_TOKEN (or the file $SKYLB_ADMIN_TOKEN_FILE) is the admin token every "
-                     "change of membership needs; $SKYLB_PEER_TOKEN the balancers' token their heartbeats need "
-                     "(override controller.admin_token, controller.admin_token_file, controller.peer_token); unset: "
-                     "open, with a warning")
+    logs.add_arguments(parser)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog is a list, one variable a line
+    parser.epilog = (environment.epilog(environment.CONTROLLER_VARIABLES)
+                     + "\nwithout an admin token or a peer token the API is open, with a warning")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -486,10 +487,10 @@ def main(args: argparse.Namespace) -> int:
             overrides["etcd"] = config.etcd.model_dump() | {"endpoints": args.etcd_endpoints.split(",")}
         config = ControllerConfig.model_validate(config.model_dump() | overrides)
         credentials = resolve_credentials(config.admin_token, config.admin_token_file, config.peer_token)
+        configure_logging(level=args.log_level)
     except (ConfigError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"skylb controller: {exc}", file=sys.stderr)
         return 2
-    configure_logging()
     try:
         aio.run(serve(config, credentials=credentials))
     except (OSError, sqlite3.Error, StoreError) as exc:  # address in use, db not writable, etcd unreachable, ...

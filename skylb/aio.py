@@ -9,9 +9,10 @@ debugging). libuv keeps time in whole milliseconds (``loop.time()`` and timers),
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from skylb import environment
 
 __all__ = ["run", "loop_name"]
 
@@ -20,7 +21,7 @@ T = TypeVar("T")
 
 def loop_name(*, precise_timers: bool = False) -> str:
     """``"uvloop"`` or ``"asyncio"``: the loop :func:`run` will use."""
-    if precise_timers or os.environ.get("SKYLB_EVENT_LOOP", "uvloop").lower() == "asyncio":
+    if precise_timers or (environment.env(environment.EVENT_LOOP) or "uvloop").lower() == "asyncio":
         return "asyncio"
     try:
         import uvloop  # noqa: F401

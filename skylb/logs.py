@@ -1,42 +1,89 @@
 """One logging set-up for every SkyLB process: structlog, one JSON object per line.
 
-Each line carries ``event`` (what happened, snake_case), ``level``, ``timestamp`` (ISO 8601, UTC) and the event's
-own fields; a logged exception adds ``exception`` (the formatted traceback). Machines (journald, Kubernetes, the
-benchmark harness) read the lines, so every process writes the same shape to the same stream: stderr, which also
-keeps stdout free for what a command prints for people or pipes.
+Each line carries ``event`` (what happened, snake_case), ``level``, ``timestamp`` (ISO 8601, UTC), ``logger`` (the
+name given to ``structlog.get_logger``, e.g. ``skylb.balancer.membership``), the context bound with
+``structlog.contextvars.bind_contextvars`` (a balancer binds its ``region`` once at start, so every line it writes
+names it) and the event's own fields; a logged exception adds ``exception`` (the formatted traceback). Machines
+(journald, Kubernetes, the benchmark harness) read the lines, so every process writes the same shape to the same
+stream: stderr, which also keeps stdout free for what a command prints for people or pipes.
+
+The lowest level written is ``--log-level`` (:func:`add_arguments`), else ``$SKYLB_LOG_LEVEL``, else info.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 import structlog
 
-__all__ = ["configure_logging"]
+from skylb import environment
+
+__all__ = ["configure_logging", "add_arguments", "LEVELS", "DEFAULT_LEVEL"]
+
+#: The level names ``--log-level`` and ``$SKYLB_LOG_LEVEL`` accept (any case).
+LEVELS = ("debug", "info", "warning", "error", "critical")
+#: The level written when neither ``--log-level`` nor ``$SKYLB_LOG_LEVEL`` says one.
+DEFAULT_LEVEL = "info"
 
 
-def configure_logging(*, level: int | str = logging.DEBUG, file: TextIO | None = None) -> None:
+class _NamedPrintLogger(structlog.PrintLogger):
+    """structlog's PrintLogger that keeps the name it was created with, as ``logging.Logger`` does."""
+
+    def __init__(self, file: TextIO, name: str | None) -> None:
+        super().__init__(file)
+        self.name = name
+
+
+def _add_logger_name(logger: Any, method_name: str, event_dict: dict) -> dict:
+    """Put the logger's name in the line as ``logger`` (structlog.stdlib.add_logger_name for our PrintLogger);
+    a logger created without a name adds nothing."""
+    name = getattr(logger, "name", None)
+    if name:
+        event_dict.setdefault("logger", name)
+    return event_dict
+
+
+def _level_number(level: int | str | None) -> int:
+    if level is None:
+        level = environment.env(environment.LOG_LEVEL) or DEFAULT_LEVEL
+    if isinstance(level, int):
+        return level
+    number = logging.getLevelNamesMapping().get(level.strip().upper())
+    if number is None:
+        raise ValueError(f"unknown log level {level!r} (one of: {', '.join(LEVELS)})")
+    return number
+
+
+def configure_logging(*, level: int | str | None = None, file: TextIO | None = None) -> None:
     """Send every structlog logger of this process to ``file`` (default: stderr), one JSON object per line.
 
-    ``level`` is the lowest level written, as a ``logging`` number or a name such as "info" (default: every
-    level). Call it once at process start-up, before the first line is logged: loggers are cached on first use,
-    so a logger used before the call keeps the previous set-up. Raises ValueError for an unknown level name.
+    ``level`` is the lowest level written, as a ``logging`` number or a name such as "info"; None: the level
+    ``$SKYLB_LOG_LEVEL`` names, else info. Call it once at process start-up, before the first line is logged:
+    loggers are cached on first use, so a logger used before the call keeps the previous set-up. Raises ValueError
+    for an unknown level name (also one from the environment).
     """
-    if isinstance(level, str):
-        number = logging.getLevelNamesMapping().get(level.upper())
-        if number is None:
-            raise ValueError(f"unknown log level {level!r} (one of: debug, info, warning, error, critical)")
-        level = number
+    number = _level_number(level)
+    out = file or sys.stderr
     structlog.configure(
         processors=[
+            structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
+            _add_logger_name,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=file or sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(number),
+        logger_factory=lambda name=None, *_: _NamedPrintLogger(out, name),
         cache_logger_on_first_use=True,
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--log-level`` to a process's command line (pass ``args.log_level`` to :func:`configure_logging`)."""
+    parser.add_argument("--log-level", type=str.lower, choices=LEVELS, default=None, metavar="LEVEL",
+                        help=f"lowest log level written: {', '.join(LEVELS)} (default: ${environment.LOG_LEVEL.name}, "
+                             f"else {DEFAULT_LEVEL})")

@@ -8,7 +8,7 @@ from bench.sim.systems import SYSTEMS, build
 from bench.sim.workloads import SimRequest, Workload
 from skylb.balancer.balancer import Balancer
 from skylb.config import BalancerConfig, load_config
-from skylb.core import PolicyError, Router, build_router
+from skylb.core import PolicyError, Router, RouterSettings, build_router
 
 
 def _shape(router: Router) -> tuple:
@@ -48,6 +48,20 @@ def test_build_router_reads_each_setting():
     assert (router.rules.tau, router.rules.max_dispatch_per_probe) == (4, 2)
     assert router.rules.stale_after_s == pytest.approx(0.6)
     assert router.max_queue == 7 and build_router("eu", cfg, max_queue=10 ** 9).max_queue == 10 ** 9
+
+
+def test_build_router_reads_the_declared_peer_outlier_fleet_and_priority_settings():
+    """The four settings the builder once read with getattr defaults are declared and reach the router."""
+    cfg = BalancerConfig(probe_interval_ms=100, peer_stale_after_intervals=2,
+                         outlier_detection={"consecutive_5xx": 9, "max_ejection_percent": 30},
+                         ollama_fleet={"hot_preference": True}, priorities={"enabled": True, "aging_s": 12})
+    router = build_router("eu", cfg)
+    assert router.rules.peer_stale_after_s == pytest.approx(0.2)
+    assert (router.outlier.consecutive_5xx, router.outlier.max_ejection_percent) == (9, 30)
+    assert router.fleet.settings.hot_preference is True
+    assert type(router.queue).__name__ == "ClassQueue" and router.queue.aging_s == 12
+    assert {"peer_stale_after_intervals", "outlier_detection", "ollama_fleet", "priorities"} <= set(
+        RouterSettings.__annotations__)
 
 
 def test_a_misspelt_policy_option_fails_at_config_load():

@@ -240,16 +240,18 @@ def test_failover_plan():
     assert plan_assignments(own, balancers(us="down"), Failover())["us"] == "asia"
 
 
-def test_failover_round_trips_default_to_the_latency_matrix(tmp_path):
+def test_the_demos_latency_stays_out_of_the_controllers_failover(tmp_path):
+    """The injected ``latency.rtt_ms`` is the demo's: the product's controller never reads it, while the demo's
+    controller fails over by it unless the file sets ``controller.failover.rtt_ms``."""
+    from bench.settings import failover_rtt_ms
     from skylb.config import load_config
 
     path = tmp_path / "d.yaml"
     path.write_text("latency: {rtt_ms: {us-eu: 70}}\n")
-    assert load_config(path).controller.failover.rtt_ms == {"us-eu": 70}
-    path.write_text("latency: {rtt_ms: {us-eu: 70}}\ncontroller: {failover: {rtt_ms: {us-eu: 5}}}\n")
-    assert load_config(path).controller.failover.rtt_ms == {"us-eu": 5}
-    path.write_text("controller: {port: 1}\n")
     assert load_config(path).controller.failover.rtt_ms == {}
+    assert failover_rtt_ms(load_config(path)) == {"us-eu": 70}
+    path.write_text("latency: {rtt_ms: {us-eu: 70}}\ncontroller: {failover: {rtt_ms: {us-eu: 5}}}\n")
+    assert load_config(path).controller.failover.rtt_ms == {"us-eu": 5} == failover_rtt_ms(load_config(path))
 
 
 def test_dns_follows_the_failover_and_the_recovery(procs, tmp_path):

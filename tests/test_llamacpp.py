@@ -296,16 +296,17 @@ def test_local_flag_selects_llama_server_replicas_and_a_small_workload():
     from skylb.cli import build_parser
     from skylb.config import load_config
     from bench.demo import LLAMACPP_MAX_TOKEN_SCALE, apply_overrides
+    from bench.settings import emulator_settings
 
     def overridden(*argv: str):
         return apply_overrides(load_config(None), build_parser("local").parse_args(["local", *argv]))
 
     cfg, workload = overridden("--llamacpp")
-    assert cfg.emulator.engine == "llamacpp" and cfg.emulator.llamacpp_parallel == 2
+    assert emulator_settings(cfg).engine == "llamacpp" and emulator_settings(cfg).llamacpp_parallel == 2
     assert {r.replicas for r in cfg.regions.values()} == {1}
     assert workload.token_scale == LLAMACPP_MAX_TOKEN_SCALE == cfg.workload["token_scale"]
     assert {r.replicas for r in overridden("--llamacpp", "--replicas", "2")[0].regions.values()} == {2}
-    assert overridden()[0].emulator.engine == "vllm"
+    assert emulator_settings(overridden()[0]).engine == "vllm"
 
 
 def _alive(pid: int) -> bool:

@@ -6,6 +6,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import structlog
 
 from skylb.logs import configure_logging
+from tests.procs import free_ports
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +39,7 @@ def test_one_json_object_per_line_with_event_level_and_utc_timestamp(buffer):
     log.info("replica_added", region="us", revision=3)
     log.warning("probe_failed", reason="connection refused")
     first, second = lines(buffer)
-    assert first.keys() == {"event", "level", "timestamp", "region", "revision"}
+    assert first.keys() == {"event", "level", "timestamp", "logger", "region", "revision"}
     assert (first["event"], first["level"], first["region"], first["revision"]) == ("replica_added", "info", "us", 3)
     assert (second["event"], second["level"]) == ("probe_failed", "warning")
     assert datetime.fromisoformat(first["timestamp"]).utcoffset().total_seconds() == 0
@@ -67,11 +69,43 @@ def test_level_drops_lower_levels(buffer, level):
     assert [line["level"] for line in lines(buffer)] == ["warning", "error"]
 
 
-def test_every_level_is_written_by_default(buffer):
-    """Without a level, debug lines are written too (the processes filter nothing today)."""
+def test_info_is_the_default_level(buffer, monkeypatch):
+    """Without a level or $SKYLB_LOG_LEVEL, debug lines are dropped and info lines written."""
+    monkeypatch.delenv("SKYLB_LOG_LEVEL", raising=False)
+    configure_logging(file=buffer)
+    log = structlog.get_logger("test")
+    log.debug("detail")
+    log.info("started")
+    assert [line["event"] for line in lines(buffer)] == ["started"]
+
+
+def test_level_from_the_environment_and_the_argument_wins(buffer, monkeypatch):
+    """$SKYLB_LOG_LEVEL sets the level when no level is passed; a level passed (--log-level) wins over it."""
+    monkeypatch.setenv("SKYLB_LOG_LEVEL", "debug")
     configure_logging(file=buffer)
     structlog.get_logger("test").debug("detail")
+    configure_logging(level="error", file=buffer)
+    structlog.get_logger("test").warning("dropped")
     assert [line["event"] for line in lines(buffer)] == ["detail"]
+
+
+def test_unknown_level_in_the_environment_is_refused(monkeypatch):
+    """A misspelt $SKYLB_LOG_LEVEL raises ValueError naming it (a process exits 2 rather than guess)."""
+    monkeypatch.setenv("SKYLB_LOG_LEVEL", "loud")
+    with pytest.raises(ValueError, match="'loud'"):
+        configure_logging()
+
+
+def test_line_carries_the_logger_name_and_the_bound_context(buffer):
+    """A line names its logger and carries what was bound with structlog.contextvars (a balancer's region)."""
+    configure_logging(file=buffer)
+    structlog.contextvars.bind_contextvars(region="eu")
+    try:
+        structlog.get_logger("skylb.balancer.membership").info("membership_applied", revision=4)
+    finally:
+        structlog.contextvars.clear_contextvars()
+    (line,) = lines(buffer)
+    assert (line["logger"], line["region"], line["revision"]) == ("skylb.balancer.membership", "eu", 4)
 
 
 def test_unknown_level_name_is_refused():
@@ -89,3 +123,23 @@ def test_a_process_logs_to_stderr_not_stdout():
     assert proc.returncode == 0 and proc.stdout == ""
     (line,) = [json.loads(text) for text in proc.stderr.splitlines()]
     assert (line["event"], line["port"]) == ("started", 1)
+
+
+def test_balancer_lines_name_their_logger_and_region_at_info(procs, tmp_path):
+    """A running balancer writes every line with its logger's name and its region (bound once at start, not
+    passed per call) and, at the default level, no debug line."""
+    port, dead = free_ports(2)  # nothing listens on ``dead``: the heartbeat fails and membership logs it
+    config = tmp_path / "deployment.yaml"
+    config.write_text(f"balancer: {{state_dir: {tmp_path / 'state'}}}\nregions: {{eu: {{}}}}\n")
+    balancer = procs.skylb("balancer", "--config", str(config), "--region", "eu", "--port", str(port),
+                           "--controller", f"http://127.0.0.1:{dead}", name="balancer-logs",
+                           wait_url=f"http://127.0.0.1:{port}/healthz", env={"SKYLB_LOG_LEVEL": ""})
+    deadline = time.monotonic() + 20
+    while "balancer_registration_failed" not in balancer.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    written = [json.loads(text) for text in balancer.log().splitlines() if text.startswith("{")]
+    events = {line["event"]: line for line in written}
+    assert events["balancer_started"]["logger"] == "skylb.balancer"
+    assert events["balancer_registration_failed"]["logger"] == "skylb.membership"
+    assert all(line["region"] == "eu" for line in written)
+    assert {line["level"] for line in written} <= {"info", "warning", "error"}

@@ -23,6 +23,7 @@ from skylb import aio
 from bench.emulator.model import EngineModel, EngineParams, FinishedRequest, TokenOutput
 from bench.emulator.ollama_lifecycle import LifecycleOptions, parse_keep_alive
 from bench.emulator.personalities import PERSONALITIES, ApiError, Personality, PersonalityOptions
+from skylb import logs
 from skylb.logs import configure_logging
 
 __all__ = [
@@ -163,6 +164,7 @@ _ENGINE_FLAGS = {"metrics": "--no-metrics", "load_seconds": "--load-seconds", "m
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `skylb emulator` (timing defaults: EngineParams, Llama-3.1-8B on one NVIDIA L4)."""
     d = EngineParams()
+    logs.add_arguments(parser)
     parser.add_argument("--engine", choices=sorted(PERSONALITIES), default="vllm",
                         help="which engine's HTTP API, metrics and errors to speak (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -353,6 +355,10 @@ def main(args: argparse.Namespace) -> int:
     if bad or len(set(args.port)) != len(args.port):
         print(f"skylb emulator: --port values must be distinct and in 1-65535, got {args.port}", file=sys.stderr)
         return 2
-    configure_logging()
+    try:
+        configure_logging(level=args.log_level)
+    except ValueError as exc:  # $SKYLB_LOG_LEVEL names no level
+        print(f"skylb emulator: {exc}", file=sys.stderr)
+        return 2
     return aio.run(serve(engine=args.engine, host=args.host, ports=args.port, params=params, options=options,
                              log_requests=args.log_requests))

@@ -41,6 +41,7 @@ from aiohttp import web
 
 from skylb import aio
 from bench.latency.toxics import DOWNSTREAM, STREAMS, UPSTREAM, ApiError, Chunk, ToxicSpec, ToxicState, bad_request
+from skylb import logs
 from skylb.logs import configure_logging
 
 __all__ = ["VERSION", "Proxy", "ProxyCollection", "build_app", "serve", "add_arguments", "main"]
@@ -632,11 +633,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `skylb toxiproxy`: where the HTTP API listens (Toxiproxy's default port is 8474)."""
     parser.add_argument("--host", default="127.0.0.1", help="address of the HTTP API (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8474, help="port of the HTTP API (default: %(default)s)")
+    logs.add_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a clean stop, 1 if the API port cannot be bound."""
-    configure_logging()
+    try:
+        configure_logging(level=args.log_level)
+    except ValueError as exc:  # $SKYLB_LOG_LEVEL names no level
+        print(f"skylb toxiproxy: {exc}", file=sys.stderr)
+        return 2
     try:
         aio.run(serve(args.host, args.port), precise_timers=True)  # injected delays must never be short
     except OSError as exc:

@@ -22,12 +22,12 @@ shapes (api.py).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
+from skylb import environment
 from skylb.balancer.api import error_response, openai_error
 from skylb.balancer.protocol import FORWARDED_FROM, STATUS_PATH, TOKEN_HEADER
 from skylb.core.request import DEFAULT_TENANT
@@ -40,11 +40,11 @@ __all__ = ["Credentials", "API_KEYS_ENV", "API_KEYS_FILE_ENV", "METRICS_TOKEN_EN
 TENANT = web.RequestKey("skylb_tenant", str) if hasattr(web, "RequestKey") else "skylb_tenant"
 
 #: Client API keys, comma-separated (added to ``balancer.api_keys`` and the keys file).
-API_KEYS_ENV = "SKYLB_API_KEYS"
+API_KEYS_ENV = environment.API_KEYS.name
 #: A file of client API keys, one per line (``#`` starts a comment); overrides ``balancer.api_keys_file``.
-API_KEYS_FILE_ENV = "SKYLB_API_KEYS_FILE"
+API_KEYS_FILE_ENV = environment.API_KEYS_FILE.name
 #: The metrics token (overrides ``balancer.metrics_token``).
-METRICS_TOKEN_ENV = "SKYLB_METRICS_TOKEN"
+METRICS_TOKEN_ENV = environment.METRICS_TOKEN.name
 
 _OPEN_PATHS = frozenset({"/healthz", "/"})
 _API_PREFIXES = ("/v1/", "/api/")
@@ -80,7 +80,7 @@ def load_api_keys(keys: list[str], keys_file: str | None) -> frozenset[str]:
     """
     found = [k.strip() for k in keys]
     found += [fields[0] for fields in _keys_file_lines(keys_file)]
-    found += (k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(","))
+    found += (k.strip() for k in (environment.env(environment.API_KEYS) or "").split(","))
     return frozenset(k for k in found if k)
 
 
@@ -108,7 +108,7 @@ def _keys_file_lines(keys_file: str | None) -> list[list[str]]:
     """The keys file's non-empty lines as fields (``<key>`` or ``<key> <tenant>``; ``#`` starts a comment),
     ``$SKYLB_API_KEYS_FILE`` over ``keys_file``; [] without a file. Raises ValueError when it cannot be read (its
     path in the message, never its content)."""
-    path = os.environ.get(API_KEYS_FILE_ENV) or keys_file
+    path = environment.env(environment.API_KEYS_FILE) or keys_file
     if not path:
         return []
     try:

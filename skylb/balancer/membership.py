@@ -81,7 +81,7 @@ class MembershipWatcher:
         except (OSError, ValueError):
             return False
         self._apply(snapshot, persist=False)
-        log.info("membership_loaded_from_disk", region=self.region, revision=self.revision, path=str(self.path))
+        log.info("membership_loaded_from_disk", revision=self.revision, path=str(self.path))
         return True
 
     async def fetch_once(self, timeout_s: float) -> bool:
@@ -120,18 +120,18 @@ class MembershipWatcher:
                 if exc.type == "stale_epoch":
                     # Replicas this balancer holds were given to another balancer: drop them now, not at the
                     # watch's next answer.
-                    log.warning("stale_epoch", region=self.region, error=str(exc))
+                    log.warning("stale_epoch", error=str(exc))
                     await self.fetch_once(timeout_s=5.0)
                 elif exc.status == 400 and str(exc).startswith("demand:") and self.demand() is not None:
                     # A controller older than quota shares: register without demand from now on (the balancer keeps
                     # its default share) rather than fail every heartbeat during a rolling upgrade.
-                    log.warning("controller_without_quota_shares", region=self.region, error=str(exc))
+                    log.warning("controller_without_quota_shares", error=str(exc))
                     self.demand = lambda: None
                     continue
                 else:
-                    log.warning("balancer_registration_failed", region=self.region, error=str(exc))
+                    log.warning("balancer_registration_failed", error=str(exc))
             except ControllerUnavailable as exc:
-                log.warning("balancer_registration_failed", region=self.region, error=str(exc))
+                log.warning("balancer_registration_failed", error=str(exc))
             await asyncio.sleep(self.heartbeat_s)
 
     async def _watch(self) -> None:
@@ -145,7 +145,7 @@ class MembershipWatcher:
                     revision=self.revision, wait_s=self.wait_s if poll else 0)
             except (ControllerUnavailable, ControllerError) as exc:
                 if self.controller_reachable:
-                    log.warning("controller_unreachable_serving_last_membership", region=self.region,
+                    log.warning("controller_unreachable_serving_last_membership",
                                 revision=self.revision, error=str(exc))
                 self.controller_reachable = False
                 await asyncio.sleep(backoff)
@@ -165,7 +165,7 @@ class MembershipWatcher:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps(snapshot))
             os.replace(tmp, self.path)  # atomic: a crash never leaves half a file
-            log.info("membership_applied", region=self.region, revision=self.revision,
+            log.info("membership_applied", revision=self.revision,
                      replicas=sum(1 for r in snapshot.get("replicas", []) if r.get("region") == self.region))
 
     def _apply_quotas(self, snapshot: dict) -> None:
@@ -176,11 +176,11 @@ class MembershipWatcher:
         try:
             quotas = self.config_quotas if doc is None else Quotas.model_validate(doc)
         except ValidationError as exc:  # a newer controller's document this balancer cannot read: keep what it has
-            log.warning("quotas_not_applied", region=self.region, revision=snapshot.get("quotas_revision"),
+            log.warning("quotas_not_applied", revision=snapshot.get("quotas_revision"),
                         error=str(exc).splitlines()[0])
             return
         self.quotas_doc = doc
         self.quotas_revision = None if doc is None else snapshot.get("quotas_revision")
         self.apply_quotas(quotas)
-        log.info("quotas_applied", region=self.region, source="config" if doc is None else "controller",
+        log.info("quotas_applied", source="config" if doc is None else "controller",
                  revision=self.quotas_revision)

@@ -65,7 +65,7 @@ class Probers:
                 try:
                     await probe_all()
                 except Exception:  # a prober must never die: log and keep probing
-                    log.exception("probe_round_failed", region=self.router.region)
+                    log.exception("probe_round_failed")
                 self.on_round()
                 await asyncio.sleep(max(0.0, self.interval_s - (self.now() - started)))
         finally:
@@ -89,7 +89,7 @@ class Probers:
 
     def _log_failure(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
-            log.error("probe_failed", region=self.router.region, exc_info=task.exception())
+            log.error("probe_failed", exc_info=task.exception())
 
     async def probe_replicas(self) -> None:
         """One round over the local replicas: load signal, health, and (every ``models_refresh_s``) the models."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import socket
 import ssl
@@ -28,15 +27,16 @@ from pydantic import ValidationError
 
 from skylb import aio
 from skylb.balancer import lease_api, model_management, ollama_api, status
-from skylb.balancer.auth import METRICS_TOKEN_ENV, Credentials, auth_middleware, load_api_keys, load_tenants
+from skylb.balancer.auth import Credentials, auth_middleware, load_api_keys, load_tenants
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.handler import GENERATE_PATHS, REQUEST_IDS, api_of, handle_generate
 from skylb.balancer.stages import RequestContext
 from skylb.balancer.stages.model_group import add_model_header
 from skylb.balancer.relay import STREAM_STARTED
 from skylb.balancer.status import BALANCER
-from skylb.config import BalancerConfig, ConfigError, load_config
+from skylb.config import BalancerConfig, ConfigError, balancer_settings, load_config
 from skylb.core import policy_names
+from skylb import environment, logs
 from skylb.logs import configure_logging
 from skylb.tokens import check_token
 
@@ -55,9 +55,9 @@ def stop_time_bound_s(cfg: BalancerConfig) -> float:
 
 #: Environment variable with the peer token (overrides ``balancer.peer_token``), so the secret can live outside the
 #: config file: a systemd EnvironmentFile, a Kubernetes Secret. `skylb-ctl status` reads the same variable.
-PEER_TOKEN_ENV = "SKYLB_PEER_TOKEN"
+PEER_TOKEN_ENV = environment.PEER_TOKEN.name
 #: Environment variable with the key sent to local replicas (overrides ``balancer.replica_api_key``).
-REPLICA_API_KEY_ENV = "SKYLB_REPLICA_API_KEY"
+REPLICA_API_KEY_ENV = environment.REPLICA_API_KEY.name
 
 log = structlog.get_logger("skylb.balancer")
 
@@ -139,32 +139,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="routing policy (overrides the config): " + ", ".join(policy_names()))
     parser.add_argument("--peer-url", action="append", default=[], metavar="REGION=URL",
                         help="reach peer REGION at URL (e.g. through a latency proxy); repeatable")
-    parser.epilog = (f"environment: ${PEER_TOKEN_ENV}, when set and not empty, is the shared secret between "
-                     "balancers (overrides balancer.peer_token in the config); $SKYLB_API_KEYS (comma-separated) "
-                     "and $SKYLB_API_KEYS_FILE add client API keys; $SKYLB_METRICS_TOKEN, "
-                     f"${REPLICA_API_KEY_ENV} override balancer.metrics_token, balancer.replica_api_key")
+    logs.add_arguments(parser)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog is a list, one variable a line
+    parser.epilog = (environment.epilog(environment.BALANCER_VARIABLES)
+                     + "\nprecedence: the config file's balancer section, its regions.<region>.balancer, the "
+                       "environment, the flags")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run one balancer until SIGTERM or SIGINT; exit status 2 on a config error."""
-    configure_logging()
     try:
+        configure_logging(level=args.log_level)
         deployment = load_config(args.config)
-        overrides = {k: v for k, v in {"host": args.host, "port": args.port, "controller_url": args.controller,
-                                       "advertise_url": args.advertise_url, "policy": args.policy,
-                                       "peer_token": os.environ.get(PEER_TOKEN_ENV) or None,
-                                       "metrics_token": os.environ.get(METRICS_TOKEN_ENV) or None,
-                                       "replica_api_key": os.environ.get(REPLICA_API_KEY_ENV) or None}.items()
-                     if v is not None}
         peer_urls = {}
         for item in args.peer_url:
             region, sep, url = item.partition("=")
             if not sep or not url:
                 raise ConfigError(f"--peer-url must be REGION=URL, got {item!r}")
             peer_urls[region] = url
-        base = deployment.balancer_for(args.region)
-        cfg = BalancerConfig.model_validate(base.model_dump() | overrides
-                                            | {"peer_urls": {**base.peer_urls, **peer_urls}})
+        cfg = balancer_settings(deployment, args.region, {
+            "host": args.host, "port": args.port, "controller_url": args.controller,
+            "advertise_url": args.advertise_url, "policy": args.policy, "peer_urls": peer_urls})
         if cfg.controller_url is None:
             c = deployment.controller
             cfg.controller_url = f"http://{c.host}:{c.port}"
@@ -204,18 +199,20 @@ def _ssl_context(cfg: BalancerConfig) -> ssl.SSLContext | None:
     return context
 
 
-def _warn_open(cfg: BalancerConfig, api_keys: frozenset[str], region: str) -> None:
+def _warn_open(cfg: BalancerConfig, api_keys: frozenset[str]) -> None:
     """Say loudly which checks are off because their secret is not configured (README, "Security")."""
     if not cfg.peer_token:
-        log.warning("peer_endpoints_open", region=region,
+        log.warning("peer_endpoints_open",
                     detail=f"no peer token (${PEER_TOKEN_ENV}): /skylb/v1/status, /metrics and forwarded requests are "
                            "answered from this machine only, so peers elsewhere cannot forward here; set one")
     if not api_keys:
-        log.warning("client_api_open", region=region, detail="no client API keys: anyone can send requests")
+        log.warning("client_api_open", detail="no client API keys: anyone can send requests")
 
 
 async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_keys: frozenset[str] = frozenset(),
                  tenants: dict[str, str] | None = None, ssl_context: ssl.SSLContext | None = None) -> int:
+    # One region per process: every line this process logs from here on names it (skylb/logs.py).
+    structlog.contextvars.bind_contextvars(region=region)
     app = build_app(cfg, region=region, advertise_url=advertise_url, api_keys=api_keys, tenants=tenants)
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request leaves the queue
     # and an upstream request is aborted (aiohttp's default keeps running it; reliability.md).
@@ -224,10 +221,10 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_ke
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()
-    log.info("balancer_started", region=region, listen=f"{cfg.host}:{cfg.port}", tls=ssl_context is not None,
+    log.info("balancer_started", listen=f"{cfg.host}:{cfg.port}", tls=ssl_context is not None,
              policy=cfg.policy, controller=cfg.controller_url, client_api_keys=len(api_keys),
              peer_token=bool(cfg.peer_token), event_loop=aio.loop_name())
-    _warn_open(cfg, api_keys, region)
+    _warn_open(cfg, api_keys)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -237,7 +234,7 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_ke
     # and the controller see it draining rather than a refused connection), what is held is served, then stop.
     balancer = app[BALANCER]
     took = await balancer.drain(cfg.drain_timeout_s)
-    structlog.get_logger("skylb.balancer").info("balancer_drained", region=region, drain_s=round(took, 3),
+    structlog.get_logger("skylb.balancer").info("balancer_drained", drain_s=round(took, 3),
                                                 left=balancer.active_requests)
     await runner.cleanup()
     return 0

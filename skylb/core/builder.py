@@ -20,7 +20,30 @@ from skylb.core.state import AvailabilityRules
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["RouterSettings", "build_router", "build_policy", "build_rules"]
+__all__ = ["RouterSettings", "OutlierSettings", "QueueClassSettings", "build_router", "build_policy", "build_rules"]
+
+
+class OutlierSettings(Protocol):
+    """Passive health checking's settings (skylb.config.OutlierDetection has all of them; Envoy's
+    ``outlier_detection`` names and units): consecutive_5xx and consecutive_gateway_failure, counts (0: off);
+    base_ejection_time_s, max_ejection_time_s and interval_s, seconds; max_ejection_percent and
+    healthy_panic_threshold, percent."""
+
+    consecutive_5xx: int
+    consecutive_gateway_failure: int
+    base_ejection_time_s: float
+    max_ejection_time_s: float
+    interval_s: float
+    max_ejection_percent: float
+    healthy_panic_threshold: float
+
+
+class QueueClassSettings(Protocol):
+    """Priority classes in the queue (the balancer's ``priorities`` section has both): ``enabled`` (False: one
+    first-come-first-served queue), ``aging_s`` (seconds a waiting request takes to climb one class)."""
+
+    enabled: bool
+    aging_s: float
 
 
 class RouterSettings(Protocol):
@@ -29,17 +52,24 @@ class RouterSettings(Protocol):
     Attributes:
         policy: a registered policy name. policies: per policy name, its options (validated by the policy).
         probe_interval_ms: probe period, ms. stale_after_intervals: a probe older than this many intervals is
-        stale. tau: the longest peer queue that keeps a peer available. max_dispatch_per_probe: cap between two
-        probes (0: none). max_queue: the most requests the queue holds.
+        stale. peer_stale_after_intervals: the same for a peer's status when sooner (0: stale_after_intervals
+        alone). tau: the longest peer queue that keeps a peer available. max_dispatch_per_probe: cap between two
+        probes (0: none). max_queue: the most requests the queue holds. outlier_detection: when a failing
+        replica or peer is ejected. ollama_fleet: the Ollama fleet rules (all off by default). priorities:
+        priority classes in the queue.
     """
 
     policy: str
     policies: "Mapping[str, Mapping[str, Any]]"
     probe_interval_ms: float
     stale_after_intervals: float
+    peer_stale_after_intervals: float
     tau: int
     max_dispatch_per_probe: int
     max_queue: int
+    outlier_detection: OutlierSettings
+    ollama_fleet: FleetSettings
+    priorities: QueueClassSettings
 
 
 def build_policy(settings: RouterSettings) -> Policy:
@@ -53,16 +83,15 @@ def build_rules(settings: RouterSettings) -> AvailabilityRules:
     interval_s = settings.probe_interval_ms / 1000
     return AvailabilityRules(tau=settings.tau, stale_after_s=interval_s * settings.stale_after_intervals,
                              max_dispatch_per_probe=settings.max_dispatch_per_probe,
-                             peer_stale_after_s=interval_s * getattr(settings, "peer_stale_after_intervals", 0.0))
+                             peer_stale_after_s=interval_s * settings.peer_stale_after_intervals)
 
 
 def build_router(region: str, settings: RouterSettings, *, max_queue: int | None = None) -> Router:
     """A Router for ``region`` from ``settings``; ``max_queue`` overrides ``settings.max_queue`` (the simulator
     never refuses a request, so it passes a bound no run reaches). Raises PolicyError on an invalid policy."""
-    priorities = getattr(settings, "priorities", None)  # skylb/quota/priorities.py; absent: FCFS
-    on = bool(priorities is not None and priorities.enabled)
+    priorities = settings.priorities
     return Router(region=region, policy=build_policy(settings), rules=build_rules(settings),
                   max_queue=settings.max_queue if max_queue is None else max_queue,
-                  outlier=OutlierDetector.from_settings(getattr(settings, "outlier_detection", None)),
-                  fleet=FleetRules(getattr(settings, "ollama_fleet", None) or FleetSettings()),
-                  priorities=on, aging_s=priorities.aging_s if on else 0.0)
+                  outlier=OutlierDetector.from_settings(settings.outlier_detection),
+                  fleet=FleetRules(settings.ollama_fleet),
+                  priorities=priorities.enabled, aging_s=priorities.aging_s if priorities.enabled else 0.0)
