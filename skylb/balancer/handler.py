@@ -51,7 +51,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
                          arrived_at=balancer.now(), started=time.time())
     balancer.active_requests += 1
     try:
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
+        # Every line logged for this request (retries, ejections, fallbacks, its canonical line) carries these.
+        with structlog.contextvars.bound_contextvars(region=balancer.region, request_id=request_id):
             return await balancer.chain.run(ctx)
     finally:
         balancer.active_requests -= 1

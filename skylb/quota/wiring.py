@@ -6,7 +6,6 @@ request flow.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 
 import structlog
@@ -18,10 +17,7 @@ from skylb.quota.redis_backend import RedisLimits
 from skylb.quota.settings import QuotaSettings
 from skylb.quota.limits import Quotas
 
-__all__ = ["build_limits", "build_gate", "quota_loop", "quota_status", "UPKEEP_S", "REDIS_URL_ENV"]
-
-#: Overrides ``balancer.quota.redis_url`` (a URL with a password belongs in the environment, not the config file).
-REDIS_URL_ENV = "SKYLB_REDIS_URL"
+__all__ = ["build_limits", "build_gate", "quota_loop", "quota_status", "UPKEEP_S"]
 
 #: How often the upkeep loop runs, s (lease renewal every third of ``slot_lease_s`` or sooner, Redis retries,
 #: the share of the in-process buckets).
@@ -31,12 +27,10 @@ log = structlog.get_logger("skylb.quota")
 
 
 def build_limits(settings: QuotaSettings, *, regions_share: Callable[[], float]) -> LimitBackend:
-    """RedisLimits when ``$SKYLB_REDIS_URL`` or ``settings.redis_url`` is set (its fallback share: ``local_share``,
-    else ``regions_share()``: 1 / the regions whose balancers this one knows), else LocalLimits at ``local_share``
-    (else 1 until the upkeep loop reads membership)."""
-    url = os.environ.get(REDIS_URL_ENV) or settings.redis_url
-    if url:
-        settings = settings.model_copy(update={"redis_url": url})
+    """RedisLimits when ``settings.redis_url`` is set (the settings layer puts ``$SKYLB_REDIS_URL`` there; its
+    fallback share: ``local_share``, else ``regions_share()``: 1 / the regions whose balancers this one knows), else
+    LocalLimits at ``local_share`` (else 1 until the upkeep loop reads membership)."""
+    if settings.redis_url:
         return RedisLimits(settings, share=settings.local_share if settings.local_share is not None else regions_share)
     return LocalLimits(settings.local_share or 1.0)
 

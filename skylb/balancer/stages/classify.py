@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import structlog
 from aiohttp import web
 
 from skylb.balancer.auth import tenant_of
@@ -52,4 +53,5 @@ class ClassifyStage:
                                                         use_header=self.priorities_enabled)
         except BadPriority as exc:
             return ctx.reject(400, str(exc), "bad_priority")
+        structlog.contextvars.bind_contextvars(tenant=ctx.tenant)  # on the request's later lines (its task only)
         return None

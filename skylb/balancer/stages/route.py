@@ -124,8 +124,8 @@ class RouteStage:
         self.metrics.retries.labels(self.region).inc()
         routed.avoid = routed.avoid | {(decision.route, decision.target)}
         delay = backoff_s(self.cfg.retry_policy, attempt)
-        log.warning("retrying", id=ctx.request_id, region=self.region, route=decision.route, target=decision.target,
-                    error=outcome.error, attempt=attempt, backoff_ms=round(delay * 1000, 1))
+        log.warning("retrying", route=decision.route, target=decision.target, error=outcome.error,
+                    attempt=attempt, backoff_ms=round(delay * 1000, 1))
         await asyncio.sleep(delay)
 
     def _queue_retry_after(self) -> int:
@@ -152,4 +152,4 @@ class RouteStage:
             self.router.target_answered(decision)
         elif self.router.target_failed(decision, now=self.now(), gateway=failure == "gateway"):
             self.metrics.ejections.labels(self.region, decision.route, decision.target).inc()
-            log.warning("ejected", region=self.region, route=decision.route, target=decision.target, failure=failure)
+            log.warning("ejected", route=decision.route, target=decision.target, failure=failure)
