@@ -21,13 +21,8 @@ from importlinter.cli import lint_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("skylb", "controller")
-#: What the routing core may import besides the standard library and itself (DESIGN.md decision 1: pure).
+#: What the routing core may import besides the standard library and itself (the core is pure: no I/O, no clock).
 CORE_LIBRARIES = {"pydantic", "pygtrie", "uhashring"}
-#: Product packages still left out of the cycle check, with every cycle that passes through them: skylb.balancer
-#: (balancer <-> ollama_fleet and quota/wiring <-> balancer through type-only imports of Balancer, lease_api <->
-#: model_groups at run time). Empty this once its cycles are gone.
-CYCLES_NOT_YET_CHECKED: tuple[str, ...] = ("skylb.balancer",)
-
 
 def _in(module: str, packages: Iterable[str]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
@@ -165,10 +160,9 @@ def test_find_cycles_reports_each_circle_once():
 
 def test_no_import_cycles_in_the_product():
     """No import cycle among the modules of skylb/ and controller/: run-time imports, function-local ones
-    included, plus type-only imports (under ``if TYPE_CHECKING:``) of anything but a Protocol. Modules of
-    CYCLES_NOT_YET_CHECKED are left out, and with them the cycles that pass through them."""
+    included, plus type-only imports (under ``if TYPE_CHECKING:``) of anything but a Protocol."""
     graph = grimp.build_graph(*PRODUCT, exclude_type_checking_imports=True, cache_dir=None)
-    modules = {m for m in graph.modules if not _in(m, CYCLES_NOT_YET_CHECKED)}
+    modules = set(graph.modules)
     assert {"skylb.core.state", "skylb.quota.gate", "controller.server"} <= modules
     imports = {m: ({*graph.find_modules_directly_imported_by(m), *_coupling_type_only_imports(graph, m)})
                & modules for m in modules}

@@ -145,3 +145,22 @@ async def test_end_hooks_run_once_for_an_answer_and_for_a_rejection():
         assert hooked.ended == 2 and request_log.finished == 2
     finally:
         await runner.cleanup()
+
+
+def test_no_stage_or_feature_module_imports_the_balancer():
+    """The stages, the Ollama fleet's actions and the quota package get narrow dependencies: none of them imports
+    skylb/balancer/balancer.py, not even for type hints."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    modules = [*sorted((root / "skylb" / "balancer" / "stages").glob("*.py")),
+               root / "skylb" / "balancer" / "ollama_fleet.py", *sorted((root / "skylb" / "quota").glob("*.py"))]
+    assert len(modules) > 15
+    found = []
+    for path in modules:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}: {n}" for n in names if n == "skylb.balancer.balancer"]
+    assert found == []
