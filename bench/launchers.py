@@ -125,13 +125,15 @@ def start_emulator(procs: ProcGroup, ports: Sequence[int], *, time_scale: float,
 
 def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path, policy: str = "skylb",
                 overrides: dict | None = None, engine: str = "vllm", region: str = "us", name: str = "skylb",
-                profile_to: Path | None = None) -> str:
+                profile_to: Path | None = None, checkout: Path | None = None) -> str:
     """Start a SkyLB controller and one balancer for ``region`` in front of ``replica_urls``; returns its URL.
 
     The replicas are registered through the controller's REST API (as `skylb-ctl replica add` does) and the call
     returns once the balancer has probed all of them healthy. ``overrides``: extra ``balancer`` settings.
     ``engine``: the replicas' engine adapter ("vllm", "ollama", ...).
     ``profile_to``: run the balancer under cProfile, which writes this file when the balancer stops (SIGTERM).
+    ``checkout``: run the balancer from another checkout of SkyLB (an earlier commit, for an A/B comparison); the
+    controller is this one's.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,6 +152,7 @@ def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path,
     args = ["balancer", "--config", str(config_path), "--region", region, "--port", str(balancer_port),
             "--controller", controller, "--policy", policy]
     command = ([sys.executable, "-c", _PROFILED_MAIN, str(profile_to), *args] if profile_to else
+               [sys.executable, "-c", _CHECKOUT_MAIN, str(checkout), *args] if checkout else
                [sys.executable, "-m", "skylb", *args])
     procs.start(command, name=f"{name}-balancer", wait_url=f"{url}/healthz")
     for replica in replica_urls:
@@ -164,6 +167,14 @@ def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path,
                                f"{START_TIMEOUT_S:g} s: {status['replicas']}")
         time.sleep(0.1)
 
+
+#: ``python -c`` program running `python -m skylb ARGS` from the checkout in argv[1] (first on sys.path).
+_CHECKOUT_MAIN = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["skylb", *sys.argv[2:]]
+runpy.run_module("skylb", run_name="__main__", alter_sys=True)
+"""
 
 #: ``python -c`` program running `python -m skylb ARGS` under cProfile with the process's CPU time as the clock
 #: (so time spent waiting, in epoll or descheduled, does not count); argv[1] is the output file. Profiling starts

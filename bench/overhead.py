@@ -45,7 +45,7 @@ from tqdm import tqdm
 from bench.baselines import SYSTEMS
 from bench.harness import now_label
 from bench.launchers import (MODEL, System, Unavailable, start_emulator, start_skylb, start_system,
-                             unavailable_reason, versions)
+                             unavailable_reason, versions, warm_up)
 from bench.report import emit_markdown, markdown_table, percentile
 from bench.sampling import MachineLoad, conditions_lines, process_cpu_s
 from bench.workload import VOCABULARY
@@ -127,8 +127,11 @@ def _prompt(i: int, words: int = 48) -> str:
 
 
 def added_latency(*, n: int = 500, systems: Sequence[str] = tuple(OVERHEAD_SYSTEMS), run_dir: Path,
-                  warmup: int = 20) -> dict[str, Any]:
+                  warmup: int = 20, checkouts: dict[str, Path] | None = None) -> dict[str, Any]:
     """Part (a): latency of small non-streamed completions, direct and through each balancer.
+
+    ``checkouts``: {name: path} of other SkyLB checkouts (earlier commits) whose balancer, in its default
+    configuration, runs beside this one's as system ``name`` (an A/B comparison, interleaved like the rest).
 
     One emulated replica (time scale :data:`FAST_TIME_SCALE`, so it answers in about a millisecond); ``n``
     sequential requests per system over one keep-alive connection each (``http.client``), interleaved: request
@@ -145,6 +148,10 @@ def added_latency(*, n: int = 500, systems: Sequence[str] = tuple(OVERHEAD_SYSTE
         replicas = start_emulator(procs, free_ports(1), time_scale=FAST_TIME_SCALE, max_num_seqs=256,
                                   name="a-emulator")
         urls = {name: _start(procs, name, replicas, Path(run_dir) / "a")[0] for name in names}
+        for name, checkout in (checkouts or {}).items():
+            urls[name] = start_skylb(procs, replicas, run_dir=Path(run_dir) / "a", name=name, checkout=checkout)
+            warm_up(urls[name])
+            names.append(name)
         conns = {name: http.client.HTTPConnection(url.removeprefix("http://"), timeout=10) for name, url in
                  urls.items()}
         lat: dict[str, list[float]] = {name: [] for name in names}
