@@ -18,7 +18,7 @@ from skylb.balancer.protocol import REQUEST_ID_HEADER, client_request_id
 from skylb.balancer.stages import RequestContext
 from skylb.balancer.status import BALANCER
 
-__all__ = ["handle_generate", "GENERATE_PATHS", "REQUEST_IDS", "api_of"]
+__all__ = ["handle_generate", "ROUTES", "GENERATE_PATHS", "REQUEST_IDS", "api_of"]
 
 #: The endpoints whose requests are queued, routed and relayed.
 GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
@@ -56,3 +56,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             return await balancer.chain.run(ctx)
     finally:
         balancer.active_requests -= 1
+
+
+#: The generation and embedding routes.
+ROUTES = [web.post(path, handle_generate) for path in GENERATE_PATHS]

@@ -37,7 +37,7 @@ from skylb.balancer.status import BALANCER
 from skylb.quota.leases import LeaseBook
 from skylb.quota.groups import Admitted
 
-__all__ = ["register", "CLIENT_PATHS", "DEFAULT_LEASE_TTL_MS", "RECLAIM_EVERY_S"]
+__all__ = ["ROUTES", "start_reclaimer", "CLIENT_PATHS", "DEFAULT_LEASE_TTL_MS", "RECLAIM_EVERY_S"]
 
 SCHEDULE_PATH, HEARTBEAT_PATH = "/skylb/v1/schedule", "/skylb/v1/heartbeat"
 COMPLETE_PATH, ADVICE_PATH = "/skylb/v1/complete", "/skylb/v1/advice"
@@ -243,15 +243,17 @@ async def _reclaim_loop(app: web.Application) -> None:
                         tenant=lease.tenant, refunded_tokens=lease.admitted.tokens)
 
 
-def register(app: web.Application) -> None:
-    """Add the lease API's routes and its lease reclaimer (started and stopped with the app, after the Balancer)
-    to the balancer's ``app``; the leases are the Balancer's ``leases`` (skylb/quota/leases.py LeaseBook)."""
+#: The lease API's routes.
+ROUTES = [web.post(SCHEDULE_PATH, handle_schedule), web.post(HEARTBEAT_PATH, handle_heartbeat),
+          web.post(COMPLETE_PATH, handle_complete), web.get(ADVICE_PATH, handle_advice)]
+
+
+def start_reclaimer(app: web.Application) -> None:
+    """Count the lease API's metrics in the balancer's registry and reclaim expired leases while ``app`` runs
+    (started and stopped with it, after the Balancer); the leases are the Balancer's ``leases``
+    (skylb/quota/leases.py LeaseBook)."""
     balancer = app[BALANCER]
     balancer.metrics.registry.register(_Collector(balancer, balancer.leases))
-    app.router.add_post(SCHEDULE_PATH, handle_schedule)
-    app.router.add_post(HEARTBEAT_PATH, handle_heartbeat)
-    app.router.add_post(COMPLETE_PATH, handle_complete)
-    app.router.add_get(ADVICE_PATH, handle_advice)
 
     async def reclaimer(app: web.Application):
         task = asyncio.create_task(_reclaim_loop(app))

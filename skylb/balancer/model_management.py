@@ -16,9 +16,10 @@ from aiohttp import web
 
 from skylb.balancer.api import ollama_error
 from skylb.balancer.balancer import Balancer
+from skylb.balancer.status import BALANCER
 from skylb.core import ReplicaState
 
-__all__ = ["add_management_routes", "REPLICA_HEADER", "MANAGEMENT_PATHS"]
+__all__ = ["ROUTES", "REPLICA_HEADER", "MANAGEMENT_PATHS"]
 
 #: Names the replica (its id) a model-management request goes to; absent: every Ollama replica of the region.
 REPLICA_HEADER = "X-SkyLB-Replica"
@@ -26,39 +27,38 @@ REPLICA_HEADER = "X-SkyLB-Replica"
 MANAGEMENT_PATHS = {"/api/pull": "POST", "/api/delete": "DELETE", "/api/copy": "POST", "/api/create": "POST"}
 
 
-def add_management_routes(app: web.Application, key: web.AppKey) -> None:
-    """Register ``/api/pull``, ``/api/delete``, ``/api/copy``, ``/api/create``: to the replica named by the
+async def handle_management(request: web.Request) -> web.StreamResponse:
+    """Answer ``/api/pull``, ``/api/delete``, ``/api/copy``, ``/api/create``: to the replica named by the
     ``X-SkyLB-Replica`` header (its id), else to every healthy Ollama replica of the region in turn. Streamed
-    progress lines are relayed as they come (each prefixed by nothing: Ollama's own lines; with several replicas,
-    each replica's lines in turn, every line gaining ``"replica": id``). After success the replica's model list is
-    read again at once, so a pulled model is routable without waiting for the next refresh."""
+    progress lines are relayed as they come (Ollama's own lines; with several replicas, each replica's lines in turn,
+    every line gaining ``"replica": id``). After success the replica's model list is read again at once, so a pulled
+    model is routable without waiting for the next refresh."""
+    balancer = request.app[BALANCER]
+    method = MANAGEMENT_PATHS[request.path]
+    body = await request.read()
+    named = request.headers.get(REPLICA_HEADER)
+    ollama = [r for r in balancer.router.replicas.values() if "ollama" in r.apis and not r.draining]
+    if named is not None:
+        targets = [r for r in ollama if r.id == named]
+        if not targets:
+            return ollama_error(404, f"no Ollama replica {named!r} in region {balancer.region}")
+    else:
+        targets = [r for r in ollama if r.healthy]
+        if not targets:
+            return ollama_error(503, f"no healthy Ollama replica in region {balancer.region}")
+    stream = True
+    try:
+        parsed = json.loads(body) if body.strip() else {}
+        stream = not (isinstance(parsed, dict) and parsed.get("stream") is False)
+    except ValueError:
+        pass  # the replica answers the bad body in Ollama's shape
+    if len(targets) == 1 and not stream or method == "DELETE" or request.path == "/api/copy":
+        return await _plain(balancer, request, method, body, targets)
+    return await _streamed(balancer, request, method, body, targets)
 
-    async def handle(request: web.Request) -> web.StreamResponse:
-        balancer = request.app[key]
-        method = MANAGEMENT_PATHS[request.path]
-        body = await request.read()
-        named = request.headers.get(REPLICA_HEADER)
-        ollama = [r for r in balancer.router.replicas.values() if "ollama" in r.apis and not r.draining]
-        if named is not None:
-            targets = [r for r in ollama if r.id == named]
-            if not targets:
-                return ollama_error(404, f"no Ollama replica {named!r} in region {balancer.region}")
-        else:
-            targets = [r for r in ollama if r.healthy]
-            if not targets:
-                return ollama_error(503, f"no healthy Ollama replica in region {balancer.region}")
-        stream = True
-        try:
-            parsed = json.loads(body) if body.strip() else {}
-            stream = not (isinstance(parsed, dict) and parsed.get("stream") is False)
-        except ValueError:
-            pass  # the replica answers the bad body in Ollama's shape
-        if len(targets) == 1 and not stream or method == "DELETE" or request.path == "/api/copy":
-            return await _plain(balancer, request, method, body, targets)
-        return await _streamed(balancer, request, method, body, targets)
 
-    for path, method in MANAGEMENT_PATHS.items():
-        app.router.add_route(method, path, handle)
+#: The model-management routes.
+ROUTES = [web.route(method, path, handle_management) for path, method in MANAGEMENT_PATHS.items()]
 
 
 async def _refresh(balancer: Balancer, replica: ReplicaState) -> None:

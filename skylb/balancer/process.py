@@ -26,10 +26,10 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from skylb import aio
-from skylb.balancer import lease_api, model_management, ollama_api, status
+from skylb.balancer import handler, lease_api, model_management, ollama_api, status
 from skylb.balancer.auth import Credentials, auth_middleware, load_api_keys, load_tenants
 from skylb.balancer.balancer import Balancer
-from skylb.balancer.handler import GENERATE_PATHS, REQUEST_IDS, api_of, handle_generate
+from skylb.balancer.handler import REQUEST_IDS, api_of
 from skylb.balancer.stages import RequestContext
 from skylb.balancer.stages.model_group import add_model_header
 from skylb.balancer.relay import STREAM_STARTED
@@ -113,16 +113,14 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
         await balancer.stop()
 
     app.cleanup_ctx.append(lifecycle)
-    for path in GENERATE_PATHS:
-        app.router.add_post(path, handle_generate)
-    ollama_api.add_metadata_routes(app, BALANCER)
-    model_management.add_management_routes(app, BALANCER)  # /api/pull, /api/delete, /api/copy, /api/create
-    app.router.add_get("/v1/models", status.handle_models)
-    app.router.add_get("/healthz", status.handle_healthz)
-    app.router.add_get("/metrics", status.handle_metrics)
-    app.router.add_get("/skylb/v1/status", status.handle_status)
+    # One way to register routes: each handler module's route table.
+    app.add_routes(handler.ROUTES)  # /v1/chat/completions, /api/generate, ...: the chain
+    app.add_routes(status.ROUTES)  # /v1/models, /healthz, /metrics, /skylb/v1/status
+    app.add_routes(ollama_api.ROUTES)  # /, /api/version, /api/tags, /api/ps, /api/show
+    app.add_routes(model_management.ROUTES)  # /api/pull, /api/delete, /api/copy, /api/create
     if cfg.quota.enabled:
-        lease_api.register(app)  # /skylb/v1/schedule, heartbeat, complete, advice
+        app.add_routes(lease_api.ROUTES)  # /skylb/v1/schedule, heartbeat, complete, advice
+        lease_api.start_reclaimer(app)
         app.on_response_prepare.append(add_model_header)  # X-SkyLB-Model on a model group's answers
     return app
 

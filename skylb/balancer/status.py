@@ -15,8 +15,8 @@ from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 from skylb.quota.buckets import LocalLimits
 from skylb.quota.wiring import quota_status
 
-__all__ = ["BALANCER", "detailed_status", "quotas_in_force", "handle_status", "handle_healthz", "handle_metrics",
-           "handle_models"]
+__all__ = ["BALANCER", "ROUTES", "detailed_status", "quotas_in_force", "handle_status", "handle_healthz",
+           "handle_metrics", "handle_models"]
 
 BALANCER = web.AppKey("balancer", Balancer)
 
@@ -132,3 +132,8 @@ async def handle_models(request: web.Request) -> web.Response:
     data += [{"id": alias, "object": "model", "created": 0, "owned_by": "skylb", "skylb_group": sorted(members)}
              for alias, members in sorted(balancer.quotas.groups.items())]
     return web.json_response({"object": "list", "data": data})
+
+
+#: The status routes: /v1/models, /healthz, /metrics, /skylb/v1/status.
+ROUTES = [web.get("/v1/models", handle_models), web.get("/healthz", handle_healthz),
+          web.get("/metrics", handle_metrics), web.get("/skylb/v1/status", handle_status)]

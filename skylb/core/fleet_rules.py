@@ -289,7 +289,8 @@ class FleetRules:
     def runner_up(self, model: str, api: str, winner: FleetReplica, replicas: list[_R],
                   now: float) -> _R | None:
         """The replica to pre-warm ``model`` on ("Routing Engine", stage 4): not the winner, healthy, not
-        eliminated, the model not hot there; the one with the fewest outstanding requests (ties: the lowest id). None if none."""
+        eliminated, the model not hot there; the one with the fewest outstanding requests (ties: the lowest id).
+        None if none."""
         options = [r for r in replicas if r is not winner and r.fleet is not None and r.healthy
                    and r.serves("", api) and self.eliminated(r, model, now) is None
                    and thermal(r, model, now, self.settings.recent_window_s) != HOT]
