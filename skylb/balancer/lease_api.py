@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass
 
 import structlog
 from aiohttp import web
@@ -33,11 +34,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from skylb.balancer.api import openai_error
 from skylb.balancer.auth import tenant_of
-from skylb.balancer.status import BALANCER
+from skylb.quota.buckets import LimitBackend
+from skylb.quota.groups import Admitted, ModelGate
 from skylb.quota.leases import LeaseBook
-from skylb.quota.groups import Admitted
+from skylb.quota.limits import Quotas
 
-__all__ = ["ROUTES", "start_reclaimer", "CLIENT_PATHS", "DEFAULT_LEASE_TTL_MS", "RECLAIM_EVERY_S"]
+__all__ = ["LeaseApi", "LEASE_API", "ROUTES", "start_reclaimer", "CLIENT_PATHS", "DEFAULT_LEASE_TTL_MS",
+           "RECLAIM_EVERY_S"]
 
 SCHEDULE_PATH, HEARTBEAT_PATH = "/skylb/v1/schedule", "/skylb/v1/heartbeat"
 COMPLETE_PATH, ADVICE_PATH = "/skylb/v1/complete", "/skylb/v1/advice"
@@ -54,15 +57,41 @@ RECLAIM_EVERY_S = 0.2
 log = structlog.get_logger("skylb.admission")
 
 
+@dataclass
+class LeaseApi:
+    """What the lease API reads and changes, from the balancer's parts.
+
+    Attributes: gate: the model groups' gate (charges a lease when granted, frees it at the end); leases: the leases;
+    served_models(): the models served in OpenAI's dialect, here and by peers; models_known(): model lists read;
+    recently_served(model): served within ``model_memory_s``; quotas(): the quotas in force; limits: the limit
+    backend; now(): the balancer's clock, s; region: its region; retry_after_s: Retry-After of a 503, s.
+    """
+
+    gate: ModelGate
+    leases: LeaseBook
+    served_models: Callable[[], Collection[str]]
+    models_known: Callable[[], bool]
+    recently_served: Callable[[str], bool]
+    quotas: Callable[[], Quotas]
+    limits: LimitBackend
+    now: Callable[[], float]
+    region: str
+    retry_after_s: int
+
+
+#: App key: the balancer's LeaseApi.
+LEASE_API = web.AppKey("skylb_lease_api", LeaseApi)
+
+
 class _Collector:
     """Admission metrics, read at scrape time: leases held and reclaimed, admissions by group and model, and the
     advice (backpressure score, suggested parallelism)."""
 
-    def __init__(self, balancer, state: LeaseBook):
-        self.balancer, self.state = balancer, state
+    def __init__(self, api: LeaseApi):
+        self.api = api
 
     def collect(self):
-        region, state = self.balancer.region, self.state
+        region, state = self.api.region, self.api.leases
         leases = GaugeMetricFamily("skylb_admission_leases", "Admission leases held (POST /skylb/v1/schedule).",
                                    labels=["region"])
         leases.add_metric([region], len(state.leases))
@@ -77,8 +106,8 @@ class _Collector:
         for (name, model, via), n in sorted(state.admitted.items()):
             admitted.add_metric([region, name, model, via], n)
         yield admitted
-        in_flight, capacity = _in_flight_and_capacity(self.balancer)
-        advice = state.window.advice(self.balancer.now(), in_flight=in_flight, capacity=capacity)
+        in_flight, capacity = _in_flight_and_capacity(self.api)
+        advice = state.window.advice(self.api.now(), in_flight=in_flight, capacity=capacity)
         score = GaugeMetricFamily("skylb_admission_backpressure_score", "GET /skylb/v1/advice's backpressure "
                                   "score (0: no pressure, 1: long waits, few admissions).", labels=["region"])
         score.add_metric([region], advice.backpressure_score)
@@ -125,20 +154,20 @@ def _bad(exc: _BadInput) -> web.Response:
     return openai_error(400, str(exc), param=exc.param)
 
 
-def _in_flight_and_capacity(balancer) -> tuple[int, int | None]:
+def _in_flight_and_capacity(api: LeaseApi) -> tuple[int, int | None]:
     """Admissions in flight on the models with a concurrency cap, and the sum of those caps (None: no cap)."""
-    caps = {m: lim.max_concurrent for m, lim in balancer.quotas.models.items() if lim.max_concurrent}
+    caps = {m: lim.max_concurrent for m, lim in api.quotas().models.items() if lim.max_concurrent}
     if not caps:
         return 0, None
-    levels = balancer.limits.levels()
+    levels = api.limits.levels()
     in_flight = sum(int(levels.get(f"model/{m}", {}).get("in_flight", 0)) for m in caps)
     return in_flight, sum(caps.values())
 
 
 async def handle_schedule(request: web.Request) -> web.Response:
     """``POST /skylb/v1/schedule`` (module docstring)."""
-    balancer = request.app[BALANCER]
-    state = balancer.leases
+    api = request.app[LEASE_API]
+    state = api.leases
     try:
         data = await _json_object(request)
         name = _str_field(data, "model")
@@ -147,17 +176,17 @@ async def handle_schedule(request: web.Request) -> web.Response:
                             default=DEFAULT_LEASE_TTL_MS)
     except _BadInput as exc:
         return _bad(exc)
-    gate, router = balancer.gate, balancer.router
-    if not gate.is_group(name) and router.models_known() and name not in router.served_models("openai"):
-        if not balancer.model_recently_served("openai", name):
+    gate = api.gate
+    if not gate.is_group(name) and api.models_known() and name not in api.served_models():
+        if not api.recently_served(name):
             return openai_error(404, f"The model `{name}` does not exist (neither a model served here nor a "
                                      "model group).", param="model")
     if state.leases.full():
         return openai_error(503, "too many admission leases held; complete some first", type_="overloaded_error",
-                            headers={"Retry-After": str(balancer.cfg.retry_after_s)})
+                            headers={"Retry-After": str(api.retry_after_s)})
     tenant = tenant_of(request)
     outcome = await gate.try_admit(name, tokens, tenant)
-    now = balancer.now()
+    now = api.now()
     if isinstance(outcome, Admitted):
         lease = state.leases.add(outcome, name=name, tenant=tenant, ttl_s=ttl_ms / 1000.0, now=now)
         state.window.record(now, None)
@@ -165,7 +194,7 @@ async def handle_schedule(request: web.Request) -> web.Response:
         return web.json_response({"model": outcome.model, "lease_id": lease.id, "lease_ttl_ms": ttl_ms})
     if not outcome.served:
         return openai_error(503, f"no model of '{name}' is served by a replica or peer reachable now; retry later",
-                            type_="service_unavailable", headers={"Retry-After": str(balancer.cfg.retry_after_s)})
+                            type_="service_unavailable", headers={"Retry-After": str(api.retry_after_s)})
     wait_ms = gate.wait_ms(outcome, state.rng)
     state.window.record(now, wait_ms)
     return web.json_response({"wait_for_ms": wait_ms})
@@ -186,23 +215,23 @@ def _unknown_lease(lease_id: str) -> web.Response:
 
 async def handle_heartbeat(request: web.Request) -> web.Response:
     """``POST /skylb/v1/heartbeat`` (module docstring)."""
-    balancer = request.app[BALANCER]
-    state = balancer.leases
+    api = request.app[LEASE_API]
+    state = api.leases
     parsed = await _lease_request(request)
     if isinstance(parsed, web.Response):
         return parsed
     _, lease_id = parsed
-    lease = state.leases.get(lease_id, balancer.now())
+    lease = state.leases.get(lease_id, api.now())
     if lease is None or lease.tenant != tenant_of(request):
         return _unknown_lease(lease_id)
-    state.leases.heartbeat(lease_id, balancer.now())
+    state.leases.heartbeat(lease_id, api.now())
     return web.json_response({"ok": True, "lease_ttl_ms": round(lease.ttl_s * 1000)})
 
 
 async def handle_complete(request: web.Request) -> web.Response:
     """``POST /skylb/v1/complete`` (module docstring)."""
-    balancer = request.app[BALANCER]
-    state = balancer.leases
+    api = request.app[LEASE_API]
+    state = api.leases
     parsed = await _lease_request(request)
     if isinstance(parsed, web.Response):
         return parsed
@@ -212,34 +241,33 @@ async def handle_complete(request: web.Request) -> web.Response:
                 if "used_tokens" in data else None)
     except _BadInput as exc:
         return _bad(exc)
-    now = balancer.now()
+    now = api.now()
     lease = state.leases.get(lease_id, now)
     if lease is None or lease.tenant != tenant_of(request):
         return _unknown_lease(lease_id)
     state.leases.pop(lease_id, now)
     refund = 0 if used is None else max(0, lease.admitted.tokens - used)
-    await balancer.gate.release(lease.admitted, refund_tokens=refund)
+    await api.gate.release(lease.admitted, refund_tokens=refund)
     return web.json_response({"ok": True, "model": lease.admitted.model, "refunded_tokens": refund})
 
 
 async def handle_advice(request: web.Request) -> web.Response:
     """``GET /skylb/v1/advice`` (module docstring)."""
-    balancer = request.app[BALANCER]
-    state = balancer.leases
-    in_flight, capacity = _in_flight_and_capacity(balancer)
-    advice = state.window.advice(balancer.now(), in_flight=in_flight, capacity=capacity)
+    api = request.app[LEASE_API]
+    state = api.leases
+    in_flight, capacity = _in_flight_and_capacity(api)
+    advice = state.window.advice(api.now(), in_flight=in_flight, capacity=capacity)
     return web.json_response({**asdict(advice), "leases": len(state.leases)})
 
 
-async def _reclaim_loop(app: web.Application) -> None:
-    balancer = app[BALANCER]
-    state = balancer.leases
+async def _reclaim_loop(api: LeaseApi) -> None:
+    state = api.leases
     while True:
         await asyncio.sleep(RECLAIM_EVERY_S)
-        for lease in state.leases.pop_expired(balancer.now()):
+        for lease in state.leases.pop_expired(api.now()):
             state.reclaimed += 1
-            await balancer.gate.release(lease.admitted, refund_tokens=lease.admitted.tokens)
-            log.warning("lease_reclaimed", region=balancer.region, lease_id=lease.id, model=lease.admitted.model,
+            await api.gate.release(lease.admitted, refund_tokens=lease.admitted.tokens)
+            log.warning("lease_reclaimed", region=api.region, lease_id=lease.id, model=lease.admitted.model,
                         tenant=lease.tenant, refunded_tokens=lease.admitted.tokens)
 
 
@@ -248,15 +276,14 @@ ROUTES = [web.post(SCHEDULE_PATH, handle_schedule), web.post(HEARTBEAT_PATH, han
           web.post(COMPLETE_PATH, handle_complete), web.get(ADVICE_PATH, handle_advice)]
 
 
-def start_reclaimer(app: web.Application) -> None:
-    """Count the lease API's metrics in the balancer's registry and reclaim expired leases while ``app`` runs
-    (started and stopped with it, after the Balancer); the leases are the Balancer's ``leases``
-    (skylb/quota/leases.py LeaseBook)."""
-    balancer = app[BALANCER]
-    balancer.metrics.registry.register(_Collector(balancer, balancer.leases))
+def start_reclaimer(app: web.Application, api: LeaseApi, registry) -> None:
+    """Serve ``api`` in ``app`` (``app[LEASE_API]``), count its metrics in ``registry`` (a prometheus
+    CollectorRegistry) and reclaim expired leases while ``app`` runs (started and stopped with it)."""
+    app[LEASE_API] = api
+    registry.register(_Collector(api))
 
     async def reclaimer(app: web.Application):
-        task = asyncio.create_task(_reclaim_loop(app))
+        task = asyncio.create_task(_reclaim_loop(api))
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

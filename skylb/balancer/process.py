@@ -120,7 +120,12 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     app.add_routes(model_management.ROUTES)  # /api/pull, /api/delete, /api/copy, /api/create
     if cfg.quota.enabled:
         app.add_routes(lease_api.ROUTES)  # /skylb/v1/schedule, heartbeat, complete, advice
-        lease_api.start_reclaimer(app)
+        leases = lease_api.LeaseApi(
+            gate=balancer.gate, leases=balancer.leases, served_models=lambda: balancer.router.served_models("openai"),
+            models_known=balancer.router.models_known, quotas=lambda: balancer.quotas,
+            recently_served=lambda model: balancer.model_recently_served("openai", model), limits=balancer.limits,
+            now=balancer.now, region=balancer.region, retry_after_s=cfg.retry_after_s)
+        lease_api.start_reclaimer(app, leases, registry=balancer.metrics.registry)
         app.on_response_prepare.append(add_model_header)  # X-SkyLB-Model on a model group's answers
     return app
 
