@@ -54,3 +54,18 @@ def test_ctl_help():
     out = subprocess.run([sys.executable, "-m", "controller.ctl", "--help"], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 0 and "replica" in out.stdout
+
+
+def test_a_harness_subcommand_missing_from_an_install_says_so(monkeypatch, capsys):
+    """A plugin subcommand whose module is not installed (a wheel without the checkout's bench/) is listed in
+    --help as not installed, and running it exits 2 with a message saying where it lives, not a traceback."""
+    from skylb import cli
+
+    real = cli.subcommands
+    monkeypatch.setattr(cli, "subcommands", lambda: {**real(), "ghost": "nosuchharness.server"})
+    assert cli.main(["ghost", "--port", "1"]) == 2
+    assert "`skylb ghost` is part of the test and benchmark harness" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--help"])
+    assert exited.value.code == 0
+    assert "ghost" in capsys.readouterr().out
