@@ -14,7 +14,9 @@ from skylb.core import AvailabilityRules, Router, make_policy
 from skylb.engines.openai import DEFAULT_SLOTS
 from bench.procs import ProcGroup, free_port, free_ports, wait_http
 
-pytestmark = pytest.mark.timeout(60)
+# One xdist worker runs the whole module (--dist loadgroup): it shares its emulator processes (fixture emulators),
+# started once, not once per worker.
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("engine_adapters")]
 
 #: 0.02: a decode step is about 1.1 ms.
 TIME_SCALE = "0.02"
