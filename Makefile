@@ -38,6 +38,8 @@ system-packages:
 # runs it in this process. It prints its duration and the 15 slowest tests.
 TEST_WORKERS ?= 4
 test: install llama-server system-packages
+	@# Bytecode once for the hundreds of Python processes the tests start (none write it under PYTHONDONTWRITEBYTECODE).
+	@$(PY) -m compileall -q -j0 skylb controller bench tests
 	@start=$$(date +%s); $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15; rc=$$?; \
 	  echo "make test: pytest took $$(( $$(date +%s) - start )) s on $(TEST_WORKERS) workers (exit $$rc)"; exit $$rc
 
