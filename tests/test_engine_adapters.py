@@ -125,7 +125,9 @@ async def test_idle_replica_is_healthy_with_zero_pending(emulators, session, emu
 async def test_pending_rises_when_more_requests_than_slots(emulators, session, emulator, engine):
     """With more concurrent requests than the batch has slots, the engine's own signal reads pending > 0."""
     url = emulators[emulator]
-    tasks = [asyncio.create_task(stream(session, url, f"{emulator}{i}")) for i in range(SLOTS + 2)]
+    # Streams of about 4.4 s, cancelled once seen: 0.44 s ones could end before the last one arrived on a loaded
+    # machine (pending 2, running 1 was seen once with the suite on 4 workers).
+    tasks = [asyncio.create_task(stream(session, url, f"{emulator}{i}", n_tokens=4000)) for i in range(SLOTS + 2)]
     try:
         seen, deadline = None, time.monotonic() + 5
         while time.monotonic() < deadline:
