@@ -150,7 +150,7 @@ def test_429_and_503_bodies_in_each_api_shape(tenants):
            [(f"{base}/api/chat", ollama_chat(120, ignore_eos=True))] * 2
     with ThreadPoolExecutor(6) as pool:
         running = [pool.submit(http, url, body, key=KEY_B) for url, body in busy]
-        tenants.wait_until(lambda: tenants.status("us")["in_flight"] == 4, what="the 4 long generations held")
+        time.sleep(0.5)
         openai_503 = pool.submit(http, f"{base}/v1/chat/completions", chat(), key=KEY_B)
         ollama_503 = pool.submit(http, f"{base}/api/chat", ollama_chat(), key=KEY_B)
         status, body, headers = openai_503.result(timeout=20)
