@@ -6,11 +6,14 @@ test that fails half-way leaves nothing running.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,24 +24,47 @@ __all__ = ["free_port", "free_ports", "Proc", "ProcGroup", "wait_http"]
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (see :func:`free_ports`)."""
+    return free_ports(1)[0]
+
+
+#: Ports handed out in the last RESERVE_S seconds by any process on this machine (pytest-xdist workers, their
+#: children, `skylb local`): the OS may hand a port it just saw closed to the next bind(0), and a port is often
+#: closed for a while between free_ports() and its server's bind (or between a server's stop and its restart).
+RESERVED_PORTS_FILE = Path(tempfile.gettempdir()) / "skylb-reserved-ports"
+RESERVE_S = 300.0
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free ports on 127.0.0.1."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free ports on 127.0.0.1, chosen by the OS and none handed out on this machine recently."""
+    with open(RESERVED_PORTS_FILE, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        now = time.time()
+        reserved = {}
+        for line in f.read().split():  # "PORT@TIME"
+            with contextlib.suppress(ValueError):
+                port, at = line.split("@")
+                if now - float(at) < RESERVE_S:
+                    reserved[int(port)] = float(at)
+        ports: list[int] = []
+        socks = []
+        try:
+            while len(ports) < n:
+                s = socket.socket()
+                s.bind(("127.0.0.1", 0))
+                socks.append(s)  # held until all n are chosen, so the OS gives each port once
+                port = s.getsockname()[1]
+                if port not in reserved or len(socks) > 50 * n:
+                    ports.append(port)
+        finally:
+            for s in socks:
+                s.close()
+        reserved.update((p, now) for p in ports)
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{p}@{at:.1f}\n" for p, at in reserved.items()))
+    return ports
 
 
 def wait_http(url: str, *, timeout_s: float = 20.0, proc: subprocess.Popen | None = None) -> None:

@@ -330,12 +330,12 @@ def test_replica_garbage_and_truncated_streams_give_502_or_an_error_event(misbeh
 
 
 # -- the catch-all ----------------------------------------------------------------------------------------------------
-async def test_an_unexpected_bug_is_a_500_in_the_apis_shape_counted_and_logged():
+async def test_an_unexpected_bug_is_a_500_in_the_apis_shape_counted_and_logged(tmp_path):
     """Any exception a handler did not expect becomes a 500 in OpenAI's or Ollama's shape, counted as
     internal_error, instead of aiohttp's 500 text/plain."""
     from skylb.balancer.process import build_app
 
-    cfg = BalancerConfig(controller_url="http://127.0.0.1:1", state_dir="/tmp/skylb-bad-input-test")
+    cfg = BalancerConfig(controller_url="http://127.0.0.1:1", state_dir=str(tmp_path / "state"))
     app = build_app(cfg, region="us", advertise_url="http://127.0.0.1:1")
 
     async def boom(request):
@@ -401,13 +401,13 @@ def test_fuzz_raw_bytes_parse_or_raise_bad_request(path, raw):
         pass
 
 
-async def test_fuzz_requests_through_the_balancer_app_never_give_500():
+async def test_fuzz_requests_through_the_balancer_app_never_give_500(tmp_path):
     """Fuzzed bodies and X-Request-Id headers through the whole balancer app (no replicas: every valid request is
     a 404) get 400 / 404 in the API's shape, never a 500."""
     from hypothesis import strategies as hs
     from skylb.balancer.process import build_app
 
-    cfg = BalancerConfig(controller_url="http://127.0.0.1:1", state_dir="/tmp/skylb-bad-input-test")
+    cfg = BalancerConfig(controller_url="http://127.0.0.1:1", state_dir=str(tmp_path / "state"))
     app = build_app(cfg, region="us", advertise_url="http://127.0.0.1:1")
     examples = hs.tuples(hs.sampled_from(OPENAI_PATHS + OLLAMA_PATHS), _request,
                          hs.text(alphabet=hs.characters(min_codepoint=32, max_codepoint=126), max_size=200))

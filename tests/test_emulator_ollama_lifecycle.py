@@ -16,7 +16,9 @@ import pytest
 from bench.emulator.ollama_lifecycle import FOREVER_S, ModelLifecycle, ModelSpec, OutOfMemory, parse_keep_alive
 from bench.procs import ProcGroup, free_ports, wait_http
 
-pytestmark = pytest.mark.timeout(60)
+# One xdist worker runs the whole module (--dist loadgroup): it shares one Ollama emulator (module fixture emu),
+# started once, not once per worker.
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("emulator_ollama_lifecycle")]
 
 GIB = 2**30
 LOAD_S = 0.6

@@ -12,7 +12,9 @@ from bench.emulator.personalities.base import EMBEDDING_DIM
 from bench.emulator.personalities.ollama import QUEUE_FULL
 from bench.procs import ProcGroup, free_ports, wait_http
 
-pytestmark = pytest.mark.timeout(60)
+# One xdist worker runs the whole module (--dist loadgroup): it shares its emulator processes (module fixture emu),
+# started once, not once per worker.
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("emulator_personalities")]
 
 TIME_SCALE = "0.02"  # a decode step is about 1.1 ms
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -19,7 +19,9 @@ TIME_SCALE = "0.02"
 MAX_NUM_SEQS = 2
 TIMEOUT = aiohttp.ClientTimeout(total=15)
 
-pytestmark = pytest.mark.timeout(30)
+# One xdist worker runs the whole module (--dist loadgroup): it shares one emulator process (module fixture emulator),
+# started once, not once per worker.
+pytestmark = [pytest.mark.timeout(30), pytest.mark.xdist_group("emulator_server")]
 
 
 @pytest.fixture(scope="module")

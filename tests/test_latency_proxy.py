@@ -28,7 +28,9 @@ from toxiproxy.exceptions import InvalidToxic, NotFound, ProxyExists
 from bench.latency.links import ENV_VAR, LatencyLinks, api_reachable, split_rtt
 from tests.procs import ProcGroup, free_port
 
-pytestmark = pytest.mark.timeout(30)
+# One xdist worker runs the whole module (--dist loadgroup): it shares one proxy server (module fixture shared_server),
+# started once, not once per worker.
+pytestmark = [pytest.mark.timeout(30), pytest.mark.xdist_group("latency_proxy")]
 
 #: Scheduling noise between two separate timings of one request by the test's client (s).
 TIMING_NOISE_S = 0.001

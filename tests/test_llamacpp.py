@@ -33,6 +33,10 @@ RUN_SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "llamacpp" / "r
 DEFERRED, PROCESSING = "llamacpp:requests_deferred", "llamacpp:requests_processing"
 SLOTS = 2
 
+# The tests that run real llama-server share one xdist worker (--dist loadgroup, with test_calibrate's real run): each
+# llama-server computes on the CPU, and two at once on other workers would change what the timing asserts measure.
+pytestmark = pytest.mark.xdist_group("llamacpp")
+
 
 @pytest.fixture(scope="module")
 def llama() -> dict:

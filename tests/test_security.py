@@ -274,7 +274,8 @@ def test_open_mode_logs_a_warning(procs, tmp_path):
     cluster = Cluster(procs, tmp_path)
     cluster.start_controller(["us"])
     cluster.start_balancer("us", ["us"])
-    time.sleep(0.3)
+    cluster.wait_until(lambda: "peer_endpoints_open" in "".join(p.log() for p in procs.procs),
+                       what="the balancer's warning")
     logs = {p.name: p.log() for p in procs.procs}
     assert any("controller_api_open" in text for text in logs.values())
     assert any("peer_endpoints_open" in text for text in logs.values())

@@ -308,6 +308,7 @@ def smoke_runs():
             for sys in ("SkyLB", "SGL") for seed in (0, 1)}
 
 
+@pytest.mark.xdist_group("sim_smoke_runs")  # one worker computes smoke_runs once
 def test_aggregate_gives_the_mean_and_the_spread_over_seeds(smoke_runs):
     """A figure over seeds is the mean of the seeds' values with their min and max; region shares are averaged."""
     a, b = smoke_runs[("SkyLB", 0)], smoke_runs[("SkyLB", 1)]
@@ -322,6 +323,7 @@ def test_aggregate_gives_the_mean_and_the_spread_over_seeds(smoke_runs):
         aggregate([a, smoke_runs[("SGL", 0)]])
 
 
+@pytest.mark.xdist_group("sim_smoke_runs")  # one worker computes smoke_runs once
 def test_best_of_keeps_the_best_candidate_per_figure(smoke_runs):
     """The oracle keeps, per figure, the best candidate's value: highest throughput, lowest latency."""
     fast = replace(smoke_runs[("SkyLB", 0)], ttft_p90=1.0, throughput_rps=5.0)
@@ -342,6 +344,7 @@ def test_oracle_runs_every_candidate_policy():
     assert r.network_mean == 0.0
 
 
+@pytest.mark.xdist_group("sim_smoke_runs")  # one worker computes smoke_runs once
 def test_a_system_beating_the_oracle_is_flagged(smoke_runs):
     """The report's oracle check fails, naming the system and figure, when a system beats the oracle's value."""
     sky = smoke_runs[("SkyLB", 0)]
@@ -353,6 +356,7 @@ def test_a_system_beating_the_oracle_is_flagged(smoke_runs):
     assert ok[0].met
 
 
+@pytest.mark.xdist_group("sim_smoke_runs")  # one worker computes smoke_runs once
 def test_mooncake_targets_are_evaluated_per_scenario(smoke_runs):
     """Each Mooncake scenario gets the issue's targets: never above the best single balancer, 0.75x and 0.25x
     region-local's at 2x and 3x, 1.1x the oracle, throughput not below any baseline, and the warm hit rate."""
