@@ -12,7 +12,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]' --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet -e '.[test]'
+	@# bench/ (the test and benchmark harness: `skylb emulator`, `skylb local`, ...) is not in the package; this
+	@# checkout's venv finds it, as `python -m` from the checkout does, through a path file naming the checkout.
+	$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'skylb-checkout.pth').write_text('$(CURDIR)\n')"
 	touch $(STAMP)
 
 # TRACE=path replays another Mooncake trace; without the default trace the synthetic workload runs.
@@ -46,7 +49,7 @@ test: install llama-server system-packages
 # The simulated SkyLB evaluation (paper Fig. 8-10, the Mooncake trace at 1x, 2x, 3x and warm), 3 seeds: writes
 # bench/results/README.md, results.json and PNG plots (about 10 minutes on 2 cores; SEEDS=0 for one seed).
 bench: install
-	$(PY) -m pip install --quiet -e '.[test,bench]' --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(VENV)/bin/skylb bench all $(if $(SEEDS),--seeds $(SEEDS))
 
 clean:
