@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -127,7 +129,8 @@ def test_a_process_logs_to_stderr_not_stdout():
 
 def test_balancer_lines_name_their_logger_and_region_at_info(procs, tmp_path):
     """A running balancer writes every line with its logger's name and its region (bound once at start, not
-    passed per call) and, at the default level, no debug line."""
+    passed per call) and, at the default level, no debug line; a request's line carries its request id and
+    tenant from the context bound for that request."""
     port, dead = free_ports(2)  # nothing listens on ``dead``: the heartbeat fails and membership logs it
     config = tmp_path / "deployment.yaml"
     config.write_text(f"balancer: {{state_dir: {tmp_path / 'state'}}}\nregions: {{eu: {{}}}}\n")
@@ -143,3 +146,17 @@ def test_balancer_lines_name_their_logger_and_region_at_info(procs, tmp_path):
     assert events["balancer_registration_failed"]["logger"] == "skylb.membership"
     assert all(line["region"] == "eu" for line in written)
     assert {line["level"] for line in written} <= {"info", "warning", "error"}
+    # No replica serves "m": 404 from the resolve_model stage; its one line names the request and its tenant.
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                     data=json.dumps({"model": "m", "prompt": "hi"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as answered:
+        urllib.request.urlopen(request, timeout=10)
+    assert answered.value.code == 404
+    request_id = answered.value.headers["X-SkyLB-Request-Id"]
+    deadline = time.monotonic() + 10
+    while f'"request_id": "{request_id}"' not in balancer.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line = next(json.loads(text) for text in balancer.log().splitlines() if request_id in text)
+    assert (line["event"], line["region"], line["request_id"], line["tenant"]) == ("request", "eu", request_id,
+                                                                                   "default")

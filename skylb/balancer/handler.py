@@ -49,11 +49,12 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     request[REQUEST_IDS] = (request_id, client_id)
     ctx = RequestContext(http=request, api=api, request_id=request_id, client_id=client_id,
                          arrived_at=balancer.now(), started=time.time())
+    # Every line logged for this request (retries, ejections, fallbacks, its canonical line) carries these. aiohttp
+    # runs each request in a task of its own, with its own copy of the context: nothing to reset afterwards.
+    structlog.contextvars.bind_contextvars(region=balancer.region, request_id=request_id)
     balancer.active_requests += 1
     try:
-        # Every line logged for this request (retries, ejections, fallbacks, its canonical line) carries these.
-        with structlog.contextvars.bound_contextvars(region=balancer.region, request_id=request_id):
-            return await balancer.chain.run(ctx)
+        return await balancer.chain.run(ctx)
     finally:
         balancer.active_requests -= 1
 

@@ -34,7 +34,8 @@ class RequestContext:
         started: arrival on the wall clock (time.time()), s, for the end-to-end time in the log line.
         body: the request body, bytes (rewritten by the stages that change the model or options).
         parsed: the routing view of the body (parse stage). forwarded_from: the peer region that forwarded it, or
-        None for a client's request. priority, tenant: its class and tenant (classify stage).
+        None for a client's request; forwarded: ``forwarded_from is not None`` (its peer token checked).
+        priority, tenant: its class and tenant (classify stage; None before it).
         charged: True once a model group or an admission lease has charged the quotas (the quota gate skips it).
         decision, outcome: the routing decision and relay outcome of the last attempt (route stage).
         answered: a replica or peer answered some attempt (the quota's tokens were used).
@@ -51,8 +52,9 @@ class RequestContext:
     body: bytes = b""
     parsed: ParsedRequest | None = None
     forwarded_from: str | None = None
-    priority: str = "normal"
-    tenant: str = "default"
+    forwarded: bool = False
+    priority: str | None = None
+    tenant: str | None = None
     charged: bool = False
     decision: Any = None
     outcome: Any = None
@@ -68,11 +70,6 @@ class RequestContext:
     def model(self) -> str | None:
         """The model the request asks for now (None before the parse stage)."""
         return None if self.parsed is None else self.parsed.model
-
-    @property
-    def forwarded(self) -> bool:
-        """True when a peer forwarded this request (its peer token was checked by the parse stage)."""
-        return self.forwarded_from is not None
 
     @property
     def embedding(self) -> bool:

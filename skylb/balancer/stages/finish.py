@@ -40,8 +40,7 @@ class RequestLog:
         decision = ctx.decision
         log.info("request", id=ctx.request_id, client_request_id=ctx.client_id, reason=ctx.reason,
                  region=self.region, model=ctx.model,
-                 priority=None if decision is None else decision.request.priority,
-                 tenant=None if decision is None else decision.request.tenant,
+                 priority=ctx.priority, tenant=ctx.tenant,
                  route=None if decision is None else decision.route,
                  target=None if decision is None else decision.target,
                  queued_ms=None if decision is None else round(decision.queued_s * 1000, 1),

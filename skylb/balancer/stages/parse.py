@@ -17,7 +17,7 @@ __all__ = ["ParseStage"]
 
 
 class ParseStage:
-    """Sets ``ctx.body``, ``ctx.parsed`` and ``ctx.forwarded_from``.
+    """Sets ``ctx.body``, ``ctx.parsed``, ``ctx.forwarded_from`` and ``ctx.forwarded``.
 
     Args: max_body_bytes: the body limit, bytes (enforced by aiohttp; named in the 413); session_header: the header
     that carries a session key; peer_token: the shared secret between balancers (None: none configured).
@@ -43,6 +43,7 @@ class ParseStage:
         except BadRequest as exc:
             return ctx.reject(400, str(exc), exc.reason, param=exc.param)
         ctx.forwarded_from = request.headers.get(FORWARDED_FROM)
+        ctx.forwarded = ctx.forwarded_from is not None
         if ctx.forwarded and not token_ok(self.peer_token, request.headers.get(TOKEN_HEADER)):
             return ctx.reject(403, "forwarded request with a missing or wrong peer token", "forbidden",
                               type_="permission_error")
