@@ -12,7 +12,22 @@ import shutil
 
 import pytest
 
-__all__ = ["require_binary"]
+__all__ = ["require_binary", "under_ci", "skip_or_fail", "CI_VALUES"]
+
+#: Values of $CI that mean "this is CI" (any case): GitHub Actions and GitLab set "true", others "1" or "yes".
+CI_VALUES = frozenset({"true", "1", "yes"})
+
+
+def under_ci() -> bool:
+    """True when $CI says this run is CI (:data:`CI_VALUES`, any case, surrounding blanks ignored)."""
+    return os.environ.get("CI", "").strip().lower() in CI_VALUES
+
+
+def skip_or_fail(message: str) -> None:
+    """Skip the test with ``message`` on a developer's machine; fail it under CI, which must prove the real thing."""
+    if under_ci():
+        pytest.fail(f"CI={os.environ.get('CI')} but {message}")
+    pytest.skip(message)
 
 
 def require_binary(name: str) -> str:
@@ -21,7 +36,4 @@ def require_binary(name: str) -> str:
                                        if os.access(p := os.path.join(d, name), os.X_OK)), None)
     if path:
         return path
-    message = f"{name} not installed (deploy/system/install-packages.sh installs it)"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(message)
-    pytest.skip(message)
+    skip_or_fail(f"{name} not installed (deploy/system/install-packages.sh installs it)")

@@ -18,6 +18,7 @@ from bench.calibrate import (MAX_REQUESTS, PAPER_PREFILL_512_MS, CalRequest, Dec
                              default_scenarios, fit_decode, fit_prefill, fit_probes, fitted_params, format_markdown,
                              llama_server, paper_check, prefill_points, prompt_words, replay_model, stalls)
 from bench.emulator.model import EngineParams
+from tests.system import skip_or_fail
 
 #: A small engine like the fitted llama-server (4 slots of 1024 tokens), with step times of a CPU.
 CPU_LIKE = EngineParams(max_num_seqs=4, max_num_batched_tokens=2048, kv_cache_tokens=4096, max_model_len=1024,
@@ -187,9 +188,7 @@ def llama_paths() -> dict:
     try:
         return {"binary": llama_server_binary(build=False), "model": gemma_model_path()}
     except LlamaCppUnavailable as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but no llama-server here: {exc}")
-        pytest.skip(f"real llama.cpp replica unavailable: {exc}")
+        skip_or_fail(f"real llama.cpp replica unavailable: {exc}")
 
 
 @pytest.mark.xdist_group("llamacpp")  # with tests/test_llamacpp.py: one llama-server test at a time

@@ -42,7 +42,7 @@ from bench import llamacpp
 from skylb.cli import SUBCOMMANDS, build_parser
 from skylb.config import DeploymentConfig, load_config
 from tests.procs import free_ports
-from tests.system import require_binary
+from tests.system import require_binary, skip_or_fail
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "deploy" / "systemd"
@@ -335,18 +335,12 @@ def test_llama_server_unit_runs_the_projects_command_line():
     assert example and set(example) <= set(env)
 
 
-def _ci_or_skip(message: str):
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 def test_llama_server_flags_exist_in_the_built_binary():
     """Every flag of the unit's command line is in `llama-server --help` of the binary the project builds."""
     try:
         binary = llamacpp.llama_server_binary(build=False)
     except llamacpp.LlamaCppUnavailable as exc:
-        _ci_or_skip(f"{exc} (`make llama-server` builds it)")
+        skip_or_fail(f"{exc} (`make llama-server` builds it)")
     help_text = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=30).stdout
     argv, _ = unit_argv(SYSTEMD / "llama-server@.service")
     flags = [a for a in argv[1:] if a.startswith("-")]

@@ -186,3 +186,4 @@ def test_the_wheel_ships_no_bench_package():
     assert not [pattern for pattern in include if pattern.startswith("bench")]
     plugins = project["project"]["entry-points"]["skylb.commands"]
     assert set(plugins) == {"emulator", "toxiproxy", "local", "replay", "bench"}
+

@@ -28,6 +28,7 @@ from bench.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_
                             model_alias)
 from tests.cluster import Cluster, emulator_gauge, post_json
 from tests.procs import free_ports, wait_http
+from tests.system import skip_or_fail
 
 RUN_SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "llamacpp" / "run-llama-server.sh"
 DEFERRED, PROCESSING = "llamacpp:requests_deferred", "llamacpp:requests_processing"
@@ -46,9 +47,7 @@ def llama() -> dict:
         binary = llama_server_binary(build=True)
         model = gemma_model_path()
     except LlamaCppUnavailable as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but no llama-server here: {exc}")
-        pytest.skip(f"real llama.cpp replica unavailable: {exc}")
+        skip_or_fail(f"real llama.cpp replica unavailable: {exc}")
     return {"binary": binary, "model": model, "id": model_alias(model)}
 
 
