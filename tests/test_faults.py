@@ -221,6 +221,7 @@ def test_sigterm_fails_readiness_finishes_held_streams_and_exits_0(procs, tmp_pa
     refused = requests.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2},
                             timeout=5)
     assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    assert int(refused.headers["Retry-After"]) >= 1
     assert balancer.popen.wait(timeout=40) == 0
     exited = time.monotonic() - sent["t"]
     stream.join(timeout=10)

@@ -35,12 +35,13 @@ def api_of(path: str) -> str:
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
-    """Run one request through the balancer's chain; 503 once the balancer is shutting down."""
+    """Run one request through the balancer's chain; 503 with Retry-After once the balancer is shutting down."""
     balancer = request.app[BALANCER]
     api = api_of(request.path)
     if balancer.shutting_down:
         response = error_response(api, 503, "balancer is shutting down; retry on another", type_="overloaded_error")
         response.headers["Connection"] = "close"
+        response.headers["Retry-After"] = str(balancer.cfg.retry_after_s)  # by then DNS may name another balancer
         return response
     # The balancer's own id: the queue, the dispatcher and the replicas key requests by it, and clients may send
     # the same X-Request-Id twice. The client's id is only a label (logged, echoed back).
