@@ -106,7 +106,8 @@ _BAD_BODIES = [
 
 def test_malformed_client_requests_get_clean_errors_counted_and_logged(procs, tmp_path):
     """Invalid UTF-8, deep nesting, huge numbers, NaN, negative max_tokens, empty messages, a null text part, wrong
-    types and an unknown model: 400 / 404 in OpenAI's shape (Ollama's on /api/*), counted by reason, logged."""
+    types and an unknown model: 400 / 404 in OpenAI's shape (Ollama's on /api/*), counted by reason, logged; an
+    Ollama request for a model served only through the OpenAI API gets a 404 that says so."""
     cluster, url = _one_region(procs, tmp_path)
     for path, raw, status, param in _BAD_BODIES:
         r = requests.post(url + path, data=raw, headers={"Content-Type": "application/json"}, timeout=10)
@@ -135,6 +136,10 @@ def test_malformed_client_requests_get_clean_errors_counted_and_logged(procs, tm
     assert _metric(url, "skylb_responses_total", status="500") == 0
     log = (tmp_path / "logs" / "balancer-us.log").read_text()
     assert '"reason": "invalid_json"' in log or "reason=invalid_json" in log
+    # An Ollama client asking for a model only OpenAI-dialect replicas serve: the 404 says why.
+    r = requests.post(f"{url}/api/chat", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                      timeout=10)
+    assert r.status_code == 404 and "served here through the OpenAI API (/v1/chat/completions" in r.json()["error"]
 
 
 def test_body_limit_gives_413_in_the_apis_shape(procs, tmp_path):

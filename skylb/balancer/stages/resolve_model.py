@@ -2,8 +2,10 @@
 
 Names resolve as Ollama resolves them (``gemma3`` means ``gemma3:latest``, any case; Ollama's
 ``types/model/name.go``), and the body is rewritten to the served name. A model that no replica or peer reports
-gets 404 in the API's shape, listing what is served; one served within the last ``model_memory_s`` seconds (its
-replicas or region went away) gets 503 with Retry-After instead, since it is likely back soon. A model group alias
+gets 404 in the API's shape, listing what is served (and saying so when the model is served in the other dialect
+only: an Ollama client asking for a model of vLLM or llama.cpp replicas); one served within the last
+``model_memory_s`` seconds (its replicas or region went away) gets 503 with Retry-After instead, since it is likely
+back soon. A model group alias
 or a model with a fallback chain (Ollama fleet router "Routing Engine" guide, fallback chain) counts as served when
 one of its models is. Until the first model lists are read, every name passes (nothing is known yet).
 """
@@ -19,6 +21,10 @@ from skylb.balancer.stages.context import RequestContext
 from skylb.core.fleet_rules import resolve_name
 
 __all__ = ["ResolveModelStage"]
+
+#: How the 404 names each dialect and its endpoints.
+_API_NAMES = {"openai": "OpenAI API (/v1/chat/completions, /v1/completions)",
+              "ollama": "Ollama API (/api/chat, /api/generate)"}
 
 
 class ResolveModelStage:
@@ -60,4 +66,8 @@ class ResolveModelStage:
         message = (f"model '{parsed.model}' not found" if ctx.api == "ollama" else
                    f"The model `{parsed.model}` does not exist.")
         hint = f" Models served here: {', '.join(sorted(served)) or 'none'}."
+        other = "openai" if ctx.api == "ollama" else "ollama"
+        if parsed.model in self.served_models(other, with_peers=with_peers):  # the other dialect's replicas have it
+            hint += (f" '{parsed.model}' is served here through the {_API_NAMES[other]} only: its replicas do not "
+                     f"speak the {_API_NAMES[ctx.api]}.")
         return ctx.reject(404, message + hint, "unknown_model", param="model")
