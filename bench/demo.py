@@ -184,6 +184,13 @@ def _region_connector(server: str, port: int, sources: dict[str, str], region: s
     return region_connector(server, port, sources[region], limit=0)
 
 
+def _ignore_interrupts() -> None:
+    """From now on SIGINT and SIGTERM do nothing: the stop that follows is bounded (each process gets SIGTERM,
+    then SIGKILL after 5 s) and must run to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the deployment and the replay; 0 when every request completed, 1 otherwise, 2 on a config error."""
     try:
@@ -229,11 +236,13 @@ def main(args: argparse.Namespace) -> int:
                 time.sleep(3600)
         return 0 if all(ok for _, ok, _ in checks) else 1
     except KeyboardInterrupt:
+        _ignore_interrupts()  # an impatient second Ctrl-C must not cut the stop short and leave processes behind
         _say("interrupted")
         return 130
     except RuntimeError as exc:
         print(f"skylb local: {exc}", file=sys.stderr)
         return 1
     finally:
-        _say("stopping every process")
+        _ignore_interrupts()
+        _say("stopping every process (Ctrl-C is ignored until they are stopped)")
         deployment.stop()
