@@ -1,7 +1,8 @@
 """The quota gate: a request waits here until every bucket it draws on has room, then holds its slot until it ends.
 
-Flow (api -> admission -> queue): the pipeline calls ``admit`` before the dispatcher's queue. The gate
-reads the quotas in force (``Balancer.quotas``) on every request, so a change at runtime applies at once, and asks
+Flow (parse -> ... -> quota gate -> queue): the quota stage (skylb/balancer/stages/quota.py) calls
+``admit_request`` before the dispatcher's queue. The gate reads the quotas in force (``Balancer.quotas``) on every
+request, so a change at runtime applies at once, and asks
 the limit backend (``Balancer.limits``: in-process, or Redis shared by every balancer) for all the request's buckets
 at once (all or nothing). A refusal is not an error yet: the request waits, counted as waiting (metrics, status),
 asleep until the refusing bucket refills (its ``wait_s``, jittered) or a slot is released here (an asyncio event
