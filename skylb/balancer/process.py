@@ -1,13 +1,13 @@
 """`skylb balancer --config FILE --region NAME`: one region's balancer process, speaking the OpenAI and Ollama APIs.
 
-Start-up and shut-down: the aiohttp application and its routes, the command line, and serving until SIGTERM or
-SIGINT. Through the chain of stages (skylb/balancer/handler.py, skylb/balancer/stages/): ``POST
-/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/api/generate``, ``/api/chat``, ``/api/embed``,
-``/api/embeddings``. Answered without queueing (status.py, ollama_api.py, model_management.py, lease_api.py):
-``GET /v1/models``, the Ollama metadata endpoints (``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/version``, ``GET``/``HEAD /``), ``GET /healthz``, ``GET /metrics`` (Prometheus),
-``GET /skylb/v1/status`` (msgpack for peers; JSON with ``?format=json`` for operators). Who may call which route
-(client API keys, the peer token, the metrics token) is checked before any handler, in skylb/balancer/auth.py; with
-``tls_cert_file`` and ``tls_key_file`` the listener speaks HTTPS.
+Start-up and shut-down: the aiohttp application and its routes, the command line, and serving until SIGTERM or SIGINT.
+Through the chain of stages (skylb/balancer/handler.py, skylb/balancer/stages/): ``POST /v1/chat/completions``,
+``/v1/completions``, ``/v1/embeddings``, ``/api/generate``, ``/api/chat``, ``/api/embed``, ``/api/embeddings``. Answered
+without queueing (status.py, ollama_api.py, model_management.py, lease_api.py): ``GET /v1/models``, the Ollama metadata
+endpoints (``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/version``, ``GET``/``HEAD /``), ``GET /healthz``, ``GET
+/metrics`` (Prometheus), ``GET /skylb/v1/status`` (msgpack for peers; JSON with ``?format=json`` for operators). Who may
+call which route (client API keys, the peer token, the metrics token) is checked before any handler, in
+skylb/balancer/auth.py; with ``tls_cert_file`` and ``tls_key_file`` the listener speaks HTTPS.
 """
 
 from __future__ import annotations
