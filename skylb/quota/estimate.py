@@ -11,15 +11,14 @@ Pure: no I/O.
 from __future__ import annotations
 
 from skylb.core.estimate import CHARS_PER_TOKEN
+from skylb.quota.priorities import EMBEDDING_PATHS
 
 __all__ = ["request_tokens", "is_embedding_path"]
-
-_EMBEDDING_PATHS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
 
 
 def is_embedding_path(path: str) -> bool:
     """True for the embedding endpoints (OpenAI ``/v1/embeddings``, Ollama ``/api/embed`` and ``/api/embeddings``)."""
-    return path in _EMBEDDING_PATHS
+    return path in EMBEDDING_PATHS
 
 
 def request_tokens(text: str, max_tokens: int | None, *, embedding: bool, default_max_tokens: int) -> int:

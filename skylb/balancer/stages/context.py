@@ -14,15 +14,12 @@ from typing import Any
 from aiohttp import web
 
 from skylb.balancer.api import ParsedRequest, error_response
+from skylb.quota.estimate import is_embedding_path
 
-__all__ = ["RequestContext", "EndHook", "EMBEDDING_PATHS"]
+__all__ = ["RequestContext", "EndHook"]
 
 #: Called once when the request ends, however it ends (answered, rejected, failed, cancelled, client gone).
 EndHook = Callable[["RequestContext"], Awaitable[None] | None]
-
-#: The embedding endpoints of both dialects (their requests take the embedding slot of an Ollama fleet).
-EMBEDDING_PATHS = frozenset({"/v1/embeddings", "/api/embed", "/api/embeddings"})
-
 
 @dataclass
 class RequestContext:
@@ -74,7 +71,7 @@ class RequestContext:
     @property
     def embedding(self) -> bool:
         """True for an embedding request (either dialect)."""
-        return self.http.path in EMBEDDING_PATHS
+        return is_embedding_path(self.http.path)
 
     def on_end(self, hook: EndHook) -> None:
         """Run ``hook(self)`` when the request ends; hooks run once each, the last registered first."""
