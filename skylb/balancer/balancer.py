@@ -1,12 +1,11 @@
 """One region's balancer: the parts of the request flow assembled, started and stopped as one.
 
-The parts, one module each (README "A request's path"): the dispatcher (queue ->
-routing decision), the probers (replicas and peers), membership (from the controller, kept on disk), the relay, the
-quota gate and model groups, the Ollama fleet's actions, the metrics, and the chain of stages every request passes
-(skylb/balancer/stages/, built by ``build_chain`` from the settings). The routing core (``skylb.core.Router``)
-holds the state they share; it is built from the settings by ``skylb.core.build_router``, the same builder the
-simulator uses. The Balancer assembles and owns their lifecycles; it serves no request itself, and no part
-receives it: each gets the narrow dependencies it needs.
+The parts, one module each (README "A request's path"): the dispatcher (queue -> routing decision), the probers
+(replicas and peers), membership (from the controller, kept on disk), the relay, the quota gate and model groups, the
+Ollama fleet's actions, the metrics, and the chain of stages every request passes (skylb/balancer/stages/, built by
+``build_chain`` from the settings). The routing core (``skylb.core.Router``) holds the state they share; it is built
+from the settings by ``skylb.core.build_router``, the same builder the simulator uses. The Balancer assembles and owns
+their lifecycles; it serves no request itself, and no part receives it: each gets the narrow dependencies it needs.
 """
 
 from __future__ import annotations
@@ -165,8 +164,9 @@ class Balancer:
                           interval_s=cfg.probe_interval_ms / 1000, timeout_s=cfg.probe_timeout_ms / 1000,
                           peer_token=cfg.peer_token, models_refresh_s=cfg.models_refresh_s)
         self._tasks = [asyncio.create_task(self.dispatcher.run()), *probers.tasks()]
-        self._tasks.append(asyncio.create_task(quota_loop(cfg.quota, limits=self.limits, gate=self.quota_gate,
-                                                          now=self.now, regions_share=self.regions_share)))
+        if cfg.quota.enabled:  # off: no quota stage uses the limits, so nothing to keep up
+            self._tasks.append(asyncio.create_task(quota_loop(cfg.quota, limits=self.limits, gate=self.quota_gate,
+                                                              now=self.now, regions_share=self.regions_share)))
 
     async def drain(self, timeout_s: float) -> float:
         """Shut down gracefully: fail readiness and refuse new requests, serve what is held (queued requests are
