@@ -96,3 +96,28 @@ def test_simulated_router_request_is_built_from_the_text_alone(monkeypatch):
     lengths = {f.req.id: len(f.req.tokens) for f in cluster.records}
     assert seen and all(r.prompt_tokens is None for r in seen)
     assert all(prompt_tokens(r) == lengths[r.id] for r in seen if r.id in lengths)
+
+
+def _live_row(system: str, rps: float, p90: float, fwd: float) -> dict:
+    return {"system": system, "status": "ok",
+            "figures": {"throughput_rps": rps, "ttft_p90_ms": p90, "forwarded_frac": fwd}}
+
+
+def test_parity_cells_use_the_widened_live_spread_and_orderings_only_where_spreads_do_not_overlap():
+    """A simulated figure passes inside [0.9 min, 1.1 max] of the live runs and misses outside; two systems are
+    ordered only when their live spreads are apart, and every seed must keep that order."""
+    from bench.live import parity
+    rounds = [[_live_row("a", 5.0, 1000.0, 0.3), _live_row("b", 2.0, 900.0, 0.0)],
+              [_live_row("a", 6.0, 1100.0, 0.4), _live_row("b", 2.2, 1050.0, 0.0)]]
+    sims = {0: {"a": {"throughput_rps": 6.5, "ttft_p90_ms": 950.0, "forwarded_frac": 0.28},
+                "b": {"throughput_rps": 2.0, "ttft_p90_ms": 1300.0, "forwarded_frac": 0.0}},
+            1: {"a": {"throughput_rps": 4.6, "ttft_p90_ms": 1000.0, "forwarded_frac": 0.42},
+                "b": {"throughput_rps": 1.9, "ttft_p90_ms": 800.0, "forwarded_frac": 0.0}}}
+    out = parity(rounds, sims)
+    cells = {(c["system"], c["figure"]): c["pass"] for c in out["cells"]}
+    assert cells == {("a", "throughput_rps"): True, ("b", "throughput_rps"): True, ("a", "ttft_p90_ms"): True,
+                     ("b", "ttft_p90_ms"): False, ("a", "forwarded_frac"): True, ("b", "forwarded_frac"): True}
+    # TTFT spreads overlap (900-1050 vs 1000-1100): no ordering; throughput and forwarded share are apart
+    assert {(o["figure"], o["below"], o["above"], o["pass"]) for o in out["orderings"]} == {
+        ("throughput_rps", "b", "a", True), ("forwarded_frac", "b", "a", True)}
+    assert (out["cells_passed"], out["cells_total"], out["orderings_passed"]) == (5, 6, 2)
