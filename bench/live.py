@@ -309,12 +309,11 @@ def _f(v, fmt="{:.0f}") -> str:
 def _row(row: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> list[str]:
     """One system's cells of the live table; a failed row says why in its second cell. With ``runs`` (the system's
     rows of every run), each figure is the median over the ok runs with its [min, max]."""
-    if row["status"] != "ok" and not runs:
-        reason = (row.get("reason") or "").splitlines()[0][:160].replace("|", "/")
-        return [row["system"], f"failed: {reason}"]
-    ok = [r for r in (runs or [row]) if r["status"] == "ok"]
+    runs = runs or [row]
+    ok = [r for r in runs if r["status"] == "ok"]
     if not ok:
-        return [row["system"], f"failed in all {len(runs)} runs"]
+        reason = (row.get("reason") or "").splitlines()[0][:160].replace("|", "/")
+        return [row["system"], f"failed: {reason}" if len(runs) == 1 else f"failed in all {len(runs)} runs"]
 
     def cell(get, fmt="{:.0f}", scale=1.0) -> str:
         vals = sorted(v * scale for v in (get(r) for r in ok) if v is not None)
@@ -326,7 +325,7 @@ def _row(row: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> list[
 
     fig = lambda key: lambda r: r["figures"][key]  # noqa: E731
     sent = f"{sum(r['figures']['completed'] for r in ok)}/{sum(r['figures']['sent'] for r in ok)}"
-    return [row["system"], sent if len(ok) == len(runs or [row]) else f"{sent} ({len(ok)} ok runs)",
+    return [row["system"], sent if len(ok) == len(runs) else f"{sent} ({len(ok)} ok runs)",
             cell(fig("throughput_rps"), "{:.2f}"), cell(fig("output_tokens_per_s")), cell(fig("ttft_p50_ms")),
             cell(fig("ttft_p90_ms")), cell(fig("e2e_p50_ms")), cell(fig("e2e_p90_ms")),
             cell(fig("prefix_hit_rate"), "{:.1f}%", 100), cell(fig("forwarded_frac"), "{:.1f}%", 100),
