@@ -1,10 +1,10 @@
 """How many tokens a request draws from a tokens-per-minute bucket, before it runs.
 
 Prompt tokens are estimated from the prompt's characters by the routing core's estimator (skylb/core/estimate.py
-``text_tokens``: characters / 4, rounded up, about right for English BPE vocabularies); output tokens are what the request caps them at (``max_tokens``), else the configured
-``default_max_tokens``; embeddings generate none. Source: the LLM-Load-Balancer README, "Iteration 1" ("prompt plus
-max_tokens, or an estimate"), OpenAI's own rate limiter (it charges the prompt plus ``max_tokens`` times ``n`` up
-front).
+``text_tokens``: characters / 4, rounded up, about right for English BPE vocabularies); output tokens are what the
+request caps them at (``max_tokens``), else the configured ``default_max_tokens``; embeddings generate none. Source:
+the LLM-Load-Balancer README, "Iteration 1" ("prompt plus max_tokens, or an estimate"), OpenAI's own rate limiter
+(it charges the prompt plus ``max_tokens`` times ``n`` up front).
 Pure: no I/O.
 """
 
