@@ -24,7 +24,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from bench.report import markdown_table
+from bench.provenance import provenance
+from bench.report import markdown_table, with_provenance
 from tqdm import tqdm
 
 __all__ = ["add_arguments", "main", "run_specs", "render_report"]
@@ -217,6 +218,7 @@ def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: i
               "replica's KV blocks held by its running requests. LB queue: mean requests "
               "queued at all balancers. fwd: forwarded to a peer balancer. remote: served outside the client's "
               "region. net: network time inside TTFT. done: requests completed in the run (mean over seeds).", ""]
+    lines += _calibration_section(results)
     targets = evaluate_targets(results)
     lines += ["## Targets as measured (means over seeds)", ""]
     lines += [tabulate([[t.claim, t.scope, t.measured, "met" if t.met else "**missed**", t.why] for t in targets],
@@ -253,8 +255,45 @@ def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: i
     for key, path in plots.items():
         if key.startswith("fig8:"):
             lines += ["## Fig. 8 plot (all workloads)", "", f"![Fig. 8]({path})", ""]
+    lines += _sweep_section(results, plots)
     lines += ["## Workloads", "", "```", (workloads_doc or "").strip(), "```", ""]
     return "\n".join(lines)
+
+
+def _calibration_section(results) -> list[str]:
+    """The calibration table (bench/sim/calibration.py) with the regime file's commit and the capacity sweep."""
+    from bench.sim.calibration import calibration_markdown, calibration_rows
+    from bench.sim.regime import REGIME_FILE, regime_commit
+    capacity = None
+    try:
+        from bench.sim.capacity import first_wait_outstanding
+        capacity = first_wait_outstanding()
+    except ImportError:
+        pass
+    return ["## Calibration: the simulated regime beside the paper's (§5, §3.3)", "",
+            f"Engine and workload parameters: `bench/sim/regime.yaml` as of commit {regime_commit()}, frozen "
+            "before the SkyLB runs below. How each paper cell is read: `bench/sim/calibration.py`.", "",
+            calibration_markdown(calibration_rows(results, capacity)), ""]
+
+
+def _sweep_section(results, plots: dict[str, str]) -> list[str]:
+    """The load sweep: per workload, SkyLB beside the best single balancer and the gateway at each load."""
+    from bench.sim.calibration import sweep_markdown, sweep_rows
+    from bench.sim.scenarios import SINGLE_BASELINES, SWEEP_LOADS, SWEEP_WORKLOADS, sweep_name
+    lines = []
+    for wl in SWEEP_WORKLOADS:
+        rows = sweep_rows(results, wl, sorted((1.0, *SWEEP_LOADS)), sweep_name, SINGLE_BASELINES)
+        if len(rows) < 2:
+            continue
+        if not lines:
+            lines += ["## Load sweep: where the paper's Fig. 8 targets hold", "",
+                      "Clients per region at 0.5x, 1x, 1.5x and 2x the paper's; every system at each load, "
+                      "3 seeds (mean [min, max]). Ratios are SkyLB's over the best single balancer's "
+                      "(RR, LL, CH, SGL) and the per-region gateway's.", ""]
+        lines += [f"### {wl}", "", sweep_markdown(rows), ""]
+        if f"sweep:{wl}" in plots:
+            lines += [f"![sweep {wl}]({plots[f'sweep:{wl}']})", ""]
+    return lines
 
 
 def _replicas_needed_table(rows) -> list[str]:
@@ -302,6 +341,14 @@ def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
                                             title=f"Simulated Fig. 9: {SCENARIOS[sc].title}").name
     if "skewed" in present:
         plots["skewed:fig10"] = plot_fig10(results, "skewed", out / f"{prefix}fig10.png").name
+    from bench.plots import plot_sweep
+    from bench.sim.scenarios import SWEEP_LOADS, SWEEP_SYSTEMS, SWEEP_WORKLOADS, sweep_name
+    loads = sorted((1.0, *SWEEP_LOADS))
+    for wl in SWEEP_WORKLOADS:
+        if sum(sweep_name(wl, x) in present for x in loads) > 1:
+            plots[f"sweep:{wl}"] = plot_sweep(results, wl, loads, sweep_name, SWEEP_SYSTEMS,
+                                              out / f"{prefix}sweep_{wl}.png",
+                                              title=f"Load sweep: {SCENARIOS[wl].title}").name
     return plots
 
 
@@ -360,12 +407,13 @@ def main(args: argparse.Namespace) -> int:
     for flag, value in (("--trace", trace), ("--start-s", start_s), ("--time-compression", compression)):
         if value is not None:
             command += f" {flag} {value:g}" if isinstance(value, float) else f" {flag} {value}"
+    prov = provenance(command)
     report = render_report(results, seeds=seeds, wall_s=wall, jobs=args.jobs, plots=plots, skipped=skipped,
                            command=command, trace=trace)
-    (out / f"{stem}.md").write_text(report)
+    (out / f"{stem}.md").write_text(with_provenance(report, prov))
     (out / f"{'results' if stem == 'README' else stem}.json").write_text(json.dumps(
-        {"seeds": list(seeds), "wall_s": wall, "command": command, "results": [r.to_dict() for r in results],
-         "runs": [r.to_dict() for r in runs]}, indent=1))
+        {"seeds": list(seeds), "wall_s": wall, "command": command, "provenance": prov,
+         "results": [r.to_dict() for r in results], "runs": [r.to_dict() for r in runs]}, indent=1))
     print(f"{len(runs)} runs ({len(results)} figures x {len(seeds)} seed(s)) in {wall:.0f} s; "
           f"report: {out / (stem + '.md')}")
     return 0

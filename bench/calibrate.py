@@ -1377,6 +1377,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
+        # A result saved before provenance was recorded must not be stamped with today's commit and machine.
+        saved.setdefault("provenance", {"commit": "not recorded", "date": "not recorded", "command": "not recorded",
+                                        "machine": {}})
         emit_markdown(format_markdown(saved), saved, out_md=args.out_md or None, out_json=None)
         return 0
     if not 1 <= args.repeats <= 10:

@@ -427,12 +427,17 @@ class EngineModel:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_tokens: list[str], max_tokens: int | None, *, ignore_eos: bool,
-               now: float) -> None:
+               now: float, output_len: int | None = None) -> None:
         """Queue a request (``prompt_tokens``: words; ``max_tokens``: None = up to the model length); it waits for
         the next ``start_step``.
 
-        Raises ValueError for a duplicate id, an empty prompt or ``max_tokens`` < 1, and RequestTooLong when
-        ``len(prompt_tokens) + max_tokens`` exceeds ``params.model_len`` (it could never fit the KV cache).
+        ``output_len``: when given, the request generates exactly that many tokens (a simulated EOS there, finish
+        reason "stop" when it is below ``max_tokens``): a trace's or a workload's reply length under a larger
+        client ``max_tokens``; it overrides ``ignore_eos``.
+
+        Raises ValueError for a duplicate id, an empty prompt, ``max_tokens`` < 1 or ``output_len`` outside
+        [1, max_tokens], and RequestTooLong when ``len(prompt_tokens) + max_tokens`` exceeds ``params.model_len``
+        (it could never fit the KV cache).
         """
         if self.has_request(request_id):
             raise ValueError(f"request {request_id!r} is already in the engine")
@@ -453,7 +458,11 @@ class EngineModel:
                                  f"{max_tokens} in the completion). Please reduce the length of the messages or "
                                  f"completion.")
         seed = int.from_bytes(hashlib.blake2b("\x1f".join(prompt_tokens).encode(), digest_size=8).digest(), "big")
-        if ignore_eos:
+        if output_len is not None:
+            if not 1 <= output_len <= max_tokens:
+                raise ValueError(f"output_len must be between 1 and max_tokens ({max_tokens}), got {output_len}")
+            reason = "length" if output_len == max_tokens else "stop"
+        elif ignore_eos:
             output_len, reason = max_tokens, "length"
         else:
             output_len = 1 + seed % min(max_tokens, self.params.eos_max_tokens)

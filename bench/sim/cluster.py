@@ -146,7 +146,8 @@ class SimReplica:
         flight.replica = self
         req = flight.req
         self.flights[req.id] = flight
-        self.engine.submit(req.id, req.tokens, req.output_tokens, ignore_eos=True, now=self.loop.now)
+        self.engine.submit(req.id, req.tokens, req.max_tokens or req.output_tokens, ignore_eos=True,
+                           now=self.loop.now, output_len=req.output_tokens)
         if not self.busy:
             self._start()
 

@@ -76,7 +76,10 @@ class SimRequest:
 
     Attributes:
         id: unique in the run. session_key: the hash-ring key (user id, question id, trace session).
-        tokens: the prompt, one word per token. output_tokens: tokens the engine generates (exactly).
+        tokens: the prompt, one word per token. output_tokens: tokens the engine generates (exactly: the reply's
+            own length, ended by a simulated EOS when shorter than max_tokens).
+        max_tokens: the ``max_tokens`` the client asks for (at least output_tokens); what an engine that reserves
+            KV for future output (SGLang) reserves by. None: the same as output_tokens.
         parent: id of the request in the same program that must complete before this one is sent (closed loop).
         think_s: closed loop: the pause between the parent's completion and this request's send, s.
         arrival_s: open loop only: when the client sends it, s after the start.
@@ -88,6 +91,7 @@ class SimRequest:
     tokens: list[str]
     output_tokens: int
     parent: str | None = None
+    max_tokens: int | None = None
     think_s: float = 0.0
     arrival_s: float | None = None
     region: str = ""
@@ -184,6 +188,9 @@ class ConversationShape:
     popular_fraction: float = 0.3
     popular_prompts: int = 40
     max_context: int = 8192
+    #: The clients' max_tokens per request (None: each asks for exactly its answer's length); an answer longer
+    #: than it stops there.
+    max_tokens: int | None = None
 
 
 ARENA = ConversationShape("arena")
@@ -214,11 +221,13 @@ def _conversation_program(shape: ConversationShape, seed: int, user: str, k: int
             message = _words(f"{seed}:{shape.name}:{user}:conv{k}:turn{t}",
                              _lognormal(rng, shape.user_median, shape.user_sigma, 4, shape.user_max))
         answer = _lognormal(rng, shape.answer_median, shape.answer_sigma, 8, shape.answer_max)
+        if shape.max_tokens is not None:
+            answer = min(answer, shape.max_tokens)
         if t > 0 and len(words) + 1 + len(message) + answer > shape.max_context:
             break
         words = [*words, "user:", *message]
         rid = f"{user}-c{k}-t{t}"
-        program.append(SimRequest(rid, user, words, answer, parent=parent))
+        program.append(SimRequest(rid, user, words, answer, parent=parent, max_tokens=shape.max_tokens))
         words = [*words, "assistant:", *_words(f"{seed}:{shape.name}:{rid}:answer", answer)]
         parent = rid
     return program
@@ -285,7 +294,8 @@ def _tree_program(shape: TreeShape, seed: int, client: str, k: int) -> Program:
             for b in range(1 if level == 0 else shape.branches):
                 rid = f"{qid}-n{len(program)}"
                 thought = _lognormal(rng, shape.thought_median, shape.thought_sigma, 16, shape.thought_max)
-                program.append(SimRequest(rid, qid, [*prefix, f"b{b}:"], thought, parent=parent))
+                program.append(SimRequest(rid, qid, [*prefix, f"b{b}:"], thought, parent=parent,
+                                          max_tokens=shape.thought_max))
                 words = [*prefix, f"step{level}:", *_words(f"{seed}:tot:{rid}:thought", thought)]
                 next_level.append((rid, words))
         level_nodes = next_level
@@ -328,12 +338,17 @@ def mixed_trees(*, seed: int = 0, big_region: str = "us", big_clients: int = 2, 
 def mooncake(*, seed: int = 0, path: str | Path = DEFAULT_TRACE, window_s: float = 210.0, start_s: float = 0.0,
              time_compression: float = 1.0, prompt_scale: float = 0.125, max_output: int = 1024,
              regions: Sequence[str] = ("us", "eu", "asia"),
-             region_weights: dict[str, float] | None = None) -> Workload:
+             region_weights: dict[str, float] | None = None, max_total_tokens: int | None = None) -> Workload:
     """The Mooncake conversation trace, open loop (module docstring for the scaling); raises FileNotFoundError.
 
-    ``window_s`` of trace time from ``start_s`` is replayed ``time_compression`` times faster. At 1 (real time) the
-    trace's 3.4 req/s load 12 simulated L4 replicas to roughly 70-80%: busy enough for queues to form on
-    imbalanced replicas, without an ever-growing backlog (at 1.5x the backlog grows without bound).
+    ``window_s`` of trace time from ``start_s`` is replayed ``time_compression`` times faster. At 1 (real time) and
+    prompts x1/8 the trace's 3.4 req/s load 12 simulated L4 replicas to roughly 70-80%: busy enough for queues to
+    form on imbalanced replicas, without an ever-growing backlog (at 1.5x the backlog grows without bound).
+
+    ``max_total_tokens``: the replicas' model length (prompt plus output, tokens). At real prompt lengths (``prompt_
+    scale`` 1) about 7% of the trace's prompts (p99 85k, max 126k tokens) exceed an L4's KV cache; such a prompt
+    keeps its first ``max_total_tokens - output`` tokens (its shared prefix survives: the trace's blocks are
+    prefixes) and the workload's description counts them.
     """
     path = Path(path)
     if not path.is_file():
@@ -343,12 +358,17 @@ def mooncake(*, seed: int = 0, path: str | Path = DEFAULT_TRACE, window_s: float
                          region_weights=region_weights or {"us": 0.5, "eu": 0.25, "asia": 0.25})
     outputs = {row.line: row.output_length for row in read_trace(path)}
     arrivals = []
+    truncated = 0
     for r in trace_workload(cfg, list(regions), path):
         output = max(1, min(max_output, outputs[int(r.id.split("-")[1])]))
-        arrivals.append(SimRequest(r.id, r.session_id, r.prompt.split(), output, arrival_s=r.arrival_s,
-                                   region=r.region))
+        tokens = r.prompt.split()
+        if max_total_tokens is not None and len(tokens) + output > max_total_tokens:
+            tokens = tokens[:max(1, max_total_tokens - output)]
+            truncated += 1
+        arrivals.append(SimRequest(r.id, r.session_id, tokens, output, arrival_s=r.arrival_s, region=r.region))
+    cut = f", {truncated} prompts cut to the model length {max_total_tokens}" if truncated else ""
     return Workload("mooncake", f"Mooncake trace, {window_s:g} s from {start_s:g} s at {time_compression:g}x, "
-                    f"prompts x{prompt_scale:g}: {len(arrivals)} requests", arrivals=arrivals)
+                    f"prompts x{prompt_scale:g}: {len(arrivals)} requests{cut}", arrivals=arrivals)
 
 
 def replayed(requests: Sequence[Request], *, name: str = "replayed", description: str = "") -> Workload:
