@@ -203,9 +203,10 @@ def _conversation_program(shape: ConversationShape, seed: int, user: str, k: int
     """The k-th conversation of ``user``: turn t's prompt extends turn t-1's prompt with its answer and a new turn."""
     rng = random.Random(f"{seed}:{shape.name}:{user}:conv{k}")
     user_rng = random.Random(f"{seed}:{shape.name}:{user}:profile")
-    context = _words(f"{seed}:{shape.name}:{user}:context",
-                     _lognormal(user_rng, shape.context_median, shape.context_sigma, 8, 2000))
-    words = ["system:", *_words(f"{seed}:{shape.name}:system", shape.system_tokens), "context:", *context]
+    words = ["system:", *_words(f"{seed}:{shape.name}:system", shape.system_tokens)]
+    if shape.context_median > 0:  # 0: no per-user context (the datasets publish none)
+        words += ["context:", *_words(f"{seed}:{shape.name}:{user}:context",
+                                      _lognormal(user_rng, shape.context_median, shape.context_sigma, 8, 2000))]
     turns = 1
     while turns < shape.max_turns and rng.random() < 1.0 - 1.0 / shape.mean_turns:
         turns += 1
