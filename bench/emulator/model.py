@@ -51,8 +51,8 @@ generated, clip) x new_token_ratio`` each (the ratio decays from about 0.7 towar
 running out of KV is rarer. When a decode step still lacks memory, SGLang *retracts* running requests, those with
 the fewest output tokens first (ties: the longest input), frees their KV (the prefix stays in the radix cache),
 puts them back in the waiting queue and raises ``new_token_ratio``. This model implements vLLM's mechanism only;
-an SGLang replica here admits more optimistically than a real one and preempts the newest request rather than
-the least advanced one.
+``bench.emulator.sglang_model`` implements SGLang's (``EngineParams(admission="sglang")`` and
+:func:`make_engine` choose it).
 
 Prefix cache (vLLM automatic prefix caching): a full block of ``block_size`` prompt tokens is identified by a hash
 chain over (parent block hash, block tokens). Computed prompt blocks are registered in the cache when the step
