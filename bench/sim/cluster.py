@@ -36,7 +36,7 @@ from bench.sim.workloads import ClientSpec, SimRequest, Workload
 from skylb.config import BalancerConfig
 from skylb.core import Decision, PeerStatus, Request, build_router
 from skylb.core.state import load_from_outstanding
-from bench.emulator.model import EngineModel, EngineParams, FinishedRequest
+from bench.emulator.model import EngineParams, FinishedRequest, make_engine
 
 __all__ = ["Network", "DEFAULT_RTT_MS", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
 
@@ -135,7 +135,7 @@ class SimReplica:
     def __init__(self, cluster: "Cluster", replica_id: str, region: str, params: EngineParams):
         self.id = replica_id
         self.region = region
-        self.engine = EngineModel(params)
+        self.engine = make_engine(params)
         self.loop = cluster.loop
         self.cluster = cluster
         self.flights: dict[str, Flight] = {}
