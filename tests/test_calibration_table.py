@@ -9,7 +9,7 @@ from dataclasses import replace
 import pydantic
 import pytest
 
-from bench.emulator.model import EngineModel
+from bench.emulator.model import EngineParams, make_engine
 from bench.provenance import provenance, provenance_line
 from bench.report import emit_markdown, with_provenance
 from bench.sim.calibration import calibration_rows, sweep_rows
@@ -37,9 +37,10 @@ def test_the_committed_regime_loads_and_a_misspelt_key_is_named(tmp_path):
         regime(bad)
 
 
-def test_a_reply_shorter_than_max_tokens_ends_there():
+@pytest.mark.parametrize("admission", ["vllm", "sglang"])
+def test_a_reply_shorter_than_max_tokens_ends_there(admission):
     """A client asks for max_tokens; the engine generates the reply's own length and reports a stop."""
-    engine = EngineModel()
+    engine = make_engine(EngineParams(admission=admission))
     engine.submit("a", ["w"] * 20, 100, ignore_eos=True, now=0.0, output_len=3)
     finished = []
     while engine.has_request("a"):

@@ -84,6 +84,7 @@ __all__ = [
     "FinishedRequest",
     "RequestTooLong",
     "text_tokens",
+    "output_length",
     "chat_tokens",
     "output_token",
 ]
@@ -144,6 +145,23 @@ def sglang_kv_cache_tokens(mem_fraction_static: float = 0.88, *, gpu_free_gib: f
     if rest_gib <= 0:
         raise ValueError(f"mem_fraction_static {mem_fraction_static} leaves no memory for the KV cache")
     return int(rest_gib * (1 << 30) // kv_bytes_per_token)
+
+
+def output_length(seed: int, max_tokens: int, *, ignore_eos: bool, output_len: int | None,
+                  eos_max_tokens: int) -> tuple[int, str]:
+    """How many tokens a request generates and why it stops: ``(tokens, "length" | "stop")``.
+
+    ``output_len`` given: exactly that (ValueError outside [1, max_tokens]); else ``max_tokens`` when
+    ``ignore_eos``; else a simulated EOS after ``1 + seed % min(max_tokens, eos_max_tokens)`` tokens.
+    """
+    if output_len is not None:
+        if not 1 <= output_len <= max_tokens:
+            raise ValueError(f"output_len must be between 1 and max_tokens ({max_tokens}), got {output_len}")
+    elif ignore_eos:
+        output_len = max_tokens
+    else:
+        output_len = 1 + seed % min(max_tokens, eos_max_tokens)
+    return output_len, "length" if output_len == max_tokens else "stop"
 
 
 class RequestTooLong(ValueError):
@@ -535,15 +553,8 @@ class EngineModel:
                                  f"{max_tokens} in the completion). Please reduce the length of the messages or "
                                  f"completion.")
         seed = int.from_bytes(hashlib.blake2b("\x1f".join(prompt_tokens).encode(), digest_size=8).digest(), "big")
-        if output_len is not None:
-            if not 1 <= output_len <= max_tokens:
-                raise ValueError(f"output_len must be between 1 and max_tokens ({max_tokens}), got {output_len}")
-            reason = "length" if output_len == max_tokens else "stop"
-        elif ignore_eos:
-            output_len, reason = max_tokens, "length"
-        else:
-            output_len = 1 + seed % min(max_tokens, self.params.eos_max_tokens)
-            reason = "length" if output_len == max_tokens else "stop"
+        output_len, reason = output_length(seed, max_tokens, ignore_eos=ignore_eos, output_len=output_len,
+                                           eos_max_tokens=self.params.eos_max_tokens)
         hashes = _block_hashes(prompt_tokens, self.params.block_size)
         self._waiting[request_id] = _Request(request_id, prompt_len, hashes, max_tokens, output_len, reason, seed,
                                              now)

@@ -65,6 +65,7 @@ from bench.emulator.model import (
     EngineParams,
     FinishedRequest,
     RequestTooLong,
+    output_length,
     Step,
     TokenOutput,
 )
@@ -196,8 +197,9 @@ class SglangEngineModel:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_tokens: list[str], max_tokens: int | None, *, ignore_eos: bool,
-               now: float) -> None:
-        """Queue a request at the tail of the waiting queue (same contract as ``EngineModel.submit``).
+               now: float, output_len: int | None = None) -> None:
+        """Queue a request at the tail of the waiting queue (same contract as ``EngineModel.submit``, ``output_len``
+        included: SGLang reserves KV by ``max_tokens`` while the reply ends at its own length).
 
         Raises ValueError for a duplicate id, an empty prompt or ``max_tokens`` < 1, and RequestTooLong when
         ``len(prompt_tokens) + max_tokens`` exceeds ``params.model_len`` (SGLang's ``max_req_len``).
@@ -220,11 +222,8 @@ class SglangEngineModel:
                                  f"tokens. You requested a total of {prompt_len + max_tokens} tokens: {prompt_len} "
                                  f"tokens from the input messages and {max_tokens} tokens for the completion.")
         seed = int.from_bytes(hashlib.blake2b("\x1f".join(prompt_tokens).encode(), digest_size=8).digest(), "big")
-        if ignore_eos:
-            output_len, reason = max_tokens, "length"
-        else:
-            output_len = 1 + seed % min(max_tokens, self.params.eos_max_tokens)
-            reason = "length" if output_len == max_tokens else "stop"
+        output_len, reason = output_length(seed, max_tokens, ignore_eos=ignore_eos, output_len=output_len,
+                                           eos_max_tokens=self.params.eos_max_tokens)
         self._serial += 1
         req = _Req(request_id, list(prompt_tokens), max_tokens, output_len, reason, seed, self._serial, now)
         self._ids[request_id] = req
