@@ -58,7 +58,7 @@ def test_calibration_verdicts_in_range_within_25_percent_and_outside(smoke):
             out += [replace(smoke, scenario=d, system="RR", hit_rate=hit_rr),
                     replace(smoke, scenario=d, system="SkyLB", outstanding_var=1.0),
                     replace(smoke, scenario=d, system="SGL", outstanding_var=var_sgl)]
-        return {r.cell: r for r in calibration_rows(out, capacity=(30.0, "sweep"))}
+        return {r.cell: r for r in calibration_rows(out, capacity=([("arena", 30.0)], "sweep"))}
     got = rows(0.12, 3.0)
     assert got["prefix hit rate, RR"].verdict == "in range"
     assert got["outstanding variance, SGL / SkyLB"].verdict == "in range"

@@ -140,9 +140,11 @@ def _verdict(values: Sequence[float], lo: float, hi: float) -> str:
     return "outside"
 
 
-def calibration_rows(results: Sequence[RunSummary], capacity: tuple[float, str] | None = None) -> list[CalibrationRow]:
-    """The calibration table of ``results`` (means over seeds); ``capacity``: (outstanding count at first wait,
-    how it was measured) from bench/sim/capacity.py, or None when the sweep did not run."""
+def calibration_rows(results: Sequence[RunSummary],
+                     capacity: tuple[list[tuple[str, float]], str] | None = None) -> list[CalibrationRow]:
+    """The calibration table of ``results`` (means over seeds); ``capacity``: ([(dataset, outstanding count at
+    first wait)], how it was measured) from bench/sim/capacity.py ``first_wait_outstanding``, or None when the
+    sweep did not run."""
     rows: dict[str, dict[str, RunSummary]] = {}
     for r in results:
         if r.scenario in DATASETS:
@@ -155,10 +157,10 @@ def calibration_rows(results: Sequence[RunSummary], capacity: tuple[float, str] 
         sim = ", ".join(f"{label} {_fmt(v, cell.unit)}" for label, v in values) or "-"
         out.append(CalibrationRow(cell.name, paper, sim, verdict, cell.why(rows) if verdict == "outside" else ""))
     if capacity is not None:
-        value, how = capacity
-        verdict = _verdict([value], 20, 50)
-        out.append(CalibrationRow("outstanding requests one L4 holds (§3.3)", "20 - 50", f"{value:.0f}", verdict,
-                                  how))
+        values, how = capacity
+        verdict = _verdict([v for _, v in values], 20, 50)
+        out.append(CalibrationRow("outstanding requests one L4 holds (§3.3)", "20 - 50",
+                                  ", ".join(f"{label} {v:.0f}" for label, v in values), verdict, how))
     else:
         out.append(CalibrationRow("outstanding requests one L4 holds (§3.3)", "20 - 50", "-", "not run",
                                   "the capacity sweep (bench/sim/capacity.py) did not run"))

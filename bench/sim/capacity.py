@@ -31,7 +31,7 @@ from bench.emulator.model import EngineParams, make_engine
 from bench.sim.engine import EventLoop
 from bench.sim.workloads import ARENA, WILDCHAT, ConversationShape, conversations
 
-__all__ = ["CapacityPoint", "CapacitySweep", "measure", "sweep", "main"]
+__all__ = ["CapacityPoint", "CapacitySweep", "measure", "sweep", "first_wait_outstanding", "main"]
 
 DEFAULT_CLIENTS = (5, 10, 15, 20, 25, 30, 35, 40, 50, 60, 80)
 
@@ -85,7 +85,8 @@ def measure(clients: int, *, params: EngineParams, shape: ConversationShape = WI
             prog = programs[cid] = next_program(cid, k)
         progress[cid] = (k, i + 1)
         req = prog[i]
-        engine.submit(f"{req.id}", req.tokens, req.output_tokens, ignore_eos=True, now=loop.now)
+        engine.submit(f"{req.id}", req.tokens, req.max_tokens or req.output_tokens, ignore_eos=True, now=loop.now,
+                      output_len=req.output_tokens)
         owner[req.id] = cid
         if not state["busy"]:
             start()
@@ -141,6 +142,29 @@ def sweep(client_counts: Sequence[int] = DEFAULT_CLIENTS, *, params: EngineParam
     points = tuple(measure(n, params=params, **kwargs) for n in client_counts)
     first = next((p.clients for p in points if p.mean_waiting > wait_threshold), None)
     return CapacitySweep(points=points, first_wait_clients=first, wait_threshold=wait_threshold)
+
+
+#: The client counts the calibration sweeps (outstanding requests on one replica).
+CALIBRATION_CLIENTS = (10, 15, 20, 25, 30, 35, 40, 45, 50, 60, 70, 80)
+
+
+def first_wait_outstanding(seeds: Sequence[int] = (0, 1, 2)) -> tuple[list[tuple[str, float]], str]:
+    """The calibration table's capacity cell: per dataset of the calibrated regime (bench/sim/regime.yaml: its
+    engine, its Arena and WildChat shapes with the clients' max_tokens), the first-wait point averaged over
+    ``seeds``. Returns ([(label, outstanding requests)], how it was measured)."""
+    from bench.sim.regime import engine_params, shape
+    params = engine_params()
+    values, spreads = [], []
+    for name in ("arena", "wildchat"):
+        firsts = [sweep(CALIBRATION_CLIENTS, params=params, shape=shape(name), seed=s).first_wait_clients
+                  for s in seeds]
+        got = [f if f is not None else CALIBRATION_CLIENTS[-1] + 10 for f in firsts]
+        values.append((f"{name} [{min(got)}, {max(got)}]", sum(got) / len(got)))
+        spreads.append(name)
+    how = (f"one replica of the regime's engine ({params.admission} admission, {params.kv_cache_tokens} KV tokens), "
+           f"closed-loop clients {CALIBRATION_CLIENTS[0]}-{CALIBRATION_CLIENTS[-1]}; the first count whose mean "
+           f"waiting exceeds 0.5, mean [min, max] over seeds {', '.join(map(str, seeds))} (bench/sim/capacity.py)")
+    return values, how
 
 
 def table(result: CapacitySweep) -> str:
