@@ -1,8 +1,9 @@
 """Workloads to replay: a Mooncake trace turned into text, sessions and regions, or synthetic conversations.
 
-Token convention (shared with the engine emulator): ONE TOKEN = ONE WHITESPACE-SEPARATED WORD. A prompt of
-``prompt_tokens`` tokens is a string of exactly that many words, so the emulator counts prompt and cached tokens
-without a tokenizer.
+Token convention (shared with the engine emulator, the simulator and the balancer): ONE TOKEN = ONE
+WHITESPACE-SEPARATED WORD OF 3 CHARACTERS. A prompt of ``prompt_tokens`` tokens is a string of exactly that many
+words joined by single spaces, so the emulator counts prompt and cached tokens without a tokenizer, and the
+balancer's characters / 4 estimate (skylb/core/estimate.py ``text_tokens``) gives the same number (:data:`VOCABULARY`).
 
 Mooncake trace (format: shared/traces/NOTICE.md; DESIGN.md "Workloads"): each line has ``timestamp`` (ms),
 ``input_length`` and ``output_length`` (tokens) and ``hash_ids`` (ids of the prompt's 512-token blocks). The trace
@@ -50,6 +51,7 @@ __all__ = [
     "TraceError",
     "TRACE_BLOCK_TOKENS",
     "VOCABULARY",
+    "ROLE_MARKERS",
     "block_text",
     "prompt_from_blocks",
     "read_trace",
@@ -104,24 +106,31 @@ def workload_settings(cfg: DeploymentConfig, *, source: str | Path | None = None
 #: Tokens per hash block in the Mooncake trace (NOTICE.md).
 TRACE_BLOCK_TOKENS = 512
 
-#: Short words for generated text: one word is one token. Fixed forever, because the text of a block must not
-#: change between runs (cached prefixes and recorded results depend on it).
+#: Short words for generated text: one word is one token. Every word is 3 characters, so a prompt of n words
+#: joined by single spaces has 4n - 1 characters and the balancer's estimate (skylb/core/estimate.py
+#: ``text_tokens``: characters / 4, rounded up) is exactly n, the emulator's count (bench/emulator/model.py
+#: ``text_tokens``: whitespace-separated words): the balancer, the simulator and the engine count one number.
+#: Role markers (:data:`ROLE_MARKERS`) are 3-character words too. Changing this list changes every prompt's text
+#: (cached prefixes and recorded results depend on it): results recorded before the change are not comparable
+#: text for text, though their token counts are.
 VOCABULARY: tuple[str, ...] = tuple(
     """
-    able acid aged also area army away baby back ball band bank base bath bear beat been beer bell belt best bill
-    bird blow blue boat body bomb bond bone book boom born boss both bowl bulk burn bush busy call calm came camp
-    card care case cash cast cell chat chip city club coal coat code cold come cook cool cope copy core cost crew
-    crop dark data date dawn days dead deal dean dear debt deep deny desk dial diet disc disk does done door dose
-    down draw drew drop drug dual duke dust duty each earn ease east easy edge else even ever evil exit face fact
-    fail fair fall farm fast fate fear feed feel feet fell felt file fill film find fine fire firm fish five flat
-    flow food foot ford form fort four free from fuel full fund gain game gate gave gear gene gift girl give glad
-    goal goes gold golf gone good gray grew grey grow gulf hair half hall hand hang hard harm hate have head hear
-    heat held hell help here hero high hill hire hold hole holy home hope host hour huge hung hunt hurt idea inch
-    into iron item jack jane jean john join jump jury just keen keep kent kept kick kill kind king knee knew know
-    lack lady laid lake land lane last late lead left less life lift like line link list live load loan lock long
-    look lord lose loss lost love luck made mail main make male many mark mass matt meal mean meat meet menu mere
+    ace act add age ago aid aim air all and ant any ape arc are ark arm art ash ask ate awe axe bad bag ban bar bat
+    bay bed bee beg bet bid big bin bit bow box boy bud bug bun bus but buy cab can cap car cat cow cry cub cup cut
+    dad day den dew did die dig dim dip doe dog dot dry due dug dye ear eat egg ego elf elk elm end era eve eye fan
+    far fat fax fed fee few fig fin fir fit fix fly foe fog for fox fry fun fur gap gas gel gem get gig gin god got
+    gum gun gut guy gym had ham has hat hay hen her hid him hip his hit hog hop hot how hub hue hug hum hut ice icy
+    ill ink inn ion ivy jam jar jaw jet job jog joy jug key kid kin kit lab lad lap law lay led leg let lid lie lip
+    lit log lot low mad man map mat may men met mix mob mop mud mug nap net new nod nor not now nut oak oar oat odd
+    off oil old one opt orb ore our out owl own pad pal pan paw pay pea pen pet pie pig pin pit pod pot pro pub pun
+    pup put rag ram ran rat raw ray red rib rid rig rim rip rob rod row rub rug rum run rye sad sap sat saw say sea
+    see set sew shy sin sip sir sit six ski sky sly sob sod son sow soy spa spy sum sun tab tag tan tap tar tax tea
+    ten tie tin tip toe ton top toy try tub tug two urn use van vat vet via vow wag war was wax way web wed wet who
+    why wig win wit won wow yak yam yes yet you zip zoo
     """.split()
 )
+#: The one-token marker that opens a message of each role in a generated conversation (3 characters, as the words).
+ROLE_MARKERS: dict[str, str] = {"system": "sy:", "user": "me:", "assistant": "ai:"}
 
 _WORD_LIMIT_PER_CALL = 50_000_000  # words; a sanity bound so a corrupt length cannot exhaust memory
 
@@ -430,11 +439,11 @@ def synthetic_workload(cfg: WorkloadConfig, regions: Sequence[str]) -> list[Requ
             session = f"syn-{region}-{k:03d}"
             rng = random.Random(f"{cfg.seed}:{session}")
             start = rng.uniform(0.0, START_SPREAD_S)
-            words = ["system:", *system]
+            words = [ROLE_MARKERS["system"], *system]
             previous: str | None = None
             for turn in range(cfg.synthetic_turns):
                 user = _words(f"{cfg.seed}:{session}:{turn}:user", _scaled(rng.randint(*USER_TOKENS), scale))
-                words += ["user:", *user]
+                words += [ROLE_MARKERS["user"], *user]
                 output = _scaled(rng.randint(*ANSWER_TOKENS), scale)
                 rid = f"{session}-t{turn}"
                 out.append(
@@ -451,7 +460,7 @@ def synthetic_workload(cfg: WorkloadConfig, regions: Sequence[str]) -> list[Requ
                         text=" ".join(words),
                     )
                 )
-                words += ["assistant:", *_words(f"{cfg.seed}:{session}:{turn}:answer", output)]
+                words += [ROLE_MARKERS["assistant"], *_words(f"{cfg.seed}:{session}:{turn}:answer", output)]
                 previous = rid
     out.sort(key=lambda r: (r.arrival_s, r.session_id, r.turn, r.id))
     return out[: cfg.max_requests] if cfg.max_requests else out

@@ -38,7 +38,7 @@ def test_token_estimate_reads_max_tokens_in_each_api():
     assert tokens(parse_openai("/v1/completions", body, session_header_value=None)) == 100 + 100
     body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7}'
     parsed = parse_openai("/v1/chat/completions", body, session_header_value=None)
-    assert parsed.max_tokens == 7 and tokens(parsed) == len("user: hi\n") // 4 + 7
+    assert parsed.max_tokens == 7 and tokens(parsed) == -(-len("user: hi\n") // 4) + 7
     body = b'{"model": "m", "prompt": "' + b"y" * 40 + b'"}'
     assert tokens(parse_openai("/v1/completions", body, session_header_value=None)) == 10 + 100
     body = b'{"model": "m", "prompt": "' + b"y" * 40 + b'", "options": {"num_predict": 12}}'

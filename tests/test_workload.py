@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.workload import (
+    ROLE_MARKERS,
     TRACE_BLOCK_TOKENS,
     TraceError,
     WorkloadConfig,
@@ -212,13 +213,13 @@ def test_synthetic_turns_extend_each_other():
     by_session = defaultdict(list)
     for r in reqs:
         by_session[r.session_id].append(r)
-    system = reqs[0].prompt.split(" user: ")[0]
+    system = reqs[0].prompt.split(f" {ROLE_MARKERS['user']} ")[0]
     for turns in by_session.values():
         turns.sort(key=lambda r: r.turn)
         assert [t.turn for t in turns] == [0, 1, 2]
         assert turns[0].after is None and turns[0].think_s == 0
         for prev, cur in zip(turns, turns[1:]):
-            assert cur.prompt.startswith(prev.prompt + " assistant: ")
+            assert cur.prompt.startswith(prev.prompt + f" {ROLE_MARKERS['assistant']} ")
             assert cur.after == prev.id and cur.think_s > 0
             assert len({prev.region, cur.region}) == 1
         for t in turns:

@@ -13,8 +13,17 @@ time, so the decisions are made by the same ``skylb.core.Router`` and policy obj
   replica (one-way latency to the replica's region) or to a peer balancer (one-way inter-region latency), where it
   is queued again, marked as forwarded. The live balancer's 10 ms tick only re-runs the same check, so it is not
   needed here.
-* Responses: the first token and the end of the stream travel back along the request's path; each balancer on the
-  path releases its decision (``Router.finished``) when the stream end passes it.
+* Responses: the first token and the end of the stream travel back along the request's path, and each balancer
+  on the path does what skylb/balancer/stages/route.py does when they pass it: on the first token (one one-way
+  latency after the replica produced it) ``Router.first_token``; at the end of the stream first the measured
+  speed, through the live code itself (skylb/balancer/usage.py ``observe``: the usage the emulator's vLLM
+  personality reports, parsed by ``usage_of``; TTFT and end-to-end time measured from dispatch at that balancer,
+  so only the dispatching balancer learns, a forwarding one's decision being a peer's), then ``Router.finished``.
+  So the measured prefill rates (skylb/core/rates.py) and the estimated-wait tie-break act as they do live.
+* Prompt length: the router's request is built as the live balancer builds it (skylb/balancer/stages/route.py),
+  from the prompt text alone, so its token count is the balancer's estimate (skylb/core/estimate.py
+  ``text_tokens``), which equals the engine's word count for the workloads' 3-character words
+  (bench/workload.py ``VOCABULARY``).
 * Replicas: one ``bench.emulator.model.EngineModel`` each (continuous batching, KV capacity, block prefix cache
   with LRU; L4 / Llama-3.1-8B timings). One event per engine iteration, never one per token.
 * The oracle balancer (``fresh_view``) re-reads every replica's real state before each placement, with zero
@@ -36,6 +45,7 @@ from bench.sim.workloads import ClientSpec, SimRequest, Workload
 from skylb.config import BalancerConfig
 from skylb.core import Decision, PeerStatus, Request, build_router
 from skylb.core.state import load_from_outstanding
+from skylb.balancer.usage import observe as observe_usage, usage_of
 from bench.emulator.model import EngineParams, FinishedRequest, make_engine
 
 __all__ = ["Network", "DEFAULT_RTT_MS", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
@@ -99,7 +109,7 @@ class Flight:
     """
 
     __slots__ = ("req", "client", "region", "sent_at", "origin", "origin_decision", "peer", "peer_decision",
-                 "replica", "first_token_at", "done_at", "result", "back_s")
+                 "replica", "first_token_at", "done_at", "result", "back_s", "first_byte_at")
 
     def __init__(self, req: SimRequest, client: "_Client", region: str, sent_at: float):
         self.req = req
@@ -115,6 +125,8 @@ class Flight:
         self.done_at: float | None = None
         self.result: FinishedRequest | None = None
         self.back_s = 0.0  # latency of the response path, replica -> client, s
+        #: balancer -> when the first token passed it, s (its relay's first byte: the TTFT it measures)
+        self.first_byte_at: dict[str, float] = {}
 
     @property
     def forwarded(self) -> bool:
@@ -204,9 +216,9 @@ class SimBalancer:
         else:
             flight.peer = self
         waited = flight.origin_decision.queued_s if from_region is not None and flight.origin_decision else 0.0
+        # As skylb/balancer/stages/route.py builds it: no prompt_tokens, the length is estimated from the text.
         self.router.enqueue(Request(id=req.id, text=req.text, arrived_at=self.loop.now,
-                                    session_key=req.session_key, forwarded_from=from_region,
-                                    prompt_tokens=len(req.tokens), waited_s=waited))
+                                    session_key=req.session_key, forwarded_from=from_region, waited_s=waited))
         self.dispatch()
 
     def dispatch(self) -> None:
@@ -246,13 +258,18 @@ class SimBalancer:
                 flight.origin_decision = d
                 cluster.replicas[d.target].submit(flight)
 
-    def first_token(self, decision: Decision) -> None:
+    def first_token(self, flight: Flight, decision: Decision) -> None:
         """The first token of ``decision`` passed this balancer: its prompt left the replica's prefill backlog."""
+        flight.first_byte_at[self.region] = self.loop.now
         self.router.first_token(decision)
         self.dispatch()
 
-    def release(self, decision: Decision) -> None:
-        """The stream of ``decision`` ended here: free its slot and let the queue move."""
+    def release(self, flight: Flight, decision: Decision) -> None:
+        """The stream of ``decision`` ended here: learn the replica's speed from it, as skylb/balancer/usage.py
+        ``observe`` does live (before the release), then free its slot and let the queue move."""
+        first = flight.first_byte_at.get(self.region)
+        ttft_s = None if first is None else first - decision.request.arrived_at  # RelayOutcome.ttft_s: from arrival
+        observe_usage(self.router, decision, _StreamOutcome(_reported_usage(flight.result), ttft_s), self.loop.now)
         self.router.finished(decision)
         self.dispatch()
 
@@ -295,6 +312,25 @@ class SimBalancer:
     def _observe_peer(self, status: PeerStatus, rtt_s: float) -> None:
         self.router.observe_peer(status.region, now=self.loop.now, status=status, rtt_s=rtt_s)
         self.dispatch()
+
+
+def _reported_usage(result: FinishedRequest):
+    """The Usage the live balancer reads from this answer's last chunk: the emulator's vLLM personality's OpenAI
+    ``usage`` (bench/emulator/personalities/openai.py), parsed by skylb/balancer/usage.py ``usage_of``."""
+    return usage_of({"usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                               "total_tokens": result.prompt_tokens + result.completion_tokens,
+                               "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}})
+
+
+@dataclass(frozen=True)
+class _StreamOutcome:
+    """What skylb/balancer/usage.py ``observe`` reads of a relay's outcome (skylb/balancer/relay.py RelayOutcome):
+    a whole, successful stream (status 200, no error) with its usage and TTFT from arrival at the balancer, s."""
+
+    usage: object
+    ttft_s: float | None
+    status: int = 200
+    error: str | None = None
 
 
 class _Client:
@@ -481,9 +517,15 @@ class Cluster:
         back += net.one_way_s(origin.region, flight.region)
         flight.back_s = back
         flight.first_token_at = t + back
-        # The dispatching balancer relays the stream, so it sees the first token one hop later.
-        self.loop.at(t + net.one_way_s(replica.region, dispatcher.region), dispatcher.first_token,
+        # The dispatching balancer relays the stream, so it sees the first token one hop later; a forwarding one
+        # (the origin of a forwarded request) one more hop later (its decision is a peer's: nothing to update there,
+        # but its relay measures the TTFT from its own first byte).
+        at_dispatcher = t + net.one_way_s(replica.region, dispatcher.region)
+        self.loop.at(at_dispatcher, dispatcher.first_token, flight,
                      flight.peer_decision if flight.peer is not None else flight.origin_decision)
+        if flight.peer is not None:
+            self.loop.at(at_dispatcher + net.one_way_s(flight.peer.region, origin.region), origin.first_token, flight,
+                         flight.origin_decision)
 
     def replica_finished(self, flight: Flight, result: FinishedRequest) -> None:
         """The replica produced the last token now: release each balancer on the way back, then the client."""
@@ -491,11 +533,11 @@ class Cluster:
         flight.result = result
         to_dispatcher = now + net.one_way_s(flight.replica.region, flight.dispatcher.region)
         if flight.peer is not None:
-            self.loop.at(to_dispatcher, flight.peer.release, flight.peer_decision)
+            self.loop.at(to_dispatcher, flight.peer.release, flight, flight.peer_decision)
             self.loop.at(to_dispatcher + net.one_way_s(flight.peer.region, flight.origin.region),
-                         flight.origin.release, flight.origin_decision)
+                         flight.origin.release, flight, flight.origin_decision)
         else:
-            self.loop.at(to_dispatcher, flight.origin.release, flight.origin_decision)
+            self.loop.at(to_dispatcher, flight.origin.release, flight, flight.origin_decision)
         self.loop.at(now + flight.back_s, self._client_done, flight)
 
     def _client_done(self, flight: Flight) -> None:

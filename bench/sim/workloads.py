@@ -1,8 +1,10 @@
 """The paper's workloads, generated deterministically, plus the Mooncake trace (SkyLB paper §5.1-§5.2).
 
-Token convention (shared with the engine model and bench/workload.py): ONE TOKEN = ONE WORD. A prompt is a list of
-words; the balancer's prefix trie sees the same words joined by spaces, so equal token prefixes are equal text
-prefixes.
+Token convention (shared with the engine model, the balancer and bench/workload.py): ONE TOKEN = ONE WORD of 3
+characters (the vocabulary's words and every marker: roles ``ROLE_MARKERS``, ``cx:`` context, ``qu:`` question,
+``b0:`` branch, ``s1:`` step). A prompt is a list of words; the balancer sees the same words joined by single spaces
+(``SimRequest.text``), so equal token prefixes are equal text prefixes for the prefix trie, and the balancer's
+characters / 4 estimate (skylb/core/estimate.py ``text_tokens``) equals the engine's word count.
 
 Closed loop (paper §5.1: "Each client issues one program at a time"): a client runs programs one after another. A
 program is a set of requests with dependencies: a request is sent when its ``parent`` completed (a conversation is a
@@ -63,7 +65,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.workload import VOCABULARY, Request, WorkloadConfig, read_trace, trace_workload
+from bench.workload import ROLE_MARKERS, VOCABULARY, Request, WorkloadConfig, read_trace, trace_workload
 
 __all__ = [
     "SimRequest", "Program", "ClientSpec", "Workload", "ConversationShape", "TreeShape", "ARENA", "WILDCHAT", "TOT_2",
@@ -207,10 +209,10 @@ def _conversation_program(shape: ConversationShape, seed: int, user: str, k: int
     """The k-th conversation of ``user``: turn t's prompt extends turn t-1's prompt with its answer and a new turn."""
     rng = random.Random(f"{seed}:{shape.name}:{user}:conv{k}")
     user_rng = random.Random(f"{seed}:{shape.name}:{user}:profile")
-    words = ["system:", *_words(f"{seed}:{shape.name}:system", shape.system_tokens)]
+    words = [ROLE_MARKERS["system"], *_words(f"{seed}:{shape.name}:system", shape.system_tokens)]
     if shape.context_median > 0:  # 0: no per-user context (the datasets publish none)
-        words += ["context:", *_words(f"{seed}:{shape.name}:{user}:context",
-                                      _lognormal(user_rng, shape.context_median, shape.context_sigma, 8, 2000))]
+        words += ["cx:", *_words(f"{seed}:{shape.name}:{user}:context",
+                                 _lognormal(user_rng, shape.context_median, shape.context_sigma, 8, 2000))]
     turns = 1
     while turns < shape.max_turns and rng.random() < 1.0 - 1.0 / shape.mean_turns:
         turns += 1
@@ -230,10 +232,10 @@ def _conversation_program(shape: ConversationShape, seed: int, user: str, k: int
             answer = min(answer, shape.max_tokens)
         if t > 0 and len(words) + 1 + len(message) + answer > shape.max_context:
             break
-        words = [*words, "user:", *message]
+        words = [*words, ROLE_MARKERS["user"], *message]
         rid = f"{user}-c{k}-t{t}"
         program.append(SimRequest(rid, user, words, answer, parent=parent, max_tokens=shape.max_tokens))
-        words = [*words, "assistant:", *_words(f"{seed}:{shape.name}:{rid}:answer", answer)]
+        words = [*words, ROLE_MARKERS["assistant"], *_words(f"{seed}:{shape.name}:{rid}:answer", answer)]
         parent = rid
     return program
 
@@ -289,7 +291,7 @@ def _tree_program(shape: TreeShape, seed: int, client: str, k: int) -> Program:
     rng = random.Random(f"{seed}:tot:{qid}")
     question = _words(f"{seed}:tot:{qid}:question",
                       _lognormal(rng, shape.question_median, shape.question_sigma, 20, 400))
-    base = ["system:", *_words(f"{seed}:tot:template", shape.template_tokens), "question:", *question]
+    base = [ROLE_MARKERS["system"], *_words(f"{seed}:tot:template", shape.template_tokens), "qu:", *question]
     program: Program = []
     # (request id, prompt words before the branch marker) of the nodes of the previous level
     level_nodes: list[tuple[str | None, list[str]]] = [(None, base)]
@@ -301,7 +303,7 @@ def _tree_program(shape: TreeShape, seed: int, client: str, k: int) -> Program:
                 thought = _lognormal(rng, shape.thought_median, shape.thought_sigma, 16, shape.thought_max)
                 program.append(SimRequest(rid, qid, [*prefix, f"b{b}:"], thought, parent=parent,
                                           max_tokens=shape.thought_max))
-                words = [*prefix, f"step{level}:", *_words(f"{seed}:tot:{rid}:thought", thought)]
+                words = [*prefix, f"s{level}:", *_words(f"{seed}:tot:{rid}:thought", thought)]
                 next_level.append((rid, words))
         level_nodes = next_level
     return program
@@ -382,12 +384,13 @@ def replayed(requests: Sequence[Request], *, name: str = "replayed", description
     Open loop (no request waits for another: a trace window): every request is sent at its ``arrival_s`` from its
     region, as bench/replay.py does. Closed loop: one client per session; each session's turns form one program,
     sent once: turn 0 at its ``arrival_s``, each later turn ``think_s`` after the turn it follows (``after``)
-    completed. Prompts are the same words (one word per token). Raises ValueError for a closed-loop workload with a
-    multi-turn session whose turns do not chain (more than one turn waits for nothing).
+    completed. Prompts are the same words (one word per token) and the same text the live client sends. Raises
+    ValueError for a closed-loop workload with a multi-turn session whose turns do not chain (more than one turn
+    waits for nothing).
     """
     if requests and all(r.after is None for r in requests):
         arrivals = [SimRequest(r.id, r.session_id, r.prompt.split(), r.output_tokens, arrival_s=r.arrival_s,
-                               region=r.region) for r in sorted(requests, key=lambda r: r.arrival_s)]
+                               region=r.region, _text=r.prompt) for r in sorted(requests, key=lambda r: r.arrival_s)]
         return Workload(name, description or f"{len(requests)} replayed requests, open loop", arrivals=arrivals)
     sessions: dict[str, list[Request]] = {}
     for r in requests:
@@ -400,7 +403,7 @@ def replayed(requests: Sequence[Request], *, name: str = "replayed", description
             raise ValueError(f"session {session!r} has {len(roots)} turns that wait for no other; "
                              "replayed() takes closed-loop sessions, or an open-loop workload as a whole")
         program = [SimRequest(r.id, session, r.prompt.split(), r.output_tokens, parent=r.after,
-                              think_s=r.think_s if r.after else 0.0) for r in turns]
+                              think_s=r.think_s if r.after else 0.0, _text=r.prompt) for r in turns]
         clients.append(ClientSpec(session, turns[0].region, lambda k, p=program: p if k == 0 else None,
                                   start_s=roots[0].arrival_s))
     return Workload(name, description or f"{len(requests)} replayed requests in {len(sessions)} sessions",

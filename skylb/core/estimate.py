@@ -19,19 +19,30 @@ from dataclasses import dataclass
 from skylb.core.request import Request
 from skylb.core.state import ReplicaState
 
-__all__ = ["WaitModel", "prompt_tokens"]
+__all__ = ["WaitModel", "prompt_tokens", "text_tokens", "CHARS_PER_TOKEN"]
 
 #: Characters per token when a request's length is known only as text: about 4 for English BPE vocabularies
 #: (OpenAI's rule of thumb; Llama 3 and Gemma tokenizers are within 10% on chat text).
 CHARS_PER_TOKEN = 4
 
 
+def text_tokens(text: str) -> int:
+    """The balancer's token count of ``text``: its characters / ``CHARS_PER_TOKEN``, rounded up (a partial token is
+    a token), at least 1. The one estimator of the balancer (routing and quotas) and of the simulator, which builds
+    its requests from the prompt text as the balancer does; the benchmark workloads' vocabulary (bench/workload.py
+    ``VOCABULARY``: 3-character words, one separator each) makes it equal the emulator's word count for the
+    completions they replay. A chat request's text carries ``"role: "`` and a newline per message
+    (skylb/balancer/api.py), 1-2 tokens more per message than the emulator's one role token
+    (bench/emulator/model.py ``chat_tokens``); real chat templates add 4-5 (Llama 3 header and end-of-turn tokens)."""
+    return max(1, -(-len(text) // CHARS_PER_TOKEN))
+
+
 def prompt_tokens(request: Request) -> int:
-    """``request``'s prompt length in tokens: ``prompt_tokens`` when the caller knows it, else its text's
-    characters / ``CHARS_PER_TOKEN`` (at least 1)."""
+    """``request``'s prompt length in tokens: ``prompt_tokens`` when the caller knows it, else
+    :func:`text_tokens` of its text."""
     if request.prompt_tokens is not None:
         return max(1, request.prompt_tokens)
-    return max(1, len(request.text) // CHARS_PER_TOKEN)
+    return text_tokens(request.text)
 
 
 @dataclass(frozen=True)
