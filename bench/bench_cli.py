@@ -395,6 +395,7 @@ def main(args: argparse.Namespace) -> int:
                           if SCENARIOS[n].needs_trace else runs_of(n, seed=seed))]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    prov = provenance()  # at the start: the code that ran, even if the checkout changes during the run
     t0 = time.perf_counter()
     runs = run_specs(specs, jobs=max(1, args.jobs), progress=not args.no_progress)
     wall = time.perf_counter() - t0
@@ -407,7 +408,7 @@ def main(args: argparse.Namespace) -> int:
     for flag, value in (("--trace", trace), ("--start-s", start_s), ("--time-compression", compression)):
         if value is not None:
             command += f" {flag} {value:g}" if isinstance(value, float) else f" {flag} {value}"
-    prov = provenance(command)
+    prov["command"] = command
     report = render_report(results, seeds=seeds, wall_s=wall, jobs=args.jobs, plots=plots, skipped=skipped,
                            command=command, trace=trace)
     (out / f"{stem}.md").write_text(with_provenance(report, prov))
