@@ -265,11 +265,9 @@ def _calibration_section(results) -> list[str]:
     from bench.sim.calibration import calibration_markdown, calibration_rows
     from bench.sim.regime import REGIME_FILE, regime_commit
     capacity = None
-    try:
+    if {"arena", "wildchat"} & {r.scenario for r in results}:  # the capacity sweep takes seconds: only beside them
         from bench.sim.capacity import first_wait_outstanding
         capacity = first_wait_outstanding()
-    except ImportError:
-        pass
     return ["## Calibration: the simulated regime beside the paper's (§5, §3.3)", "",
             f"Engine and workload parameters: `bench/sim/regime.yaml` as of commit {regime_commit()}, frozen "
             "before the SkyLB runs below. How each paper cell is read: `bench/sim/calibration.py`.", "",
