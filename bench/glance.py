@@ -32,8 +32,12 @@ END = "<!-- end of results-at-a-glance -->"
 
 
 def _at(data: dict[str, Any]) -> str:
-    """"commit abc, 2026-11-26, 2 cores" from a result's provenance (bench/provenance.py)."""
+    """"commit abc, 2026-11-26, 2 cores" from a result's provenance (bench/provenance.py; a live report's
+    ``origin`` and ``generated`` when it has no provenance)."""
     p = data.get("provenance") or {}
+    if not p and data.get("origin"):
+        p = {"commit": data["origin"].get("commit"), "date": data.get("generated"),
+             "machine": {"cores": data["origin"].get("cores")}}
     cores = (p.get("machine") or {}).get("cores")
     date = str(p["date"])[:10] if p.get("date") else "date not recorded"
     return f"commit `{p.get('commit', 'not recorded')}`, {date}" + (f", {cores} cores" if cores else "")
@@ -61,9 +65,41 @@ def _sim(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _median_spread(values: list[float], fmt: str) -> str:
+    ordered = sorted(values)
+    return f"{fmt.format(ordered[len(ordered) // 2])} [{fmt.format(ordered[0])}, {fmt.format(ordered[-1])}]"
+
+
+def _live(report: str) -> Callable[[dict[str, Any]], list[str]]:
+    """A live report (bench/live.py): each system's throughput and P90 TTFT, median [min, max] over its runs, and
+    how many of the simulator's cells fall in the live band."""
+    def render(data: dict[str, Any]) -> list[str]:
+        runs = data.get("runs") or [data["rows"]]
+        per: dict[str, list[dict]] = {}
+        for run in runs:
+            for row in run:
+                if row.get("status") == "ok":
+                    per.setdefault(row["system"], []).append(row["figures"])
+        cells = [f"{system} {_median_spread([f['throughput_rps'] for f in figs], '{:.2f}')} req/s, P90 TTFT "
+                 f"{_median_spread([f['ttft_p90_ms'] for f in figs], '{:.0f}')} ms, forwarded "
+                 f"{_median_spread([100 * f['forwarded_frac'] for f in figs], '{:.0f}')}%"
+                 for system, figs in per.items()]
+        parity = data.get("parity") or {}
+        twin = (f" The simulator on the same requests: {parity['cells_passed']} of {parity['cells_total']} cells "
+                f"within the live runs' [min, max] widened by 10%, {parity['orderings_passed']} of "
+                f"{parity['orderings_total']} orderings kept where the live spreads are apart."
+                if parity else "")
+        return [f"- Live on the local three-region deployment (`{report}`, {len(runs)} runs; {_at(data)}; "
+                f"workload {data.get('workload', 'not recorded')}): " + "; ".join(cells) + "." + twin]
+    return render
+
+
 #: (result file in bench/results/, what it is, its renderer).
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("results.json", "the simulated evaluation", _sim),
+    ("live.json", "the live three-region run (`bench/results/live.md`)", _live("bench/results/live.md")),
+    ("live_mooncake.json", "the live run on the Mooncake trace (`bench/results/live_mooncake.md`)",
+     _live("bench/results/live_mooncake.md")),
     ("overhead.json", "the balancer's own cost (`bench/results/overhead.md`)", lambda d: []),
     ("baselines.json", "SkyLB beside the SGLang router and HAProxy (`bench/results/baselines.md`)", lambda d: []),
 ]
