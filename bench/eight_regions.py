@@ -314,11 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trace not found: {trace} (pass --trace or set SKYLB_TRACE)", file=sys.stderr)
         return 2
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    commit = _commit()  # the code that runs, read before the runs (they take minutes)
     result = run_all(setup, systems=args.systems, seeds=seeds, trace=str(trace), jobs=args.jobs,
                      bisect=not args.no_bisect)
     result["load"] = load_figures(setup, str(trace))
     command = "python -m bench.eight_regions " + " ".join(argv if argv is not None else sys.argv[1:])
-    result["meta"] = {"setup": setup.name, "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    result["meta"] = {"setup": setup.name, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
                       "command": command.strip(),
                       "cores": os.cpu_count(), "python": platform.python_version(), "jobs": args.jobs,
                       "seeds": seeds, "trace": str(trace)}
