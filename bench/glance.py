@@ -38,6 +38,9 @@ def _at(data: dict[str, Any]) -> str:
     if not p and data.get("origin"):
         p = {"commit": data["origin"].get("commit"), "date": data.get("generated"),
              "machine": {"cores": data["origin"].get("cores")}}
+    if not p and data.get("meta"):
+        meta = data["meta"]
+        p = {"commit": meta.get("commit"), "date": meta.get("date"), "machine": {"cores": meta.get("cores")}}
     cores = (p.get("machine") or {}).get("cores")
     date = str(p["date"])[:10] if p.get("date") else "date not recorded"
     return f"commit `{p.get('commit', 'not recorded')}`, {date}" + (f", {cores} cores" if cores else "")
@@ -94,12 +97,42 @@ def _live(report: str) -> Callable[[dict[str, Any]], list[str]]:
     return render
 
 
+def _eight_regions(data: dict[str, Any]) -> list[str]:
+    """The eight-region scenario (bench/eight_regions.py): its acceptance lines and the run time of one seed."""
+    seeds = data["meta"].get("seeds", [])
+    per_seed = data["scenario_wall_s"] / max(1, len(seeds))
+    lines = [f"- Eight regions, 200 replicas of three GPU classes, a follow-the-sun day from the real trace, simulated "
+             f"over {len(seeds)} seeds (`bench/results/eight_regions.md`; {_at(data)}; {per_seed:.0f} s of wall time "
+             "per seed, all systems):"]
+    lines += [f"  - {claim}: {measured}, **{'met' if met else 'missed'}**" for claim, measured, met in
+              data["acceptance"]]
+    return lines
+
+
+def _coordination(data: dict[str, Any]) -> list[str]:
+    """The cost of coordination (bench/coordination.py): decision time, status size, probe traffic."""
+    out = []
+    for shape in data["shapes"]:
+        reps = shape["repetitions"]
+        p50 = [r["p50_us"] / 1000 for r in reps]
+        p99 = [r["p99_us"] / 1000 for r in reps]
+        out.append(f"{shape['replicas']} replicas and {shape['peers']} peers: decision p50 "
+                   f"{sum(p50) / len(p50):.2f} ms [{min(p50):.2f}, {max(p50):.2f}], p99 {sum(p99) / len(p99):.2f} ms "
+                   f"[{min(p99):.2f}, {max(p99):.2f}], one peer status {shape['status']['bytes']} bytes, probes "
+                   f"{shape['probes']['total']['requests_per_s']:.0f} requests/s "
+                   f"({shape['probes']['total']['bytes_per_s'] / 1e6:.1f} MB/s)")
+    return [f"- The cost of coordination, on the real routing core (`bench/results/coordination.md`; {_at(data)}; "
+            "target decision p99 <= 1 ms): " + "; ".join(out) + "."]
+
+
 #: (result file in bench/results/, what it is, its renderer).
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("results.json", "the simulated evaluation", _sim),
     ("live.json", "the live three-region run (`bench/results/live.md`)", _live("bench/results/live.md")),
     ("live_mooncake.json", "the live run on the Mooncake trace (`bench/results/live_mooncake.md`)",
      _live("bench/results/live_mooncake.md")),
+    ("eight_regions.json", "the eight-region scenario (`bench/results/eight_regions.md`)", _eight_regions),
+    ("coordination.json", "the cost of coordination (`bench/results/coordination.md`)", _coordination),
     ("overhead.json", "the balancer's own cost (`bench/results/overhead.md`)", lambda d: []),
     ("baselines.json", "SkyLB beside the SGLang router and HAProxy (`bench/results/baselines.md`)", lambda d: []),
 ]
