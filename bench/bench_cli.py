@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                        help="worker processes (default: min(2, CPUs))")
         p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+        p.add_argument("--from-json", type=Path, default=None, metavar="PATH",
+                       help="run nothing: redraw the plots and rewrite the report from the runs saved in PATH "
+                            "(a results.json this command wrote)")
 
 
 def _seed_list(text: str) -> tuple[int, ...]:
@@ -397,26 +400,44 @@ def main(args: argparse.Namespace) -> int:
                           if SCENARIOS[n].needs_trace else runs_of(n, seed=seed))]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    stem = "README" if args.bench_command == "all" else args.scenario
+    json_path = out / f"{'results' if stem == 'README' else stem}.json"
+    if getattr(args, "from_json", None) is not None:
+        return _render_saved(args.from_json, out, stem, skipped=skipped, trace=trace)
     prov = provenance()  # at the start: the code that ran, even if the checkout changes during the run
     t0 = time.perf_counter()
     runs = run_specs(specs, jobs=max(1, args.jobs), progress=not args.no_progress)
     wall = time.perf_counter() - t0
-    results = aggregate_runs(runs)
-    stem = "README" if args.bench_command == "all" else args.scenario
-    # A single scenario's plots get its name as a prefix, so they never overwrite the full suite's.
-    plots = _write_plots(results, out, prefix="" if stem == "README" else f"{stem}-")
     command = "skylb bench all" if stem == "README" else f"skylb bench sim --scenario {stem}"
     command += f" --seeds {','.join(map(str, seeds))}"
     for flag, value in (("--trace", trace), ("--start-s", start_s), ("--time-compression", compression)):
         if value is not None:
             command += f" {flag} {value:g}" if isinstance(value, float) else f" {flag} {value}"
     prov["command"] = command
-    report = render_report(results, seeds=seeds, wall_s=wall, jobs=args.jobs, plots=plots, skipped=skipped,
-                           command=command, trace=trace)
+    # The runs are saved before anything is drawn: a report can be redrawn from them (--from-json).
+    json_path.write_text(json.dumps(
+        {"seeds": list(seeds), "wall_s": wall, "jobs": args.jobs, "command": command, "provenance": prov,
+         "results": [r.to_dict() for r in aggregate_runs(runs)], "runs": [r.to_dict() for r in runs]}, indent=1))
+    _render_saved(json_path, out, stem, skipped=skipped, trace=trace)
+    print(f"{len(runs)} runs in {wall:.0f} s; report: {out / (stem + '.md')}")
+    return 0
+
+
+def _render_saved(path: Path, out: Path, stem: str, *, skipped: Sequence[str], trace: str | None) -> int:
+    """Draw the plots and write the report ``out/stem.md`` from the runs saved in ``path`` (their provenance, seeds
+    and wall time as recorded). Returns 0."""
+    from bench.sim.metrics import RunSummary
+    from bench.sim.scenarios import aggregate_runs
+    saved = json.loads(Path(path).read_text())
+    runs = [RunSummary(**r) for r in saved["runs"]]
+    results = aggregate_runs(runs)
+    # A single scenario's plots get its name as a prefix, so they never overwrite the full suite's.
+    plots = _write_plots(results, out, prefix="" if stem == "README" else f"{stem}-")
+    report = render_report(results, seeds=tuple(saved["seeds"]), wall_s=saved["wall_s"],
+                           jobs=saved.get("jobs", 1), plots=plots, skipped=skipped,
+                           command=saved["command"], trace=trace)
+    prov = saved.get("provenance") or {"commit": "not recorded", "date": "not recorded",
+                                       "command": saved["command"], "machine": {}}
     (out / f"{stem}.md").write_text(with_provenance(report, prov))
-    (out / f"{'results' if stem == 'README' else stem}.json").write_text(json.dumps(
-        {"seeds": list(seeds), "wall_s": wall, "command": command, "provenance": prov,
-         "results": [r.to_dict() for r in results], "runs": [r.to_dict() for r in runs]}, indent=1))
-    print(f"{len(runs)} runs ({len(results)} figures x {len(seeds)} seed(s)) in {wall:.0f} s; "
-          f"report: {out / (stem + '.md')}")
+    return 0
     return 0

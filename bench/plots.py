@@ -44,8 +44,10 @@ def _box_stats(r: RunSummary, metric: str) -> dict:
 def _bars(ax, rows: Sequence[RunSummary], title: str, ylabel: str = "throughput (req/s)") -> None:
     xs = range(len(rows))
     # Error bars: min and max over seeds (a run of one seed has none).
-    err = [[r.throughput_rps - r.spread.get("throughput_rps", [r.throughput_rps] * 2)[0] for r in rows],
-           [r.spread.get("throughput_rps", [r.throughput_rps] * 2)[1] - r.throughput_rps for r in rows]]
+    # Clamped at 0: the oracle's figure is the best candidate's per seed, so its mean may lie outside the spread of
+    # any one candidate's values, and float rounding can leave a mean a hair below its min.
+    err = [[max(0.0, r.throughput_rps - r.spread.get("throughput_rps", [r.throughput_rps] * 2)[0]) for r in rows],
+           [max(0.0, r.spread.get("throughput_rps", [r.throughput_rps] * 2)[1] - r.throughput_rps) for r in rows]]
     ax.bar(xs, [r.throughput_rps for r in rows], color=[COLORS.get(r.system, "#333") for r in rows], yerr=err,
            capsize=2, error_kw={"elinewidth": 0.8})
     ax.set_xticks(list(xs), [r.system for r in rows], rotation=45, ha="right", fontsize=8)
@@ -157,8 +159,8 @@ def plot_sweep(results: Sequence[RunSummary], workload: str, loads: Sequence[flo
             xs.append(load)
             ys.append(r.throughput_rps)
             spread = r.spread.get("throughput_rps", [r.throughput_rps, r.throughput_rps])
-            lo.append(r.throughput_rps - spread[0])
-            hi.append(spread[1] - r.throughput_rps)
+            lo.append(max(0.0, r.throughput_rps - spread[0]))
+            hi.append(max(0.0, spread[1] - r.throughput_rps))
             p90.append(r.ttft_p90)
         if not xs:
             continue
