@@ -24,7 +24,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from bench.report import markdown_table
+from bench.provenance import provenance
+from bench.report import markdown_table, with_provenance
 from tqdm import tqdm
 
 __all__ = ["add_arguments", "main", "run_specs", "render_report"]
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                        help="worker processes (default: min(2, CPUs))")
         p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+        p.add_argument("--from-json", type=Path, default=None, metavar="PATH",
+                       help="run nothing: redraw the plots and rewrite the report from the runs saved in PATH "
+                            "(a results.json this command wrote)")
 
 
 def _seed_list(text: str) -> tuple[int, ...]:
@@ -217,6 +221,7 @@ def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: i
               "replica's KV blocks held by its running requests. LB queue: mean requests "
               "queued at all balancers. fwd: forwarded to a peer balancer. remote: served outside the client's "
               "region. net: network time inside TTFT. done: requests completed in the run (mean over seeds).", ""]
+    lines += _calibration_section(results)
     targets = evaluate_targets(results)
     lines += ["## Targets as measured (means over seeds)", ""]
     lines += [tabulate([[t.claim, t.scope, t.measured, "met" if t.met else "**missed**", t.why] for t in targets],
@@ -253,8 +258,43 @@ def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: i
     for key, path in plots.items():
         if key.startswith("fig8:"):
             lines += ["## Fig. 8 plot (all workloads)", "", f"![Fig. 8]({path})", ""]
+    lines += _sweep_section(results, plots)
     lines += ["## Workloads", "", "```", (workloads_doc or "").strip(), "```", ""]
     return "\n".join(lines)
+
+
+def _calibration_section(results) -> list[str]:
+    """The calibration table (bench/sim/calibration.py) with the regime file's commit and the capacity sweep."""
+    from bench.sim.calibration import calibration_markdown, calibration_rows
+    from bench.sim.regime import REGIME_FILE, regime_commit
+    capacity = None
+    if {"arena", "wildchat"} & {r.scenario for r in results}:  # the capacity sweep takes seconds: only beside them
+        from bench.sim.capacity import first_wait_outstanding
+        capacity = first_wait_outstanding()
+    return ["## Calibration: the simulated regime beside the paper's (§5, §3.3)", "",
+            f"Engine and workload parameters: `bench/sim/regime.yaml` as of commit {regime_commit()}, frozen "
+            "before the SkyLB runs below. How each paper cell is read: `bench/sim/calibration.py`.", "",
+            calibration_markdown(calibration_rows(results, capacity)), ""]
+
+
+def _sweep_section(results, plots: dict[str, str]) -> list[str]:
+    """The load sweep: per workload, SkyLB beside the best single balancer and the gateway at each load."""
+    from bench.sim.calibration import sweep_markdown, sweep_rows
+    from bench.sim.scenarios import SINGLE_BASELINES, SWEEP_LOADS, SWEEP_WORKLOADS, sweep_name
+    lines = []
+    for wl in SWEEP_WORKLOADS:
+        rows = sweep_rows(results, wl, sorted((1.0, *SWEEP_LOADS)), sweep_name, SINGLE_BASELINES)
+        if len(rows) < 2:
+            continue
+        if not lines:
+            lines += ["## Load sweep: where the paper's Fig. 8 targets hold", "",
+                      "Clients per region at 0.5x, 1x, 1.5x and 2x the paper's; every system at each load, "
+                      "3 seeds (mean [min, max]). Ratios are SkyLB's over the best single balancer's "
+                      "(RR, LL, CH, SGL) and the per-region gateway's.", ""]
+        lines += [f"### {wl}", "", sweep_markdown(rows), ""]
+        if f"sweep:{wl}" in plots:
+            lines += [f"![sweep {wl}]({plots[f'sweep:{wl}']})", ""]
+    return lines
 
 
 def _replicas_needed_table(rows) -> list[str]:
@@ -302,6 +342,14 @@ def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
                                             title=f"Simulated Fig. 9: {SCENARIOS[sc].title}").name
     if "skewed" in present:
         plots["skewed:fig10"] = plot_fig10(results, "skewed", out / f"{prefix}fig10.png").name
+    from bench.plots import plot_sweep
+    from bench.sim.scenarios import SWEEP_LOADS, SWEEP_SYSTEMS, SWEEP_WORKLOADS, sweep_name
+    loads = sorted((1.0, *SWEEP_LOADS))
+    for wl in SWEEP_WORKLOADS:
+        if sum(sweep_name(wl, x) in present for x in loads) > 1:
+            plots[f"sweep:{wl}"] = plot_sweep(results, wl, loads, sweep_name, SWEEP_SYSTEMS,
+                                              out / f"{prefix}sweep_{wl}.png",
+                                              title=f"Load sweep: {SCENARIOS[wl].title}").name
     return plots
 
 
@@ -317,6 +365,10 @@ LIVE_BENCHMARKS = {
                 "(bench/results/failover.md)",
     "soak": "many concurrent streams for minutes with replicas killed and restarted: requests lost and duplicated, "
             "memory and trie size over time (bench/results/soak.md)",
+    "eight_regions": "simulated: 8 regions, 200 replicas of three GPU classes, a follow-the-sun day of the Mooncake "
+                     "trace (bench/results/eight_regions.md)",
+    "coordination": "the cost of coordination with 200 replicas and 8 peers: decision time, peer status size, probe "
+                    "traffic (bench/results/coordination.md)",
 }
 
 
@@ -348,24 +400,44 @@ def main(args: argparse.Namespace) -> int:
                           if SCENARIOS[n].needs_trace else runs_of(n, seed=seed))]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    stem = "README" if args.bench_command == "all" else args.scenario
+    json_path = out / f"{'results' if stem == 'README' else stem}.json"
+    if getattr(args, "from_json", None) is not None:
+        return _render_saved(args.from_json, out, stem, skipped=skipped, trace=trace)
+    prov = provenance()  # at the start: the code that ran, even if the checkout changes during the run
     t0 = time.perf_counter()
     runs = run_specs(specs, jobs=max(1, args.jobs), progress=not args.no_progress)
     wall = time.perf_counter() - t0
-    results = aggregate_runs(runs)
-    stem = "README" if args.bench_command == "all" else args.scenario
-    # A single scenario's plots get its name as a prefix, so they never overwrite the full suite's.
-    plots = _write_plots(results, out, prefix="" if stem == "README" else f"{stem}-")
     command = "skylb bench all" if stem == "README" else f"skylb bench sim --scenario {stem}"
     command += f" --seeds {','.join(map(str, seeds))}"
     for flag, value in (("--trace", trace), ("--start-s", start_s), ("--time-compression", compression)):
         if value is not None:
             command += f" {flag} {value:g}" if isinstance(value, float) else f" {flag} {value}"
-    report = render_report(results, seeds=seeds, wall_s=wall, jobs=args.jobs, plots=plots, skipped=skipped,
-                           command=command, trace=trace)
-    (out / f"{stem}.md").write_text(report)
-    (out / f"{'results' if stem == 'README' else stem}.json").write_text(json.dumps(
-        {"seeds": list(seeds), "wall_s": wall, "command": command, "results": [r.to_dict() for r in results],
-         "runs": [r.to_dict() for r in runs]}, indent=1))
-    print(f"{len(runs)} runs ({len(results)} figures x {len(seeds)} seed(s)) in {wall:.0f} s; "
-          f"report: {out / (stem + '.md')}")
+    prov["command"] = command
+    # The runs are saved before anything is drawn: a report can be redrawn from them (--from-json).
+    json_path.write_text(json.dumps(
+        {"seeds": list(seeds), "wall_s": wall, "jobs": args.jobs, "command": command, "provenance": prov,
+         "results": [r.to_dict() for r in aggregate_runs(runs)], "runs": [r.to_dict() for r in runs]}, indent=1))
+    _render_saved(json_path, out, stem, skipped=skipped, trace=trace)
+    print(f"{len(runs)} runs in {wall:.0f} s; report: {out / (stem + '.md')}")
+    return 0
+
+
+def _render_saved(path: Path, out: Path, stem: str, *, skipped: Sequence[str], trace: str | None) -> int:
+    """Draw the plots and write the report ``out/stem.md`` from the runs saved in ``path`` (their provenance, seeds
+    and wall time as recorded). Returns 0."""
+    from bench.sim.metrics import RunSummary
+    from bench.sim.scenarios import aggregate_runs
+    saved = json.loads(Path(path).read_text())
+    runs = [RunSummary(**r) for r in saved["runs"]]
+    results = aggregate_runs(runs)
+    # A single scenario's plots get its name as a prefix, so they never overwrite the full suite's.
+    plots = _write_plots(results, out, prefix="" if stem == "README" else f"{stem}-")
+    report = render_report(results, seeds=tuple(saved["seeds"]), wall_s=saved["wall_s"],
+                           jobs=saved.get("jobs", 1), plots=plots, skipped=skipped,
+                           command=saved["command"], trace=trace)
+    prov = saved.get("provenance") or {"commit": "not recorded", "date": "not recorded",
+                                       "command": saved["command"], "machine": {}}
+    (out / f"{stem}.md").write_text(with_provenance(report, prov))
+    return 0
     return 0

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 from bench.report import emit_markdown, markdown_table, percentile
 from bench.sampling import BUSY_FRACTION, MachineLoad, conditions_lines, process_cpu_s
 from bench.sim.engine import EventLoop
-from bench.emulator.model import EngineModel, EngineParams
+from bench.emulator.model import EngineModel, EngineParams, make_engine
 
 __all__ = [
     "PAPER_PREFILL_512_MS",
@@ -282,7 +282,7 @@ class SideRun:
 
 def replay_model(requests: Sequence[CalRequest], params: EngineParams, *, sample_every_s: float | None = SAMPLE_EVERY_S,
                  keep_tokens: bool = False, max_sim_s: float = 3600.0) -> SideRun:
-    """Replay ``requests`` through one ``EngineModel(params)`` in simulated time (no sockets, no clock).
+    """Replay ``requests`` through one ``make_engine(params)`` in simulated time (no sockets, no clock).
 
     Each request is submitted at ``at_s`` with ``prompt_tokens`` unique words (no prefix-cache hits) and exactly
     ``output_tokens`` outputs (``ignore_eos``); the engine steps back to back while anything runs. Every
@@ -291,7 +291,7 @@ def replay_model(requests: Sequence[CalRequest], params: EngineParams, *, sample
     """
     if len(requests) > MAX_REQUESTS:
         raise ValueError(f"at most {MAX_REQUESTS} requests per run, got {len(requests)}")
-    loop, engine = EventLoop(), EngineModel(params)
+    loop, engine = EventLoop(), make_engine(params)
     run = SideRun()
     remaining = {r.id for r in requests}
     busy = [False]
@@ -1377,6 +1377,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
+        # A result saved before provenance was recorded must not be stamped with today's commit and machine.
+        saved.setdefault("provenance", {"commit": "not recorded", "date": "not recorded", "command": "not recorded",
+                                        "machine": {}})
         emit_markdown(format_markdown(saved), saved, out_md=args.out_md or None, out_json=None)
         return 0
     if not 1 <= args.repeats <= 10:

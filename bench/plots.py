@@ -24,7 +24,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: 
 
 from bench.sim.metrics import RunSummary  # noqa: E402
 
-__all__ = ["plot_fig8", "plot_fig9", "plot_fig10"]
+__all__ = ["plot_fig8", "plot_fig9", "plot_fig10", "plot_sweep"]
 
 #: One colour per system, stable across figures.
 COLORS = {
@@ -44,8 +44,10 @@ def _box_stats(r: RunSummary, metric: str) -> dict:
 def _bars(ax, rows: Sequence[RunSummary], title: str, ylabel: str = "throughput (req/s)") -> None:
     xs = range(len(rows))
     # Error bars: min and max over seeds (a run of one seed has none).
-    err = [[r.throughput_rps - r.spread.get("throughput_rps", [r.throughput_rps] * 2)[0] for r in rows],
-           [r.spread.get("throughput_rps", [r.throughput_rps] * 2)[1] - r.throughput_rps for r in rows]]
+    # Clamped at 0: the oracle's figure is the best candidate's per seed, so its mean may lie outside the spread of
+    # any one candidate's values, and float rounding can leave a mean a hair below its min.
+    err = [[max(0.0, r.throughput_rps - r.spread.get("throughput_rps", [r.throughput_rps] * 2)[0]) for r in rows],
+           [max(0.0, r.spread.get("throughput_rps", [r.throughput_rps] * 2)[1] - r.throughput_rps) for r in rows]]
     ax.bar(xs, [r.throughput_rps for r in rows], color=[COLORS.get(r.system, "#333") for r in rows], yerr=err,
            capsize=2, error_kw={"elinewidth": 0.8})
     ax.set_xticks(list(xs), [r.system for r in rows], rotation=45, ha="right", fontsize=8)
@@ -140,3 +142,39 @@ def plot_fig10(results: Sequence[RunSummary], scenario: str, out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_sweep(results: Sequence[RunSummary], workload: str, loads: Sequence[float], name_of, systems: Sequence[str],
+               path: Path, *, title: str) -> Path:
+    """The load sweep of one workload: throughput (req/s, error bars [min, max] over seeds) and P90 TTFT (s, log
+    scale) against clients per region relative to the paper's, one line per system. ``name_of(workload, load)``
+    names the scenario of each load."""
+    fig, (ax_t, ax_p) = plt.subplots(1, 2, figsize=(11, 4))
+    for system in systems:
+        xs, ys, lo, hi, p90 = [], [], [], [], []
+        for load in loads:
+            r = next((r for r in results if r.scenario == name_of(workload, load) and r.system == system), None)
+            if r is None:
+                continue
+            xs.append(load)
+            ys.append(r.throughput_rps)
+            spread = r.spread.get("throughput_rps", [r.throughput_rps, r.throughput_rps])
+            lo.append(max(0.0, r.throughput_rps - spread[0]))
+            hi.append(max(0.0, spread[1] - r.throughput_rps))
+            p90.append(r.ttft_p90)
+        if not xs:
+            continue
+        color = COLORS.get(system)
+        ax_t.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=system, color=color)
+        ax_p.plot(xs, p90, marker="o", label=system, color=color)
+    ax_t.set_xlabel("clients per region (x the paper's)")
+    ax_t.set_ylabel("throughput (req/s)")
+    ax_p.set_xlabel("clients per region (x the paper's)")
+    ax_p.set_ylabel("P90 TTFT (s)")
+    ax_p.set_yscale("log")
+    ax_t.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -16,9 +16,11 @@ from typing import Any, Iterable, Sequence
 
 from tabulate import tabulate
 
+from bench.provenance import provenance, provenance_line
+
 __all__ = [
     "RequestRecord", "percentile", "parse_route", "build_report", "format_table", "markdown_table", "write_json",
-    "emit_markdown"]
+    "emit_markdown", "with_provenance"]
 
 
 @dataclass(slots=True)
@@ -209,13 +211,29 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
 
 
 def emit_markdown(text: str, result: dict[str, Any], *, out_md: str | None, out_json: str | None) -> None:
-    """Print a benchmark's Markdown report and write it to ``out_md`` (and ``result`` as JSON to ``out_json``)."""
+    """Print a benchmark's Markdown report and write it to ``out_md`` (and ``result`` as JSON to ``out_json``).
+
+    Both carry the run's provenance (bench/provenance.py: commit, date, command, machine): ``result`` gets a
+    ``"provenance"`` entry unless it has one, and its line goes under the report's title.
+    """
+    prov = result.setdefault("provenance", provenance())
+    text = with_provenance(text, prov)
     print(text)
     if out_md:
         Path(out_md).parent.mkdir(parents=True, exist_ok=True)
         Path(out_md).write_text(text)
     if out_json:
         write_json(result, out_json)
+
+
+def with_provenance(text: str, prov: dict[str, Any]) -> str:
+    """``text`` with the provenance line (bench/provenance.py) after its first line (the title), unless present."""
+    line = provenance_line(prov)
+    if line in text:
+        return text
+    head, _, rest = text.partition("\n")
+    rest = rest.lstrip("\n")
+    return f"{head}\n\n{line}\n\n{rest}" if rest else f"{head}\n\n{line}\n"
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> Path:

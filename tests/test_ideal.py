@@ -7,7 +7,7 @@ import pytest
 from bench.ideal import ideal_cached_tokens, ideal_hit_rate, replay_ideal_hit_rate
 from bench.sim.scenarios import execute, runs_of
 from bench.workload import Request
-from bench.emulator.model import EngineModel, EngineParams
+from bench.emulator.model import EngineParams, make_engine
 
 A = "a b c d e f g h".split()
 
@@ -39,7 +39,7 @@ def test_ideal_hit_rate_counts_only_flagged_prompts_but_caches_all():
 def test_ideal_bounds_an_engine_that_sees_every_request():
     """One engine fed the same prompts one after another never caches more than the ideal at its block size."""
     prompts = [A * 5, A * 5 + ["x"] * 20, A * 3 + ["y"] * 30, A * 5 + ["x"] * 20 + ["z"] * 9]
-    engine = EngineModel(EngineParams())
+    engine = make_engine(EngineParams())
     cached, now = [], 0.0
     for i, p in enumerate(prompts):
         cached.append(engine.cached_prefix_tokens(p))

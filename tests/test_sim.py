@@ -296,6 +296,11 @@ def test_cli_bench_sim_writes_a_report(tmp_path):
                  "--no-progress"]) == 0
     report = (tmp_path / "smoke.md").read_text()
     assert "| SkyLB " in report and (tmp_path / "smoke.json").is_file()
+    # The runs are saved first: the report is redrawn from them, the same, without running anything.
+    (tmp_path / "smoke.md").unlink()
+    assert main(["bench", "sim", "--scenario", "smoke", "--out", str(tmp_path), "--from-json",
+                 str(tmp_path / "smoke.json")]) == 0
+    assert (tmp_path / "smoke.md").read_text() == report
 
 
 # -------------------------------------------------------------------------------------- seeds, oracle, targets

@@ -51,8 +51,8 @@ generated, clip) x new_token_ratio`` each (the ratio decays from about 0.7 towar
 running out of KV is rarer. When a decode step still lacks memory, SGLang *retracts* running requests, those with
 the fewest output tokens first (ties: the longest input), frees their KV (the prefix stays in the radix cache),
 puts them back in the waiting queue and raises ``new_token_ratio``. This model implements vLLM's mechanism only;
-an SGLang replica here admits more optimistically than a real one and preempts the newest request rather than
-the least advanced one.
+``bench.emulator.sglang_model`` implements SGLang's (``EngineParams(admission="sglang")`` and
+:func:`make_engine` choose it).
 
 Prefix cache (vLLM automatic prefix caching): a full block of ``block_size`` prompt tokens is identified by a hash
 chain over (parent block hash, block tokens). Computed prompt blocks are registered in the cache when the step
@@ -74,13 +74,17 @@ from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
 __all__ = [
+    "ADMISSIONS",
     "EngineParams",
+    "make_engine",
+    "sglang_kv_cache_tokens",
     "EngineModel",
     "Step",
     "TokenOutput",
     "FinishedRequest",
     "RequestTooLong",
     "text_tokens",
+    "output_length",
     "chat_tokens",
     "output_token",
 ]
@@ -122,6 +126,44 @@ def output_token(seed: int, index: int) -> str:
     return _VOCAB[_mix64(seed ^ (index * 0xD1B54A32D192ED03 & _MASK64)) % len(_VOCAB)]
 
 
+#: The schedulers :func:`make_engine` can build, chosen by ``EngineParams.admission``.
+ADMISSIONS = ("vllm", "sglang")
+
+
+def sglang_kv_cache_tokens(mem_fraction_static: float = 0.88, *, gpu_free_gib: float = 22.0,
+                           weights_gib: float = 14.96, kv_bytes_per_token: int = 131072) -> int:
+    """SGLang's ``max_total_num_tokens`` (KV tokens) for Llama-3.1-8B fp16 on one NVIDIA L4.
+
+    SGLang v0.4.3 ``model_executor/model_runner.py`` ``ModelRunner.profile_max_num_token``: ``rest_memory =
+    available_gpu_memory - total_gpu_memory x (1 - mem_fraction_static)`` (GiB; ``total_gpu_memory`` is the free
+    memory measured before the weights load, ``available_gpu_memory`` after), tokens = ``rest_memory x 2**30 //
+    cell_size``. Inputs (assumptions, not measurements): an L4 has 23034 MiB (22.49 GiB), about 22.0 GiB free
+    after the CUDA context; the weights take 8.03e9 x 2 bytes = 14.96 GiB; ``cell_size`` = 2 (K, V) x 32 layers
+    x 8 KV heads x 128 x 2 bytes = 131072 B. At 0.88: (22.0 - 14.96) - 22.0 x 0.12 = 4.40 GiB -> 36044 tokens.
+    """
+    rest_gib = (gpu_free_gib - weights_gib) - gpu_free_gib * (1.0 - mem_fraction_static)
+    if rest_gib <= 0:
+        raise ValueError(f"mem_fraction_static {mem_fraction_static} leaves no memory for the KV cache")
+    return int(rest_gib * (1 << 30) // kv_bytes_per_token)
+
+
+def output_length(seed: int, max_tokens: int, *, ignore_eos: bool, output_len: int | None,
+                  eos_max_tokens: int) -> tuple[int, str]:
+    """How many tokens a request generates and why it stops: ``(tokens, "length" | "stop")``.
+
+    ``output_len`` given: exactly that (ValueError outside [1, max_tokens]); else ``max_tokens`` when
+    ``ignore_eos``; else a simulated EOS after ``1 + seed % min(max_tokens, eos_max_tokens)`` tokens.
+    """
+    if output_len is not None:
+        if not 1 <= output_len <= max_tokens:
+            raise ValueError(f"output_len must be between 1 and max_tokens ({max_tokens}), got {output_len}")
+    elif ignore_eos:
+        output_len = max_tokens
+    else:
+        output_len = 1 + seed % min(max_tokens, eos_max_tokens)
+    return output_len, "length" if output_len == max_tokens else "stop"
+
+
 class RequestTooLong(ValueError):
     """``prompt + max_tokens`` exceeds the model length: the request could never fit in the KV cache."""
 
@@ -160,11 +202,28 @@ class EngineParams:
     Step time (ms) = ``decode_base_ms`` + ``decode_ms_per_seq`` x decoding sequences + ``decode_ms_per_kv_token``
     x their context tokens + ``prefill_ms_per_token`` x tokens computed in chunks in the step (uncached
     prompt tokens, and recomputed ones after a preemption); then x ``time_scale``.
+
+    SGLang admission (``admission="sglang"``; :func:`make_engine` then builds
+    ``bench.emulator.sglang_model.SglangEngineModel``, whose docstring cites the source of each rule; the values
+    are sgl-project/sglang v0.4.3's defaults for one GPU under 25 GB):
+
+    * ``kv_cache_tokens`` None (the default) derives the capacity for the admission: 32768 for vLLM (above), and
+      for SGLang :func:`sglang_kv_cache_tokens` of ``mem_fraction_static`` (0.88: ``server_args.py``, one GPU):
+      36044 tokens. Pass a number to override either; ``dataclasses.replace`` keeps a derived value, so pass
+      ``kv_cache_tokens=None`` there when switching admission.
+    * ``schedule_policy`` "lpm" (v0.4.3's default; v0.4.6 changed it to "fcfs"), ``lpm_fcfs_threshold`` 128
+      (``SchedulePolicy._determine_active_policy``), ``max_prefill_tokens`` 16384, ``chunked_prefill_size`` 2048
+      (GPU memory < 25 GB), ``max_running_requests`` None = SGLang's derivation (``min(max_total_num_tokens // 2,
+      req_to_token_pool size)``, 2049 here), ``clip_max_new_tokens`` 4096 (``CLIP_MAX_NEW_TOKENS_ESTIMATION``).
+    * ``global_config.py``: ``init_new_token_ratio`` 0.7, ``min_new_token_ratio_factor`` 0.14 (floor 0.098),
+      ``new_token_ratio_decay_steps`` 600, ``retract_decode_steps`` 20.
+    The vLLM-only knobs (``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
+    ``scheduler_reserve_full_isl``) do not affect the SGLang model, and the SGLang ones do not affect vLLM's.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    kv_cache_tokens: int = 32768
+    kv_cache_tokens: int | None = None
     block_size: int = 16
     max_model_len: int | None = None
     prefill_ms_per_token: float = 0.48
@@ -174,8 +233,26 @@ class EngineParams:
     eos_max_tokens: int = 512
     time_scale: float = 1.0
     scheduler_reserve_full_isl: bool = True
+    admission: str = "vllm"
+    schedule_policy: str = "lpm"
+    lpm_fcfs_threshold: int = 128
+    mem_fraction_static: float = 0.88
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 2048
+    max_running_requests: int | None = None
+    clip_max_new_tokens: int = 4096
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    retract_decode_steps: int = 20
 
     def __post_init__(self) -> None:
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        if self.kv_cache_tokens is None:  # derived once here; the dataclass is frozen otherwise
+            derived = sglang_kv_cache_tokens(self.mem_fraction_static) if self.admission == "sglang" else 32768
+            object.__setattr__(self, "kv_cache_tokens", derived)
+        self._check_sglang()
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "eos_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -195,6 +272,20 @@ class EngineParams:
         if not self.time_scale > 0:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
 
+    def _check_sglang(self) -> None:
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        for name in ("max_prefill_tokens", "chunked_prefill_size", "clip_max_new_tokens",
+                     "new_token_ratio_decay_steps", "retract_decode_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be at least 1, got {self.max_running_requests}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if not 0 < self.init_new_token_ratio <= 1 or not 0 <= self.min_new_token_ratio_factor <= 1:
+            raise ValueError("init_new_token_ratio must be in (0, 1] and min_new_token_ratio_factor in [0, 1]")
+
     @property
     def num_blocks(self) -> int:
         """KV cache size in blocks (``kv_cache_tokens // block_size``)."""
@@ -203,7 +294,11 @@ class EngineParams:
     @property
     def model_len(self) -> int:
         """The longest prompt + output a request may ask for (tokens)."""
-        return self.max_model_len if self.max_model_len is not None else self.num_blocks * self.block_size
+        if self.max_model_len is not None:
+            return self.max_model_len
+        if self.admission == "sglang":
+            return self.kv_cache_tokens - 1  # SGLang's max_req_len: max_total_num_tokens - 1
+        return self.num_blocks * self.block_size
 
     def step_seconds(self, *, prefill_tokens: int, decode_seqs: int, decode_kv_tokens: int) -> float:
         """Duration (s, already x ``time_scale``) of one iteration with the given work."""
@@ -427,12 +522,17 @@ class EngineModel:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_tokens: list[str], max_tokens: int | None, *, ignore_eos: bool,
-               now: float) -> None:
+               now: float, output_len: int | None = None) -> None:
         """Queue a request (``prompt_tokens``: words; ``max_tokens``: None = up to the model length); it waits for
         the next ``start_step``.
 
-        Raises ValueError for a duplicate id, an empty prompt or ``max_tokens`` < 1, and RequestTooLong when
-        ``len(prompt_tokens) + max_tokens`` exceeds ``params.model_len`` (it could never fit the KV cache).
+        ``output_len``: when given, the request generates exactly that many tokens (a simulated EOS there, finish
+        reason "stop" when it is below ``max_tokens``): a trace's or a workload's reply length under a larger
+        client ``max_tokens``; it overrides ``ignore_eos``.
+
+        Raises ValueError for a duplicate id, an empty prompt, ``max_tokens`` < 1 or ``output_len`` outside
+        [1, max_tokens], and RequestTooLong when ``len(prompt_tokens) + max_tokens`` exceeds ``params.model_len``
+        (it could never fit the KV cache).
         """
         if self.has_request(request_id):
             raise ValueError(f"request {request_id!r} is already in the engine")
@@ -453,11 +553,8 @@ class EngineModel:
                                  f"{max_tokens} in the completion). Please reduce the length of the messages or "
                                  f"completion.")
         seed = int.from_bytes(hashlib.blake2b("\x1f".join(prompt_tokens).encode(), digest_size=8).digest(), "big")
-        if ignore_eos:
-            output_len, reason = max_tokens, "length"
-        else:
-            output_len = 1 + seed % min(max_tokens, self.params.eos_max_tokens)
-            reason = "length" if output_len == max_tokens else "stop"
+        output_len, reason = output_length(seed, max_tokens, ignore_eos=ignore_eos, output_len=output_len,
+                                           eos_max_tokens=self.params.eos_max_tokens)
         hashes = _block_hashes(prompt_tokens, self.params.block_size)
         self._waiting[request_id] = _Request(request_id, prompt_len, hashes, max_tokens, output_len, reason, seed,
                                              now)
@@ -715,3 +812,14 @@ class EngineModel:
         r.blocks = []
         r.anon_blocks = 0
         r.kv_slots = 0
+
+
+def make_engine(params: EngineParams | None = None):
+    """The engine model ``params.admission`` names: :class:`EngineModel` (vLLM V1) or
+    ``bench.emulator.sglang_model.SglangEngineModel`` (SGLang); both have the same interface."""
+    params = params or EngineParams()
+    if params.admission == "sglang":
+        from bench.emulator.sglang_model import SglangEngineModel  # imported here: it imports this module
+
+        return SglangEngineModel(params)
+    return EngineModel(params)

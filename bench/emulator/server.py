@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 
 from skylb import aio
-from bench.emulator.model import EngineModel, EngineParams, FinishedRequest, TokenOutput
+from bench.emulator.model import ADMISSIONS, EngineModel, EngineParams, FinishedRequest, TokenOutput, make_engine
 from bench.emulator.ollama_lifecycle import LifecycleOptions, parse_keep_alive
 from bench.emulator.personalities import PERSONALITIES, ApiError, Personality, PersonalityOptions
 from skylb import logs
@@ -127,7 +127,7 @@ async def serve(*, engine: str, host: str, ports: list[int], params: EngineParam
     status = 0
     try:
         for port in ports:
-            replica = Replica(EngineModel(params), name=f"{host}:{port}", log_requests=log_requests)
+            replica = Replica(make_engine(params), name=f"{host}:{port}", log_requests=log_requests)
             app = PERSONALITIES[engine](replica, options=options).build_app()
             # handler_cancellation: a client that disconnects cancels its handler, which cancels the request.
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -185,9 +185,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget per iteration for decodes plus prefill chunks, vLLM "
                              f"--max-num-batched-tokens (tokens; default: max({d.max_num_batched_tokens}, "
                              "--max-num-seqs); 2048 is vLLM V1's default on GPUs under 70 GB)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens,
-                        help="KV cache capacity (tokens; default: %(default)s = about 4.2 GB left on a 24 GB L4 "
-                             "after 16 GB of fp16 weights, at 128 KiB per Llama-3.1-8B token)")
+    parser.add_argument("--admission", choices=ADMISSIONS, default="vllm",
+                        help="the scheduler model: vLLM V1's, or SGLang v0.4's (reserved-token admission, "
+                             "retraction, radix cache; bench/emulator/sglang_model.py) (default: %(default)s)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None,
+                        help=f"KV cache capacity (tokens; default: {d.kv_cache_tokens} for vLLM admission = about "
+                             "4.2 GB left on a 24 GB L4 after 16 GB of fp16 weights, at 128 KiB per Llama-3.1-8B "
+                             "token; for SGLang admission the same from mem_fraction_static 0.88)")
     parser.add_argument("--block-size", type=int, default=d.block_size,
                         help="KV block size; the prefix cache works in full blocks (tokens; default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -270,7 +274,8 @@ def params_from_args(args: argparse.Namespace) -> EngineParams:
         prefill_ms_per_token=args.prefill_ms_per_token, decode_base_ms=args.decode_base_ms,
         decode_ms_per_seq=args.decode_ms_per_seq, decode_ms_per_kv_token=args.decode_ms_per_kv_token,
         eos_max_tokens=args.eos_max_tokens, time_scale=args.time_scale,
-        scheduler_reserve_full_isl=args.scheduler_reserve_full_isl)
+        scheduler_reserve_full_isl=args.scheduler_reserve_full_isl,
+        admission=getattr(args, "admission", "vllm"))
 
 
 def options_from_args(args: argparse.Namespace) -> PersonalityOptions:

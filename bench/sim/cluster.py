@@ -46,7 +46,7 @@ from skylb.config import BalancerConfig
 from skylb.core import Decision, PeerStatus, Request, build_router
 from skylb.core.state import load_from_outstanding
 from skylb.balancer.usage import observe as observe_usage, usage_of
-from bench.emulator.model import EngineModel, EngineParams, FinishedRequest
+from bench.emulator.model import EngineParams, FinishedRequest, make_engine
 
 __all__ = ["Network", "DEFAULT_RTT_MS", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
 
@@ -147,7 +147,7 @@ class SimReplica:
     def __init__(self, cluster: "Cluster", replica_id: str, region: str, params: EngineParams):
         self.id = replica_id
         self.region = region
-        self.engine = EngineModel(params)
+        self.engine = make_engine(params)
         self.loop = cluster.loop
         self.cluster = cluster
         self.flights: dict[str, Flight] = {}
@@ -158,7 +158,8 @@ class SimReplica:
         flight.replica = self
         req = flight.req
         self.flights[req.id] = flight
-        self.engine.submit(req.id, req.tokens, req.output_tokens, ignore_eos=True, now=self.loop.now)
+        self.engine.submit(req.id, req.tokens, req.max_tokens or req.output_tokens, ignore_eos=True,
+                           now=self.loop.now, output_len=req.output_tokens)
         if not self.busy:
             self._start()
 

@@ -25,14 +25,18 @@ sigma^2 = ln(1 + s^2 / m^2) and median m / exp(sigma^2 / 2)); what no source giv
     turns median 53 (sigma 1.85), answers median 323 (sigma 0.79), both clipped at 4,096 (clipped means about 243
     and 440), 2.54 turns on average.
   - ChatBot Arena (the paper's dataset [67] has no length statistics; LMSYS-Chat-1M, collected on the same Chatbot
-    Arena site, reports in the same table 2.02 turns, user turns 69.83 +- 143.49, responses 215.71 +- 1,858.09):
+    Arena site, reports in its own paper, Zheng et al., "LMSYS-Chat-1M: A Large-Scale Real-World LLM Conversation
+    Dataset", ICLR 2024, Table 1: 2.0 turns per sample, 69.5 tokens per prompt, 214.5 per response, means only;
+    WildChat's Table 1 gives it with its spread, 2.02 turns, user turns 69.83 +- 143.49, responses 215.71 +-
+    1,858.09):
     user turns median 31 (sigma 1.29), 2.02 turns on average; answers with the mean 215.71 and WildChat's shape
     (median 158, sigma 0.79), because LMSYS-Chat-1M's response deviation comes from a few runaway generations
     that a max_tokens limit cuts (a moment fit would give a median of 25 tokens).
   - Chosen (the datasets publish no such figures): a 64-token system prompt shared by every request (the chat
     template: the small cross-user prefix of Fig. 5a); a per-user context reused by all of that user's
     conversations (custom instructions, a pasted document: the within-user similarity of Fig. 5), median 150
-    tokens for Arena and 400 for WildChat; 30% (Arena) and 10% (WildChat) of conversations open with one of 40
+    tokens for Arena and 400 for WildChat. The calibrated regime of the paper's scenarios (bench/sim/regime.yaml)
+    drops the per-user context and uses Llama 3.1's 26-token system header instead (the reasons are there); 30% (Arena) and 10% (WildChat) of conversations open with one of 40
     popular prompts (Zipf-ranked), the cross-user sharing that consistent hashing cannot exploit (§3.2; the
     within-user / cross-user ratio is 2.47x for Arena and 7.6x for WildChat in Fig. 5a). Turns per conversation
     are geometric with the published mean; a conversation ends early when the next prompt plus answer would
@@ -78,7 +82,10 @@ class SimRequest:
 
     Attributes:
         id: unique in the run. session_key: the hash-ring key (user id, question id, trace session).
-        tokens: the prompt, one word per token. output_tokens: tokens the engine generates (exactly).
+        tokens: the prompt, one word per token. output_tokens: tokens the engine generates (exactly: the reply's
+            own length, ended by a simulated EOS when shorter than max_tokens).
+        max_tokens: the ``max_tokens`` the client asks for (at least output_tokens); what an engine that reserves
+            KV for future output (SGLang) reserves by. None: the same as output_tokens.
         parent: id of the request in the same program that must complete before this one is sent (closed loop).
         think_s: closed loop: the pause between the parent's completion and this request's send, s.
         arrival_s: open loop only: when the client sends it, s after the start.
@@ -90,6 +97,7 @@ class SimRequest:
     tokens: list[str]
     output_tokens: int
     parent: str | None = None
+    max_tokens: int | None = None
     think_s: float = 0.0
     arrival_s: float | None = None
     region: str = ""
@@ -186,6 +194,9 @@ class ConversationShape:
     popular_fraction: float = 0.3
     popular_prompts: int = 40
     max_context: int = 8192
+    #: The clients' max_tokens per request (None: each asks for exactly its answer's length); an answer longer
+    #: than it stops there.
+    max_tokens: int | None = None
 
 
 ARENA = ConversationShape("arena")
@@ -198,9 +209,10 @@ def _conversation_program(shape: ConversationShape, seed: int, user: str, k: int
     """The k-th conversation of ``user``: turn t's prompt extends turn t-1's prompt with its answer and a new turn."""
     rng = random.Random(f"{seed}:{shape.name}:{user}:conv{k}")
     user_rng = random.Random(f"{seed}:{shape.name}:{user}:profile")
-    context = _words(f"{seed}:{shape.name}:{user}:context",
-                     _lognormal(user_rng, shape.context_median, shape.context_sigma, 8, 2000))
-    words = [ROLE_MARKERS["system"], *_words(f"{seed}:{shape.name}:system", shape.system_tokens), "cx:", *context]
+    words = [ROLE_MARKERS["system"], *_words(f"{seed}:{shape.name}:system", shape.system_tokens)]
+    if shape.context_median > 0:  # 0: no per-user context (the datasets publish none)
+        words += ["cx:", *_words(f"{seed}:{shape.name}:{user}:context",
+                                 _lognormal(user_rng, shape.context_median, shape.context_sigma, 8, 2000))]
     turns = 1
     while turns < shape.max_turns and rng.random() < 1.0 - 1.0 / shape.mean_turns:
         turns += 1
@@ -216,11 +228,13 @@ def _conversation_program(shape: ConversationShape, seed: int, user: str, k: int
             message = _words(f"{seed}:{shape.name}:{user}:conv{k}:turn{t}",
                              _lognormal(rng, shape.user_median, shape.user_sigma, 4, shape.user_max))
         answer = _lognormal(rng, shape.answer_median, shape.answer_sigma, 8, shape.answer_max)
+        if shape.max_tokens is not None:
+            answer = min(answer, shape.max_tokens)
         if t > 0 and len(words) + 1 + len(message) + answer > shape.max_context:
             break
         words = [*words, ROLE_MARKERS["user"], *message]
         rid = f"{user}-c{k}-t{t}"
-        program.append(SimRequest(rid, user, words, answer, parent=parent))
+        program.append(SimRequest(rid, user, words, answer, parent=parent, max_tokens=shape.max_tokens))
         words = [*words, ROLE_MARKERS["assistant"], *_words(f"{seed}:{shape.name}:{rid}:answer", answer)]
         parent = rid
     return program
@@ -287,7 +301,8 @@ def _tree_program(shape: TreeShape, seed: int, client: str, k: int) -> Program:
             for b in range(1 if level == 0 else shape.branches):
                 rid = f"{qid}-n{len(program)}"
                 thought = _lognormal(rng, shape.thought_median, shape.thought_sigma, 16, shape.thought_max)
-                program.append(SimRequest(rid, qid, [*prefix, f"b{b}:"], thought, parent=parent))
+                program.append(SimRequest(rid, qid, [*prefix, f"b{b}:"], thought, parent=parent,
+                                          max_tokens=shape.thought_max))
                 words = [*prefix, f"s{level}:", *_words(f"{seed}:tot:{rid}:thought", thought)]
                 next_level.append((rid, words))
         level_nodes = next_level
@@ -330,12 +345,17 @@ def mixed_trees(*, seed: int = 0, big_region: str = "us", big_clients: int = 2, 
 def mooncake(*, seed: int = 0, path: str | Path = DEFAULT_TRACE, window_s: float = 210.0, start_s: float = 0.0,
              time_compression: float = 1.0, prompt_scale: float = 0.125, max_output: int = 1024,
              regions: Sequence[str] = ("us", "eu", "asia"),
-             region_weights: dict[str, float] | None = None) -> Workload:
+             region_weights: dict[str, float] | None = None, max_total_tokens: int | None = None) -> Workload:
     """The Mooncake conversation trace, open loop (module docstring for the scaling); raises FileNotFoundError.
 
-    ``window_s`` of trace time from ``start_s`` is replayed ``time_compression`` times faster. At 1 (real time) the
-    trace's 3.4 req/s load 12 simulated L4 replicas to roughly 70-80%: busy enough for queues to form on
-    imbalanced replicas, without an ever-growing backlog (at 1.5x the backlog grows without bound).
+    ``window_s`` of trace time from ``start_s`` is replayed ``time_compression`` times faster. At 1 (real time) and
+    prompts x1/8 the trace's 3.4 req/s load 12 simulated L4 replicas to roughly 70-80%: busy enough for queues to
+    form on imbalanced replicas, without an ever-growing backlog (at 1.5x the backlog grows without bound).
+
+    ``max_total_tokens``: the replicas' model length (prompt plus output, tokens). At real prompt lengths (``prompt_
+    scale`` 1) about 7% of the trace's prompts (p99 85k, max 126k tokens) exceed an L4's KV cache; such a prompt
+    keeps its first ``max_total_tokens - output`` tokens (its shared prefix survives: the trace's blocks are
+    prefixes) and the workload's description counts them.
     """
     path = Path(path)
     if not path.is_file():
@@ -345,12 +365,17 @@ def mooncake(*, seed: int = 0, path: str | Path = DEFAULT_TRACE, window_s: float
                          region_weights=region_weights or {"us": 0.5, "eu": 0.25, "asia": 0.25})
     outputs = {row.line: row.output_length for row in read_trace(path)}
     arrivals = []
+    truncated = 0
     for r in trace_workload(cfg, list(regions), path):
         output = max(1, min(max_output, outputs[int(r.id.split("-")[1])]))
-        arrivals.append(SimRequest(r.id, r.session_id, r.prompt.split(), output, arrival_s=r.arrival_s,
-                                   region=r.region))
+        tokens = r.prompt.split()
+        if max_total_tokens is not None and len(tokens) + output > max_total_tokens:
+            tokens = tokens[:max(1, max_total_tokens - output)]
+            truncated += 1
+        arrivals.append(SimRequest(r.id, r.session_id, tokens, output, arrival_s=r.arrival_s, region=r.region))
+    cut = f", {truncated} prompts cut to the model length {max_total_tokens}" if truncated else ""
     return Workload("mooncake", f"Mooncake trace, {window_s:g} s from {start_s:g} s at {time_compression:g}x, "
-                    f"prompts x{prompt_scale:g}: {len(arrivals)} requests", arrivals=arrivals)
+                    f"prompts x{prompt_scale:g}: {len(arrivals)} requests{cut}", arrivals=arrivals)
 
 
 def replayed(requests: Sequence[Request], *, name: str = "replayed", description: str = "") -> Workload:

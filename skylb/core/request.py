@@ -61,6 +61,9 @@ class Request:
     priority: str = "normal"
     tenant: str = DEFAULT_TENANT
     cost: float = 1.0
+    #: The prompt's characters as skylb/core/rates.py ``prompt_chars`` counts them, cached by ``request_chars``
+    #: (a decision may need them several times, and a long prompt costs a scan each time).
+    chars: int | None = field(default=None, repr=False)
     #: The prompt's trie key, cached with the trie's ``chunking`` it was cut with.
     chunks: tuple[str, ...] | None = field(default=None, repr=False)
     chunking: tuple[int, int] | None = field(default=None, repr=False)

@@ -29,7 +29,7 @@ from skylb.core.fleet_rules import load_s as fleet_load_s
 from skylb.core.queue import ClassQueue
 from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import Policy
-from skylb.core.rates import Usage
+from skylb.core.rates import Usage, request_chars
 from skylb.core.request import Request
 from skylb.core.state import AvailabilityRules, PeerState, PeerStatus, ReplicaState
 
@@ -292,7 +292,8 @@ class Router:
                 replica.dispatch_times.append(now)
                 replica.served += 1
                 replica.add_unprefilled(request.id, policy.uncached_tokens(request, replica.id))
-                policy.rates.dispatched(replica.rates, request.id, request.model, request.text)
+                policy.rates.dispatched(replica.rates, request.id, request.model, request.text,
+                                        chars=request_chars(request))
                 policy.routed(request, replica=replica.id)
                 self.fleet.routed(request, replica)
                 return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now)

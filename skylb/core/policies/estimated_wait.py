@@ -24,7 +24,7 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from skylb.core.policies.base import OPTIONS_CONFIG, Policy
-from skylb.core.rates import RateBook, prompt_chars
+from skylb.core.rates import RateBook, request_chars
 from skylb.core.request import Request
 from skylb.core.state import ReplicaState
 
@@ -58,7 +58,7 @@ def pick_by_estimated_wait(book: RateBook, request: Request,
     measured = [c for c in candidates if c.rates.for_model(model) is not None]
     pool = ([c for c in candidates if c.rates.for_model(model) is not None or not c.rates.inflight]
             if measured else list(candidates))
-    chars = prompt_chars(request.text)
+    chars = request_chars(request)
     # Total time = queue wait + inference (W^) + the time to load the model there (RateBook.load_s; 0 for now).
     keyed = [((book.estimate_s(c.rates, model, chars) or 0.0) + book.load_s(c, model), book.queue_tokens(c.rates), c)
              for c in pool]

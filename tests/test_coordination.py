@@ -1,0 +1,28 @@
+"""The coordination measurement's plumbing (bench/coordination.py): real router state, status round trip, sizes."""
+
+from __future__ import annotations
+
+from bench.coordination import build_router_state, decision_times, probe_traffic, status_message
+
+
+def test_router_state_has_the_replicas_and_peers_asked_for():
+    """The measured router holds every replica and peer, all observed healthy."""
+    router, peers = build_router_state(20, 3)
+    assert len(router.replicas) == 20 and len(router.peers) == 3 == len(peers)
+    assert all(r.healthy for r in router.replicas.values()) and all(p.healthy for p in router.peers.values())
+
+
+def test_status_message_decodes_to_what_was_encoded():
+    """The peer status is packed and unpacked by the real protocol functions, to the same status."""
+    s = status_message(20, 3, rounds=20)
+    assert s["bytes"] > 0 and s["round_trip_ok"] and s["encode_us"] > 0 and s["decode_us"] > 0
+
+
+def test_decisions_are_timed_and_probe_traffic_is_positive():
+    """Every timed decision is counted with its route; probe traffic grows with the replicas probed."""
+    prompts = [" ".join(["word"] * n) for n in (50, 80, 120)]
+    d = decision_times(10, 2, decisions=30, prompts=prompts, seed=0, warm=10)
+    assert sum(d["routes"].values()) == 30 and 0 < d["p50_us"] <= d["p99_us"]
+    small, big = probe_traffic(10, 2, 100), probe_traffic(200, 2, 100)
+    assert 0 < small["total"]["bytes_per_s"] < big["total"]["bytes_per_s"]
+    assert big["replica /metrics"]["requests_per_s"] == 2000.0  # 200 replicas every 100 ms

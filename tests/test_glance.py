@@ -1,0 +1,34 @@
+"""The README's "Results at a glance" is generated from the result files (bench/glance.py): they must agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import glance
+
+
+def test_the_readme_block_is_what_the_result_files_give():
+    """Fails when a result file was regenerated without `python -m bench.glance`, or a figure was edited by hand."""
+    assert glance.main(["--check"]) == 0, "README.md disagrees with bench/results/*.json: run python -m bench.glance"
+
+
+def test_a_changed_figure_or_a_missing_marker_is_caught(tmp_path):
+    """A result file whose figures differ renders another block; a README without markers is an error."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, _, _ in glance.SECTIONS:
+        src = glance.RESULTS / name
+        if src.is_file():
+            (results / name).write_text(src.read_text())
+    before = glance.render(results)
+    data = json.loads((results / "results.json").read_text())
+    data["results"][0]["throughput_rps"] *= 2
+    data["provenance"] = {"commit": "abc123", "date": "2026-01-02T03:04:05Z", "machine": {"cores": 16}}
+    (results / "results.json").write_text(json.dumps(data))
+    after = glance.render(results)
+    assert after != before and "commit `abc123`, 2026-01-02, 16 cores" in after
+    assert glance.updated(f"x\n{glance.START}\nold\n{glance.END}\ny", "NEW") == "x\nNEW\ny"
+    with pytest.raises(ValueError, match="markers"):
+        glance.updated("no markers here", "NEW")
