@@ -7,8 +7,8 @@ a child are a subset of its parent's: a match walks down the prompt and stops at
 target, because no deeper node can have one.
 
 Prompts are keyed in chunks (one trie node per chunk, not per character). The first ``double_every`` chunks have
-``chunk_chars`` characters (256 by default: about 64 tokens at 4 characters per token, four 16-token KV blocks), the next ``double_every``
-twice that, and so on: a match is fine-grained near the start of a prompt, where prompts diverge, and about 1/16 of
+``chunk_chars`` characters (256 by default: about 64 tokens at 4 characters per token, four 16-token KV blocks),
+the next ``double_every`` twice that, and so on: a match is fine-grained near the start of a prompt, where prompts diverge, and about 1/16 of
 the matched length deeper in (``double_every`` 16). A chunk's boundaries depend only on its position, so prompts
 that share a prefix share its chunks. Nodes grow as O(log n) in the prompt's length: a 32,000-token prompt
 (~160,000 characters) is 85 nodes instead of 625 at a fixed 256 characters, and the routing decision's walks are
