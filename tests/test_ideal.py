@@ -80,3 +80,18 @@ def test_a_bounded_cache_evicts_the_least_recently_used_block():
     assert ideal_hit_rate(prompts, block_tokens=1, capacity_blocks=4) < ideal_hit_rate(prompts, block_tokens=1)
     with pytest.raises(ValueError, match="capacity_blocks"):
         ideal_hit_rate(prompts, block_tokens=1, capacity_blocks=0)
+
+
+def test_a_one_token_block_is_the_longest_prefix_shared_with_an_earlier_prompt():
+    """At block 1 (SGLang's token-granular cache) each prompt's ideal hit is its longest common prefix with any
+    earlier prompt, less the last token: checked against a brute-force comparison of every pair."""
+    import random
+    from bench.ideal import ideal_cached_tokens
+    rng = random.Random(1)
+    prompts = [[rng.choice("abcd") for _ in range(rng.randint(1, 12))] for _ in range(300)]
+    expected = []
+    for i, p in enumerate(prompts):
+        best = max((next((k for k, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
+                    for q in prompts[:i]), default=0)
+        expected.append(min(best, len(p) - 1))
+    assert ideal_cached_tokens(prompts, block_tokens=1) == expected

@@ -129,10 +129,12 @@ def summarize(cluster, *, scenario: str, system: str, layout: str, warmup_s: flo
     # Send order decides what "seen before" means; requests sent before the window still fill the ideal cache.
     ordered = sorted(records, key=lambda f: f.sent_at)
     # The same with the cache bounded by every replica's KV blocks pooled (LRU): what the cluster's memory allows.
-    ideal_kv = ideal_hit_rate((f.req.tokens for f in ordered), block_tokens=cluster.params.block_size,
-                              counted=(start <= f.sent_at < end for f in ordered),
-                              capacity_blocks=len(cluster.replicas) * cluster.params.num_blocks)
-    ideal = ideal_hit_rate((f.req.tokens for f in ordered), block_tokens=cluster.params.block_size,
+    # The engine's cache granularity: vLLM's blocks, or single tokens under SGLang's radix cache (page size 1).
+    block = 1 if cluster.params.admission == "sglang" else cluster.params.block_size
+    capacity = sum(r.engine.params.kv_cache_tokens for r in cluster.replicas.values()) // block
+    ideal_kv = ideal_hit_rate((f.req.tokens for f in ordered), block_tokens=block,
+                              counted=(start <= f.sent_at < end for f in ordered), capacity_blocks=capacity)
+    ideal = ideal_hit_rate((f.req.tokens for f in ordered), block_tokens=block,
                            counted=(start <= f.sent_at < end for f in ordered))
     return RunSummary(
         scenario=scenario, system=system, replicas=len(cluster.replicas), layout=layout, seed=seed,
