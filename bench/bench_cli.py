@@ -171,6 +171,7 @@ def _oracle_table(row) -> list[str]:
 
 
 def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: int, plots: dict[str, str],
+                  capacity: tuple | None = None,
                   skipped: Sequence[str] = (), command: str = "skylb bench all", trace: str | None = None) -> str:
     """The markdown report: setup, the targets (met / missed, measured, why), one table per scenario.
 
@@ -221,7 +222,7 @@ def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: i
               "replica's KV blocks held by its running requests. LB queue: mean requests "
               "queued at all balancers. fwd: forwarded to a peer balancer. remote: served outside the client's "
               "region. net: network time inside TTFT. done: requests completed in the run (mean over seeds).", ""]
-    lines += _calibration_section(results)
+    lines += _calibration_section(results, capacity)
     targets = evaluate_targets(results)
     lines += ["## Targets as measured (means over seeds)", ""]
     lines += [tabulate([[t.claim, t.scope, t.measured, "met" if t.met else "**missed**", t.why] for t in targets],
@@ -263,14 +264,19 @@ def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: i
     return "\n".join(lines)
 
 
-def _calibration_section(results) -> list[str]:
+def capacity_for(results) -> tuple | None:
+    """The capacity sweep's cell (bench/sim/capacity.py ``first_wait_outstanding``) when Arena or WildChat ran
+    (it takes seconds: only beside them), else None."""
+    if {"arena", "wildchat"} & {r.scenario for r in results}:
+        from bench.sim.capacity import first_wait_outstanding
+        return first_wait_outstanding()
+    return None
+
+
+def _calibration_section(results, capacity: tuple | None) -> list[str]:
     """The calibration table (bench/sim/calibration.py) with the regime file's commit and the capacity sweep."""
     from bench.sim.calibration import calibration_markdown, calibration_rows
     from bench.sim.regime import REGIME_FILE, regime_commit
-    capacity = None
-    if {"arena", "wildchat"} & {r.scenario for r in results}:  # the capacity sweep takes seconds: only beside them
-        from bench.sim.capacity import first_wait_outstanding
-        capacity = first_wait_outstanding()
     return ["## Calibration: the simulated regime beside the paper's (§5, §3.3)", "",
             f"Engine and workload parameters: `bench/sim/regime.yaml` as of commit {regime_commit()}, frozen "
             "before the SkyLB runs below. How each paper cell is read: `bench/sim/calibration.py`.", "",
@@ -431,10 +437,14 @@ def _render_saved(path: Path, out: Path, stem: str, *, skipped: Sequence[str], t
     saved = json.loads(Path(path).read_text())
     runs = [RunSummary(**r) for r in saved["runs"]]
     results = aggregate_runs(runs)
+    if "capacity" not in saved:  # measured once, kept with the runs (the README's glance quotes it from there)
+        saved["capacity"] = capacity_for(results)
+        Path(path).write_text(json.dumps(saved, indent=1))
+    capacity = tuple(saved["capacity"]) if saved["capacity"] else None
     # A single scenario's plots get its name as a prefix, so they never overwrite the full suite's.
     plots = _write_plots(results, out, prefix="" if stem == "README" else f"{stem}-")
     report = render_report(results, seeds=tuple(saved["seeds"]), wall_s=saved["wall_s"],
-                           jobs=saved.get("jobs", 1), plots=plots, skipped=skipped,
+                           jobs=saved.get("jobs", 1), plots=plots, skipped=skipped, capacity=capacity,
                            command=saved["command"], trace=trace)
     prov = saved.get("provenance") or {"commit": "not recorded", "date": "not recorded",
                                        "command": saved["command"], "machine": {}}

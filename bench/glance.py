@@ -52,7 +52,7 @@ def _sim(data: dict[str, Any]) -> list[str]:
     from bench.sim.metrics import RunSummary
     from bench.sim.scenarios import evaluate_targets
     results = [RunSummary(**r) for r in data["results"]]
-    cal = calibration_rows(results)
+    cal = calibration_rows(results, tuple(data["capacity"]) if data.get("capacity") else None)
     cells = [r for r in cal if r.verdict != "not run"]
     matched = sum(r.verdict in ("in range", "within 25%") for r in cells)
     targets = evaluate_targets(results)
