@@ -46,8 +46,11 @@ test: install llama-server system-packages
 	@start=$$(date +%s); $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15; rc=$$?; \
 	  echo "make test: pytest took $$(( $$(date +%s) - start )) s on $(TEST_WORKERS) workers (exit $$rc)"; exit $$rc
 
-# The simulated SkyLB evaluation (paper Fig. 8-10, the Mooncake trace at 1x, 2x, 3x and warm), 3 seeds: writes
-# bench/results/README.md, results.json and PNG plots (about 10 minutes on 2 cores; SEEDS=0 for one seed).
+# The simulated SkyLB evaluation in the calibrated regime (bench/sim/regime.yaml: the calibration table, paper
+# Fig. 8-10, the load sweep, the Mooncake trace at 1/8 and at real prompt lengths), 3 seeds: writes
+# bench/results/README.md, results.json and PNG plots (about 18 minutes on 2 cores; SEEDS=0 for one seed).
+# The eight-region scenario and the cost of coordination are `skylb bench eight_regions` and `skylb bench
+# coordination` (about 20 and 3 minutes).
 bench: install
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(VENV)/bin/skylb bench all $(if $(SEEDS),--seeds $(SEEDS))
