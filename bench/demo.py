@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import functools
 import signal
 import sys
@@ -207,6 +208,8 @@ def main(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, _terminate)
+    # `kill -USR1 PID` prints every thread's stack on stderr: what a run that seems stuck is waiting for.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     deployment = Deployment(cfg, run_dir, dns=args.dns)
     _say(f"run directory {run_dir} (process logs in logs/)")
     try:

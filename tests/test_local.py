@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 
@@ -81,7 +82,15 @@ def test_local_stops_every_process_on_ctrl_c(tmp_path):
         time.sleep(0.3)
         launcher.send_signal(signal.SIGINT)
         # communicate() reads the rest of the output while waiting: the launcher never blocks on a full pipe.
-        rest, _ = launcher.communicate(timeout=90)
+        try:
+            rest, _ = launcher.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            launcher.send_signal(signal.SIGUSR1)  # the launcher prints its threads' stacks (faulthandler)
+            try:
+                rest, _ = launcher.communicate(timeout=5)
+            except subprocess.TimeoutExpired as exc:
+                rest = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else (exc.output or "")
+            pytest.fail(f"skylb local did not stop within 90 s of Ctrl-C; its output and stacks:\n{rest[-6000:]}")
         assert launcher.returncode == 130
         assert "Traceback" not in rest
         time.sleep(0.2)
