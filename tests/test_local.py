@@ -68,9 +68,13 @@ def test_local_stops_every_process_on_ctrl_c(tmp_path):
     """Ctrl-C (SIGINT) on the launcher stops every process it started, also when an impatient user presses it
     again 0.3 s later: no traceback, nothing left running."""
     run_dir = tmp_path / "run"
+    # As from a terminal: SIGINT at its default. A suite started in the background by a shell without job control
+    # (`make test &`) inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored, so Ctrl-C would do
+    # nothing there, as for any background job.
     launcher = subprocess.Popen([sys.executable, "-m", "skylb", "local", "--config", str(_config(tmp_path)),
                                  "--run-dir", str(run_dir), "--keep-running", "--max-requests", "2"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         for line in launcher.stdout:  # bounded by the deadline and by the launcher's own output
