@@ -50,12 +50,16 @@ class System:
         name: the row label ("skylb", "sglang-cache_aware", ...). kind: "skylb", "sglang" or "haproxy".
         policy: the system's own policy name (SkyLB --policy, SGLang --policy, HAProxy ``balance``).
         skylb_overrides: extra ``balancer`` settings for SkyLB (e.g. ``{"max_dispatch_per_probe": 0}``).
+        options: keyword arguments for the system's launcher (:func:`start_sglang`: ``cache_threshold``,
+            ``balance_abs_threshold``, ``balance_rel_threshold``; :func:`start_haproxy`: ``maxconn``,
+            ``timeout_queue_s``, ``hash_header``, ``hash_balance_factor``).
     """
 
     name: str
     kind: str
     policy: str
     skylb_overrides: dict = field(default_factory=dict, hash=False, compare=False)
+    options: dict = field(default_factory=dict, hash=False, compare=False)
 
 
 # ------------------------------------------------------------------------------------------------ availability
@@ -196,21 +200,28 @@ finally:
 
 
 def start_sglang(procs: ProcGroup, replica_urls: Sequence[str], *, policy: str = "cache_aware",
-                 name: str = "sglang") -> str:
+                 name: str = "sglang", cache_threshold: float | None = None,
+                 balance_abs_threshold: int | None = None, balance_rel_threshold: float | None = None) -> str:
     """Start the SGLang router (``python -m sglang_router.launch_router``) in front of ``replica_urls``.
 
     Listens on 127.0.0.1 only; its Prometheus exporter (default 0.0.0.0:29000, which would clash between runs)
-    goes to a free port on 127.0.0.1. Everything else is the router's default (worker health checks every 60 s,
-    5 retries, circuit breaker, per-request log lines at INFO). Returns its URL.
+    goes to a free port on 127.0.0.1. ``cache_threshold`` (0-1), ``balance_abs_threshold`` (requests) and
+    ``balance_rel_threshold`` (a ratio) set cache_aware's ``--cache-threshold``, ``--balance-abs-threshold`` and
+    ``--balance-rel-threshold`` (None: the router's defaults 0.3, 64 and 1.5). Everything else is the router's
+    default (worker health checks every 60 s, 5 retries, circuit breaker, per-request log lines at INFO).
+    Returns its URL.
     """
     reason = unavailable_reason("sglang")
     if reason:
         raise Unavailable(reason)
     port, metrics_port = free_ports(2)
     url = f"http://127.0.0.1:{port}"
+    tuning = [a for flag, v in (("--cache-threshold", cache_threshold), ("--balance-abs-threshold",
+                                balance_abs_threshold), ("--balance-rel-threshold", balance_rel_threshold))
+              if v is not None for a in (flag, str(v))]
     procs.start([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                  "--worker-urls", *replica_urls, "--policy", policy, "--prometheus-host", "127.0.0.1",
-                 "--prometheus-port", str(metrics_port)],
+                 "--prometheus-port", str(metrics_port), *tuning],
                 name=name, wait_url=f"{url}/health", timeout_s=START_TIMEOUT_S)
     return url
 
@@ -238,22 +249,42 @@ frontend bench
 
 backend replicas
     balance {balance}
-{servers}
+{backend_options}{servers}
 """
 
 
 def start_haproxy(procs: ProcGroup, replica_urls: Sequence[str], *, balance: str = "roundrobin",
-                  run_dir: Path, name: str = "haproxy") -> str:
-    """Start HAProxy (foreground, ``-db``) with ``balance`` over ``replica_urls``; returns its URL."""
+                  run_dir: Path, name: str = "haproxy", maxconn: int | None = None,
+                  timeout_queue_s: float | None = None, hash_header: str | None = None,
+                  hash_balance_factor: int | None = None) -> str:
+    """Start HAProxy (foreground, ``-db``) with ``balance`` over ``replica_urls``; returns its URL.
+
+    ``maxconn``: per-server concurrent requests; beyond it HAProxy holds requests in its own queue (HAProxy
+    Configuration Manual, "maxconn" server option), for at most ``timeout_queue_s`` (s; then a 503). ``hash_header``:
+    ``balance hdr(NAME)`` with ``hash-type consistent`` (a session sticks to a server), and ``hash_balance_factor``
+    (percent, >100) bounds each server's load to that share of the average (consistent hashing with bounded loads,
+    the manual's ``hash-balance-factor``). ``balance`` is ignored when ``hash_header`` is set.
+    """
     binary = haproxy_binary()
     if binary is None:
         raise Unavailable(unavailable_reason("haproxy"))
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (port,) = free_ports(1)
-    servers = "\n".join(f"    server r{i} {u.removeprefix('http://')}" for i, u in enumerate(replica_urls))
+    limit = f" maxconn {maxconn}" if maxconn else ""
+    servers = "\n".join(f"    server r{i} {u.removeprefix('http://')}{limit}" for i, u in enumerate(replica_urls))
+    options = []
+    if hash_header:
+        balance = f"hdr({hash_header})"
+        options.append("    hash-type consistent")
+        if hash_balance_factor:
+            options.append(f"    hash-balance-factor {int(hash_balance_factor)}")
+    if timeout_queue_s is not None:
+        options.append(f"    timeout queue {int(timeout_queue_s * 1000)}ms")
+    backend_options = "".join(line + "\n" for line in options)
     config_path = run_dir / f"{name}.cfg"
-    config_path.write_text(HAPROXY_CONFIG.format(port=port, balance=balance, servers=servers))
+    config_path.write_text(HAPROXY_CONFIG.format(port=port, balance=balance, servers=servers,
+                                                 backend_options=backend_options))
     url = f"http://127.0.0.1:{port}"
     procs.start([binary, "-db", "-f", str(config_path)], name=name, wait_url=f"{url}/health",
                 timeout_s=START_TIMEOUT_S)
@@ -269,9 +300,10 @@ def start_system(procs: ProcGroup, system: System, replica_urls: Sequence[str], 
         url = start_skylb(procs, replica_urls, run_dir=run_dir, policy=system.policy,
                           overrides=system.skylb_overrides, name=system.name)
     elif system.kind == "sglang":
-        url = start_sglang(procs, replica_urls, policy=system.policy, name=system.name)
+        url = start_sglang(procs, replica_urls, policy=system.policy, name=system.name, **system.options)
     elif system.kind == "haproxy":
-        url = start_haproxy(procs, replica_urls, balance=system.policy, run_dir=run_dir, name=system.name)
+        url = start_haproxy(procs, replica_urls, balance=system.policy, run_dir=run_dir, name=system.name,
+                            **system.options)
     else:
         raise ValueError(f"unknown system kind {system.kind!r}")
     warm_up(url)

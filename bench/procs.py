@@ -90,6 +90,24 @@ def wait_http(url: str, *, timeout_s: float = 20.0, proc: subprocess.Popen | Non
         time.sleep(0.05)
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU time (utime + stime over all threads, s) of the live processes in process group ``pgid``, from
+    /proc/PID/stat (fields 14, 15 and 5 of proc(5)); 0 on a system without /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        # After the ")" closing the command: state(3) ppid(4) pgrp(5) ... utime(14) stime(15).
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 class Proc:
     """One subprocess in its own process group; ``stop()`` kills the group (SIGTERM, then SIGKILL after 5 s)."""
 
@@ -101,6 +119,11 @@ class Proc:
             args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, **(env or {})},
         )
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system, all threads, s) used so far by the live processes of this process's group
+        (it and the children it started); 0 for processes already gone. Read from /proc/PID/stat (proc(5))."""
+        return group_cpu_seconds(self.popen.pid)
 
     def log(self) -> str:
         """Everything the process wrote so far (stdout and stderr)."""
@@ -165,6 +188,10 @@ class ProcGroup:
             except (TimeoutError, RuntimeError) as exc:
                 raise RuntimeError(f"{name}: {exc}\n--- log ---\n{proc.log()[-4000:]}") from exc
         return proc
+
+    def cpu_seconds(self, prefix: str = "") -> float:
+        """CPU time (s) used so far by the live processes started here whose name starts with ``prefix``."""
+        return sum(p.cpu_seconds() for p in self.procs if p.name.startswith(prefix) and p.popen.poll() is None)
 
     def stop_all(self) -> None:
         """Stop every process started through this group, newest first."""
