@@ -214,8 +214,13 @@ class BalancerConfig(_Strict):
     #: tau: the largest peer queue length at which the peer is still available (Algorithm 1, line 12).
     tau: int = Field(2, ge=0)
     session_header: str = "X-Session-ID"
-    #: Most requests sent to one replica (or peer) between two of its probes; 0 = no cap (the paper's rule).
-    max_dispatch_per_probe: int = Field(4, ge=0)
+    #: Optional ceiling on requests sent to one replica between two of its probes; 0 = none. Not needed for good
+    #: results: each replica's admission capacity is learned from its probes (``learn_capacity``).
+    max_dispatch_per_probe: int = Field(0, ge=0)
+    #: Learn how many requests each replica runs at once from its probes' running and waiting counts, and send it
+    #: no more than that between probes (skylb/core/capacity.py); False: only pending requests (and llama.cpp's
+    #: reported slots) make a replica unavailable, the SkyLB paper's rule.
+    learn_capacity: bool = True
     #: How often the dispatcher re-checks the head of the queue when nothing changed (ms).
     dispatch_tick_ms: float = Field(10.0, gt=0)
     #: Requests waiting longer than this get 503 in the API's shape (s).

@@ -66,7 +66,7 @@ class Cluster:
         self.env = {"SKYLB_PEER_TOKEN": peer_token or "", "SKYLB_ADMIN_TOKEN": admin_token or ""}
         self.procs = procs
         self.tmp = tmp_path
-        self.balancer_cfg = {"probe_interval_ms": 50, "max_dispatch_per_probe": 4, **(balancer or {})}
+        self.balancer_cfg = {"probe_interval_ms": 50, **(balancer or {})}
         self.controller_cfg = dict(controller or {})
         self.controller_url: str | None = None
         self.balancers: dict[str, str] = {}

@@ -42,6 +42,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
              "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
+             "admission_capacity": r.slots if r.slots is not None else r.capacity.limit,
              "ejections": r.ejections, "ejected_for_s": _left(r.ejected_until, now),
              "available": router.replica_available(r, now),
              "reason": router.replica_unavailable_reason(r, now),

@@ -53,8 +53,9 @@ class RouterSettings(Protocol):
         policy: a registered policy name. policies: per policy name, its options (validated by the policy).
         probe_interval_ms: probe period, ms. stale_after_intervals: a probe older than this many intervals is
         stale. peer_stale_after_intervals: the same for a peer's status when sooner (0: stale_after_intervals
-        alone). tau: the longest peer queue that keeps a peer available. max_dispatch_per_probe: cap between two
-        probes (0: none). max_queue: the most requests the queue holds. outlier_detection: when a failing
+        alone). tau: the longest peer queue that keeps a peer available. max_dispatch_per_probe: optional ceiling
+        between two probes (0: none). learn_capacity: learn each replica's admission capacity
+        (skylb/core/capacity.py). max_queue: the most requests the queue holds. outlier_detection: when a failing
         replica or peer is ejected. ollama_fleet: the Ollama fleet rules (all off by default). priorities:
         priority classes in the queue.
     """
@@ -66,6 +67,7 @@ class RouterSettings(Protocol):
     peer_stale_after_intervals: float
     tau: int
     max_dispatch_per_probe: int
+    learn_capacity: bool
     max_queue: int
     outlier_detection: OutlierSettings
     ollama_fleet: FleetSettings
@@ -79,10 +81,11 @@ def build_policy(settings: RouterSettings) -> Policy:
 
 def build_rules(settings: RouterSettings) -> AvailabilityRules:
     """The availability rules: tau, staleness (``stale_after_intervals`` probe intervals, s; for peers
-    ``peer_stale_after_intervals`` when sooner) and the dispatch cap."""
+    ``peer_stale_after_intervals`` when sooner), the learned admission capacity and the dispatch ceiling."""
     interval_s = settings.probe_interval_ms / 1000
     return AvailabilityRules(tau=settings.tau, stale_after_s=interval_s * settings.stale_after_intervals,
                              max_dispatch_per_probe=settings.max_dispatch_per_probe,
+                             learn_capacity=settings.learn_capacity,
                              peer_stale_after_s=interval_s * settings.peer_stale_after_intervals)
 
 

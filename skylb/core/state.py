@@ -6,9 +6,13 @@ Source: SkyLB paper §3.3 and Algorithm 1 (MONITORAVAILABILITY, lines 1-16).
   no longer than tau.
 
 One refinement beyond the paper: a probe is a snapshot, and between two probes the balancer could push any number of
-requests onto a replica that looked empty. ``max_dispatch_per_probe`` caps how many requests go to one replica (or
-peer) between two of its probes, so a burst is spread instead of piling up on the first target; 0 disables the cap
-(the paper's behaviour). Each unavailable target carries a reason, shown in status and metrics.
+requests onto a replica that looked empty. Each replica's admission capacity (the requests it runs at once) is
+learned from its probes (skylb/core/capacity.py) or read from the engine (llama.cpp's slots), and a replica whose
+running batch plus the requests sent since its probe reaches it is full ("batch full"), so a burst spreads over
+the replicas with room and a large batch is not throttled. A peer gets at most one request per available replica
+it reported until its next status. ``max_dispatch_per_probe`` is an optional ceiling on requests sent to one
+replica between two of its probes (0, the default: none). Each unavailable target carries a reason, shown in
+status and metrics.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from skylb.core.capacity import AdmissionCapacity
 from skylb.core.rates import ReplicaRates
 from skylb.core.fleet_rules import FleetView
 
@@ -50,6 +55,7 @@ class ReplicaState:
         kv_usage: the fraction of the engine's KV cache in use (0-1) at the latest probe, when the engine says.
         unprefilled: request id -> prompt tokens not expected from the prefix cache, for this balancer's requests
             sent here that have not yet produced a first token (the prefill backlog it knows exactly).
+        capacity: the admission capacity learned from this replica's probes (skylb/core/capacity.py).
     """
 
     id: str
@@ -82,6 +88,7 @@ class ReplicaState:
     rates: ReplicaRates = field(default_factory=ReplicaRates, repr=False)
     #: Ollama replicas: models on disk and loaded, recent loads (skylb/core/fleet_rules.py); None for other engines.
     fleet: FleetView | None = field(default=None, repr=False)
+    capacity: AdmissionCapacity = field(default_factory=AdmissionCapacity, repr=False)
 
     def add_unprefilled(self, request_id: str, tokens: int) -> None:
         """Request ``request_id`` was sent here with ``tokens`` prompt tokens to prefill (not expected cached)."""
@@ -116,6 +123,8 @@ class ReplicaState:
             self.slots = slots
         if healthy:
             self.kv_usage = None if kv_usage is None else min(1.0, max(0.0, float(kv_usage)))
+            if running is not None:
+                self.capacity.observe(now, self.pending, running)
         self.error = None if healthy else (error or "probe failed")
         self.probed_at = now
         cutoff = now if probe_sent_at is None else probe_sent_at
@@ -237,15 +246,18 @@ class AvailabilityRules:
     Args:
         tau: the largest peer queue length at which a peer is still available (Algorithm 1, line 12).
         stale_after_s: a probe older than this (s) makes its target unavailable: stale state is not trusted.
-        max_dispatch_per_probe: cap on requests sent to one replica between two probes (0 = no cap).
+        max_dispatch_per_probe: optional ceiling on requests sent to one replica between two probes (0 = none).
+        learn_capacity: a replica whose engine reports its running batch is full at its learned admission
+            capacity (skylb/core/capacity.py); False: only the engine's reported slots bound it (the paper's rule).
         peer_stale_after_s: a peer's status older than this plus two of its round trips (s) is stale, when sooner
             than ``stale_after_s``: a partitioned peer is unavailable within a few probe intervals (0: not used).
     """
 
     tau: int = 2
     stale_after_s: float = 0.5
-    max_dispatch_per_probe: int = 4
+    max_dispatch_per_probe: int = 0
     peer_stale_after_s: float = 0.0
+    learn_capacity: bool = True
 
     def peer_stale_s(self, p: PeerState) -> float:
         """How old peer ``p``'s latest status may be before it is stale, s."""
@@ -265,15 +277,17 @@ class AvailabilityRules:
             return r.error or "unhealthy"
         if r.pending > 0:
             return "pending requests"
-        if r.slots is not None and r.running is not None:
-            # The probe may miss a request that raced it on another connection; this balancer's own in-flight
-            # count never does (it only errs high, by responses still draining).
-            if max(r.running + r.sent_since_probe, r.outstanding) >= r.slots:
+        if r.running is not None:
+            # The engine's slots when it says (llama.cpp), else the learned capacity. The probe may miss a request
+            # that raced it on another connection; this balancer's own in-flight count never does (it only errs
+            # high, by responses still draining).
+            limit = r.slots if r.slots is not None else r.capacity.limit if self.learn_capacity else None
+            if limit is not None and max(r.running + r.sent_since_probe, r.outstanding) >= limit:
                 return "batch full"
         # Engines without a pending metric: the balancer's own in-flight count is exact and live, no probe needed.
         if r.max_concurrency is not None and r.outstanding >= r.max_concurrency:
             return "at max concurrency"
-        # Only requests still in flight count against the cap: one that already finished cannot fill the batch.
+        # Only requests still in flight count against the ceiling: one that already finished cannot fill the batch.
         if self.max_dispatch_per_probe and min(r.sent_since_probe, r.outstanding) >= self.max_dispatch_per_probe:
             return "awaiting probe"
         return None
@@ -313,7 +327,7 @@ class AvailabilityRules:
         if p.queue_len > self.tau:
             return "queue longer than tau"
         # Each available replica there can take at least one request before the next status says more.
-        if self.max_dispatch_per_probe and min(p.sent_since_probe, p.outstanding) >= available:
+        if (self.learn_capacity or self.max_dispatch_per_probe) and min(p.sent_since_probe, p.outstanding) >= available:
             return "awaiting status"
         return None
 

@@ -1,0 +1,82 @@
+"""Admission capacity learned from probes: how many requests a replica runs at once, so that selective pushing
+sends up to that many between two probes and no more.
+
+An engine runs a continuous batch whose size is bounded by a slot count (vLLM ``max_num_seqs``, SGLang
+``max_running_requests``, TGI ``max_batch_size``, llama.cpp ``--parallel``) and by its KV cache (vLLM preempts,
+SGLang retracts, both put the request back in their waiting queue). Only llama.cpp reports its slots
+(``total_slots`` in ``GET /props``); the others report how many requests run and how many wait (vLLM
+``vllm:num_requests_running`` / ``vllm:num_requests_waiting``, SGLang ``sglang:num_running_reqs`` /
+``sglang:num_queue_reqs``, TGI ``tgi_batch_current_size`` / ``tgi_queue_size``). A probe showing requests waiting
+says the engine admitted no more than the ones running; a probe showing the batch at the limit and nothing waiting
+says the limit may be higher. A preemption or retraction shows as a waiting request, so it lowers the limit too.
+
+The rule, additive increase and multiplicative decrease after TCP's congestion control (RFC 5681 §3.1, slow start
+and congestion avoidance), per replica:
+
+* Start at ``initial`` (2): a replica with a batch of 2 never gets a request it cannot run.
+* Requests waiting (pending > 0) at every probe for at least ``settle_s`` (0.5 s), the most running in the batch
+  at those probes being ``running``: limit = max(running, limit // 2). A request sent a moment ago waits until the
+  engine's next step, and a step holding a long chunked prefill lasts hundreds of ms (2048 tokens at 0.48 ms per
+  token on an L4), so waiting seen at one probe, or a few in a row, proves nothing (measured on the emulator: a
+  batch of 32 read as 2); waiting that outlasts a step does. The sample is the batch the engine actually kept;
+  the halving bounds the fall, for a long prompt held back by the step's token budget (vLLM
+  ``max_num_batched_tokens``) beside a half-empty batch.
+* The batch at the limit (running >= limit) and nothing waiting: the engine took everything sent, so the limit
+  grows. Before requests have waited (slow start) by half (at least 1) per probe, which reaches a batch of 256 in
+  about 13 probes; after that by an eighth (at least 1), at most once per ``hold_s`` (congestion avoidance: the KV
+  cache's share of the limit moves with request lengths, so it is retested now and then, at the cost of a request
+  or two waiting in the engine).
+
+Between probes the balancer counts what it sent (skylb/core/state.py): a replica is full when the probe's running
+count plus the requests sent since that probe, or this balancer's own requests in flight there, reach the limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AdmissionCapacity"]
+
+
+@dataclass
+class AdmissionCapacity:
+    """One replica's learned admission capacity (requests it runs at once).
+
+    Attributes:
+        limit: the current estimate, requests (>= 1).
+        saturated: requests have waited for ``settle_s`` at least once (slow start is over).
+        waiting_since: time of the first of the consecutive probes, up to the latest, that showed requests waiting,
+            s (None: the latest showed none); streak_running: the most running at those probes.
+        settle_s: how long requests must be seen waiting before the batch is taken as full, s.
+        held_since: time of the latest decrease or congestion-avoidance increase, s (None: never); the limit
+            grows again only ``hold_s`` after it.
+        hold_s: see ``held_since``, s.
+    """
+
+    limit: int = 2
+    saturated: bool = False
+    waiting_since: float | None = None
+    streak_running: int = 0
+    held_since: float | None = None
+    hold_s: float = 2.0
+    settle_s: float = 0.5
+
+    def observe(self, now: float, pending: int, running: int) -> None:
+        """Learn from one probe at ``now`` (s) showing ``pending`` requests waiting and ``running`` in the batch."""
+        if pending > 0:
+            if self.waiting_since is None:
+                self.waiting_since, self.streak_running = now, running
+            self.streak_running = max(self.streak_running, running)
+            if now - self.waiting_since >= self.settle_s:
+                self.limit = max(1, self.streak_running, self.limit // 2)
+                self.saturated = True
+                self.held_since = now
+            return
+        self.waiting_since = None
+        if running < self.limit:
+            return
+        if not self.saturated:
+            self.limit = max(running, self.limit) + max(1, self.limit // 2)
+        elif self.held_since is None or now - self.held_since >= self.hold_s:
+            self.limit = max(running, self.limit) + max(1, self.limit // 8)
+            self.held_since = now

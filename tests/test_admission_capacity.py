@@ -1,0 +1,98 @@
+"""The learned admission capacity (skylb/core/capacity.py) and its use in selective pushing (skylb/core/state.py)."""
+
+from skylb.core import AvailabilityRules, Request, Router, make_policy
+from skylb.core.capacity import AdmissionCapacity
+
+
+def test_slow_start_then_the_waiting_sample_sets_the_limit():
+    """Growth by half per full probe until requests wait; then the running batch seen beside them is the limit."""
+    c = AdmissionCapacity()
+    assert c.limit == 2
+    limits = []
+    for _ in range(5):
+        c.observe(0.0, pending=0, running=c.limit)  # each probe: the batch at the limit, nothing waiting
+        limits.append(c.limit)
+    assert limits == [3, 4, 6, 9, 13]
+    c.observe(1.0, pending=3, running=7)
+    c.observe(1.1, pending=3, running=8)
+    assert (c.limit, c.saturated) == (13, False)  # requests sent a moment ago wait for the engine's next step
+    c.observe(1.5, pending=2, running=8)
+    assert (c.limit, c.saturated) == (8, True)  # waiting that outlasts a step: the batch is full at 8
+
+
+def test_a_half_empty_batch_beside_a_waiting_prompt_halves_the_limit_at_most():
+    """A long prompt held back by one step's token budget beside 2 running must not collapse a limit of 32 to 2."""
+    c = AdmissionCapacity(limit=32, saturated=True)
+    c.observe(0.0, pending=1, running=2)
+    c.observe(0.5, pending=1, running=2)
+    assert c.limit == 16
+    c.observe(0.6, pending=1, running=2)
+    assert c.limit == 8
+
+
+def test_after_saturation_the_limit_grows_by_an_eighth_per_hold():
+    c = AdmissionCapacity(limit=4)
+    c.observe(0.0, pending=1, running=4)
+    c.observe(0.5, pending=1, running=4)
+    c.observe(1.0, pending=0, running=4)
+    assert c.limit == 4  # within the hold after the waiting probes
+    c.observe(2.5, pending=0, running=4)
+    assert c.limit == 5
+    c.observe(2.6, pending=0, running=5)
+    assert c.limit == 5  # one step per hold
+    c.observe(4.5, pending=0, running=5)
+    assert c.limit == 6
+    c = AdmissionCapacity(limit=32, saturated=True)
+    c.observe(0.0, pending=0, running=32)
+    assert c.limit == 36
+
+
+def test_a_partly_filled_batch_does_not_grow_the_limit():
+    c = AdmissionCapacity(limit=8)
+    c.observe(0.0, pending=0, running=5)
+    assert c.limit == 8
+
+
+def _router(**rules):
+    router = Router(region="us", policy=make_policy("skylb"), rules=AvailabilityRules(**rules))
+    router.set_replicas([("r0", "http://r0", "vllm")])
+    router.set_peers([])
+    return router
+
+
+def _burst(router, n, now):
+    for i in range(n):
+        router.enqueue(Request(f"q{now}-{i}", f"prompt {now} {i}", arrived_at=now))
+    return router.dispatch(now)
+
+
+def test_between_probes_a_replica_gets_up_to_its_limit_less_its_running_batch():
+    router = _router()
+    r = router.replicas["r0"]
+    r.capacity = AdmissionCapacity(limit=6, saturated=True, held_since=0.0)  # no growth at this probe
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=2)
+    assert len(_burst(router, 10, 0.0)) == 4
+    assert router.rules.replica_unavailable_reason(r, 0.0) == "batch full"
+
+
+def test_a_large_batch_is_not_throttled_by_probes():
+    """Slow start: a replica running everything it gets reaches a batch of 256 within about 13 probes."""
+    router = _router()
+    r = router.replicas["r0"]
+    sent, now = 0, 0.0
+    router.enqueue(Request("warm", "x", arrived_at=0.0))
+    for step in range(14):
+        router.observe_replica("r0", now=now, healthy=True, pending=0, running=min(sent, 256))
+        sent += len(_burst(router, 300, now))
+        now += 0.1
+    assert r.capacity.limit >= 256 and sent >= 256
+
+
+def test_the_ceiling_and_the_paper_rule():
+    """``max_dispatch_per_probe`` still caps sends between probes; ``learn_capacity`` False sends on 0 pending."""
+    router = _router(max_dispatch_per_probe=1)
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=0)
+    assert len(_burst(router, 5, 0.0)) == 1
+    router = _router(learn_capacity=False)
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=0)
+    assert len(_burst(router, 5, 0.0)) == 5
