@@ -46,14 +46,14 @@ def test_the_baselines_result_is_quoted_with_its_targets(tmp_path):
             "summary": [{"system": "skylb", "rps": [10.0, 12.0], "ttft_p90": [800, 1000], "cpu_ms": [5.0, 7.0]},
                         {"system": "haproxy-hash", "rps": [11.0, 11.0], "ttft_p90": [900, 900], "cpu_ms": [1.0, 1.0]}],
             "acceptance": [
-                ["mean TTFT p90 the lowest of all systems", "900 ms; next lowest haproxy-hash 900 ms", False],
+                ["mean TTFT p90 the lowest of all systems", "900 ms; lowest other haproxy-hash 900 ms", False],
                 ["peak pending requests per replica <= 2", "max 1", True]]}
     (tmp_path / "baselines.json").write_text(json.dumps(data))
     block = glance.render(tmp_path)
     assert ("skylb 11.00 [10.00, 12.00] req/s, P90 TTFT 900 [800, 1000] ms, CPU 6.00 [5.00, 7.00] ms/request"
             in block)
     assert "2 paired runs; commit `abc123`, 2026-01-02, 2 cores" in block
-    assert "  - mean TTFT p90 the lowest of all systems: 900 ms; next lowest haproxy-hash 900 ms, **missed**" in block
+    assert "  - mean TTFT p90 the lowest of all systems: 900 ms; lowest other haproxy-hash 900 ms, **missed**" in block
     assert "  - peak pending requests per replica <= 2: max 1, **met**" in block
     data["summary"][0]["rps"] = [10.0, 14.0]
     (tmp_path / "baselines.json").write_text(json.dumps(data))
