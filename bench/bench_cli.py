@@ -361,8 +361,8 @@ def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
 
 #: Live benchmarks on real processes: `skylb bench NAME ARGS` runs `python -m bench.NAME ARGS`.
 LIVE_BENCHMARKS = {
-    "baselines": "SkyLB beside the SGLang router and HAProxy on the same replicas and workload "
-                 "(bench/results/baselines.md)",
+    "baselines": "SkyLB beside the SGLang router and HAProxy, each tuned as operators deploy it, on the same "
+                 "replicas and workload, in 5 paired runs (bench/results/baselines.md)",
     "overhead": "the balancer's own cost: added latency, request rate, SSE relay, decision time, memory",
     "live": "the paper's scenarios scaled down on the local three-region deployment (bench/results/live.md)",
     "calibrate": "the engine model beside the paper's L4 figure and a real llama-server, the same requests on "

@@ -125,6 +125,33 @@ def _coordination(data: dict[str, Any]) -> list[str]:
             "target decision p99 <= 1 ms): " + "; ".join(out) + "."]
 
 
+def _mean_spread(values: list[float | None], fmt: str) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "not measured"
+    return f"{fmt.format(sum(values) / len(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
+
+
+def _baselines(data: dict[str, Any]) -> list[str]:
+    """SkyLB beside the SGLang router and HAProxy (bench/baselines.py): each system's throughput, P90 TTFT and CPU
+    time per request, mean [min, max] over the paired runs as the report gives them, and the report's targets."""
+    if "summary" in data:
+        summary, targets = data["summary"], data.get("acceptance") or []
+    else:  # a result written before the JSON carried them
+        from bench.baselines import acceptance, summary_rows
+        summary, targets = summary_rows(data), acceptance(data)
+    runs = len(data.get("seeds") or [])
+    cells = [f"{s['system']} {_mean_spread(s['rps'], '{:.2f}')} req/s, P90 TTFT "
+             f"{_mean_spread(s['ttft_p90'], '{:.0f}')} ms, CPU {_mean_spread(s.get('cpu_ms', []), '{:.2f}')} "
+             "ms/request" for s in summary]
+    lines = [f"- SkyLB beside the SGLang router and HAProxy, one region, each baseline tuned as operators deploy it "
+             f"(`bench/results/baselines.md`, {runs} paired run{'s' if runs != 1 else ''}; {_at(data)}; workload "
+             f"{data.get('workload', 'not recorded')}): " + "; ".join(cells) + "."]
+    verdict = {True: "met", False: "missed", None: "not judged"}
+    lines += [f"  - {target}: {measured}, **{verdict[met]}**" for target, measured, met in targets]
+    return lines
+
+
 #: (result file in bench/results/, what it is, its renderer).
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("results.json", "the simulated evaluation", _sim),
@@ -134,7 +161,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("eight_regions.json", "the eight-region scenario (`bench/results/eight_regions.md`)", _eight_regions),
     ("coordination.json", "the cost of coordination (`bench/results/coordination.md`)", _coordination),
     ("overhead.json", "the balancer's own cost (`bench/results/overhead.md`)", lambda d: []),
-    ("baselines.json", "SkyLB beside the SGLang router and HAProxy (`bench/results/baselines.md`)", lambda d: []),
+    ("baselines.json", "SkyLB beside the SGLang router and HAProxy (`bench/results/baselines.md`)", _baselines),
 ]
 
 

@@ -21,15 +21,18 @@ SETUP_FLAGS = ("replicas", "max_num_seqs", "time_scale", "conversations", "turns
 def benchmark_parser(prog: str, description: str, *, systems, defaults, out_md: str,
                      helps: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """The flags shared by the live benchmark CLIs: ``--systems``, one flag per :data:`SETUP_FLAGS` field (its
-    default from ``defaults``, a setup dataclass), and the report paths (``--out-md`` defaults to ``out_md``)."""
+    default from ``defaults``, a setup dataclass), and the report paths (``--out-md`` defaults to ``out_md``).
+    ``helps``: help texts by flag (a setup field's name, or ``"systems"``)."""
     helps = helps or {}
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--systems", nargs="+", choices=list(systems), help="systems to run (default: all)")
+    p.add_argument("--systems", nargs="+", choices=list(systems),
+                   help=helps.get("systems", "systems to run (default: all)"))
     for name in SETUP_FLAGS:
         default = getattr(defaults, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=helps.get(name))
     p.add_argument("--out-md", default=out_md, help="Markdown report ('' for none)")
-    p.add_argument("--out-json", default=None, help="also write the raw result as JSON here")
+    p.add_argument("--out-json", default=None,
+                   help="the raw result as JSON here (default: beside the Markdown report, .json for .md)")
     p.add_argument("--notes", default=None, help="a Markdown file appended to the report (analysis)")
     p.add_argument("--run-dir", default=None, help="logs and state (default: a new temporary directory)")
     p.add_argument("--no-progress", action="store_true")
@@ -63,9 +66,11 @@ def now_label() -> str:
 
 def report_tail(result: dict[str, Any], sharing: str, notes: str) -> list[str]:
     """The end of a live benchmark report: the Conditions section (``sharing``: what shares the machine), the
-    errors of rows that ran, then the hand-written ``notes`` (Markdown) as they are."""
+    errors of rows that ran, then the hand-written ``notes`` (Markdown) as they are. A row's window is labelled with
+    its system and, when it has one, its seed."""
     rows = result["rows"]
-    lines = conditions_lines(result["load"], [(r["system"], r["load"]) for r in rows if r.get("load")], sharing)
+    windows = [(r["system"] + (f" seed {r['seed']}" if "seed" in r else ""), r["load"]) for r in rows if r.get("load")]
+    lines = conditions_lines(result["load"], windows, sharing)
     errors = {r["system"]: r["figures"]["errors"] for r in rows if r["status"] == "ok" and r["figures"]["errors"]}
     if errors:
         lines += ["## Errors", ""] + [f"- {k}: {v}" for k, v in errors.items()] + [""]

@@ -39,6 +39,7 @@ def _check_baseline_row(result: dict, name: str) -> None:
     assert f["sent"] == 6 and f["completed"] == 6 and f["failed"] == 0, f["errors"]
     for key in FIGURES:
         assert f[key] is not None, key
+    assert f["cpu_s"] >= 0 and f["cpu_ms_per_request"] == pytest.approx(1000 * f["cpu_s"] / 6)
     assert [name, str(row["seed"]), "6/6"] in [cells[:3] for cells in _table_rows(format_markdown(result))]
 
 
@@ -90,7 +91,7 @@ def test_baselines_over_several_seeds_report_the_spread(tmp_path):
     [summary] = baselines.summary_rows(result)
     assert summary["runs"] == 2 and summary["first_rps"] == 2 and summary["first_p90"] == 2
     text = format_markdown(result)
-    assert "live, 2 runs" in text and "seeds 0, 1" in text
+    assert "live, 2 paired runs" in text and "seeds 0, 1" in text
     rps = [r["figures"]["throughput_rps"] for r in result["rows"]]
     assert f"[{min(rps):.2f}, {max(rps):.2f}]" in text
 
@@ -108,6 +109,15 @@ def test_baselines_run_against_sglang_router(tmp_path):
     """The SGLang router (cache_aware) relays the same workload without a failed request."""
     result = run_baselines(["sglang-cache_aware"], setup=TINY, run_dir=tmp_path, progress=False)
     _check_baseline_row(result, "sglang-cache_aware")
+
+
+def test_baselines_run_against_haproxy_hash(tmp_path):
+    """HAProxy with consistent hashing on the session header (bounded loads) relays the same workload."""
+    require_binary("haproxy")
+    result = run_baselines(["haproxy-hash"], setup=TINY, run_dir=tmp_path, progress=False)
+    _check_baseline_row(result, "haproxy-hash")
+    config = (tmp_path / "seed0" / "haproxy-hash" / "haproxy-hash.cfg").read_text()
+    assert "balance hdr(X-Session-ID)" in config and "hash-balance-factor 125" in config
 
 
 def test_missing_baseline_is_skipped_with_reason(tmp_path, monkeypatch):
@@ -189,7 +199,7 @@ def test_benchmark_clis_map_flags_to_their_setup():
     assert (setup.replicas, setup.time_scale, setup.turns, args.systems) == (3, 0.5, LiveSetup().turns, ["skylb"])
     assert args.out_md == "bench/results/live.md"
     args = baselines.build_parser().parse_args(["--conversations", "7"])
-    assert harness.setup_from_args(BaselinesSetup, args) == BaselinesSetup(conversations=7)
+    assert baselines.setup_and_seeds(args) == (BaselinesSetup(conversations=7), list(baselines.DEFAULT_SEEDS))
     assert args.out_md == "bench/results/baselines.md"
 
 
@@ -246,9 +256,16 @@ def test_demo_accepts_a_trace_window():
 
 
 def test_baselines_seeds_flag():
-    """``--seeds 0,2`` runs seeds 0 and 2; anything but comma-separated integers is a usage error (exit 2)."""
-    assert baselines.build_parser().parse_args(["--seeds", "0,2"]).seeds == [0, 2]
-    assert baselines.build_parser().parse_args([]).seeds is None
+    """``--seeds 0,2`` runs seeds 0 and 2, ``--seed 3`` seed 3 alone, neither the five default paired runs (seeds
+    0-4); anything but comma-separated integers is a usage error (exit 2)."""
+    def seeds(*argv):
+        setup, chosen = baselines.setup_and_seeds(baselines.build_parser().parse_args(list(argv)))
+        assert setup.seed == chosen[0]
+        return chosen
+
+    assert seeds("--seeds", "0,2") == [0, 2]
+    assert seeds("--seed", "3") == [3]
+    assert seeds() == [0, 1, 2, 3, 4]
     with pytest.raises(SystemExit) as exc:
         baselines.build_parser().parse_args(["--seeds", "zero"])
     assert exc.value.code == 2

@@ -36,3 +36,25 @@ def test_a_changed_figure_or_a_missing_marker_is_caught(tmp_path):
     assert glance.updated(f"x\n{glance.START}\nold\n{glance.END}\ny", "NEW") == "x\nNEW\ny"
     with pytest.raises(ValueError, match="markers"):
         glance.updated("no markers here", "NEW")
+
+
+def test_the_baselines_result_is_quoted_with_its_targets(tmp_path):
+    """baselines.json gives a bullet with each system's req/s, P90 TTFT and CPU ms/request (mean [min, max] over
+    the paired runs) and one line per target, met or missed; a changed figure changes it."""
+    data = {"seeds": [0, 1], "workload": "synthetic: 512 requests",
+            "provenance": {"commit": "abc123", "date": "2026-01-02T03:04:05Z", "machine": {"cores": 2}},
+            "summary": [{"system": "skylb", "rps": [10.0, 12.0], "ttft_p90": [800, 1000], "cpu_ms": [5.0, 7.0]},
+                        {"system": "haproxy-hash", "rps": [11.0, 11.0], "ttft_p90": [900, 900], "cpu_ms": [1.0, 1.0]}],
+            "acceptance": [
+                ["mean TTFT p90 the lowest of all systems", "900 ms; lowest other haproxy-hash 900 ms", False],
+                ["peak pending requests per replica <= 2", "max 1", True]]}
+    (tmp_path / "baselines.json").write_text(json.dumps(data))
+    block = glance.render(tmp_path)
+    assert ("skylb 11.00 [10.00, 12.00] req/s, P90 TTFT 900 [800, 1000] ms, CPU 6.00 [5.00, 7.00] ms/request"
+            in block)
+    assert "2 paired runs; commit `abc123`, 2026-01-02, 2 cores" in block
+    assert "  - mean TTFT p90 the lowest of all systems: 900 ms; lowest other haproxy-hash 900 ms, **missed**" in block
+    assert "  - peak pending requests per replica <= 2: max 1, **met**" in block
+    data["summary"][0]["rps"] = [10.0, 14.0]
+    (tmp_path / "baselines.json").write_text(json.dumps(data))
+    assert glance.render(tmp_path) != block
