@@ -368,7 +368,7 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
               f"- Per system a fresh `skylb local` deployment (bench/local.py `Deployment`, real processes): "
               f"regions us, eu, asia with {s['replicas']} emulated vLLM replicas each (`--max-num-seqs "
               f"{s['max_num_seqs']}`, `--time-scale {s['time_scale']:g}`), controller, one balancer per region "
-              f"(default config: probe every 100 ms, tau 2, `max_dispatch_per_probe 4`), the latency proxy "
+              f"(default config: probe every 100 ms, tau 2, each replica's batch learned from its probes), the latency proxy "
               f"between balancers with round trips {rtt}.",
               f"- Workload: {result['workload']}; " + (
                   f"open loop, trace `{s['trace']}` from {s.get('start_s', 0):g} s for {s.get('window_s', 0):g} s of "

@@ -4,10 +4,13 @@ time to first token, forwarding when a peer's estimate plus the round trip is lo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from skylb.core import AvailabilityRules, PeerStatus, Request, Router, make_policy
 from skylb.core.estimate import WaitModel, prompt_tokens
+from skylb.core.rates import ModelRates
 from skylb.core.state import ReplicaState
 from tests.policy_table import replicas
 
@@ -284,3 +287,27 @@ def test_fcfs_without_lookahead():
     assert [x.request.id for x in router.dispatch(5.0)] == ["q0"]
     router.observe_replica("r0", now=6.0, healthy=True, pending=0, running=1)
     assert [x.request.id for x in router.dispatch(6.0)] == ["q1"]
+
+
+# -- mixed hardware: waiting for a faster replica -------------------------------------------------------------------
+
+def test_a_request_waits_for_a_faster_busy_replica_unless_the_queue_is_long():
+    """One slot per replica, r0 4x faster than r1 (measured). With r0 busy, r1 takes the head only once r0 could not
+    finish its backlog and the whole queue before r1 finished the head: 4 s on r1 against 1 s of backlog plus 1 s
+    per queued request (400 characters at 0.25 tokens per character, 10 or 40 ms per token)."""
+    router = _router(n=2, peers=())
+    fast, slow = router.replicas["r0"], router.replicas["r1"]
+    for state, per_token in ((fast, 0.01), (slow, 0.04)):
+        state.max_concurrency = 1
+        state.rates.models[""] = ModelRates(time_per_token_s=per_token, samples=3)
+    fast.outstanding = 1
+    router.policy.rates.dispatched(fast.rates, "running", "", "x" * 400)
+    router.enqueue(Request("q0", "y" * 400, arrived_at=0.0))
+    assert router.dispatch(0.1) == []  # 4 s on r1 > 1 s backlog + 1 x 1 s on r0
+    for i in range(1, 4):
+        router.enqueue(Request(f"q{i}", "y" * 400, arrived_at=0.0))
+    assert [(d.request.id, d.target) for d in router.dispatch(0.2)] == [("q0", "r1")]  # 4 s < 1 s + 4 x 1 s
+    router.policy.options = dataclasses.replace(router.policy.options, hold_for_faster=False)
+    fast.outstanding, slow.outstanding = 1, 0
+    router.enqueue(Request("q9", "y" * 400, arrived_at=0.0))
+    assert [d.request.id for d in router.dispatch(0.3)] == ["q1"]  # off: room wins

@@ -287,6 +287,11 @@ class Router:
         if local:
             replica = policy.pick_replica(request, local)
             peer = policy.prefer_peer(request, replica, peers) if peers else None
+            if peer is None and policy.holds_for_faster and len(local) < len(self.replicas):
+                busy = [r for r in self.replicas.values()
+                        if r not in local and r.serves(model, api) and self._replica_usable(r, now)]
+                if busy and policy.hold_for_faster(request, replica, busy, len(self.queue)):
+                    return None
             if peer is None:
                 replica.outstanding += 1
                 replica.dispatch_times.append(now)

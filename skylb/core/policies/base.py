@@ -59,6 +59,8 @@ class Policy:
     Options: ClassVar[type] = NoOptions
     reuse_freed_slots: ClassVar[bool] = True
     queue_lookahead: int = 0
+    #: Whether ``hold_for_faster`` may keep a request queued (the Router skips building its arguments otherwise).
+    holds_for_faster: bool = False
     max_bypass: int = 0
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs):
@@ -108,6 +110,13 @@ class Policy:
         """A peer to forward ``request`` to although local ``replica`` (already picked) could take it, or None
         (the default: a local replica with room always wins, the paper's rule)."""
         return None
+
+    def hold_for_faster(self, request: Request, replica: ReplicaState, busy: Sequence[ReplicaState],
+                        queued: int) -> bool:
+        """True to keep ``request`` queued although ``replica`` (already picked) could take it now, because one of
+        ``busy`` (usable replicas serving its model, full now) would finish it sooner; ``queued``: requests in this
+        balancer's queue, ``request`` included. Default: False (a replica with room always takes the request)."""
+        return False
 
     def next_in_queue(self, window: Sequence[Request], local: Sequence[ReplicaState], peers: Sequence[PeerState],
                       replicas: Sequence[ReplicaState]) -> int:

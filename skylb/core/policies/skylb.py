@@ -30,6 +30,14 @@ Builds on the paper's rule (``skylb-paper``, prefix.py) with what measurements o
   (``Request.waited_s``, the ``X-SkyLB-Queue-Ms`` header), so it queues ahead of younger requests. Without this, a
   busy region's requests wait tens of seconds while its peers serve requests that arrived a moment ago (Mooncake
   trace at 2x: us P90 TTFT 50 s, eu and asia 15-17 s; a single scheduler with a global queue, 31 s everywhere).
+* Waiting for a faster replica (``hold_for_faster``): on mixed hardware, a request the only replica with room would
+  finish later than a busy, faster replica would finish the whole queue (this request included) waits here for the
+  faster one: with n queued requests, a replica with room takes the head only if its service time for it (measured
+  time per token, OllamaRouter's W^ without a queue) is below the faster one's backlog plus n of its service
+  times. This is OllamaRouter's choice (a slow host gets a request once the fast one's queue is long enough, its
+  Algorithm 1) made with the requests held here instead of pushed into the engines' queues: on one host 4x slower
+  than the other, selective pushing alone gave the slow host every request that arrived while the fast one was
+  busy, and the last of them finished long after the fast host would have.
 * Look-ahead (``queue_lookahead``): when a replica has room, the first of the next ``queue_lookahead`` queued
   requests whose prefix that replica holds goes there before a head that has no match on it (SGLang's scheduler
   orders its waiting queue by longest prefix match for the same reason: under load, each cache hit is prefill
@@ -48,6 +56,7 @@ from skylb.core.policies.base import OPTIONS_CONFIG
 from skylb.core.policies.skylb_paper import SkyLBPaperOptions, SkyLBPaperPolicy
 from skylb.core.policies.estimated_wait import pick_by_estimated_wait
 from skylb.core.policies.scoring import prefix_lookahead
+from skylb.core.rates import request_chars
 
 __all__ = ["SkyLBPolicy", "SkyLBOptions"]
 
@@ -75,6 +84,9 @@ class SkyLBOptions(SkyLBPaperOptions):
             then turns) or "least-load" (fewest in flight, then turns: the behaviour before measured speeds).
         measured_prefill: use a replica's measured prefill rate in place of ``prefill_tokens_per_s`` once it is
             measured (skylb/core/estimate.py WaitModel).
+        hold_for_faster: keep a request queued for a busy replica that would finish the queue sooner (above).
+        faster_ratio: a replica counts as faster when its measured time per token is below the picked one's
+            divided by this (identical replicas differ by noise, and then nothing is held).
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
             piled sessions and popular prompts onto one replica (simulated Arena and WildChat, seeds 0-1: variance
@@ -82,6 +94,8 @@ class SkyLBOptions(SkyLBPaperOptions):
     """
 
     balance_abs_threshold: int = Field(8, ge=0)
+    hold_for_faster: bool = True
+    faster_ratio: float = Field(1.5, ge=1)
     prefill_tokens_per_s: float = Field(2000.0, gt=0)
     backlog_budget_tokens: int = Field(2048, ge=0)
     kv_high_watermark: float = Field(0.95, gt=0, le=1)
@@ -99,6 +113,7 @@ class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
 
     Options = SkyLBOptions
     reuse_freed_slots = True
+    holds_for_faster = True
 
     def __init__(self, options: SkyLBOptions | None = None):
         super().__init__(options)
@@ -180,6 +195,26 @@ class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
             top = max(ratio.values())
             tied = pick_by_estimated_wait(self.rates, request, [c for c in tied if ratio[c.id] == top])
         return self.least_loaded(tied)
+
+    def hold_for_faster(self, request, replica, busy, queued):
+        """True when a measured replica of ``busy`` at least ``faster_ratio`` x faster than ``replica`` would
+        finish its backlog plus ``queued`` requests of this one's size before ``replica`` finished this one."""
+        if not self.options.hold_for_faster:
+            return False
+        model = request.model
+        mine = replica.rates.for_model(model)
+        if mine is None:
+            return False
+        tokens = request_chars(request) * self.rates.token_factor
+        own_s = tokens * mine.time_per_token_s
+        for other in busy:
+            theirs = other.rates.for_model(model)
+            if theirs is None or theirs.time_per_token_s * self.options.faster_ratio > mine.time_per_token_s:
+                continue
+            backlog_s = self.rates.queue_wait_s(other.rates, model) or 0.0
+            if own_s > backlog_s + queued * tokens * theirs.time_per_token_s:
+                return True
+        return False
 
     def peer_cost_s(self, request, peer, ratio: float, replica=None) -> float | None:
         """Estimated seconds to ``request``'s first token through ``peer`` (its status's wait, the round trip, the
