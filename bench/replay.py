@@ -98,9 +98,10 @@ async def fetch_model(session: aiohttp.ClientSession, base_url: str, *, timeout_
 
 
 class _Stream:
-    """Running state of one streamed response: TTFT, usage, received words, error, and whether [DONE] came."""
+    """Running state of one streamed response: TTFT, usage, received words, error, whether [DONE] came, and the
+    completion's ``id``."""
 
-    __slots__ = ("start", "ttft_s", "usage", "words", "error", "done")
+    __slots__ = ("start", "ttft_s", "usage", "words", "error", "done", "response_id")
 
     def __init__(self, start: float) -> None:
         self.start = start
@@ -109,12 +110,15 @@ class _Stream:
         self.words = 0
         self.error: str | None = None
         self.done = False
+        self.response_id: str | None = None
 
     def feed(self, obj: Any, now: float) -> None:
         """Apply one decoded completion object (an SSE ``data:`` payload or a whole non-streamed body)."""
         if not isinstance(obj, dict):
             self.error = f"unexpected chunk: {str(obj)[:ERROR_BODY_CHARS]}"
             return
+        if self.response_id is None and isinstance(obj.get("id"), str):
+            self.response_id = obj["id"]
         if "error" in obj:
             err = obj["error"]
             self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:ERROR_BODY_CHARS]
@@ -221,6 +225,7 @@ async def send_request(
     record.e2e_ms = (loop.time() - start) * 1000.0
     record.ttft_ms = None if stream.ttft_s is None else stream.ttft_s * 1000.0
     record.error = stream.error
+    record.response_id = stream.response_id
     usage = stream.usage or {}
     if isinstance(usage.get("prompt_tokens"), int):
         record.prompt_tokens = usage["prompt_tokens"]
