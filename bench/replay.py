@@ -5,6 +5,10 @@ its own region's balancer (``POST /v1/completions``, streamed, OpenAI API) at it
 ``think_s`` after the previous turn of its conversation completed (closed loop, synthetic conversations), records
 TTFT, end-to-end latency, usage and the balancer's routing headers, and writes the records and the report
 (bench/report.py) as JSON. Every request ends in exactly one record: completed, or failed with the reason.
+
+:func:`replay_sessions` drives closed-loop clients instead: a fixed number of clients per region, each running its
+region's sessions (e.g. the trace's, bench/workload.py ``trace_sessions``) one request at a time, so the offered
+load follows what the system serves rather than a clock.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ import contextlib
 import json
 import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import aiohttp
 from tqdm import tqdm
@@ -40,6 +44,7 @@ __all__ = [
     "send_request",
     "default_deadline_s",
     "replay",
+    "replay_sessions",
     "replay_and_report",
     "add_arguments",
     "main",
@@ -369,6 +374,98 @@ async def replay(
                                          prompt_tokens=r.prompt_tokens,
                                          error=f"replay deadline of {deadline_s:g} s reached ({why})"))  # fmt: skip
             bar.close()
+    return ReplayResult([records[r.id] for r in requests], wall_s)
+
+
+async def replay_sessions(
+    sessions: Sequence[Sequence[Request]],
+    clients: Mapping[str, int],
+    balancers: Mapping[str, str],
+    *,
+    model: str,
+    request_timeout_s: float = 300.0,
+    deadline_s: float | None = None,
+    ramp_s: float = 0.0,
+    progress: bool | None = None,
+) -> ReplayResult:
+    """Closed-loop clients: ``clients[region]`` clients per region, each with at most one request in flight.
+
+    A client takes the next session of its region (in ``sessions`` order; a session's region is its first
+    request's) and sends the session's requests one after another, each ``think_s`` after the client's previous
+    request ended (completed or failed; the client's very first request goes without a pause), then takes the next
+    session, until its region has none left. Client k of a region's n starts ``ramp_s * k / n`` s after the start,
+    so the clients do not all arrive in the same millisecond. Which client runs a session depends on timing, but
+    every system is sent the same requests in the same order of sessions per region, and the offered load is
+    closed: a system that serves faster is sent more per second (an open-loop replay fixes the rate instead, so its
+    throughput only echoes the offered load).
+
+    ``balancers``: region -> the base URL that region's clients call. ``request_timeout_s`` bounds each request,
+    ``deadline_s`` the whole replay (default: every client's share of requests, plus the longest session, at the
+    request timeout and the longest think time each); requests in flight or unsent at the deadline get failed
+    records. Returns one record per request, in ``sessions`` order, and the wall time until the last client
+    finished (s). Raises ReplayError before sending anything when a region with sessions has no balancer or no
+    client, a session mixes regions, or request ids repeat.
+    """
+    sessions = [list(s) for s in sessions if s]
+    requests = [r for s in sessions for r in s]
+    if len({r.id for r in requests}) != len(requests):
+        raise ReplayError("request ids are not unique")
+    pools: dict[str, deque[list[Request]]] = defaultdict(deque)
+    for s in sessions:
+        if any(r.region != s[0].region for r in s):
+            raise ReplayError(f"session {s[0].session_id} mixes regions")
+        pools[s[0].region].append(s)
+    missing = sorted(g for g in pools if g not in balancers or clients.get(g, 0) < 1)
+    if missing:
+        raise ReplayError(f"sessions for region(s) {', '.join(missing)} but no balancer or no client there")
+    if not requests:
+        return ReplayResult([], 0.0)
+    if deadline_s is None:
+        share = -(-len(requests) // sum(clients[g] for g in pools)) + max(len(s) for s in sessions)
+        longest_think = max(max(r.think_s for r in requests), THINK_S[1])
+        deadline_s = ramp_s + share * (request_timeout_s + longest_think) + 30.0
+    if progress is None:
+        progress = sys.stderr.isatty()
+
+    records: dict[str, RequestRecord] = {}
+    in_flight: dict[str, float] = {}  # request id -> sent_s, for the records of requests cut by the deadline
+    loop = asyncio.get_running_loop()
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, request_timeout_s))
+    bar = tqdm(total=len(requests), desc="replay", unit="req", disable=not progress, file=sys.stderr)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+        t0 = loop.time()
+
+        async def client(region: str, k: int, n: int) -> None:
+            await asyncio.sleep(ramp_s * k / n)
+            first = True
+            while pools[region]:
+                for request in pools[region].popleft():
+                    if not first and request.think_s > 0:
+                        await asyncio.sleep(request.think_s)
+                    first = False
+                    in_flight[request.id] = loop.time() - t0
+                    record = await send_request(http, balancers[region], model, request,
+                                                timeout_s=request_timeout_s, clock_zero=t0)
+                    in_flight.pop(request.id, None)
+                    records[record.id] = record
+                    bar.update(1)
+
+        tasks = [asyncio.create_task(client(g, k, clients[g])) for g in pools for k in range(clients[g])]
+        try:
+            await asyncio.wait(tasks, timeout=max(0.0, deadline_s))
+            wall_s = loop.time() - t0
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            bar.close()
+    for r in requests:
+        if r.id not in records:
+            sent = in_flight.get(r.id)
+            why = "in flight" if sent is not None else "not sent"
+            records[r.id] = RequestRecord(r.id, r.region, r.session_id, r.turn, sent_s=sent,
+                                          prompt_tokens=r.prompt_tokens,
+                                          error=f"replay deadline of {deadline_s:g} s reached ({why})")
     return ReplayResult([records[r.id] for r in requests], wall_s)
 
 
