@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import sys
 import time
 from collections import defaultdict, deque
@@ -384,6 +385,7 @@ async def replay_sessions(
     *,
     model: str,
     request_timeout_s: float = 300.0,
+    issue_s: float | None = None,
     deadline_s: float | None = None,
     ramp_s: float = 0.0,
     progress: bool | None = None,
@@ -393,18 +395,21 @@ async def replay_sessions(
     A client takes the next session of its region (in ``sessions`` order; a session's region is its first
     request's) and sends the session's requests one after another, each ``think_s`` after the client's previous
     request ended (completed or failed; the client's very first request goes without a pause), then takes the next
-    session, until its region has none left. Client k of a region's n starts ``ramp_s * k / n`` s after the start,
-    so the clients do not all arrive in the same millisecond. Which client runs a session depends on timing, but
-    every system is sent the same requests in the same order of sessions per region, and the offered load is
-    closed: a system that serves faster is sent more per second (an open-loop replay fixes the rate instead, so its
-    throughput only echoes the offered load).
+    session, until its region has none left or, with ``issue_s``, until ``issue_s`` s after the start: a client
+    sends nothing later than that and stops when its request in flight ends, so a run of fixed length measures what
+    a system serves in it (the requests not sent by then are left out of the result, not failed). Client k of a
+    region's n starts ``ramp_s * k / n`` s after the start, so the clients do not all arrive in the same
+    millisecond. Which client runs a session depends on timing, but every system is sent the same sessions in the
+    same order per region, and the offered load is closed: a system that serves faster is sent more per second (an
+    open-loop replay fixes the rate instead, so its throughput only echoes the offered load).
 
     ``balancers``: region -> the base URL that region's clients call. ``request_timeout_s`` bounds each request,
-    ``deadline_s`` the whole replay (default: every client's share of requests, plus the longest session, at the
-    request timeout and the longest think time each); requests in flight or unsent at the deadline get failed
-    records. Returns one record per request, in ``sessions`` order, and the wall time until the last client
-    finished (s). Raises ReplayError before sending anything when a region with sessions has no balancer or no
-    client, a session mixes regions, or request ids repeat.
+    ``deadline_s`` the whole replay (default: ``issue_s`` plus one request timeout, or without ``issue_s`` every
+    client's share of requests plus the longest session, at the request timeout and the longest think time each);
+    requests in flight at the deadline get failed records, and so do unsent ones when there is no ``issue_s``.
+    Returns the records of the requests sent (all of them without ``issue_s``), in ``sessions`` order, and the
+    wall time until the last client stopped (s). Raises ReplayError before sending anything when a region with
+    sessions has no balancer or no client, a session mixes regions, or request ids repeat.
     """
     sessions = [list(s) for s in sessions if s]
     requests = [r for s in sessions for r in s]
@@ -421,9 +426,7 @@ async def replay_sessions(
     if not requests:
         return ReplayResult([], 0.0)
     if deadline_s is None:
-        share = -(-len(requests) // sum(clients[g] for g in pools)) + max(len(s) for s in sessions)
-        longest_think = max(max(r.think_s for r in requests), THINK_S[1])
-        deadline_s = ramp_s + share * (request_timeout_s + longest_think) + 30.0
+        deadline_s = _sessions_deadline_s(sessions, clients, request_timeout_s, issue_s=issue_s, ramp_s=ramp_s)
     if progress is None:
         progress = sys.stderr.isatty()
 
@@ -431,9 +434,11 @@ async def replay_sessions(
     in_flight: dict[str, float] = {}  # request id -> sent_s, for the records of requests cut by the deadline
     loop = asyncio.get_running_loop()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, request_timeout_s))
-    bar = tqdm(total=len(requests), desc="replay", unit="req", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=None if issue_s else len(requests), desc="replay", unit="req", disable=not progress,
+               file=sys.stderr)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
         t0 = loop.time()
+        stop_at = math.inf if issue_s is None else t0 + issue_s
 
         async def client(region: str, k: int, n: int) -> None:
             await asyncio.sleep(ramp_s * k / n)
@@ -443,6 +448,8 @@ async def replay_sessions(
                     if not first and request.think_s > 0:
                         await asyncio.sleep(request.think_s)
                     first = False
+                    if loop.time() >= stop_at:
+                        return
                     in_flight[request.id] = loop.time() - t0
                     record = await send_request(http, balancers[region], model, request,
                                                 timeout_s=request_timeout_s, clock_zero=t0)
@@ -460,13 +467,25 @@ async def replay_sessions(
             await asyncio.gather(*tasks, return_exceptions=True)
             bar.close()
     for r in requests:
-        if r.id not in records:
-            sent = in_flight.get(r.id)
+        sent = in_flight.get(r.id)
+        if r.id not in records and (sent is not None or issue_s is None):
             why = "in flight" if sent is not None else "not sent"
             records[r.id] = RequestRecord(r.id, r.region, r.session_id, r.turn, sent_s=sent,
                                           prompt_tokens=r.prompt_tokens,
                                           error=f"replay deadline of {deadline_s:g} s reached ({why})")
-    return ReplayResult([records[r.id] for r in requests], wall_s)
+    return ReplayResult([records[r.id] for r in requests if r.id in records], wall_s)
+
+
+def _sessions_deadline_s(sessions: list[list[Request]], clients: Mapping[str, int], request_timeout_s: float, *,
+                         issue_s: float | None, ramp_s: float) -> float:
+    """The default deadline of :func:`replay_sessions` (s): one request timeout (and think time) after the send
+    window, or without one, every client's share of the requests plus the longest session at that much each."""
+    requests = [r for s in sessions for r in s]
+    longest_think = max(max(r.think_s for r in requests), THINK_S[1])
+    if issue_s is not None:
+        return issue_s + longest_think + request_timeout_s + 30.0
+    share = -(-len(requests) // sum(clients.get(g, 0) for g in {s[0].region for s in sessions}))
+    return ramp_s + (share + max(len(s) for s in sessions)) * (request_timeout_s + longest_think) + 30.0
 
 
 async def replay_and_report(
