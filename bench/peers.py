@@ -26,7 +26,8 @@ eu-asia 200 ms) injected by the latency proxy (bench/latency). Systems (:data:`S
 Clients (bench/replay.py ``replay_sessions``): closed loop, ``clients`` in all, split us 0.6, eu 0.2, asia 0.2 (the
 paper's 120/40/40 clients, §5.2); each has one request in flight and runs its region's sessions of the Mooncake
 conversation trace (bench/workload.py ``trace_sessions``, sessions assigned to regions with the same weights) turn by
-turn. A client calls its nearest entry point: its region's balancer (SkyLB, per-region HAProxy), or the one in us,
+turn, for a send window of ``duration_s``; throughput counts the requests completed within it. A client calls its
+nearest entry point: its region's balancer (SkyLB, per-region HAProxy), or the one in us,
 reached from eu and asia through a link with the round trip to us. Every system is started fresh (fresh replicas:
 cold prefix caches) for each run; within a run every system gets the same sessions (the run's workload seed), and the
 rounds interleave the systems, rotating which goes first.
@@ -461,7 +462,7 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-#: The figures summarized over runs: (key in a row's figures, or a function of them).
+#: The figures (keys of a row's figures) summarized over runs.
 _SUMMARY_KEYS = ("throughput_rps", "ttft_p50_ms", "ttft_p90_ms", "cross_region_frac", "forwarded_frac",
                  "prefix_hit_rate", "cpu_ms_per_request", "cpu_busy_frac", "completed_in_window", "wall_s")
 

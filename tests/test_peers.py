@@ -232,8 +232,9 @@ def test_report_has_acceptance_summary_runs_and_setup():
 
 @pytest.mark.timeout(60)
 def test_live_smoke_balancer_in_us_through_the_links(tmp_path):
-    """haproxy-us on one replica per region, a few clients for two seconds: every request completes, eu and asia
-    clients reach it through their links, and every response is attributed to a replica."""
+    """haproxy-us on one replica per region, a few clients for two seconds: every request completes, every response
+    is attributed to a replica, and the round trips land where they should: an eu or asia client pays its round
+    trip to us, a us client served in asia pays us-asia."""
     if unavailable_reason("haproxy"):
         pytest.skip(unavailable_reason("haproxy"))
     setup = PeersSetup(replicas=1, max_num_seqs=2, time_scale=0.05, clients=4, duration_s=2.0, token_scale=0.02,
@@ -246,3 +247,14 @@ def test_live_smoke_balancer_in_us_through_the_links(tmp_path):
     f = row["figures"]
     assert f["completed"] == f["sent"] > 3 and f["served_unknown"] == 0 and f["cross_region_frac"] > 0
     assert row["entry"]["eu"] != row["entry"]["us"] != row["entry"]["asia"]
+    records = json.loads((tmp_path / "haproxy-us" / "records.json").read_text())["records"]
+    urls = {g: [f"http://127.0.0.1:{json.loads(line)['ports'][0]}"
+                for line in (tmp_path / "haproxy-us" / "logs" / f"emulator-{g}.log").read_text().splitlines()
+                if "emulator_started" in line] for g in ("us", "eu", "asia")}
+    served = peers.served_regions(tmp_path / "haproxy-us" / "logs", urls)
+    ttft = {}
+    for r in records:
+        ttft.setdefault((r["region"], served[r["response_id"]].split("/")[0]), []).append(r["ttft_ms"])
+    rtt = peers._latency(setup).rtt
+    for (client, replica), values in ttft.items():
+        assert min(values) >= 0.9 * (rtt(client, "us") + rtt("us", replica)), (client, replica, values)
