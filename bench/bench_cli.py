@@ -365,6 +365,8 @@ LIVE_BENCHMARKS = {
                  "replicas and workload, in 5 paired runs (bench/results/baselines.md)",
     "overhead": "the balancer's own cost: added latency, request rate, SSE relay, decision time, memory",
     "live": "the paper's scenarios scaled down on the local three-region deployment (bench/results/live.md)",
+    "peers": "SkyLB's balancer per region beside one SGLang router or HAProxy in us for every region's replicas, "
+             "and beside a HAProxy per region, with the round trips between regions (bench/results/peers.md)",
     "calibrate": "the engine model beside the paper's L4 figure and a real llama-server, the same requests on "
                  "both (bench/results/calibration.md)",
     "failover": "detection, failover, DNS and recovery times when a region's balancer dies, with real processes "

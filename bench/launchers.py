@@ -111,17 +111,19 @@ def versions() -> dict[str, str | None]:
 
 
 def start_emulator(procs: ProcGroup, ports: Sequence[int], *, time_scale: float, max_num_seqs: int,
-                   extra_args: Sequence[str] = (), name: str = "emulator") -> list[str]:
+                   extra_args: Sequence[str] = (), name: str = "emulator", request_log: bool = False) -> list[str]:
     """Start one ``skylb emulator --engine vllm`` process serving a replica on each of ``ports``.
 
     ``time_scale`` multiplies every emulated duration (1.0 = Llama-3.1-8B on one L4); ``max_num_seqs`` is each
-    replica's running-batch size (requests). Returns the replicas' base URLs once all answer /health.
+    replica's running-batch size (requests). ``request_log``: the emulator logs one ``request_finished`` line per
+    request (replica, request id = the completion's ``id``), which tells which replica served a response that
+    passed a balancer naming no replica. Returns the replicas' base URLs once all answer /health.
     """
     port_args = [a for p in ports for a in ("--port", str(p))]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs.skylb("emulator", "--engine", "vllm", "--model", MODEL, "--time-scale", repr(time_scale),
-                "--max-num-seqs", str(max_num_seqs), "--no-request-log", *port_args, *extra_args,
-                name=name, wait_url=f"{urls[0]}/health")
+                "--max-num-seqs", str(max_num_seqs), *([] if request_log else ["--no-request-log"]), *port_args,
+                *extra_args, name=name, wait_url=f"{urls[0]}/health")
     for url in urls[1:]:
         wait_http(f"{url}/health", timeout_s=20)
     return urls

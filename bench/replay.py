@@ -5,6 +5,10 @@ its own region's balancer (``POST /v1/completions``, streamed, OpenAI API) at it
 ``think_s`` after the previous turn of its conversation completed (closed loop, synthetic conversations), records
 TTFT, end-to-end latency, usage and the balancer's routing headers, and writes the records and the report
 (bench/report.py) as JSON. Every request ends in exactly one record: completed, or failed with the reason.
+
+:func:`replay_sessions` drives closed-loop clients instead: a fixed number of clients per region, each running its
+region's sessions (e.g. the trace's, bench/workload.py ``trace_sessions``) one request at a time, so the offered
+load follows what the system serves rather than a clock.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import aiohttp
 from tqdm import tqdm
@@ -40,6 +45,7 @@ __all__ = [
     "send_request",
     "default_deadline_s",
     "replay",
+    "replay_sessions",
     "replay_and_report",
     "add_arguments",
     "main",
@@ -98,9 +104,10 @@ async def fetch_model(session: aiohttp.ClientSession, base_url: str, *, timeout_
 
 
 class _Stream:
-    """Running state of one streamed response: TTFT, usage, received words, error, and whether [DONE] came."""
+    """Running state of one streamed response: TTFT, usage, received words, error, whether [DONE] came, and the
+    completion's ``id``."""
 
-    __slots__ = ("start", "ttft_s", "usage", "words", "error", "done")
+    __slots__ = ("start", "ttft_s", "usage", "words", "error", "done", "response_id")
 
     def __init__(self, start: float) -> None:
         self.start = start
@@ -109,12 +116,15 @@ class _Stream:
         self.words = 0
         self.error: str | None = None
         self.done = False
+        self.response_id: str | None = None
 
     def feed(self, obj: Any, now: float) -> None:
         """Apply one decoded completion object (an SSE ``data:`` payload or a whole non-streamed body)."""
         if not isinstance(obj, dict):
             self.error = f"unexpected chunk: {str(obj)[:ERROR_BODY_CHARS]}"
             return
+        if self.response_id is None and isinstance(obj.get("id"), str):
+            self.response_id = obj["id"]
         if "error" in obj:
             err = obj["error"]
             self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:ERROR_BODY_CHARS]
@@ -221,6 +231,7 @@ async def send_request(
     record.e2e_ms = (loop.time() - start) * 1000.0
     record.ttft_ms = None if stream.ttft_s is None else stream.ttft_s * 1000.0
     record.error = stream.error
+    record.response_id = stream.response_id
     usage = stream.usage or {}
     if isinstance(usage.get("prompt_tokens"), int):
         record.prompt_tokens = usage["prompt_tokens"]
@@ -365,6 +376,116 @@ async def replay(
                                          error=f"replay deadline of {deadline_s:g} s reached ({why})"))  # fmt: skip
             bar.close()
     return ReplayResult([records[r.id] for r in requests], wall_s)
+
+
+async def replay_sessions(
+    sessions: Sequence[Sequence[Request]],
+    clients: Mapping[str, int],
+    balancers: Mapping[str, str],
+    *,
+    model: str,
+    request_timeout_s: float = 300.0,
+    issue_s: float | None = None,
+    deadline_s: float | None = None,
+    ramp_s: float = 0.0,
+    progress: bool | None = None,
+) -> ReplayResult:
+    """Closed-loop clients: ``clients[region]`` clients per region, each with at most one request in flight.
+
+    A client takes the next session of its region (in ``sessions`` order; a session's region is its first
+    request's) and sends the session's requests one after another, each ``think_s`` after the client's previous
+    request ended (completed or failed; the client's very first request goes without a pause), then takes the next
+    session, until its region has none left or, with ``issue_s``, until ``issue_s`` s after the start: a client
+    sends nothing later than that and stops when its request in flight ends, so a run of fixed length measures what
+    a system serves in it (the requests not sent by then are left out of the result, not failed). Client k of a
+    region's n starts ``ramp_s * k / n`` s after the start, so the clients do not all arrive in the same
+    millisecond. Which client runs a session depends on timing, but every system is sent the same sessions in the
+    same order per region, and the offered load is closed: a system that serves faster is sent more per second (an
+    open-loop replay fixes the rate instead, so its throughput only echoes the offered load).
+
+    ``balancers``: region -> the base URL that region's clients call. ``request_timeout_s`` bounds each request,
+    ``deadline_s`` the whole replay (default: ``issue_s`` plus one request timeout, or without ``issue_s`` every
+    client's share of requests plus the longest session, at the request timeout and the longest think time each);
+    requests in flight at the deadline get failed records, and so do unsent ones when there is no ``issue_s``.
+    Returns the records of the requests sent (all of them without ``issue_s``), in ``sessions`` order, and the
+    wall time until the last client stopped (s). Raises ReplayError before sending anything when a region with
+    sessions has no balancer or no client, a session mixes regions, or request ids repeat.
+    """
+    sessions = [list(s) for s in sessions if s]
+    requests = [r for s in sessions for r in s]
+    if len({r.id for r in requests}) != len(requests):
+        raise ReplayError("request ids are not unique")
+    pools: dict[str, deque[list[Request]]] = defaultdict(deque)
+    for s in sessions:
+        if any(r.region != s[0].region for r in s):
+            raise ReplayError(f"session {s[0].session_id} mixes regions")
+        pools[s[0].region].append(s)
+    missing = sorted(g for g in pools if g not in balancers or clients.get(g, 0) < 1)
+    if missing:
+        raise ReplayError(f"sessions for region(s) {', '.join(missing)} but no balancer or no client there")
+    if not requests:
+        return ReplayResult([], 0.0)
+    if deadline_s is None:
+        deadline_s = _sessions_deadline_s(sessions, clients, request_timeout_s, issue_s=issue_s, ramp_s=ramp_s)
+    if progress is None:
+        progress = sys.stderr.isatty()
+
+    records: dict[str, RequestRecord] = {}
+    in_flight: dict[str, float] = {}  # request id -> sent_s, for the records of requests cut by the deadline
+    loop = asyncio.get_running_loop()
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, request_timeout_s))
+    bar = tqdm(total=None if issue_s else len(requests), desc="replay", unit="req", disable=not progress,
+               file=sys.stderr)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+        t0 = loop.time()
+        stop_at = math.inf if issue_s is None else t0 + issue_s
+
+        async def client(region: str, k: int, n: int) -> None:
+            await asyncio.sleep(ramp_s * k / n)
+            first = True
+            while pools[region]:
+                for request in pools[region].popleft():
+                    if not first and request.think_s > 0:
+                        await asyncio.sleep(request.think_s)
+                    first = False
+                    if loop.time() >= stop_at:
+                        return
+                    in_flight[request.id] = loop.time() - t0
+                    record = await send_request(http, balancers[region], model, request,
+                                                timeout_s=request_timeout_s, clock_zero=t0)
+                    in_flight.pop(request.id, None)
+                    records[record.id] = record
+                    bar.update(1)
+
+        tasks = [asyncio.create_task(client(g, k, clients[g])) for g in pools for k in range(clients[g])]
+        try:
+            await asyncio.wait(tasks, timeout=max(0.0, deadline_s))
+            wall_s = loop.time() - t0
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            bar.close()
+    for r in requests:
+        sent = in_flight.get(r.id)
+        if r.id not in records and (sent is not None or issue_s is None):
+            why = "in flight" if sent is not None else "not sent"
+            records[r.id] = RequestRecord(r.id, r.region, r.session_id, r.turn, sent_s=sent,
+                                          prompt_tokens=r.prompt_tokens,
+                                          error=f"replay deadline of {deadline_s:g} s reached ({why})")
+    return ReplayResult([records[r.id] for r in requests if r.id in records], wall_s)
+
+
+def _sessions_deadline_s(sessions: list[list[Request]], clients: Mapping[str, int], request_timeout_s: float, *,
+                         issue_s: float | None, ramp_s: float) -> float:
+    """The default deadline of :func:`replay_sessions` (s): one request timeout (and think time) after the send
+    window, or without one, every client's share of the requests plus the longest session at that much each."""
+    requests = [r for s in sessions for r in s]
+    longest_think = max(max(r.think_s for r in requests), THINK_S[1])
+    if issue_s is not None:
+        return issue_s + longest_think + request_timeout_s + 30.0
+    share = -(-len(requests) // sum(clients.get(g, 0) for g in {s[0].region for s in sessions}))
+    return ramp_s + (share + max(len(s) for s in sessions)) * (request_timeout_s + longest_think) + 30.0
 
 
 async def replay_and_report(

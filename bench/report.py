@@ -39,6 +39,8 @@ class RequestRecord:
         error: why it failed (HTTP status and body, an SSE error chunk, a timeout, ...); None when completed.
         route: the ``X-SkyLB-Route`` header of the balancer the client called; None when absent.
         served_by: the ``X-SkyLB-Served-By`` header; None when absent.
+        response_id: the completion's ``id`` (the engine's request id, which its request log names); None when no
+            chunk carried one.
     """
 
     id: str
@@ -55,6 +57,7 @@ class RequestRecord:
     error: str | None = None
     route: str | None = None
     served_by: str | None = None
+    response_id: str | None = None
 
     @property
     def ok(self) -> bool:

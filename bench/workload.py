@@ -22,7 +22,8 @@ has no text, users or regions, so they are derived here:
 * Regions: each session is assigned to one region, drawn with ``region_weights`` from a generator seeded by
   ``(seed, session id)``; every request of the session goes to that region.
 
-Synthetic conversations (no trace): see :func:`synthetic_workload`.
+Synthetic conversations (no trace): see :func:`synthetic_workload`. Closed-loop clients running the trace's
+sessions one request at a time (bench/replay.py ``replay_sessions``): see :func:`trace_sessions`.
 
 What to replay comes from the ``workload`` section of the deployment YAML: :class:`WorkloadConfig` validates it
 (unknown keys are errors), :func:`workload_settings` reads it from a loaded config.
@@ -59,6 +60,7 @@ __all__ = [
     "region_weights",
     "assign_region",
     "trace_workload",
+    "trace_sessions",
     "synthetic_workload",
     "load_workload",
     "describe",
@@ -464,6 +466,62 @@ def synthetic_workload(cfg: WorkloadConfig, regions: Sequence[str]) -> list[Requ
                 previous = rid
     out.sort(key=lambda r: (r.arrival_s, r.session_id, r.turn, r.id))
     return out[: cfg.max_requests] if cfg.max_requests else out
+
+
+@functools.lru_cache(maxsize=2)
+def _sessions_of_trace(path: str) -> tuple[tuple[TraceRow, ...], tuple[str, ...]]:
+    """The rows of the trace at ``path`` and each row's session (:func:`derive_sessions` over the whole trace);
+    cached, since a benchmark builds a workload per run from the same file."""
+    rows = read_trace(path)
+    return tuple(rows), tuple(derive_sessions(rows))
+
+
+def trace_sessions(path: str | Path, regions: Sequence[str], *, weights: dict[str, float], seed: int,
+                   token_scale: float, requests: int, first_session: int = 0,
+                   max_turns: int | None = None) -> list[list[Request]]:
+    """Whole sessions of a Mooncake trace, for closed-loop clients (bench/replay.py ``replay_sessions``).
+
+    Sessions are derived over the whole trace (:func:`derive_sessions`) and taken in the order of their first
+    request, from the ``first_session``-th (0-based) on, until they hold at least ``requests`` requests (fewer
+    when the trace runs out). A session keeps its first ``max_turns`` requests (None: all): a 40-turn session would
+    keep one client busy long after the others finished. Each session goes to one region, drawn with ``weights``
+    and seeded by ``(seed, session id)`` (:func:`assign_region`). Lengths are scaled by ``token_scale`` as in
+    :func:`trace_workload`. The trace's timestamps are not used: turn k+1 of a session is sent when turn k ended, and
+    its ``think_s`` (uniform in :data:`THINK_S`, seeded by ``(seed, request id)``) stands for the user's pause; the
+    trace's own pauses within a session (about 2 minutes at the median) would leave a closed loop idle.
+    ``arrival_s`` is 0 and ``after`` names the session's previous request.
+
+    Raises TraceError for a missing or malformed trace and ValueError for bad weights, a ``requests`` below 1, or a
+    ``first_session`` beyond the trace's sessions.
+    """
+    if requests < 1:
+        raise ValueError(f"requests must be >= 1, got {requests}")
+    rows, session_of = _sessions_of_trace(str(Path(path).resolve()))
+    by_session: dict[str, list[TraceRow]] = {}
+    for row, session in zip(rows, session_of):
+        by_session.setdefault(session, []).append(row)  # insertion order: the order of first requests
+    if not 0 <= first_session < len(by_session):
+        raise ValueError(f"first_session {first_session} is outside the trace's {len(by_session)} sessions")
+    weighted = region_weights(weights, regions)
+    block_words = _scaled(TRACE_BLOCK_TOKENS, token_scale)
+    out: list[list[Request]] = []
+    total = 0
+    for session, turns in list(by_session.items())[first_session:]:
+        region = assign_region(session, weighted, seed)
+        chain: list[Request] = []
+        for turn, row in enumerate(turns[:max_turns] if max_turns else turns):
+            rid = f"trace-{row.line:06d}"
+            chain.append(Request(
+                id=rid, arrival_s=0.0, region=region, session_id=session,
+                prompt_tokens=_scaled(row.input_length, token_scale),
+                output_tokens=_scaled(row.output_length, token_scale), hash_ids=row.hash_ids, turn=turn,
+                after=chain[-1].id if chain else None,
+                think_s=random.Random(f"{seed}:think:{rid}").uniform(*THINK_S), block_words=block_words))
+        out.append(chain)
+        total += len(chain)
+        if total >= requests:
+            break
+    return out
 
 
 def load_workload(cfg: WorkloadConfig, regions: Sequence[str], *, base_dir: str | Path | None = None) -> list[Request]:
