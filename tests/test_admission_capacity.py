@@ -5,18 +5,18 @@ from skylb.core.capacity import AdmissionCapacity
 
 
 def test_slow_start_then_the_waiting_sample_sets_the_limit():
-    """Growth by half per full probe until requests wait; then the running batch seen beside them is the limit."""
+    """Growth by a quarter per full probe until requests wait; then the running batch seen beside them is the limit."""
     c = AdmissionCapacity()
     assert c.limit == 2
     limits = []
-    for _ in range(5):
+    for _ in range(6):
         c.observe(0.0, pending=0, running=c.limit)  # each probe: the batch at the limit, nothing waiting
         limits.append(c.limit)
-    assert limits == [3, 4, 6, 9, 13]
+    assert limits == [3, 4, 5, 6, 7, 8]
     c.observe(1.0, pending=3, running=7)
     c.observe(1.1, pending=3, running=8)
-    assert (c.limit, c.saturated) == (13, False)  # requests sent a moment ago wait for the engine's next step
-    c.observe(1.5, pending=2, running=8)
+    assert (c.limit, c.saturated) == (8, False)  # requests sent a moment ago wait for the engine's next step
+    c.observe(1.5, pending=2, running=6)
     assert (c.limit, c.saturated) == (8, True)  # waiting that outlasts a step: the batch is full at 8
 
 
@@ -30,18 +30,18 @@ def test_a_half_empty_batch_beside_a_waiting_prompt_halves_the_limit_at_most():
     assert c.limit == 8
 
 
-def test_after_saturation_the_limit_grows_by_an_eighth_per_hold():
-    c = AdmissionCapacity(limit=4)
-    c.observe(0.0, pending=1, running=4)
-    c.observe(0.5, pending=1, running=4)
+def test_a_retest_is_undone_when_the_engine_keeps_its_batch_and_kept_when_it_runs_more():
+    c = AdmissionCapacity(limit=4, saturated=True, held_since=0.0)
     c.observe(1.0, pending=0, running=4)
-    assert c.limit == 4  # within the hold after the waiting probes
-    c.observe(2.5, pending=0, running=4)
+    assert c.limit == 4  # within the hold
+    c.observe(5.0, pending=0, running=4)
+    assert (c.limit, c.trial_from) == (5, 4)  # retest: one more
+    c.observe(5.1, pending=1, running=4)
+    assert (c.limit, c.trial_from) == (4, None)  # it kept 4 and one waits: back to 4 at once
+    c.observe(10.1, pending=0, running=4)
     assert c.limit == 5
-    c.observe(2.6, pending=0, running=5)
-    assert c.limit == 5  # one step per hold
-    c.observe(4.5, pending=0, running=5)
-    assert c.limit == 6
+    c.observe(10.2, pending=0, running=5)
+    assert (c.limit, c.trial_from) == (5, None)  # it ran 5: the raise holds
     c = AdmissionCapacity(limit=32, saturated=True)
     c.observe(0.0, pending=0, running=32)
     assert c.limit == 36
@@ -76,12 +76,12 @@ def test_between_probes_a_replica_gets_up_to_its_limit_less_its_running_batch():
 
 
 def test_a_large_batch_is_not_throttled_by_probes():
-    """Slow start: a replica running everything it gets reaches a batch of 256 within about 13 probes."""
+    """Slow start: a replica running everything it gets reaches a batch of 256 within about 25 probes."""
     router = _router()
     r = router.replicas["r0"]
     sent, now = 0, 0.0
     router.enqueue(Request("warm", "x", arrived_at=0.0))
-    for step in range(14):
+    for step in range(26):
         router.observe_replica("r0", now=now, healthy=True, pending=0, running=min(sent, 256))
         sent += len(_burst(router, 300, now))
         now += 0.1

@@ -22,10 +22,14 @@ and congestion avoidance), per replica:
   the halving bounds the fall, for a long prompt held back by the step's token budget (vLLM
   ``max_num_batched_tokens``) beside a half-empty batch.
 * The batch at the limit (running >= limit) and nothing waiting: the engine took everything sent, so the limit
-  grows. Before requests have waited (slow start) by half (at least 1) per probe, which reaches a batch of 256 in
-  about 13 probes; after that by an eighth (at least 1), at most once per ``hold_s`` (congestion avoidance: the KV
-  cache's share of the limit moves with request lengths, so it is retested now and then, at the cost of a request
-  or two waiting in the engine).
+  grows. Before requests have waited (slow start) by a quarter (at least 1) per probe, so a batch of 4 sees at
+  most 1 request waiting and a batch of 256 is reached in about 25 probes; after that by an eighth (at least 1), at
+  most once per ``hold_s`` (congestion avoidance: the KV cache's share of the limit moves with request lengths, so
+  it is retested now and then). A retest is undone at the first probe that shows requests waiting while the batch
+  is no larger than before it, and kept at the first that shows a larger batch: without that, waiting that ended
+  within ``settle_s`` (a batch of 4 turns over every few hundred ms) never lowered the limit, and it crept up with
+  one more request waiting in the engine at every retest (measured live: 1.3 requests waiting on average, where
+  HAProxy's per-server ``maxconn`` left 0.3).
 
 Between probes the balancer counts what it sent (skylb/core/state.py): a replica is full when the probe's running
 count plus the requests sent since that probe, or this balancer's own requests in flight there, reach the limit.
@@ -51,6 +55,7 @@ class AdmissionCapacity:
         held_since: time of the latest decrease or congestion-avoidance increase, s (None: never); the limit
             grows again only ``hold_s`` after it.
         hold_s: see ``held_since``, s.
+        trial_from: the limit before the retest under way (None: none is).
     """
 
     limit: int = 2
@@ -58,11 +63,18 @@ class AdmissionCapacity:
     waiting_since: float | None = None
     streak_running: int = 0
     held_since: float | None = None
-    hold_s: float = 2.0
+    hold_s: float = 5.0
     settle_s: float = 0.5
+    trial_from: int | None = None
 
     def observe(self, now: float, pending: int, running: int) -> None:
         """Learn from one probe at ``now`` (s) showing ``pending`` requests waiting and ``running`` in the batch."""
+        if self.trial_from is not None:
+            if running > self.trial_from:
+                self.trial_from = None  # the engine ran more than before the retest: the raise holds
+            elif pending > 0:
+                self.limit, self.trial_from, self.held_since = self.trial_from, None, now
+                return
         if pending > 0:
             if self.waiting_since is None:
                 self.waiting_since, self.streak_running = now, running
@@ -76,7 +88,8 @@ class AdmissionCapacity:
         if running < self.limit:
             return
         if not self.saturated:
-            self.limit = max(running, self.limit) + max(1, self.limit // 2)
+            self.limit = max(running, self.limit) + max(1, self.limit // 4)
         elif self.held_since is None or now - self.held_since >= self.hold_s:
-            self.limit = max(running, self.limit) + max(1, self.limit // 8)
+            self.trial_from = max(running, self.limit)
+            self.limit = self.trial_from + max(1, self.limit // 8)
             self.held_since = now
