@@ -119,9 +119,10 @@ class Balancer:
         return bool(self.membership and self.membership.controller_reachable)
 
     def _count_routed(self, decision: Decision) -> None:
-        self.metrics.routed.labels(self.region, decision.route, decision.target).inc()
-        self.metrics.queue_wait.labels(self.region).observe(decision.queued_s)
-        self.metrics.queue_wait_by_class.labels(self.region, decision.request.priority).observe(decision.queued_s)
+        metrics = self.metrics
+        metrics.child(metrics.routed, self.region, decision.route, decision.target).inc()
+        metrics.child(metrics.queue_wait, self.region).observe(decision.queued_s)
+        metrics.child(metrics.queue_wait_by_class, self.region, decision.request.priority).observe(decision.queued_s)
         if decision.route != "local":
             self._forwarded_at.append(self.now())
         self.fleet.routed(decision)

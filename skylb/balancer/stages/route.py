@@ -74,7 +74,7 @@ class RouteStage:
                     ctx.ttft_s, ctx.error, ctx.status = outcome.ttft_s, outcome.error, outcome.status
                     return outcome.response
                 if not self.budget.try_acquire(self.in_flight()):  # failed before any byte reached the client
-                    self.metrics.retry_budget_exhausted.labels(self.region).inc()
+                    self.metrics.child(self.metrics.retry_budget_exhausted, self.region).inc()
                     ctx.error, ctx.status = f"{outcome.error}; not retried: retry budget exhausted", outcome.status
                     return error_response(ctx.api, outcome.status, ctx.error)
                 retrying, attempt = True, attempt + 1
@@ -97,7 +97,7 @@ class RouteStage:
         """One relay to the decision's target; the target's slot is released and outlier detection told, however
         the relay ends."""
         decision = ctx.decision
-        ttft_histogram = self.metrics.ttft.labels(self.region, decision.route)
+        ttft_histogram = self.metrics.child(self.metrics.ttft, self.region, decision.route)
 
         def first_byte(ttft_s: float) -> None:
             ttft_histogram.observe(ttft_s)
@@ -121,7 +121,7 @@ class RouteStage:
 
     async def _back_off(self, ctx: RequestContext, routed: Request, attempt: int) -> None:
         decision, outcome = ctx.decision, ctx.outcome
-        self.metrics.retries.labels(self.region).inc()
+        self.metrics.child(self.metrics.retries, self.region).inc()
         routed.avoid = routed.avoid | {(decision.route, decision.target)}
         delay = backoff_s(self.cfg.retry_policy, attempt)
         log.warning("retrying", route=decision.route, target=decision.target, error=outcome.error,
@@ -151,5 +151,5 @@ class RouteStage:
         if failure is None:
             self.router.target_answered(decision)
         elif self.router.target_failed(decision, now=self.now(), gateway=failure == "gateway"):
-            self.metrics.ejections.labels(self.region, decision.route, decision.target).inc()
+            self.metrics.child(self.metrics.ejections, self.region, decision.route, decision.target).inc()
             log.warning("ejected", route=decision.route, target=decision.target, failure=failure)
