@@ -42,8 +42,10 @@ class Dispatcher:
         self.closed: str | None = None
 
     def wake(self) -> None:
-        """Something changed (membership, a probe answer, a finished request): run the loop soon."""
-        self._wake.set()
+        """Something changed (membership, a probe answer, a finished request): run the loop soon, if a request
+        waits (with none queued a turn of the loop would place and expire nothing)."""
+        if self.router.queue:
+            self._wake.set()
 
     async def acquire(self, request: Request, *, retry: bool = False) -> Decision:
         """Queue ``request`` and wait for its routing decision.
@@ -74,7 +76,7 @@ class Dispatcher:
     def release(self, decision: Decision) -> None:
         """The response of ``decision`` ended: free its target's slot and let the queue move."""
         self.router.finished(decision)
-        self._wake.set()
+        self.wake()
 
     async def run(self) -> None:
         """The dispatch loop: on every wake, and at least every ``tick_s``; runs until cancelled."""
