@@ -36,3 +36,19 @@ def test_a_changed_figure_or_a_missing_marker_is_caught(tmp_path):
     assert glance.updated(f"x\n{glance.START}\nold\n{glance.END}\ny", "NEW") == "x\nNEW\ny"
     with pytest.raises(ValueError, match="markers"):
         glance.updated("no markers here", "NEW")
+
+
+def test_the_overhead_line_quotes_each_target_and_its_verdict(tmp_path):
+    """bench/results/overhead.json's targets (bench/overhead.py) give one line each, figure and verdict; a target
+    the run did not measure is left out."""
+    data = {"provenance": {"commit": "abc123", "date": "2026-01-02T03:04:05Z", "machine": {"cores": 2}},
+            "targets": [{"target": "p50 added latency through SkyLB <= 1 ms", "measured": "0.62 ms", "met": True},
+                        {"target": "routing decision p99 <= 1 ms with 64 queued", "measured": "1.20 ms",
+                         "met": False},
+                        {"target": "not run", "measured": "- ms", "met": None}]}
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    block = glance.render(tmp_path)
+    assert "commit `abc123`, 2026-01-02, 2 cores" in block
+    assert "  - p50 added latency through SkyLB <= 1 ms: 0.62 ms, **met**" in block
+    assert "  - routing decision p99 <= 1 ms with 64 queued: 1.20 ms, **missed**" in block
+    assert "not run" not in block
