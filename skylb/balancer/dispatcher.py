@@ -63,6 +63,8 @@ class Dispatcher:
             self.router.enqueue(request)
         self._waiting[request.id] = fut
         self.dispatch_once()  # place it now if it can be: no round trip through the loop
+        if not fut.done():
+            self.wake()  # it waits: the loop ticks again (it sleeps while nothing is queued)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -79,10 +81,13 @@ class Dispatcher:
         self.wake()
 
     async def run(self) -> None:
-        """The dispatch loop: on every wake, and at least every ``tick_s``; runs until cancelled."""
+        """The dispatch loop: on every wake, and at least every ``tick_s`` while a request is queued; runs until
+        cancelled. With nothing queued there is nothing to expire or place, so it sleeps until woken rather than
+        turning 1000 / ``dispatch_tick_ms`` times a second on an idle balancer (``acquire`` wakes it when a request
+        stays queued)."""
         while True:
             try:
-                async with asyncio.timeout(self.tick_s):
+                async with asyncio.timeout(self.tick_s if self.router.queue else None):
                     await self._wake.wait()
             except TimeoutError:
                 pass
