@@ -1,7 +1,7 @@
 """The README's "Results at a glance", generated from the result files, so no figure there is typed by hand.
 
 Each section reads one JSON result in bench/results/ (the simulated suite's results.json, the live reports' JSON,
-the eight-region scenario's, the coordination cost's) and writes a bullet with its figures, the report to read and
+the eight-region scenario's, the coordination cost's, the balancer's own cost) and writes a bullet with its figures, the report to read and
 the commit it was measured at; a result not there yet gives a bullet that says so. The block sits between
 :data:`START` and :data:`END` in README.md.
 
@@ -152,6 +152,14 @@ def _baselines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _overhead(data: dict[str, Any]) -> list[str]:
+    """The balancer's own cost (bench/overhead.py): each target with its figure and verdict."""
+    judged = [t for t in data.get("targets", []) if t.get("met") is not None]
+    cells = [f"{t['target']}: {t['measured']}, **{'met' if t['met'] else 'missed'}**" for t in judged]
+    return [f"- The balancer's own cost (`bench/results/overhead.md`, `python -m bench.overhead`; {_at(data)}):"
+            + ("" if cells else " no target measured.")] + [f"  - {cell}" for cell in cells]
+
+
 #: (result file in bench/results/, what it is, its renderer).
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("results.json", "the simulated evaluation", _sim),
@@ -160,7 +168,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
      _live("bench/results/live_mooncake.md")),
     ("eight_regions.json", "the eight-region scenario (`bench/results/eight_regions.md`)", _eight_regions),
     ("coordination.json", "the cost of coordination (`bench/results/coordination.md`)", _coordination),
-    ("overhead.json", "the balancer's own cost (`bench/results/overhead.md`)", lambda d: []),
+    ("overhead.json", "the balancer's own cost (`bench/results/overhead.md`)", _overhead),
     ("baselines.json", "SkyLB beside the SGLang router and HAProxy (`bench/results/baselines.md`)", _baselines),
 ]
 

@@ -29,12 +29,25 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_LEVEL = "info"
 
 
+#: This process's standard output when the module was loaded: a logger given it writes to ``sys.stdout`` as it is
+#: at each line (which a test may have replaced), as structlog's PrintLogger does.
+_STDOUT = sys.stdout
+
+
 class _NamedPrintLogger(structlog.PrintLogger):
-    """structlog's PrintLogger that keeps the name it was created with, as ``logging.Logger`` does."""
+    """structlog's PrintLogger that keeps the name it was created with, as ``logging.Logger`` does, and writes each
+    line with its newline in one write (``print`` makes two, each a system call on stderr, which is unbuffered)."""
 
     def __init__(self, file: TextIO, name: str | None) -> None:
         super().__init__(file)
         self.name = name
+
+    def msg(self, message: str) -> None:
+        """Write ``message`` as one line and flush."""
+        out = sys.stdout if self._file is _STDOUT else self._file
+        with self._lock:
+            out.write(message + "\n")
+            out.flush()
 
 
 def _add_logger_name(logger: Any, method_name: str, event_dict: dict) -> dict:

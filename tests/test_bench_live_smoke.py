@@ -15,7 +15,7 @@ from bench import baselines, harness, launchers, live
 from bench.baselines import BaselinesSetup, format_markdown, run_baselines
 from bench.launchers import unavailable_reason
 from bench.live import LIVE_SYSTEMS, REGIONS, LiveSetup, deployment_config, kendall_tau, ranking, simulate_setup
-from bench.overhead import added_latency, decision_time, fill_trie, trie_memory
+from bench.overhead import added_latency, decision_time, fill_trie, max_rate, targets, trie_memory
 from bench.sampling import MachineLoad
 from skylb.core import PrefixTrie
 from tests.system import require_binary
@@ -44,13 +44,16 @@ def _check_baseline_row(result: dict, name: str) -> None:
 
 
 def test_decision_time_reports_every_cell():
-    """decision_time gives p50 <= p99 for every (prompt length, fill) cell and the new-conversation column."""
+    """decision_time gives p50 <= p99 for every (prompt length, fill) cell, the new-conversation column, the
+    look-ahead's first and later scans and the decisions with a queue (one placed per sample)."""
     r = decision_time(lengths=(200, 600), fills=(0.0, 0.5, 1.0), trie_max_chars=30_000, samples=lambda L: 4,
                       progress=lambda msg: None)
-    for key in ("200@0.0", "600@0.0", "200@0.5", "600@0.5", "200@1.0", "600@1.0", "200@new", "600@new",
-                "200@lookahead", "600@lookahead"):
-        cell = r["cells"][key]
-        assert 0 < cell["p50_ms"] <= cell["p99_ms"], key
+    cells = [r["cells"][key] for key in ("200@0.0", "600@0.0", "200@0.5", "600@0.5", "200@1.0", "600@1.0",
+                                         "200@new", "600@new", "200@queued", "600@queued")]
+    cells += [r["cells"][f"{L}@lookahead"][scan] for L in (200, 600) for scan in ("first", "kept")]
+    for cell in cells:
+        assert 0 < cell["p50_ms"] <= cell["p99_ms"]
+    assert r["cells"]["600@queued"]["placed"] == 4 and r["cells"]["600@queued"]["window"] == 64
     assert "ncalls" in r["profile"]
 
 
@@ -74,7 +77,28 @@ def test_added_latency_direct_and_skylb(tmp_path):
     r = added_latency(n=10, warmup=2, systems=("direct", "skylb"), run_dir=tmp_path)
     for name in ("direct", "skylb"):
         assert r["systems"][name]["errors"] == 0 and r["systems"][name]["n"] == 10
-    assert r["systems"]["skylb"]["added_p50_ms"] is not None
+    assert r["systems"]["skylb"]["added_p50_ms"] is not None and r["systems"]["skylb"]["cpu_ms_per_request"] >= 0
+    assert r["systems"]["skylb"]["added_p50_vs_sglang"] is None  # no SGLang router in this run
+
+
+def test_streamed_ramp_counts_whole_streams(tmp_path):
+    """Part (c)'s streamed ramp on two small steps: every streamed request through SkyLB arrives whole (to
+    ``data: [DONE]``), both steps are sustained, and the balancer's CPU per request is measured."""
+    r = max_rate(systems=("skylb",), rates=(10, 20), step_s=0.5, stream=True, max_tokens=4, run_dir=tmp_path)
+    row = r["systems"]["skylb"]
+    assert row["sustained_rps"] == 20 and all(st["errors"] == 0 and st["ok"] == st["sent"] for st in row["steps"])
+    assert row["steps"][-1]["balancer_cpu_ms_per_req"] is not None and r["stream"] is True
+
+
+def test_targets_judge_what_ran():
+    """The targets of bench/overhead.py: the SGLang ratio from part (a), the decisions from part (d); a target
+    whose part did not run is neither met nor missed."""
+    a = {"systems": {"skylb": {"added_p50_ms": 0.6, "added_p50_vs_sglang": 1.2},
+                     "sglang": {"added_p50_ms": 0.5}}}
+    d = {"lengths": [1000, 32000], "cells": {"32000@1.0": {"p99_ms": 0.8}, "32000@queued": {"p99_ms": 1.3}}}
+    assert [t["met"] for t in targets({"a": a, "d": d})] == [True, True, True, False]
+    assert [t["met"] for t in targets({"a": a})] == [True, True, None, None]
+    assert targets({"a": a})[1]["measured"] == "1.20 x (0.60 ms / 0.50 ms)"
 
 
 def test_baselines_run_against_skylb(tmp_path):

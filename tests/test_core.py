@@ -77,6 +77,51 @@ def test_trie_matches_brute_force_model(seed):
         assert set(got.targets) == (want_targets if want_chars else set())
 
 
+
+@pytest.mark.parametrize("seed", range(5))
+def test_kept_matches_agree_with_fresh_matches(seed):
+    """Differential test: waiting requests' kept walks (KeptMatch, the queue look-ahead's) answer as a fresh match
+    for any replicas free, through random inserts, evictions and targets leaving, and are reused when nothing
+    under them changed."""
+    rng = random.Random(seed)
+    t = PrefixTrie(max_chars=400, chunk_chars=3)
+    probes = [t.chunks("".join(rng.choice("ab") for _ in range(rng.randint(0, 30)))) for _ in range(12)]
+    kept: dict[int, object] = {}
+    reused = 0
+    for step in range(400):
+        if step % 50 == 49:
+            t.remove_target(f"r{rng.randint(0, 3)}")
+        else:
+            t.insert(t.chunks("".join(rng.choice("ab") for _ in range(rng.randint(1, 30)))), f"r{rng.randint(0, 3)}")
+        for _ in range(4):
+            i = rng.randrange(len(probes))
+            before = kept.get(i)
+            now = kept[i] = t.kept_match(probes[i], before)
+            reused += now is before
+            for avail in ({"r0"}, {"r1", "r2"}, {"r0", "r1", "r2", "r3"}, {"r9"}, set()):
+                assert now.match(avail) == t.match(probes[i], avail)
+    assert reused > 100  # most probes' nodes are left alone by an insert elsewhere
+
+
+def test_a_kept_match_is_walked_again_only_when_its_nodes_change():
+    """A kept walk survives an insert that leaves its key's path alone, and one that only counts again; a target
+    joining its key (at the first node, or below where it went) makes it walk anew."""
+    t = PrefixTrie(max_chars=10_000, chunk_chars=4)
+    t.insert(t.chunks("abcdefgh"), "r1")
+    key = t.chunks("abcdefghijkl")
+    first = t.kept_match(key, None)
+    assert first.match({"r1", "r2"}) == t.match(key, {"r1", "r2"}) and first.match({"r1"}).matched_chars == 8
+    t.insert(t.chunks("zzzzyyyy"), "r2")  # another prompt
+    assert t.kept_match(key, first) is first
+    t.insert(t.chunks("abcdefgh"), "r1")  # the same path, the same target: only counts change
+    assert t.kept_match(key, first) is first
+    t.insert(t.chunks("abcdefghijkl"), "r1")  # r1 goes further along the key
+    again = t.kept_match(key, first)
+    assert again is not first and again.match({"r1", "r2"}).matched_chars == 12
+    t.insert(t.chunks("abcd"), "r3")  # a new target on the key's first node
+    third = t.kept_match(key, again)
+    assert third is not again and third.match({"r3"}).matched_chars == 4
+
 def _stored_chars(records):
     nodes = {key[:i] for key, _ in records for i in range(1, len(key) + 1)}
     return sum(len(node[-1]) for node in nodes)

@@ -58,3 +58,19 @@ def test_the_baselines_result_is_quoted_with_its_targets(tmp_path):
     data["summary"][0]["rps"] = [10.0, 14.0]
     (tmp_path / "baselines.json").write_text(json.dumps(data))
     assert glance.render(tmp_path) != block
+
+
+def test_the_overhead_line_quotes_each_target_and_its_verdict(tmp_path):
+    """bench/results/overhead.json's targets (bench/overhead.py) give one line each, figure and verdict; a target
+    the run did not measure is left out."""
+    data = {"provenance": {"commit": "abc123", "date": "2026-01-02T03:04:05Z", "machine": {"cores": 2}},
+            "targets": [{"target": "p50 added latency through SkyLB <= 1 ms", "measured": "0.62 ms", "met": True},
+                        {"target": "routing decision p99 <= 1 ms with 64 queued", "measured": "1.20 ms",
+                         "met": False},
+                        {"target": "not run", "measured": "- ms", "met": None}]}
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    block = glance.render(tmp_path)
+    assert "commit `abc123`, 2026-01-02, 2 cores" in block
+    assert "  - p50 added latency through SkyLB <= 1 ms: 0.62 ms, **met**" in block
+    assert "  - routing decision p99 <= 1 ms with 64 queued: 1.20 ms, **missed**" in block
+    assert "not run" not in block

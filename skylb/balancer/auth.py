@@ -155,7 +155,10 @@ def auth_middleware(creds: Credentials):
         if secret_matches(request.headers.get(TOKEN_HEADER), creds.peer_token):
             return await handler(request)  # a peer: trusted on every route
         api = "ollama" if path.startswith("/api/") else "openai"
-        local = from_this_machine(request.remote)
+        # Only the status, /metrics and a forwarded request ask where the caller is (parsing the address is
+        # most of this check's time on a client's request).
+        local = (from_this_machine(request.remote) if path in (STATUS_PATH, "/metrics") or FORWARDED_FROM in
+                 request.headers else None)
         if path == STATUS_PATH:
             if creds.peer_token or not local:
                 return openai_error(403, _peer_refusal(creds, "the peer status"), type_="permission_error")

@@ -119,12 +119,17 @@ class Balancer:
         return bool(self.membership and self.membership.controller_reachable)
 
     def _count_routed(self, decision: Decision) -> None:
-        self.metrics.routed.labels(self.region, decision.route, decision.target).inc()
-        self.metrics.queue_wait.labels(self.region).observe(decision.queued_s)
-        self.metrics.queue_wait_by_class.labels(self.region, decision.request.priority).observe(decision.queued_s)
         if decision.route != "local":
             self._forwarded_at.append(self.now())
         self.fleet.routed(decision)
+        # The counter and histograms in the loop's next turn: the request goes on to its target first.
+        asyncio.get_running_loop().call_soon(self._count_routed_metrics, decision)
+
+    def _count_routed_metrics(self, decision: Decision) -> None:
+        metrics = self.metrics
+        metrics.child(metrics.routed, self.region, decision.route, decision.target).inc()
+        metrics.child(metrics.queue_wait, self.region).observe(decision.queued_s)
+        metrics.child(metrics.queue_wait_by_class, self.region, decision.request.priority).observe(decision.queued_s)
 
     def forwarded_rate(self, window_s: float = 60.0) -> float:
         """Requests forwarded to peers per second over the last ``window_s`` seconds (at most the last 10,000)."""

@@ -42,8 +42,10 @@ class Dispatcher:
         self.closed: str | None = None
 
     def wake(self) -> None:
-        """Something changed (membership, a probe answer, a finished request): run the loop soon."""
-        self._wake.set()
+        """Something changed (membership, a probe answer, a finished request): run the loop soon, if a request
+        waits (with none queued a turn of the loop would place and expire nothing)."""
+        if self.router.queue:
+            self._wake.set()
 
     async def acquire(self, request: Request, *, retry: bool = False) -> Decision:
         """Queue ``request`` and wait for its routing decision.
@@ -61,6 +63,8 @@ class Dispatcher:
             self.router.enqueue(request)
         self._waiting[request.id] = fut
         self.dispatch_once()  # place it now if it can be: no round trip through the loop
+        if not fut.done():
+            self.wake()  # it waits: the loop ticks again (it sleeps while nothing is queued)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -74,13 +78,16 @@ class Dispatcher:
     def release(self, decision: Decision) -> None:
         """The response of ``decision`` ended: free its target's slot and let the queue move."""
         self.router.finished(decision)
-        self._wake.set()
+        self.wake()
 
     async def run(self) -> None:
-        """The dispatch loop: on every wake, and at least every ``tick_s``; runs until cancelled."""
+        """The dispatch loop: on every wake, and at least every ``tick_s`` while a request is queued; runs until
+        cancelled. With nothing queued there is nothing to expire or place, so it sleeps until woken rather than
+        turning 1000 / ``dispatch_tick_ms`` times a second on an idle balancer (``acquire`` wakes it when a request
+        stays queued)."""
         while True:
             try:
-                async with asyncio.timeout(self.tick_s):
+                async with asyncio.timeout(self.tick_s if self.router.queue else None):
                     await self._wake.wait()
             except TimeoutError:
                 pass

@@ -116,6 +116,17 @@ class BalancerMetrics:
         self.ejections = Counter("skylb_outlier_ejections", "Targets ejected by outlier detection (consecutive "
                                  "5xx or gateway failures), by route (local or peer) and target.",
                                  ["region", "route", "target"], registry=self.registry)
+        self._children: dict[tuple[object, tuple[str, ...]], object] = {}
+
+    def child(self, metric: Counter | Histogram, *values: str):
+        """``metric.labels(*values)``, looked up once and then kept: ``labels`` validates its arguments and takes a
+        lock on every call (about 5 us, several times per request, in bench/results/overhead.md's profile), and the
+        request path asks for the same few children again and again. The child is the one ``labels`` returns."""
+        key = (metric, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def render(self) -> bytes:
         """The Prometheus exposition text of every metric."""

@@ -23,7 +23,7 @@ from skylb.balancer.api import error_response
 from skylb.balancer.framing import FramingError, StreamFramer, stream_kind
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER,
                                      MODEL_HEADER, ROUTE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER)
-from skylb.balancer.usage import UsageTap, usage_of_body
+from skylb.balancer.usage import UsageTap, usage_of, usage_of_body
 from skylb.core import Decision
 from skylb.core.rates import Usage
 from skylb.quota.priorities import peer_headers
@@ -37,6 +37,8 @@ STREAM_STARTED = (web.RequestKey("skylb_stream_started", bool) if hasattr(web, "
                   else "skylb_stream_started")
 #: Whole answers up to this size are parsed to check they are JSON (bytes).
 _FULL_CHECK_BYTES = 1 << 20
+#: ``_checked_body``'s mark for a body too large to decode.
+_NOT_DECODED = object()
 #: Client headers passed to the upstream (auth and session keys; hop-by-hop headers are not).
 _PASS_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "X-Session-ID", "Accept")
 
@@ -208,9 +210,10 @@ class Relay:
         named; bodies over _FULL_CHECK_BYTES, large embeddings, are only checked to start and end as JSON does:
         parsing them costs more than they risk). A 2xx that is not JSON is the target's failure (502, or a retry);
         a non-JSON error page becomes an error in the API's shape with the upstream's status."""
+        decoded = _NOT_DECODED
         try:
             if len(data) <= _FULL_CHECK_BYTES:
-                json.loads(data)
+                decoded = json.loads(data)
             elif data.strip()[:1] not in (b"{", b"[") or data.strip()[-1:] not in (b"}", b"]"):
                 raise ValueError("not JSON")
         except (ValueError, RecursionError):
@@ -222,8 +225,11 @@ class Relay:
             error = f"{decision.target} answered HTTP {status}: {snippet}"
             return RelayOutcome(error_response(api, status, error), status, error=error, failure=_failure_of(status))
         headers["Content-Type"] = "application/json"
+        usage = None
+        if status < 400:  # the body decoded above is read for its usage, not decoded again
+            usage = usage_of_body(data) if decoded is _NOT_DECODED else usage_of(decoded)
         return RelayOutcome(web.Response(status=status, body=data, headers=headers), status,
-                            failure=_failure_of(status), usage=usage_of_body(data) if status < 400 else None)
+                            failure=_failure_of(status), usage=usage)
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, framer: StreamFramer,
                             first: bytes, eof: bool, headers: dict, decision: Decision, *, arrived_at: float,

@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 import pygtrie
 
-__all__ = ["PrefixTrie", "Match", "chunk_text", "NODE_BYTES", "RECORD_BYTES"]
+__all__ = ["PrefixTrie", "Match", "KeptMatch", "chunk_text", "NODE_BYTES", "RECORD_BYTES"]
 
 #: Bytes a trie node holds besides its chunk's text: pygtrie's _Node, the entry in its parent's children, and the
-#: ``{target: count}`` dict (~300 measured with tracemalloc for one or two targets; rounded up).
+#: ``{target: count}`` dict with its two change stamps (~315 measured with tracemalloc for one or two targets; rounded
+#: up).
 NODE_BYTES = 320
 #: Bytes a record of the eviction log holds besides a pointer per chunk of its key: the key tuple's header, the
 #: (key, target) pair and the deque slot (~100 measured; rounded up).
@@ -86,6 +87,62 @@ class Match:
         return self.matched_chars / self.prompt_chars if self.prompt_chars else 0.0
 
 
+class _Targets(dict):
+    """A node's ``{target: count}``, stamped with the trie's change count when its set of targets last changed
+    (``changed``) and when a child was last added under it (``grew``): what a kept walk (``KeptMatch``) checks to
+    know it still holds."""
+
+    __slots__ = ("changed", "grew")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = self.grew = 0
+
+
+@dataclass(frozen=True, eq=False)
+class KeptMatch:
+    """How far each target goes along one key, kept for a request that waits: the queue's look-ahead matches the
+    same requests scan after scan, each time among the replicas free then.
+
+    A target recorded at a node is recorded at all its ancestors, so along the key each target is present on a
+    leading run of nodes: ``reach`` (target -> characters of that run) answers ``match`` for any set of available
+    targets. It holds while the nodes it depends on are unchanged (``PrefixTrie.kept_match``): for each target, the
+    targets of the last node of its run (it leaves the run there first) and of the key's next node (it may join
+    there), or, when the trie has no next node on the key, the children of the last one (the next node may be
+    added); the same for the key's first node (a target not on the key yet joins there). Changes elsewhere in the
+    trie, the common case of an insert or an eviction, leave it valid.
+
+    Attributes: reach: characters of the key covered per target (targets absent from the key's first node are not
+    in it); prompt_chars: the key's characters; trie: the trie; at: the trie's change count when it was walked;
+    targets_of: the node values (``_Targets``) whose targets it depends on; children_of: those whose children.
+    """
+
+    reach: dict[str, int]
+    prompt_chars: int
+    trie: "PrefixTrie"
+    at: int
+    targets_of: tuple[_Targets, ...]
+    children_of: tuple[_Targets, ...]
+
+    def holds(self, trie: "PrefixTrie") -> bool:
+        """True when ``reach`` is still right for ``trie``."""
+        at = self.at
+        return (self.trie is trie and all(node.changed <= at for node in self.targets_of)
+                and all(node.grew <= at for node in self.children_of))
+
+    def match(self, available: Collection[str]) -> Match:
+        """The trie's ``match`` of the key among ``available``, from ``reach`` (no walk)."""
+        best, here = 0, []
+        pairs = (((t, self.reach.get(t, 0)) for t in available) if len(available) < len(self.reach)
+                 else ((t, c) for t, c in self.reach.items() if t in available))
+        for target, chars in pairs:
+            if chars > best:
+                best, here = chars, [target]
+            elif chars == best and chars:
+                here.append(target)
+        return Match(frozenset(here), best, self.prompt_chars)
+
+
 class PrefixTrie:
     """A chunked prefix trie on pygtrie mapping prompt prefixes to targets, bounded by stored characters.
 
@@ -114,6 +171,10 @@ class PrefixTrie:
         self._chars = 0
         self._nodes = 0
         self._bytes = 0
+        #: Inserts and evictions so far: the stamp of the changes each makes (``_Targets.changed``).
+        self._changes = 0
+        #: The root's stamp (pygtrie's root holds no value): a first chunk no prompt had before is a child added.
+        self._root = _Targets()
 
     @property
     def stored_chars(self) -> int:
@@ -171,6 +232,42 @@ class PrefixTrie:
             pass
         return Match(best, matched, prompt_chars)
 
+    def kept_match(self, key: tuple[str, ...], kept: KeptMatch | None) -> KeptMatch:
+        """A KeptMatch of ``key``: ``kept`` itself (an earlier one for the same ``key``) while it holds, else the key
+        walked anew, as deep as the trie goes along it. O(1) while it holds, so a request waiting in the queue is
+        walked once, not on every scan of the look-ahead, whichever replicas are free."""
+        if kept is not None and kept.holds(self):
+            return kept
+        reach: dict[str, int] = {}
+        last: dict[str, int] = {}  # target -> depth of its last node
+        nodes: list[_Targets] = []  # the key's nodes, root first
+        depth_chars = 0
+        walk = self._trie.walk_towards(key)
+        nodes.append(self._root)
+        next(walk)  # the root stands for the empty prefix
+        try:
+            for i, step in enumerate(walk):
+                counts = step.get()
+                if not counts:
+                    break
+                nodes.append(counts)
+                depth_chars += len(key[i])
+                for target in counts:
+                    reach[target], last[target] = depth_chars, i + 1
+        except KeyError:  # the prompt leaves the trie here
+            pass
+        targets_of: dict[int, _Targets] = {}
+        children_of: dict[int, _Targets] = {}
+        for d in {0, *last.values()}:  # each run's last node (0: the root, before the key's first node)
+            if d:
+                targets_of[id(nodes[d])] = nodes[d]
+            if d + 1 < len(nodes):
+                targets_of[id(nodes[d + 1])] = nodes[d + 1]
+            else:
+                children_of[id(nodes[d])] = nodes[d]
+        return KeptMatch(reach, sum(map(len, key)), self, self._changes, tuple(targets_of.values()),
+                         tuple(children_of.values()))
+
     def insert(self, key: tuple[str, ...], target: str) -> None:
         """Record that a request with prompt ``key`` went to ``target``; evict oldest records beyond the bound.
 
@@ -187,18 +284,25 @@ class PrefixTrie:
         if not key:
             return
         key = tuple(map(sys.intern, key))  # records and nodes share one string per chunk
+        self._changes += 1
+        stamp, parent = self._changes, self._root
         # Two walks: setdefault creates the missing nodes; the second walk counts the target at every node. Every
         # pre-existing node holds a non-empty dict, so an empty or missing value marks a node created just now.
-        self._trie.setdefault(key, {})
+        self._trie.setdefault(key, _Targets())
         for i, step in enumerate(self._walk(key)):
             counts = step.get()
             if not counts:
                 if counts is None:
-                    counts = step.value = {}
+                    counts = step.value = _Targets()
+                parent.grew = stamp  # a child added under it
                 self._nodes += 1
                 self._chars += len(key[i])
                 self._bytes += sys.getsizeof(key[i]) + NODE_BYTES
-            counts[target] = counts.get(target, 0) + 1
+            n = counts.get(target, 0)
+            if not n:
+                counts.changed = stamp  # a target added here
+            counts[target] = n + 1
+            parent = counts
         self._records.append((key, target))
         self._bytes += RECORD_BYTES + _POINTER_BYTES * len(key)
         while (self._chars > self.max_chars or self._bytes > self.max_bytes) and self._records:
@@ -223,6 +327,7 @@ class PrefixTrie:
     def _evict_oldest(self) -> None:
         key, target = self._records.popleft()
         self._bytes -= RECORD_BYTES + _POINTER_BYTES * len(key)
+        self._changes += 1
         cut = None  # depth of the first node that no live record passes through any more
         for i, step in enumerate(self._walk(key)):
             counts = step.value
@@ -231,6 +336,7 @@ class PrefixTrie:
                 counts[target] = n
             else:
                 del counts[target]
+                counts.changed = self._changes  # a target gone from here
                 if not counts and cut is None:
                     cut = i
         if cut is not None:

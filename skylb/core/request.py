@@ -67,6 +67,9 @@ class Request:
     #: The prompt's trie key, cached with the trie's ``chunking`` it was cut with.
     chunks: tuple[str, ...] | None = field(default=None, repr=False)
     chunking: tuple[int, int] | None = field(default=None, repr=False)
+    #: The queue look-ahead's walk of this request's key while it waits (a prefix_trie.KeptMatch, reused while the
+    #: trie nodes it depends on are unchanged; skylb/core/policies/scoring.py ``prefix_lookahead``).
+    kept_match: object | None = field(default=None, repr=False)
 
     @property
     def may_forward(self) -> bool:

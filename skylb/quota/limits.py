@@ -66,6 +66,10 @@ class TenantQuota(_Strict):
     limits: dict[str, Limit] = Field(default_factory=dict)
 
 
+#: The quota of a tenant without an entry (``Quotas.tenant``).
+_NO_QUOTA = TenantQuota()
+
+
 class Quotas(_Strict):
     """Every quota of a deployment (the ``quotas`` section of the config; the controller's copy wins when a
     balancer has a controller)."""
@@ -87,8 +91,9 @@ class Quotas(_Strict):
         return self
 
     def tenant(self, name: str) -> TenantQuota:
-        """``name``'s quota; a tenant without an entry has weight 1, class normal and no limits."""
-        return self.tenants.get(name) or TenantQuota()
+        """``name``'s quota; a tenant without an entry has weight 1, class normal and no limits (one shared
+        instance, read only: every request asks, and building a model is the cost of the ask)."""
+        return self.tenants.get(name) or _NO_QUOTA
 
     def limits_for(self, tenant: str, model: str) -> list[tuple[str, Limit]]:
         """The buckets a request of ``tenant`` for ``model`` draws on, as (bucket key, Limit) pairs: the tenant's

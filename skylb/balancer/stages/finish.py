@@ -6,6 +6,7 @@ went, how long it queued, TTFT and end-to-end time (ms), status and error.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import structlog
@@ -28,22 +29,37 @@ class RequestLog:
 
     def finish(self, ctx, response: web.StreamResponse) -> web.StreamResponse:
         """Count ``response`` (a rejection too when ``ctx.rejected``) and write ``ctx``'s log line; a response not
-        yet sent gets the ids as headers (X-SkyLB-Request-Id, the client's X-Request-Id echoed). Returns it."""
+        yet sent gets the ids as headers (X-SkyLB-Request-Id, the client's X-Request-Id echoed). Returns it.
+
+        The figures are taken now; counting and writing happen in the event loop's next turn, once aiohttp has
+        written the response: the line (structlog, JSON, a write) costs about 0.1 ms of CPU that the client need
+        not wait for (bench/results/overhead.md part (a)). The next turn comes before the loop reads anything
+        more, so a later request, a scrape of /metrics included, sees the response counted."""
         status = ctx.status if ctx.status is not None else response.status
         if not response.prepared:
             response.headers[BALANCER_REQUEST_ID_HEADER] = ctx.request_id
             if ctx.client_id is not None:
                 response.headers[REQUEST_ID_HEADER] = ctx.client_id
-        if ctx.rejected:
-            self.metrics.rejected.labels(self.region, ctx.reason, str(status)).inc()
-        self.metrics.responses.labels(self.region, str(status)).inc()
         decision = ctx.decision
-        log.info("request", id=ctx.request_id, client_request_id=ctx.client_id, reason=ctx.reason,
-                 region=self.region, model=ctx.model,
-                 priority=ctx.priority, tenant=ctx.tenant,
-                 route=None if decision is None else decision.route,
-                 target=None if decision is None else decision.target,
-                 queued_ms=None if decision is None else round(decision.queued_s * 1000, 1),
-                 ttft_ms=None if ctx.ttft_s is None else round(ctx.ttft_s * 1000, 1),
-                 e2e_ms=round((time.time() - ctx.started) * 1000, 1), status=status, error=ctx.error)
+        line = dict(id=ctx.request_id, client_request_id=ctx.client_id, reason=ctx.reason,
+                    region=self.region, model=ctx.model,
+                    priority=ctx.priority, tenant=ctx.tenant,
+                    route=None if decision is None else decision.route,
+                    target=None if decision is None else decision.target,
+                    queued_ms=None if decision is None else round(decision.queued_s * 1000, 1),
+                    ttft_ms=None if ctx.ttft_s is None else round(ctx.ttft_s * 1000, 1),
+                    e2e_ms=round((time.time() - ctx.started) * 1000, 1), status=status, error=ctx.error)
+        record = (str(status), ctx.rejected, ctx.reason, line)
+        try:
+            # call_soon runs it in this request's context: the line carries the request id and tenant bound to it.
+            asyncio.get_running_loop().call_soon(self._record, *record)
+        except RuntimeError:  # no loop running (a direct call): now
+            self._record(*record)
         return response
+
+    def _record(self, status: str, rejected: bool, reason: str | None, line: dict) -> None:
+        metrics = self.metrics
+        if rejected:
+            metrics.child(metrics.rejected, self.region, str(reason), status).inc()
+        metrics.child(metrics.responses, self.region, status).inc()
+        log.info("request", **line)

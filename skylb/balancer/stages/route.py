@@ -74,7 +74,7 @@ class RouteStage:
                     ctx.ttft_s, ctx.error, ctx.status = outcome.ttft_s, outcome.error, outcome.status
                     return outcome.response
                 if not self.budget.try_acquire(self.in_flight()):  # failed before any byte reached the client
-                    self.metrics.retry_budget_exhausted.labels(self.region).inc()
+                    self.metrics.child(self.metrics.retry_budget_exhausted, self.region).inc()
                     ctx.error, ctx.status = f"{outcome.error}; not retried: retry budget exhausted", outcome.status
                     return error_response(ctx.api, outcome.status, ctx.error)
                 retrying, attempt = True, attempt + 1
@@ -95,9 +95,10 @@ class RouteStage:
 
     async def _attempt(self, ctx: RequestContext, attempt: int):
         """One relay to the decision's target; the target's slot is released and outlier detection told, however
-        the relay ends."""
+        the relay ends: for an answer, in the event loop's next turn, once aiohttp has sent it (before the loop
+        reads anything more, so the next request finds the slot free), so the client does not wait for them."""
         decision = ctx.decision
-        ttft_histogram = self.metrics.ttft.labels(self.region, decision.route)
+        ttft_histogram = self.metrics.child(self.metrics.ttft, self.region, decision.route)
 
         def first_byte(ttft_s: float) -> None:
             ttft_histogram.observe(ttft_s)
@@ -111,17 +112,31 @@ class RouteStage:
                 retry_allowed=attempt < self.cfg.retry_policy.num_retries, api=ctx.api, stream=ctx.parsed.stream,
                 on_first_byte=first_byte, client_request_id=ctx.client_id, abandon=self._peer_gone(decision),
                 check_s=self.cfg.probe_interval_ms / 1000)
-            observe_usage(self.router, decision, outcome, self.now())  # measured speed, before release
-        finally:
-            self.dispatcher.release(decision)
-            self.fleet.finished(decision)
-        self._outlier(decision, outcome.failure)
+        except BaseException:
+            self._attempt_ended(decision, None)
+            raise
+        if outcome.response is not None:
+            asyncio.get_running_loop().call_soon(self._attempt_ended, decision, outcome)
+        else:  # a retry follows: the slot and the failure count first
+            self._attempt_ended(decision, outcome)
         ctx.answered = ctx.answered or outcome.response is not None
         return outcome
 
+    def _attempt_ended(self, decision: Decision, outcome) -> None:
+        """The measured speed (before the release), the target's slot, outlier detection; only the slot when the
+        relay raised (``outcome`` None: cancelled, the client gone)."""
+        try:
+            if outcome is not None:
+                observe_usage(self.router, decision, outcome, self.now())
+        finally:
+            self.dispatcher.release(decision)
+            self.fleet.finished(decision)
+        if outcome is not None:
+            self._outlier(decision, outcome.failure)
+
     async def _back_off(self, ctx: RequestContext, routed: Request, attempt: int) -> None:
         decision, outcome = ctx.decision, ctx.outcome
-        self.metrics.retries.labels(self.region).inc()
+        self.metrics.child(self.metrics.retries, self.region).inc()
         routed.avoid = routed.avoid | {(decision.route, decision.target)}
         delay = backoff_s(self.cfg.retry_policy, attempt)
         log.warning("retrying", route=decision.route, target=decision.target, error=outcome.error,
@@ -151,5 +166,5 @@ class RouteStage:
         if failure is None:
             self.router.target_answered(decision)
         elif self.router.target_failed(decision, now=self.now(), gateway=failure == "gateway"):
-            self.metrics.ejections.labels(self.region, decision.route, decision.target).inc()
+            self.metrics.child(self.metrics.ejections, self.region, decision.route, decision.target).inc()
             log.warning("ejected", route=decision.route, target=decision.target, failure=failure)

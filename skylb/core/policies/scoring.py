@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from skylb.core.prefix_trie import PrefixTrie
+from skylb.core.prefix_trie import Match, PrefixTrie
 from skylb.core.request import Request
 from skylb.core.state import PeerState, ReplicaState
 
@@ -55,22 +55,35 @@ def prefix_lookahead(window: Sequence[Request], local: Sequence[ReplicaState], r
     With local replicas free (``local``): the first request whose prompt ``trie`` matches on a free replica that
     serves its model, over at least ``threshold`` of the prompt (a cache hit there). With none free (only peers):
     the first that may be forwarded and has no such match on any of ``replicas`` (its cache is not here anyway).
-    Otherwise 0, the head. At most ``len(window)`` trie matches. Source: SGLang's scheduler orders its waiting
-    queue by longest prefix match (``schedule_policy.py``, "lpm") for the same reason: under load, a cache hit
-    is prefill saved; here only within a bounded window, and the router bounds how often the head is passed over.
+    Otherwise 0, the head. At most ``len(window)`` trie walks, each kept on its request while the trie does not
+    change under its key (prefix_trie.KeptMatch, which answers for whichever replicas are free): the same requests
+    are scanned again on every dispatch, and a long prompt's walk is most of a scan's time (bench/results/overhead.md
+    part (d)). Source: SGLang's
+    scheduler orders its waiting queue by longest prefix match (``schedule_policy.py``, "lpm") for the same
+    reason: under load, a cache hit is prefill saved; here only within a bounded window, and the router bounds
+    how often the head is passed over.
     """
     if local:
+        serving: dict[tuple[str, str], frozenset[str]] = {}  # the free replicas serving each (model, api)
         for i, req in enumerate(window):
-            ids = {r.id for r in local if r.serves(req.model, req.api)}
+            ids = serving.get((req.model, req.api))
+            if ids is None:
+                ids = serving[req.model, req.api] = frozenset(r.id for r in local if r.serves(req.model, req.api))
             if ids:
-                m = trie.match(trie_key(req, trie), ids)
+                m = _kept_match(req, trie, ids)
                 if m.targets and m.ratio >= threshold:
                     return i
         return 0
-    all_ids = {r.id for r in replicas}
+    all_ids = frozenset(r.id for r in replicas)
     for i, req in enumerate(window):
         if req.may_forward:
-            m = trie.match(trie_key(req, trie), all_ids)
+            m = _kept_match(req, trie, all_ids)
             if not m.targets or m.ratio < threshold:
                 return i
     return 0
+
+
+def _kept_match(request: Request, trie: PrefixTrie, available: frozenset[str]) -> Match:
+    """``trie.match`` of ``request`` among ``available``, from the KeptMatch kept on the request."""
+    kept = request.kept_match = trie.kept_match(trie_key(request, trie), request.kept_match)
+    return kept.match(available)

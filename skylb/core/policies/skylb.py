@@ -147,9 +147,13 @@ class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
 
     def _replica_match(self, request, members):
         """``request``'s replica-trie match among ``members`` (replica ids), computed once per decision: the
-        first call (the pick, over the available candidates) is reused until ``routed``."""
+        first call (the pick, over the available candidates) is reused until ``routed``. A request the queue's
+        look-ahead walked while it waited is answered from that walk while it holds (no second walk)."""
         if self._memo is None or self._memo[0] is not request:
-            self._memo = (request, self.replica_trie.match(self._key(request), members))
+            kept = request.kept_match
+            found = (kept.match(members) if kept is not None and kept.holds(self.replica_trie)
+                     else self.replica_trie.match(self._key(request), members))
+            self._memo = (request, found)
         return self._memo[1]
 
     def _matched_fraction(self, request, replica_id, members) -> float:
