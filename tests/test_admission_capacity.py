@@ -96,3 +96,20 @@ def test_the_ceiling_and_the_paper_rule():
     router = _router(learn_capacity=False)
     router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=0)
     assert len(_burst(router, 5, 0.0)) == 5
+
+
+def test_requests_waiting_in_a_learned_batch_count_in_it():
+    """A request waiting for the engine's next step does not make a replica with room unavailable; with the
+    engine's own slots (llama.cpp) or no learned batch, any waiting request does (the paper's rule)."""
+    router = _router()
+    r = router.replicas["r0"]
+    r.capacity = AdmissionCapacity(limit=4, saturated=True, held_since=0.0)
+    router.observe_replica("r0", now=0.0, healthy=True, pending=1, running=2)
+    assert router.rules.replica_unavailable_reason(r, 0.0) is None
+    router.observe_replica("r0", now=0.1, healthy=True, pending=1, running=3)
+    assert router.rules.replica_unavailable_reason(r, 0.1) == "batch full"
+    router.observe_replica("r0", now=0.2, healthy=True, pending=1, running=1, slots=4)
+    assert router.rules.replica_unavailable_reason(r, 0.2) == "pending requests"
+    router = _router(learn_capacity=False)
+    router.observe_replica("r0", now=0.0, healthy=True, pending=1, running=0)
+    assert router.rules.replica_unavailable_reason(router.replicas["r0"], 0.0) == "pending requests"

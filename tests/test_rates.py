@@ -281,3 +281,15 @@ def test_the_router_counts_the_fleets_load_time_with_hot_preference():
     router.enqueue(Request("a", "x" * 100, 0.0, model="m"))
     (d,) = router.dispatch(0.0)
     assert d.target == "r0"
+
+
+def test_prompt_chars_ascii_fast_path_equals_split_and_join():
+    """The ASCII path (translate, then collapse runs) counts exactly as ``" ".join(text.split())`` does, every ASCII
+    whitespace character included; non-ASCII text takes split and join."""
+    import random
+    rng = random.Random(7)
+    alphabet = "ab \t\n\x0b\x0c\r\x1c\x1d\x1e\x1f"
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        assert prompt_chars(text) == len(" ".join(text.split())), repr(text)
+    assert prompt_chars("é  a\u2003b") == len("é a b")

@@ -37,11 +37,24 @@ __all__ = ["Usage", "ModelRates", "InFlight", "ReplicaRates", "RateBook", "promp
 DEFAULT_TOKEN_FACTOR = 0.25
 
 
+#: ASCII whitespace as ``str.isspace`` defines it (space, \t \n \v \f \r and the separators \x1c-\x1f), mapped to
+#: spaces: ``prompt_chars``'s fast path for ASCII text.
+_ASCII_SPACE = bytes(c for c in range(128) if chr(c).isspace())
+_TO_SPACE = bytes.maketrans(_ASCII_SPACE, b" " * len(_ASCII_SPACE))
+
+
 def prompt_chars(text: str) -> int:
     """Characters of ``text`` with each run of whitespace counted once, ends stripped (OllamaRouter §3)."""
-    # str.split() and a regex's \s agree on what whitespace is (both use str.isspace); split and join are 5x
-    # faster than re.sub on a long prompt.
-    return len(" ".join(text.split()))
+    if not text.isascii():
+        # str.split() and a regex's \s agree on what whitespace is (both use str.isspace); split and join are 5x
+        # faster than re.sub on a long prompt.
+        return len(" ".join(text.split()))
+    # ASCII: bytes.translate and replace run in C without building a list of words (a 32k-token prompt: 0.2 ms
+    # instead of 1.0 ms, half a routing decision); the result is the same.
+    data = text.encode("ascii").translate(_TO_SPACE).strip(b" ")
+    while b"  " in data:
+        data = data.replace(b"  ", b" ")
+    return len(data)
 
 
 def request_chars(request: Any) -> int:

@@ -1,7 +1,9 @@
 """What a balancer knows about its targets (local replicas and peer balancers), and the availability rules.
 
 Source: SkyLB paper §3.3 and Algorithm 1 (MONITORAVAILABILITY, lines 1-16).
-- A replica is available when it is healthy, its latest probe is fresh and showed 0 pending requests.
+- A replica is available when it is healthy, its latest probe is fresh and showed 0 pending requests (with a
+  learned admission capacity, below: when its running batch, the requests waiting in it and those sent since the
+  probe are fewer than the capacity).
 - A peer is available when its latest status is fresh, it reports at least one available replica and its queue is
   no longer than tau.
 
@@ -275,14 +277,18 @@ class AvailabilityRules:
             return "probe stale"
         if not r.healthy:
             return r.error or "unhealthy"
-        if r.pending > 0:
+        # The engine's slots when it says (llama.cpp), else the learned capacity (None: the paper's rule alone).
+        limit = (r.slots if r.slots is not None else
+                 r.capacity.limit if self.learn_capacity and r.running is not None else None)
+        # Requests waiting in an engine whose batch is learned count as part of it: a request sent a moment ago
+        # waits for the engine's next step, and a probe that catches it would otherwise keep the replica from the
+        # next request for a whole probe interval (1-2% of sequential requests waited 100 ms for that).
+        if r.pending > 0 and (limit is None or r.slots is not None):
             return "pending requests"
-        if r.running is not None:
-            # The engine's slots when it says (llama.cpp), else the learned capacity. The probe may miss a request
-            # that raced it on another connection; this balancer's own in-flight count never does (it only errs
-            # high, by responses still draining).
-            limit = r.slots if r.slots is not None else r.capacity.limit if self.learn_capacity else None
-            if limit is not None and max(r.running + r.sent_since_probe, r.outstanding) >= limit:
+        if r.running is not None and limit is not None:
+            # The probe may miss a request that raced it on another connection; this balancer's own in-flight count
+            # never does (it only errs high, by responses still draining).
+            if max(r.running + r.pending + r.sent_since_probe, r.outstanding) >= limit:
                 return "batch full"
         # Engines without a pending metric: the balancer's own in-flight count is exact and live, no probe needed.
         if r.max_concurrency is not None and r.outstanding >= r.max_concurrency:
