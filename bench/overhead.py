@@ -16,8 +16,8 @@ the same interleaved rounds; routing decision p99 <= 1 ms at 32k-token prompts w
 such prompts queued. They are reported as measured, never tuned for.
 
 "Through a balancer" systems: ``direct`` (the client calls the replica), SkyLB with its default config
-(``skylb``: probe every 100 ms, ``max_dispatch_per_probe 4``) and without the dispatch cap (``skylb-nocap``:
-``max_dispatch_per_probe 0``), HAProxy (``roundrobin``) and the SGLang router (``cache_aware``, its default).
+(``skylb``: probe every 100 ms, each replica's batch learned from its probes, no dispatch ceiling), HAProxy
+(``roundrobin``) and the SGLang router (``cache_aware``, its default).
 Every process of a part is stopped when the part ends, also on failure.
 """
 
@@ -81,7 +81,6 @@ __all__ = [
 OVERHEAD_SYSTEMS: dict[str, System | None] = {
     "direct": None,
     "skylb": SYSTEMS["skylb"],
-    "skylb-nocap": System("skylb-nocap", "skylb", "skylb", {"max_dispatch_per_probe": 0}),
     "haproxy": SYSTEMS["haproxy-roundrobin"],
     "sglang": SYSTEMS["sglang-cache_aware"],
 }
@@ -222,7 +221,7 @@ def _timed_completion(conn: http.client.HTTPConnection, i: int) -> float | None:
 def balancer_profile(*, n: int = 2000, run_dir: Path, top: int = 18) -> dict[str, Any]:
     """Where a SkyLB balancer's CPU goes on part (a)'s requests: cProfile (CPU-time clock) of the balancer process.
 
-    Starts SkyLB (``max_dispatch_per_probe 0``, so no request waits for a probe) under cProfile in front of one
+    Starts SkyLB (its default configuration) under cProfile in front of one
     fast emulated replica, sends ``n`` sequential small non-streamed completions, stops the balancer (SIGTERM,
     so cProfile writes its file) and returns ``{"n", "text": the top ``top`` entries by own time, "total_s"}``.
     """
@@ -232,8 +231,7 @@ def balancer_profile(*, n: int = 2000, run_dir: Path, top: int = 18) -> dict[str
     with ProcGroup(run_dir / "logs") as procs:
         replicas = start_emulator(procs, free_ports(1), time_scale=FAST_TIME_SCALE, max_num_seqs=256,
                                   name="p-emulator")
-        url = start_skylb(procs, replicas, run_dir=run_dir, overrides={"max_dispatch_per_probe": 0},
-                          name="profiled", profile_to=prof_path)
+        url = start_skylb(procs, replicas, run_dir=run_dir, name="profiled", profile_to=prof_path)
         balancer = procs.procs[-1]
         conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
         try:
@@ -275,7 +273,7 @@ RATES = (50, 100, 200, 300, 400, 600, 800, 1200, 1600, 2400)
 STREAM_RATES = (50, 100, 200, 300, 400, 600, 800, 1200, 1600)
 #: Tokens of each streamed completion of part (c)'s ramp (one SSE event each, then ``data: [DONE]``).
 STREAM_TOKENS = 16
-#: The systems of part (c)'s streamed ramp (``skylb-nocap`` left out: part (b) shows the cap costs no rate).
+#: The systems of part (c)'s streamed ramp.
 STREAM_SYSTEMS = ("direct", "skylb", "haproxy", "sglang")
 
 
@@ -863,7 +861,7 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
             p = a["profile"]
             lines += [f"Where the SkyLB balancer's CPU goes on these requests: cProfile (clock: the process's CPU "
                       f"time, so waiting does not count; from after a warm-up) of the balancer process "
-                      f"(`max_dispatch_per_probe 0`) serving {p['n']} sequential requests: {p['total_s']:.2f} CPU-s, "
+                      f"(default configuration) serving {p['n']} sequential requests: {p['total_s']:.2f} CPU-s, "
                       f"{1000 * p['total_s'] / p['n']:.2f} ms per request. Top entries by own time:", "", "```",
                       p["text"], "```", "", "The balancer's own functions (skylb/balancer, skylb/core) by cumulative "
                       "CPU time:", "", "```", p["skylb_cumulative"], "```", ""]
