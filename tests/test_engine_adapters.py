@@ -295,7 +295,8 @@ async def test_models_lists_each_personalitys_models(emulators, session, emulato
 
 
 # One row per engine and metric set: the probe's reading, then the skylb policy's view of the replica (its
-# availability and estimated wait) with this balancer holding ``own`` unprefilled prompt tokens there.
+# availability and estimated wait) with this balancer holding ``own`` unprefilled prompt tokens there. A first probe
+# showing requests waiting beside a batch above the learned capacity's start (2) reads "batch full".
 LOAD_ESTIMATE_ROWS = [
     # engine, /metrics text, outstanding, own unprefilled tokens, (pending, running, kv_usage), reason, wait s
     ("vllm", "vllm:num_requests_waiting 0\nvllm:num_requests_running 5\nvllm:kv_cache_usage_perc 0.42\n",
@@ -306,7 +307,7 @@ LOAD_ESTIMATE_ROWS = [
      0, [1500, 1000], (0, 2, 0.3), "prefill backlog", 1.25),  # before vLLM 0.12: the old KV gauge name
     ("vllm", 'vllm:num_requests_waiting{engine="0"} 2\nvllm:num_requests_running{engine="0"} 4\n'
              'vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:kv_cache_usage_perc{engine="1"} 0.8\n',
-     0, [400], (2, 4, 0.8), "pending requests", 0.456),  # one pending of unknown size (512) besides our own
+     0, [400], (2, 4, 0.8), "batch full", 0.456),  # one pending of unknown size (512) besides our own
     ("sglang", "sglang:num_queue_reqs 0\nsglang:num_running_reqs 3\nsglang:token_usage 0.25\n",
      0, [600], (0, 3, 0.25), None, 0.3),
     ("sglang", "sglang:num_queue_reqs 0\nsglang:num_running_reqs 30\nsglang:token_usage 0.99\n",
@@ -314,10 +315,10 @@ LOAD_ESTIMATE_ROWS = [
     ("llamacpp", "llamacpp:requests_deferred 0\nllamacpp:requests_processing 1\n",
      0, [200], (0, 1, None), None, 0.1),
     ("llamacpp", "llamacpp:requests_deferred 1\nllamacpp:requests_processing 4\nllamacpp:kv_cache_usage_ratio 0.6\n",
-     0, [], (1, 4, 0.6), "pending requests", 0.256),  # an older build that still exports KV usage
+     0, [], (1, 4, 0.6), "batch full", 0.256),  # an older build that still exports KV usage; no /props here
     ("tgi", "tgi_queue_size 0\ntgi_batch_current_size 2\n", 0, [800], (0, 2, None), None, 0.4),
     ("openai", None, 3, [100, 100, 100], (0, 3, None), None, 0.15),  # no metric: its own count vs max_concurrency
-    ("openai", None, 6, [], (2, 4, None), "pending requests", 0.512),
+    ("openai", None, 6, [], (2, 4, None), "batch full", 0.512),
     ("ollama", None, 1, [300], (0, 1, None), None, 0.15),
 ]
 
