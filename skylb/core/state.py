@@ -249,8 +249,9 @@ class AvailabilityRules:
         tau: the largest peer queue length at which a peer is still available (Algorithm 1, line 12).
         stale_after_s: a probe older than this (s) makes its target unavailable: stale state is not trusted.
         max_dispatch_per_probe: optional ceiling on requests sent to one replica between two probes (0 = none).
-        learn_capacity: a replica whose engine reports its running batch is full at its learned admission
-            capacity (skylb/core/capacity.py); False: only the engine's reported slots bound it (the paper's rule).
+        learn_capacity: bound each replica whose engine reports its running batch by the admission capacity learned
+            from its probes (skylb/core/capacity.py), its waiting requests counted in the batch; False: only 0
+            pending requests and the engine's reported slots (llama.cpp) bound it (the paper's rule).
         peer_stale_after_s: a peer's status older than this plus two of its round trips (s) is stale, when sooner
             than ``stale_after_s``: a partitioned peer is unavailable within a few probe intervals (0: not used).
     """
