@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the Debian packages of the real components that the tests start on loopback: BIND 9 (DNS views and
 # RFC 2136 updates), etcd (the highly available membership store), HAProxy (a baseline), Redis (shared limits),
-# and openssl (the TLS test's self-signed certificate).
+# openssl (the TLS test's self-signed certificate), Prometheus with promtool (rules, metrics and the dashboard's
+# queries) and Chromium with its WebDriver (the status page in a real headless browser).
 # Idempotent and quiet when everything is present; `make test` runs it first. Needs root (or sudo) and apt-get;
 # elsewhere it says what is missing and exits 0, so the tests that need a component skip (and fail under CI=true).
 #
@@ -11,6 +12,7 @@ set -euo pipefail
 declare -A packages=(
   [named]=bind9 [dig]=bind9-dnsutils [nsupdate]=bind9-dnsutils [etcd]=etcd-server [etcdctl]=etcd-client
   [haproxy]=haproxy [redis-server]=redis-server [openssl]=openssl
+  [prometheus]=prometheus [promtool]=prometheus [chromium]=chromium [chromedriver]=chromium-driver
 )
 missing=()
 for bin in "${!packages[@]}"; do
