@@ -161,8 +161,8 @@ class BalancerMetrics:
                               registry=self.registry)
         self.e2e = Histogram("skylb_e2e_latency_seconds", "Time from arrival at this balancer to the last byte of a "
                              "successful answer (status < 400, whole), s; a forwarded request counts at both "
-                             "balancers (route peer, then local), as TTFT does.", ["region", "route", "model", "tenant"],
-                             buckets=_E2E_BUCKETS_S, registry=self.registry)
+                             "balancers (route peer, then local), as TTFT does.",
+                             ["region", "route", "model", "tenant"], buckets=_E2E_BUCKETS_S, registry=self.registry)
         self.inter_token = Histogram("skylb_inter_token_latency_seconds", "Time per output token after the first "
                                      "of a successful stream that reported its usage: (end-to-end - TTFT) / "
                                      "(completion tokens - 1), s.", ["region", "model", "tenant"],
