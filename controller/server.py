@@ -5,6 +5,8 @@ Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH 
 URLS]``. Endpoints:
 
 - ``GET /healthz`` -> {"status": "ok", "revision": N, "store": "sqlite" | "etcd", "leader": bool}
+- ``GET /metrics`` -> Prometheus text: membership size and revision, health checks, failovers, leadership
+  (controller/metrics.py)
 - ``GET /v1/membership[?revision=N&wait=S]`` -> full snapshot; with both, a long poll that answers as soon as the
   revision is > N, or after S seconds (at most 60) with the unchanged state
 - ``GET /v1/replicas[?region=R]``, ``POST /v1/replicas``, ``DELETE /v1/replicas/{id}``
@@ -50,6 +52,7 @@ from controller.dns import DnsUpdater
 from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
+from controller.metrics import CONTENT_TYPE, ControllerMetrics
 from controller.quotas import remove_entry, set_entry
 from controller.shares import ShareBook
 from controller.store import InvalidInput, StoreError, normalize_url, quotas_json, validate_region
@@ -105,6 +108,7 @@ STORE = web.AppKey("store", Store)
 WATCH = web.AppKey("watch", RevisionWatch)
 LEADERSHIP = web.AppKey("leadership", SoleLeader | EtcdElection)
 SHARES = web.AppKey("shares", ShareBook)
+METRICS = web.AppKey("metrics", ControllerMetrics)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -161,6 +165,11 @@ async def healthz(request: web.Request) -> web.Response:
     store = request.app[STORE]
     return web.json_response({"status": "ok", "revision": store.revision, "store": store.kind,
                               "leader": request.app[LEADERSHIP].is_leader})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics -> the controller's Prometheus metrics (open, as every read: no secret in them)."""
+    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def get_membership(request: web.Request) -> web.Response:
@@ -370,7 +379,9 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app[LEADERSHIP] = leadership or SoleLeader()
     app[WATCH] = RevisionWatch(store.revision)
     app[SHARES] = ShareBook()
+    app[METRICS] = ControllerMetrics(store.snapshot, is_leader=lambda: app[LEADERSHIP].is_leader)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/membership", get_membership)
     app.router.add_get("/v1/replicas", list_replicas)
     app.router.add_post("/v1/replicas", add_replica)
@@ -428,7 +439,8 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
 
         def lead() -> Awaitable[None]:  # the leader's task, started at each election and cancelled at its end
             checker = HealthChecker(store, config.health, lambda action, fields: _changed(app, action, **fields),
-                                    failover=config.failover, on_assignment=dns_sync and dns_sync.changed)
+                                    failover=config.failover, on_assignment=dns_sync and dns_sync.changed,
+                                    metrics=app[METRICS])
             if dns_sync is None:
                 return checker.run()
             return _together(checker.run(), dns_sync.run())  # only the leader writes DNS, as it fails over

@@ -69,7 +69,10 @@ class Balancer:
         self.region = region
         self.advertise_url = advertise_url
         self.router = build_router(region, cfg)
-        self.metrics = BalancerMetrics(self.router, now=self.now, controller_reachable=self.controller_reachable)
+        #: The tenants client API keys map to (set by the application that checks the keys).
+        self.key_tenants: frozenset[str] = frozenset()
+        self.metrics = BalancerMetrics(self.router, now=self.now, controller_reachable=self.controller_reachable,
+                                       tenant_configured=self.tenant_configured)
         # Priority classes: tenants' weights for deficit round robin, read from the quotas in force at each turn.
         self.router.set_tenant_weights(lambda tenant: self.quotas.tenant(tenant).weight)
         #: Answers to repeated embedding requests, or None when balancer.embedding_cache is off.
@@ -83,7 +86,7 @@ class Balancer:
         #: The quota gate: a request waits here before the queue (skylb/quota/gate.py).
         self.quota_gate = build_gate(cfg.quota, quotas=lambda: self.quotas, limits=self.limits, now=self.now,
                                      registry=self.metrics.registry, region=region,
-                                     queue_timeout_s=cfg.queue_timeout_s)
+                                     queue_timeout_s=cfg.queue_timeout_s, tenant_label=self.metrics.tenant_label)
         self.quota_listeners.append(self.quota_gate.wake_all)
         #: The lease API's leases (skylb/balancer/lease_api.py), which the model-group stage honours.
         self.leases = LeaseBook()
@@ -118,6 +121,11 @@ class Balancer:
         """True when the latest controller call succeeded (False: serving on the last membership it knew)."""
         return bool(self.membership and self.membership.controller_reachable)
 
+    def tenant_configured(self, tenant: str) -> bool:
+        """True for ``default``, a tenant of the quotas in force and a tenant client API keys map to (metric labels
+        name only these)."""
+        return tenant == "default" or tenant in self.quotas.tenants or tenant in self.key_tenants
+
     def _count_routed(self, decision: Decision) -> None:
         if decision.route != "local":
             self._forwarded_at.append(self.now())
@@ -128,8 +136,7 @@ class Balancer:
     def _count_routed_metrics(self, decision: Decision) -> None:
         metrics = self.metrics
         metrics.child(metrics.routed, self.region, decision.route, decision.target).inc()
-        metrics.child(metrics.queue_wait, self.region).observe(decision.queued_s)
-        metrics.child(metrics.queue_wait_by_class, self.region, decision.request.priority).observe(decision.queued_s)
+        metrics.child(metrics.queue_wait, self.region, decision.request.priority).observe(decision.queued_s)
 
     def forwarded_rate(self, window_s: float = 60.0) -> float:
         """Requests forwarded to peers per second over the last ``window_s`` seconds (at most the last 10,000)."""

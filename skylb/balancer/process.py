@@ -105,6 +105,7 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     app = web.Application(client_max_size=cfg.max_body_bytes,
                           middlewares=[_errors_in_api_shape, auth_middleware(creds)])
     balancer = Balancer(cfg, region=region, advertise_url=advertise_url, client_keys=bool(api_keys))
+    balancer.key_tenants = frozenset(creds.tenants.values())
     app[BALANCER] = balancer
 
     async def lifecycle(app: web.Application):

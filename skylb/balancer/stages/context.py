@@ -37,7 +37,7 @@ class RequestContext:
         decision, outcome: the routing decision and relay outcome of the last attempt (route stage).
         answered: a replica or peer answered some attempt (the quota's tokens were used).
         ttft_s, error, status: for the log line. reason: why the balancer answered the request itself;
-        rejected: that answer counts as a rejection (skylb_rejected_total).
+        rejected: that answer counts as a rejection (skylb_rejected_requests_total).
     """
 
     http: web.Request
