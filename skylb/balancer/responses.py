@@ -20,6 +20,7 @@ Also here: ``GET /v1/responses/{id}`` (vLLM's retrieve endpoint), proxied to the
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,6 +39,7 @@ RESPONSES_PATH = "/v1/responses"
 MAX_ENTRIES = 100_000
 #: How long an id is remembered after its last use, s (a conversation idle for a day starts afresh).
 TTL_S = 24 * 3600.0
+_SSE_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 #: The longest a retrieve proxied to a replica or peer may take, s.
 RETRIEVE_TIMEOUT_S = 30.0
 
@@ -77,12 +79,20 @@ class ResponseBook:
 
 def response_id_of(head: bytes) -> str | None:
     """The response id in the head of a Responses API answer: a whole response object (``{"id": "resp_...",
-    "object": "response"}``) or a stream's first event (``response.created``, whose ``response`` holds the id, as
+    "object": "response"}``) or a stream's first events (``response.created``, whose ``response`` holds the id, as
     vLLM and OpenAI send it, with or without an ``event:`` line). None when there is none."""
     payload = head.strip()
-    if payload.startswith((b"event:", b"data:")):
-        lines = [line[5:].strip() for line in payload.splitlines() if line.startswith(b"data:")]
-        payload = b"\n".join(lines)
+    if not payload.startswith((b"event:", b"data:", b":")):
+        return _id_in(payload)
+    for event in _SSE_END.split(payload):
+        found = _id_in(b"\n".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")))
+        if found is not None:
+            return found
+    return None
+
+
+def _id_in(payload: bytes) -> str | None:
+    """The id of the response object in one JSON ``payload`` (itself, or an event's ``response``), else None."""
     try:
         obj = json.loads(payload)
     except (ValueError, RecursionError):
