@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.cluster import MODEL, Cluster, post_json
-from tests.procs import ProcGroup
+from tests.procs import ProcGroup, free_ports, wait_http
 
 # One deployment for the module's tests, on one worker, in order (the last one removes a replica).
 pytestmark = pytest.mark.xdist_group("openai_conventions")
@@ -24,6 +24,7 @@ ADMIN = "admin-token-for-openai-conventions-012"
 KEY_A, KEY_B = "sk-alpha-conventions-0123456789", "sk-beta-conventions-0123456789"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 EU_MODEL = "eu-only-model"
+EMULATOR = ("--engine", "vllm", "--time-scale", "0.02", "--no-request-log")
 # alpha: 6 requests and 600 tokens a minute on every model; every tenant's requests for MODEL also draw on the
 # model's own bucket (600 requests, 60,000 tokens a minute), which is the tighter one only for beta.
 SETTINGS = {"tenants": {"alpha": [KEY_A], "beta": [KEY_B]},
@@ -32,25 +33,40 @@ SETTINGS = {"tenants": {"alpha": [KEY_A], "beta": [KEY_B]},
             "quota": {"wait_s": 0.3, "local_share": 1.0}}
 
 
+def _start(c: Cluster, procs: ProcGroup) -> None:
+    """The module's deployment, its five processes started at once and then waited for (not one after another)."""
+    config = str(c.config(["us", "eu"]))
+    ports = free_ports(6)
+    c.controller_url = f"http://127.0.0.1:{ports[0]}"
+    procs.skylb("controller", "--config", config, "--port", str(ports[0]), name="controller", env=c.env)
+    replicas = {"us-a": ports[1], "us-b": ports[2], "eu-a": ports[3]}
+    procs.skylb("emulator", "--model", MODEL, "--port", str(ports[1]), "--port", str(ports[2]), *EMULATOR,
+                name="emulator-us")
+    procs.skylb("emulator", "--model", EU_MODEL, "--port", str(ports[3]), *EMULATOR, name="emulator-eu")
+    for region, port in (("us", ports[4]), ("eu", ports[5])):
+        c.balancers[region] = f"http://127.0.0.1:{port}"
+        procs.skylb("balancer", "--config", config, "--region", region, "--port", str(port), "--host", "127.0.0.1",
+                    "--controller", c.controller_url, name=f"balancer-{region}", env=c.env)
+    for url in (c.controller_url, *(f"http://127.0.0.1:{p}" for p in replicas.values())):
+        wait_http(f"{url}/health" if url != c.controller_url else f"{url}/healthz", timeout_s=30)
+    for replica_id, port in replicas.items():
+        body = {"region": replica_id[:2], "url": f"http://127.0.0.1:{port}", "engine": "vllm", "id": replica_id}
+        status, answer, _ = post_json(f"{c.controller_url}/v1/replicas", body, headers=ADMIN_HEADERS)
+        assert status in (200, 201), answer
+    for url in c.balancers.values():
+        wait_http(f"{url}/healthz", timeout_s=30)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Controller; us with two vLLM replicas (us-a, us-b) serving MODEL; eu with one serving only EU_MODEL, so us
     forwards EU_MODEL's requests to eu."""
     tmp = tmp_path_factory.mktemp("conventions")
     procs = ProcGroup(tmp / "logs")
-    procs.teardown_checks = []
     try:
         c = Cluster(procs, tmp, balancer=SETTINGS, peer_token=PEER, admin_token=ADMIN,
                     controller={"health": {"enabled": False}})
-        c.start_controller(["us", "eu"])
-        us = c.start_emulator(2, "--time-scale", "0.02")
-        eu = c.start_emulator(1, "--time-scale", "0.02", "--model", EU_MODEL, name="emulator-eu")
-        c.start_balancer("us", ["us", "eu"])
-        c.start_balancer("eu", ["us", "eu"])
-        for region, replica_id, url in (("us", "us-a", us[0]), ("us", "us-b", us[1]), ("eu", "eu-a", eu[0])):
-            status, body, _ = post_json(f"{c.controller_url}/v1/replicas", {"region": region, "url": url,
-                                        "engine": "vllm", "id": replica_id}, headers=ADMIN_HEADERS)
-            assert status in (200, 201), body
+        _start(c, procs)
         c.wait_replicas_healthy("us", 2)
         c.wait_replicas_healthy("eu", 1)
         c.wait_peers_probed("us", 1)
@@ -135,13 +151,13 @@ def _stream(c: openai.OpenAI, **request) -> tuple[str, object, list[str]]:
 
 
 def test_responses_streamed_and_follow_ups_land_on_the_replica_holding_the_state(cluster):
-    """Streamed /v1/responses through the balancer with vLLM's event sequence; three conversations of three turns:
+    """Streamed /v1/responses through the balancer with vLLM's event sequence; two conversations of three turns:
     every follow-up (previous_response_id) is served by the replica that produced the previous response (the
     replica's own store answers it: another replica would 404), and its input holds the history; the stored
     response is retrieved through the balancer."""
     beta = client(cluster, KEY_B)
     served_by = set()
-    for n in range(3):
+    for n in range(2):
         where, response, types = _stream(beta, model=MODEL, input=f"conversation {n} starts here",
                                          max_output_tokens=8)
         assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
