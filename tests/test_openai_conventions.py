@@ -190,10 +190,17 @@ def test_a_follow_up_of_a_response_a_peer_produced_crosses_to_that_region(cluste
 def test_a_follow_up_whose_replica_is_gone_gets_openais_previous_response_not_found(cluster):
     """Once the replica that produced a response leaves membership, a follow-up gets OpenAI's 400
     previous_response_not_found (param previous_response_id) from the balancer, saying the replica is gone; an id
-    the balancer never saw gets the same error. (Run last: it removes a replica of the module's cluster.)"""
+    the balancer never saw, or another tenant's, gets the same error. (Run last: it removes a replica of the
+    module's cluster.)"""
     beta = client(cluster, KEY_B)
     where, response, _ = _stream(beta, model=MODEL, input="a short-lived conversation", max_output_tokens=4)
     replica = where.split("/", 1)[1]
+    alpha = client(cluster, KEY_A)  # another tenant: beta's stored responses are not its to continue or read
+    with pytest.raises(openai.BadRequestError) as info:
+        alpha.responses.create(model=MODEL, input="may I?", previous_response_id=response.id)
+    assert info.value.body["code"] == "previous_response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        alpha.responses.retrieve(response.id)
     request = urllib.request.Request(f"{cluster.controller_url}/v1/replicas/{replica}", method="DELETE",
                                      headers=ADMIN_HEADERS)
     with urllib.request.urlopen(request, timeout=10) as answer:

@@ -38,7 +38,8 @@ def test_headers_come_from_the_bucket_with_fewest_remaining_for_requests_and_tok
 
 
 def test_the_response_book_is_bounded_in_count_and_age():
-    """At most max_entries ids (the least recently used dropped first), each forgotten ttl_s after its last use."""
+    """At most max_entries ids (the least recently used dropped first), each forgotten ttl_s after its last use;
+    another tenant finds none of them."""
     clock = [0.0]
     book = ResponseBook(max_entries=2, ttl_s=10.0, now=lambda: clock[0])
     book.record("resp_1", "local", "r1")
@@ -46,6 +47,7 @@ def test_the_response_book_is_bounded_in_count_and_age():
     assert book.lookup("resp_1") == ("local", "r1")  # now the most recently used
     book.record("resp_3", "local", "r2")
     assert len(book) == 2 and book.lookup("resp_2") is None and book.lookup("resp_1") == ("local", "r1")
+    assert book.lookup("resp_1", "another-tenant") is None
     clock[0] = 10.5
     assert book.lookup("resp_3") is None and book.lookup("resp_1") is None
 

@@ -6,7 +6,9 @@ a request naming ``previous_response_id`` can only be served by the replica that
 balancer does not rewrite engines' ids (that would mean re-encoding every streamed event); it records, as each
 answer's head passes the relay, ``response id -> (route, target)`` in a :class:`ResponseBook`: ("local", replica
 id) for its own replicas, ("peer", region) for an answer a peer relayed, whose own book then names its replica. So
-a follow-up crosses regions exactly when its state lives in the other region, and only that one hop.
+a follow-up crosses regions exactly when its state lives in the other region, and only that one hop. Each id is
+recorded with the tenant that created it; another tenant's follow-up or retrieve finds nothing (OpenAI scopes
+stored responses to their owner).
 
 The book is bounded: at most ``max_entries`` ids (least recently used dropped first) and each for ``ttl_s`` after
 its last use. An id stored here takes about 250 bytes (its string, the target's, the entry), so the default
@@ -29,7 +31,10 @@ import aiohttp
 from aiohttp import web
 
 from skylb.balancer.api import openai_error
+from skylb.balancer.auth import tenant_of
 from skylb.balancer.protocol import FORWARDED_FROM, TOKEN_HEADER
+from skylb.core.request import DEFAULT_TENANT
+from skylb.quota.priorities import PEER_TENANT_HEADER, peer_class, peer_headers
 
 __all__ = ["ResponseBook", "response_id_of", "retrieve_handler", "MAX_ENTRIES", "TTL_S", "RESPONSES_PATH"]
 
@@ -53,27 +58,29 @@ class ResponseBook:
     def __init__(self, *, max_entries: int = MAX_ENTRIES, ttl_s: float = TTL_S,
                  now: Callable[[], float] = time.monotonic):
         self.max_entries, self.ttl_s, self.now = max_entries, ttl_s, now
-        self._entries: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[str, str, str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def record(self, response_id: str, route: str, target: str) -> None:
-        """``response_id`` is held by ``target`` (a replica id for route "local", a region for "peer")."""
-        self._entries[response_id] = (route, target, self.now())
+    def record(self, response_id: str, route: str, target: str, tenant: str = DEFAULT_TENANT) -> None:
+        """``response_id``, created by ``tenant``, is held by ``target`` (a replica id for route "local", a region
+        for "peer")."""
+        self._entries[response_id] = (route, target, tenant, self.now())
         self._entries.move_to_end(response_id)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
-    def lookup(self, response_id: str) -> tuple[str, str] | None:
-        """(route, target) holding ``response_id``, or None when unknown or expired (a hit renews its age)."""
+    def lookup(self, response_id: str, tenant: str = DEFAULT_TENANT) -> tuple[str, str] | None:
+        """(route, target) holding ``response_id`` for ``tenant``, or None when unknown, expired or another
+        tenant's (a hit renews its age)."""
         entry = self._entries.get(response_id)
-        if entry is None:
+        if entry is None or entry[2] != tenant:
             return None
-        if self.now() - entry[2] > self.ttl_s:
+        if self.now() - entry[3] > self.ttl_s:
             del self._entries[response_id]
             return None
-        self.record(response_id, entry[0], entry[1])
+        self.record(response_id, *entry[:3])
         return entry[0], entry[1]
 
 
@@ -116,12 +123,15 @@ def retrieve_handler(book: ResponseBook, *, target_url: Callable[[str, str], str
     target)`` gives its base URL, None when it left), with the peer token and this region as the forwarding
     balancer for a peer, and ``replica_auth(request)`` as the Authorization for a replica (as the relay sends it).
     404 in OpenAI's shape when the id is unknown here or its target left; 502 when the target does not answer. A
-    forwarded retrieve is answered from this region's replicas only (one hop)."""
+    forwarded retrieve is answered from this region's replicas only (one hop); the client's tenant (its API key's,
+    or for a forwarded retrieve the one its balancer sent) must be the one that created the response."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
         response_id = request.match_info["response_id"]
-        held = book.lookup(response_id)
-        if held is None or (held[0] == "peer" and FORWARDED_FROM in request.headers):
+        forwarded = FORWARDED_FROM in request.headers  # its peer token checked by the auth middleware
+        tenant = (forwarded and peer_class(None, request.headers.get(PEER_TENANT_HEADER))[1]) or tenant_of(request)
+        held = book.lookup(response_id, tenant)
+        if held is None or (held[0] == "peer" and forwarded):
             return not_found(response_id)
         base = target_url(*held)
         if base is None:
@@ -131,6 +141,7 @@ def retrieve_handler(book: ResponseBook, *, target_url: Callable[[str, str], str
         if auth:
             headers["Authorization"] = auth
         if held[0] == "peer":
+            headers.update(peer_headers("normal", tenant))
             headers[FORWARDED_FROM] = region
             if peer_token:
                 headers[TOKEN_HEADER] = peer_token

@@ -10,7 +10,8 @@ names a peer here), the answer is OpenAI's own for a previous response it cannot
 its replica, so no other replica can serve it; the client starts the conversation again with its full input. A
 target that is there but unavailable for now (unhealthy, ejected) is the route stage's 503 with Retry-After.
 A request that asks to be stored (``store``, default true) registers ``ctx.on_answer_head``: the relay hands it the
-answer's head, and the response id in it is recorded with the target that produced it.
+answer's head, and the response id in it is recorded with the target that produced it and the request's tenant
+(another tenant's follow-up finds no such response).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class ResponsesStage:
         parsed = ctx.parsed
         previous = parsed.previous_response_id
         if previous is not None:
-            held = self.book.lookup(previous)
-            why = "this region's balancer has no record of it (expired, or created through another region)"
+            held = self.book.lookup(previous, ctx.tenant)
+            why = ("this region's balancer has no record of it for this tenant (expired, or created through another "
+                   "region)")
             if held is not None:
                 reason = self.pinned_reason(held, self.now(), may_forward=not ctx.forwarded, model=parsed.model,
                                             api=ctx.api)
@@ -59,4 +61,4 @@ class ResponsesStage:
     def _record(self, decision, head: bytes) -> None:
         response_id = response_id_of(head)
         if response_id is not None:
-            self.book.record(response_id, decision.route, decision.target)
+            self.book.record(response_id, decision.route, decision.target, decision.request.tenant)
