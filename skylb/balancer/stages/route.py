@@ -9,6 +9,8 @@ skylb/core/outlier.py), and the request, after a jittered backoff, goes back to 
 another target while it has retries left (``retry_policy.num_retries``) and the retry budget allows
 (skylb/balancer/retry.py; Envoy's names). Once a byte reached the client it is never retried (a started stream cannot be
 spliced). 503 with an estimated Retry-After when the queue is full or the request waited past the queue timeout.
+A request pinned to one target (``ctx.pin``: a Responses API follow-up, skylb/balancer/stages/responses.py) skips
+the queue and goes to that target at once, retries included; 503 with Retry-After when it is unavailable.
 """
 
 from __future__ import annotations
