@@ -1,6 +1,7 @@
 """The parts behind OpenAI's conventions, without processes: the reset format of the rate-limit headers and the
 choice of the tightest bucket (skylb/quota/headers.py), the bounded map of response ids (skylb/balancer/responses.py),
-a Responses API stream ending without ``[DONE]`` (skylb/balancer/framing.py) and its usage (skylb/balancer/usage.py)."""
+a Responses API stream ending without ``[DONE]`` (skylb/balancer/framing.py) and its usage (skylb/balancer/usage.py),
+Responses requests parsed for routing (skylb/balancer/api.py), pinned placement in the routing core."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from skylb.balancer.api import BadRequest, parse_openai
 from skylb.balancer.framing import StreamFramer
 from skylb.balancer.responses import ResponseBook, response_id_of
 from skylb.balancer.usage import usage_of
+from skylb.core import AvailabilityRules, PeerStatus, Request, Router, make_policy
 from skylb.quota.buckets import LocalLimits
 from skylb.quota.headers import duration_text, rate_limit_headers
 from skylb.quota.limits import Limit
@@ -94,3 +96,27 @@ def test_a_responses_request_is_read_for_routing_and_bad_fields_are_named():
         with pytest.raises(BadRequest) as info:
             _parse(body)
         assert info.value.param == param, body
+
+
+def test_a_pinned_request_goes_to_its_target_at_once_busy_or_not_and_never_elsewhere():
+    """The routing core places a pinned request on its replica even with pending requests there (it is the only
+    one that can serve it), leaves the queue alone, and says "gone" for a replica that left or a forwarded request
+    pinned to a peer, "unavailable" for an unhealthy one."""
+    router = Router(region="us", policy=make_policy("skylb"), rules=AvailabilityRules())
+    router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
+    router.set_peers([("eu", "http://eu")])
+    router.observe_replica("r0", now=0.0, healthy=True, pending=5)
+    router.observe_replica("r1", now=0.0, healthy=False, error="refused")
+    router.observe_peer("eu", now=0.0, status=PeerStatus("eu", available_replicas=1, replicas=1, queue_len=0))
+    decision = router.place_pinned(Request("a", "hi", arrived_at=0.0, pin=("local", "r0")), now=0.1)
+    assert (decision.route, decision.target) == ("local", "r0") and router.replicas["r0"].outstanding == 1
+    assert len(router.queue) == 0
+    assert router.place_pinned(Request("b", "hi", arrived_at=0.0, pin=("local", "r1")), now=0.1) is None
+    assert router.pinned_unavailable_reason(("local", "r1"), 0.1)[0] == "unavailable"
+    assert router.pinned_unavailable_reason(("local", "r9"), 0.1)[0] == "gone"
+    assert router.pinned_unavailable_reason(("peer", "eu"), 0.1) is None
+    assert router.pinned_unavailable_reason(("peer", "eu"), 0.1, may_forward=False)[0] == "gone"
+    router.set_replicas([("r1", "http://r1", "vllm")])  # r0 leaves: draining while its request runs
+    assert router.pinned_unavailable_reason(("local", "r0"), 0.1)[0] == "gone"
+    router.finished(decision)
+    assert "r0" not in router.replicas
