@@ -1,5 +1,5 @@
 """OpenAI's client-facing conventions end to end with real processes (a controller, two regions' balancers,
-emulated vLLM replicas) and the official openai client: the ``x-ratelimit-*`` headers count down and reset as
+emulated vLLM replicas, redis-server for the quota buckets) and the official openai client: the ``x-ratelimit-*`` headers count down and reset as
 OpenAI documents them (skylb/quota/headers.py); ``/v1/responses`` streamed, a follow-up with
 ``previous_response_id`` on the replica that holds the previous response (across regions when a peer produced
 it), ``GET /v1/responses/{id}``, and OpenAI's 400 ``previous_response_not_found`` once that replica is gone."""
@@ -15,6 +15,7 @@ import pytest
 
 from tests.cluster import MODEL, Cluster, post_json
 from tests.procs import ProcGroup, free_ports, wait_http
+from tests.redis import RedisServer
 
 # One deployment for the module's tests, on one worker, in order (the last one removes a replica).
 pytestmark = pytest.mark.xdist_group("openai_conventions")
@@ -30,7 +31,7 @@ EMULATOR = ("--engine", "vllm", "--time-scale", "0.02", "--no-request-log")
 SETTINGS = {"tenants": {"alpha": [KEY_A], "beta": [KEY_B]},
             "quotas": {"tenants": {"alpha": {"limits": {"*": {"requests_per_minute": 6, "tokens_per_minute": 600}}}},
                        "models": {MODEL: {"requests_per_minute": 600, "tokens_per_minute": 60000}}},
-            "quota": {"wait_s": 0.3, "local_share": 1.0}}
+            "quota": {"wait_s": 0.3}}
 
 
 def _start(c: Cluster, procs: ProcGroup) -> None:
@@ -60,12 +61,15 @@ def _start(c: Cluster, procs: ProcGroup) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Controller; us with two vLLM replicas (us-a, us-b) serving MODEL; eu with one serving only EU_MODEL, so us
-    forwards EU_MODEL's requests to eu."""
+    forwards EU_MODEL's requests to eu; quotas counted in a real redis-server (skips without one, fails under CI),
+    so a limit's headers show it whole rather than the share the controller moves between regions."""
     tmp = tmp_path_factory.mktemp("conventions")
     procs = ProcGroup(tmp / "logs")
     try:
-        c = Cluster(procs, tmp, balancer=SETTINGS, peer_token=PEER, admin_token=ADMIN,
-                    controller={"health": {"enabled": False}})
+        redis = RedisServer(procs, tmp)  # limits counted whole in Redis, not split into regions' moving shares
+        redis.start()
+        c = Cluster(procs, tmp, balancer={**SETTINGS, "quota": {**SETTINGS["quota"], "redis_url": redis.url}},
+                    peer_token=PEER, admin_token=ADMIN, controller={"health": {"enabled": False}})
         _start(c, procs)
         c.wait_replicas_healthy("us", 2)
         c.wait_replicas_healthy("eu", 1)
@@ -127,8 +131,11 @@ def test_rate_limit_headers_reset_after_the_time_they_give(cluster):
     """beta draws only on the model's bucket (600 requests, 60,000 tokens a minute): after a few requests the
     headers say when it is full again; a request sent after that long finds it full (remaining = limit - 1)."""
     beta = client(cluster, KEY_B)
-    first = limits_of(chat(beta, 4).headers)
-    assert first["limit-requests"] == "600" and first["limit-tokens"] == "60000"
+    warm_up = limits_of(chat(beta, 4).headers)  # the bucket may still refill what alpha's requests used
+    assert warm_up["limit-requests"] == "600" and warm_up["limit-tokens"] == "60000"
+    time.sleep(max(seconds(warm_up["reset-requests"]), seconds(warm_up["reset-tokens"])))
+    first = limits_of(chat(beta, 4).headers)  # from a full bucket
+    assert first["remaining-requests"] == "599"
     for _ in range(3):
         last = limits_of(chat(beta, 4).headers)
     assert int(last["remaining-requests"]) < int(first["remaining-requests"])
