@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 import urllib.request
 
 import openai
@@ -118,7 +119,7 @@ def test_rate_limit_headers_count_down_to_a_429_from_the_tightest_bucket(cluster
     charge = 600 - tokens[0]  # the prompt's estimate plus max_tokens 50
     assert 50 < charge < 60
     for before, after in zip(tokens, tokens[1:]):  # each request's charge, less a few tokens refilled (10/s)
-        assert charge - 20 <= before - after <= charge, tokens
+        assert charge - 30 <= before - after <= charge, tokens
     assert seconds(seen[-1]["reset-tokens"]) == pytest.approx((600 - tokens[-1]) / 10, abs=1.5)
     with pytest.raises(openai.RateLimitError) as info:
         chat(alpha, 50)
@@ -136,11 +137,14 @@ def test_rate_limit_headers_reset_after_the_time_they_give(cluster):
     time.sleep(max(seconds(warm_up["reset-requests"]), seconds(warm_up["reset-tokens"])))
     first = limits_of(chat(beta, 4).headers)  # from a full bucket
     assert first["remaining-requests"] == "599"
-    for _ in range(3):
-        last = limits_of(chat(beta, 4).headers)
-    assert int(last["remaining-requests"]) < int(first["remaining-requests"])
+    with ThreadPoolExecutor(3) as pool:  # at once, so little refills between them (10 requests a second)
+        answers = list(pool.map(lambda _: limits_of(chat(beta, 4).headers), range(3)))
+    last = min(answers, key=lambda h: int(h["remaining-requests"]))
+    remaining = int(last["remaining-requests"])
+    # The reset is the refill of what is missing: (600 - level) / 10 s, with remaining = floor(level).
+    assert (599 - remaining) / 10 <= seconds(last["reset-requests"]) <= (600 - remaining) / 10 + 0.001, last
     wait_s = max(seconds(last["reset-requests"]), seconds(last["reset-tokens"]))
-    assert 0 < wait_s <= 1.0, last  # 10 requests and 1,000 tokens refill per second
+    assert wait_s <= 1.0, last  # 10 requests and 1,000 tokens refill per second
     time.sleep(wait_s)
     again = limits_of(chat(beta, 4).headers)
     assert again["remaining-requests"] == "599" and again["remaining-tokens"] == first["remaining-tokens"], again
