@@ -25,6 +25,7 @@ from skylb.balancer.membership import MembershipWatcher
 from skylb.balancer.metrics import BalancerMetrics
 from skylb.balancer.probers import Probers
 from skylb.balancer.relay import Relay
+from skylb.balancer.responses import ResponseBook, retrieve_handler
 from skylb.balancer.retry import RetryBudget
 from skylb.balancer.stages import Chain, RequestLog, build_chain
 from skylb.config import BalancerConfig
@@ -92,6 +93,10 @@ class Balancer:
         self.leases = LeaseBook()
         #: Counts every response and writes its log line (the chain's end, and errors answered by middleware).
         self.request_log = RequestLog(self.metrics, region=region)
+        #: Which target holds each stored OpenAI Responses API answer (skylb/balancer/responses.py).
+        self.responses = ResponseBook(now=self.now)
+        #: The handler of ``GET /v1/responses/{id}``, built at ``start``.
+        self.retrieve_response = None
         #: The request's path, built at ``start`` (it needs the relay's session).
         self.chain: Chain | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -161,7 +166,10 @@ class Balancer:
             fleet=self.fleet, metrics=self.metrics, budget=self.retry_budget, now=self.now, in_flight=self.in_flight,
             quotas=lambda: self.quotas, quota_gate=self.quota_gate, group_gate=self.gate, leases=self.leases,
             embed_cache=self.embed_cache, client_keys=self.client_keys, recently_served=self.model_recently_served,
-            request_log=self.request_log)
+            request_log=self.request_log, responses=self.responses)
+        self.retrieve_response = retrieve_handler(
+            self.responses, target_url=self.target_url, session=lambda: self.session, region=self.region,
+            peer_token=cfg.peer_token, replica_auth=self.relay.replica_authorization)
         self.membership = MembershipWatcher(
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
             state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
@@ -271,6 +279,11 @@ class Balancer:
             return False
         at = seen[1] if with_peers else seen[0]
         return at is not None and self.now() - at <= self.cfg.model_memory_s
+
+    def target_url(self, route: str, target: str) -> str | None:
+        """The base URL of a local replica (route "local") or a peer (route "peer"), None when it is not there."""
+        state = (self.router.replicas if route == "local" else self.router.peers).get(target)
+        return None if state is None else state.url
 
     def regions_share(self) -> float:
         """1 / the number of regions whose balancers this one knows in membership (itself and its live peers)."""

@@ -116,6 +116,13 @@ class Relay:
             headers["Authorization"] = f"Bearer {self.replica_api_key}"
         return headers
 
+    def replica_authorization(self, request: web.Request) -> str | None:
+        """The Authorization a local replica gets for ``request``: the replica API key, else the client's own
+        when it is passed on (no SkyLB client keys), else None."""
+        if self.replica_api_key:
+            return f"Bearer {self.replica_api_key}"
+        return request.headers.get("Authorization") if "Authorization" in self.pass_headers else None
+
     def _client_headers(self, upstream: aiohttp.ClientResponse, decision: Decision, request_id: str) -> dict:
         if decision.route == "local":
             route, served_by = "local", f"{self.region}/{decision.target}"
@@ -132,7 +139,9 @@ class Relay:
     async def relay(self, request: web.Request, body: bytes, decision: Decision, *, request_id: str,
                     arrived_at: float, retry_allowed: bool, api: str = "openai", stream: bool = True,
                     on_first_byte: Callable[[float], None] | None = None, client_request_id: str | None = None,
-                    abandon: Callable[[], str | None] | None = None, check_s: float = 0.05) -> RelayOutcome:
+                    abandon: Callable[[], str | None] | None = None, check_s: float = 0.05,
+                    extra_headers: dict[str, str] | None = None,
+                    on_head: Callable[[bytes], None] | None = None) -> RelayOutcome:
         """Send ``body`` to the decision's target at the client's path and relay the answer.
 
         ``request_id`` is the balancer's own id (sent upstream as X-Request-Id, to the client as
@@ -149,6 +158,8 @@ class Relay:
 
         ``on_first_byte(ttft_s)`` is called when the first streamed byte has been written to the client, so the
         TTFT histogram is current while a long stream is still running (and before the client can see its end).
+        ``on_head(bytes)`` is called with the head of a successful (< 400) answer before it goes to the client: the
+        whole body, or a stream's first whole event. ``extra_headers`` go to the client with the answer.
 
         Returns RelayOutcome(response=None, ...) when the target failed before any byte went to the client and
         ``retry_allowed``; otherwise the response already sent (an error in the API's shape if the target failed).
@@ -189,9 +200,11 @@ class Relay:
             finally:
                 if watchdog is not None:
                     watchdog.cancel()
-            headers = self._client_headers(upstream, decision, request_id)
+            headers = {**self._client_headers(upstream, decision, request_id), **(extra_headers or {})}
             if client_request_id is not None:
                 headers[REQUEST_ID_HEADER] = client_request_id
+            if on_head is not None and upstream.status < 400:
+                on_head(data if framer is None else first)
             if framer is None:
                 return self._checked_body(upstream.status, data, headers, decision, api, retry_allowed)
             if not first:  # the stream ended before its first event: nothing was generated

@@ -9,6 +9,8 @@ skylb/core/outlier.py), and the request, after a jittered backoff, goes back to 
 another target while it has retries left (``retry_policy.num_retries``) and the retry budget allows
 (skylb/balancer/retry.py; Envoy's names). Once a byte reached the client it is never retried (a started stream cannot be
 spliced). 503 with an estimated Retry-After when the queue is full or the request waited past the queue timeout.
+A request pinned to one target (``ctx.pin``: a Responses API follow-up, skylb/balancer/stages/responses.py) skips
+the queue and goes to that target at once, retries included; 503 with Retry-After when it is unavailable.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ class RouteStage:
             while True:
                 ctx.decision = None  # a request given up in the queue was routed nowhere (its log line)
                 try:
-                    ctx.decision, ctx.body = await self.fleet.acquire(routed, ctx.body, retry=attempt > 0)
+                    if routed.pin is not None:  # a follow-up of a stateful answer: only its target can serve it
+                        ctx.decision = self._place_pinned(routed)
+                    else:
+                        ctx.decision, ctx.body = await self.fleet.acquire(routed, ctx.body, retry=attempt > 0)
                 except (QueueFull, QueueTimeout) as exc:
                     full = isinstance(exc, QueueFull)
                     return ctx.reject(503, f"{exc}; retry later" if full else str(exc),
@@ -91,7 +96,20 @@ class RouteStage:
         parsed = ctx.parsed
         return Request(id=ctx.request_id, text=parsed.text, arrived_at=ctx.arrived_at, model=parsed.model,
                        session_key=parsed.session_key, forwarded_from=ctx.forwarded_from, api=ctx.api,
-                       waited_s=waited_s, embedding=ctx.embedding, priority=ctx.priority, tenant=ctx.tenant)
+                       waited_s=waited_s, embedding=ctx.embedding, priority=ctx.priority, tenant=ctx.tenant,
+                       pin=ctx.pin)
+
+    def _place_pinned(self, routed: Request) -> Decision:
+        """``routed``'s pinned target, at once (Router.place_pinned); QueueTimeout saying why when it cannot take
+        it (its target went away or is unavailable; retried by the client after Retry-After)."""
+        decision = self.router.place_pinned(routed, self.now())
+        if decision is None:
+            _, why = (self.router.pinned_unavailable_reason(routed.pin, self.now(), may_forward=routed.may_forward,
+                                                            model=routed.model, api=routed.api)
+                      or ("", "its target is unavailable"))
+            raise QueueTimeout(f"the target holding this request's state cannot take it: {why}")
+        self.dispatcher.on_routed(decision)
+        return decision
 
     async def _attempt(self, ctx: RequestContext, attempt: int):
         """One relay to the decision's target; the target's slot is released and outlier detection told, however
@@ -111,7 +129,8 @@ class RouteStage:
                 ctx.http, ctx.body, decision, request_id=ctx.request_id, arrived_at=ctx.arrived_at,
                 retry_allowed=attempt < self.cfg.retry_policy.num_retries, api=ctx.api, stream=ctx.parsed.stream,
                 on_first_byte=first_byte, client_request_id=ctx.client_id, abandon=self._peer_gone(decision),
-                check_s=self.cfg.probe_interval_ms / 1000)
+                check_s=self.cfg.probe_interval_ms / 1000, extra_headers=ctx.response_headers,
+                on_head=None if ctx.on_answer_head is None else (lambda head: ctx.on_answer_head(decision, head)))
         except BaseException:
             self._attempt_ended(decision, None)
             raise
