@@ -143,8 +143,41 @@ def figures(cluster: Cluster, window_s: float) -> dict:
             "limits": sorted(r.capacity.limit for b in cluster.balancers.values() for r in b.router.replicas.values())}
 
 
+def _mean(figs: list[dict], key: str) -> float:
+    return sum(f[key] for f in figs) / len(figs)
+
+
+def report(rows: dict[str, list[dict]], *, title: str, seeds: list[int], command: str) -> str:
+    """Markdown: the means over ``seeds`` (with min and max) of each system in ``rows`` (name -> figures per seed),
+    SkyLB's paired wins against each other system, and the provenance line."""
+    from tabulate import tabulate
+    from bench.provenance import provenance, provenance_line
+    table = []
+    for name, figs in rows.items():
+        spread = lambda k, fmt: f"{fmt.format(_mean(figs, k))} [{fmt.format(min(f[k] for f in figs))}, " \
+                                f"{fmt.format(max(f[k] for f in figs))}]"
+        table.append([name, spread("rps", "{:.2f}"), spread("p50", "{:.0f}"), spread("p90", "{:.0f}"),
+                      f"{_mean(figs, 'fwd'):.0%}", f"{_mean(figs, 'hit'):.1%}",
+                      f"{_mean(figs, 'lb_queue_ms'):.0f} / {_mean(figs, 'engine_queue_ms'):.0f}",
+                      f"{max(f['pending_peak'] for f in figs)} / {_mean(figs, 'pending_mean'):.2f}"])
+    lines = [f"# {title}", "", provenance_line(provenance(command)), "",
+             f"Simulated (bench/sim/peers_twin.py), seeds {', '.join(map(str, seeds))}; cells: mean [min, max] over "
+             "the seeds. Deterministic: the figures do not depend on the machine's load.", "",
+             tabulate(table, headers=["system", "req/s", "TTFT p50 ms", "TTFT p90 ms", "forwarded", "prefix hit",
+                                      "queue ms: balancer / engine", "waiting at an engine: peak / mean"],
+                      tablefmt="github"), ""]
+    sky = rows.get("skylb")
+    for name, figs in rows.items():
+        if sky is None or name == "skylb":
+            continue
+        wins = sum(a["p90"] < b["p90"] for a, b in zip(sky, figs))
+        lines.append(f"- skylb vs {name}: P90 TTFT {_mean(sky, 'p90') / _mean(figs, 'p90'):.2f}x, lower in {wins} "
+                     f"of {len(figs)} seeds; throughput {_mean(sky, 'rps') / _mean(figs, 'rps'):.3f}x.")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
-    """Print the figures of each system for each seed, and their means."""
+    """Print the figures of each system for each seed, and their means; with ``--out-md``, write the report."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", nargs="+", default=["skylb", "sglang-cache_aware"], choices=list(TWIN_SYSTEMS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -152,6 +185,7 @@ def main(argv=None) -> None:
     p.add_argument("--one-region", action="store_true", help="bench/baselines.py's regime instead")
     p.add_argument("--set", default="{}", help="JSON options of SkyLB's policy (what-if)")
     p.add_argument("--config", default="{}", help="JSON BalancerConfig fields of SkyLB's balancers (what-if)")
+    p.add_argument("--out-md", default="", help="write a Markdown report here")
     a = p.parse_args(argv)
     rows: dict[str, list[dict]] = {}
     for seed in a.seeds:
@@ -171,6 +205,13 @@ def main(argv=None) -> None:
         k = len(figs)
         print(f"mean {name:18s} req/s {sum(f['rps'] for f in figs) / k:6.2f} "
               f"TTFT p50 {sum(f['p50'] for f in figs) / k:5.0f} p90 {sum(f['p90'] for f in figs) / k:5.0f}")
+    if a.out_md:
+        import sys
+        from pathlib import Path
+        title = ("One region (bench/baselines.py's regime) in the simulator" if a.one_region else
+                 "Three regions (bench/peers.py's regime) in the simulator")
+        Path(a.out_md).write_text(report(rows, title=title, seeds=a.seeds,
+                                         command="python -m bench.sim.peers_twin " + " ".join(sys.argv[1:])))
 
 
 if __name__ == "__main__":
