@@ -27,6 +27,7 @@ function cell(row, field, text, cls) {
   return td;
 }
 
+const round = (v) => (Math.abs(v) >= 10 ? Math.round(v) : Math.round(v * 100) / 100);
 const num = (row, field, value) => cell(row, field, value, "num");
 const flag = (row, field, value) => cell(row, field, value ? "yes" : "no", value ? "yes" : "no");
 
@@ -52,7 +53,7 @@ function drawRegions(view) {
     num(row, "epoch", r.epoch);
     cell(row, "url", b.url);
     if (b.url) flag(row, "healthy", b.healthy); else cell(row, "healthy", null);
-    if (b.url) flag(row, "draining", b.draining); else cell(row, "draining", null);
+    cell(row, "draining", b.url ? (b.draining ? "yes" : "no") : null, b.draining ? "note" : "");
     cell(row, "state", b.url ? (b.reachable ? "up" : `unreachable (${b.error})`) : null, b.reachable ? "yes" : "no");
     num(row, "queue_len", b.queue_len);
     num(row, "in_flight", b.in_flight);
@@ -116,10 +117,12 @@ function drawQuotas(view) {
     const row = rows[i], waiting = Object.values(b.quota.waiting || {}).reduce((a, n) => a + n, 0);
     cell(row, "region", b.region);
     cell(row, "backend", b.quota.redis_fallback ? `${b.quota.backend} (falling back)` : b.quota.backend);
-    num(row, "share", b.quota.share);
+    num(row, "share", b.quota.share === null || b.quota.share === undefined ? null
+                      : `${(b.quota.share * 100).toFixed(1)}%`);
     num(row, "waiting", waiting);
     cell(row, "bucket", bucket === null ? "(no bucket in use)" : bucket);
-    cell(row, "level", level && Object.entries(level).map(([k, v]) => `${k} ${v}`).join(", "));
+    cell(row, "level", level && Object.entries(level).map(([k, v]) => `${k.replace("_", " ")} ${round(v)}`)
+      .join(", "));
   });
 }
 
