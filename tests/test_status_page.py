@@ -8,15 +8,21 @@ protected mode are pinned without a browser.
 
 from __future__ import annotations
 
-import os
+import fnmatch
+import json
 import time
+import tomllib
 import urllib.request
 from datetime import datetime, timezone
+from pathlib import Path
 from unittest import mock
 
 import pytest
 from aiohttp.test_utils import make_mocked_request
+from selenium import webdriver
+from selenium.webdriver.common.by import By
 
+from skylb import status_page
 from skylb.status_page import SESSION_COOKIE, SESSION_TTL_S, PageAccess, session_ok, session_value
 from tests.cluster import MODEL, Cluster, get_json, post_json
 from tests.procs import free_port
@@ -36,7 +42,8 @@ for (const id of ["regions", "replicas", "forwarding", "quotas"]) {
   out[id] = {};
   for (const row of document.querySelectorAll(`#${id} tbody tr[data-key]`)) {
     const cells = {};
-    for (const td of row.querySelectorAll("td[data-field]")) cells[td.dataset.field] = td.dataset.value ?? td.textContent;
+    for (const td of row.querySelectorAll("td[data-field]"))
+      cells[td.dataset.field] = td.dataset.value ?? td.textContent;
     out[id][row.dataset.key] = cells;
   }
 }
@@ -79,13 +86,21 @@ def test_protected_mode_opens_the_page_on_this_machine_only():
     assert not access.allowed(_request("10.0.0.5", session_value("anything", time.time())))
 
 
+def test_the_wheel_ships_the_page():
+    """pyproject's package data covers every file of the page (HTML, CSS, script), so an installed wheel serves it."""
+    root = Path(status_page.__file__).parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["skylb"]
+    static = Path(status_page.__file__).parent / "static"
+    files = [p.relative_to(root / "skylb").as_posix() for p in static.iterdir()]
+    assert len(files) >= 5 and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
+
+
 @pytest.fixture
 def browser(tmp_path, monkeypatch):
     """Headless Chromium from Debian through chromedriver, with the performance log (every URL it asks for);
     Selenium Manager stays offline. Quit at the end, also on failure."""
     chromium = require_binary("chromium")
     driver_path = require_binary("chromedriver")
-    webdriver = pytest.importorskip("selenium.webdriver")
     monkeypatch.setenv("SE_OFFLINE", "true")  # Selenium Manager must not download a browser or a driver
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
@@ -138,7 +153,6 @@ def _deploy(procs, tmp_path) -> Cluster:
 
 def _login(browser, url: str, token: str) -> None:
     """Open ``url``, which must answer the login form, and log in with ``token``."""
-    from selenium.webdriver.common.by import By
     browser.get(url)
     field = browser.find_element(By.ID, "token")
     field.send_keys(token)
@@ -174,7 +188,8 @@ def _controller_figures(view: dict) -> dict:
     region_of = {b["url"]: b["region"] for b in view["balancers"]}
     replicas = {r["id"]: {"region": r["region"], "engine": r["engine"], "healthy": "yes" if r["healthy"] else "no",
                           "draining": "yes" if r["draining"] else "no",
-                          "available": "yes" if r["available"] else (r["reason"] or ("no" if r["available"] is False else "-")),
+                          "available": "yes" if r["available"]
+                          else (r["reason"] or ("no" if r["available"] is False else "-")),
                           **{k: _text(r[k]) for k in ("pending", "running", "outstanding")},
                           "kv_usage": None if r["kv_usage"] is None else float(r["kv_usage"]),
                           "balancer": _text(region_of.get(r["balancer"], r["balancer"]))}
@@ -218,7 +233,6 @@ def _assert_matches_status(browser, status_of, figures_of) -> dict:
 
 
 def _no_token_in_any_url(browser) -> list[str]:
-    import json
     urls = [browser.current_url]
     for entry in browser.get_log("performance"):
         message = json.loads(entry["message"])["message"]
@@ -234,7 +248,6 @@ def test_status_page_in_chromium_matches_the_status_of_its_revision(procs, tmp_p
     eu at epoch 1, its balancer down, asia-2 unhealthy, us-1 draining, us's four forwarded requests, the quota
     buckets in use); eu's balancer page does the same with the peer token for the regions it serves; Ollama's
     clients still get "Ollama is running" at /; no URL carries a token."""
-    from selenium.webdriver.common.by import By
     cluster = _deploy(procs, tmp_path)
     controller = cluster.controller_url
     _login(browser, f"{controller}/", "wrong")

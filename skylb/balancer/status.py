@@ -45,7 +45,8 @@ def detailed_status(balancer: Balancer) -> dict:
         "quota": quota_status(balancer.limits, balancer.quota_gate, now),
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
-             "running": r.running, "outstanding": r.outstanding, "kv_usage": r.kv_usage, "draining": r.draining, "served": r.served,
+             "running": r.running, "outstanding": r.outstanding, "kv_usage": r.kv_usage, "draining": r.draining,
+             "served": r.served,
              "admission_capacity": r.slots if r.slots is not None else r.capacity.limit,
              "ejections": r.ejections, "ejected_for_s": _left(r.ejected_until, now),
              "available": router.replica_available(r, now),
