@@ -35,7 +35,8 @@ async def _one_status(session: aiohttp.ClientSession, url: str, headers: dict[st
         async with session.get(f"{url.rstrip('/')}/skylb/v1/status", params={"format": "json"}, headers=headers,
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
-                return None, f"HTTP {resp.status}" + (": the peer token differs" if resp.status == 403 else "")
+                return None, f"HTTP {resp.status}" + (": the controller's peer token is missing or differs"
+                                                            if resp.status == 403 else "")
             return await resp.json(), None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         return None, "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc).splitlines()[0][:200]

@@ -134,20 +134,23 @@ def _deploy(procs, tmp_path) -> Cluster:
     for region in REGIONS:
         cluster.start_balancer(region, REGIONS)
     for region in REGIONS:
-        cluster.wait_replicas_healthy(region, 1)
-        cluster.wait_peers_probed(region, 2)
+        cluster.wait_replicas_healthy(region, 1, timeout_s=20)  # generous: a loaded CI machine
+        cluster.wait_peers_probed(region, 2, timeout_s=20)
     next(p for p in procs.procs if p.name == "balancer-asia").kill()
     cluster.wait_until(lambda: {(a["region"], a["balancer_region"], a["epoch"]) for a in get_json(
-        f"{controller}/v1/assignments")["assignments"]} >= {("asia", "eu", 1)}, what="asia failed over to eu")
+        f"{controller}/v1/assignments")["assignments"]} >= {("asia", "eu", 1)}, timeout_s=20,
+        what="asia failed over to eu")
     assert post_json(f"{controller}/v1/replicas/us-1/drain", {}, headers=ADMIN_HEADERS)[0] == 200
     cluster.wait_until(lambda: (s := cluster.status("us")) and [p["region"] for p in s["peers"]] == ["eu"]
-                       and all(r["draining"] for r in s["replicas"]), what="us-1 draining, eu us's only peer")
+                       and all(r["draining"] for r in s["replicas"]), timeout_s=20,
+                       what="us-1 draining, eu us's only peer")
     for i in range(4):
         status, body, headers = post_json(f"{cluster.balancers['us']}/v1/completions",
                                           {"model": MODEL, "prompt": f"status page {i}", "max_tokens": 4})
         assert status == 200 and headers["X-SkyLB-Served-By"].startswith("eu/"), (status, body, headers)
     cluster.wait_until(lambda: not next(r for r in get_json(f"{controller}/v1/replicas")["replicas"]
-                                        if r["id"] == "asia-2")["healthy"], what="asia-2 marked unhealthy")
+                                        if r["id"] == "asia-2")["healthy"], timeout_s=20,
+                       what="asia-2 marked unhealthy")
     return cluster
 
 
@@ -159,7 +162,9 @@ def _login(browser, url: str, token: str) -> None:
     field.submit()
 
 
-def _wait_drawn(browser, predicate, what: str, timeout_s: float = 10.0) -> dict:
+def _wait_drawn(browser, predicate, what: str, timeout_s: float = 15.0) -> dict:
+    """Poll the page every 0.2 s until it has drawn a revision and ``predicate(page)`` holds; AssertionError after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         page = browser.execute_script(READ_TABLES)

@@ -21,6 +21,7 @@ Source: the cookie attributes from RFC 6265 §4.1.2 and the SameSite draft (draf
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import html
@@ -112,6 +113,7 @@ def wants_html(request: web.Request) -> bool:
     return "text/html" in request.headers.get("Accept", "")
 
 
+@functools.cache  # package data: read once
 def _asset(name: str) -> str:
     return (_STATIC / name).read_text(encoding="utf-8")
 
