@@ -23,7 +23,7 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 
 from skylb import status_page
-from skylb.status_page import SESSION_COOKIE, SESSION_TTL_S, PageAccess, session_ok, session_value
+from skylb.status_page import ADMIN_SESSION, PEER_SESSION, SESSION_TTL_S, PageAccess, session_ok, session_value
 from tests.cluster import MODEL, Cluster, get_json, post_json
 from tests.procs import free_port
 from tests.system import require_binary
@@ -53,24 +53,27 @@ return {revision: document.getElementById("revision").textContent, tables: out,
 """
 
 
-def _request(remote: str, cookie: str | None = None, headers: dict | None = None):
+def _request(remote: str, cookie: str | None = None, headers: dict | None = None, name: str = ADMIN_SESSION):
+    """A GET / from ``remote`` with session cookie ``name`` set to ``cookie`` (aiohttp's own request factory)."""
     transport = mock.Mock()
     transport.get_extra_info.side_effect = lambda name, default=None: (remote, 4000) if name == "peername" else default
-    headers = {**(headers or {}), **({"Cookie": f"{SESSION_COOKIE}={cookie}"} if cookie else {})}
+    headers = {**(headers or {}), **({"Cookie": f"{name}={cookie}"} if cookie else {})}
     return make_mocked_request("GET", "/", headers=headers, transport=transport)
 
 
 def test_session_cookie_is_bound_to_the_token_and_expires():
-    """A session made with the token is accepted until it expires; another token's, a tampered or an expired one is
-    not; the Bearer token (a reverse proxy) is accepted too."""
+    """A session made with the token is accepted until it expires; another token's, another cookie's, a tampered or
+    an expired one is not; the Bearer token (a reverse proxy) is accepted too."""
     now = time.time()
-    good = session_value(ADMIN, now)
-    assert session_ok(_request("10.0.0.5", good), ADMIN, now)
-    assert not session_ok(_request("10.0.0.5", good), ADMIN, now + SESSION_TTL_S + 1)
-    assert not session_ok(_request("10.0.0.5", good), PEER, now)
-    assert not session_ok(_request("10.0.0.5", good[:-1] + ("0" if good[-1] != "0" else "1")), ADMIN, now)
-    assert not session_ok(_request("10.0.0.5", f"{int(now) + 10**6}.{good.split('.')[1]}"), ADMIN, now)
-    assert not session_ok(_request("10.0.0.5", "garbage"), ADMIN, now)
+    good = session_value(ADMIN, ADMIN_SESSION, now)
+    assert session_ok(_request("10.0.0.5", good), ADMIN, ADMIN_SESSION, now)
+    assert not session_ok(_request("10.0.0.5", good), ADMIN, ADMIN_SESSION, now + SESSION_TTL_S + 1)
+    assert not session_ok(_request("10.0.0.5", good), PEER, ADMIN_SESSION, now)
+    assert not session_ok(_request("10.0.0.5", good, name=PEER_SESSION), ADMIN, PEER_SESSION, now)
+    tampered = good[:-1] + ("0" if good[-1] != "0" else "1")
+    assert not session_ok(_request("10.0.0.5", tampered), ADMIN, ADMIN_SESSION, now)
+    assert not session_ok(_request("10.0.0.5", f"{int(now) + 10**6}.{good.split('.')[1]}"), ADMIN, ADMIN_SESSION, now)
+    assert not session_ok(_request("10.0.0.5", "garbage"), ADMIN, ADMIN_SESSION, now)
     access = PageAccess(ADMIN, "the admin token", "controller")
     assert access.allowed(_request("10.0.0.5", good))
     assert not access.allowed(_request("127.0.0.1"))  # a token is configured: loopback logs in too
@@ -83,7 +86,7 @@ def test_protected_mode_opens_the_page_on_this_machine_only():
     access = PageAccess(None, "the admin token", "controller")
     assert access.allowed(_request("127.0.0.1")) and access.allowed(_request("::1"))
     assert not access.allowed(_request("10.0.0.5"))
-    assert not access.allowed(_request("10.0.0.5", session_value("anything", time.time())))
+    assert not access.allowed(_request("10.0.0.5", session_value("anything", ADMIN_SESSION, time.time())))
 
 
 def test_the_wheel_ships_the_page():
@@ -257,9 +260,9 @@ def test_status_page_in_chromium_matches_the_status_of_its_revision(procs, tmp_p
     controller = cluster.controller_url
     _login(browser, f"{controller}/", "wrong")
     assert "not the admin token" in browser.find_element(By.ID, "login-error").text
-    assert browser.get_cookie(SESSION_COOKIE) is None
+    assert browser.get_cookie(ADMIN_SESSION) is None
     _login(browser, f"{controller}/", ADMIN)
-    cookie = browser.get_cookie(SESSION_COOKIE)
+    cookie = browser.get_cookie(ADMIN_SESSION)
     assert cookie and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     page = _assert_matches_status(browser, lambda: get_json(f"{controller}/skylb/v1/status", headers=ADMIN_HEADERS),
                                   _controller_figures)
@@ -279,8 +282,9 @@ def test_status_page_in_chromium_matches_the_status_of_its_revision(procs, tmp_p
         "regions": {region: {"epoch": str(epoch), "queue_len": str(s["queue_len"]) if region == "eu" else "-"}
                     for region, epoch in s["served_regions"].items()}})
     assert {"eu-1", "asia-1"} <= set(page["tables"]["replicas"]) and set(page["tables"]["regions"]) == {"eu", "asia"}
+    assert browser.get_cookie(ADMIN_SESSION) and browser.get_cookie(PEER_SESSION)["httpOnly"]  # one host, both
     browser.find_element(By.CSS_SELECTOR, "header form button").click()  # log out: the form again
-    assert browser.find_element(By.ID, "token") and browser.get_cookie(SESSION_COOKIE) is None
+    assert browser.find_element(By.ID, "token") and browser.get_cookie(PEER_SESSION) is None
     with urllib.request.urlopen(f"{eu}/", timeout=5) as resp:
         assert resp.read() == b"Ollama is running"
     _no_token_in_any_url(browser)

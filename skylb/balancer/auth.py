@@ -162,7 +162,7 @@ def auth_middleware(creds: Credentials):
         local = (from_this_machine(request.remote) if path in (STATUS_PATH, "/metrics") or FORWARDED_FROM in
                  request.headers else None)
         if path == STATUS_PATH:
-            if status_page.session_ok(request, creds.peer_token):
+            if status_page.session_ok(request, creds.peer_token, status_page.PEER_SESSION):
                 return await handler(request)  # the status page of an operator logged in with the peer token
             if creds.peer_token or not local:
                 return openai_error(403, _peer_refusal(creds, "the peer status"), type_="permission_error")

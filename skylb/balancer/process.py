@@ -106,7 +106,8 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
                           middlewares=[_errors_in_api_shape, auth_middleware(creds)])
     balancer = Balancer(cfg, region=region, advertise_url=advertise_url, client_keys=bool(api_keys))
     app[BALANCER] = balancer
-    app[status_page.ACCESS] = status_page.PageAccess(cfg.peer_token, "the peer token", f"region {region}")
+    app[status_page.ACCESS] = status_page.PageAccess(cfg.peer_token, "the peer token", f"region {region}",
+                                                     status_page.PEER_SESSION)
 
     async def lifecycle(app: web.Application):
         await balancer.start()

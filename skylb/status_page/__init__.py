@@ -33,11 +33,13 @@ from aiohttp import web
 
 from skylb.tokens import from_this_machine, secret_matches
 
-__all__ = ["PageAccess", "ACCESS", "SESSION_COOKIE", "SESSION_TTL_S", "LOGIN_PATH", "LOGOUT_PATH", "STATIC_PREFIX",
-           "OPEN_PATHS", "session_value", "session_ok", "wants_html", "handle_page", "ROUTES"]
+__all__ = ["PageAccess", "ACCESS", "ADMIN_SESSION", "PEER_SESSION", "SESSION_TTL_S", "LOGIN_PATH", "LOGOUT_PATH",
+           "STATIC_PREFIX", "OPEN_PATHS", "session_value", "session_ok", "wants_html", "handle_page", "ROUTES"]
 
-#: The session cookie's name.
-SESSION_COOKIE = "skylb_session"
+#: The session cookies' names: the controller's (admin token) and the balancers' (peer token), apart so that a
+#: controller and a balancer on one host (ports do not separate cookies, RFC 6265 §8.5) keep their sessions.
+ADMIN_SESSION = "skylb_admin_session"
+PEER_SESSION = "skylb_peer_session"
 #: How long a login lasts (s).
 SESSION_TTL_S = 12 * 3600
 LOGIN_PATH = "/skylb/login"
@@ -61,12 +63,14 @@ class PageAccess:
         token: the secret a login must present (the controller's admin token, a balancer's peer token); None: none
             is configured, so the page answers this machine only.
         credential: its name for people ("the admin token"), shown on the login form and the 403 page.
-        scope: what the page shows ("the controller" or "region us"), shown in its title.
+        scope: what the page shows ("controller" or "region us"), shown in its title.
+        cookie: the session cookie's name (ADMIN_SESSION or PEER_SESSION).
     """
 
     token: str | None
     credential: str
     scope: str
+    cookie: str = ADMIN_SESSION
 
     def __repr__(self) -> str:  # never print a secret by accident
         return f"PageAccess(token={'set' if self.token else None}, credential={self.credential!r})"
@@ -77,34 +81,34 @@ class PageAccess:
         if self.token is None:
             return from_this_machine(request.remote)
         scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-        return session_ok(request, self.token) or (scheme.lower() == "bearer"
+        return session_ok(request, self.token, self.cookie) or (scheme.lower() == "bearer"
                                                    and secret_matches(value.strip(), self.token))
 
 
 ACCESS = web.AppKey("status_page_access", PageAccess)
 
 
-def _mac(token: str, expiry: int) -> str:
-    return hmac.new(token.encode(), f"skylb status page session {expiry}".encode(), hashlib.sha256).hexdigest()
+def _mac(token: str, cookie: str, expiry: int) -> str:
+    message = f"skylb status page {cookie} {expiry}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
-def session_value(token: str, now: float) -> str:
-    """A session cookie's value for ``token``, valid SESSION_TTL_S seconds from ``now`` (unix s):
+def session_value(token: str, cookie: str, now: float) -> str:
+    """The value of session cookie ``cookie`` for ``token``, valid SESSION_TTL_S seconds from ``now`` (unix s):
     ``"<expiry>.<hex HMAC-SHA256>"``."""
     expiry = int(now) + SESSION_TTL_S
-    return f"{expiry}.{_mac(token, expiry)}"
+    return f"{expiry}.{_mac(token, cookie, expiry)}"
 
 
-def session_ok(request: web.Request, token: str | None, now: float | None = None) -> bool:
-    """True when ``request`` carries an unexpired session cookie made with ``token`` (False when ``token`` is
-    None: without a token there are no sessions)."""
-    value = request.cookies.get(SESSION_COOKIE, "")
-    expiry, _, mac = value.partition(".")
+def session_ok(request: web.Request, token: str | None, cookie: str, now: float | None = None) -> bool:
+    """True when ``request`` carries an unexpired session cookie ``cookie`` made with ``token`` (False when
+    ``token`` is None: without a token there are no sessions)."""
+    expiry, _, mac = request.cookies.get(cookie, "").partition(".")
     if token is None or not expiry.isdigit() or len(expiry) > 12:
         return False
     if int(expiry) < (time.time() if now is None else now):
         return False
-    return hmac.compare_digest(mac.encode(), _mac(token, int(expiry)).encode())
+    return hmac.compare_digest(mac.encode(), _mac(token, cookie, int(expiry)).encode())
 
 
 def wants_html(request: web.Request) -> bool:
@@ -146,15 +150,15 @@ async def _login(request: web.Request) -> web.Response:
     if not isinstance(token, str) or not secret_matches(token.strip(), access.token):
         return _html("login.html", 401, access, f"That is not {access.credential}.")
     response = web.Response(status=303, headers={"Location": "/", "Cache-Control": "no-store"})
-    response.set_cookie(SESSION_COOKIE, session_value(access.token, time.time()), max_age=SESSION_TTL_S, path="/",
-                        httponly=True, samesite="Strict", secure=request.secure)
+    response.set_cookie(access.cookie, session_value(access.token, access.cookie, time.time()),
+                        max_age=SESSION_TTL_S, path="/", httponly=True, samesite="Strict", secure=request.secure)
     return response
 
 
 async def _logout(request: web.Request) -> web.Response:
     """``POST /skylb/logout``: 303 to ``/`` with the session cookie removed."""
     response = web.Response(status=303, headers={"Location": "/", "Cache-Control": "no-store"})
-    response.del_cookie(SESSION_COOKIE, path="/")
+    response.del_cookie(request.app[ACCESS].cookie, path="/")
     return response
 
 
