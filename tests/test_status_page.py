@@ -218,14 +218,17 @@ def _drawn(page: dict, figures: dict) -> dict:
 
 
 def _assert_matches_status(browser, status_of, figures_of) -> dict:
-    """Wait until the page draws the revision that ``status_of()`` answers with the same figures; returns the page."""
+    """Wait until the page draws the revision that ``status_of()`` answers, with the same rows and figures; returns
+    the page."""
     seen = {}
 
     def same(page: dict) -> bool:
         status = status_of()
         revision = status.get("revision", status.get("membership_revision"))
         seen.update(page=page, status=status)
-        return page["revision"] == str(revision) and _drawn(page, figures_of(status)) == figures_of(status)
+        figures = figures_of(status)
+        return (page["revision"] == str(revision) and _drawn(page, figures) == figures
+                and all(set(page["tables"][table]) == set(rows) for table, rows in figures.items()))
 
     try:
         page = _wait_drawn(browser, same, "the revision and figures of /skylb/v1/status")
