@@ -7,6 +7,8 @@ URLS]``. Endpoints:
 - ``GET /healthz`` -> {"status": "ok", "revision": N, "store": "sqlite" | "etcd", "leader": bool}
 - ``GET /metrics`` -> Prometheus text: membership size and revision, health checks, failovers, leadership
   (controller/metrics.py)
+- ``GET /`` the status page, ``GET /skylb/v1/status`` its data: the membership joined with every balancer's status
+  (controller/status_view.py; the admin token or the page's session, as skylb/status_page says)
 - ``GET /v1/membership[?revision=N&wait=S]`` -> full snapshot; with both, a long poll that answers as soon as the
   revision is > N, or after S seconds (at most 60) with the unchanged state
 - ``GET /v1/replicas[?region=R]``, ``POST /v1/replicas``, ``DELETE /v1/replicas/{id}``
@@ -55,6 +57,7 @@ from controller.leader import EtcdElection, SoleLeader, leadership_for
 from controller.metrics import CONTENT_TYPE, ControllerMetrics
 from controller.quotas import remove_entry, set_entry
 from controller.shares import ShareBook
+from controller import status_view
 from controller.store import InvalidInput, StoreError, normalize_url, quotas_json, validate_region
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig, load_config
@@ -397,6 +400,8 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app.router.add_get("/v1/quotas", get_quotas)
     app.router.add_post("/v1/quotas", set_quota)
     app.router.add_delete("/v1/quotas", delete_quota)
+    status_view.add_routes(app, lambda: store.snapshot().to_dict(), admin_token=app[CREDENTIALS].admin_token,
+                           peer_token=app[CREDENTIALS].peer_token)  # /, /skylb/v1/status: the status page
     return app
 
 

@@ -26,7 +26,7 @@ import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
-from skylb import aio
+from skylb import aio, status_page
 from skylb.balancer import handler, lease_api, model_management, ollama_api, status
 from skylb.balancer.auth import Credentials, auth_middleware, load_api_keys, load_tenants
 from skylb.balancer.balancer import Balancer
@@ -108,6 +108,8 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     balancer = Balancer(cfg, region=region, advertise_url=advertise_url, client_keys=bool(api_keys))
     balancer.key_tenants = frozenset(creds.tenants.values())
     app[BALANCER] = balancer
+    app[status_page.ACCESS] = status_page.PageAccess(cfg.peer_token, "the peer token", f"region {region}",
+                                                     status_page.PEER_SESSION)
 
     async def lifecycle(app: web.Application):
         await balancer.start()
@@ -119,6 +121,7 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     app.add_routes(handler.ROUTES)  # /v1/chat/completions, /api/generate, ...: the chain
     app.add_routes(status.ROUTES)  # /v1/models, /healthz, /metrics, /skylb/v1/status
     app.add_routes(ollama_api.ROUTES)  # /, /api/version, /api/tags, /api/ps, /api/show
+    app.add_routes(status_page.ROUTES)  # /skylb/login, /skylb/logout, /skylb/static/*: the status page at /
     app.add_routes(model_management.ROUTES)  # /api/pull, /api/delete, /api/copy, /api/create
     if cfg.quota.enabled:
         app.add_routes(lease_api.ROUTES)  # /skylb/v1/schedule, heartbeat, complete, advice

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from aiohttp import web
 
@@ -23,7 +24,9 @@ BALANCER = web.AppKey("balancer", Balancer)
 
 def detailed_status(balancer: Balancer) -> dict:
     """A JSON-able view for operators: the peer status plus every replica and peer with its availability and the
-    reason it is unavailable, the policy, and the controller's reachability and membership revision."""
+    reason it is unavailable, the policy, and the controller's reachability and membership revision; ``time`` is
+    when the view was taken (unix s), ``kv_usage`` a replica's KV cache use at its latest probe (0-1, None when
+    its engine does not say)."""
     now, router = balancer.now(), balancer.router
     membership = balancer.membership
     return {
@@ -31,6 +34,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "policy": balancer.cfg.policy,
         "controller_reachable": balancer.controller_reachable(),
         "membership_revision": membership.revision if membership else None,
+        "time": round(time.time(), 3),
         "draining": balancer.draining,
         "in_flight": balancer.in_flight(),
         "forwarded_per_s": balancer.forwarded_rate(),
@@ -41,7 +45,8 @@ def detailed_status(balancer: Balancer) -> dict:
         "quota": quota_status(balancer.limits, balancer.quota_gate, now),
         "replicas": [
             {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
-             "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
+             "running": r.running, "outstanding": r.outstanding, "kv_usage": r.kv_usage, "draining": r.draining,
+             "served": r.served,
              "admission_capacity": r.slots if r.slots is not None else r.capacity.limit,
              "ejections": r.ejections, "ejected_for_s": _left(r.ejected_until, now),
              "available": router.replica_available(r, now),
