@@ -38,6 +38,7 @@ class RequestContext:
         answered: a replica or peer answered some attempt (the quota's tokens were used).
         ttft_s, error, status: for the log line. reason: why the balancer answered the request itself;
         rejected: that answer counts as a rejection (skylb_rejected_total).
+        trace: its spans (skylb/balancer/spans.py RequestTrace) when the balancer traces, else None.
     """
 
     http: web.Request
@@ -61,6 +62,7 @@ class RequestContext:
     status: int | None = None
     reason: str | None = None
     rejected: bool = False
+    trace: Any = None
     _end_hooks: list[EndHook] = field(default_factory=list)
 
     @property
