@@ -5,6 +5,7 @@ tracing off loads no SDK."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -12,13 +13,20 @@ import subprocess
 import sys
 import urllib.request
 
+import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
+from bench.emulator.model import EngineParams
+from bench.emulator.personalities import PersonalityOptions
+from bench.emulator.server import serve
 from bench.otlp_sink import OtlpSink
+from skylb.balancer.process import BALANCER, build_app
 from skylb.balancer.tracing import TracingSettings, traces_endpoint
+from skylb.config import BalancerConfig
 from tests.cluster import MODEL, Cluster, post_json
-from tests.procs import wait_http
+from tests.procs import free_ports, wait_http
 
 # Emulated durations x 0.2: a few tokens take tens of milliseconds.
 FAST = ("--time-scale", "0.2")
@@ -118,6 +126,75 @@ def test_a_forwarded_request_is_one_trace_across_both_balancers(procs, tmp_path)
         content_type, text = _metrics(us)  # a scraper that asks for nothing gets Prometheus text, no exemplar
         assert content_type.startswith("text/plain") and CLIENT_TRACE_ID not in text
         assert sink.rejected == 0
+
+
+async def _serve_replica(port: int, stop: asyncio.Event) -> asyncio.Task:
+    """An emulated vLLM replica in this event loop (bench/emulator/server.py ``serve``) until ``stop`` is set."""
+    task = asyncio.create_task(serve(engine="vllm", host="127.0.0.1", ports=[port], params=EngineParams(
+        time_scale=0.05), options=PersonalityOptions(models=(MODEL,)), stop=stop))
+    async with aiohttp.ClientSession() as session:
+        for _ in range(200):  # bounded: 10 s
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/health") as resp:
+                    if resp.status == 200:
+                        return task
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"emulated replica on port {port} did not start")
+
+
+async def test_a_retry_is_a_span_between_the_failed_attempt_and_the_next(tmp_path, monkeypatch):
+    """Two replicas probed healthy, then one stops (probes are a minute apart, so the balancer still thinks it
+    healthy): round robin sends at least one of two requests there first, the connection is refused, and the
+    request is retried on the other. Its trace holds, under one SERVER span, attempt 0 (queue, route, a relay span that erred
+    with 502), a ``skylb.retry`` span, then attempt 1 whose relay span has http.request.resend_count 1."""
+    for name in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    ports = free_ports(3)
+    stops = [asyncio.Event(), asyncio.Event()]
+    replicas = [await _serve_replica(port, stop) for port, stop in zip(ports, stops)]
+    (tmp_path / "membership-us.json").write_text(json.dumps({"replicas": [
+        {"id": f"r{i}", "url": f"http://127.0.0.1:{port}", "region": "us", "engine": "vllm"}
+        for i, port in enumerate(ports[:2])]}))
+    with OtlpSink() as sink:
+        cfg = BalancerConfig(state_dir=str(tmp_path), policy="round-robin", probe_interval_ms=60_000,
+                             stale_after_intervals=100, tracing={"otlp_endpoint": sink.url})
+        runner = web.AppRunner(build_app(cfg, region="us", advertise_url=f"http://127.0.0.1:{ports[2]}"))
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, "127.0.0.1", ports[2]).start()
+            balancer = runner.app[BALANCER]
+            for _ in range(200):  # bounded: the start's probe round marks both healthy
+                if all(r.healthy for r in balancer.router.replicas.values()):
+                    break
+                await asyncio.sleep(0.05)
+            stops[0].set()
+            await replicas[0]
+            async with aiohttp.ClientSession() as session:
+                for i in range(2):
+                    async with session.post(f"http://127.0.0.1:{ports[2]}/v1/completions", json={
+                            "model": MODEL, "prompt": f"retry {i}", "max_tokens": 2, "stream": True}) as resp:
+                        assert resp.status == 200 and resp.headers["X-SkyLB-Served-By"] == "us/r1"
+                        await resp.read()
+            retry = await asyncio.to_thread(sink.wait_for, lambda got: [s for s in got if s.name == "skylb.retry"],
+                                            what="a retry span")
+        finally:
+            await runner.cleanup()
+            stops[1].set()
+            await replicas[1]
+    spans = sorted((s for s in sink.spans() if s.trace_id == retry[0].trace_id), key=lambda s: s.start_ns)
+    server = _one(spans, kind="server")
+    assert {s.parent_span_id for s in spans if s is not server} == {server.span_id}
+    assert [(s.name, s.attributes.get("skylb.attempt")) for s in spans if s is not server] == [
+        ("skylb.queue", 0), ("skylb.route", None), (f"text_completion {MODEL}", 0), ("skylb.retry", 1),
+        ("skylb.queue", 1), ("skylb.route", None), (f"text_completion {MODEL}", 1)]
+    failed, succeeded = [s for s in spans if s.kind == "client"]
+    assert (failed.attributes["error.type"], failed.status_code, failed.attributes["skylb.target"]) == ("502", 2, "r0")
+    assert retry[0].attributes["skylb.failed_target"] == "r0" and retry[0].attributes["skylb.retry.backoff_s"] >= 0
+    assert (succeeded.attributes["skylb.target"], succeeded.attributes["http.request.resend_count"]) == ("r1", 1)
+    assert "error.type" not in succeeded.attributes and server.attributes["http.response.status_code"] == 200
 
 
 def test_tracing_is_off_by_default_and_loads_no_sdk(tmp_path):
