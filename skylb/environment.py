@@ -48,8 +48,8 @@ ADMIN_TOKEN = EnvVar("SKYLB_ADMIN_TOKEN", "the admin token every change of membe
 ADMIN_TOKEN_FILE = EnvVar("SKYLB_ADMIN_TOKEN_FILE", "a file holding the admin token, read when $SKYLB_ADMIN_TOKEN "
                                                     "is unset (overrides controller.admin_token_file)")
 CONTROLLER_URL = EnvVar("SKYLB_CONTROLLER", "the controller's base URL that skylb-ctl talks to")
-# The OpenTelemetry SDK's own names (OpenTelemetry specification, "Environment Variable Specification" and "OpenTelemetry
-# Protocol Exporter"), so a balancer traces where the rest of an operator's services do.
+# The OpenTelemetry SDK's own names (OpenTelemetry specification, "Environment Variable Specification" and
+# "OpenTelemetry Protocol Exporter"), so a balancer traces where the rest of an operator's services do.
 OTEL_ENDPOINT = EnvVar("OTEL_EXPORTER_OTLP_ENDPOINT", "an OTLP/HTTP collector's base URL: traces go to its /v1/traces "
                                                       "(turns tracing on; overrides balancer.tracing.otlp_endpoint)")
 OTEL_TRACES_ENDPOINT = EnvVar("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "the full URL traces are posted to (wins over "

@@ -147,8 +147,8 @@ async def _serve_replica(port: int, stop: asyncio.Event) -> asyncio.Task:
 async def test_a_retry_is_a_span_between_the_failed_attempt_and_the_next(tmp_path, monkeypatch):
     """Two replicas probed healthy, then one stops (probes are a minute apart, so the balancer still thinks it
     healthy): round robin sends at least one of two requests there first, the connection is refused, and the
-    request is retried on the other. Its trace holds, under one SERVER span, attempt 0 (queue, route, a relay span that erred
-    with 502), a ``skylb.retry`` span, then attempt 1 whose relay span has http.request.resend_count 1."""
+    request is retried on the other. Its trace holds, under one SERVER span, attempt 0 (queue, route, a relay span
+    that erred with 502), a ``skylb.retry`` span, then attempt 1 whose relay span has http.request.resend_count 1."""
     for name in [k for k in os.environ if k.startswith("OTEL_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
