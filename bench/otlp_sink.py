@@ -4,12 +4,17 @@ spans.
 It speaks the collector's side of OTLP/HTTP with protobuf bodies (OTLP specification, "OTLP/HTTP"): ``POST
 /v1/traces`` with an ``ExportTraceServiceRequest`` (opentelemetry-proto's generated classes), gzip or not, answered
 200 with an empty ``ExportTraceServiceResponse``. Each span is kept as a :class:`ReceivedSpan`. It runs in a thread
-of the calling process (``with OtlpSink() as sink: ... sink.url``), so a test reads the spans directly.
+of the calling process (``with OtlpSink() as sink: ... sink.url``), so a test reads the spans directly; ``GET`` on any
+path answers how many arrived. ``python -m bench.otlp_sink --port N`` runs one as a process of its own (a benchmark's
+receiver, off the measuring client's CPU), until SIGTERM.
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
+import json
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,8 +80,9 @@ class OtlpSink:
     ``balancer.tracing.otlp_endpoint`` or $OTEL_EXPORTER_OTLP_ENDPOINT take); ``spans()`` what arrived so far;
     ``requests`` counts the export calls, ``rejected`` those whose body did not decode (answered 400)."""
 
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.host = host
+        self.port = port
         self._spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         self.requests = 0
@@ -106,10 +112,19 @@ class OtlpSink:
                 self.end_headers()
                 self.wfile.write(reply)
 
+            def do_GET(self):  # noqa: N802: how many spans arrived, {"spans": n, "requests": n, "rejected": n}
+                reply = json.dumps({"spans": len(sink.spans()), "requests": sink.requests,
+                                    "rejected": sink.rejected}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
             def log_message(self, *args):  # quiet: a test's output is not the place for access lines
                 pass
 
-        self._server = ThreadingHTTPServer((self.host, 0), Handler)
+        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-sink", daemon=True)
         self._thread.start()
@@ -161,3 +176,21 @@ class OtlpSink:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve on ``--host``/``--port`` until SIGTERM or SIGINT."""
+    p = argparse.ArgumentParser(prog="python -m bench.otlp_sink", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with OtlpSink(args.host, args.port):
+        stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
