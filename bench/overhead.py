@@ -246,15 +246,16 @@ def format_tracing(result: dict[str, Any]) -> str:
     base, rounds = result["baseline"], result["rounds"]
     names = ["skylb", "skylb-twin", "skylb-tracing", *([base] if base else [])]
     rows = [[i, f"{r['systems']['direct']['p50_ms']:.3f}",
-             *(f"{r['systems'][name]['added_p50_ms']:.3f} / {r['systems'][name]['added_p99_ms']:.3f}"
-               for name in names), sum(r["systems"][name]["errors"] for name in names)]
+             *(f"{r['systems'][name]['added_p50_ms']:.3f} / {r['systems'][name]['added_p99_ms']:.3f} / "
+               f"{r['systems'][name]['cpu_ms_per_request']:.3f}" for name in names),
+             sum(r["systems"][name]["errors"] for name in names)]
             for i, r in enumerate(rounds)]
     lines = ["# Tracing's cost: added latency with tracing off and on", "",
              f"{len(rounds)} rounds of part (a), {result['n']} small non-streamed completions per system per "
-             f"round, interleaved; added = the system's percentile minus the direct one's (ms). Spans received by "
-             f"the OTLP receiver: {result['spans']}.", "",
-             markdown_table(["round", "direct p50 ms", *(f"{name} added p50 / p99" for name in names), "errors"],
-                            rows), ""]
+             f"round, interleaved; added = the system's percentile minus the direct one's (ms); CPU = the "
+             f"balancer's CPU time per request (ms). Spans received by the OTLP receiver: {result['spans']}.", "",
+             markdown_table(["round", "direct p50 ms", *(f"{name} added p50 / p99 / CPU" for name in names),
+                             "errors"], rows), ""]
     pairs = [("skylb-twin", "skylb", "two identical balancers, tracing off (the noise)"),
              ("skylb-tracing", "skylb", "tracing on minus off"),
              *([("skylb", base, f"tracing off minus {base}")] if base else [])]
@@ -262,6 +263,8 @@ def format_tracing(result: dict[str, Any]) -> str:
         for q in ("p50", "p99"):
             diffs = [r["systems"][a][f"added_{q}_ms"] - r["systems"][b][f"added_{q}_ms"] for r in rounds]
             lines.append(f"- {what}, {q}: {statistics.median(diffs):+.3f} [{min(diffs):+.3f}, {max(diffs):+.3f}] ms")
+        cpu = [r["systems"][a]["cpu_ms_per_request"] - r["systems"][b]["cpu_ms_per_request"] for r in rounds]
+        lines.append(f"- {what}, CPU per request: {statistics.median(cpu):+.3f} [{min(cpu):+.3f}, {max(cpu):+.3f}] ms")
     return "\n".join(lines) + "\n"
 
 

@@ -85,12 +85,14 @@ class Cluster:
         path.write_text(yaml.safe_dump(data))
         return path
 
-    def start_controller(self, regions: list[str], *, port: int | None = None) -> str:
-        """Start the controller; returns its URL."""
+    def start_controller(self, regions: list[str], *, port: int | None = None, wait: bool = True) -> str:
+        """Start the controller; returns its URL. ``wait`` False returns at once (the caller waits for its
+        /healthz, starting others meanwhile)."""
         port = port or free_port()
         self.controller_url = f"http://127.0.0.1:{port}"
         self.procs.skylb("controller", "--config", str(self.config(regions)), "--port", str(port),
-                         name=f"controller-{port}", wait_url=f"{self.controller_url}/healthz", env=self.env)
+                         name=f"controller-{port}", wait_url=f"{self.controller_url}/healthz" if wait else None,
+                         env=self.env)
         return self.controller_url
 
     def start_emulator(self, n: int, *args: str, name: str = "emulator", wait: bool = True) -> list[str]:

@@ -32,6 +32,7 @@ from tests.procs import free_ports, wait_http
 FAST = ("--time-scale", "0.2")
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
+UNSAMPLED_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 
 
 def _metrics(url: str, accept: str | None = None) -> tuple[str, str]:
@@ -75,14 +76,17 @@ def _check_balancer_spans(spans, region: str, parent_id: str, *, route: str, tar
 def test_a_forwarded_request_is_one_trace_across_both_balancers(procs, tmp_path):
     """us has no replica, so it forwards to eu. The client's traceparent starts the trace: us's SERVER span is the
     client span's child, eu's SERVER span the child of us's relay span, and the replica receives eu's relay span as
-    its parent, with the client's tracestate; both balancers' TTFT histograms point at the trace (exemplars)."""
+    its parent, with the client's tracestate; both balancers' TTFT histograms point at the trace (exemplars). A
+    traceparent whose sampled flag is 0 is honoured too: nothing recorded, the trace id still reaches the replica."""
     with OtlpSink() as sink:
         cluster = Cluster(procs, tmp_path)
         # The SDK's own variables: where to export (turns tracing on), and batches every 100 ms instead of 5 s.
         cluster.env.update(OTEL_EXPORTER_OTLP_ENDPOINT=sink.url, OTEL_BSP_SCHEDULE_DELAY="100")
-        controller = cluster.start_controller(["us", "eu"])
-        # The three start together (each takes seconds to import), and the replica is registered meanwhile.
+        # Processes start together where they can (each takes seconds to import): the controller with the
+        # replica, then both balancers while the replica is registered.
+        controller = cluster.start_controller(["us", "eu"], wait=False)
         [replica] = cluster.start_emulator(1, *FAST, wait=False)
+        wait_http(f"{controller}/healthz", timeout_s=30, proc=procs.procs[-2].popen)
         eu, us = (cluster.start_balancer(region, ["us", "eu"], wait=False) for region in ("eu", "us"))
         assert post_json(f"{controller}/v1/replicas", {"region": "eu", "url": replica, "id": "eu-0"})[0] == 201
         for proc, url in zip(procs.procs[-3:], (f"{replica}/health", f"{eu}/healthz", f"{us}/healthz")):
@@ -90,12 +94,14 @@ def test_a_forwarded_request_is_one_trace_across_both_balancers(procs, tmp_path)
         cluster.wait_until(lambda: [p["available"] for p in cluster.status("us")["peers"]] == [True],
                            what="eu available to us")
         client = openai.OpenAI(base_url=f"{us}/v1", api_key="unused", max_retries=0)
-        raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": "trace me"}], max_tokens=4, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-            extra_headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01", "tracestate": "congo=t61"})
-        assert raw.headers["X-SkyLB-Route"] == "peer:eu"
-        assert [c for c in raw.parse() if c.usage is not None][0].usage.completion_tokens == 4
+        # First a trace the client does not record (flags 00): honoured, so no balancer records it either.
+        for trace_id, flags in ((UNSAMPLED_TRACE_ID, "00"), (CLIENT_TRACE_ID, "01")):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "trace me"}], max_tokens=4, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                extra_headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN_ID}-{flags}", "tracestate": "congo=t61"})
+            assert raw.headers["X-SkyLB-Route"] == "peer:eu"
+            assert [c for c in raw.parse() if c.usage is not None][0].usage.completion_tokens == 4
 
         spans = sink.wait_for(lambda got: (lambda mine: mine if sum(s.kind in ("server", "client") for s in mine)
                                            == 4 else None)([s for s in got if s.trace_id == CLIENT_TRACE_ID]),
@@ -112,10 +118,13 @@ def test_a_forwarded_request_is_one_trace_across_both_balancers(procs, tmp_path)
         assert (eu_relay.attributes["gen_ai.usage.output_tokens"], eu_relay.attributes["gen_ai.usage.input_tokens"]) \
             == (4, us_relay.attributes["gen_ai.usage.input_tokens"])
 
+        assert not [s for s in sink.spans() if s.trace_id == UNSAMPLED_TRACE_ID]
+
         emulator_log = next(p for p in procs.procs if p.name == "emulator").log()
         received = [json.loads(line) for line in emulator_log.splitlines() if '"trace_context"' in line]
-        assert [(r["traceparent"], r["tracestate"]) for r in received] == [
-            (f"00-{CLIENT_TRACE_ID}-{eu_relay.span_id}-01", "congo=t61")]
+        unsampled, sampled = [(r["traceparent"].split("-"), r["tracestate"]) for r in received]
+        assert sampled == (["00", CLIENT_TRACE_ID, eu_relay.span_id, "01"], "congo=t61")
+        assert unsampled[0][1] == UNSAMPLED_TRACE_ID and int(unsampled[0][3], 16) & 1 == 0
 
         for url, route, relay in ((us, "peer", us_relay), (eu, "local", eu_relay)):
             content_type, text = _metrics(url, "application/openmetrics-text; version=1.0.0")
@@ -123,6 +132,7 @@ def test_a_forwarded_request_is_one_trace_across_both_balancers(procs, tmp_path)
             exemplars = re.findall(r'^skylb_ttft_seconds_bucket\{[^}]*route="' + route + r'"[^}]*\} \S+ '
                                    r'# \{([^}]*)\}', text, re.M)
             assert f'span_id="{relay.span_id}",trace_id="{CLIENT_TRACE_ID}"' in exemplars
+            assert UNSAMPLED_TRACE_ID not in text
         content_type, text = _metrics(us)  # a scraper that asks for nothing gets Prometheus text, no exemplar
         assert content_type.startswith("text/plain") and CLIENT_TRACE_ID not in text
         assert sink.rejected == 0
@@ -199,15 +209,15 @@ async def test_a_retry_is_a_span_between_the_failed_attempt_and_the_next(tmp_pat
 
 def test_tracing_is_off_by_default_and_loads_no_sdk(tmp_path):
     """A balancer started with no endpoint configured runs its chain untraced and never imports the tracing SDK,
-    its exporter or the span module; given ``balancer.tracing.otlp_endpoint`` the same start traces."""
+    its exporter or the span module (a fresh interpreter; the retry test above turns it on through
+    ``balancer.tracing.otlp_endpoint``)."""
     script = f"""
 import asyncio, sys
 from skylb.balancer.balancer import Balancer
 from skylb.config import BalancerConfig
 
-async def start(**settings):
-    balancer = Balancer(BalancerConfig(state_dir={str(tmp_path)!r}, **settings), region="us",
-                        advertise_url="http://127.0.0.1:1")
+async def start():
+    balancer = Balancer(BalancerConfig(state_dir={str(tmp_path)!r}), region="us", advertise_url="http://127.0.0.1:1")
     await balancer.start()
     await balancer.stop()
     return balancer
@@ -215,14 +225,13 @@ async def start(**settings):
 off = asyncio.run(start())
 loaded = sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk.trace", "opentelemetry.exporter",
                                                         "skylb.balancer.spans")))
-on = asyncio.run(start(tracing={{"otlp_endpoint": "http://127.0.0.1:1"}}))
-print("RESULT", off.tracing, type(off.chain).__name__, loaded, type(on.chain).__name__, on.tracing.endpoint)
+print("RESULT", off.tracing, type(off.chain).__name__, loaded)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     [result] = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result == ["None", "Chain", "[]", "TracedChain", "http://127.0.0.1:1/v1/traces"]
+    assert result == ["None", "Chain", "[]"]
 
 
 @pytest.mark.parametrize(("configured", "environ", "expected"), [

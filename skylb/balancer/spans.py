@@ -193,11 +193,15 @@ class RequestTrace:
         self.tracing.propagator.inject(headers, context=trace.set_span_in_context(span, self.context))
         return headers
 
-    def exemplar(self) -> dict[str, str]:
+    def exemplar(self) -> dict[str, str] | None:
         """The labels of a metric exemplar that points at the current relay span (OpenMetrics exemplars: trace_id
-        and span_id, as Prometheus and Grafana read them)."""
+        and span_id, as Prometheus and Grafana read them); None when the trace is not recorded (sampled out), which
+        no exemplar should point at."""
         span = self._open.get("relay", self.span)
-        return {"trace_id": self.trace_id, "span_id": trace.format_span_id(span.get_span_context().span_id)}
+        context = span.get_span_context()
+        if not context.trace_flags.sampled:
+            return None
+        return {"trace_id": self.trace_id, "span_id": trace.format_span_id(context.span_id)}
 
     def relay_ended(self, outcome, *, arrived_at: float) -> None:
         """The relay attempt ended with ``outcome`` (a RelayOutcome); ``arrived_at``: the request's arrival on the

@@ -9,6 +9,8 @@ skylb/core/outlier.py), and the request, after a jittered backoff, goes back to 
 another target while it has retries left (``retry_policy.num_retries``) and the retry budget allows
 (skylb/balancer/retry.py; Envoy's names). Once a byte reached the client it is never retried (a started stream cannot be
 spliced). 503 with an estimated Retry-After when the queue is full or the request waited past the queue timeout.
+When the balancer traces, each step is a span of the request's trace (``ctx.trace``: queue, routing decision, relay,
+retry backoff; skylb/balancer/spans.py) and the relay's context goes upstream as its ``traceparent``.
 """
 
 from __future__ import annotations
