@@ -121,8 +121,9 @@ async def handle_healthz(request: web.Request) -> web.Response:
 
 async def handle_metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text; OpenMetrics text, with the TTFT histogram's exemplars (trace ids), when the
-    balancer traces and the scraper accepts ``application/openmetrics-text`` (as Prometheus does with exemplar
-    storage on). Without tracing there is no exemplar, and the answer stays Prometheus text whatever is asked."""
+    balancer traces and the scraper accepts ``application/openmetrics-text`` (Prometheus asks for it first; it keeps
+    exemplars with ``--enable-feature=exemplar-storage``). Without tracing there is no exemplar, and the answer stays
+    Prometheus text whatever is asked."""
     balancer = request.app[BALANCER]
     if balancer.tracing is not None and "application/openmetrics-text" in request.headers.get("Accept", ""):
         return web.Response(body=balancer.metrics.render_openmetrics(),
