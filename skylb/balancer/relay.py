@@ -100,7 +100,7 @@ class Relay:
         self.pass_headers = tuple(dict.fromkeys((*pass_headers, session_header)))
 
     def _upstream_headers(self, request: web.Request, decision: Decision, request_id: str,
-                          trace_headers: dict[str, str] | None) -> dict:
+                          trace_headers: dict[str, str] | None = None) -> dict:
         headers = {h: request.headers[h] for h in self.pass_headers if h in request.headers}
         if trace_headers is not None:
             headers.pop("tracestate", None)  # the relay span's context replaces the caller's as a whole
