@@ -52,6 +52,15 @@ def _region_spans(spans, region: str):
     return [s for s in spans if s.resource.get("skylb.region") == region]
 
 
+def _whole_trace(trace_id: str):
+    """A predicate on the spans received: the spans of ``trace_id`` once both balancers' SERVER and relay spans are
+    among them (those end last; the batch processor exports spans in the order they end), else None."""
+    def whole(received):
+        mine = [s for s in received if s.trace_id == trace_id]
+        return mine if sum(s.kind in ("server", "client") for s in mine) == 4 else None
+    return whole
+
+
 def _check_balancer_spans(spans, region: str, parent_id: str, *, route: str, target: str, provider: str):
     """``region``'s spans of the trace: a SERVER span under ``parent_id`` and its queue, route and relay children.
     Returns (server span, relay span)."""
@@ -103,9 +112,7 @@ def test_a_forwarded_request_is_one_trace_across_both_balancers(procs, tmp_path)
             assert raw.headers["X-SkyLB-Route"] == "peer:eu"
             assert [c for c in raw.parse() if c.usage is not None][0].usage.completion_tokens == 4
 
-        spans = sink.wait_for(lambda got: (lambda mine: mine if sum(s.kind in ("server", "client") for s in mine)
-                                           == 4 else None)([s for s in got if s.trace_id == CLIENT_TRACE_ID]),
-                              what="both balancers' server and relay spans")
+        spans = sink.wait_for(_whole_trace(CLIENT_TRACE_ID), what="both balancers' server and relay spans")
         assert {s.resource.get("skylb.region") for s in spans} == {"us", "eu"}
         assert {s.resource["service.name"] for s in spans} == {"skylb-balancer"}
         _, us_relay = _check_balancer_spans(spans, "us", CLIENT_SPAN_ID, route="peer", target="eu",
