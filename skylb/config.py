@@ -27,6 +27,7 @@ from skylb.quota.limits import Quotas
 from skylb.quota.settings import QuotaSettings
 from skylb.quota.priorities import PrioritySettings
 from skylb.balancer.embed_cache import EmbeddingCacheSettings
+from skylb.balancer.tracing import TracingSettings
 
 __all__ = [
     "ConfigError",
@@ -304,6 +305,9 @@ class BalancerConfig(_Strict):
     #: Answers to repeated embedding requests from memory (skylb/balancer/embed_cache.py):
     #: ``{enabled: false, ttl_s: 300, max_bytes: 8388608}``.
     embedding_cache: EmbeddingCacheSettings = Field(default_factory=EmbeddingCacheSettings)
+    #: OpenTelemetry spans of each request, sent over OTLP/HTTP (skylb/balancer/tracing.py): ``{otlp_endpoint: null,
+    #: sample_ratio: 1.0}``; off unless an endpoint is set here or in $OTEL_EXPORTER_OTLP_ENDPOINT.
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @model_validator(mode="before")
     @classmethod

@@ -28,6 +28,7 @@ from skylb.balancer.relay import Relay
 from skylb.balancer.responses import ResponseBook, retrieve_handler
 from skylb.balancer.retry import RetryBudget
 from skylb.balancer.stages import Chain, RequestLog, build_chain
+from skylb.balancer.tracing import FLUSH_S, start_tracing
 from skylb.config import BalancerConfig
 from skylb.core import Decision, build_router
 from skylb.quota.buckets import LimitBackend
@@ -53,7 +54,7 @@ class Balancer:
         client_keys: whether clients authenticate with SkyLB API keys (then their Authorization is not relayed).
 
     Attributes (after ``start``): router, dispatcher, metrics, session (upstream aiohttp session), relay,
-    membership.
+    membership, tracing (skylb/balancer/spans.py Tracing, or None when tracing is off).
     """
 
     def __init__(self, cfg: BalancerConfig, *, region: str, advertise_url: str, client_keys: bool = False):
@@ -99,6 +100,8 @@ class Balancer:
         self.retrieve_response = None
         #: The request's path, built at ``start`` (it needs the relay's session).
         self.chain: Chain | None = None
+        #: Spans of each request, exported over OTLP (skylb/balancer/tracing.py); None while tracing is off.
+        self.tracing = None
         self.session: aiohttp.ClientSession | None = None
         self.relay: Relay | None = None
         self.membership: MembershipWatcher | None = None
@@ -170,6 +173,10 @@ class Balancer:
         self.retrieve_response = retrieve_handler(
             self.responses, target_url=self.target_url, session=lambda: self.session, region=self.region,
             peer_token=cfg.peer_token, replica_auth=self.relay.replica_authorization)
+        self.tracing = start_tracing(cfg.tracing, region=self.region, instance=self.advertise_url)
+        if self.tracing is not None:  # off: the chain as built, no span on any request's path
+            self.chain = self.tracing.traced(self.chain)
+            log.info("tracing_on", region=self.region, otlp_endpoint=self.tracing.endpoint)
         self.membership = MembershipWatcher(
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
             state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
@@ -218,6 +225,8 @@ class Balancer:
         self.dispatcher.fail_waiting("balancer shutting down")
         if self.session:
             await self.session.close()
+        if self.tracing is not None and not await self.tracing.shutdown(FLUSH_S):
+            log.warning("tracing_flush_timed_out", region=self.region, waited_s=FLUSH_S)
 
     def apply_quotas(self, quotas: Quotas) -> None:
         """Put ``quotas`` in force at once (no restart): set ``self.quotas``, then call every listener in

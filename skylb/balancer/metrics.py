@@ -17,13 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.core import GaugeMetricFamily
 
 from skylb.core import Router
 
-__all__ = ["BalancerMetrics", "CONTENT_TYPE", "OTHER", "TenantLabels", "model_label"]
+__all__ = ["BalancerMetrics", "CONTENT_TYPE", "OPENMETRICS_CONTENT_TYPE", "OTHER", "TenantLabels", "model_label"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CONTENT_TYPE = openmetrics.CONTENT_TYPE_LATEST
 #: The label value of every tenant that is not configured and every model its target does not report.
 OTHER = "other"
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120)
@@ -221,3 +223,9 @@ class BalancerMetrics:
     def render(self) -> bytes:
         """The Prometheus exposition text of every metric."""
         return generate_latest(self.registry)
+
+    def render_openmetrics(self) -> bytes:
+        """The OpenMetrics text of every metric (content type OPENMETRICS_CONTENT_TYPE): with the exemplars that
+        link TTFT observations to their traces when the balancer traces (the OpenMetrics specification, "Exemplars";
+        Prometheus 0.0.4 text has no place for them)."""
+        return openmetrics.generate_latest(self.registry)

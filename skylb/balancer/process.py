@@ -27,7 +27,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from skylb import aio, status_page
-from skylb.balancer import handler, lease_api, model_management, ollama_api, status
+from skylb.balancer import handler, lease_api, model_management, ollama_api, status, tracing
 from skylb.balancer.auth import Credentials, auth_middleware, load_api_keys, load_tenants
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.handler import REQUEST_IDS, api_of
@@ -50,9 +50,12 @@ SHUTDOWN_TIMEOUT_S = 2.0
 
 def stop_time_bound_s(cfg: BalancerConfig) -> float:
     """The longest a balancer takes to exit after SIGTERM, s: the drain, the bounded end of what is left
-    (skylb.balancer.balancer.DRAIN_END_S), aiohttp's shutdown. A supervisor's stop timeout must be longer."""
+    (skylb.balancer.balancer.DRAIN_END_S), aiohttp's shutdown, the last spans' export (skylb.balancer.tracing.FLUSH_S,
+    counted whether or not tracing is on: the environment may turn it on). A supervisor's stop timeout must be
+    longer."""
     from skylb.balancer.balancer import DRAIN_END_S
-    return cfg.drain_timeout_s + DRAIN_END_S + SHUTDOWN_TIMEOUT_S
+    from skylb.balancer.tracing import FLUSH_S
+    return cfg.drain_timeout_s + DRAIN_END_S + SHUTDOWN_TIMEOUT_S + FLUSH_S
 
 #: Environment variable with the peer token (overrides ``balancer.peer_token``), so the secret can live outside the
 #: config file: a systemd EnvironmentFile, a Kubernetes Secret. `skylb-ctl status` reads the same variable.
@@ -179,7 +182,8 @@ def main(args: argparse.Namespace) -> int:
         if api_keys and not cfg.peer_token:
             # Peers prove themselves with the token and skip the key check; without one, anybody could.
             raise ConfigError(f"client API keys need a peer token: set ${PEER_TOKEN_ENV} or balancer.peer_token")
-    except (ConfigError, ValidationError, ValueError) as exc:
+        tracing.check_installed(cfg.tracing)
+    except (ConfigError, ValidationError, ValueError, RuntimeError) as exc:
         print(f"skylb balancer: {exc}", file=sys.stderr)
         return 2
     if cfg.port == 0:  # the advertised URL needs the real port before the server starts

@@ -39,8 +39,11 @@ STREAM_STARTED = (web.RequestKey("skylb_stream_started", bool) if hasattr(web, "
 _FULL_CHECK_BYTES = 1 << 20
 #: ``_checked_body``'s mark for a body too large to decode.
 _NOT_DECODED = object()
-#: Client headers passed to the upstream (auth and session keys; hop-by-hop headers are not).
-_PASS_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "X-Session-ID", "Accept")
+#: Client headers passed to the upstream (auth and session keys; hop-by-hop headers are not). A balancer that does not
+#: trace passes the caller's W3C trace context on unchanged, as a proxy that takes no part in the trace does, so the
+#: replica's own spans still join the caller's trace; one that traces sends its relay span's instead (``relay``).
+_PASS_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "X-Session-ID", "Accept",
+                 "traceparent", "tracestate")
 
 
 @dataclass
@@ -96,8 +99,12 @@ class Relay:
                                                                         if h != "Authorization")
         self.pass_headers = tuple(dict.fromkeys((*pass_headers, session_header)))
 
-    def _upstream_headers(self, request: web.Request, decision: Decision, request_id: str) -> dict:
+    def _upstream_headers(self, request: web.Request, decision: Decision, request_id: str,
+                          trace_headers: dict[str, str] | None = None) -> dict:
         headers = {h: request.headers[h] for h in self.pass_headers if h in request.headers}
+        if trace_headers is not None:
+            headers.pop("tracestate", None)  # the relay span's context replaces the caller's as a whole
+            headers.update(trace_headers)
         headers["Content-Type"] = "application/json"
         headers[REQUEST_ID_HEADER] = request_id
         # Plain bytes from upstream: the relay re-frames streams (framing.py), times the first byte and checks
@@ -141,7 +148,8 @@ class Relay:
                     on_first_byte: Callable[[float], None] | None = None, client_request_id: str | None = None,
                     abandon: Callable[[], str | None] | None = None, check_s: float = 0.05,
                     extra_headers: dict[str, str] | None = None,
-                    on_head: Callable[[bytes], None] | None = None) -> RelayOutcome:
+                    on_head: Callable[[bytes], None] | None = None,
+                    trace_headers: dict[str, str] | None = None) -> RelayOutcome:
         """Send ``body`` to the decision's target at the client's path and relay the answer.
 
         ``request_id`` is the balancer's own id (sent upstream as X-Request-Id, to the client as
@@ -155,6 +163,9 @@ class Relay:
 
         ``abandon()``, checked every ``check_s`` s until the first byte, returns why the target is to be given up
         (a partitioned peer: its status went stale), so no request waits on it for the whole first-byte timeout.
+
+        ``trace_headers`` (``traceparent``, ``tracestate``: the relay span's W3C trace context) replace the client's
+        trace context upstream, when the balancer traces (skylb/balancer/spans.py).
 
         ``on_first_byte(ttft_s)`` is called when the first streamed byte has been written to the client, so the
         TTFT histogram is current while a long stream is still running (and before the client can see its end).
@@ -172,7 +183,8 @@ class Relay:
             response = None if retry_allowed else error_response(api, status, error)
             return RelayOutcome(response, status, error=error, failure="gateway")
 
-        upstream_cm = self.session.post(url, data=body, headers=self._upstream_headers(request, decision, request_id))
+        upstream_cm = self.session.post(url, data=body,
+                                        headers=self._upstream_headers(request, decision, request_id, trace_headers))
         upstream: aiohttp.ClientResponse | None = None
         abandoned: list[str] = []
         watchdog = None

@@ -11,7 +11,7 @@ from aiohttp import web
 from skylb.balancer.api import openai_error
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.ollama_fleet import replica_thermal
-from skylb.balancer.metrics import CONTENT_TYPE
+from skylb.balancer.metrics import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 from skylb.quota.buckets import LocalLimits
 from skylb.quota.wiring import quota_status
@@ -125,8 +125,15 @@ async def handle_healthz(request: web.Request) -> web.Response:
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    """``GET /metrics``: Prometheus text."""
-    return web.Response(body=request.app[BALANCER].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    """``GET /metrics``: Prometheus text; OpenMetrics text, with the TTFT histogram's exemplars (trace ids), when the
+    balancer traces and the scraper accepts ``application/openmetrics-text`` (Prometheus asks for it first; it keeps
+    exemplars with ``--enable-feature=exemplar-storage``). Without tracing there is no exemplar, and the answer stays
+    Prometheus text whatever is asked."""
+    balancer = request.app[BALANCER]
+    if balancer.tracing is not None and "application/openmetrics-text" in request.headers.get("Accept", ""):
+        return web.Response(body=balancer.metrics.render_openmetrics(),
+                            headers={"Content-Type": OPENMETRICS_CONTENT_TYPE})
+    return web.Response(body=balancer.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def handle_models(request: web.Request) -> web.Response:

@@ -42,6 +42,7 @@ class RequestContext:
         pin: the one target that may serve it (``Request.pin``; the responses stage sets it for a follow-up).
         on_answer_head: called with the decision and the head of the target's answer (a whole body, or a stream's
             first event) before it goes to the client (the responses stage records which target holds the answer).
+        trace: its spans (skylb/balancer/spans.py RequestTrace) when the balancer traces, else None.
     """
 
     http: web.Request
@@ -68,6 +69,7 @@ class RequestContext:
     response_headers: dict[str, str] = field(default_factory=dict)
     pin: tuple[str, str] | None = None
     on_answer_head: Callable[[Any, bytes], None] | None = None
+    trace: Any = None
     _end_hooks: list[EndHook] = field(default_factory=list)
 
     @property

@@ -11,6 +11,8 @@ another target while it has retries left (``retry_policy.num_retries``) and the 
 spliced). 503 with an estimated Retry-After when the queue is full or the request waited past the queue timeout.
 A request pinned to one target (``ctx.pin``: a Responses API follow-up, skylb/balancer/stages/responses.py) skips
 the queue and goes to that target at once, retries included; 503 with Retry-After when it is unavailable.
+When the balancer traces, each step is a span of the request's trace (``ctx.trace``: queue, routing decision, relay,
+retry backoff; skylb/balancer/spans.py) and the relay's context goes upstream as its ``traceparent``.
 """
 
 from __future__ import annotations
@@ -57,10 +59,13 @@ class RouteStage:
 
     async def handle(self, ctx: RequestContext) -> web.StreamResponse:
         routed = self._core_request(ctx)
+        trace = ctx.trace  # None unless the balancer traces (skylb/balancer/spans.py)
         attempt, retrying = 0, False  # retrying: holds a place in the retry budget
         try:
             while True:
                 ctx.decision = None  # a request given up in the queue was routed nowhere (its log line)
+                if trace is not None:
+                    trace.queue_started(attempt, ctx)
                 try:
                     if routed.pin is not None:  # a follow-up of a stateful answer: only its target can serve it
                         ctx.decision = self._place_pinned(routed)
@@ -68,9 +73,13 @@ class RouteStage:
                         ctx.decision, ctx.body = await self.fleet.acquire(routed, ctx.body, retry=attempt > 0)
                 except (QueueFull, QueueTimeout) as exc:
                     full = isinstance(exc, QueueFull)
-                    return ctx.reject(503, f"{exc}; retry later" if full else str(exc),
-                                      "queue_full" if full else "queue_timeout", type_="overloaded_error",
-                                      retry_after_s=self._queue_retry_after())
+                    reason = "queue_full" if full else "queue_timeout"
+                    if trace is not None:
+                        trace.queue_failed(reason, str(exc))
+                    return ctx.reject(503, f"{exc}; retry later" if full else str(exc), reason,
+                                      type_="overloaded_error", retry_after_s=self._queue_retry_after())
+                if trace is not None:
+                    trace.routed(ctx.decision, policy=self.cfg.policy)
                 outcome = await self._attempt(ctx, attempt)
                 if retrying:
                     self.budget.release()
@@ -115,11 +124,17 @@ class RouteStage:
         """One relay to the decision's target; the target's slot is released and outlier detection told, however
         the relay ends: for an answer, in the event loop's next turn, once aiohttp has sent it (before the loop
         reads anything more, so the next request finds the slot free), so the client does not wait for them."""
-        decision = ctx.decision
+        decision, trace = ctx.decision, ctx.trace
         ttft_histogram = self.metrics.child(self.metrics.ttft, self.region, decision.route)
+        trace_headers = exemplar = None
+        if trace is not None:  # the relay's span; its context goes upstream, its ids on the TTFT as an exemplar
+            trace_headers = trace.relay_started(decision, attempt=attempt, engine=self._engine(decision),
+                                                stream=ctx.parsed.stream, max_tokens=ctx.parsed.max_tokens,
+                                                now=self.now())
+            exemplar = trace.exemplar()
 
         def first_byte(ttft_s: float) -> None:
-            ttft_histogram.observe(ttft_s)
+            ttft_histogram.observe(ttft_s, exemplar)
             self.router.first_token(decision)  # its prompt left the replica's prefill backlog
             self.fleet.first_byte(decision, ttft_s)
             self.dispatcher.wake()
@@ -130,10 +145,13 @@ class RouteStage:
                 retry_allowed=attempt < self.cfg.retry_policy.num_retries, api=ctx.api, stream=ctx.parsed.stream,
                 on_first_byte=first_byte, client_request_id=ctx.client_id, abandon=self._peer_gone(decision),
                 check_s=self.cfg.probe_interval_ms / 1000, extra_headers=ctx.response_headers,
+                trace_headers=trace_headers,
                 on_head=None if ctx.on_answer_head is None else (lambda head: ctx.on_answer_head(decision, head)))
         except BaseException:
             self._attempt_ended(decision, None)
             raise
+        if trace is not None:
+            trace.relay_ended(outcome, arrived_at=ctx.arrived_at)
         if outcome.response is not None:
             asyncio.get_running_loop().call_soon(self._attempt_ended, decision, outcome)
         else:  # a retry follows: the slot and the failure count first
@@ -160,7 +178,16 @@ class RouteStage:
         delay = backoff_s(self.cfg.retry_policy, attempt)
         log.warning("retrying", route=decision.route, target=decision.target, error=outcome.error,
                     attempt=attempt, backoff_ms=round(delay * 1000, 1))
+        if ctx.trace is not None:
+            ctx.trace.retry_started(decision, outcome, attempt=attempt, backoff_s=delay)
         await asyncio.sleep(delay)
+        if ctx.trace is not None:
+            ctx.trace.retry_ended()
+
+    def _engine(self, decision: Decision) -> str | None:
+        """The engine adapter of a local decision's replica ("vllm", "ollama", ...); None for a peer."""
+        replica = self.router.replicas.get(decision.target) if decision.route == "local" else None
+        return None if replica is None else replica.engine
 
     def _queue_retry_after(self) -> int:
         return queue_retry_after_s(self.router, self.now(), default_s=self.cfg.retry_after_s,
