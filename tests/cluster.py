@@ -100,9 +100,11 @@ class Cluster:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         defaults = [*(() if "--engine" in args else ("--engine", "vllm")),
                     *(() if "--model" in args else ("--model", MODEL))]
-        self.procs.skylb("emulator", *defaults, *port_args, *args, name=name, wait_url=f"{urls[0]}/health")
+        # A generic OpenAI server has no /health: it is up when it lists its models.
+        ready = "/v1/models" if "openai" in args and args[list(args).index("openai") - 1] == "--engine" else "/health"
+        self.procs.skylb("emulator", *defaults, *port_args, *args, name=name, wait_url=f"{urls[0]}{ready}")
         for url in urls[1:]:
-            wait_http(f"{url}/health", timeout_s=10)
+            wait_http(f"{url}{ready}", timeout_s=10)
         return urls
 
     def start_toxiproxy(self) -> str:
@@ -114,8 +116,9 @@ class Cluster:
 
     def start_balancer(self, region: str, regions: list[str], *, port: int | None = None,
                        peer_urls: dict[str, str] | None = None, policy: str | None = None,
-                       name: str | None = None, host: str = "127.0.0.1") -> str:
-        """Start ``region``'s balancer against the controller, listening on ``host``; returns its URL."""
+                       name: str | None = None, host: str = "127.0.0.1", wait: bool = True) -> str:
+        """Start ``region``'s balancer against the controller, listening on ``host``; returns its URL. With
+        ``wait`` False it returns at once (start several, then ``wait_http`` each /healthz)."""
         port = port or free_port()
         url = f"http://{host}:{port}"
         args = ["balancer", "--config", str(self.config(regions)), "--region", region, "--port", str(port),
@@ -124,7 +127,8 @@ class Cluster:
             args += ["--peer-url", f"{peer}={peer_url}"]
         if policy:
             args += ["--policy", policy]
-        self.procs.skylb(*args, name=name or f"balancer-{region}", wait_url=f"{url}/healthz", env=self.env)
+        self.procs.skylb(*args, name=name or f"balancer-{region}", wait_url=f"{url}/healthz" if wait else None,
+                         env=self.env)
         self.balancers[region] = url
         return url
 

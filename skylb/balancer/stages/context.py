@@ -38,6 +38,8 @@ class RequestContext:
         answered: a replica or peer answered some attempt (the quota's tokens were used).
         ttft_s, error, status: for the log line. reason: why the balancer answered the request itself;
         rejected: that answer counts as a rejection (skylb_rejected_total).
+        translation: set when an Ollama-API request goes to OpenAI-dialect replicas (translate stage,
+        skylb/balancer/translate.py): the OpenAI path and the way back; None otherwise.
     """
 
     http: web.Request
@@ -61,12 +63,18 @@ class RequestContext:
     status: int | None = None
     reason: str | None = None
     rejected: bool = False
+    translation: Any = None
     _end_hooks: list[EndHook] = field(default_factory=list)
 
     @property
     def model(self) -> str | None:
         """The model the request asks for now (None before the parse stage)."""
         return None if self.parsed is None else self.parsed.model
+
+    @property
+    def route_api(self) -> str:
+        """The dialect of the replicas and peers the request goes to: "openai" once translated, else ``api``."""
+        return "openai" if self.translation is not None else self.api
 
     @property
     def embedding(self) -> bool:

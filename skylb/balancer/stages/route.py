@@ -90,7 +90,7 @@ class RouteStage:
                     if ctx.forwarded else 0.0)
         parsed = ctx.parsed
         return Request(id=ctx.request_id, text=parsed.text, arrived_at=ctx.arrived_at, model=parsed.model,
-                       session_key=parsed.session_key, forwarded_from=ctx.forwarded_from, api=ctx.api,
+                       session_key=parsed.session_key, forwarded_from=ctx.forwarded_from, api=ctx.route_api,
                        waited_s=waited_s, embedding=ctx.embedding, priority=ctx.priority, tenant=ctx.tenant)
 
     async def _attempt(self, ctx: RequestContext, attempt: int):
@@ -111,7 +111,7 @@ class RouteStage:
                 ctx.http, ctx.body, decision, request_id=ctx.request_id, arrived_at=ctx.arrived_at,
                 retry_allowed=attempt < self.cfg.retry_policy.num_retries, api=ctx.api, stream=ctx.parsed.stream,
                 on_first_byte=first_byte, client_request_id=ctx.client_id, abandon=self._peer_gone(decision),
-                check_s=self.cfg.probe_interval_ms / 1000)
+                check_s=self.cfg.probe_interval_ms / 1000, translation=ctx.translation)
         except BaseException:
             self._attempt_ended(decision, None)
             raise
