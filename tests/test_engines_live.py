@@ -11,6 +11,8 @@ for another region's model.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -31,11 +33,13 @@ ENGINES = {"vllm": ("vllm", MODEL, "vllm:num_requests_waiting"),
            "tgi": ("tgi", "tgi-model", "tgi_queue_size"),
            "llamacpp": ("llamacpp", "lc-model", "llamacpp:requests_deferred"),
            "openai": ("openai", "generic-model", None)}
-SESSIONS = [f"session-{i}" for i in range(8)]
+SESSIONS = [f"session-{i}" for i in range(6)]
 
 
-def _start_emulators(procs: ProcGroup, specs: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, list[str]]:
-    """Start one emulator process per spec (name -> (replicas, args)) all at once, then wait for each replica."""
+def _start_emulators(procs: ProcGroup, specs: dict[str, tuple[int, tuple[str, ...]]]
+                     ) -> tuple[dict[str, list[str]], list[str]]:
+    """Start one emulator process per spec (name -> (replicas, args)) without waiting: (replica URLs by name, the
+    URL that answers once each replica is up)."""
     urls, ready = {}, []
     for name, (n, args) in specs.items():
         ports = free_ports(n)
@@ -43,9 +47,16 @@ def _start_emulators(procs: ProcGroup, specs: dict[str, tuple[int, tuple[str, ..
                     name=name)
         urls[name] = [f"http://127.0.0.1:{p}" for p in ports]
         ready += [f"{u}{'/v1/models' if 'openai' in args else '/health'}" for u in urls[name]]
-    for url in ready:
-        wait_http(url, timeout_s=30)
-    return urls
+    return urls, ready
+
+
+def _stop_together(procs: ProcGroup) -> None:
+    """SIGTERM every process at once, then wait for each (one by one, each takes about a second to exit)."""
+    for proc in procs.procs:
+        with contextlib.suppress(ProcessLookupError):
+            if proc.popen.poll() is None:
+                os.killpg(proc.popen.pid, signal.SIGTERM)
+    procs.stop_all()
 
 
 def _models_known(cluster: Cluster, region: str, n: int) -> bool:
@@ -66,11 +77,11 @@ def deployment(tmp_path_factory):
     cluster = Cluster(procs, Path(tmp))
     try:
         regions = ["us", "eu", "ch"]
-        cluster.start_controller(regions)
         specs = {f"emu-{a}": (1, ("--engine", engine, "--model", model)) for a, (engine, model, _) in ENGINES.items()}
         specs["emu-ollama"] = (1, ("--engine", "ollama", "--model", OLLAMA_MODEL))
         specs["emu-ch"] = (3, ("--engine", "vllm", "--model", CH_MODEL))
-        urls = _start_emulators(procs, specs)
+        urls, ready = _start_emulators(procs, specs)
+        cluster.start_controller(regions)
         for region in regions:
             cluster.start_balancer(region, regions, policy="skylb-ch" if region == "ch" else None, wait=False)
         replicas = [("us", urls[f"emu-{a}"][0], f"{a}-0", a) for a in ENGINES]
@@ -80,15 +91,15 @@ def deployment(tmp_path_factory):
             status, answer, _ = post_json(f"{cluster.controller_url}/v1/replicas",
                                           {"region": region, "url": url, "id": replica_id, "engine": engine})
             assert status in (200, 201), answer
-        for url in cluster.balancers.values():
-            wait_http(f"{url}/healthz", timeout_s=30)
+        for url in [*ready, *(f"{b}/healthz" for b in cluster.balancers.values())]:
+            wait_http(url, timeout_s=30)
         for region, n in (("us", len(ENGINES)), ("eu", 1), ("ch", 3)):
             cluster.wait_until(lambda: _models_known(cluster, region, n) and _sees_peer_models(cluster, region, 2),
                                timeout_s=30, what=f"{region}'s models and its peers' known")
         yield cluster, urls
         cluster.assert_counters_return_to_zero()
     finally:
-        procs.stop_all()
+        _stop_together(procs)
 
 
 @contextlib.contextmanager
@@ -246,7 +257,8 @@ def test_a_hash_ring_session_stays_on_its_replica_and_moves_only_when_it_is_drai
             assert moved[session] != drained, session
         else:
             assert moved[session] == replica, session
-    cluster.ctl("replica", "undrain", drained)
+    status, answer, _ = post_json(f"{cluster.controller_url}/v1/replicas/{drained}/undrain", {})
+    assert status == 200, answer
     cluster.wait_until(lambda: _models_known(cluster, "ch", 3) and not any(
         r["draining"] for r in cluster.status("ch")["replicas"]), timeout_s=5, what=f"{drained} back")
     assert _placements(url, 3) == first

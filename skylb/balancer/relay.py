@@ -237,7 +237,12 @@ class Relay:
         if status < 400:  # the body decoded above is read for its usage, not decoded again
             usage = usage_of_body(data) if decoded is _NOT_DECODED else usage_of(decoded)
         if translation is not None:
-            data = translation.answer(decoded)
+            try:
+                data = translation.answer(decoded)
+            except FramingError as exc:
+                error = f"{decision.target} answered HTTP {status} with {exc}"
+                response = None if retry_allowed and status < 400 else error_response(api, 502, error)
+                return RelayOutcome(response, 502, error=error, failure="gateway")
         return RelayOutcome(web.Response(status=status, body=data, headers=headers), status,
                             failure=_failure_of(status), usage=usage)
 

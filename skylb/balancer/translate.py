@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from skylb.balancer.framing import FramingError
+
 __all__ = ["Translation", "StreamTranslator", "Untranslatable", "translate_request", "OPENAI_PATHS", "load_answer",
            "error_body"]
 
@@ -101,9 +103,16 @@ class Translation:
         return StreamTranslator(self)
 
     def answer(self, data: Any) -> bytes:
-        """A whole OpenAI answer (decoded JSON) as the Ollama answer (bytes); an error object as Ollama's."""
+        """A whole OpenAI answer (decoded JSON) as the Ollama answer (bytes); an error object as Ollama's.
+        Raises FramingError for an answer that is not in the OpenAI API's shape."""
+        try:
+            return self._answer(data)
+        except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+            raise FramingError(f"an answer not in the OpenAI API's shape ({type(exc).__name__}: {exc})") from None
+
+    def _answer(self, data: Any) -> bytes:
         if not isinstance(data, dict):
-            return json.dumps({"error": "the replica's answer is not a JSON object"}).encode()
+            raise TypeError("not a JSON object")
         if "error" in data:
             return error_body(data)
         if self.endpoint in ("/api/embed", "/api/embeddings"):
@@ -111,6 +120,8 @@ class Translation:
         choice = (data.get("choices") or [{}])[0]
         message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
         text = message.get("content") if message else choice.get("text")
+        if text is not None and not isinstance(text, str):
+            raise TypeError("the answer's text is not a string")
         out = self._delta(text or "", _reasoning(message), _tool_calls(message.get("tool_calls")))
         out.update(self._final(choice.get("finish_reason"), data.get("usage"), data.get("timings"), None))
         return json.dumps(out).encode()
@@ -174,7 +185,14 @@ class StreamTranslator:
         self.calls: dict[int, dict[str, str]] = {}
 
     def feed(self, events: bytes) -> bytes:
-        """The NDJSON lines for the whole SSE ``events`` (bytes)."""
+        """The NDJSON lines for the whole SSE ``events`` (bytes). Raises FramingError for a chunk that is not in the
+        OpenAI API's shape."""
+        try:
+            return self._feed(events)
+        except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+            raise FramingError(f"a chunk not in the OpenAI API's shape ({type(exc).__name__}: {exc})") from None
+
+    def _feed(self, events: bytes) -> bytes:
         out = []
         for event in _SSE_END.split(events):
             payload, error = _sse_payload(event)
@@ -197,8 +215,12 @@ class StreamTranslator:
         self.timings = chunk.get("timings") or self.timings
         out = []
         for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict):
+                raise TypeError("a choice is not an object")
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
             text = delta.get("content") if delta else choice.get("text")
+            if text is not None and not isinstance(text, str):
+                raise TypeError("a chunk's text is not a string")
             thinking = _reasoning(delta)
             for call in delta.get("tool_calls") or []:
                 self._gather(call)
@@ -376,6 +398,8 @@ def _messages(messages: list) -> list[dict]:
     """Ollama messages as OpenAI's: images as data-URL parts, tool calls with ids, tool results answering them."""
     out, call_ids, answered = [], [], 0
     for i, m in enumerate(messages):
+        if not isinstance(m.get("content") or "", str):
+            raise Untranslatable("a message's 'content' must be a string", param="messages")
         item: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
         if m.get("images"):
             if not isinstance(m["images"], list):
