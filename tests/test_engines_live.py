@@ -151,6 +151,8 @@ def test_every_engine_streams_to_the_openai_client_and_its_load_signal_is_read(d
             cluster.wait_until(lambda: (_replica(cluster, "us", f"{adapter}-0")["running"],
                                         _replica(cluster, "us", f"{adapter}-0")["pending"]) == want,
                                timeout_s=10, what=f"{adapter}: running, pending = {want} from {metric}")
+    generic = urls["emu-openai"][0]  # the OpenAI API only: nothing a balancer could read a load from
+    assert [requests.get(f"{generic}{path}", timeout=5).status_code for path in ("/health", "/metrics")] == [404, 404]
     embedded = client.embeddings.with_raw_response.create(model=MODEL, input=["one", "two"])
     assert embedded.headers["X-SkyLB-Served-By"] == "us/vllm-0"
     vectors = [item.embedding for item in embedded.parse().data]
