@@ -206,7 +206,8 @@ def test_the_ollama_client_reaches_vllm_replicas_through_translation(deployment)
 def test_forwarding_between_a_vllm_region_and_an_ollama_region_both_ways_with_both_apis(deployment):
     """us runs vLLM, eu runs Ollama. us forwards a request for eu's model to eu through the OpenAI API and the Ollama
     API; eu forwards a request for us's model to us through both too (the Ollama API translated at eu, since no
-    Ollama replica serves it), streamed with the ollama client; each is answered by the other region's engine."""
+    Ollama replica serves it), streamed with the ollama client; each is answered by the other region's engine. The
+    OpenAI API reaches eu's own Ollama replica too."""
     cluster, _ = deployment
     us, eu = cluster.balancers["us"], cluster.balancers["eu"]
     for entry, model, route, served_by in ((us, OLLAMA_MODEL, "peer:eu", "eu/ollama-0"),
@@ -222,6 +223,12 @@ def test_forwarding_between_a_vllm_region_and_an_ollama_region_both_ways_with_bo
                                  options={"num_predict": 3}))
         assert (seen[-1]["X-SkyLB-Route"], seen[-1]["X-SkyLB-Served-By"]) == (route, served_by)
         assert parts[-1].done and parts[-1].eval_count >= 1 and "".join(p.message.content for p in parts)
+    # The OpenAI API in front of the Ollama engine in its own region: Ollama's /v1/*, streamed.
+    with openai.OpenAI(base_url=f"{eu}/v1", api_key="unused", max_retries=0, timeout=30).chat.completions.\
+            with_streaming_response.create(model=OLLAMA_MODEL, messages=[{"role": "user", "content": "local"}],
+                                           max_tokens=3, stream=True) as raw:
+        assert (raw.headers["X-SkyLB-Route"], raw.headers["X-SkyLB-Served-By"]) == ("local", "eu/ollama-0")
+        assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
 
 
 # ---- a hash-ring session through a live balancer -------------------------------------------------------------------
@@ -250,6 +257,7 @@ def test_a_hash_ring_session_stays_on_its_replica_and_moves_only_when_it_is_drai
     first = _placements(url, 0)
     assert _placements(url, 1) == first
     drained = first[SESSIONS[0]]
+    assert set(first.values()) != {drained}, "some session lives on another replica (the ring is deterministic)"
     cluster.ctl("replica", "drain", drained, "--wait-timeout", "20")  # returns once it holds nothing
     cluster.wait_until(lambda: all(r["draining"] for r in cluster.status("ch")["replicas"] if r["id"] == drained),
                        timeout_s=5, what=f"{drained} draining or gone at the balancer")
