@@ -29,8 +29,8 @@ async def _chain_names(settings: dict) -> list[str]:
 
 
 async def test_a_chain_with_every_optional_feature_off_has_none_of_their_stages():
-    """Embedding cache, num_ctx pinning, model groups and the quota gate off: only the four stages every request
-    needs, in order."""
+    """Embedding cache, num_ctx pinning, model groups and the quota gate off: only the stages every request
+    needs (and the translate check), in order."""
     assert await _chain_names(ALL_OFF) == ["parse", "classify", "translate", "resolve_model", "route"]
 
 

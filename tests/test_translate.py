@@ -7,8 +7,12 @@ import base64
 import json
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
+from skylb.balancer.api import parse_ollama, parse_openai
 from skylb.balancer.framing import FramingError
+from skylb.balancer.stages.context import RequestContext
+from skylb.balancer.stages.translate import TranslateStage
 from skylb.balancer.translate import Untranslatable, load_answer, translate_request
 
 MODEL = "m"
@@ -164,3 +168,52 @@ def test_whole_answers_and_errors_come_back_in_ollama_shape():
         chat.answer({"choices": ["not an object"]})
     with pytest.raises(FramingError):
         chat.stream().feed(_sse({"choices": [{"delta": {"content": 5}}]}))
+
+
+# ---- the stage: when a request is translated -----------------------------------------------------------------------
+
+SERVED = {"ollama": {"llama3:latest"}, "openai": {"llama3:latest", "vllm-model"}}
+
+
+def _stage():
+    return TranslateStage(served_models=lambda api, with_peers=True: SERVED[api], is_group=lambda name: name == "grp",
+                          any_served=lambda model, served: model in served, now=lambda: 0.0)
+
+
+def _ctx(path: str, data: dict, api: str = "ollama") -> RequestContext:
+    body = json.dumps(data).encode()
+    parse = parse_ollama if api == "ollama" else parse_openai
+    return RequestContext(http=make_mocked_request("POST", path), api=api, request_id="r", client_id=None,
+                          arrived_at=0.0, started=0.0, body=body, parsed=parse(path, body, session_header_value=None))
+
+
+@pytest.mark.parametrize("path, data, api, translated", [
+    ("/api/chat", {"model": "vllm-model", "messages": [{"role": "user", "content": "x"}]}, "ollama", True),
+    ("/api/chat", {"model": "llama3", "messages": [{"role": "user", "content": "x"}]}, "ollama", False),
+    ("/api/chat", {"model": "grp", "messages": [{"role": "user", "content": "x"}]}, "ollama", False),
+    ("/api/chat", {"model": "nobody", "messages": [{"role": "user", "content": "x"}]}, "ollama", False),
+    ("/v1/chat/completions", {"model": "vllm-model", "messages": [{"role": "user", "content": "x"}]}, "openai", False),
+])
+async def test_the_stage_translates_only_what_no_ollama_replica_serves(path, data, api, translated):
+    """Only an Ollama request for a model served in the OpenAI dialect alone is translated (routed as OpenAI); one an
+    Ollama replica serves (by Ollama's name rules), a model group, an unknown model (resolve_model's 404) and an
+    OpenAI request pass unchanged."""
+    ctx = _ctx(path, data, api)
+    body = ctx.body
+    assert await _stage().handle(ctx) is None
+    assert (ctx.translation is not None) == translated and ctx.route_api == ("openai" if translated else api)
+    assert (ctx.body != body) == translated
+    if translated:
+        assert json.loads(ctx.body)["messages"] == data["messages"] and ctx.translation.path == "/v1/chat/completions"
+
+
+async def test_the_stage_answers_a_load_request_and_refuses_by_the_serving_api():
+    """An empty prompt is answered at once (done_reason "load"); an untranslatable request gets a 400 in Ollama's
+    shape naming the OpenAI API that serves the model, counted as "untranslatable"."""
+    loaded = await _stage().handle(_ctx("/api/generate", {"model": "vllm-model", "prompt": ""}))
+    assert loaded.status == 200 and json.loads(loaded.body)["done_reason"] == "load"
+    ctx = _ctx("/api/generate", {"model": "vllm-model", "prompt": "x", "suffix": "y"})
+    refused = await _stage().handle(ctx)
+    error = json.loads(refused.body)["error"]
+    assert refused.status == 400 and "OpenAI API (/v1/chat/completions)" in error and "'suffix'" in error
+    assert ctx.reason == "untranslatable" and ctx.rejected

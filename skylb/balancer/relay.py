@@ -216,8 +216,10 @@ class Relay:
                       retry_allowed: bool, translation: Translation | None = None) -> RelayOutcome:
         """A whole (not streamed) answer. JSON passes unchanged (as application/json, whatever type the upstream
         named; bodies over _FULL_CHECK_BYTES, large embeddings, are only checked to start and end as JSON does:
-        parsing them costs more than they risk), or, with a ``translation``, decoded and turned into Ollama's shape. A 2xx that is not JSON is the target's failure (502, or a retry);
-        a non-JSON error page becomes an error in the API's shape with the upstream's status."""
+        parsing them costs more than they risk), or, with a ``translation``, decoded and turned into Ollama's shape
+        (an answer in no OpenAI shape is the target's failure, as garbage is). A 2xx that is not JSON is the target's
+        failure (502, or a retry); a non-JSON error page becomes an error in the API's shape with the upstream's
+        status."""
         decoded = _NOT_DECODED
         try:
             if len(data) <= _FULL_CHECK_BYTES or translation is not None:
