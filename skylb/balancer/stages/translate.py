@@ -2,8 +2,8 @@
 replicas (vLLM, SGLang, llama.cpp, TGI, ...) do, goes to them as an OpenAI request (skylb/balancer/translate.py); the
 relay turns the answer back into Ollama's shape.
 
-A model served in Ollama's own dialect is never translated (the Ollama replica answers natively, with its own
-timings). A request that cannot be translated gets 400 in Ollama's shape naming the API that serves the model and
+A model that an Ollama replica here or at a peer serves is never translated (that replica answers natively, with
+its own timings and ``context``), even where a local OpenAI-dialect replica serves it too. A request that cannot be translated gets 400 in Ollama's shape naming the API that serves the model and
 what could not be said in it. A request with nothing to generate (an empty prompt or message list: Ollama loads the
 model) is answered here, as Ollama answers it. Sources: Ollama's API docs (``docs/api.md``), the OpenAI API reference.
 """
