@@ -24,6 +24,9 @@ import requests
 from tests.cluster import MODEL, Cluster, post_json
 from tests.procs import ProcGroup, free_ports, wait_http
 
+# One worker runs the whole module (--dist loadgroup), so its deployment starts once.
+pytestmark = pytest.mark.xdist_group("engines_live")
+
 FAST = ("--time-scale", "0.1")
 OLLAMA_MODEL = "llama3.1:8b"
 CH_MODEL = "ch-model"
