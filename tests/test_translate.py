@@ -162,7 +162,7 @@ def test_whole_answers_and_errors_come_back_in_ollama_shape():
     assert json.loads(chat.answer({"error": {"message": "bad", "type": "BadRequestError"}})) == {"error": "bad"}
     assert json.loads(chat.answer({"error": "Model is overloaded", "error_type": "overloaded"})) == {
         "error": "Model is overloaded"}
-    assert _lines(chat.stream().feed(_sse({"error": {"message": "died"}}))) == [{"error": "died"}]
+    assert _lines(chat.stream().feed(_sse({"error": {"message": "died"}}, b"[DONE]"))) == [{"error": "died"}]
     assert _lines(chat.stream().feed(b"error: {\"code\": 500}\n\n")) == [{"error": "{\"code\": 500}"}]
     with pytest.raises(FramingError):
         chat.answer({"choices": ["not an object"]})

@@ -122,8 +122,8 @@ class Translation:
         text = message.get("content") if message else choice.get("text")
         if text is not None and not isinstance(text, str):
             raise TypeError("the answer's text is not a string")
-        out = self._delta(text or "", _reasoning(message), _tool_calls(message.get("tool_calls")))
-        out.update(self._final(choice.get("finish_reason"), data.get("usage"), data.get("timings"), None))
+        out = self.delta(text or "", _reasoning(message), _tool_calls(message.get("tool_calls")))
+        out.update(self.final(choice.get("finish_reason"), data.get("usage"), data.get("timings"), None))
         return json.dumps(out).encode()
 
     def _embeddings(self, data: dict) -> dict:
@@ -137,7 +137,7 @@ class Translation:
             out["prompt_eval_count"] = usage["prompt_tokens"]
         return out
 
-    def _delta(self, text: str, thinking: str | None, tool_calls: list | None) -> dict:
+    def delta(self, text: str, thinking: str | None, tool_calls: list | None) -> dict:
         """An Ollama object carrying ``text`` (and thinking, tool calls), ``done`` false."""
         out: dict[str, Any] = {"model": self.model, "created_at": _now_iso()}
         if self.chat:
@@ -154,7 +154,7 @@ class Translation:
         out["done"] = False
         return out
 
-    def _final(self, finish_reason: Any, usage: Any, timings: Any, eval_s: float | None) -> dict:
+    def final(self, finish_reason: Any, usage: Any, timings: Any, eval_s: float | None) -> dict:
         """The fields of the ``done`` object (module docstring), ``eval_s`` the measured decode time, s."""
         out: dict[str, Any] = {"done": True, "done_reason": finish_reason if isinstance(finish_reason, str)
                                else "stop", "total_duration": _ns(self.now() - self.arrived_at)}
@@ -183,6 +183,8 @@ class StreamTranslator:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.calls: dict[int, dict[str, str]] = {}
+        #: An error event went by: the stream ended there (vLLM still sends ``[DONE]`` after it).
+        self.failed = False
 
     def feed(self, events: bytes) -> bytes:
         """The NDJSON lines for the whole SSE ``events`` (bytes). Raises FramingError for a chunk that is not in the
@@ -197,6 +199,7 @@ class StreamTranslator:
         for event in _SSE_END.split(events):
             payload, error = _sse_payload(event)
             if error is not None:  # llama.cpp's "error:" line
+                self.failed = True
                 out.append({"error": error})
             elif payload is None:
                 continue
@@ -210,6 +213,7 @@ class StreamTranslator:
         if not isinstance(chunk, dict):
             return []
         if "error" in chunk:
+            self.failed = True
             return [json.loads(error_body(chunk))]
         self.usage = chunk.get("usage") or self.usage
         self.timings = chunk.get("timings") or self.timings
@@ -228,7 +232,7 @@ class StreamTranslator:
                 now = self.t.now()
                 self.first_token_at = self.first_token_at or now
                 self.last_token_at = now
-                out.append(self.t._delta(text or "", thinking, None))
+                out.append(self.t.delta(text or "", thinking, None))
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return out
@@ -243,13 +247,15 @@ class StreamTranslator:
         slot["arguments"] += function.get("arguments") or ""
 
     def _end(self) -> list[dict]:
+        if self.failed:
+            return []
         out = []
         if self.calls:
             calls = [{"function": c} for _, c in sorted(self.calls.items())]
-            out.append(self.t._delta("", None, _tool_calls(calls)))
+            out.append(self.t.delta("", None, _tool_calls(calls)))
         eval_s = (self.last_token_at - self.first_token_at) if self.first_token_at is not None else None
-        final = self.t._delta("", None, None)
-        final.update(self.t._final(self.finish_reason, self.usage, self.timings, eval_s))
+        final = self.t.delta("", None, None)
+        final.update(self.t.final(self.finish_reason, self.usage, self.timings, eval_s))
         out.append(final)
         return out
 
