@@ -39,16 +39,16 @@ ENGINES = {"vllm": ("vllm", MODEL, "vllm:num_requests_waiting"),
 SESSIONS = [f"session-{i}" for i in range(6)]
 
 
-def _start_emulators(procs: ProcGroup, specs: dict[str, tuple[int, tuple[str, ...]]]
+def _start_emulators(procs: ProcGroup, specs: dict[str, tuple[int, tuple[str, ...]]], ports: list[int]
                      ) -> tuple[dict[str, list[str]], list[str]]:
-    """Start one emulator process per spec (name -> (replicas, args)) without waiting: (replica URLs by name, the
-    URL that answers once each replica is up)."""
-    urls, ready = {}, []
+    """Start one emulator process per spec (name -> (replicas, args)) on ``ports`` without waiting: (replica URLs
+    by name, the URL that answers once each replica is up)."""
+    urls, ready, free = {}, [], iter(ports)
     for name, (n, args) in specs.items():
-        ports = free_ports(n)
-        procs.skylb("emulator", *args, *FAST, "--max-num-seqs", "1", *(a for p in ports for a in ("--port", str(p))),
+        mine = [next(free) for _ in range(n)]
+        procs.skylb("emulator", *args, *FAST, "--max-num-seqs", "1", *(a for p in mine for a in ("--port", str(p))),
                     name=name)
-        urls[name] = [f"http://127.0.0.1:{p}" for p in ports]
+        urls[name] = [f"http://127.0.0.1:{p}" for p in mine]
         ready += [f"{u}{'/v1/models' if 'openai' in args else '/health'}" for u in urls[name]]
     return urls, ready
 
@@ -83,10 +83,13 @@ def deployment(tmp_path_factory):
         specs = {f"emu-{a}": (1, ("--engine", engine, "--model", model)) for a, (engine, model, _) in ENGINES.items()}
         specs["emu-ollama"] = (1, ("--engine", "ollama", "--model", OLLAMA_MODEL))
         specs["emu-ch"] = (3, ("--engine", "vllm", "--model", CH_MODEL))
-        urls, ready = _start_emulators(procs, specs)
-        cluster.start_controller(regions)
-        for region in regions:
-            cluster.start_balancer(region, regions, policy="skylb-ch" if region == "ch" else None, wait=False)
+        # One reservation for every port: processes that bind later cannot be handed one another's.
+        ports = free_ports(sum(n for n, _ in specs.values()) + 1 + len(regions))
+        urls, ready = _start_emulators(procs, specs, ports)
+        cluster.start_controller(regions, port=ports[-1 - len(regions)])
+        for region, port in zip(regions, ports[-3:]):
+            cluster.start_balancer(region, regions, port=port, policy="skylb-ch" if region == "ch" else None,
+                                   wait=False)
         replicas = [("us", urls[f"emu-{a}"][0], f"{a}-0", a) for a in ENGINES]
         replicas += [("eu", urls["emu-ollama"][0], "ollama-0", "ollama"),
                      *(("ch", url, f"r{i}", "vllm") for i, url in enumerate(urls["emu-ch"]))]
