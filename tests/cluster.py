@@ -103,10 +103,12 @@ class Cluster:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         defaults = [*(() if "--engine" in args else ("--engine", "vllm")),
                     *(() if "--model" in args else ("--model", MODEL))]
+        # A generic OpenAI server has no /health: it is up when it lists its models.
+        ready = "/v1/models" if "openai" in args and args[list(args).index("openai") - 1] == "--engine" else "/health"
         self.procs.skylb("emulator", *defaults, *port_args, *args, name=name,
-                         wait_url=f"{urls[0]}/health" if wait else None)
+                         wait_url=f"{urls[0]}{ready}" if wait else None)
         for url in urls[1:] if wait else ():
-            wait_http(f"{url}/health", timeout_s=10)
+            wait_http(f"{url}{ready}", timeout_s=10)
         return urls
 
     def start_toxiproxy(self) -> str:

@@ -1,7 +1,7 @@
 """The chain built from the settings, in one place (as Envoy builds its HTTP filter chain from configuration):
 
-    parse -> classify -> [embedding_cache] -> resolve_model -> responses -> [num_ctx] -> [model_group] -> [quota]
-    -> route
+    parse -> classify -> [embedding_cache] -> translate -> resolve_model -> responses -> [num_ctx] -> [model_group]
+    -> [quota] -> route
 
 A stage in brackets is present only when its feature is on: ``balancer.embedding_cache.enabled``,
 ``balancer.ollama_fleet.num_ctx`` (any model pinned), ``balancer.quota.enabled`` (model groups and the quota gate).
@@ -30,6 +30,7 @@ from skylb.balancer.stages.quota import QuotaStage
 from skylb.balancer.stages.resolve_model import ResolveModelStage
 from skylb.balancer.stages.responses import ResponsesStage
 from skylb.balancer.stages.route import RouteStage
+from skylb.balancer.stages.translate import TranslateStage
 from skylb.config import BalancerConfig
 from skylb.core import Router
 from skylb.quota.gate import QuotaGate
@@ -40,8 +41,8 @@ from skylb.quota.limits import Quotas
 __all__ = ["build_chain", "STAGE_ORDER"]
 
 #: Every stage's name in chain order (optional ones included).
-STAGE_ORDER = ("parse", "classify", "embedding_cache", "resolve_model", "responses", "num_ctx", "model_group", "quota",
-               "route")
+STAGE_ORDER = ("parse", "classify", "embedding_cache", "translate", "resolve_model", "responses", "num_ctx",
+               "model_group", "quota", "route")
 
 
 def build_chain(cfg: BalancerConfig, *, region: str, router: Router, dispatcher: Dispatcher, relay: Relay,
@@ -56,9 +57,12 @@ def build_chain(cfg: BalancerConfig, *, region: str, router: Router, dispatcher:
         ClassifyStage(quotas=quotas, priorities_enabled=cfg.priorities.enabled)]
     if embed_cache is not None:
         stages.append(EmbeddingCacheStage(embed_cache, client_keys=client_keys))
+    is_group = group_gate.is_group if groups else (lambda name: False)
+    stages.append(TranslateStage(served_models=router.served_models, is_group=is_group, any_served=fleet.any_served,
+                                 now=now))
     stages.append(ResolveModelStage(
         served_models=router.served_models, models_known=router.models_known,
-        is_group=group_gate.is_group if groups else (lambda name: False), any_served=fleet.any_served,
+        is_group=is_group, any_served=fleet.any_served,
         recently_served=recently_served, retry_after_s=cfg.retry_after_s))
     stages.append(ResponsesStage(responses, pinned_reason=router.pinned_unavailable_reason, now=now))
     if cfg.ollama_fleet.num_ctx:

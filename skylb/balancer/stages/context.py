@@ -43,6 +43,8 @@ class RequestContext:
         on_answer_head: called with the decision and the head of the target's answer (a whole body, or a stream's
             first event) before it goes to the client (the responses stage records which target holds the answer).
         trace: its spans (skylb/balancer/spans.py RequestTrace) when the balancer traces, else None.
+        translation: set when an Ollama-API request goes to OpenAI-dialect replicas (translate stage,
+        skylb/balancer/translate.py): the OpenAI path and the way back; None otherwise.
     """
 
     http: web.Request
@@ -70,12 +72,18 @@ class RequestContext:
     pin: tuple[str, str] | None = None
     on_answer_head: Callable[[Any, bytes], None] | None = None
     trace: Any = None
+    translation: Any = None
     _end_hooks: list[EndHook] = field(default_factory=list)
 
     @property
     def model(self) -> str | None:
         """The model the request asks for now (None before the parse stage)."""
         return None if self.parsed is None else self.parsed.model
+
+    @property
+    def route_api(self) -> str:
+        """The dialect of the replicas and peers the request goes to: "openai" once translated, else ``api``."""
+        return "openai" if self.translation is not None else self.api
 
     @property
     def embedding(self) -> bool:

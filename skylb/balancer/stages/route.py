@@ -104,7 +104,7 @@ class RouteStage:
                     if ctx.forwarded else 0.0)
         parsed = ctx.parsed
         return Request(id=ctx.request_id, text=parsed.text, arrived_at=ctx.arrived_at, model=parsed.model,
-                       session_key=parsed.session_key, forwarded_from=ctx.forwarded_from, api=ctx.api,
+                       session_key=parsed.session_key, forwarded_from=ctx.forwarded_from, api=ctx.route_api,
                        waited_s=waited_s, embedding=ctx.embedding, priority=ctx.priority, tenant=ctx.tenant,
                        pin=ctx.pin)
 
@@ -145,7 +145,7 @@ class RouteStage:
                 retry_allowed=attempt < self.cfg.retry_policy.num_retries, api=ctx.api, stream=ctx.parsed.stream,
                 on_first_byte=first_byte, client_request_id=ctx.client_id, abandon=self._peer_gone(decision),
                 check_s=self.cfg.probe_interval_ms / 1000, extra_headers=ctx.response_headers,
-                trace_headers=trace_headers,
+                trace_headers=trace_headers, translation=ctx.translation,
                 on_head=None if ctx.on_answer_head is None else (lambda head: ctx.on_answer_head(decision, head)))
         except BaseException:
             self._attempt_ended(decision, None)
