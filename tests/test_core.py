@@ -252,6 +252,22 @@ def test_forwarded_request_is_never_forwarded_again():
     assert len(router.queue) == 1
 
 
+def test_a_stale_peer_is_given_up_only_while_this_balancers_own_probes_are_fresh():
+    """A peer whose status went stale while the local replicas' probes kept coming is partitioned (its forwarded
+    requests are given up before their first byte); when every probe is as late, this balancer's own loop ran late
+    and the peer is not given up."""
+    router = _router(stale_after_s=0.5, peer_stale_after_s=0.3)
+    router.observe_peer("eu", now=0.0, status=PeerStatus("eu", available_replicas=1, replicas=1, queue_len=0))
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True)
+    assert router.peer_gone_reason("eu", 0.1) is None
+    assert router.peer_gone_reason("eu", 1.0) is None  # nothing probed since 0.0: a starved event loop
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.9, healthy=True)
+    assert router.peer_gone_reason("eu", 1.0) == "status stale"
+    assert router.peer_gone_reason("asia", 1.0) == "left membership"
+
+
 def test_local_replica_preferred_over_peer():
     """When a local replica is available the request stays local (Algorithm 1 line 28)."""
     router = _router()

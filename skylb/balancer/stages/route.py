@@ -200,12 +200,7 @@ class RouteStage:
         if decision.route != "peer":
             return None
 
-        def gone() -> str | None:
-            peer = self.router.peers.get(decision.target)
-            if peer is None:
-                return "left membership"
-            return self.router.rules.peer_unreachable_reason(peer, self.now())
-        return gone
+        return lambda: self.router.peer_gone_reason(decision.target, self.now())
 
     def _outlier(self, decision: Decision, failure: str | None) -> None:
         """Outlier detection: count a failure (ejecting the target after enough in a row) or an answer."""
