@@ -173,6 +173,22 @@ def _peers(data: dict[str, Any]) -> list[str]:
     return lines + [f"  - {line['text']}: **{line['status'].lower()}**" for line in acceptance(data)]
 
 
+def _twin(report: str) -> Callable[[dict[str, Any]], list[str]]:
+    """A simulated twin of a live comparison (bench/sim/peers_twin.py): SkyLB's P90 TTFT and throughput beside each
+    other system's, means over the seeds, and in how many seeds its P90 was lower."""
+    def render(data: dict[str, Any]) -> list[str]:
+        rows = data["systems"]
+        sky = rows.get("skylb") or []
+        mean = lambda figs, k: sum(f[k] for f in figs) / len(figs)
+        cells = [f"vs {name}: P90 TTFT {mean(sky, 'p90'):.0f} vs {mean(figs, 'p90'):.0f} ms (lower in "
+                 f"{sum(a['p90'] < b['p90'] for a, b in zip(sky, figs))} of {len(figs)}), "
+                 f"{mean(sky, 'rps'):.2f} vs {mean(figs, 'rps'):.2f} req/s"
+                 for name, figs in rows.items() if name != "skylb" and sky]
+        return [f"- {data['title']} (`{report}`, seeds {', '.join(map(str, data['seeds']))}; {_at(data)}): "
+                + "; ".join(cells) + "."]
+    return render
+
+
 #: (result file in bench/results/, what it is, its renderer).
 SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("results.json", "the simulated evaluation", _sim),
@@ -184,6 +200,10 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("overhead.json", "the balancer's own cost (`bench/results/overhead.md`)", _overhead),
     ("baselines.json", "SkyLB beside the SGLang router and HAProxy (`bench/results/baselines.md`)", _baselines),
     ("peers.json", "three regions beside one balancer in us (`bench/results/peers.md`)", _peers),
+    ("peers_twin.json", "the three-region comparison in the simulator (`bench/results/peers_twin.md`)",
+     _twin("bench/results/peers_twin.md")),
+    ("baselines_twin.json", "the one-region comparison in the simulator (`bench/results/baselines_twin.md`)",
+     _twin("bench/results/baselines_twin.md")),
 ]
 
 

@@ -185,7 +185,7 @@ def main(argv=None) -> None:
     p.add_argument("--one-region", action="store_true", help="bench/baselines.py's regime instead")
     p.add_argument("--set", default="{}", help="JSON options of SkyLB's policy (what-if)")
     p.add_argument("--config", default="{}", help="JSON BalancerConfig fields of SkyLB's balancers (what-if)")
-    p.add_argument("--out-md", default="", help="write a Markdown report here")
+    p.add_argument("--out-md", default="", help="write a Markdown report here (and its JSON beside it)")
     a = p.parse_args(argv)
     rows: dict[str, list[dict]] = {}
     for seed in a.seeds:
@@ -210,8 +210,11 @@ def main(argv=None) -> None:
         from pathlib import Path
         title = ("One region (bench/baselines.py's regime) in the simulator" if a.one_region else
                  "Three regions (bench/peers.py's regime) in the simulator")
-        Path(a.out_md).write_text(report(rows, title=title, seeds=a.seeds,
-                                         command="python -m bench.sim.peers_twin " + " ".join(sys.argv[1:])))
+        command = "python -m bench.sim.peers_twin " + " ".join(sys.argv[1:])
+        Path(a.out_md).write_text(report(rows, title=title, seeds=a.seeds, command=command))
+        from bench.provenance import provenance
+        Path(a.out_md).with_suffix(".json").write_text(json.dumps(
+            {"provenance": provenance(command), "title": title, "seeds": a.seeds, "systems": rows}, indent=1))
 
 
 if __name__ == "__main__":
