@@ -121,3 +121,31 @@ def test_the_controllers_503_carries_a_jittered_retry_after():
     values = [int(_error(503, "etcd unreachable", "store_unavailable").headers["Retry-After"]) for _ in range(ANSWERS)]
     _check("controller 503", values, STORE_RETRY_AFTER_S, STORE_RETRY_AFTER_S)
     assert "Retry-After" not in _error(404, "no such replica", "not_found").headers
+
+
+async def test_a_503_or_429_from_elsewhere_gets_one_and_one_of_its_own_is_kept(tmp_path):
+    """The balancer app's last resort: a 503 or 429 answered without a Retry-After (a replica's own, passed on)
+    leaves with a jittered one from the configured base; one that has its own keeps it; other statuses get none."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from skylb.balancer.process import build_app
+    from skylb.config import BalancerConfig
+
+    cfg = BalancerConfig(controller_url="http://127.0.0.1:1", state_dir=str(tmp_path / "state"),
+                         retry_after_s=RETRY_AFTER_S)
+    app = build_app(cfg, region="us", advertise_url="http://127.0.0.1:1")
+
+    async def passed_on(request: web.Request) -> web.Response:
+        status = int(request.query["status"])
+        headers = {"Retry-After": request.query["own"]} if "own" in request.query else None
+        return web.json_response({"error": "from a replica"}, status=status, headers=headers)
+
+    app.router.add_get("/test/passed-on", passed_on)
+    async with TestClient(TestServer(app)) as client:
+        for status in (503, 429):
+            values = [int((await client.get(f"/test/passed-on?status={status}")).headers["Retry-After"])
+                      for _ in range(ANSWERS)]
+            _check(f"passed-on {status}", values, RETRY_AFTER_S, RETRY_AFTER_S)
+        assert (await client.get("/test/passed-on?status=503&own=3")).headers["Retry-After"] == "3"
+        assert "Retry-After" not in (await client.get("/test/passed-on?status=502")).headers

@@ -127,10 +127,6 @@ class Relay:
             headers[MODEL_HEADER] = decision.request.model
         if "Content-Type" in upstream.headers:
             headers["Content-Type"] = upstream.headers["Content-Type"]
-        # A target's own Retry-After in delay-seconds (a peer's queue estimate) passes on; without one, or as an
-        # HTTP-date, the balancer adds its own (skylb/balancer/retry_after.py).
-        if upstream.status in (429, 503) and upstream.headers.get("Retry-After", "").isdigit():
-            headers["Retry-After"] = upstream.headers["Retry-After"]
         return headers
 
     async def relay(self, request: web.Request, body: bytes, decision: Decision, *, request_id: str,

@@ -10,7 +10,7 @@ all return in the same second, and none before the base. The base is:
   when nothing was placed lately (no rate to go by);
 - a quota 429: the time until the refusing bucket has room (skylb/quota/gate.py, skylb/quota/groups.py);
 - any other 503 (a model served nowhere right now, no model of a group served, too many admission leases, the
-  drain after SIGTERM, a replica's own 503 or 429 passed on without one): the configured ``retry_after_s``.
+  drain after SIGTERM, a replica's or peer's own 503 or 429 passed on): the configured ``retry_after_s``.
   :func:`retry_after_hook` adds that one to any 503 or 429 leaving the balancer without a Retry-After.
 """
 
