@@ -382,11 +382,27 @@ LIVE_BENCHMARKS = {
 }
 
 
+def _run_live(name: str, argv: list[str]) -> int:
+    """Run live benchmark ``name``: the first Ctrl-C or SIGTERM ends it and every process it started is stopped,
+    whatever signals arrive meanwhile (bench/interrupts.py); then 130, without a traceback."""
+    import importlib
+
+    from bench import interrupts
+
+    module = importlib.import_module(f"bench.{name}")
+    try:
+        interrupts.stop_on_signals()
+        return int(module.main(argv) or 0)
+    except KeyboardInterrupt:
+        interrupts.stopping()
+        print(f"skylb bench {name}: interrupted; the processes it started are stopped", file=sys.stderr)
+        return 130
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run `skylb bench sim|all` (simulated) or a live benchmark; returns the exit status."""
+    """Run `skylb bench sim|all` (simulated) or a live benchmark; returns the exit status (130 when interrupted)."""
     if args.bench_command in LIVE_BENCHMARKS:
-        import importlib
-        return int(importlib.import_module(f"bench.{args.bench_command}").main(args.rest) or 0)
+        return _run_live(args.bench_command, args.rest)
     from bench.sim.scenarios import SCENARIOS, SUITE, aggregate_runs, runs_of, trace_available
     seeds = (args.seed,) if args.seed is not None else tuple(args.seeds)
     trace = str(args.trace) if args.trace is not None else None

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import interrupts
 from bench.replay import replay_and_report
 from bench.report import format_table
 from bench.settings import emulator_settings, latency_settings
@@ -185,13 +186,6 @@ def _region_connector(server: str, port: int, sources: dict[str, str], region: s
     return region_connector(server, port, sources[region], limit=0)
 
 
-def _ignore_interrupts() -> None:
-    """From now on SIGINT and SIGTERM do nothing: the stop that follows is bounded (each process gets SIGTERM,
-    then SIGKILL after 5 s) and must run to its end."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the deployment and the replay; 0 when every request completed, 1 otherwise, 2 on a config error."""
     try:
@@ -204,15 +198,14 @@ def main(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else run_dir / "report.json"
 
-    def _terminate(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, _terminate)
     # `kill -USR1 PID` prints every thread's stack on stderr: what a run that seems stuck is waiting for.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     deployment = Deployment(cfg, run_dir, dns=args.dns)
     _say(f"run directory {run_dir} (process logs in logs/)")
     try:
+        # Ctrl-C or SIGTERM: one KeyboardInterrupt, then the stop runs to its end whatever else arrives (an
+        # impatient second Ctrl-C 0.3 s later once printed a traceback and left the deployment's processes running).
+        interrupts.stop_on_signals()
         deployment.start()
         balancers, connector_for, pre_checks = deployment.balancer_urls, None, []
         if args.dns:
@@ -239,13 +232,13 @@ def main(args: argparse.Namespace) -> int:
                 time.sleep(3600)
         return 0 if all(ok for _, ok, _ in checks) else 1
     except KeyboardInterrupt:
-        _ignore_interrupts()  # an impatient second Ctrl-C must not cut the stop short and leave processes behind
+        interrupts.stopping()
         _say("interrupted")
         return 130
     except RuntimeError as exc:
         print(f"skylb local: {exc}", file=sys.stderr)
         return 1
     finally:
-        _ignore_interrupts()
+        interrupts.stopping()
         _say("stopping every process (Ctrl-C is ignored until they are stopped)")
         deployment.stop()

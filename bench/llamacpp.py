@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import interrupts
+
 __all__ = [
     "LlamaCppUnavailable",
     "BUILD_SCRIPT",
@@ -114,14 +116,18 @@ def llama_server_binary(build: bool = True) -> Path:
                                   f"set ${BINARY_ENV} to an existing llama-server")
     env = {**os.environ, "PYTHON": os.environ.get("PYTHON") or sys.executable}
     # The build's progress goes straight to our stderr; the script prints the binary's path on stdout. Its own
-    # process group, so a timeout stops cmake and the compilers too.
-    build_proc = subprocess.Popen(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, env=env,
-                                  start_new_session=True)
+    # process group, so a timeout stops cmake and the compilers too; a Ctrl-C during its start takes effect once it
+    # can be stopped (bench/interrupts.py).
+    build_proc = None
     try:
+        with interrupts.held():
+            build_proc = subprocess.Popen(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, env=env,
+                                          start_new_session=True)
         out, _ = build_proc.communicate(timeout=_BUILD_TIMEOUT_S)
     except BaseException as exc:
-        os.killpg(build_proc.pid, signal.SIGKILL)
-        build_proc.wait()
+        if build_proc is not None:
+            os.killpg(build_proc.pid, signal.SIGKILL)
+            build_proc.wait()
         if isinstance(exc, subprocess.TimeoutExpired):
             raise LlamaCppUnavailable(f"building llama-server took more than {_BUILD_TIMEOUT_S:g} s") from exc
         raise

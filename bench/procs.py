@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bench import interrupts
+
 __all__ = ["free_port", "free_ports", "Proc", "ProcGroup", "wait_http"]
 
 
@@ -177,11 +179,14 @@ class ProcGroup:
 
     def start(self, argv: list[str], *, name: str, wait_url: str | None = None, timeout_s: float = 20.0,
               env: dict[str, str] | None = None) -> Proc:
-        """Start any command; on a failed wait, raise with the process's log in the message."""
-        proc = Proc(argv, name=name, log_dir=self.log_dir, env=env)
-        self.procs.append(proc)
-        if self.pid_file is not None:  # lets an outside observer check that nothing outlives the group
-            self.pid_file.write_text("".join(f"{p.popen.pid} {p.name}\n" for p in self.procs))
+        """Start any command; on a failed wait, raise with the process's log in the message. A Ctrl-C or SIGTERM
+        arriving while the process starts takes effect once it is recorded here (bench/interrupts.py), so the
+        group's stop reaches it."""
+        with interrupts.held():
+            proc = Proc(argv, name=name, log_dir=self.log_dir, env=env)
+            self.procs.append(proc)
+            if self.pid_file is not None:  # lets an outside observer check that nothing outlives the group
+                self.pid_file.write_text("".join(f"{p.popen.pid} {p.name}\n" for p in self.procs))
         if wait_url:
             try:
                 wait_http(wait_url, timeout_s=timeout_s, proc=proc.popen)
@@ -194,9 +199,11 @@ class ProcGroup:
         return sum(p.cpu_seconds() for p in self.procs if p.name.startswith(prefix) and p.popen.poll() is None)
 
     def stop_all(self) -> None:
-        """Stop every process started through this group, newest first."""
-        for proc in reversed(self.procs):
-            proc.stop()
+        """Stop every process started through this group, newest first; a Ctrl-C or SIGTERM arriving meanwhile
+        takes effect once all are stopped (bench/interrupts.py)."""
+        with interrupts.held():
+            for proc in reversed(self.procs):
+                proc.stop()
 
     def __enter__(self) -> "ProcGroup":
         return self

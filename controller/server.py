@@ -63,6 +63,7 @@ from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig, load_config
 from skylb import environment, logs
 from skylb.logs import configure_logging
+from skylb.quota.gate import retry_after_s
 
 __all__ = ["MAX_WAIT_S", "RevisionWatch", "create_app", "serve", "add_arguments", "main"]
 
@@ -73,6 +74,9 @@ LIVE_HEARTBEAT_S = 30.0
 MAX_WAIT_S = 60.0
 #: How long shutdown waits for in-flight requests after waking every watcher (s).
 _SHUTDOWN_GRACE_S = 2.0
+#: Retry-After base of a 503 (etcd unreachable or electing a leader), s: a few etcd election timeouts (1000 ms by
+#: default, etcd docs, "Tuning"); jittered in [base, 1.5 x base] as the balancer's (RFC 9110 §10.2.3).
+STORE_RETRY_AFTER_S = 4
 
 log = structlog.get_logger("skylb.controller")
 
@@ -117,7 +121,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error(code: int, message: str, type_: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": type_, "code": code}}, status=code)
+    headers = {"Retry-After": str(retry_after_s(STORE_RETRY_AFTER_S))} if code in (429, 503) else None
+    return web.json_response({"error": {"message": message, "type": type_, "code": code}}, status=code,
+                             headers=headers)
 
 
 @web.middleware

@@ -293,7 +293,8 @@ class BalancerConfig(_Strict):
     #: How long a model stays known after the last replica or peer serving it went away (s): a request for it
     #: gets 503 with Retry-After meanwhile (its region may come back), 404 only after.
     model_memory_s: float = Field(3600.0, ge=0)
-    #: The Retry-After of 503 answers (queue full, queue timeout, model served nowhere right now, shutting down), s.
+    #: The base of the Retry-After of 503 answers without an estimate of their own (model served nowhere right now,
+    #: shutting down, a queue 503 before any dispatch rate is known), s; each answer draws from [base, 1.5 x base].
     retry_after_s: int = Field(5, ge=1)
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)

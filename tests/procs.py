@@ -1,5 +1,23 @@
-"""Test-side name for the process helpers (they live in bench.procs, shared with `skylb local`)."""
+"""Test-side name for the process helpers (they live in bench.procs, shared with `skylb local`), and a check that
+nothing outlives them."""
+
+from pathlib import Path
 
 from bench.procs import Proc, ProcGroup, free_port, free_ports, wait_http
 
-__all__ = ["Proc", "ProcGroup", "free_port", "free_ports", "wait_http"]
+__all__ = ["Proc", "ProcGroup", "free_port", "free_ports", "wait_http", "alive_in_groups"]
+
+
+def alive_in_groups(pgids: set[int]) -> list[int]:
+    """Processes (not zombies) whose process group is one of ``pgids``: each process a ProcGroup starts leads its own
+    group, so this finds it and anything it started. Read from /proc/PID/stat (proc(5): state and pgrp fields)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # exited while we looked
+            if fields[0] != "Z" and int(fields[2]) in pgids:
+                alive.append(int(entry.name))
+    return alive

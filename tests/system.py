@@ -1,8 +1,8 @@
 """Real components the tests start (named, etcd, haproxy, redis-server): find them, or skip here and fail in CI.
 
 deploy/system/install-packages.sh installs them (`make test` runs it). A developer's machine without one skips
-the tests that need it; under CI (``CI=true``) a missing component fails the test, so CI always proves the real
-thing.
+the tests that need it; under CI ($CI true, 1 or yes, any case) a missing component fails the test, so CI always
+proves the real thing. :func:`under_ci` is the one place that reads $CI (tests/test_ci_components.py checks it).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def skip_or_fail(message: str) -> None:
 
 
 def require_binary(name: str) -> str:
-    """The path of executable ``name`` (PATH, then /usr/sbin and /usr/bin); skip, or fail when CI=true, if absent."""
+    """The path of executable ``name`` (PATH, then /usr/sbin and /usr/bin); skip, or fail under CI, if absent."""
     path = shutil.which(name) or next((p for d in ("/usr/sbin", "/usr/bin")
                                        if os.access(p := os.path.join(d, name), os.X_OK)), None)
     if path:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import struct
 
 import aiohttp
 import pytest
@@ -129,6 +131,12 @@ async def test_vllm_serves_several_models_and_embeddings(emu, http):
     assert first["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
     status, again = await post(http, url, {"model": "m1", "input": "the cache batch"})
     assert again["data"][0]["embedding"] == vectors[0]
+    # encoding_format "base64" (the openai client's default): float32, little-endian, as vLLM sends them.
+    status, packed = await post(http, url, {"model": "m1", "input": "the cache batch", "encoding_format": "base64"})
+    raw = base64.b64decode(packed["data"][0]["embedding"])
+    assert status == 200 and list(struct.unpack(f"<{EMBEDDING_DIM}f", raw)) == pytest.approx(vectors[0], abs=1e-6)
+    status, body = await post(http, url, {"model": "m1", "input": "x", "encoding_format": "int8"})
+    assert status == 400 and body["error"]["param"] == "encoding_format"
     status, body = await post(http, url, {"model": "m3", "input": "x"})
     assert status == 404 and body["error"]["message"] == "The model `m3` does not exist."
 

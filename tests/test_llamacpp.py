@@ -42,7 +42,7 @@ pytestmark = pytest.mark.xdist_group("llamacpp")
 @pytest.fixture(scope="module")
 def llama() -> dict:
     """The llama-server binary and the model (built / assembled when missing), or skip with the reason; under
-    CI=true a missing engine fails the tests instead (CI must prove the real thing)."""
+    CI (tests/system.py under_ci) a missing engine fails the tests instead (CI must prove the real thing)."""
     try:
         binary = llama_server_binary(build=True)
         model = gemma_model_path()

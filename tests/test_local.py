@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.procs import alive_in_groups
+
 
 def _config(tmp_path: Path) -> Path:
     """A small deployment that overloads us (one replica, two slots) so it must forward to eu."""
@@ -26,6 +28,16 @@ def _config(tmp_path: Path) -> Path:
                      "synthetic_turns": 2, "request_timeout_s": 60},
     }
     path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _smallest_config(tmp_path: Path) -> Path:
+    """The quickest deployment to start: one region, one emulated replica (controller, emulator, latency proxy,
+    balancer), replaying one short request."""
+    cfg = {"balancer": {"probe_interval_ms": 50}, "regions": {"us": {"replicas": 1}}, "emulator": {"time_scale": 0.05},
+           "workload": {"trace": None, "synthetic_conversations": 1, "synthetic_turns": 1, "request_timeout_s": 30}}
+    path = tmp_path / "smallest.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -66,14 +78,15 @@ def test_local_deployment_replays_forwards_and_stops_everything(tmp_path):
 
 def test_local_stops_every_process_on_ctrl_c(tmp_path):
     """Ctrl-C (SIGINT) on the launcher stops every process it started, also when an impatient user presses it
-    again 0.3 s later: no traceback, nothing left running."""
+    again 0.3 s later: no traceback on stderr or stdout, nothing left running in any process group it started."""
     run_dir = tmp_path / "run"
+    stderr = open(tmp_path / "stderr", "w+")  # a file: never a full pipe while stdout is read
     # As from a terminal: SIGINT at its default. A suite started in the background by a shell without job control
     # (`make test &`) inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored, so Ctrl-C would do
     # nothing there, as for any background job.
-    launcher = subprocess.Popen([sys.executable, "-m", "skylb", "local", "--config", str(_config(tmp_path)),
-                                 "--run-dir", str(run_dir), "--keep-running", "--max-requests", "2"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    launcher = subprocess.Popen([sys.executable, "-m", "skylb", "local", "--config", str(_smallest_config(tmp_path)),
+                                 "--run-dir", str(run_dir), "--keep-running", "--max-requests", "1"],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
@@ -81,7 +94,7 @@ def test_local_stops_every_process_on_ctrl_c(tmp_path):
             if "deployment is up" in line or time.monotonic() > deadline:
                 break
         pids = _pids(run_dir)
-        assert pids and all(_alive(p) for p in pids)
+        assert len(pids) == 4 and all(_alive(p) for p in pids)  # controller, emulator, latency proxy, balancer
         launcher.send_signal(signal.SIGINT)
         time.sleep(0.3)
         launcher.send_signal(signal.SIGINT)
@@ -94,12 +107,18 @@ def test_local_stops_every_process_on_ctrl_c(tmp_path):
                 rest, _ = launcher.communicate(timeout=5)
             except subprocess.TimeoutExpired as exc:
                 rest = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else (exc.output or "")
-            pytest.fail(f"skylb local did not stop within 90 s of Ctrl-C; its output and stacks:\n{rest[-6000:]}")
-        assert launcher.returncode == 130
-        assert "Traceback" not in rest
+            stderr.seek(0)
+            pytest.fail(f"skylb local did not stop within 90 s of Ctrl-C; its output:\n{rest[-3000:]}\n"
+                        f"its stderr and stacks:\n{stderr.read()[-6000:]}")
+        stderr.seek(0)
+        errors = stderr.read()
+        assert launcher.returncode == 130, errors[-3000:]
+        assert "Traceback" not in errors and "Traceback" not in rest, errors[-3000:]
         time.sleep(0.2)
         assert not [p for p in pids if _alive(p)]
+        assert alive_in_groups(set(pids)) == []  # each process led its own group: its children too
     finally:
+        stderr.close()
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()

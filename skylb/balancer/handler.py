@@ -16,6 +16,7 @@ from aiohttp import web
 
 from skylb.balancer.api import error_response
 from skylb.balancer.protocol import REQUEST_ID_HEADER, client_request_id
+from skylb.balancer.retry_after import retry_after_s
 from skylb.balancer.stages import RequestContext
 from skylb.balancer.status import BALANCER
 
@@ -42,7 +43,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     if balancer.shutting_down:
         response = error_response(api, 503, "balancer is shutting down; retry on another", type_="overloaded_error")
         response.headers["Connection"] = "close"
-        response.headers["Retry-After"] = str(balancer.cfg.retry_after_s)  # by then DNS may name another balancer
+        # By then DNS may name another balancer; jittered, so the clients of a drained region do not return at once.
+        response.headers["Retry-After"] = str(retry_after_s(balancer.cfg.retry_after_s))
         return response
     # The balancer's own id: the queue, the dispatcher and the replicas key requests by it, and clients may send
     # the same X-Request-Id twice. The client's id is only a label (logged, echoed back).

@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from skylb.balancer.api import openai_error
 from skylb.balancer.auth import tenant_of
+from skylb.balancer.retry_after import retry_after_s
 from skylb.quota.buckets import LimitBackend
 from skylb.quota.groups import Admitted, ModelGate
 from skylb.quota.leases import LeaseBook
@@ -183,7 +184,7 @@ async def handle_schedule(request: web.Request) -> web.Response:
                                      "model group).", param="model")
     if state.leases.full():
         return openai_error(503, "too many admission leases held; complete some first", type_="overloaded_error",
-                            headers={"Retry-After": str(api.retry_after_s)})
+                            headers={"Retry-After": str(retry_after_s(api.retry_after_s))})
     tenant = tenant_of(request)
     outcome = await gate.try_admit(name, tokens, tenant)
     now = api.now()
@@ -194,7 +195,7 @@ async def handle_schedule(request: web.Request) -> web.Response:
         return web.json_response({"model": outcome.model, "lease_id": lease.id, "lease_ttl_ms": ttl_ms})
     if not outcome.served:
         return openai_error(503, f"no model of '{name}' is served by a replica or peer reachable now; retry later",
-                            type_="service_unavailable", headers={"Retry-After": str(api.retry_after_s)})
+                            type_="service_unavailable", headers={"Retry-After": str(retry_after_s(api.retry_after_s))})
     wait_ms = gate.wait_ms(outcome, state.rng)
     state.window.record(now, wait_ms)
     return web.json_response({"wait_for_ms": wait_ms})

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from skylb.balancer.api import ollama_error
 from skylb.balancer.balancer import Balancer
+from skylb.balancer.retry_after import retry_after_s
 from skylb.balancer.status import BALANCER
 from skylb.core import ReplicaState
 
@@ -45,7 +46,8 @@ async def handle_management(request: web.Request) -> web.StreamResponse:
     else:
         targets = [r for r in ollama if r.healthy]
         if not targets:
-            return ollama_error(503, f"no healthy Ollama replica in region {balancer.region}")
+            return ollama_error(503, f"no healthy Ollama replica in region {balancer.region}",
+                                headers={"Retry-After": str(retry_after_s(balancer.cfg.retry_after_s))})
     stream = True
     try:
         parsed = json.loads(body) if body.strip() else {}

@@ -34,6 +34,7 @@ from skylb.balancer.handler import REQUEST_IDS, api_of
 from skylb.balancer.stages import RequestContext
 from skylb.balancer.stages.model_group import add_model_header
 from skylb.balancer.relay import STREAM_STARTED
+from skylb.balancer.retry_after import retry_after_hook
 from skylb.balancer.status import BALANCER
 from skylb.config import BalancerConfig, ConfigError, balancer_settings, load_config
 from skylb.core import policy_names
@@ -120,6 +121,8 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
         await balancer.stop()
 
     app.cleanup_ctx.append(lifecycle)
+    # Every 503 and 429 carries a jittered Retry-After, also a replica's own passed on without one.
+    app.on_response_prepare.append(retry_after_hook(cfg.retry_after_s))
     # One way to register routes: each handler module's route table.
     app.add_routes(handler.ROUTES)  # /v1/chat/completions, /api/generate, ...: the chain
     app.add_routes(status.ROUTES)  # /v1/models, /healthz, /metrics, /skylb/v1/status

@@ -13,6 +13,7 @@ from skylb.balancer.balancer import Balancer
 from skylb.balancer.ollama_fleet import replica_thermal
 from skylb.balancer.metrics import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
+from skylb.balancer.retry_after import retry_after_s
 from skylb.quota.buckets import LocalLimits
 from skylb.quota.wiring import quota_status
 
@@ -119,7 +120,8 @@ async def handle_healthz(request: web.Request) -> web.Response:
     balancer = request.app[BALANCER]
     if balancer.shutting_down:
         return web.json_response({"status": "draining", "region": balancer.region,
-                                  "in_flight": balancer.in_flight()}, status=503)
+                                  "in_flight": balancer.in_flight()}, status=503,
+                                 headers={"Retry-After": str(retry_after_s(balancer.cfg.retry_after_s))})
     return web.json_response({"status": "draining" if balancer.draining else "ok", "region": balancer.region,
                               "in_flight": balancer.in_flight()})
 

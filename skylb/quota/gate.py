@@ -13,8 +13,9 @@ never a busy loop. At its deadline (``quota.wait_s`` after arrival, capped by ``
 Retry-After (LLM-Load-Balancer, "Iteration 2": "Smarter waits" and "Smoothed Retry Timing"): the time until the refusing
 bucket refills enough for this request, or, for a concurrency cap, until a slot is expected to free (the oldest request
 in flight on that bucket here ends after the bucket's recent mean duration; ``DEFAULT_DURATION_S`` before any has
-ended), jittered by +-10 % so clients told to come back do not return together, rounded up to whole seconds (the
-header's unit), at least 1 s.
+ended), jittered uniformly in [base, 1.5 x base] so clients told to come back do not return together and none comes
+back before capacity is expected, rounded up to whole seconds (RFC 9110 §10.2.3: delay-seconds, a non-negative
+integer), at least 1 s. Every 503 and 429 of the balancer takes its Retry-After from :func:`retry_after_s`.
 
 Every admission is released exactly once (``release``; idempotent), also when the request failed, was cancelled or
 its client left; a release to a remote backend runs as its own task so a cancelled handler cannot skip it.
@@ -81,9 +82,15 @@ class Admission:
     released: bool = field(default=False)
 
 
-def retry_after_s(base_s: float, rng: random.Random) -> int:
-    """A Retry-After value from ``base_s`` (seconds until capacity): jittered +-10 %, rounded up, at least 1."""
-    return max(1, math.ceil(base_s * rng.uniform(0.9, 1.1)))
+#: The jitter source of Retry-After values when the caller gives none.
+_rng = random.Random()
+
+
+def retry_after_s(base_s: float, rng: random.Random | None = None) -> int:
+    """A Retry-After value (whole seconds, >= 1) from ``base_s`` (seconds until capacity is expected): uniform in
+    [base_s, 1.5 x base_s], rounded up (RFC 9110 §10.2.3 delay-seconds); a negative ``base_s`` counts as 0."""
+    base_s = max(0.0, base_s)
+    return max(1, math.ceil(base_s * (rng or _rng).uniform(1.0, 1.5)))
 
 
 class QuotaGate:

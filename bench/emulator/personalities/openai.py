@@ -11,7 +11,9 @@ Not emulated: ``n`` > 1 (400), ``stop`` sequences, ``logprobs`` (always null), `
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -140,15 +142,22 @@ class OpenAIServing(Personality):
     async def embeddings(self, request: web.Request) -> web.Response:
         """POST /v1/embeddings: ``input`` a string or a list of strings (or token ids); deterministic vectors.
 
-        Embeddings do not go through the continuous-batching model: they are cheap and do not hold decode slots.
+        ``encoding_format`` "float" (the default) gives lists of numbers, "base64" each vector's float32 values,
+        little-endian, base64-encoded, as vLLM does (``encoding_pooling_output`` in vllm/entrypoints/openai) and as
+        the official openai client asks by default; another value is a 400. Embeddings do not go through the
+        continuous-batching model: they are cheap and do not hold decode slots.
         """
         try:
             body = _json_body(await request.read())
             model = self.resolve_model(_optional_str(body, "model"))
             texts = _embedding_inputs(body.get("input"))
+            encoding = _optional_str(body, "encoding_format") or "float"
+            if encoding not in ("float", "base64"):
+                raise ApiError(400, "`encoding_format` must be 'float' or 'base64'.", param="encoding_format")
         except ApiError as err:
             return self.error_response(err)
-        data = [{"object": "embedding", "index": i, "embedding": embed(t)} for i, t in enumerate(texts)]
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(embed(t), encoding)}
+                for i, t in enumerate(texts)]
         n = sum(len(t.split()) for t in texts)
         return web.json_response({"object": "list", "data": data, "model": model,
                                   "usage": {"prompt_tokens": n, "total_tokens": n}})
@@ -340,6 +349,13 @@ def chat_prompt(body: dict) -> list[str]:
             raise ApiError(400, f"messages[{i}].content must be a string or a list of parts.", param="messages")
         pairs.append((message["role"], text))
     return chat_tokens(pairs)
+
+
+def _encoded(vector: list[float], encoding: str) -> list[float] | str:
+    """``vector`` as the response carries it: the list itself ("float") or its float32 little-endian bytes in base64."""
+    if encoding == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 def _embedding_inputs(value: Any) -> list[str]:

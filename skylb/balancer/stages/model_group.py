@@ -12,11 +12,11 @@ lease's model and is not charged again (``ctx.charged``), whether or not it name
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from aiohttp import web
 
+from skylb.balancer import retry_after
 from skylb.balancer.auth import tenant_of
 from skylb.balancer.ollama_fleet import with_model
 from skylb.balancer.protocol import LEASE_HEADER, MODEL_HEADER
@@ -71,11 +71,11 @@ class ModelGroupStage:
         if not outcome.served:
             return ctx.reject(503, f"no model of group '{name}' is served by a replica or peer reachable now; retry "
                                    "later", "model_unavailable", type_="service_unavailable",
-                              retry_after_s=self.retry_after_s)
-        retry_after = max(1, math.ceil(self.gate.wait_ms(outcome) / 1000))
+                              retry_after_s=retry_after.retry_after_s(self.retry_after_s))
+        wait_s = retry_after.retry_after_s(outcome.wait_s)
         return ctx.reject(429, f"no model of group '{name}' admitted the request within {self.settings.wait_s:g} s "
-                               f"({outcome.reason} of {outcome.key}); retry after {retry_after} s", "rate_limited",
-                          type_="rate_limit_exceeded", retry_after_s=retry_after)
+                               f"({outcome.reason} of {outcome.key}); retry after {wait_s} s", "rate_limited",
+                          type_="rate_limit_exceeded", retry_after_s=wait_s)
 
     @staticmethod
     def _choose(ctx: RequestContext, model: str) -> None:

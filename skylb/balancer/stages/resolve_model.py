@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 
 from aiohttp import web
 
+from skylb.balancer import retry_after
 from skylb.balancer.ollama_fleet import with_model
 from skylb.balancer.stages.context import RequestContext
 from skylb.core.fleet_rules import resolve_name
@@ -62,7 +63,7 @@ class ResolveModelStage:
         if self.recently_served(ctx.route_api, parsed.model, with_peers=with_peers):
             return ctx.reject(503, f"model '{parsed.model}' is served by no replica or peer reachable now; retry "
                                    "later", "model_unavailable", type_="service_unavailable",
-                              retry_after_s=self.retry_after_s)
+                              retry_after_s=retry_after.retry_after_s(self.retry_after_s))
         message = (f"model '{parsed.model}' not found" if ctx.api == "ollama" else
                    f"The model `{parsed.model}` does not exist.")
         hint = f" Models served here: {', '.join(sorted(served)) or 'none'}."
