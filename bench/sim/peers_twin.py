@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 
 from bench.baselines import BaselinesSetup
@@ -147,11 +148,11 @@ def _mean(figs: list[dict], key: str) -> float:
     return sum(f[key] for f in figs) / len(figs)
 
 
-def report(rows: dict[str, list[dict]], *, title: str, seeds: list[int], command: str) -> str:
+def report(rows: dict[str, list[dict]], *, title: str, seeds: list[int], prov: dict) -> str:
     """Markdown: the means over ``seeds`` (with min and max) of each system in ``rows`` (name -> figures per seed),
-    SkyLB's paired wins against each other system, and the provenance line."""
+    SkyLB's paired wins against each other system, and the provenance line of ``prov``."""
     from tabulate import tabulate
-    from bench.provenance import provenance, provenance_line
+    from bench.provenance import provenance_line
     table = []
     for name, figs in rows.items():
         spread = lambda k, fmt: f"{fmt.format(_mean(figs, k))} [{fmt.format(min(f[k] for f in figs))}, " \
@@ -160,7 +161,7 @@ def report(rows: dict[str, list[dict]], *, title: str, seeds: list[int], command
                       f"{_mean(figs, 'fwd'):.0%}", f"{_mean(figs, 'hit'):.1%}",
                       f"{_mean(figs, 'lb_queue_ms'):.0f} / {_mean(figs, 'engine_queue_ms'):.0f}",
                       f"{max(f['pending_peak'] for f in figs)} / {_mean(figs, 'pending_mean'):.2f}"])
-    lines = [f"# {title}", "", provenance_line(provenance(command)), "",
+    lines = [f"# {title}", "", provenance_line(prov), "",
              f"Simulated (bench/sim/peers_twin.py), seeds {', '.join(map(str, seeds))}; cells: mean [min, max] over "
              "the seeds. Deterministic: the figures do not depend on the machine's load.", "",
              tabulate(table, headers=["system", "req/s", "TTFT p50 ms", "TTFT p90 ms", "forwarded", "prefix hit",
@@ -187,6 +188,9 @@ def main(argv=None) -> None:
     p.add_argument("--config", default="{}", help="JSON BalancerConfig fields of SkyLB's balancers (what-if)")
     p.add_argument("--out-md", default="", help="write a Markdown report here (and its JSON beside it)")
     a = p.parse_args(argv)
+    from bench.provenance import provenance
+    # Taken before anything is written: a rewritten tracked report would mark the checkout dirty.
+    prov = provenance("python -m bench.sim.peers_twin " + " ".join(sys.argv[1:] if argv is None else argv))
     rows: dict[str, list[dict]] = {}
     for seed in a.seeds:
         if a.one_region:
@@ -206,15 +210,12 @@ def main(argv=None) -> None:
         print(f"mean {name:18s} req/s {sum(f['rps'] for f in figs) / k:6.2f} "
               f"TTFT p50 {sum(f['p50'] for f in figs) / k:5.0f} p90 {sum(f['p90'] for f in figs) / k:5.0f}")
     if a.out_md:
-        import sys
         from pathlib import Path
         title = ("One region (bench/baselines.py's regime) in the simulator" if a.one_region else
                  "Three regions (bench/peers.py's regime) in the simulator")
-        command = "python -m bench.sim.peers_twin " + " ".join(sys.argv[1:])
-        Path(a.out_md).write_text(report(rows, title=title, seeds=a.seeds, command=command))
-        from bench.provenance import provenance
+        Path(a.out_md).write_text(report(rows, title=title, seeds=a.seeds, prov=prov))
         Path(a.out_md).with_suffix(".json").write_text(json.dumps(
-            {"provenance": provenance(command), "title": title, "seeds": a.seeds, "systems": rows}, indent=1))
+            {"provenance": prov, "title": title, "seeds": a.seeds, "systems": rows}, indent=1))
 
 
 if __name__ == "__main__":
