@@ -70,10 +70,12 @@ class Reloader:
         self.reloads = 0
         self._signature = file_signature(paths())
         self._task: asyncio.Task | None = None
+        self.started = False
 
     def start(self) -> None:
         """Install the SIGHUP handler and start polling (inside the running event loop)."""
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.trigger, "sighup")
+        self.started = True
         if self.poll_s > 0:
             self._task = asyncio.create_task(self._poll())
 
