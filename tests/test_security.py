@@ -473,6 +473,9 @@ def test_skylb_local_runs_secured_and_its_clients_send_the_api_key(tmp_path):
     assert total["sent"] == total["completed"] > 0 and total["failed"] == 0
     tokens = [(run_dir / name).read_text().strip() for name in ("admin-token", "peer-token")]
     assert all(len(t) >= 32 for t in tokens)
+    # A ready-to-paste skylb-ctl command names both token files (never the tokens).
+    assert (f"--admin-token-file {run_dir / 'admin-token'} --peer-token-file {run_dir / 'peer-token'} status"
+            in done.stdout)
     texts = [done.stdout, done.stderr, *(p.read_text() for p in (run_dir / "logs").glob("*.log"))]
     assert not [t for t in texts for secret in (*tokens, KEY) if secret in t]
     assert not [t for t in texts if "controller_api_open" in t or "peer_endpoints_open" in t]

@@ -179,13 +179,26 @@ def test_peers_without_a_peer_token_refuse_to_start(tmp_path, monkeypatch, capsy
 
 def test_ctl_status_says_a_balancer_refused_for_want_of_the_peer_token(static, tmp_path):
     """`skylb-ctl status` shows a balancer that answered 403 as REFUSED, saying how to give the token, never DOWN;
-    with --peer-token-file it reads that balancer; a balancer without a token answers this machine (up)."""
+    with --peer-token-file it reads that balancer; a balancer without a token answers this machine (up). The
+    controller reloads its admin token file on SIGHUP: the new token is accepted, the old one refused."""
     procs = ProcGroup(tmp_path / "logs")
     try:
         port = free_ports(1)[0]
         controller = f"http://127.0.0.1:{port}"
-        procs.skylb("controller", "--port", str(port), "--db", str(tmp_path / "c.sqlite"), name="controller",
-                    env=CLEAN, wait_url=f"{controller}/healthz")
+        admin_file = tmp_path / "admin-token"
+        admin_file.write_text("admin-one\n")
+        proc = procs.skylb("controller", "--port", str(port), "--db", str(tmp_path / "c.sqlite"), name="controller",
+                           env={**CLEAN, "SKYLB_ADMIN_TOKEN_FILE": str(admin_file)}, wait_url=f"{controller}/healthz")
+
+        def change(token: str) -> int:  # 404 (no such replica) once the token is accepted, else 401
+            return requests.delete(f"{controller}/v1/replicas/none", headers={"Authorization": f"Bearer {token}"},
+                                   timeout=10).status_code
+
+        assert (change("admin-one"), change("admin-two")) == (404, 401)
+        admin_file.write_text("admin-two\n")
+        proc.popen.send_signal(signal.SIGHUP)
+        static.wait(lambda: change("admin-two") == 404, "the controller to take the new admin token", timeout_s=10)
+        assert change("admin-one") == 401
         for region, url in (("eu", static.eu), ("local", static.plain)):
             requests.post(f"{controller}/v1/balancers", json={"region": region, "url": url},
                           timeout=10).raise_for_status()
