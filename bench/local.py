@@ -14,7 +14,8 @@ their own region's balancer; the controller's config carries the views' TSIG key
 Secure by default (README, "Security"): each run generates a random admin token and peer token, passes them to the
 controller and the balancers in their environment (never on a command line, never in a log), and keeps them in
 ``<run_dir>/admin-token`` and ``<run_dir>/peer-token`` (mode 0600) for `skylb-ctl --admin-token-file` and
-`skylb-ctl --peer-token-file` (the run prints the command line, ``ctl_command``). A region whose config sets its own ``peer_token`` (the region-local benchmark) keeps it; then
+`skylb-ctl --peer-token-file` (the run prints the command line, ``ctl_command``). A region whose config sets its own
+``peer_token`` (the region-local benchmark) keeps it; then
 the controller has no peer token and balancer heartbeats are open (it warns).
 
 Used by `skylb local` (bench/demo.py: the deployment, a workload replay and the report) and by the live benchmark

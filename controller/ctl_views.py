@@ -11,7 +11,8 @@ from tabulate import tabulate
 
 from skylb.environment import PEER_TOKEN, env
 
-__all__ = ["balancer_status", "Refused", "PEER_TOKEN_HOW", "request_error", "system_status", "status_tables", "replica_table", "balancer_table",
+__all__ = ["balancer_status", "Refused", "PEER_TOKEN_HOW", "request_error",
+           "system_status", "status_tables", "replica_table", "balancer_table",
            "quota_tables"]
 
 

@@ -109,7 +109,7 @@ def test_replica_flags_alone_serve_the_official_openai_client(static):
     chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     status = static.status(static.plain)
-    assert status["region"] == "local"
+    assert status["region"] == "local" and {r["engine"] for r in status["replicas"]} == {"vllm"}
     assert sorted(r["url"] for r in status["replicas"]) == sorted(static.replicas[:2])
     assert status["peers"] == []
 

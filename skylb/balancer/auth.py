@@ -16,9 +16,9 @@
 
 Without a peer token, peer endpoints and /metrics (without a metrics token) answer this machine only (protected
 mode, as Redis's: loopback addresses), so a single region that forgot its token is not open to the network; without
-keys the client APIs are open (a load balancer's usual default). The credentials may be replaced while serving
-(``auth_middleware`` takes a function returning the current ones; a reload, skylb/balancer/reload.py). process.py logs a warning at start
-for each check that is narrowed or off. Secrets are compared
+keys the client APIs are open (a load balancer's usual default). The credentials may be replaced while
+serving (``auth_middleware`` takes a function returning the current ones; a reload, skylb/balancer/reload.py).
+process.py logs a warning at start for each check that is narrowed or off. Secrets are compared
 in constant time and never logged. Secure by default. Source: OpenAI's and Ollama's error
 shapes (api.py).
 """

@@ -1,12 +1,13 @@
 """One region's balancer: the parts of the request flow assembled, started and stopped as one.
 
 The parts, one module each (README "A request's path"): the dispatcher (queue -> routing decision), the probers
-(replicas and peers), membership (from the controller, kept on disk, or static from the command line), the relay, the quota gate and model groups, the
-Ollama fleet's actions, the metrics, and the chain of stages every request passes (skylb/balancer/stages/, built by
-``build_chain`` from the settings). The routing core (``skylb.core.Router``) holds the state they share; it is built
-from the settings by ``skylb.core.build_router``, the same builder the simulator uses. The Balancer assembles and owns
-their lifecycles; it serves no request itself. No stage or feature part receives it (each gets the narrow dependencies
-it needs); only the status, Ollama metadata and model-management handlers read it from the application.
+(replicas and peers), membership (from the controller, kept on disk; or static, from the command line), the relay,
+the quota gate and model groups, the Ollama fleet's actions, the metrics, and the chain of stages every request
+passes (skylb/balancer/stages/, built by ``build_chain`` from the settings). The routing core
+(``skylb.core.Router``) holds the state they share; it is built from the settings by ``skylb.core.build_router``,
+the same builder the simulator uses. The Balancer assembles and owns their lifecycles; it serves no request itself.
+No stage or feature part receives it (each gets the narrow dependencies it needs); only the status, Ollama metadata
+and model-management handlers read it from the application.
 """
 
 from __future__ import annotations

@@ -159,8 +159,8 @@ class Reload:
                                  static_membership=old.static_membership, config_path=old.config_path)
         self.set_credentials(self.settings.credentials())
         self._apply_quotas(old.cfg, applied)
-        log.info("reload_done", reason=reason, client_api_keys=len(new.api_keys), tenants=len(set(new.tenants.values())),
-                 needs_restart=len(restart))
+        log.info("reload_done", reason=reason, client_api_keys=len(new.api_keys),
+                 tenants=len(set(new.tenants.values())), needs_restart=len(restart))
 
     def _apply_quotas(self, old: BalancerConfig, new: BalancerConfig) -> None:
         if old.quotas == new.quotas:
