@@ -16,7 +16,9 @@ request on.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -27,6 +29,9 @@ from skylb.config import (BalancerConfig, ConfigError, DeploymentConfig, RegionC
                           load_config)
 from skylb.reload import changed_keys
 from skylb.tokens import check_token
+
+if TYPE_CHECKING:
+    from skylb.balancer.balancer import Balancer
 
 __all__ = ["Settings", "resolve", "Reload", "LIVE_KEYS"]
 
@@ -91,6 +96,9 @@ def resolve(args: argparse.Namespace) -> Settings:
     static = bool(replicas or peer_items)
     if static and args.controller:
         raise ConfigError("--replica and --peer run without a controller: leave out --controller")
+    if not static and args.engine != "auto":
+        raise ConfigError("--engine is the engine of the --replica URLs; with a controller, each replica's engine is "
+                          "given when it is added (skylb-ctl replica add --engine)")
     if not static and args.region is None:
         raise ConfigError("--region is required with a controller (or give the replicas with --replica URL)")
     region = args.region or STATIC_REGION
@@ -131,7 +139,8 @@ class Reload:
         in force; balancer: the running Balancer (its quotas and membership watcher).
     """
 
-    def __init__(self, args: argparse.Namespace, settings: Settings, *, set_credentials, balancer):
+    def __init__(self, args: argparse.Namespace, settings: Settings, *,
+                 set_credentials: Callable[[Credentials], None], balancer: Balancer):
         self.args = args
         self.settings = settings
         self.set_credentials = set_credentials
