@@ -2,8 +2,9 @@
 balancer that wants the peer token: real processes (emulated replicas, balancers started with --replica, a
 controller, skylb-ctl), one shared deployment for the module.
 
-The deployment: one emulator process with three vLLM replicas (one slot each); ``plain``, the one-liner
-`skylb balancer --replica R1 --replica R2` with nothing else; ``eu`` (R3) with the peer token; ``us`` (R1) with the
+The deployment: two emulated vLLM replicas (one slot each) and an emulated Ollama; ``plain``, the one-liner
+`skylb balancer --replica R1 --replica R2` with nothing else; ``eu`` (the Ollama, engine detected) with the peer
+token; ``us`` (R1) with the
 peer token, ``--peer eu=...``, and a config file naming a client keys file that is a symlink into a ConfigMap-like
 ``..data`` directory.
 """
@@ -40,8 +41,9 @@ class Static:
         r1, r2, r3, plain, eu, us = free_ports(6)
         self.replicas = [f"http://127.0.0.1:{p}" for p in (r1, r2, r3)]
         procs.skylb("emulator", "--engine", "vllm", "--model", MODEL, "--time-scale", "0.2", "--max-num-seqs", "1",
-                    *(a for p in (r1, r2, r3) for a in ("--port", str(p))), name="emulator",
-                    wait_url=f"{self.replicas[2]}/health")
+                    "--port", str(r1), "--port", str(r2), name="emulator", wait_url=f"{self.replicas[1]}/health")
+        procs.skylb("emulator", "--engine", "ollama", "--model", MODEL, "--time-scale", "0.2", "--port", str(r3),
+                    name="ollama", wait_url=f"{self.replicas[2]}/api/version")
         self.plain, self.eu, self.us = (f"http://127.0.0.1:{p}" for p in (plain, eu, us))
         self._configmap("key-old")
         self.config = tmp / "us.yaml"
@@ -112,6 +114,13 @@ def test_replica_flags_alone_serve_the_official_openai_client(static):
     assert status["region"] == "local" and {r["engine"] for r in status["replicas"]} == {"vllm"}
     assert sorted(r["url"] for r in status["replicas"]) == sorted(static.replicas[:2])
     assert status["peers"] == []
+    # An Ollama behind `--replica URL` alone (eu: its token is for peers only) is detected and serves both APIs.
+    assert [r["engine"] for r in static.status(static.eu)["replicas"]] == ["ollama"]
+    tags = requests.get(f"{static.eu}/api/tags", timeout=10).json()
+    assert [m["name"] for m in tags["models"]] == [MODEL]
+    reply = requests.post(f"{static.eu}/api/chat", json={"model": MODEL, "stream": False,
+                                                         "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert reply.status_code == 200 and reply.json()["done"] is True
 
 
 def test_overflow_is_forwarded_to_a_peer_given_by_flag(static):
