@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,tracing]'
 	@# bench/ (the test and benchmark harness: `skylb emulator`, `skylb local`, ...) is not in the package; this
 	@# checkout's venv finds it, as `python -m` from the checkout does, through a path file naming the checkout.
 	$(PY) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'skylb-checkout.pth').write_text('$(CURDIR)\n')"
@@ -52,7 +52,7 @@ test: install llama-server system-packages
 # The eight-region scenario and the cost of coordination are `skylb bench eight_regions` and `skylb bench
 # coordination` (about 20 and 3 minutes).
 bench: install
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[test,tracing,bench]'
 	$(VENV)/bin/skylb bench all $(if $(SEEDS),--seeds $(SEEDS))
 
 clean:

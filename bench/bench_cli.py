@@ -377,6 +377,8 @@ LIVE_BENCHMARKS = {
                      "trace (bench/results/eight_regions.md)",
     "coordination": "the cost of coordination with 200 replicas and 8 peers: decision time, peer status size, probe "
                     "traffic (bench/results/coordination.md)",
+    "status_page": "a screenshot of the controller's status page on the local three-region deployment under load, "
+                   "in headless Chromium (docs/status-page.png)",
 }
 
 

@@ -6,6 +6,9 @@ Entry points:
 * ``.venv/bin/python -m bench.overhead [--parts a b c d e] [--out-md bench/results/overhead.md]
   [--out-json bench/results/overhead.json] [--quick]``; :func:`main` ``(argv) -> int`` is the same for a
   ``skylb bench overhead`` subcommand. Both files carry the run's provenance (commit, date, command, machine).
+* ``.venv/bin/python -m bench.overhead --tracing [--rounds 3] [--n 300] [--baseline CHECKOUT]``: tracing's cost
+  instead (:func:`tracing_cost`, :func:`format_tracing`): part (a) with tracing off and on, beside a twin of the
+  balancer (the noise floor) and optionally another checkout; printed, written only where ``--out-md`` says.
 * One function per part, each returning a JSON-ready dict: :func:`added_latency` (a), :func:`max_rate` (b, and
   with ``stream`` the streamed requests of c), :func:`sse_rate` (c), :func:`decision_time` (d, in-process, no
   I/O), :func:`trie_memory` (e, in a child process); :func:`run_overhead` runs the chosen parts,
@@ -34,11 +37,13 @@ import os
 import pstats
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
+import urllib.request
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -74,7 +79,7 @@ __all__ = [
     "OVERHEAD_SYSTEMS", "RATES", "STREAM_RATES", "added_latency", "balancer_profile", "max_rate", "sse_rate",
     "decision_time", "targets",
     "chunk_whatif", "GcPauses", "trie_memory", "conversation_words", "fill_trie", "rss_kib", "run_overhead",
-    "format_markdown", "main",
+    "format_markdown", "main", "tracing_cost", "format_tracing",
 ]
 
 #: The systems of parts (a)-(c), by name; "direct" means no balancer.
@@ -132,11 +137,14 @@ def _prompt(i: int, words: int = 48) -> str:
 
 
 def added_latency(*, n: int = 500, systems: Sequence[str] = tuple(OVERHEAD_SYSTEMS), run_dir: Path,
-                  warmup: int = 20, checkouts: dict[str, Path] | None = None) -> dict[str, Any]:
+                  warmup: int = 20, checkouts: dict[str, Path] | None = None,
+                  variants: dict[str, dict] | None = None) -> dict[str, Any]:
     """Part (a): latency of small non-streamed completions, direct and through each balancer.
 
     ``checkouts``: {name: path} of other SkyLB checkouts (earlier commits) whose balancer, in its default
     configuration, runs beside this one's as system ``name`` (an A/B comparison, interleaved like the rest).
+    ``variants``: {name: balancer settings} of more balancers of this checkout, each with those settings laid over
+    the defaults (tracing on, say), run beside the rest as system ``name``.
 
     One emulated replica (time scale :data:`FAST_TIME_SCALE`, so it answers in about a millisecond); ``n``
     sequential requests per system over one keep-alive connection each (``http.client``), interleaved: request
@@ -157,8 +165,10 @@ def added_latency(*, n: int = 500, systems: Sequence[str] = tuple(OVERHEAD_SYSTE
         started = {name: _start(procs, name, replicas, Path(run_dir) / "a") for name in names}
         urls = {name: url for name, (url, _) in started.items()}
         balancers = {name: proc for name, (_, proc) in started.items() if proc is not None}
-        for name, checkout in (checkouts or {}).items():
-            urls[name] = start_skylb(procs, replicas, run_dir=Path(run_dir) / "a", name=name, checkout=checkout)
+        extra = [(name, {"checkout": path}) for name, path in (checkouts or {}).items()]
+        extra += [(name, {"overrides": overrides}) for name, overrides in (variants or {}).items()]
+        for name, how in extra:
+            urls[name] = start_skylb(procs, replicas, run_dir=Path(run_dir) / "a", name=name, **how)
             balancers[name] = procs.procs[-1]
             warm_up(urls[name])
             names.append(name)
@@ -197,10 +207,65 @@ def added_latency(*, n: int = 500, systems: Sequence[str] = tuple(OVERHEAD_SYSTE
             out[name]["added_p99_ms"] = percentile(v, 99) - percentile(base, 99)
     sglang = (out.get("sglang") or {}).get("added_p50_ms")
     for name, row in out.items():
-        if name.startswith("skylb") or name in (checkouts or {}):
+        if name.startswith("skylb") or name in (checkouts or {}) or name in (variants or {}):
             row["added_p50_vs_sglang"] = (row["added_p50_ms"] / sglang if sglang and sglang > 0
                                           and row.get("added_p50_ms") is not None else None)
     return {"n": n, "systems": out, "skipped": skipped, "load": load.stop()}
+
+
+def tracing_cost(*, n: int = 300, rounds: int = 3, run_dir: Path, baseline: Path | None = None) -> dict[str, Any]:
+    """What tracing costs a request: ``rounds`` interleaved runs of part (a) (:func:`added_latency`, ``n`` requests
+    per system per round) through ``skylb`` (this checkout, tracing off: the default), ``skylb-twin`` (the same
+    again: the spread between two identical balancers, the smallest difference this can measure), ``skylb-tracing``
+    (tracing on, every request recorded: four spans, exported over OTLP/HTTP to a receiver process,
+    bench/otlp_sink.py) and, given ``baseline`` (another checkout, e.g. one from before tracing existed), its balancer
+    as ``skylb@<commit>``. Returns ``{"n", "rounds": [part (a) results], "spans": spans the receiver decoded,
+    "baseline": its system name or None}``."""
+    run_dir = Path(run_dir)
+    base = None
+    if baseline is not None:
+        commit = subprocess.run(["git", "-C", str(baseline), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip() or "baseline"
+        base = f"skylb@{commit}"
+    with ProcGroup(run_dir / "sink-logs") as procs:
+        [port] = free_ports(1)
+        procs.start([sys.executable, "-m", "bench.otlp_sink", "--port", str(port)], name="otlp-sink",
+                    wait_url=f"http://127.0.0.1:{port}/")
+        variants = {"skylb-twin": {}, "skylb-tracing": {"tracing": {"otlp_endpoint": f"http://127.0.0.1:{port}"}}}
+        results = [added_latency(n=n, systems=("direct", "skylb"), run_dir=run_dir / f"round-{i}",
+                                 variants=variants, checkouts={base: baseline} if base else None)
+                   for i in range(rounds)]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as resp:
+            spans = json.loads(resp.read())["spans"]
+    return {"n": n, "rounds": results, "spans": spans, "baseline": base}
+
+
+def format_tracing(result: dict[str, Any]) -> str:
+    """The Markdown report of :func:`tracing_cost`: each round's added p50 and p99 per system, then the differences
+    that matter over the rounds (median [min, max], ms)."""
+    base, rounds = result["baseline"], result["rounds"]
+    names = ["skylb", "skylb-twin", "skylb-tracing", *([base] if base else [])]
+    rows = [[i, f"{r['systems']['direct']['p50_ms']:.3f}",
+             *(f"{r['systems'][name]['added_p50_ms']:.3f} / {r['systems'][name]['added_p99_ms']:.3f} / "
+               f"{r['systems'][name]['cpu_ms_per_request']:.3f}" for name in names),
+             sum(r["systems"][name]["errors"] for name in names)]
+            for i, r in enumerate(rounds)]
+    lines = ["# Tracing's cost: added latency with tracing off and on", "",
+             f"{len(rounds)} rounds of part (a), {result['n']} small non-streamed completions per system per "
+             f"round, interleaved; added = the system's percentile minus the direct one's (ms); CPU = the "
+             f"balancer's CPU time per request (ms). Spans received by the OTLP receiver: {result['spans']}.", "",
+             markdown_table(["round", "direct p50 ms", *(f"{name} added p50 / p99 / CPU" for name in names),
+                             "errors"], rows), ""]
+    pairs = [("skylb-twin", "skylb", "two identical balancers, tracing off (the noise)"),
+             ("skylb-tracing", "skylb", "tracing on minus off"),
+             *([("skylb", base, f"tracing off minus {base}")] if base else [])]
+    for a, b, what in pairs:
+        for q in ("p50", "p99"):
+            diffs = [r["systems"][a][f"added_{q}_ms"] - r["systems"][b][f"added_{q}_ms"] for r in rounds]
+            lines.append(f"- {what}, {q}: {statistics.median(diffs):+.3f} [{min(diffs):+.3f}, {max(diffs):+.3f}] ms")
+        cpu = [r["systems"][a]["cpu_ms_per_request"] - r["systems"][b]["cpu_ms_per_request"] for r in rounds]
+        lines.append(f"- {what}, CPU per request: {statistics.median(cpu):+.3f} [{min(cpu):+.3f}, {max(cpu):+.3f}] ms")
+    return "\n".join(lines) + "\n"
 
 
 def _timed_completion(conn: http.client.HTTPConnection, i: int) -> float | None:
@@ -1044,9 +1109,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.splitlines()[0])
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run; the figures mean little)")
-    p.add_argument("--out-md", default="bench/results/overhead.md", help="Markdown report ('' for none)")
-    p.add_argument("--out-json", default="bench/results/overhead.json",
-                   help="the raw result as JSON, beside the report (bench/glance.py quotes it; '' for none)")
+    p.add_argument("--out-md", default=None, help="Markdown report ('' for none; default "
+                   "bench/results/overhead.md, none with --tracing)")
+    p.add_argument("--out-json", default=None,
+                   help="the raw result as JSON, beside the report (bench/glance.py quotes it; '' for none; default "
+                        "bench/results/overhead.json, none with --tracing)")
+    p.add_argument("--tracing", action="store_true", help="instead of the parts: tracing's cost, off and on, "
+                   "beside two identical balancers (tracing_cost)")
+    p.add_argument("--rounds", type=int, default=3, help="with --tracing: interleaved rounds (default 3)")
+    p.add_argument("--n", type=int, default=300, help="with --tracing: requests per system per round (default 300)")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="with --tracing: another SkyLB checkout run beside (e.g. one without tracing code)")
     p.add_argument("--notes", default=None, help="a Markdown file appended to the report (analysis, suggestions)")
     p.add_argument("--run-dir", default=None, help="logs and configs (default: a new temporary directory)")
     return p
@@ -1055,7 +1128,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the parts and write the report; 0 when every part ran (targets missed still give 0)."""
     args = build_parser().parse_args(argv)
-    result = run_overhead(args.parts, run_dir=Path(args.run_dir) if args.run_dir else None, quick=args.quick)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if args.tracing:
+        result = tracing_cost(n=args.n, rounds=args.rounds, run_dir=run_dir or Path(tempfile.mkdtemp(
+            prefix="overhead-tracing-")), baseline=args.baseline.resolve() if args.baseline else None)
+        emit_markdown(format_tracing(result), result, out_md=args.out_md or "", out_json=args.out_json or "")
+        return 0
+    args.out_md = "bench/results/overhead.md" if args.out_md is None else args.out_md
+    args.out_json = "bench/results/overhead.json" if args.out_json is None else args.out_json
+    result = run_overhead(args.parts, run_dir=run_dir, quick=args.quick)
     notes = Path(args.notes).read_text() if args.notes else ""
     text = format_markdown(result, notes)
     emit_markdown(text, result, out_md=args.out_md, out_json=args.out_json)

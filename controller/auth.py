@@ -24,6 +24,7 @@ from aiohttp import web
 from skylb.tokens import (ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, PEER_TOKEN_ENV, check_token, from_this_machine,
                                read_token_file, secret_matches)
 from skylb.environment import env
+from skylb.status_page import OPEN_PATHS as PAGE_PATHS
 
 __all__ = ["ControllerCredentials", "CREDENTIALS", "resolve_credentials", "is_admin", "auth_middleware"]
 
@@ -85,7 +86,7 @@ def _refuse(message: str) -> web.Response:
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Refuse a change without its credential (this module's docstring); reads pass."""
-    if request.method in _READS:
+    if request.method in _READS or request.path in PAGE_PATHS:  # the status page's login checks the token itself
         return await handler(request)
     creds = request.app[CREDENTIALS]
     if request.method == "POST" and request.path == "/v1/balancers":

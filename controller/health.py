@@ -22,6 +22,7 @@ import aiohttp
 import structlog
 
 from controller.failover import plan_assignments
+from controller.metrics import ControllerMetrics
 from controller.store import Assignment, Balancer, MembershipStore, Replica
 from skylb.config import Failover, HealthCheck
 from skylb.engines import adapter_for
@@ -59,11 +60,14 @@ class HealthChecker:
         on_change: awaited after each verdict or assignment change (the server publishes the new revision).
         failover: the failover settings (None or ``enabled: false``: balancers are checked, regions never move).
         on_assignment: awaited after each assignment change (DNS updates).
+        metrics: where checks and failovers are counted (None: not counted).
     """
 
     def __init__(self, store: MembershipStore, config: HealthCheck, on_change: OnChange, *,
-                 failover: Failover | None = None, on_assignment: OnAssignment | None = None):
+                 failover: Failover | None = None, on_assignment: OnAssignment | None = None,
+                 metrics: ControllerMetrics | None = None):
         self.store = store
+        self.metrics = metrics
         self.config = config
         self.on_change = on_change
         self.failover = failover
@@ -91,6 +95,8 @@ class HealthChecker:
         due = [(key, t) for key, t in targets if self._streak(key, t).next_at <= now]
         results = await asyncio.gather(*(self._probe(session, t) for _, t in due))
         for (key, target), ok in zip(due, results):
+            if self.metrics is not None:
+                self.metrics.checked("balancer" if isinstance(target, Balancer) else "replica", target.region, ok)
             await self._record(key, target, ok, asyncio.get_running_loop().time())
         # Every round, not only after a verdict change here: an operator's drain also changes which regions are live.
         await self.plan_failover()
@@ -107,6 +113,8 @@ class HealthChecker:
             new = self.store.assign(a.region, plan[a.region])
             if new is None:
                 continue
+            if self.metrics is not None:
+                self.metrics.reassigned(new.region, new.balancer_region)
             action = "region_failed_back" if new.balancer_region == new.region else "region_failed_over"
             log.info("failover", region=new.region, balancer_region=new.balancer_region, epoch=new.epoch,
                      previous=a.balancer_region)

@@ -5,6 +5,10 @@ Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH 
 URLS]``. Endpoints:
 
 - ``GET /healthz`` -> {"status": "ok", "revision": N, "store": "sqlite" | "etcd", "leader": bool}
+- ``GET /metrics`` -> Prometheus text: membership size and revision, health checks, failovers, leadership
+  (controller/metrics.py)
+- ``GET /`` the status page, ``GET /skylb/v1/status`` its data: the membership joined with every balancer's status
+  (controller/status_view.py; the admin token or the page's session, as skylb/status_page says)
 - ``GET /v1/membership[?revision=N&wait=S]`` -> full snapshot; with both, a long poll that answers as soon as the
   revision is > N, or after S seconds (at most 60) with the unchanged state
 - ``GET /v1/replicas[?region=R]``, ``POST /v1/replicas``, ``DELETE /v1/replicas/{id}``
@@ -50,9 +54,11 @@ from controller.dns import DnsUpdater
 from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
+from controller.metrics import CONTENT_TYPE, ControllerMetrics
 from controller.reload import Reload, resolve
 from controller.quotas import remove_entry, set_entry
 from controller.shares import ShareBook
+from controller import status_view
 from controller.store import InvalidInput, StoreError, normalize_url, quotas_json, validate_region
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig
@@ -107,6 +113,7 @@ STORE = web.AppKey("store", Store)
 WATCH = web.AppKey("watch", RevisionWatch)
 LEADERSHIP = web.AppKey("leadership", SoleLeader | EtcdElection)
 SHARES = web.AppKey("shares", ShareBook)
+METRICS = web.AppKey("metrics", ControllerMetrics)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -163,6 +170,11 @@ async def healthz(request: web.Request) -> web.Response:
     store = request.app[STORE]
     return web.json_response({"status": "ok", "revision": store.revision, "store": store.kind,
                               "leader": request.app[LEADERSHIP].is_leader})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics -> the controller's Prometheus metrics (open, as every read: no secret in them)."""
+    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def get_membership(request: web.Request) -> web.Response:
@@ -372,7 +384,9 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app[LEADERSHIP] = leadership or SoleLeader()
     app[WATCH] = RevisionWatch(store.revision)
     app[SHARES] = ShareBook()
+    app[METRICS] = ControllerMetrics(store.snapshot, is_leader=lambda: app[LEADERSHIP].is_leader)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/membership", get_membership)
     app.router.add_get("/v1/replicas", list_replicas)
     app.router.add_post("/v1/replicas", add_replica)
@@ -388,6 +402,8 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app.router.add_get("/v1/quotas", get_quotas)
     app.router.add_post("/v1/quotas", set_quota)
     app.router.add_delete("/v1/quotas", delete_quota)
+    status_view.add_routes(app, lambda: store.snapshot().to_dict(), admin_token=app[CREDENTIALS].admin_token,
+                           peer_token=app[CREDENTIALS].peer_token)  # /, /skylb/v1/status: the status page
     return app
 
 
@@ -433,7 +449,8 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
 
         def lead() -> Awaitable[None]:  # the leader's task, started at each election and cancelled at its end
             checker = HealthChecker(store, config.health, lambda action, fields: _changed(app, action, **fields),
-                                    failover=config.failover, on_assignment=dns_sync and dns_sync.changed)
+                                    failover=config.failover, on_assignment=dns_sync and dns_sync.changed,
+                                    metrics=app[METRICS])
             if dns_sync is None:
                 return checker.run()
             return _together(checker.run(), dns_sync.run())  # only the leader writes DNS, as it fails over
@@ -500,3 +517,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"skylb controller: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+if __name__ == "__main__":  # `python -m controller.server`, same flags as `skylb controller`
+    _parser = argparse.ArgumentParser(prog="python -m controller.server", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

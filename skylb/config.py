@@ -27,6 +27,7 @@ from skylb.quota.limits import Quotas
 from skylb.quota.settings import QuotaSettings
 from skylb.quota.priorities import PrioritySettings
 from skylb.balancer.embed_cache import EmbeddingCacheSettings
+from skylb.balancer.tracing import TracingSettings
 
 __all__ = [
     "ConfigError",
@@ -221,6 +222,14 @@ class BalancerConfig(_Strict):
     #: no more than that between probes (skylb/core/capacity.py); False: only pending requests (and llama.cpp's
     #: reported slots) make a replica unavailable, the SkyLB paper's rule.
     learn_capacity: bool = True
+    #: With a learned capacity: how many requests may wait in a replica's own queue beyond its batch. One waiting
+    #: request takes a slot the moment the engine frees it, at the engine's next step, with no round trip through the
+    #: balancer; and a batch that keeps one request waiting shows its true size at every probe, so the learned
+    #: capacity settles on it. Measured in the simulator on the live three-region benchmark's workload
+    #: (bench/sim/peers_twin.py, seeds 0-4): P90 TTFT 2429 -> 1829 ms, throughput 23.35 -> 24.13 req/s, learned
+    #: limits 3-5 -> 4 on batches of 4, requests waiting at an engine 0.2 -> 0.7 on average; in one region
+    #: (bench/baselines.py's workload) P90 1070 -> 1063 ms, at most 2 waiting either way. 0: none.
+    pending_allowance: int = Field(1, ge=0)
     #: How often the dispatcher re-checks the head of the queue when nothing changed (ms).
     dispatch_tick_ms: float = Field(10.0, gt=0)
     #: Requests waiting longer than this get 503 in the API's shape (s).
@@ -296,6 +305,9 @@ class BalancerConfig(_Strict):
     #: Answers to repeated embedding requests from memory (skylb/balancer/embed_cache.py):
     #: ``{enabled: false, ttl_s: 300, max_bytes: 8388608}``.
     embedding_cache: EmbeddingCacheSettings = Field(default_factory=EmbeddingCacheSettings)
+    #: OpenTelemetry spans of each request, sent over OTLP/HTTP (skylb/balancer/tracing.py): ``{otlp_endpoint: null,
+    #: sample_ratio: 1.0}``; off unless an endpoint is set here or in $OTEL_EXPORTER_OTLP_ENDPOINT.
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @model_validator(mode="before")
     @classmethod

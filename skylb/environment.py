@@ -18,6 +18,7 @@ __all__ = [
     "EnvVar", "env", "epilog",
     "LOG_LEVEL", "EVENT_LOOP", "PEER_TOKEN", "METRICS_TOKEN", "REPLICA_API_KEY", "API_KEYS", "API_KEYS_FILE",
     "REDIS_URL", "ADMIN_TOKEN", "ADMIN_TOKEN_FILE", "CONTROLLER_URL",
+    "OTEL_ENDPOINT", "OTEL_TRACES_ENDPOINT", "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER",
     "BALANCER_VARIABLES", "CONTROLLER_VARIABLES",
 ]
 
@@ -47,10 +48,19 @@ ADMIN_TOKEN = EnvVar("SKYLB_ADMIN_TOKEN", "the admin token every change of membe
 ADMIN_TOKEN_FILE = EnvVar("SKYLB_ADMIN_TOKEN_FILE", "a file holding the admin token, read when $SKYLB_ADMIN_TOKEN "
                                                     "is unset (overrides controller.admin_token_file)")
 CONTROLLER_URL = EnvVar("SKYLB_CONTROLLER", "the controller's base URL that skylb-ctl talks to")
+# The OpenTelemetry SDK's own names (OpenTelemetry specification, "Environment Variable Specification" and
+# "OpenTelemetry Protocol Exporter"), so a balancer traces where the rest of an operator's services do.
+OTEL_ENDPOINT = EnvVar("OTEL_EXPORTER_OTLP_ENDPOINT", "an OTLP/HTTP collector's base URL: traces go to its /v1/traces "
+                                                      "(turns tracing on; overrides balancer.tracing.otlp_endpoint)")
+OTEL_TRACES_ENDPOINT = EnvVar("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "the full URL traces are posted to (wins over "
+                                                                    "$OTEL_EXPORTER_OTLP_ENDPOINT)")
+OTEL_SDK_DISABLED = EnvVar("OTEL_SDK_DISABLED", "'true' turns tracing off whatever else is set")
+OTEL_TRACES_EXPORTER = EnvVar("OTEL_TRACES_EXPORTER", "'none' turns tracing off whatever else is set")
 
 #: What `skylb balancer` reads, in the order ``--help`` lists it.
 BALANCER_VARIABLES: tuple[EnvVar, ...] = (PEER_TOKEN, API_KEYS, API_KEYS_FILE, METRICS_TOKEN, REPLICA_API_KEY,
-                                          REDIS_URL, LOG_LEVEL, EVENT_LOOP)
+                                          REDIS_URL, OTEL_ENDPOINT, OTEL_TRACES_ENDPOINT, OTEL_SDK_DISABLED,
+                                          OTEL_TRACES_EXPORTER, LOG_LEVEL, EVENT_LOOP)
 #: What `skylb controller` reads, in the order ``--help`` lists it.
 CONTROLLER_VARIABLES: tuple[EnvVar, ...] = (ADMIN_TOKEN, ADMIN_TOKEN_FILE, PEER_TOKEN, LOG_LEVEL, EVENT_LOOP)
 

@@ -91,24 +91,30 @@ class Cluster:
         path.write_text(yaml.safe_dump(data))
         return path
 
-    def start_controller(self, regions: list[str], *, port: int | None = None) -> str:
-        """Start the controller; returns its URL."""
+    def start_controller(self, regions: list[str], *, port: int | None = None, wait: bool = True) -> str:
+        """Start the controller; returns its URL. ``wait`` False returns at once (the caller waits for its
+        /healthz, starting others meanwhile)."""
         port = port or free_port()
         self.controller_url = f"http://127.0.0.1:{port}"
         self.procs.skylb("controller", "--config", str(self.config(regions)), "--port", str(port),
-                         name=f"controller-{port}", wait_url=f"{self.controller_url}/healthz", env=self.env)
+                         name=f"controller-{port}", wait_url=f"{self.controller_url}/healthz" if wait else None,
+                         env=self.env)
         return self.controller_url
 
-    def start_emulator(self, n: int, *args: str, name: str = "emulator") -> list[str]:
-        """Start one emulator process serving ``n`` replicas (vLLM serving MODEL unless ``args`` say otherwise)."""
+    def start_emulator(self, n: int, *args: str, name: str = "emulator", wait: bool = True) -> list[str]:
+        """Start one emulator process serving ``n`` replicas (vLLM serving MODEL unless ``args`` say otherwise).
+        ``wait`` False returns at once (the caller waits for each URL's /health, starting others meanwhile)."""
         ports = free_ports(n)
         port_args = [a for p in ports for a in ("--port", str(p))]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         defaults = [*(() if "--engine" in args else ("--engine", "vllm")),
                     *(() if "--model" in args else ("--model", MODEL))]
-        self.procs.skylb("emulator", *defaults, *port_args, *args, name=name, wait_url=f"{urls[0]}/health")
-        for url in urls[1:]:
-            wait_http(f"{url}/health", timeout_s=10)
+        # A generic OpenAI server has no /health: it is up when it lists its models.
+        ready = "/v1/models" if "openai" in args and args[list(args).index("openai") - 1] == "--engine" else "/health"
+        self.procs.skylb("emulator", *defaults, *port_args, *args, name=name,
+                         wait_url=f"{urls[0]}{ready}" if wait else None)
+        for url in urls[1:] if wait else ():
+            wait_http(f"{url}{ready}", timeout_s=10)
         return urls
 
     def start_toxiproxy(self) -> str:
@@ -120,8 +126,9 @@ class Cluster:
 
     def start_balancer(self, region: str, regions: list[str], *, port: int | None = None,
                        peer_urls: dict[str, str] | None = None, policy: str | None = None,
-                       name: str | None = None, host: str = "127.0.0.1") -> str:
-        """Start ``region``'s balancer against the controller, listening on ``host``; returns its URL."""
+                       name: str | None = None, host: str = "127.0.0.1", wait: bool = True) -> str:
+        """Start ``region``'s balancer against the controller, listening on ``host``; returns its URL. ``wait``
+        False returns at once (the caller waits for its /healthz, starting others meanwhile)."""
         port = port or free_port()
         url = f"http://{host}:{port}"
         args = ["balancer", "--config", str(self.config(regions)), "--region", region, "--port", str(port),
@@ -130,7 +137,8 @@ class Cluster:
             args += ["--peer-url", f"{peer}={peer_url}"]
         if policy:
             args += ["--policy", policy]
-        self.procs.skylb(*args, name=name or f"balancer-{region}", wait_url=f"{url}/healthz", env=self.env)
+        self.procs.skylb(*args, name=name or f"balancer-{region}", wait_url=f"{url}/healthz" if wait else None,
+                         env=self.env)
         self.balancers[region] = url
         return url
 

@@ -67,7 +67,7 @@ def _burst(router, n, now):
 
 
 def test_between_probes_a_replica_gets_up_to_its_limit_less_its_running_batch():
-    router = _router()
+    router = _router(pending_allowance=0)
     r = router.replicas["r0"]
     r.capacity = AdmissionCapacity(limit=6, saturated=True, held_since=0.0)  # no growth at this probe
     router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=2)
@@ -101,7 +101,7 @@ def test_the_ceiling_and_the_paper_rule():
 def test_requests_waiting_in_a_learned_batch_count_in_it():
     """A request waiting for the engine's next step does not make a replica with room unavailable; with the
     engine's own slots (llama.cpp) or no learned batch, any waiting request does (the paper's rule)."""
-    router = _router()
+    router = _router(pending_allowance=0)
     r = router.replicas["r0"]
     r.capacity = AdmissionCapacity(limit=4, saturated=True, held_since=0.0)
     router.observe_replica("r0", now=0.0, healthy=True, pending=1, running=2)
@@ -113,3 +113,19 @@ def test_requests_waiting_in_a_learned_batch_count_in_it():
     router = _router(learn_capacity=False)
     router.observe_replica("r0", now=0.0, healthy=True, pending=1, running=0)
     assert router.rules.replica_unavailable_reason(router.replicas["r0"], 0.0) == "pending requests"
+
+
+def test_the_pending_allowance_lets_one_more_wait_in_the_engine_but_not_beyond_reported_slots():
+    """By default one request more than the learned batch is sent, to wait in the engine's queue for the next freed
+    slot; an engine that reports its slots (llama.cpp) gets none beyond them."""
+    router = _router()
+    r = router.replicas["r0"]
+    r.capacity = AdmissionCapacity(limit=4, saturated=True, held_since=0.0)
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=4)
+    assert len(_burst(router, 3, 0.0)) == 1
+    assert router.rules.replica_unavailable_reason(r, 0.0) == "batch full"
+    router.observe_replica("r0", now=0.1, healthy=True, pending=1, running=4)
+    assert router.rules.replica_unavailable_reason(r, 0.1) == "batch full"
+    router = _router()
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=3, slots=4)
+    assert len(_burst(router, 3, 0.0)) == 1

@@ -136,10 +136,13 @@ def test_malformed_client_requests_get_clean_errors_counted_and_logged(procs, tm
     assert _metric(url, "skylb_responses_total", status="500") == 0
     log = (tmp_path / "logs" / "balancer-us.log").read_text()
     assert '"reason": "invalid_json"' in log or "reason=invalid_json" in log
-    # An Ollama client asking for a model only OpenAI-dialect replicas serve: the 404 says why.
-    r = requests.post(f"{url}/api/chat", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+    # An Ollama client asking for a model only OpenAI-dialect replicas serve, with what the OpenAI API cannot say:
+    # the 400 names the API that serves the model (a translatable request is served: tests/test_engines_live.py).
+    r = requests.post(f"{url}/api/generate", json={"model": MODEL, "prompt": "x", "template": "{{ .Prompt }}"},
                       timeout=10)
-    assert r.status_code == 404 and "served here through the OpenAI API (/v1/chat/completions" in r.json()["error"]
+    assert r.status_code == 400 and "served here through the OpenAI API (/v1/chat/completions" in r.json()["error"]
+    assert "'template'" in r.json()["error"]
+    assert _metric(url, "skylb_rejected_requests_total", reason="untranslatable", status="400") == 1
 
 
 def test_body_limit_gives_413_in_the_apis_shape(procs, tmp_path):

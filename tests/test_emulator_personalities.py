@@ -135,6 +135,37 @@ async def test_vllm_serves_several_models_and_embeddings(emu, http):
 
 # ---- SGLang -------------------------------------------------------------------------------------------------------
 
+async def test_vllm_responses_api_stores_chains_and_streams_events(emu, http):
+    """/v1/responses as vLLM serves it with its store on: a stored response is retrieved by id and continued with
+    previous_response_id (its conversation in the prompt); unknown ids get 404, ids not starting with resp 400; a
+    stream is vLLM's event sequence, each event named on an event: line, ended by an error event on failure."""
+    url = f"{emu['vllm']}/v1/responses"
+    status, first = await post(http, url, {"model": "m1", "input": "hello there", "max_output_tokens": 2,
+                                           "ignore_eos": True})
+    assert status == 200 and first["object"] == "response" and first["id"].startswith("resp_")
+    assert first["status"] == "incomplete" and first["usage"]["output_tokens"] == 2
+    status, _, text = await get(http, f"{url}/{first['id']}")
+    assert status == 200 and json.loads(text)["id"] == first["id"]
+    status, second = await post(http, url, {"model": "m1", "input": [{"role": "user", "content": "more"}],
+                                            "previous_response_id": first["id"], "max_output_tokens": 2})
+    assert status == 200 and second["previous_response_id"] == first["id"]
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    for previous, code in (("resp_unknown", 404), ("chatcmpl-1", 400)):
+        status, body = await post(http, url, {"model": "m1", "input": "x", "previous_response_id": previous})
+        assert status == code and body["error"]["param"] == "response_id" and previous in body["error"]["message"]
+    status, _, lines = await raw_lines(http, url, {"model": "m1", "input": "hi", "stream": True,
+                                                   "max_output_tokens": 2, "ignore_eos": True})
+    events = [ln[len("event: "):] for ln in lines if ln.startswith("event: ")]
+    assert status == 200 and events == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    data = [json.loads(ln[len("data: "):]) for ln in lines if ln.startswith("data: ")]
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    _, _, lines = await raw_lines(http, url, {"model": "m1", "input": "hi", "stream": True, "ignore_eos": True})
+    assert [ln for ln in lines if ln.startswith("event: ")][-1] == "event: error"  # --fail-after-tokens 3
+
+
 async def test_sglang_metrics_loads_and_get_load(emu, http):
     """SGLang's /metrics (rank labels), /v1/loads and legacy /get_load report its queue; /health is 200 empty."""
     base = emu["sglang"]

@@ -97,7 +97,8 @@ class _Load:
 
 def test_dead_balancer_fails_over_to_the_closest_region_and_back(procs, tmp_path):
     """Kill us's balancer: within two health intervals eu (the closest, 80 ms) serves us-1 as its own; restart it
-    on its port: us-1 moves back (epoch 2). eu and asia answer every request throughout."""
+    on its port: us-1 moves back (epoch 2). eu and asia answer every request throughout. The controller's metrics
+count the failover, the failback and the failed health checks."""
     cluster, ports = _deploy(procs, tmp_path)
     assert _assignments(cluster) == {"us": ("us", 0), "eu": ("eu", 0), "asia": ("asia", 0)}
     with _Load([cluster.balancers["eu"], cluster.balancers["asia"]]) as load:
@@ -123,6 +124,12 @@ def test_dead_balancer_fails_over_to_the_closest_region_and_back(procs, tmp_path
         assert _served_by(cluster, "us", "us-1")
     assert load.statuses and set(load.statuses) == {200}, f"lost requests: {load.statuses}"
     print(f"{len(load.statuses)} requests to eu and asia during failover and failback, all 200")
+    # The controller's /metrics counts the failover and the failback, and the failed checks of us's balancer.
+    metrics = requests.get(f"{cluster.controller_url}/metrics", timeout=5).text
+    assert 'skylb_controller_failovers_total{balancer_region="eu",region="us"} 1.0' in metrics
+    assert 'skylb_controller_failovers_total{balancer_region="us",region="us"} 1.0' in metrics
+    assert 'skylb_controller_health_checks_total{region="us",result="failure",target="balancer"}' in metrics
+    assert 'skylb_controller_assignment_epoch{balancer_region="us",region="us"} 2.0' in metrics
 
 
 def test_two_balancers_fail_at_once(procs, tmp_path):

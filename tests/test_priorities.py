@@ -116,8 +116,8 @@ def test_an_embedding_overtakes_queued_generations_and_metadata_never_queues(pro
     # One slot: completion order is placement order. The embedding went before every queued generation.
     assert [n for n in order.names if n != "blocker"] == ["embed", "gen0", "gen1", "gen2"]
     metrics = _metrics(url)
-    assert _sample(metrics, "skylb_queue_wait_by_class_seconds_count", priority="critical") == 1
-    assert _sample(metrics, "skylb_queue_wait_by_class_seconds_count", priority="normal") == 4
+    assert _sample(metrics, "skylb_queue_wait_seconds_count", priority="critical") == 1
+    assert _sample(metrics, "skylb_queue_wait_seconds_count", priority="normal") == 4
 
 
 def test_x_priority_high_goes_before_normal_and_a_bad_value_is_refused(procs, tmp_path):
@@ -251,9 +251,9 @@ def test_a_forwarded_request_keeps_its_class_and_tenant_and_clients_cannot_set_t
                                                  "X-SkyLB-Tenant": "a"})
     assert direct.status_code == 200 and direct.headers["X-SkyLB-Route"] == "local"
     metrics = _metrics(eu, {"Authorization": "Bearer peer-secret"})
-    assert _sample(metrics, "skylb_queue_wait_by_class_seconds_count", priority="high") == 1
-    assert _sample(metrics, "skylb_queue_wait_by_class_seconds_count", priority="normal") == 1
-    assert _sample(metrics, "skylb_queue_wait_by_class_seconds_count", priority="critical") == 0
+    assert _sample(metrics, "skylb_queue_wait_seconds_count", priority="high") == 1
+    assert _sample(metrics, "skylb_queue_wait_seconds_count", priority="normal") == 1
+    assert _sample(metrics, "skylb_queue_wait_seconds_count", priority="critical") == 0
     [eu_proc] = [p for p in procs.procs if p.name == "balancer-eu"]
     seen = {(e["priority"], e["tenant"]) for e in _request_lines(eu_proc)}
     assert seen == {("high", "a"), ("normal", "b")}

@@ -29,9 +29,10 @@ async def _chain_names(settings: dict) -> list[str]:
 
 
 async def test_a_chain_with_every_optional_feature_off_has_none_of_their_stages():
-    """Embedding cache, num_ctx pinning, model groups and the quota gate off: only the four stages every request
-    needs, in order."""
-    assert await _chain_names(ALL_OFF) == ["parse", "classify", "resolve_model", "route"]
+    """Embedding cache, num_ctx pinning, model groups and the quota gate off: only the stages every request
+    needs (and the translate check), in order."""
+    assert await _chain_names(ALL_OFF) == ["parse", "classify", "translate", "resolve_model", "responses",
+                                              "route"]
 
 
 async def test_a_chain_with_every_optional_feature_on_has_each_stage_once_in_order():

@@ -2,8 +2,8 @@
 
 Only the fields routing needs are read (model, stream, the prompt text, the session key); the body is forwarded
 unchanged so engine extras (vLLM ``ignore_eos``, llama.cpp ``cache_prompt``, ...) pass through.
-Source: the OpenAI API reference ("Chat", "Completions", "Embeddings", "Models") and Ollama's "OpenAI compatibility"
-docs.
+Source: the OpenAI API reference ("Chat", "Completions", "Embeddings", "Models", "Responses": ``input``, ``instructions``,
+``max_output_tokens``, ``previous_response_id``, ``store``) and Ollama's "OpenAI compatibility" docs.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ class ParsedRequest:
     #: The most output tokens the request may generate, as it says (OpenAI ``max_completion_tokens`` or
     #: ``max_tokens``, times ``n``; Ollama ``options.num_predict`` when positive); None when it does not say.
     max_tokens: int | None = None
+    #: OpenAI Responses API only: the stored response this one continues (``previous_response_id``), and whether
+    #: the answer is to be stored (``store``, default true as in OpenAI's API).
+    previous_response_id: str | None = None
+    store: bool = True
 
 
 def _finite_float(text: str) -> float:
@@ -116,6 +120,8 @@ def parse_openai(path: str, body: bytes, *, session_header_value: str | None) ->
     """
     data = _load_object(body)
     model = data["model"]
+    if path.endswith("/responses"):
+        return _parse_responses(data, body, session_header_value)
     if path.endswith("/chat/completions"):
         messages = data.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -145,6 +151,50 @@ def parse_openai(path: str, body: bytes, *, session_header_value: str | None) ->
     return ParsedRequest(model=model, text=text, session_key=key if isinstance(key, str) else None,
                          stream=stream, body=body,
                          max_tokens=None if max_tokens is None else max_tokens * (data.get("n") or 1))
+
+
+def _parse_responses(data: dict, body: bytes, session_header_value: str | None) -> ParsedRequest:
+    """A ``/v1/responses`` body: ``instructions`` then ``input`` (a string, or items: messages whose content is a
+    string or text parts, tool outputs) as the prompt text; ``max_output_tokens``; ``previous_response_id`` (it must
+    begin with ``resp``, as OpenAI checks); ``store``. Raises BadRequest naming the field."""
+    instructions, items = data.get("instructions"), data.get("input")
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadRequest("'instructions' must be a string", param="instructions")
+    if isinstance(items, str):
+        text = items
+    elif isinstance(items, list) and items:
+        text = "".join(_item_text(item) for item in items)
+    else:
+        raise BadRequest("'input' is required and must be a string or a non-empty list of items", param="input")
+    previous = data.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous.startswith("resp")):
+        raise BadRequest(f"Invalid 'previous_response_id': {previous!r}. Expected an ID that begins with 'resp'.",
+                         param="previous_response_id")
+    for field in ("stream", "store"):
+        if not isinstance(data.get(field, False), bool):
+            raise BadRequest(f"'{field}' must be a boolean", param=field)
+    _check_counts(data, ("max_output_tokens",))
+    key = session_header_value or data.get("prompt_cache_key") or data.get("user")
+    return ParsedRequest(model=data["model"], text=f"{instructions}\n{text}" if instructions else text,
+                         session_key=key if isinstance(key, str) else None, stream=data.get("stream", False),
+                         body=body, max_tokens=data.get("max_output_tokens"), previous_response_id=previous,
+                         store=data.get("store", True))
+
+
+def _item_text(item) -> str:
+    """One Responses API input item as prompt text: a message's role and text, a tool output's text."""
+    if not isinstance(item, dict):
+        raise BadRequest("each input item must be an object", param="input")
+    if "role" in item:
+        if not isinstance(item["role"], str):
+            raise BadRequest("an input message needs a string 'role'", param="input")
+        content = item.get("content")
+        if isinstance(content, list):  # input_text / output_text parts; images and files pass through
+            content = [{"type": "text", "text": p.get("text")} if isinstance(p, dict) and
+                       str(p.get("type", "")).endswith("text") else p for p in content]
+        return f"{item['role']}: {_content_text(content)}\n"
+    output = item.get("output")
+    return output if isinstance(output, str) else ""
 
 
 def _is_token_id(value) -> bool:
@@ -202,9 +252,10 @@ def error_response(api: str, status: int, message: str, *, type_: str | None = N
 
 
 def openai_error(status: int, message: str, *, type_: str | None = None, param: str | None = None,
-                 headers: dict | None = None) -> web.Response:
-    """A JSON error response in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``."""
+                 headers: dict | None = None, code: str | None = None) -> web.Response:
+    """A JSON error response in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; ``code`` is
+    the HTTP status unless a string code is given (OpenAI's own, e.g. ``previous_response_not_found``)."""
     if type_ is None:
         type_ = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code or status}}
     return web.json_response(body, status=status, headers=headers)

@@ -1,8 +1,10 @@
 """Who may call what on a balancer: one aiohttp middleware in front of every route.
 
 - ``GET /healthz`` and ``GET``/``HEAD /`` (Ollama's "is it running"): open, for load balancers, Kubernetes probes and
-  the controller's health check.
-- The peer endpoint ``GET /skylb/v1/status`` (msgpack and ``?format=json``): the peer token (``X-SkyLB-Token``).
+  the controller's health check. To a browser ``/`` is the status page, which guards itself (skylb/status_page:
+  the login form, its stylesheet and script are open; the page needs the session cookie or protected mode).
+- The peer endpoint ``GET /skylb/v1/status`` (msgpack and ``?format=json``): the peer token (``X-SkyLB-Token``), or
+  the status page's session cookie (made with the peer token).
 - ``GET /metrics``: the metrics token or the peer token, as ``Authorization: Bearer <token>`` (what Prometheus's
   ``authorization`` setting sends); the peer token also as ``X-SkyLB-Token``.
 - The client APIs (``/v1/*``, ``/api/*``, the admission API ``/skylb/v1/schedule``, ``heartbeat``, ``complete``,
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from skylb import environment
+from skylb import environment, status_page
 from skylb.balancer.api import error_response, openai_error
 from skylb.balancer.protocol import FORWARDED_FROM, STATUS_PATH, TOKEN_HEADER
 from skylb.core.request import DEFAULT_TENANT
@@ -50,7 +52,7 @@ API_KEYS_FILE_ENV = environment.API_KEYS_FILE.name
 #: The metrics token (overrides ``balancer.metrics_token``).
 METRICS_TOKEN_ENV = environment.METRICS_TOKEN.name
 
-_OPEN_PATHS = frozenset({"/healthz", "/"})
+_OPEN_PATHS = frozenset({"/healthz", "/"}) | status_page.OPEN_PATHS
 _API_PREFIXES = ("/v1/", "/api/")
 #: The admission API (skylb/balancer/lease_api.py): client endpoints too; /skylb/v1/status stays peer-only.
 _CLIENT_PATHS = frozenset({"/skylb/v1/schedule", "/skylb/v1/heartbeat", "/skylb/v1/complete", "/skylb/v1/advice"})
@@ -169,6 +171,8 @@ def auth_middleware(creds: Credentials | Callable[[], Credentials]):
         # on a client's request).
         local = from_this_machine(request.remote) if path in (STATUS_PATH, "/metrics") else None
         if path == STATUS_PATH:
+            if status_page.session_ok(request, creds.peer_token, status_page.PEER_SESSION):
+                return await handler(request)  # the status page of an operator logged in with the peer token
             if creds.peer_token or not local:
                 return openai_error(403, _peer_refusal(creds, "the peer status"), type_="permission_error")
         elif path == "/metrics":

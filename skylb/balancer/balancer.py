@@ -26,8 +26,10 @@ from skylb.balancer.membership import MembershipWatcher
 from skylb.balancer.metrics import BalancerMetrics
 from skylb.balancer.probers import Probers
 from skylb.balancer.relay import Relay
+from skylb.balancer.responses import ResponseBook, retrieve_handler
 from skylb.balancer.retry import RetryBudget
 from skylb.balancer.stages import Chain, RequestLog, build_chain
+from skylb.balancer.tracing import FLUSH_S, start_tracing
 from skylb.config import BalancerConfig
 from skylb.core import Decision, build_router
 from skylb.quota.buckets import LimitBackend
@@ -55,7 +57,7 @@ class Balancer:
             skylb/balancer/static.py); None: membership comes from the controller, else from disk.
 
     Attributes (after ``start``): router, dispatcher, metrics, session (upstream aiohttp session), relay,
-    membership.
+    membership, tracing (skylb/balancer/spans.py Tracing, or None when tracing is off).
     """
 
     def __init__(self, cfg: BalancerConfig, *, region: str, advertise_url: str, client_keys: bool = False,
@@ -75,7 +77,10 @@ class Balancer:
         self.region = region
         self.advertise_url = advertise_url
         self.router = build_router(region, cfg)
-        self.metrics = BalancerMetrics(self.router, now=self.now, controller_reachable=self.controller_reachable)
+        #: The tenants client API keys map to (set by the application that checks the keys).
+        self.key_tenants: frozenset[str] = frozenset()
+        self.metrics = BalancerMetrics(self.router, now=self.now, controller_reachable=self.controller_reachable,
+                                       tenant_configured=self.tenant_configured)
         # Priority classes: tenants' weights for deficit round robin, read from the quotas in force at each turn.
         self.router.set_tenant_weights(lambda tenant: self.quotas.tenant(tenant).weight)
         #: Answers to repeated embedding requests, or None when balancer.embedding_cache is off.
@@ -89,14 +94,20 @@ class Balancer:
         #: The quota gate: a request waits here before the queue (skylb/quota/gate.py).
         self.quota_gate = build_gate(cfg.quota, quotas=lambda: self.quotas, limits=self.limits, now=self.now,
                                      registry=self.metrics.registry, region=region,
-                                     queue_timeout_s=cfg.queue_timeout_s)
+                                     queue_timeout_s=cfg.queue_timeout_s, tenant_label=self.metrics.tenant_label)
         self.quota_listeners.append(self.quota_gate.wake_all)
         #: The lease API's leases (skylb/balancer/lease_api.py), which the model-group stage honours.
         self.leases = LeaseBook()
         #: Counts every response and writes its log line (the chain's end, and errors answered by middleware).
         self.request_log = RequestLog(self.metrics, region=region)
+        #: Which target holds each stored OpenAI Responses API answer (skylb/balancer/responses.py).
+        self.responses = ResponseBook(now=self.now)
+        #: The handler of ``GET /v1/responses/{id}``, built at ``start``.
+        self.retrieve_response = None
         #: The request's path, built at ``start`` (it needs the relay's session).
         self.chain: Chain | None = None
+        #: Spans of each request, exported over OTLP (skylb/balancer/tracing.py); None while tracing is off.
+        self.tracing = None
         self.session: aiohttp.ClientSession | None = None
         self.relay: Relay | None = None
         self.membership: MembershipWatcher | None = None
@@ -124,6 +135,11 @@ class Balancer:
         """True when the latest controller call succeeded (False: serving on the last membership it knew)."""
         return bool(self.membership and self.membership.controller_reachable)
 
+    def tenant_configured(self, tenant: str) -> bool:
+        """True for ``default``, a tenant of the quotas in force and a tenant client API keys map to (metric labels
+        name only these)."""
+        return tenant == "default" or tenant in self.quotas.tenants or tenant in self.key_tenants
+
     def _count_routed(self, decision: Decision) -> None:
         if decision.route != "local":
             self._forwarded_at.append(self.now())
@@ -134,8 +150,7 @@ class Balancer:
     def _count_routed_metrics(self, decision: Decision) -> None:
         metrics = self.metrics
         metrics.child(metrics.routed, self.region, decision.route, decision.target).inc()
-        metrics.child(metrics.queue_wait, self.region).observe(decision.queued_s)
-        metrics.child(metrics.queue_wait_by_class, self.region, decision.request.priority).observe(decision.queued_s)
+        metrics.child(metrics.queue_wait, self.region, decision.request.priority).observe(decision.queued_s)
 
     def forwarded_rate(self, window_s: float = 60.0) -> float:
         """Requests forwarded to peers per second over the last ``window_s`` seconds (at most the last 10,000)."""
@@ -160,7 +175,14 @@ class Balancer:
             fleet=self.fleet, metrics=self.metrics, budget=self.retry_budget, now=self.now, in_flight=self.in_flight,
             quotas=lambda: self.quotas, quota_gate=self.quota_gate, group_gate=self.gate, leases=self.leases,
             embed_cache=self.embed_cache, client_keys=self.client_keys, recently_served=self.model_recently_served,
-            request_log=self.request_log)
+            request_log=self.request_log, responses=self.responses)
+        self.retrieve_response = retrieve_handler(
+            self.responses, target_url=self.target_url, session=lambda: self.session, region=self.region,
+            peer_token=cfg.peer_token, replica_auth=self.relay.replica_authorization)
+        self.tracing = start_tracing(cfg.tracing, region=self.region, instance=self.advertise_url)
+        if self.tracing is not None:  # off: the chain as built, no span on any request's path
+            self.chain = self.tracing.traced(self.chain)
+            log.info("tracing_on", region=self.region, otlp_endpoint=self.tracing.endpoint)
         self.membership = MembershipWatcher(
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
             state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
@@ -211,6 +233,8 @@ class Balancer:
         self.dispatcher.fail_waiting("balancer shutting down")
         if self.session:
             await self.session.close()
+        if self.tracing is not None and not await self.tracing.shutdown(FLUSH_S):
+            log.warning("tracing_flush_timed_out", region=self.region, waited_s=FLUSH_S)
 
     def apply_quotas(self, quotas: Quotas) -> None:
         """Put ``quotas`` in force at once (no restart): set ``self.quotas``, then call every listener in
@@ -281,6 +305,11 @@ class Balancer:
             return False
         at = seen[1] if with_peers else seen[0]
         return at is not None and self.now() - at <= self.cfg.model_memory_s
+
+    def target_url(self, route: str, target: str) -> str | None:
+        """The base URL of a local replica (route "local") or a peer (route "peer"), None when it is not there."""
+        state = (self.router.replicas if route == "local" else self.router.peers).get(target)
+        return None if state is None else state.url
 
     def regions_share(self) -> float:
         """1 / the number of regions whose balancers this one knows in membership (itself and its live peers)."""

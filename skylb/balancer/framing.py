@@ -4,8 +4,9 @@ Why the relay re-frames instead of passing chunks through as they come: a chunk 
 and when the upstream then fails the relay must end the stream with an error event of its own; written after half an
 event it would be spliced into that event and the client's parser would see garbage. So only whole events go to the
 client, the tail waits for its end, and a failure drops the tail and appends a well-formed error event. The framer
-also says whether the stream ended properly (SSE ``data: [DONE]``, an NDJSON object with ``"done": true``, or an
-error event of the engine's own) and whether an event is garbage (not JSON), so a truncated or garbled stream is
+also says whether the stream ended properly (SSE ``data: [DONE]``, an NDJSON object with ``"done": true``, an
+error event of the engine's own, or the OpenAI Responses API's last event: ``response.completed``, ``.failed``,
+``.incomplete`` or ``error``, after which vLLM sends no ``[DONE]``) and whether an event is garbage (not JSON), so a truncated or garbled stream is
 reported to the client and counted against the replica instead of ending silently.
 Sources: Ollama's API docs ("Streaming responses": NDJSON), the OpenAI API reference ("Streaming"), the WHATWG
 HTML Standard §9.2 "Server-sent events" (field lines, blank line ends an event, lines starting with ``:`` are
@@ -23,6 +24,8 @@ __all__ = ["StreamFramer", "FramingError", "MAX_EVENT_BYTES", "stream_kind"]
 MAX_EVENT_BYTES = 4 << 20
 _SSE_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _SSE_FIELDS = frozenset({b"data", b"event", b"id", b"retry", b"error"})
+#: The ``type`` of a Responses API event that ends its stream (OpenAI API reference, "Streaming events").
+_LAST_RESPONSE_EVENTS = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
 
 
 class FramingError(ValueError):
@@ -115,7 +118,7 @@ class StreamFramer:
             self.done = True
             return
         obj = _json(payload, "SSE data")
-        if isinstance(obj, dict) and "error" in obj:
+        if isinstance(obj, dict) and ("error" in obj or obj.get("type") in _LAST_RESPONSE_EVENTS):
             self.done = True
 
     def _check_ndjson(self, line: bytes) -> None:

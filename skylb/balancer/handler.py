@@ -1,8 +1,9 @@
 """The handler of every generation and embedding endpoint: a RequestContext for the request, run through the
 balancer's chain of stages (skylb/balancer/stages/).
 
-Endpoints: OpenAI ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``; Ollama ``/api/generate``,
-``/api/chat``, ``/api/embed``, ``/api/embeddings``. From SIGTERM on, new requests get 503 (drain).
+Endpoints: OpenAI ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``; Ollama
+``/api/generate``, ``/api/chat``, ``/api/embed``, ``/api/embeddings``. From SIGTERM on, new requests get 503 (drain).
+``GET /v1/responses/{id}`` goes to the target that holds that response (skylb/balancer/responses.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from skylb.balancer.status import BALANCER
 __all__ = ["handle_generate", "ROUTES", "GENERATE_PATHS", "REQUEST_IDS", "api_of"]
 
 #: The endpoints whose requests are queued, routed and relayed.
-GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
                   "/api/generate", "/api/chat", "/api/embed", "/api/embeddings")
 
 #: Request key: (the balancer's request id, the client's X-Request-Id label), for the error middleware's log line.
@@ -60,5 +61,11 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         balancer.active_requests -= 1
 
 
-#: The generation and embedding routes.
-ROUTES = [web.post(path, handle_generate) for path in GENERATE_PATHS]
+async def handle_retrieve_response(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/responses/{response_id}``: the stored response, from the target that holds it (or 404)."""
+    return await request.app[BALANCER].retrieve_response(request)
+
+
+#: The generation and embedding routes, and the Responses API's retrieve.
+ROUTES = [*(web.post(path, handle_generate) for path in GENERATE_PATHS),
+          web.get("/v1/responses/{response_id}", handle_retrieve_response)]

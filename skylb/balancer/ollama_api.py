@@ -15,7 +15,7 @@ import json
 import aiohttp
 from aiohttp import web
 
-from skylb import __version__
+from skylb import __version__, status_page
 from skylb.balancer.api import ollama_error
 from skylb.balancer.protocol import TOKEN_HEADER
 from skylb.balancer.status import BALANCER
@@ -42,6 +42,9 @@ async def _fetch_all(balancer, replicas, path):
 
 
 async def _root(request: web.Request) -> web.Response:
+    """``GET /``: Ollama's "is it running" answer; to a browser (``Accept: text/html``), the status page."""
+    if status_page.wants_html(request):
+        return await status_page.handle_page(request)
     return web.Response(text="Ollama is running")
 
 

@@ -4,8 +4,9 @@ one region's balancer process, speaking the OpenAI and Ollama APIs.
 Start-up and shut-down: the aiohttp application and its routes, the command line, and serving until SIGTERM or SIGINT;
 SIGHUP (or a change of the config or keys file) reloads what can change at run time (skylb/balancer/reload.py).
 Through the chain of stages (skylb/balancer/handler.py, skylb/balancer/stages/): ``POST /v1/chat/completions``,
-``/v1/completions``, ``/v1/embeddings``, ``/api/generate``, ``/api/chat``, ``/api/embed``, ``/api/embeddings``. Answered
-without queueing (status.py, ollama_api.py, model_management.py, lease_api.py): ``GET /v1/models``, the Ollama metadata
+``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``, ``/api/generate``, ``/api/chat``, ``/api/embed``,
+``/api/embeddings``. Answered without queueing (status.py, ollama_api.py, model_management.py, lease_api.py,
+responses.py): ``GET /v1/models``, ``GET /v1/responses/{id}`` (from the replica holding it), the Ollama metadata
 endpoints (``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/version``, ``GET``/``HEAD /``), ``GET /healthz``, ``GET
 /metrics`` (Prometheus), ``GET /skylb/v1/status`` (msgpack for peers; JSON with ``?format=json`` for operators). Who may
 call which route (client API keys, the peer token, the metrics token) is checked before any handler, in
@@ -27,8 +28,8 @@ import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
-from skylb import aio
-from skylb.balancer import handler, lease_api, model_management, ollama_api, status
+from skylb import aio, status_page
+from skylb.balancer import handler, lease_api, model_management, ollama_api, status, tracing
 from skylb.balancer.auth import Credentials, auth_middleware
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.handler import REQUEST_IDS, api_of
@@ -53,9 +54,12 @@ SHUTDOWN_TIMEOUT_S = 2.0
 
 def stop_time_bound_s(cfg: BalancerConfig) -> float:
     """The longest a balancer takes to exit after SIGTERM, s: the drain, the bounded end of what is left
-    (skylb.balancer.balancer.DRAIN_END_S), aiohttp's shutdown. A supervisor's stop timeout must be longer."""
+    (skylb.balancer.balancer.DRAIN_END_S), aiohttp's shutdown, the last spans' export (skylb.balancer.tracing.FLUSH_S,
+    counted whether or not tracing is on: the environment may turn it on). A supervisor's stop timeout must be
+    longer."""
     from skylb.balancer.balancer import DRAIN_END_S
-    return cfg.drain_timeout_s + DRAIN_END_S + SHUTDOWN_TIMEOUT_S
+    from skylb.balancer.tracing import FLUSH_S
+    return cfg.drain_timeout_s + DRAIN_END_S + SHUTDOWN_TIMEOUT_S + FLUSH_S
 
 #: Environment variable with the peer token (overrides ``balancer.peer_token``), so the secret can live outside the
 #: config file: a systemd EnvironmentFile, a Kubernetes Secret. `skylb-ctl status` reads the same variable.
@@ -114,7 +118,10 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     app[CREDENTIALS] = creds
     balancer = Balancer(cfg, region=region, advertise_url=advertise_url, client_keys=bool(api_keys),
                         static_membership=static_membership)
+    balancer.key_tenants = frozenset(creds.get().tenants.values())
     app[BALANCER] = balancer
+    app[status_page.ACCESS] = status_page.PageAccess(cfg.peer_token, "the peer token", f"region {region}",
+                                                     status_page.PEER_SESSION)
 
     async def lifecycle(app: web.Application):
         await balancer.start()
@@ -126,6 +133,7 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     app.add_routes(handler.ROUTES)  # /v1/chat/completions, /api/generate, ...: the chain
     app.add_routes(status.ROUTES)  # /v1/models, /healthz, /metrics, /skylb/v1/status
     app.add_routes(ollama_api.ROUTES)  # /, /api/version, /api/tags, /api/ps, /api/show
+    app.add_routes(status_page.ROUTES)  # /skylb/login, /skylb/logout, /skylb/static/*: the status page at /
     app.add_routes(model_management.ROUTES)  # /api/pull, /api/delete, /api/copy, /api/create
     if cfg.quota.enabled:
         app.add_routes(lease_api.ROUTES)  # /skylb/v1/schedule, heartbeat, complete, advice
@@ -195,7 +203,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         configure_logging(level=args.log_level)
         settings = resolve(args)
-    except (ConfigError, ValidationError, ValueError) as exc:
+        tracing.check_installed(settings.cfg.tracing)
+    except (ConfigError, ValidationError, ValueError, RuntimeError) as exc:
         print(f"skylb balancer: {exc}", file=sys.stderr)
         return 2
     cfg = settings.cfg.model_copy()  # the running copy gets the real port; a reload compares with the file's

@@ -6,7 +6,8 @@ with a well-formed error event instead of a retry (no spliced, duplicated genera
 when the client leaves aborts the upstream request, so the engine frees the slot. Timeouts are per phase (first byte,
 then idle between chunks), never a total that would cut a long generation (aiohttp's client default, a 300 s total,
 would). Streams are relayed whole event by whole event (framing.py), so an error event is never spliced into half an
-event, and garbage is caught.
+event, and garbage is caught. An Ollama-API request translated to the OpenAI API (skylb/balancer/translate.py) is sent
+to the OpenAI path, and its answer, whole or streamed, is turned back into Ollama's shape on the way.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from skylb.balancer.api import error_response
 from skylb.balancer.framing import FramingError, StreamFramer, stream_kind
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER,
                                      MODEL_HEADER, ROUTE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER)
+from skylb.balancer.translate import StreamTranslator, Translation
 from skylb.balancer.usage import UsageTap, usage_of, usage_of_body
 from skylb.core import Decision
 from skylb.core.rates import Usage
@@ -39,8 +41,11 @@ STREAM_STARTED = (web.RequestKey("skylb_stream_started", bool) if hasattr(web, "
 _FULL_CHECK_BYTES = 1 << 20
 #: ``_checked_body``'s mark for a body too large to decode.
 _NOT_DECODED = object()
-#: Client headers passed to the upstream (auth and session keys; hop-by-hop headers are not).
-_PASS_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "X-Session-ID", "Accept")
+#: Client headers passed to the upstream (auth and session keys; hop-by-hop headers are not). A balancer that does not
+#: trace passes the caller's W3C trace context on unchanged, as a proxy that takes no part in the trace does, so the
+#: replica's own spans still join the caller's trace; one that traces sends its relay span's instead (``relay``).
+_PASS_HEADERS = ("Authorization", "OpenAI-Organization", "OpenAI-Project", "X-Session-ID", "Accept",
+                 "traceparent", "tracestate")
 
 
 @dataclass
@@ -96,8 +101,12 @@ class Relay:
                                                                         if h != "Authorization")
         self.pass_headers = tuple(dict.fromkeys((*pass_headers, session_header)))
 
-    def _upstream_headers(self, request: web.Request, decision: Decision, request_id: str) -> dict:
+    def _upstream_headers(self, request: web.Request, decision: Decision, request_id: str,
+                          trace_headers: dict[str, str] | None = None) -> dict:
         headers = {h: request.headers[h] for h in self.pass_headers if h in request.headers}
+        if trace_headers is not None:
+            headers.pop("tracestate", None)  # the relay span's context replaces the caller's as a whole
+            headers.update(trace_headers)
         headers["Content-Type"] = "application/json"
         headers[REQUEST_ID_HEADER] = request_id
         # Plain bytes from upstream: the relay re-frames streams (framing.py), times the first byte and checks
@@ -116,6 +125,13 @@ class Relay:
             headers["Authorization"] = f"Bearer {self.replica_api_key}"
         return headers
 
+    def replica_authorization(self, request: web.Request) -> str | None:
+        """The Authorization a local replica gets for ``request``: the replica API key, else the client's own
+        when it is passed on (no SkyLB client keys), else None."""
+        if self.replica_api_key:
+            return f"Bearer {self.replica_api_key}"
+        return request.headers.get("Authorization") if "Authorization" in self.pass_headers else None
+
     def _client_headers(self, upstream: aiohttp.ClientResponse, decision: Decision, request_id: str) -> dict:
         if decision.route == "local":
             route, served_by = "local", f"{self.region}/{decision.target}"
@@ -132,7 +148,11 @@ class Relay:
     async def relay(self, request: web.Request, body: bytes, decision: Decision, *, request_id: str,
                     arrived_at: float, retry_allowed: bool, api: str = "openai", stream: bool = True,
                     on_first_byte: Callable[[float], None] | None = None, client_request_id: str | None = None,
-                    abandon: Callable[[], str | None] | None = None, check_s: float = 0.05) -> RelayOutcome:
+                    abandon: Callable[[], str | None] | None = None, check_s: float = 0.05,
+                    extra_headers: dict[str, str] | None = None,
+                    on_head: Callable[[bytes], None] | None = None,
+                    trace_headers: dict[str, str] | None = None,
+                    translation: Translation | None = None) -> RelayOutcome:
         """Send ``body`` to the decision's target at the client's path and relay the answer.
 
         ``request_id`` is the balancer's own id (sent upstream as X-Request-Id, to the client as
@@ -147,21 +167,30 @@ class Relay:
         ``abandon()``, checked every ``check_s`` s until the first byte, returns why the target is to be given up
         (a partitioned peer: its status went stale), so no request waits on it for the whole first-byte timeout.
 
+        ``trace_headers`` (``traceparent``, ``tracestate``: the relay span's W3C trace context) replace the client's
+        trace context upstream, when the balancer traces (skylb/balancer/spans.py).
+
         ``on_first_byte(ttft_s)`` is called when the first streamed byte has been written to the client, so the
         TTFT histogram is current while a long stream is still running (and before the client can see its end).
+        ``on_head(bytes)`` is called with the head of a successful (< 400) answer before it goes to the client: the
+        whole body, or a stream's first whole event. ``extra_headers`` go to the client with the answer.
 
         Returns RelayOutcome(response=None, ...) when the target failed before any byte went to the client and
         ``retry_allowed``; otherwise the response already sent (an error in the API's shape if the target failed).
         If the client goes away (the handler is cancelled) the upstream request is closed, so the engine stops.
+
+        ``translation``: the request (``body``) is an Ollama-API request translated to the OpenAI API: it goes to
+        the translation's path, and the answer comes back in Ollama's shape (NDJSON for a stream).
         """
-        url = decision.url + request.rel_url.path_qs
+        url = decision.url + (translation.path if translation is not None else request.rel_url.path_qs)
         first_timeout = self.first_byte_timeout_s if stream else self.response_timeout_s
 
         def failed(status: int, error: str) -> RelayOutcome:
             response = None if retry_allowed else error_response(api, status, error)
             return RelayOutcome(response, status, error=error, failure="gateway")
 
-        upstream_cm = self.session.post(url, data=body, headers=self._upstream_headers(request, decision, request_id))
+        upstream_cm = self.session.post(url, data=body,
+                                        headers=self._upstream_headers(request, decision, request_id, trace_headers))
         upstream: aiohttp.ClientResponse | None = None
         abandoned: list[str] = []
         watchdog = None
@@ -189,15 +218,19 @@ class Relay:
             finally:
                 if watchdog is not None:
                     watchdog.cancel()
-            headers = self._client_headers(upstream, decision, request_id)
+            headers = {**self._client_headers(upstream, decision, request_id), **(extra_headers or {})}
             if client_request_id is not None:
                 headers[REQUEST_ID_HEADER] = client_request_id
+            if on_head is not None and upstream.status < 400:
+                on_head(data if framer is None else first)
             if framer is None:
-                return self._checked_body(upstream.status, data, headers, decision, api, retry_allowed)
+                return self._checked_body(upstream.status, data, headers, decision, api, retry_allowed,
+                                          translation)
             if not first:  # the stream ended before its first event: nothing was generated
                 return failed(502, f"{decision.target} sent an empty stream")
             return await self._relay_stream(request, upstream, framer, first, eof, headers, decision,
-                                            arrived_at=arrived_at, on_first_byte=on_first_byte)
+                                            arrived_at=arrived_at, on_first_byte=on_first_byte,
+                                            translator=translation.stream() if translation is not None else None)
         finally:
             if upstream is not None:
                 if not upstream.content.is_eof():
@@ -205,14 +238,16 @@ class Relay:
                 await upstream_cm.__aexit__(None, None, None)
 
     def _checked_body(self, status: int, data: bytes, headers: dict, decision: Decision, api: str,
-                      retry_allowed: bool) -> RelayOutcome:
+                      retry_allowed: bool, translation: Translation | None = None) -> RelayOutcome:
         """A whole (not streamed) answer. JSON passes unchanged (as application/json, whatever type the upstream
         named; bodies over _FULL_CHECK_BYTES, large embeddings, are only checked to start and end as JSON does:
-        parsing them costs more than they risk). A 2xx that is not JSON is the target's failure (502, or a retry);
-        a non-JSON error page becomes an error in the API's shape with the upstream's status."""
+        parsing them costs more than they risk), or, with a ``translation``, decoded and turned into Ollama's shape
+        (an answer in no OpenAI shape is the target's failure, as garbage is). A 2xx that is not JSON is the target's
+        failure (502, or a retry); a non-JSON error page becomes an error in the API's shape with the upstream's
+        status."""
         decoded = _NOT_DECODED
         try:
-            if len(data) <= _FULL_CHECK_BYTES:
+            if len(data) <= _FULL_CHECK_BYTES or translation is not None:
                 decoded = json.loads(data)
             elif data.strip()[:1] not in (b"{", b"[") or data.strip()[-1:] not in (b"}", b"]"):
                 raise ValueError("not JSON")
@@ -228,24 +263,37 @@ class Relay:
         usage = None
         if status < 400:  # the body decoded above is read for its usage, not decoded again
             usage = usage_of_body(data) if decoded is _NOT_DECODED else usage_of(decoded)
+        if translation is not None:
+            try:
+                data = translation.answer(decoded)
+            except FramingError as exc:
+                error = f"{decision.target} answered HTTP {status} with {exc}"
+                response = None if retry_allowed and status < 400 else error_response(api, 502, error)
+                return RelayOutcome(response, 502, error=error, failure="gateway")
         return RelayOutcome(web.Response(status=status, body=data, headers=headers), status,
                             failure=_failure_of(status), usage=usage)
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, framer: StreamFramer,
                             first: bytes, eof: bool, headers: dict, decision: Decision, *, arrived_at: float,
-                            on_first_byte: Callable[[float], None] | None) -> RelayOutcome:
+                            on_first_byte: Callable[[float], None] | None,
+                            translator: StreamTranslator | None = None) -> RelayOutcome:
         """Relay an SSE / NDJSON answer from its ``first`` whole event on, event by event; each chunk must come
         within ``idle_timeout_s``. A stall, a cut, a truncated or malformed stream ends the client's stream with a
-        well-formed error event (never a retry) and counts as the target's gateway failure."""
+        well-formed error event (never a retry) and counts as the target's gateway failure. With a ``translator``,
+        the SSE events go to the client as Ollama NDJSON lines."""
         loop = asyncio.get_running_loop()
         failure = _failure_of(upstream.status)
+        if translator is not None:
+            headers["Content-Type"] = "application/x-ndjson"
+        out = translator.feed if translator is not None else (lambda events: events)
+        client_kind = "ndjson" if translator is not None else framer.kind
         response = await _start_stream(request, upstream.status, headers)
         ttft = loop.time() - arrived_at
         error = None
         tap = UsageTap(framer.kind)  # the last event's token counts, for measured speed
         tap.feed(first)
         try:
-            await response.write(first)
+            await response.write(out(first))
             if on_first_byte is not None:
                 on_first_byte(ttft)
             while not eof:
@@ -264,7 +312,7 @@ class Relay:
                     eof, events = True, framer.finish()
                 if events:
                     tap.feed(events)
-                    await response.write(events)
+                    await response.write(out(events))
             if error is None and not framer.done:
                 error = f"{decision.target} ended the stream before its last event"
         except FramingError as exc:
@@ -274,7 +322,7 @@ class Relay:
         try:
             if error is not None:  # bytes already reached the client: end the stream with an error event
                 failure = "gateway"
-                await response.write(_stream_error_event(framer.kind, error))
+                await response.write(_stream_error_event(client_kind, error))
             await response.write_eof()
         except ConnectionResetError:
             return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure)

@@ -167,6 +167,7 @@ class Reload:
         self.settings = Settings(cfg=applied, region=old.region, api_keys=new.api_keys, tenants=new.tenants,
                                  static_membership=old.static_membership, config_path=old.config_path)
         self.set_credentials(self.settings.credentials())
+        self.balancer.key_tenants = frozenset(self.settings.tenants.values())  # metric labels of configured tenants
         self._apply_quotas(old.cfg, applied)
         log.info("reload_done", reason=reason, client_api_keys=len(new.api_keys),
                  tenants=len(set(new.tenants.values())), needs_restart=len(restart))

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from aiohttp import web
 
 from skylb.balancer.api import openai_error
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.ollama_fleet import replica_thermal
-from skylb.balancer.metrics import CONTENT_TYPE
+from skylb.balancer.metrics import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 from skylb.engines.auto import detected_engine
 from skylb.quota.buckets import LocalLimits
@@ -24,7 +25,9 @@ BALANCER = web.AppKey("balancer", Balancer)
 
 def detailed_status(balancer: Balancer) -> dict:
     """A JSON-able view for operators: the peer status plus every replica and peer with its availability and the
-    reason it is unavailable, the policy, and the controller's reachability and membership revision."""
+    reason it is unavailable, the policy, and the controller's reachability and membership revision; ``time`` is
+    when the view was taken (unix s), ``kv_usage`` a replica's KV cache use at its latest probe (0-1, None when
+    its engine does not say)."""
     now, router = balancer.now(), balancer.router
     membership = balancer.membership
     return {
@@ -32,6 +35,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "policy": balancer.cfg.policy,
         "controller_reachable": balancer.controller_reachable(),
         "membership_revision": membership.revision if membership else None,
+        "time": round(time.time(), 3),
         "draining": balancer.draining,
         "in_flight": balancer.in_flight(),
         "forwarded_per_s": balancer.forwarded_rate(),
@@ -44,7 +48,8 @@ def detailed_status(balancer: Balancer) -> dict:
             {"id": r.id, "url": r.url, "healthy": r.healthy, "pending": r.pending,
              # --engine auto: the engine detected (skylb/engines/auto.py), once known.
              "engine": (detected_engine(r.url) or r.engine) if r.engine == "auto" else r.engine,
-             "running": r.running, "outstanding": r.outstanding, "draining": r.draining, "served": r.served,
+             "running": r.running, "outstanding": r.outstanding, "kv_usage": r.kv_usage, "draining": r.draining,
+             "served": r.served,
              "admission_capacity": r.slots if r.slots is not None else r.capacity.limit,
              "ejections": r.ejections, "ejected_for_s": _left(r.ejected_until, now),
              "available": router.replica_available(r, now),
@@ -123,8 +128,15 @@ async def handle_healthz(request: web.Request) -> web.Response:
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    """``GET /metrics``: Prometheus text."""
-    return web.Response(body=request.app[BALANCER].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    """``GET /metrics``: Prometheus text; OpenMetrics text, with the TTFT histogram's exemplars (trace ids), when the
+    balancer traces and the scraper accepts ``application/openmetrics-text`` (Prometheus asks for it first; it keeps
+    exemplars with ``--enable-feature=exemplar-storage``). Without tracing there is no exemplar, and the answer stays
+    Prometheus text whatever is asked."""
+    balancer = request.app[BALANCER]
+    if balancer.tracing is not None and "application/openmetrics-text" in request.headers.get("Accept", ""):
+        return web.Response(body=balancer.metrics.render_openmetrics(),
+                            headers={"Content-Type": OPENMETRICS_CONTENT_TYPE})
+    return web.Response(body=balancer.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def handle_models(request: web.Request) -> web.Response:

@@ -12,6 +12,9 @@ completion object):
   ``prompt_tokens_details.cached_tokens``} in the non-streamed body; in a stream, in the last chunk when the client
   asked for ``stream_options.include_usage`` (or the engine sends it anyway, as llama.cpp does). No durations: the
   balancer's measured TTFT and end-to-end time stand in (RateBook.observe).
+* OpenAI Responses API (``/v1/responses``): ``usage`` {``input_tokens``, ``output_tokens``,
+  ``input_tokens_details.cached_tokens``} in the response object: the body, or a stream's ``response.completed``
+  event (under ``response``).
 
 Streams are scanned cheaply: only events whose bytes mention ``usage`` or ``eval_count`` are parsed.
 """
@@ -53,13 +56,17 @@ def usage_of(obj: Any) -> Usage | None:
             return None
         return Usage(prompt_tokens=prompt, prefilled_tokens=prompt, output_tokens=out,
                      prompt_s=_ns(obj.get("prompt_eval_duration")), decode_s=_ns(obj.get("eval_duration")))
+    if isinstance(obj.get("response"), dict):  # a Responses API stream event
+        obj = obj["response"]
     u = obj.get("usage")
     if not isinstance(u, dict):
         return None
-    prompt, out = _count(u.get("prompt_tokens")), _count(u.get("completion_tokens"))
+    responses_api = "input_tokens" in u
+    prompt = _count(u.get("input_tokens" if responses_api else "prompt_tokens"))
+    out = _count(u.get("output_tokens" if responses_api else "completion_tokens"))
     if prompt is None or out is None:
         return None
-    details = u.get("prompt_tokens_details")
+    details = u.get("input_tokens_details" if responses_api else "prompt_tokens_details")
     cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
     return Usage(prompt_tokens=prompt, prefilled_tokens=max(0, prompt - (cached or 0)), output_tokens=out)
 

@@ -55,7 +55,7 @@ class RouterSettings(Protocol):
         stale. peer_stale_after_intervals: the same for a peer's status when sooner (0: stale_after_intervals
         alone). tau: the longest peer queue that keeps a peer available. max_dispatch_per_probe: optional ceiling
         between two probes (0: none). learn_capacity: learn each replica's admission capacity
-        (skylb/core/capacity.py). max_queue: the most requests the queue holds. outlier_detection: when a failing
+        (skylb/core/capacity.py). pending_allowance: requests allowed to wait in a replica's queue beyond it. max_queue: the most requests the queue holds. outlier_detection: when a failing
         replica or peer is ejected. ollama_fleet: the Ollama fleet rules (all off by default). priorities:
         priority classes in the queue.
     """
@@ -68,6 +68,7 @@ class RouterSettings(Protocol):
     tau: int
     max_dispatch_per_probe: int
     learn_capacity: bool
+    pending_allowance: int
     max_queue: int
     outlier_detection: OutlierSettings
     ollama_fleet: FleetSettings
@@ -85,7 +86,7 @@ def build_rules(settings: RouterSettings) -> AvailabilityRules:
     interval_s = settings.probe_interval_ms / 1000
     return AvailabilityRules(tau=settings.tau, stale_after_s=interval_s * settings.stale_after_intervals,
                              max_dispatch_per_probe=settings.max_dispatch_per_probe,
-                             learn_capacity=settings.learn_capacity,
+                             learn_capacity=settings.learn_capacity, pending_allowance=settings.pending_allowance,
                              peer_stale_after_s=interval_s * settings.peer_stale_after_intervals)
 
 

@@ -43,6 +43,9 @@ class Request:
         tenant: the tenant it belongs to (its client API key's; "default" without one); tenants of one class share
             the queue by weighted deficit round robin.
         cost: what one placement charges its tenant under deficit round robin (1: shares counted in requests).
+        pin: the one target that may serve it, as ("local", replica id) or ("peer", region), or None (any): a
+            follow-up of a stateful answer (OpenAI Responses ``previous_response_id``) must reach the replica that
+            holds the state. A pinned request is placed by ``Router.place_pinned``, never through the queue.
     """
 
     id: str
@@ -61,6 +64,7 @@ class Request:
     priority: str = "normal"
     tenant: str = DEFAULT_TENANT
     cost: float = 1.0
+    pin: tuple[str, str] | None = None
     #: The prompt's characters as skylb/core/rates.py ``prompt_chars`` counts them, cached by ``request_chars``
     #: (a decision may need them several times, and a long prompt costs a scan each time).
     chars: int | None = field(default=None, repr=False)

@@ -293,15 +293,7 @@ class Router:
                 if busy and policy.hold_for_faster(request, replica, busy, len(self.queue)):
                     return None
             if peer is None:
-                replica.outstanding += 1
-                replica.dispatch_times.append(now)
-                replica.served += 1
-                replica.add_unprefilled(request.id, policy.uncached_tokens(request, replica.id))
-                policy.rates.dispatched(replica.rates, request.id, request.model, request.text,
-                                        chars=request_chars(request))
-                policy.routed(request, replica=replica.id)
-                self.fleet.routed(request, replica)
-                return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now)
+                return self._to_replica(request, replica, now)
         elif peers:
             peer = policy.pick_peer(request, peers)
         elif request.may_forward:
@@ -312,11 +304,66 @@ class Router:
                 return None
         else:
             return None
+        return self._to_peer(request, peer, now)
+
+    def _to_replica(self, request: Request, replica: ReplicaState, now: float) -> Decision:
+        """Send ``request`` to local ``replica`` at ``now``: count it there (outstanding, prefill backlog, rates,
+        trie, fleet) and return the decision."""
+        policy = self.policy
+        replica.outstanding += 1
+        replica.dispatch_times.append(now)
+        replica.served += 1
+        replica.add_unprefilled(request.id, policy.uncached_tokens(request, replica.id))
+        policy.rates.dispatched(replica.rates, request.id, request.model, request.text, chars=request_chars(request))
+        policy.routed(request, replica=replica.id)
+        self.fleet.routed(request, replica)
+        return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now)
+
+    def _to_peer(self, request: Request, peer: PeerState, now: float) -> Decision:
+        """Forward ``request`` to ``peer`` at ``now``: count it there and return the decision."""
         peer.outstanding += 1
         peer.sent_since_probe += 1
         peer.forwarded += 1
-        policy.routed(request, peer=peer.region)
+        self.policy.routed(request, peer=peer.region)
         return Decision(request, "peer", peer.region, peer.url, now - request.arrived_at, now)
+
+    def pinned_unavailable_reason(self, pin: tuple[str, str], now: float, *, may_forward: bool = True,
+                                  model: str = "", api: str = "openai") -> tuple[str, str] | None:
+        """Why target ``pin`` (("local", replica id) or ("peer", region)) cannot take a request (for ``model`` in
+        dialect ``api``; ``may_forward``: not itself forwarded) at ``now``, as (kind, words), or None when it can.
+        kind "gone": the target left (a replica no longer in membership or draining, a peer no longer known, a
+        forwarded request pinned to a peer: one hop); "unavailable": it is there but unusable now (unhealthy, its
+        probe stale, ejected; it may come back). Busy is no reason: the target is the only one that can serve it,
+        so it queues there rather than here."""
+        route, target = pin
+        if route == "local":
+            replica = self.replicas.get(target)
+            if replica is None or replica.draining:
+                return "gone", f"replica {target} left this region's membership"
+            if not self._replica_usable(replica, now):
+                reason = self.rules.replica_unavailable_reason(replica, now) or "ejected (outlier detection)"
+                return "unavailable", f"replica {target} is unavailable now: {reason}"
+            return None
+        peer = self.peers.get(target)
+        if peer is None or not may_forward:
+            return "gone", (f"region {target}'s balancer is not a peer now" if peer is None
+                            else "a forwarded request is never forwarded again")
+        reason = self.rules.peer_unreachable_reason(peer, now, model, api)
+        if reason is None and self._ejected(peer, now):
+            reason = "ejected (outlier detection)"
+        return None if reason is None else ("unavailable", f"region {target}'s balancer is unavailable now: {reason}")
+
+    def place_pinned(self, request: Request, now: float) -> Decision | None:
+        """Send ``request`` to its pinned target (``request.pin``) at once, bypassing the queue (blind pushing to
+        the one target that can serve it: waiting here would only hold up the requests behind it); None when
+        ``pinned_unavailable_reason`` gives a reason. Count and release the decision as any other."""
+        if self.pinned_unavailable_reason(request.pin, now, may_forward=request.may_forward, model=request.model,
+                                          api=request.api) is not None:
+            return None
+        route, target = request.pin
+        if route == "local":
+            return self._to_replica(request, self.replicas[target], now)
+        return self._to_peer(request, self.peers[target], now)
 
     def first_token(self, decision: Decision) -> None:
         """``decision``'s first token came back: its prompt no longer waits for prefill on its replica."""

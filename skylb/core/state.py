@@ -11,7 +11,8 @@ One refinement beyond the paper: a probe is a snapshot, and between two probes t
 requests onto a replica that looked empty. Each replica's admission capacity (the requests it runs at once) is
 learned from its probes (skylb/core/capacity.py) or read from the engine (llama.cpp's slots), and a replica whose
 running batch plus the requests sent since its probe reaches it is full ("batch full"), so a burst spreads over
-the replicas with room and a large batch is not throttled. A peer gets at most one request per available replica
+the replicas with room and a large batch is not throttled; ``pending_allowance`` (default 1) lets that many more wait
+in the engine's own queue, ready for the next freed slot. A peer gets at most one request per available replica
 it reported until its next status. ``max_dispatch_per_probe`` is an optional ceiling on requests sent to one
 replica between two of its probes (0, the default: none). Each unavailable target carries a reason, shown in
 status and metrics.
@@ -254,6 +255,9 @@ class AvailabilityRules:
             pending requests and the engine's reported slots (llama.cpp) bound it (the paper's rule).
         peer_stale_after_s: a peer's status older than this plus two of its round trips (s) is stale, when sooner
             than ``stale_after_s``: a partitioned peer is unavailable within a few probe intervals (0: not used).
+        pending_allowance: with a learned capacity, requests that may wait in a replica's own queue beyond it
+            (requests): one waiting there starts at the engine's next step after a slot frees, without a round trip
+            through this balancer (not added to slots an engine reports: llama.cpp queues nothing beyond them).
     """
 
     tau: int = 2
@@ -261,6 +265,7 @@ class AvailabilityRules:
     max_dispatch_per_probe: int = 0
     peer_stale_after_s: float = 0.0
     learn_capacity: bool = True
+    pending_allowance: int = 1
 
     def peer_stale_s(self, p: PeerState) -> float:
         """How old peer ``p``'s latest status may be before it is stale, s."""
@@ -289,7 +294,8 @@ class AvailabilityRules:
         if r.running is not None and limit is not None:
             # The probe may miss a request that raced it on another connection; this balancer's own in-flight count
             # never does (it only errs high, by responses still draining).
-            if max(r.running + r.pending + r.sent_since_probe, r.outstanding) >= limit:
+            allowance = self.pending_allowance if r.slots is None else 0
+            if max(r.running + r.pending + r.sent_since_probe, r.outstanding) >= limit + allowance:
                 return "batch full"
         # Engines without a pending metric: the balancer's own in-flight count is exact and live, no probe needed.
         if r.max_concurrency is not None and r.outstanding >= r.max_concurrency:

@@ -258,10 +258,12 @@ class QuotaGate:
 
     def _count_admitted(self, admission: Admission, started: float) -> None:
         if self.metrics is not None:
-            self.metrics.admitted.labels(self.region, admission.tenant, admission.model).inc()
-            self.metrics.wait.labels(self.region, admission.tenant).observe(max(0.0, admission.admitted_at - started))
+            tenant = self.metrics.tenant_label(admission.tenant)
+            self.metrics.admitted.labels(self.region, tenant, admission.model).inc()
+            self.metrics.wait.labels(self.region, tenant).observe(max(0.0, admission.admitted_at - started))
 
     def _count_rejected(self, tenant: str, model: str, grant: Grant, started: float) -> None:
         if self.metrics is not None:
-            self.metrics.rejected.labels(self.region, tenant, model, grant.reason or "").inc()
-            self.metrics.wait.labels(self.region, tenant).observe(max(0.0, self.now() - started))
+            label = self.metrics.tenant_label(tenant)
+            self.metrics.rejected.labels(self.region, label, model, grant.reason or "").inc()
+            self.metrics.wait.labels(self.region, label).observe(max(0.0, self.now() - started))

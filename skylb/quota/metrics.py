@@ -20,8 +20,10 @@ _WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120)
 
 class _QuotaStateCollector:
     def __init__(self, region: str, levels: Callable[[], dict[str, dict[str, float]]],
-                 waiting: Callable[[], dict[str, int]], fallback: Callable[[], bool | None]):
+                 waiting: Callable[[], dict[str, int]], fallback: Callable[[], bool | None],
+                 tenant_label: Callable[[str], str]):
         self.region, self.levels, self.waiting, self.fallback = region, levels, waiting, fallback
+        self.tenant_label = tenant_label
 
     def collect(self):
         region = self.region
@@ -34,7 +36,11 @@ class _QuotaStateCollector:
         yield levels
         waiting = GaugeMetricFamily("skylb_quota_waiting_requests", "Requests waiting for room in their quota "
                                     "(before the queue's routing), by tenant.", labels=["region", "tenant"])
-        for tenant, n in sorted(self.waiting().items()):
+        by_label: dict[str, int] = {}
+        for tenant, n in self.waiting().items():
+            label = self.tenant_label(tenant)
+            by_label[label] = by_label.get(label, 0) + n
+        for tenant, n in sorted(by_label.items()):
             waiting.add_metric([region, tenant], n)
         yield waiting
         fallback = self.fallback()
@@ -52,13 +58,16 @@ class QuotaMetrics:
     Args:
         region: this balancer's region (a label on every metric); levels: the limit backend's bucket levels;
         waiting: {tenant: requests waiting}; fallback: True while Redis is unreachable, False with Redis, None
-        without Redis configured.
+        without Redis configured; tenant_label: a tenant's label (skylb/balancer/metrics.py TenantLabels: a
+        tenant that is not configured counts as ``other``; default: the name).
     """
 
     def __init__(self, registry: CollectorRegistry, *, region: str,
                  levels: Callable[[], dict[str, dict[str, float]]], waiting: Callable[[], dict[str, int]],
-                 fallback: Callable[[], bool | None]):
-        registry.register(_QuotaStateCollector(region, levels, waiting, fallback))
+                 fallback: Callable[[], bool | None], tenant_label: Callable[[str], str] = lambda tenant: tenant):
+        #: Every recording site labels a tenant through this.
+        self.tenant_label = tenant_label
+        registry.register(_QuotaStateCollector(region, levels, waiting, fallback, tenant_label))
         self.admitted = Counter("skylb_quota_admitted", "Requests admitted by their quotas, by tenant and model.",
                                 ["region", "tenant", "model"], registry=registry)
         self.rejected = Counter("skylb_quota_rejected", "Requests answered 429 after waiting wait_s for their "

@@ -36,16 +36,19 @@ def build_limits(settings: QuotaSettings, *, regions_share: Callable[[], float])
 
 
 def build_gate(settings: QuotaSettings, *, quotas: Callable[[], Quotas], limits: LimitBackend,
-               now: Callable[[], float], registry, region: str, queue_timeout_s: float) -> QuotaGate:
+               now: Callable[[], float], registry, region: str, queue_timeout_s: float,
+               tenant_label: Callable[[str], str] = lambda tenant: tenant) -> QuotaGate:
     """The balancer's QuotaGate: reads ``quotas()`` (those in force) and ``limits`` on every request, counts in
-    ``registry`` (a prometheus CollectorRegistry); its wait is ``settings.wait_s`` capped by ``queue_timeout_s``."""
+    ``registry`` (a prometheus CollectorRegistry, tenants labelled by ``tenant_label``); its wait is
+    ``settings.wait_s`` capped by ``queue_timeout_s``."""
     gate: QuotaGate | None = None
 
     def fallback() -> bool | None:
         return limits.falling_back if isinstance(limits, RedisLimits) else None
 
     metrics = QuotaMetrics(registry, region=region, levels=limits.levels,
-                           waiting=lambda: gate.waiting_now() if gate else {}, fallback=fallback)
+                           waiting=lambda: gate.waiting_now() if gate else {}, fallback=fallback,
+                           tenant_label=tenant_label)
     gate = QuotaGate(quotas=quotas, limits=lambda: limits, now=now, metrics=metrics, region=region,
                      wait_s=min(settings.wait_s, queue_timeout_s), default_max_tokens=settings.default_max_tokens)
     return gate

@@ -9,6 +9,8 @@ sglang     /metrics ``sglang:num_queue_reqs``, /v1/loads,      :mod:`.sglang`
 llamacpp   /metrics ``llamacpp:requests_deferred``             :mod:`.llamacpp`
 tgi        /metrics ``tgi_queue_size``                         :mod:`.tgi`
 ollama     none (the balancer counts its own in-flight)        :mod:`.ollama`
+openai     none: a generic OpenAI-compatible server, only      :mod:`.generic`
+           /v1/* (liveness from /v1/models)
 =========  ==================================================  =============================================
 
 Importing this package registers every personality in :data:`PERSONALITIES`.
@@ -22,6 +24,7 @@ from bench.emulator.personalities.base import (
     Personality,
     PersonalityOptions,
 )
+from bench.emulator.personalities.generic import GenericOpenAIPersonality
 from bench.emulator.personalities.llamacpp import LlamaCppPersonality
 from bench.emulator.personalities.ollama import OllamaPersonality
 from bench.emulator.personalities.openai import OpenAIServing
@@ -34,6 +37,7 @@ __all__ = [
     "PERSONALITIES",
     "ApiError",
     "Generation",
+    "GenericOpenAIPersonality",
     "LlamaCppPersonality",
     "OllamaPersonality",
     "OpenAIServing",

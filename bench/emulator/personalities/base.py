@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, ClassVar
 
+import structlog
 from aiohttp import web
 
 from bench.emulator.model import TokenOutput
@@ -38,6 +39,8 @@ __all__ = [
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 #: Dimension of the emulator's deterministic embedding vectors (all-MiniLM-L6-v2's, a common small embedder).
 EMBEDDING_DIM = 384
+
+log = structlog.get_logger("bench.emulator")
 
 #: engine name -> Personality subclass (filled by ``Personality.__init_subclass__``).
 PERSONALITIES: dict[str, type["Personality"]] = {}
@@ -139,6 +142,18 @@ class Generation:
         self.replica.release(self.request_id)
 
 
+@web.middleware
+async def _log_trace_context(request: web.Request, handler):
+    """Log a ``trace_context`` line (path, ``traceparent``, ``tracestate``, ``X-Request-Id``) for each request that
+    carries a W3C ``traceparent``, as an engine with tracing on continues it (vLLM's ``--otlp-traces-endpoint``
+    reads these headers), so a test sees which trace context reached the replica."""
+    traceparent = request.headers.get("traceparent")
+    if traceparent is not None:
+        log.info("trace_context", path=request.path, traceparent=traceparent,
+                 tracestate=request.headers.get("tracestate"), request_id=request.headers.get("X-Request-Id"))
+    return await handler(request)
+
+
 class Personality:
     """What one engine's clients see. Subclasses register with ``class X(Personality, name="engine")``.
 
@@ -170,9 +185,11 @@ class Personality:
         return self.options.model
 
     def build_app(self) -> web.Application:
-        """The aiohttp application serving this replica (``routes`` plus ``middlewares``)."""
+        """The aiohttp application serving this replica (``routes`` plus ``middlewares``; with the request log on,
+        first a middleware that logs each request's W3C trace context)."""
+        middlewares = [*([_log_trace_context] if self.replica.log_requests else []), *self.middlewares()]
         app = web.Application(client_max_size=64 * 1024 * 1024,  # long trace prompts are megabytes of words
-                              middlewares=self.middlewares())
+                              middlewares=middlewares)
         self.routes(app)
         return app
 

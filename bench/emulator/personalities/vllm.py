@@ -1,5 +1,5 @@
-"""vLLM's OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, /v1/embeddings, /metrics,
-/health, /version.
+"""vLLM's OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/responses (responses.py),
+/v1/models, /v1/embeddings, /metrics, /health, /version.
 
 Sources: vLLM's OpenAI server (``vllm/entrypoints/openai``: error shape ``{"error": {"message", "type", "param",
 "code"}}`` with code = the HTTP status, the "model does not exist" and context-length messages, a mid-stream
@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from bench.emulator.model import EngineModel
 from bench.emulator.personalities.base import PersonalityOptions
 from bench.emulator.personalities.openai import OpenAIServing
+from bench.emulator.personalities.responses import ResponsesServing
 
 __all__ = ["VllmPersonality", "VLLM_VERSION"]
 
@@ -64,7 +65,7 @@ class _VllmCollector:
         yield success
 
 
-class VllmPersonality(OpenAIServing, name="vllm"):
+class VllmPersonality(OpenAIServing, ResponsesServing, name="vllm"):
     """vLLM (V1) in front of the replica; the OpenAI layer's defaults are vLLM's shapes."""
 
     def __init__(self, replica, *, options: PersonalityOptions):
@@ -75,6 +76,7 @@ class VllmPersonality(OpenAIServing, name="vllm"):
     def routes(self, app: web.Application) -> None:
         """Routes of vLLM's API server that a balancer or an OpenAI client uses."""
         self.openai_routes(app)
+        self.responses_routes(app)
         self.add(app, "GET", "/metrics", self.metrics)
         self.add(app, "GET", "/health", self.health)
         self.add(app, "GET", "/version", self.version)

@@ -1,6 +1,7 @@
 """The chain built from the settings, in one place (as Envoy builds its HTTP filter chain from configuration):
 
-    parse -> classify -> [embedding_cache] -> resolve_model -> [num_ctx] -> [model_group] -> [quota] -> route
+    parse -> classify -> [embedding_cache] -> translate -> resolve_model -> responses -> [num_ctx] -> [model_group]
+    -> [quota] -> route
 
 A stage in brackets is present only when its feature is on: ``balancer.embedding_cache.enabled``,
 ``balancer.ollama_fleet.num_ctx`` (any model pinned), ``balancer.quota.enabled`` (model groups and the quota gate).
@@ -16,6 +17,7 @@ from skylb.balancer.embed_cache import EmbeddingCache
 from skylb.balancer.metrics import BalancerMetrics
 from skylb.balancer.ollama_fleet import Fleet
 from skylb.balancer.relay import Relay
+from skylb.balancer.responses import ResponseBook
 from skylb.balancer.retry import RetryBudget
 from skylb.balancer.stages.chain import Chain, Stage
 from skylb.balancer.stages.classify import ClassifyStage
@@ -26,7 +28,9 @@ from skylb.balancer.stages.num_ctx import NumCtxStage
 from skylb.balancer.stages.parse import ParseStage
 from skylb.balancer.stages.quota import QuotaStage
 from skylb.balancer.stages.resolve_model import ResolveModelStage
+from skylb.balancer.stages.responses import ResponsesStage
 from skylb.balancer.stages.route import RouteStage
+from skylb.balancer.stages.translate import TranslateStage
 from skylb.config import BalancerConfig
 from skylb.core import Router
 from skylb.quota.gate import QuotaGate
@@ -37,14 +41,15 @@ from skylb.quota.limits import Quotas
 __all__ = ["build_chain", "STAGE_ORDER"]
 
 #: Every stage's name in chain order (optional ones included).
-STAGE_ORDER = ("parse", "classify", "embedding_cache", "resolve_model", "num_ctx", "model_group", "quota", "route")
+STAGE_ORDER = ("parse", "classify", "embedding_cache", "translate", "resolve_model", "responses", "num_ctx",
+               "model_group", "quota", "route")
 
 
 def build_chain(cfg: BalancerConfig, *, region: str, router: Router, dispatcher: Dispatcher, relay: Relay,
                 fleet: Fleet, metrics: BalancerMetrics, budget: RetryBudget, now: Callable[[], float],
                 in_flight: Callable[[], int], quotas: Callable[[], Quotas], quota_gate: QuotaGate,
                 group_gate: ModelGate, leases: LeaseBook, embed_cache: EmbeddingCache | None, client_keys: bool,
-                recently_served: Callable[..., bool], request_log: RequestLog) -> Chain:
+                recently_served: Callable[..., bool], request_log: RequestLog, responses: ResponseBook) -> Chain:
     """The request chain of one balancer, its stages given only the parts each needs (module docstring)."""
     groups = cfg.quota.enabled
     stages: list[Stage] = [
@@ -52,10 +57,14 @@ def build_chain(cfg: BalancerConfig, *, region: str, router: Router, dispatcher:
         ClassifyStage(quotas=quotas, priorities_enabled=cfg.priorities.enabled)]
     if embed_cache is not None:
         stages.append(EmbeddingCacheStage(embed_cache, client_keys=client_keys))
+    is_group = group_gate.is_group if groups else (lambda name: False)
+    stages.append(TranslateStage(served_models=router.served_models, is_group=is_group, any_served=fleet.any_served,
+                                 now=now))
     stages.append(ResolveModelStage(
         served_models=router.served_models, models_known=router.models_known,
-        is_group=group_gate.is_group if groups else (lambda name: False), any_served=fleet.any_served,
+        is_group=is_group, any_served=fleet.any_served,
         recently_served=recently_served, retry_after_s=cfg.retry_after_s))
+    stages.append(ResponsesStage(responses, pinned_reason=router.pinned_unavailable_reason, now=now))
     if cfg.ollama_fleet.num_ctx:
         stages.append(NumCtxStage(cfg.ollama_fleet))
     if groups:

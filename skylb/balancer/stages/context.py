@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from skylb.balancer.api import ParsedRequest, error_response
+from skylb.balancer.api import ParsedRequest, error_response, openai_error
 from skylb.quota.estimate import is_embedding_path
 
 __all__ = ["RequestContext", "EndHook"]
@@ -37,7 +37,14 @@ class RequestContext:
         decision, outcome: the routing decision and relay outcome of the last attempt (route stage).
         answered: a replica or peer answered some attempt (the quota's tokens were used).
         ttft_s, error, status: for the log line. reason: why the balancer answered the request itself;
-        rejected: that answer counts as a rejection (skylb_rejected_total).
+        rejected: that answer counts as a rejection (skylb_rejected_requests_total).
+        response_headers: headers every answer to the client gets (the quota stage's ``x-ratelimit-*``).
+        pin: the one target that may serve it (``Request.pin``; the responses stage sets it for a follow-up).
+        on_answer_head: called with the decision and the head of the target's answer (a whole body, or a stream's
+            first event) before it goes to the client (the responses stage records which target holds the answer).
+        trace: its spans (skylb/balancer/spans.py RequestTrace) when the balancer traces, else None.
+        translation: set when an Ollama-API request goes to OpenAI-dialect replicas (translate stage,
+        skylb/balancer/translate.py): the OpenAI path and the way back; None otherwise.
     """
 
     http: web.Request
@@ -61,12 +68,22 @@ class RequestContext:
     status: int | None = None
     reason: str | None = None
     rejected: bool = False
+    response_headers: dict[str, str] = field(default_factory=dict)
+    pin: tuple[str, str] | None = None
+    on_answer_head: Callable[[Any, bytes], None] | None = None
+    trace: Any = None
+    translation: Any = None
     _end_hooks: list[EndHook] = field(default_factory=list)
 
     @property
     def model(self) -> str | None:
         """The model the request asks for now (None before the parse stage)."""
         return None if self.parsed is None else self.parsed.model
+
+    @property
+    def route_api(self) -> str:
+        """The dialect of the replicas and peers the request goes to: "openai" once translated, else ``api``."""
+        return "openai" if self.translation is not None else self.api
 
     @property
     def embedding(self) -> bool:
@@ -83,10 +100,14 @@ class RequestContext:
         return hooks
 
     def reject(self, status: int, message: str, reason: str, *, type_: str | None = None, param: str | None = None,
-               retry_after_s: int | None = None) -> web.Response:
-        """An error in the request's API shape, counted as a rejection with ``reason``; ``retry_after_s`` adds a
-        Retry-After header (seconds)."""
-        response = error_response(self.api, status, message, type_=type_, param=param)
+               retry_after_s: int | None = None, code: str | None = None) -> web.Response:
+        """An error in the request's API shape, counted as a rejection with ``reason``, with ``response_headers``;
+        ``retry_after_s`` adds a Retry-After header (seconds); ``code``: OpenAI's string error code, if any."""
+        if code is not None and self.api == "openai":
+            response = openai_error(status, message, type_=type_, param=param, code=code)
+        else:
+            response = error_response(self.api, status, message, type_=type_, param=param)
+        response.headers.update(self.response_headers)
         if retry_after_s is not None:
             response.headers["Retry-After"] = str(retry_after_s)
         self.reason, self.rejected = reason, True

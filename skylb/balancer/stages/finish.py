@@ -1,7 +1,8 @@
 """The end of every request: its response counted and its one canonical log line written.
 
 One structured line per request (structlog's "canonical log lines"): the ids, model, class and tenant, where it
-went, how long it queued, TTFT and end-to-end time (ms), status and error.
+went, how long it queued, TTFT and end-to-end time (ms), status and error. A successful answer also feeds the
+end-to-end and inter-token latency histograms and the token counters (BalancerMetrics.observe_answer).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 import structlog
 from aiohttp import web
 
-from skylb.balancer.metrics import BalancerMetrics
+from skylb.balancer.metrics import BalancerMetrics, model_label
 from skylb.balancer.protocol import BALANCER_REQUEST_ID_HEADER, REQUEST_ID_HEADER
 
 __all__ = ["RequestLog"]
@@ -21,7 +22,8 @@ log = structlog.get_logger("skylb.request")
 
 
 class RequestLog:
-    """Counts responses (``skylb_responses_total``, ``skylb_rejected_total``) and logs each request once."""
+    """Counts responses (``skylb_responses_total``, ``skylb_rejected_requests_total``, the latency histograms and
+    token counters of answers) and logs each request once."""
 
     def __init__(self, metrics: BalancerMetrics, *, region: str):
         self.metrics = metrics
@@ -48,8 +50,8 @@ class RequestLog:
                     target=None if decision is None else decision.target,
                     queued_ms=None if decision is None else round(decision.queued_s * 1000, 1),
                     ttft_ms=None if ctx.ttft_s is None else round(ctx.ttft_s * 1000, 1),
-                    e2e_ms=round((time.time() - ctx.started) * 1000, 1), status=status, error=ctx.error)
-        record = (str(status), ctx.rejected, ctx.reason, line)
+                    e2e_ms=round((e2e_s := time.time() - ctx.started) * 1000, 1), status=status, error=ctx.error)
+        record = (str(status), ctx.rejected, ctx.reason, line, self._answer(ctx, status, e2e_s))
         try:
             # call_soon runs it in this request's context: the line carries the request id and tenant bound to it.
             asyncio.get_running_loop().call_soon(self._record, *record)
@@ -57,9 +59,25 @@ class RequestLog:
             self._record(*record)
         return response
 
-    def _record(self, status: str, rejected: bool, reason: str | None, line: dict) -> None:
+    def _answer(self, ctx, status: int, e2e_s: float) -> tuple | None:
+        """What ``observe_answer`` counts of a successful answer (a target answered, status < 400, no error), or
+        None. Labels are taken now, while the target's model list is the one that served it."""
+        decision, outcome = ctx.decision, ctx.outcome
+        if decision is None or outcome is None or outcome.response is None or status >= 400 or ctx.error:
+            return None
+        metrics = self.metrics
+        model = getattr(decision.request, "model", None) or ctx.model  # after a fallback, the fallback's
+        labels = (self.region, decision.route, model_label(metrics.router, decision, model, ctx.api),
+                  metrics.tenant_label(ctx.tenant))
+        stream = ctx.parsed is not None and ctx.parsed.stream
+        return labels, dict(e2e_s=e2e_s, ttft_s=ctx.ttft_s if stream else None, usage=outcome.usage,
+                            count_tokens=not ctx.forwarded)
+
+    def _record(self, status: str, rejected: bool, reason: str | None, line: dict, answer: tuple | None) -> None:
         metrics = self.metrics
         if rejected:
             metrics.child(metrics.rejected, self.region, str(reason), status).inc()
         metrics.child(metrics.responses, self.region, status).inc()
+        if answer is not None:
+            metrics.observe_answer(*answer[0], **answer[1])
         log.info("request", **line)

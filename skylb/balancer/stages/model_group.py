@@ -62,7 +62,7 @@ class ModelGroupStage:
             return None
         tokens = request_tokens(ctx.parsed.text, ctx.parsed.max_tokens, embedding=is_embedding_path(ctx.http.path),
                                 default_max_tokens=self.settings.default_max_tokens)
-        outcome = await self.gate.admit(name, tokens, tenant, self.settings.wait_s, api=ctx.api)
+        outcome = await self.gate.admit(name, tokens, tenant, self.settings.wait_s, api=ctx.route_api)
         if isinstance(outcome, Admitted):
             ctx.on_end(lambda ctx: self.gate.release(outcome))
             self.leases.count(name, outcome.model, "request")

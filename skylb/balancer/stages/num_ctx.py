@@ -25,6 +25,6 @@ class NumCtxStage:
         self.settings = settings
 
     async def handle(self, ctx: RequestContext) -> web.StreamResponse | None:
-        if ctx.api == "ollama":
+        if ctx.route_api == "ollama":  # a request translated to the OpenAI API has no options
             ctx.body = pin_num_ctx(self.settings, ctx.parsed.model, ctx.body)
         return None

@@ -51,7 +51,7 @@ class ResolveModelStage:
 
     async def handle(self, ctx: RequestContext) -> web.StreamResponse | None:
         parsed, with_peers = ctx.parsed, not ctx.forwarded
-        served = self.served_models(ctx.api, with_peers=with_peers)
+        served = self.served_models(ctx.route_api, with_peers=with_peers)
         group = self.is_group(parsed.model)
         if not group:
             resolved = resolve_name(parsed.model, served)
@@ -59,7 +59,7 @@ class ResolveModelStage:
                 parsed.model, ctx.body = resolved, with_model(ctx.body, resolved)
         if group or self.any_served(parsed.model, served) or not self.models_known():
             return None
-        if self.recently_served(ctx.api, parsed.model, with_peers=with_peers):
+        if self.recently_served(ctx.route_api, parsed.model, with_peers=with_peers):
             return ctx.reject(503, f"model '{parsed.model}' is served by no replica or peer reachable now; retry "
                                    "later", "model_unavailable", type_="service_unavailable",
                               retry_after_s=self.retry_after_s)

@@ -9,6 +9,10 @@ skylb/core/outlier.py), and the request, after a jittered backoff, goes back to 
 another target while it has retries left (``retry_policy.num_retries``) and the retry budget allows
 (skylb/balancer/retry.py; Envoy's names). Once a byte reached the client it is never retried (a started stream cannot be
 spliced). 503 with an estimated Retry-After when the queue is full or the request waited past the queue timeout.
+A request pinned to one target (``ctx.pin``: a Responses API follow-up, skylb/balancer/stages/responses.py) skips
+the queue and goes to that target at once, retries included; 503 with Retry-After when it is unavailable.
+When the balancer traces, each step is a span of the request's trace (``ctx.trace``: queue, routing decision, relay,
+retry backoff; skylb/balancer/spans.py) and the relay's context goes upstream as its ``traceparent``.
 """
 
 from __future__ import annotations
@@ -55,17 +59,27 @@ class RouteStage:
 
     async def handle(self, ctx: RequestContext) -> web.StreamResponse:
         routed = self._core_request(ctx)
+        trace = ctx.trace  # None unless the balancer traces (skylb/balancer/spans.py)
         attempt, retrying = 0, False  # retrying: holds a place in the retry budget
         try:
             while True:
                 ctx.decision = None  # a request given up in the queue was routed nowhere (its log line)
+                if trace is not None:
+                    trace.queue_started(attempt, ctx)
                 try:
-                    ctx.decision, ctx.body = await self.fleet.acquire(routed, ctx.body, retry=attempt > 0)
+                    if routed.pin is not None:  # a follow-up of a stateful answer: only its target can serve it
+                        ctx.decision = self._place_pinned(routed)
+                    else:
+                        ctx.decision, ctx.body = await self.fleet.acquire(routed, ctx.body, retry=attempt > 0)
                 except (QueueFull, QueueTimeout) as exc:
                     full = isinstance(exc, QueueFull)
-                    return ctx.reject(503, f"{exc}; retry later" if full else str(exc),
-                                      "queue_full" if full else "queue_timeout", type_="overloaded_error",
-                                      retry_after_s=self._queue_retry_after())
+                    reason = "queue_full" if full else "queue_timeout"
+                    if trace is not None:
+                        trace.queue_failed(reason, str(exc))
+                    return ctx.reject(503, f"{exc}; retry later" if full else str(exc), reason,
+                                      type_="overloaded_error", retry_after_s=self._queue_retry_after())
+                if trace is not None:
+                    trace.routed(ctx.decision, policy=self.cfg.policy)
                 outcome = await self._attempt(ctx, attempt)
                 if retrying:
                     self.budget.release()
@@ -90,18 +104,37 @@ class RouteStage:
                     if ctx.forwarded else 0.0)
         parsed = ctx.parsed
         return Request(id=ctx.request_id, text=parsed.text, arrived_at=ctx.arrived_at, model=parsed.model,
-                       session_key=parsed.session_key, forwarded_from=ctx.forwarded_from, api=ctx.api,
-                       waited_s=waited_s, embedding=ctx.embedding, priority=ctx.priority, tenant=ctx.tenant)
+                       session_key=parsed.session_key, forwarded_from=ctx.forwarded_from, api=ctx.route_api,
+                       waited_s=waited_s, embedding=ctx.embedding, priority=ctx.priority, tenant=ctx.tenant,
+                       pin=ctx.pin)
+
+    def _place_pinned(self, routed: Request) -> Decision:
+        """``routed``'s pinned target, at once (Router.place_pinned); QueueTimeout saying why when it cannot take
+        it (its target went away or is unavailable; retried by the client after Retry-After)."""
+        decision = self.router.place_pinned(routed, self.now())
+        if decision is None:
+            _, why = (self.router.pinned_unavailable_reason(routed.pin, self.now(), may_forward=routed.may_forward,
+                                                            model=routed.model, api=routed.api)
+                      or ("", "its target is unavailable"))
+            raise QueueTimeout(f"the target holding this request's state cannot take it: {why}")
+        self.dispatcher.on_routed(decision)
+        return decision
 
     async def _attempt(self, ctx: RequestContext, attempt: int):
         """One relay to the decision's target; the target's slot is released and outlier detection told, however
         the relay ends: for an answer, in the event loop's next turn, once aiohttp has sent it (before the loop
         reads anything more, so the next request finds the slot free), so the client does not wait for them."""
-        decision = ctx.decision
+        decision, trace = ctx.decision, ctx.trace
         ttft_histogram = self.metrics.child(self.metrics.ttft, self.region, decision.route)
+        trace_headers = exemplar = None
+        if trace is not None:  # the relay's span; its context goes upstream, its ids on the TTFT as an exemplar
+            trace_headers = trace.relay_started(decision, attempt=attempt, engine=self._engine(decision),
+                                                stream=ctx.parsed.stream, max_tokens=ctx.parsed.max_tokens,
+                                                now=self.now())
+            exemplar = trace.exemplar()
 
         def first_byte(ttft_s: float) -> None:
-            ttft_histogram.observe(ttft_s)
+            ttft_histogram.observe(ttft_s, exemplar)
             self.router.first_token(decision)  # its prompt left the replica's prefill backlog
             self.fleet.first_byte(decision, ttft_s)
             self.dispatcher.wake()
@@ -111,10 +144,14 @@ class RouteStage:
                 ctx.http, ctx.body, decision, request_id=ctx.request_id, arrived_at=ctx.arrived_at,
                 retry_allowed=attempt < self.cfg.retry_policy.num_retries, api=ctx.api, stream=ctx.parsed.stream,
                 on_first_byte=first_byte, client_request_id=ctx.client_id, abandon=self._peer_gone(decision),
-                check_s=self.cfg.probe_interval_ms / 1000)
+                check_s=self.cfg.probe_interval_ms / 1000, extra_headers=ctx.response_headers,
+                trace_headers=trace_headers, translation=ctx.translation,
+                on_head=None if ctx.on_answer_head is None else (lambda head: ctx.on_answer_head(decision, head)))
         except BaseException:
             self._attempt_ended(decision, None)
             raise
+        if trace is not None:
+            trace.relay_ended(outcome, arrived_at=ctx.arrived_at)
         if outcome.response is not None:
             asyncio.get_running_loop().call_soon(self._attempt_ended, decision, outcome)
         else:  # a retry follows: the slot and the failure count first
@@ -141,7 +178,16 @@ class RouteStage:
         delay = backoff_s(self.cfg.retry_policy, attempt)
         log.warning("retrying", route=decision.route, target=decision.target, error=outcome.error,
                     attempt=attempt, backoff_ms=round(delay * 1000, 1))
+        if ctx.trace is not None:
+            ctx.trace.retry_started(decision, outcome, attempt=attempt, backoff_s=delay)
         await asyncio.sleep(delay)
+        if ctx.trace is not None:
+            ctx.trace.retry_ended()
+
+    def _engine(self, decision: Decision) -> str | None:
+        """The engine adapter of a local decision's replica ("vllm", "ollama", ...); None for a peer."""
+        replica = self.router.replicas.get(decision.target) if decision.route == "local" else None
+        return None if replica is None else replica.engine
 
     def _queue_retry_after(self) -> int:
         return queue_retry_after_s(self.router, self.now(), default_s=self.cfg.retry_after_s,

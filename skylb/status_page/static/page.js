@@ -1,0 +1,161 @@
+// The SkyLB status page: polls /skylb/v1/status?format=json (the controller's system view, or a balancer's own
+// status) and draws it. Plain DOM, textContent only (no HTML from data), no library, no build step.
+"use strict";
+
+const POLL_MS = 2000;
+const STATUS_URL = "/skylb/v1/status?format=json";
+let previous = null;  // the last snapshot's forwarded counts and time, for the rates
+
+function fromBalancer(d) {
+  // A balancer's own status, in the controller view's shape: its region, the regions it serves, its replicas.
+  const served = d.served_regions && Object.keys(d.served_regions).length ? d.served_regions : {[d.region]: 0};
+  return {
+    revision: d.membership_revision, time: d.time,
+    regions: Object.entries(served).map(([region, epoch]) => ({region, balancer_region: d.region, epoch})),
+    balancers: [{region: d.region, url: location.origin, healthy: true, draining: d.draining, reachable: true,
+                 error: null, queue_len: d.queue_len, in_flight: d.in_flight,
+                 available_replicas: d.available_replicas, peers: d.peers, quota: d.quota}],
+    replicas: d.replicas.map((r) => ({...r, region: null, balancer: location.origin})),
+  };
+}
+
+function cell(row, field, text, cls) {
+  const td = row.insertCell();
+  td.dataset.field = field;
+  td.textContent = text === null || text === undefined ? "-" : String(text);
+  if (cls) td.className = cls;
+  return td;
+}
+
+const round = (v) => (Math.abs(v) >= 10 ? Math.round(v) : Math.round(v * 100) / 100);
+const num = (row, field, value) => cell(row, field, value, "num");
+const flag = (row, field, value) => cell(row, field, value ? "yes" : "no", value ? "yes" : "no");
+
+function body(id, rows, empty) {
+  const tbody = document.querySelector(`#${id} tbody`);
+  tbody.replaceChildren();
+  if (!rows.length) {
+    const td = tbody.insertRow().insertCell();
+    td.colSpan = document.querySelectorAll(`#${id} thead th`).length;
+    td.className = "empty";
+    td.textContent = empty;
+  }
+  return rows.map((key) => { const row = tbody.insertRow(); row.dataset.key = key; return row; });
+}
+
+function drawRegions(view) {
+  const byRegion = new Map(view.balancers.map((b) => [b.region, b]));
+  const rows = body("regions", view.regions.map((r) => r.region), "no regions");
+  view.regions.forEach((r, i) => {
+    const row = rows[i], b = byRegion.get(r.region) || {};  // the region's own balancer, live or not
+    cell(row, "region", r.region);
+    cell(row, "balancer_region", r.balancer_region, r.balancer_region === r.region ? "" : "note");
+    num(row, "epoch", r.epoch);
+    cell(row, "url", b.url);
+    if (b.url) flag(row, "healthy", b.healthy); else cell(row, "healthy", null);
+    cell(row, "draining", b.url ? (b.draining ? "yes" : "no") : null, b.draining ? "note" : "");
+    cell(row, "state", b.url ? (b.reachable ? "up" : `unreachable (${b.error})`) : null, b.reachable ? "yes" : "no");
+    num(row, "queue_len", b.queue_len);
+    num(row, "in_flight", b.in_flight);
+    num(row, "available_replicas", b.available_replicas);
+  });
+}
+
+function drawReplicas(view) {
+  const regionOf = new Map(view.balancers.map((b) => [b.url, b.region]));
+  const rows = body("replicas", view.replicas.map((r) => r.id), "no replicas");
+  view.replicas.forEach((r, i) => {
+    const row = rows[i];
+    cell(row, "region", r.region);
+    cell(row, "id", r.id);
+    cell(row, "engine", r.engine);
+    flag(row, "healthy", r.healthy);
+    cell(row, "draining", r.draining ? "yes" : "no", r.draining ? "note" : "");
+    cell(row, "available", r.available ? "yes" : (r.reason || (r.available === false ? "no" : null)),
+         r.available ? "yes" : "no");
+    num(row, "pending", r.pending);
+    num(row, "running", r.running);
+    num(row, "outstanding", r.outstanding);
+    const kv = cell(row, "kv_usage", r.kv_usage === null || r.kv_usage === undefined ? null : "");
+    if (r.kv_usage !== null && r.kv_usage !== undefined) {
+      kv.dataset.value = String(r.kv_usage);
+      const bar = document.createElement("span"), fill = document.createElement("span");
+      bar.className = "kv";
+      fill.style.width = `${Math.round(r.kv_usage * 100)}%`;
+      bar.append(fill);
+      kv.append(bar, `${(r.kv_usage * 100).toFixed(1)}%`);
+    }
+    cell(row, "balancer", regionOf.get(r.balancer) || r.balancer);
+  });
+}
+
+function drawForwarding(view) {
+  const links = view.balancers.flatMap((b) => (b.peers || []).map((p) => ({from: b.region, ...p})));
+  const rows = body("forwarding", links.map((l) => `${l.from}>${l.region}`), "no peers");
+  const counts = {};
+  links.forEach((l, i) => {
+    const row = rows[i], key = `${l.from}>${l.region}`;
+    counts[key] = l.forwarded;
+    cell(row, "from", l.from);
+    cell(row, "to", l.region);
+    num(row, "forwarded", l.forwarded);
+    const before = previous && previous.counts[key], dt = previous ? view.time - previous.time : 0;
+    num(row, "rate", before === undefined || dt <= 0 ? null : ((l.forwarded - before) / dt).toFixed(2));
+    num(row, "queue_len", l.queue_len);
+    flag(row, "available", l.available);
+  });
+  previous = {counts, time: view.time};
+}
+
+function drawQuotas(view) {
+  const items = view.balancers.filter((b) => b.quota).flatMap((b) => {
+    const levels = Object.entries(b.quota.levels || {});
+    return (levels.length ? levels : [[null, null]]).map(([bucket, level]) => ({b, bucket, level}));
+  });
+  const rows = body("quotas", items.map((q) => `${q.b.region}>${q.bucket}`), "no quota status");
+  items.forEach(({b, bucket, level}, i) => {
+    const row = rows[i], waiting = Object.values(b.quota.waiting || {}).reduce((a, n) => a + n, 0);
+    cell(row, "region", b.region);
+    cell(row, "backend", b.quota.redis_fallback ? `${b.quota.backend} (falling back)` : b.quota.backend);
+    num(row, "share", b.quota.share === null || b.quota.share === undefined ? null
+                      : `${(b.quota.share * 100).toFixed(1)}%`);
+    num(row, "waiting", waiting);
+    cell(row, "bucket", bucket === null ? "(no bucket in use)" : bucket);
+    cell(row, "level", level && Object.entries(level).map(([k, v]) => `${k.replace("_", " ")} ${round(v)}`)
+      .join(", "));
+  });
+}
+
+function draw(view) {
+  document.getElementById("revision").textContent = String(view.revision);
+  const when = document.getElementById("snapshot-time"), at = new Date(view.time * 1000);
+  when.dateTime = at.toISOString();
+  when.dataset.unix = String(view.time);
+  when.textContent = at.toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC");
+  drawRegions(view);
+  drawReplicas(view);
+  drawForwarding(view);
+  drawQuotas(view);
+}
+
+function setState(text, cls) {
+  const state = document.getElementById("state");
+  state.textContent = text;
+  state.className = `state ${cls}`;
+}
+
+async function poll() {
+  try {
+    const resp = await fetch(STATUS_URL, {credentials: "same-origin", cache: "no-store"});
+    if (resp.status === 401 || resp.status === 403) { location.reload(); return; }  // the session ended
+    if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+    const data = await resp.json();
+    draw(data.source === "controller" ? data : fromBalancer(data));
+    setState(`live, every ${POLL_MS / 1000} s`, "live");
+  } catch (err) {
+    setState(`not updated: ${err.message}`, "error");
+  }
+  setTimeout(poll, POLL_MS);
+}
+
+document.addEventListener("DOMContentLoaded", poll);
