@@ -153,34 +153,29 @@ class Relay:
                     on_head: Callable[[bytes], None] | None = None,
                     trace_headers: dict[str, str] | None = None,
                     translation: Translation | None = None) -> RelayOutcome:
-        """Send ``body`` to the decision's target at the client's path and relay the answer.
-
-        ``request_id`` is the balancer's own id (sent upstream as X-Request-Id, to the client as
-        X-SkyLB-Request-Id); ``client_request_id``, the client's X-Request-Id label, is echoed back to the client.
+        """Send ``body`` to the decision's target at the client's path and relay the answer. ``request_id`` is the
+        balancer's own id (sent upstream as X-Request-Id, to the client as X-SkyLB-Request-Id); ``client_request_id``,
+        the client's X-Request-Id label, is echoed back to the client.
 
         Timeouts (never a total, which would cut long generations): the first whole event of a streamed answer
         (``stream``) must come within ``first_byte_timeout_s``, a whole answer that is not streamed within
         ``response_timeout_s``, and each later chunk within ``idle_timeout_s`` of the one before. The client's
         response starts only with the target's first whole event, so a target that sent headers and then hung,
-        died or sent garbage is still retried.
+        died or sent garbage is still retried. ``abandon()``, checked every ``check_s`` s until the first byte,
+        returns why the target is to be given up (a partitioned peer: its status went stale), so no request waits on
+        it for the whole first-byte timeout.
 
-        ``abandon()``, checked every ``check_s`` s until the first byte, returns why the target is to be given up
-        (a partitioned peer: its status went stale), so no request waits on it for the whole first-byte timeout.
-
-        ``trace_headers`` (``traceparent``, ``tracestate``: the relay span's W3C trace context) replace the client's
-        trace context upstream, when the balancer traces (skylb/balancer/spans.py).
-
-        ``on_first_byte(ttft_s)`` is called when the first streamed byte has been written to the client, so the
-        TTFT histogram is current while a long stream is still running (and before the client can see its end).
-        ``on_head(bytes)`` is called with the head of a successful (< 400) answer before it goes to the client: the
-        whole body, or a stream's first whole event. ``extra_headers`` go to the client with the answer.
+        ``trace_headers`` (the relay span's W3C ``traceparent``, ``tracestate``) replace the client's upstream when
+        the balancer traces (skylb/balancer/spans.py). ``on_first_byte(ttft_s)`` is called when the first streamed
+        byte has been written to the client (the TTFT histogram is current while a long stream still runs).
+        ``on_head(bytes)`` gets the head of a successful (< 400) answer before the client does: the whole body, or a
+        stream's first whole event. ``extra_headers`` go to the client with the answer. ``translation``: ``body`` is
+        an Ollama-API request translated to the OpenAI API: it goes to the translation's path, and the answer comes
+        back in Ollama's shape (NDJSON for a stream).
 
         Returns RelayOutcome(response=None, ...) when the target failed before any byte went to the client and
         ``retry_allowed``; otherwise the response already sent (an error in the API's shape if the target failed).
         If the client goes away (the handler is cancelled) the upstream request is closed, so the engine stops.
-
-        ``translation``: the request (``body``) is an Ollama-API request translated to the OpenAI API: it goes to
-        the translation's path, and the answer comes back in Ollama's shape (NDJSON for a stream).
         """
         url = decision.url + (translation.path if translation is not None else request.rel_url.path_qs)
         first_timeout = self.first_byte_timeout_s if stream else self.response_timeout_s
@@ -193,10 +188,7 @@ class Relay:
                                         headers=self._upstream_headers(request, decision, request_id, trace_headers))
         upstream: aiohttp.ClientResponse | None = None
         abandoned: list[str] = []
-        watchdog = None
-        framer: StreamFramer | None = None
-        first = data = b""
-        eof = False
+        framer, watchdog, first, data, eof = None, None, b"", b"", False  # framer: StreamFramer once the head is read
         try:
             try:
                 async with asyncio.timeout(first_timeout) as deadline:
@@ -207,10 +199,9 @@ class Relay:
                         return failed(upstream.status, f"{decision.target} answered {upstream.status}")
                     framer, first, data, eof = await _read_until_first_event(upstream)
             except TimeoutError:
-                if abandoned:
-                    return failed(504, f"{decision.route} {decision.target} given up before its first byte: "
-                                       f"{abandoned[0]}")
-                return failed(504, f"{decision.route} {decision.target} sent no byte within {first_timeout:g} s")
+                return failed(504, f"{decision.route} {decision.target} " + (
+                    f"given up before its first byte: {abandoned[0]}" if abandoned
+                    else f"sent no byte within {first_timeout:g} s"))
             except FramingError as exc:
                 return failed(502, f"{decision.target} sent a malformed stream: {exc}")
             except (aiohttp.ClientError, OSError) as exc:
@@ -218,9 +209,7 @@ class Relay:
             finally:
                 if watchdog is not None:
                     watchdog.cancel()
-            headers = {**self._client_headers(upstream, decision, request_id), **(extra_headers or {})}
-            if client_request_id is not None:
-                headers[REQUEST_ID_HEADER] = client_request_id
+            headers = self._answer_headers(upstream, decision, request_id, client_request_id, extra_headers)
             if on_head is not None and upstream.status < 400:
                 on_head(data if framer is None else first)
             if framer is None:
@@ -236,6 +225,15 @@ class Relay:
                 if not upstream.content.is_eof():
                     upstream.close()  # aborts the upstream request: the engine frees its slot
                 await upstream_cm.__aexit__(None, None, None)
+
+    def _answer_headers(self, upstream: aiohttp.ClientResponse, decision: Decision, request_id: str,
+                        client_request_id: str | None, extra: dict[str, str] | None) -> dict[str, str]:
+        """The headers of the client's answer: the target's that pass, SkyLB's, ``extra`` (rate limits) and the
+        client's own request id echoed back."""
+        headers = {**self._client_headers(upstream, decision, request_id), **(extra or {})}
+        if client_request_id is not None:
+            headers[REQUEST_ID_HEADER] = client_request_id
+        return headers
 
     def _checked_body(self, status: int, data: bytes, headers: dict, decision: Decision, api: str,
                       retry_allowed: bool, translation: Translation | None = None) -> RelayOutcome:
