@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import sys
 import tempfile
@@ -44,8 +45,13 @@ POLL_S = 0.02
 STEP_TIMEOUT_S = 30.0
 
 
+#: This run's peer token (several regions: the balancers need one), in the config of every process it starts.
+_PEER_TOKEN = secrets.token_urlsafe(24)
+
+
 def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=2) as resp:
+    request = urllib.request.Request(url, headers={"X-SkyLB-Token": _PEER_TOKEN})
+    with urllib.request.urlopen(request, timeout=2) as resp:
         return json.loads(resp.read())
 
 
@@ -76,8 +82,9 @@ def run_once(work: Path, *, dns: bool = True) -> dict[str, float | None]:
         controller_port, balancer_port = free_port(), free_port()
         controller = f"http://127.0.0.1:{controller_port}"
         config = {"controller": {"db": str(work / "controller.sqlite"), "failover": {"rtt_ms": RTT_MS},
+                                 "peer_token": _PEER_TOKEN,
                                  **({"dns": bind.dns_config().model_dump(mode="json")} if bind else {})},
-                  "balancer": {"state_dir": str(work / "state"), "probe_interval_ms": 100},
+                  "balancer": {"state_dir": str(work / "state"), "probe_interval_ms": 100, "peer_token": _PEER_TOKEN},
                   "regions": {r: {"replicas": 0} for r in REGIONS}}
         path = work / "deployment.yaml"
         path.write_text(yaml.safe_dump(config))

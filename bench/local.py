@@ -14,7 +14,8 @@ their own region's balancer; the controller's config carries the views' TSIG key
 Secure by default (README, "Security"): each run generates a random admin token and peer token, passes them to the
 controller and the balancers in their environment (never on a command line, never in a log), and keeps them in
 ``<run_dir>/admin-token`` and ``<run_dir>/peer-token`` (mode 0600) for `skylb-ctl --admin-token-file` and
-`skylb-ctl status`. A region whose config sets its own ``peer_token`` (the region-local benchmark) keeps it; then
+`skylb-ctl --peer-token-file` (the run prints the command line, ``ctl_command``). A region whose config sets its own
+``peer_token`` (the region-local benchmark) keeps it; then
 the controller has no peer token and balancer heartbeats are open (it warns).
 
 Used by `skylb local` (bench/demo.py: the deployment, a workload replay and the report) and by the live benchmark
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import socket
 import time
 import urllib.request
@@ -178,6 +180,16 @@ class Deployment:
                            headers={"Authorization": f"Bearer {self.admin_token}"})
         _say(f"registered {n_replicas} replicas through the controller")
         self._wait_ready()
+        _say(f"skylb-ctl for this deployment (paste it): {self.ctl_command()}")
+
+    def ctl_command(self, command: str = "status") -> str:
+        """A ready-to-paste `skylb-ctl` command line for this deployment: its controller, the admin token file and,
+        when the balancers share one peer token, the peer token file (so that ``status`` can read the balancers)."""
+        parts = ["skylb-ctl", "--controller", self.controller_url or "",
+                 "--admin-token-file", shlex.quote(str(self.run_dir / "admin-token"))]
+        if self._controller_peer_token:
+            parts += ["--peer-token-file", shlex.quote(str(self.run_dir / "peer-token"))]
+        return " ".join([*parts, command])
 
     def _start_dns(self, hosts: dict[str, str], dns_port: int, balancer_port: int) -> None:
         """Start named on 127.0.0.1:``dns_port`` with a view per region answering with ``hosts`` (region ->

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import random
 import sys
 import tempfile
@@ -87,8 +88,13 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
+#: This run's peer token (several regions: the balancers need one), in the config of every process it starts.
+_PEER_TOKEN = secrets.token_urlsafe(24)
+
+
 def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as resp:
+    request = urllib.request.Request(url, headers={"X-SkyLB-Token": _PEER_TOKEN})
+    with urllib.request.urlopen(request, timeout=5) as resp:
         return json.loads(resp.read())
 
 
@@ -120,9 +126,9 @@ def run_soak(work: Path, *, duration_s: float, streams: int, replicas: int, kill
         controller = f"http://127.0.0.1:{controller_port}"
         path = work / "deployment.yaml"
         path.write_text(yaml.safe_dump({
-            "controller": {"db": str(work / "controller.sqlite")},
+            "controller": {"db": str(work / "controller.sqlite"), "peer_token": _PEER_TOKEN},
             # A small trie bound, so the tries fill during warm-up and the run shows whether they stay there.
-            "balancer": {"state_dir": str(work / "state"),
+            "balancer": {"state_dir": str(work / "state"), "peer_token": _PEER_TOKEN,
                          "policies": {"skylb": {"trie_max_bytes": trie_max_bytes}}},
             "regions": {r: {"replicas": 0} for r in REGIONS}}))
         procs.skylb("controller", "--config", str(path), "--port", str(controller_port), name="controller",

@@ -31,12 +31,17 @@ __all__ = ["ControllerCredentials", "CREDENTIALS", "resolve_credentials", "is_ad
 _READS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-@dataclass(frozen=True)
+@dataclass
 class ControllerCredentials:
-    """The controller's secrets; None: that check is off."""
+    """The controller's secrets; None: that check is off. ``replace_with`` puts new ones in force in place (a
+    reload, controller/reload.py): every request reads them from the application, so the next one sees them."""
 
     admin_token: str | None = None
     peer_token: str | None = None
+
+    def replace_with(self, other: "ControllerCredentials") -> None:
+        """Take ``other``'s secrets."""
+        self.admin_token, self.peer_token = other.admin_token, other.peer_token
 
     def __repr__(self) -> str:  # never print a secret by accident
         return (f"ControllerCredentials(admin_token={'set' if self.admin_token else None}, "

@@ -2,7 +2,8 @@
 (list, drain, remove), quotas (set, list, delete), the membership, and the whole system's status at a glance.
 
 Every command takes ``-o json`` (or ``--json``) to print JSON instead of a table or a sentence. Changes send the
-admin token from ``$SKYLB_ADMIN_TOKEN`` or ``--admin-token-file`` (``Authorization: Bearer``).
+admin token from ``$SKYLB_ADMIN_TOKEN`` or ``--admin-token-file`` (``Authorization: Bearer``); the balancers' status
+(``status``, drains) is asked with the peer token from ``$SKYLB_PEER_TOKEN`` or ``--peer-token-file``.
 
 Exit status: 0 success; 1 the controller refused the request or could not be reached (one line on stderr says
 why); 2 a usage error; 3 a drain did not finish within ``--wait-timeout`` (the drain goes on).
@@ -66,9 +67,12 @@ class CtlError(Exception):
 class _Api:
     """Blocking JSON calls to the controller; every failure becomes a CtlError with a one-line message."""
 
-    def __init__(self, base_url: str, timeout_s: float, admin_token: str | None = None):
+    def __init__(self, base_url: str, timeout_s: float, admin_token: str | None = None,
+                 peer_token: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        #: Sent to the balancers for their status (None: $SKYLB_PEER_TOKEN, if set).
+        self.peer_token = peer_token
         self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
 
     def call(self, method: str, path: str, **kwargs: Any) -> dict:
@@ -153,7 +157,7 @@ def _replica_drain(api: _Api, args: argparse.Namespace) -> None:
         """Requests still in flight on the replica, and the balancers that could not be asked or lag behind."""
         in_flight, unsure = 0, []
         for b in api.call("GET", "/v1/balancers")["balancers"]:
-            status, error = balancer_status(b["url"], min(api.timeout_s, 3.0))
+            status, error = balancer_status(b["url"], min(api.timeout_s, 3.0), api.peer_token)
             if status is None:
                 continue  # a balancer that is down sends nothing; `status` shows it
             if (status.get("membership_revision") or 0) < revision:
@@ -192,7 +196,7 @@ def _balancer_drain(api: _Api, args: argparse.Namespace) -> None:
     def left() -> tuple[int, list[str]]:
         in_flight, unsure = 0, []
         for b in body["balancers"]:
-            status, _ = balancer_status(b["url"], min(api.timeout_s, 3.0))
+            status, _ = balancer_status(b["url"], min(api.timeout_s, 3.0), api.peer_token)
             if status is None:
                 continue
             if (status.get("membership_revision") or 0) < revision or not status.get("draining"):
@@ -361,7 +365,8 @@ def _membership(api: _Api, args: argparse.Namespace) -> None:
 
 def _status(api: _Api, args: argparse.Namespace) -> None:
     membership = api.call("GET", "/v1/membership")
-    statuses = {b["url"]: balancer_status(b["url"], min(api.timeout_s, 3.0)) for b in membership["balancers"]}
+    statuses = {b["url"]: balancer_status(b["url"], min(api.timeout_s, 3.0), api.peer_token)
+                for b in membership["balancers"]}
     view = system_status(membership, statuses)
     _emit(args, view, lambda: status_tables(view))
 
@@ -395,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admin-token-file", metavar="FILE",
                         help="file holding the controller's admin token, sent with every change "
                              "(default: $SKYLB_ADMIN_TOKEN, else the file $SKYLB_ADMIN_TOKEN_FILE)")
+    parser.add_argument("--peer-token-file", metavar="FILE",
+                        help="file holding the balancers' peer token, sent when asking them for their status "
+                             "(status, drains) (default: $SKYLB_PEER_TOKEN)")
     parser.add_argument("--timeout", metavar="S", type=float, default=10.0,
                         help="seconds to wait for each answer of the controller or a balancer (default: 10)")
     common = [_output_options()]
@@ -558,7 +566,13 @@ def main(argv: list[str] | None = None) -> int:
                 token = read_token_file(token_file)
             except ValueError as exc:
                 raise CtlError(f"--admin-token-file: {exc}", EXIT_USAGE) from None
-        args.run(_Api(args.controller, args.timeout, token), args)
+        peer_token = None
+        if args.peer_token_file:
+            try:
+                peer_token = read_token_file(args.peer_token_file)
+            except ValueError as exc:
+                raise CtlError(f"--peer-token-file: {exc}", EXIT_USAGE) from None
+        args.run(_Api(args.controller, args.timeout, token, peer_token), args)
     except CtlError as exc:
         return _fail(str(exc), exc.status)
     except BrokenPipeError:  # `skylb-ctl replica list | head`: the reader left; not an error worth a traceback

@@ -11,7 +11,8 @@ from tabulate import tabulate
 
 from skylb.environment import PEER_TOKEN, env
 
-__all__ = ["balancer_status", "request_error", "system_status", "status_tables", "replica_table", "balancer_table",
+__all__ = ["balancer_status", "Refused", "PEER_TOKEN_HOW", "request_error",
+           "system_status", "status_tables", "replica_table", "balancer_table",
            "quota_tables"]
 
 
@@ -28,15 +29,28 @@ def request_error(exc: requests.RequestException) -> str:
     return str(exc).splitlines()[0][:200]
 
 
-def balancer_status(url: str, timeout_s: float) -> tuple[dict | None, str | None]:
-    """A balancer's operator status (``/skylb/v1/status?format=json``), or None and why it could not be read.
+class Refused(str):
+    """Why a balancer that answered would not give its status (a 401 or 403: the peer token is missing or wrong)."""
 
-    ``$SKYLB_PEER_TOKEN`` is sent when set.
+
+#: How skylb-ctl is given the peer token (said when a balancer refuses for want of it).
+PEER_TOKEN_HOW = f"set ${PEER_TOKEN.name} or pass --peer-token-file FILE"
+
+
+def balancer_status(url: str, timeout_s: float, token: str | None = None) -> tuple[dict | None, str | None]:
+    """A balancer's operator status (``/skylb/v1/status?format=json``), or None and why it could not be read: a
+    ``Refused`` when the balancer answered 401 or 403 (the peer token missing or wrong), else a plain str (down).
+
+    ``token`` (default ``$SKYLB_PEER_TOKEN``) is sent as the peer token when set.
     """
-    headers = {"X-SkyLB-Token": token} if (token := env(PEER_TOKEN)) else {}
+    token = token or env(PEER_TOKEN)
+    headers = {"X-SkyLB-Token": token} if token else {}
     try:
         resp = requests.get(f"{url.rstrip('/')}/skylb/v1/status", params={"format": "json"}, headers=headers,
                             timeout=timeout_s)
+        if resp.status_code in (401, 403):
+            return None, Refused(f"refused: wrong peer token ({PEER_TOKEN_HOW} with the balancers' token)" if token
+                                 else f"refused: the status needs the peer token ({PEER_TOKEN_HOW})")
         resp.raise_for_status()
         return resp.json(), None
     except requests.RequestException as exc:
@@ -45,11 +59,18 @@ def balancer_status(url: str, timeout_s: float) -> tuple[dict | None, str | None
         return None, "not JSON"
 
 
+def _state(status: dict | None, error: str | None) -> str:
+    if status is not None:
+        return "up"
+    return "refused" if isinstance(error, Refused) else "down"
+
+
 def system_status(membership: dict, statuses: dict[str, tuple[dict | None, str | None]]) -> dict:
     """The whole system from the controller's ``membership`` and each balancer's status (by URL).
 
     Shape: ``{"revision", "regions": [{"region", "balancer_region" (whose balancer serves its replicas), "epoch"}],
-    "balancers": [{"region", "url", "healthy" (the controller's check), "draining", "reachable", "error",
+    "balancers": [{"region", "url", "healthy" (the controller's check), "draining", "state" ("up"; "refused": it
+    answered but wants the peer token; "down": no answer), "reachable" (it answered: up or refused), "error",
     "queue_len", "in_flight", "available_replicas", "forwarded", "forwarded_per_s", "serves" ({region: epoch})}],
     "replicas": [{"id", "region", "engine", "url", "healthy" (the controller's check), "draining", "balancer" (the
     URL of the balancer serving it, or None), "pending", "running", "outstanding", "available", "reason"}]}``;
@@ -61,7 +82,8 @@ def system_status(membership: dict, statuses: dict[str, tuple[dict | None, str |
         live = status or {}
         balancers.append({
             "region": b["region"], "url": b["url"], "healthy": b.get("healthy", True),
-            "draining": b.get("draining", False), "reachable": status is not None, "error": error,
+            "draining": b.get("draining", False), "state": _state(status, error),
+            "reachable": _state(status, error) != "down", "error": error and str(error),
             **{k: live.get(k) for k in ("queue_len", "in_flight", "available_replicas", "forwarded_per_s")},
             "forwarded": sum(p.get("forwarded", 0) for p in live.get("peers", [])) if status else None,
             "serves": live.get("served_regions")})
@@ -95,7 +117,7 @@ def status_tables(view: dict) -> str:
                        headers=["REGION", "SERVED BY", "EPOCH"])
     balancers = tabulate(
         [(b["region"], b["url"], _yes(b["healthy"]), "yes" if b["draining"] else "no",
-          "up" if b["reachable"] else f"DOWN ({b['error']})",
+          {"up": "up", "refused": f"REFUSED ({b['error']})"}.get(b["state"], f"DOWN ({b['error']})"),
           ",".join(sorted(b["serves"])) if b["serves"] else "-", _dash(b["available_replicas"]),
           _dash(b["queue_len"]), _dash(b["in_flight"]), _dash(b["forwarded"]), _dash(b["forwarded_per_s"]))
          for b in view["balancers"]] or [("(no balancers)",)],

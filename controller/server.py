@@ -55,15 +55,17 @@ from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
 from controller.metrics import CONTENT_TYPE, ControllerMetrics
+from controller.reload import Reload, resolve
 from controller.quotas import remove_entry, set_entry
 from controller.shares import ShareBook
 from controller import status_view
 from controller.store import InvalidInput, StoreError, normalize_url, quotas_json, validate_region
 from controller.stores import Store, follow_revisions, open_store
-from skylb.config import ConfigError, ControllerConfig, load_config
+from skylb.config import ConfigError, ControllerConfig
 from skylb import environment, logs
 from skylb.logs import configure_logging
 from skylb.quota.gate import retry_after_s
+from skylb.reload import Reloader
 
 __all__ = ["MAX_WAIT_S", "RevisionWatch", "create_app", "serve", "add_arguments", "main"]
 
@@ -419,12 +421,13 @@ async def _together(*coros: Awaitable[None]) -> None:
 
 
 async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
-                credentials: ControllerCredentials | None = None) -> None:
+                credentials: ControllerCredentials | None = None, reloader: Reloader | None = None) -> None:
     """Serve until ``stop`` is set, then wake every watcher, finish in-flight requests and close the store.
 
     Without ``stop``, SIGTERM and SIGINT stop it (the `skylb controller` process); pass an event to embed the
     controller in another asyncio program, which keeps its own signal handling. ``credentials`` default to the
     config's and the environment's (auth.resolve_credentials; ValueError for an unreadable token file).
+    ``reloader``: started once the controller serves (SIGHUP and watched files; controller/reload.py).
     """
     if credentials is None:
         credentials = resolve_credentials(config.admin_token, config.admin_token_file, config.peer_token)
@@ -446,6 +449,8 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
         log.info("controller_started", host=config.host, port=port, store=store.kind, db=config.db,
                  revision=store.revision, health_interval_s=config.health.interval_s if config.health.enabled else None)
         _warn_open(credentials)  # once it serves: a controller that cannot start says only why (one line)
+        if reloader is not None:
+            reloader.start()
         dns_sync = DnsSync(store, DnsUpdater(config.dns)) if config.dns else None
 
         def lead() -> Awaitable[None]:  # the leader's task, started at each election and cancelled at its end
@@ -463,6 +468,8 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
         log.info("controller_stopping")
         await app[WATCH].close()  # long polls answer now instead of holding shutdown for up to a minute
     finally:
+        if reloader is not None and reloader.started:
+            await reloader.stop()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -502,20 +509,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the controller until SIGTERM/SIGINT; returns 0, or 2 for a bad config or flag."""
+    """Run the controller until SIGTERM/SIGINT (SIGHUP reloads); returns 0, or 2 for a bad config or flag."""
     try:
-        config = load_config(args.config).controller if args.config else ControllerConfig()
-        overrides = {k: v for k in ("host", "port", "db", "store") if (v := getattr(args, k)) is not None}
-        if args.etcd_endpoints is not None:
-            overrides["etcd"] = config.etcd.model_dump() | {"endpoints": args.etcd_endpoints.split(",")}
-        config = ControllerConfig.model_validate(config.model_dump() | overrides)
-        credentials = resolve_credentials(config.admin_token, config.admin_token_file, config.peer_token)
+        config, credentials = resolve(args)
         configure_logging(level=args.log_level)
     except (ConfigError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"skylb controller: {exc}", file=sys.stderr)
         return 2
+    reload = Reload(args, config, credentials)
     try:
-        aio.run(serve(config, credentials=credentials))
+        aio.run(serve(config, credentials=credentials, reloader=Reloader(reload, reload.files)))
     except (OSError, sqlite3.Error, StoreError) as exc:  # address in use, db not writable, etcd unreachable, ...
         print(f"skylb controller: {exc}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -55,7 +56,8 @@ class Cluster:
     """A deployment under test: controller, emulated replicas, latency proxy, balancers.
 
     With ``peer_token`` and ``admin_token`` the controller and balancers get them in their environment (as the
-    deployment files do) and the helpers send them; without, every process runs open (with its warning).
+    deployment files do) and the helpers send them; without, every process runs open (with its warning), except
+    that a deployment of several regions gets a generated peer token (balancers with peers need one).
     """
 
     def __init__(self, procs: ProcGroup, tmp_path: Path, *, balancer: dict | None = None,
@@ -75,7 +77,11 @@ class Cluster:
             procs.teardown_checks.append(self.assert_counters_return_to_zero)
 
     def config(self, regions: list[str]) -> Path:
-        """Write the deployment YAML the processes read; returns its path."""
+        """Write the deployment YAML the processes read; returns its path. Several regions without a peer token
+        given: one is generated now (before the first process starts) and used by every process and helper."""
+        if len(regions) > 1 and not self.peer_token:
+            self.peer_token = secrets.token_urlsafe(24)
+            self.env["SKYLB_PEER_TOKEN"] = self.peer_token
         data = {
             "controller": {"db": str(self.tmp / "controller.sqlite"), **self.controller_cfg},
             "balancer": {**self.balancer_cfg, "state_dir": str(self.tmp / "state")},
@@ -171,7 +177,8 @@ class Cluster:
             deadline = time.monotonic() + timeout_s
             while True:
                 try:
-                    status = get_json(f"{url}/skylb/v1/status?format=json", timeout=2.0)
+                    status = get_json(f"{url}/skylb/v1/status?format=json", timeout=2.0,
+                                      headers={"X-SkyLB-Token": self.peer_token} if self.peer_token else None)
                 except OSError:  # stopped (or never started): nothing to check
                     break
                 held = {"queue_len": status["queue_len"], "in_flight": status["in_flight"],

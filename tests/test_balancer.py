@@ -233,7 +233,8 @@ def test_a_forwarded_request_is_never_forwarded_again(three_regions):
     cluster.wait_until(lambda: cluster.status("eu")["available_replicas"] == 0, what="eu full")
     assert any(p["available"] for p in cluster.status("eu")["peers"])
     status, route, served_by, _, _, done = _complete(cluster.balancers["eu"], "from us", max_tokens=2,
-                                                     headers={"X-SkyLB-Forwarded-From": "us"})
+                                                     headers={"X-SkyLB-Forwarded-From": "us",
+                                                              "X-SkyLB-Token": cluster.peer_token})
     assert status == 200 and done and route == "local" and served_by.startswith("eu/")
 
 
@@ -252,9 +253,10 @@ def test_a_forwarded_request_keeps_its_age_in_the_peers_queue(three_regions):
         return result
 
     with ThreadPoolExecutor(2) as pool:
-        fresh = pool.submit(send, "fresh", {"X-SkyLB-Forwarded-From": "asia"})
+        fresh = pool.submit(send, "fresh", {"X-SkyLB-Forwarded-From": "asia", "X-SkyLB-Token": cluster.peer_token})
         cluster.wait_until(lambda: cluster.status("eu")["queue_len"] == 1, what="fresh request queued")
-        forwarded = pool.submit(send, "forwarded", {"X-SkyLB-Forwarded-From": "us", "X-SkyLB-Queue-Ms": "5000"})
+        forwarded = pool.submit(send, "forwarded", {"X-SkyLB-Forwarded-From": "us", "X-SkyLB-Queue-Ms": "5000",
+                                                    "X-SkyLB-Token": cluster.peer_token})
         cluster.wait_until(lambda: cluster.status("eu")["queue_len"] == 2, what="forwarded request queued")
         assert cluster.status("eu")["queue_age_ms"] >= 5000
         results = [fresh.result(timeout=30), forwarded.result(timeout=30)]

@@ -226,6 +226,13 @@ def test_unit_structure_and_hardening(path):
     assert service["SystemCallFilter"] == "@system-service"
 
 
+@pytest.mark.parametrize("name", ["skylb-controller.service", "skylb-balancer@.service"])
+def test_skylb_units_reload_with_sighup(name):
+    """`systemctl reload` sends SIGHUP to the main process, which re-reads its config and key files
+    (skylb/reload.py)."""
+    assert values(parse_unit(SYSTEMD / name), "Service", "ExecReload") == ["/bin/kill -HUP $MAINPID"]
+
+
 def test_balancer_stop_timeout_covers_the_drain():
     """After SIGTERM the balancer drains for drain_timeout_s, then ends what is left (bounded); systemd must not kill
     it before."""

@@ -177,7 +177,7 @@ def test_stale_epoch_is_rejected_at_the_heartbeat(procs, tmp_path):
     url = cluster.start_controller(["us", "eu"])
 
     def heartbeat(region: str, port: int, epochs: dict) -> requests.Response:
-        return requests.post(f"{url}/v1/balancers", timeout=5,
+        return requests.post(f"{url}/v1/balancers", timeout=5, headers={"X-SkyLB-Token": cluster.peer_token},
                              json={"region": region, "url": f"http://127.0.0.1:{port}", "epochs": epochs})
 
     stale = heartbeat("us", 10, {"us": 0})
@@ -208,7 +208,7 @@ def test_balancer_serves_exactly_the_regions_assigned_to_it():
             "assignments": [{"region": r, "balancer_region": b, "epoch": e} for r, (b, e) in assignments.items()],
         }
 
-    eu = Balancer(BalancerConfig(), region="eu", advertise_url="http://lb-eu:1")
+    eu = Balancer(BalancerConfig(peer_token="t"), region="eu", advertise_url="http://lb-eu:1")  # peers need one
     eu.apply_membership(snapshot({"us": ("eu", 3), "eu": ("eu", 0), "asia": ("asia", 0)}))
     assert sorted(eu.router.replicas) == ["eu-1", "us-1"] and eu.served_epochs == {"us": 3, "eu": 0}
     assert sorted(eu.router.peers) == ["asia"] and not eu.draining
@@ -216,9 +216,13 @@ def test_balancer_serves_exactly_the_regions_assigned_to_it():
     eu.apply_membership(snapshot({"us": ("us", 4), "eu": ("eu", 0), "asia": ("asia", 0)}, eu_draining=True))
     assert eu.router.replicas["us-1"].draining  # given back: no new requests, the one in flight finishes
     assert eu.served_epochs == {"eu": 0} and eu.draining
-    asia = Balancer(BalancerConfig(), region="asia", advertise_url="http://lb-asia:1")
+    asia = Balancer(BalancerConfig(peer_token="t"), region="asia", advertise_url="http://lb-asia:1")
     asia.apply_membership(snapshot({"us": ("eu", 3), "eu": ("eu", 0), "asia": ("asia", 0)}, eu_draining=True))
     assert list(asia.router.replicas) == [] and list(asia.router.peers) == []  # asia-1 unhealthy; no live peer
+    # Without a peer token a balancer takes no peers from membership (it could not prove its forwarded requests).
+    tokenless = Balancer(BalancerConfig(), region="eu", advertise_url="http://lb-eu:1")
+    tokenless.apply_membership(snapshot({"us": ("eu", 3), "eu": ("eu", 0), "asia": ("asia", 0)}))
+    assert sorted(tokenless.router.replicas) == ["eu-1", "us-1"] and list(tokenless.router.peers) == []
 
 
 def test_failover_plan():

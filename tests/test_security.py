@@ -473,6 +473,9 @@ def test_skylb_local_runs_secured_and_its_clients_send_the_api_key(tmp_path):
     assert total["sent"] == total["completed"] > 0 and total["failed"] == 0
     tokens = [(run_dir / name).read_text().strip() for name in ("admin-token", "peer-token")]
     assert all(len(t) >= 32 for t in tokens)
+    # A ready-to-paste skylb-ctl command names both token files (never the tokens).
+    assert (f"--admin-token-file {run_dir / 'admin-token'} --peer-token-file {run_dir / 'peer-token'} status"
+            in done.stdout)
     texts = [done.stdout, done.stderr, *(p.read_text() for p in (run_dir / "logs").glob("*.log"))]
     assert not [t for t in texts for secret in (*tokens, KEY) if secret in t]
     assert not [t for t in texts if "controller_api_open" in t or "peer_endpoints_open" in t]
@@ -480,8 +483,9 @@ def test_skylb_local_runs_secured_and_its_clients_send_the_api_key(tmp_path):
 
 def test_without_tokens_peer_and_admin_endpoints_answer_this_machine_only():
     """Protected mode (the default when no token is configured): the controller's changes and registrations, and a
-    balancer's peer status, /metrics and forwarded marker, are refused to a non-loopback client with a message
-    saying which token to set; loopback clients (this machine, the tests) pass. The client API stays open."""
+    balancer's peer status and /metrics, are refused to a non-loopback client with a message saying which token to
+    set; loopback clients (this machine, the tests) pass. The client API stays open. The forwarded marker without a
+    peer token is refused to every client, loopback included."""
     from unittest import mock
 
     from aiohttp import web
@@ -519,10 +523,14 @@ def test_without_tokens_peer_and_admin_endpoints_answer_this_machine_only():
                                                                     app=app))).status == 200
 
     check = balancer_auth.auth_middleware(balancer_auth.Credentials())
-    for path, headers in (("/skylb/v1/status", {}), ("/metrics", {}),
-                          ("/v1/completions", {"X-SkyLB-Forwarded-From": "eu"})):
-        far = asyncio.run(run(check, request("GET" if "/v1/" not in path else "POST", path, "10.0.0.5", headers)))
+    for path, headers in (("/skylb/v1/status", {}), ("/metrics", {})):
+        far = asyncio.run(run(check, request("GET", path, "10.0.0.5", headers)))
         assert far.status == 403 and "this machine only" in json.loads(far.body)["error"]["message"], path
         near = asyncio.run(run(check, request("GET", path, "127.0.0.1", headers)))
         assert near.status == 200, path
     assert asyncio.run(run(check, request("POST", "/v1/completions", "10.0.0.5"))).status == 200
+    # The forwarded marker needs the peer token, from this machine too (a local reverse proxy passes its clients'
+    # headers on): without a token there are no peers to send it.
+    for remote in ("10.0.0.5", "127.0.0.1"):
+        marked = asyncio.run(run(check, request("POST", "/v1/completions", remote, {"X-SkyLB-Forwarded-From": "eu"})))
+        assert marked.status == 403 and "peer token" in json.loads(marked.body)["error"]["message"], remote

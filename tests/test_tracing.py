@@ -35,9 +35,10 @@ CLIENT_SPAN_ID = "00f067aa0ba902b7"
 UNSAMPLED_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 
 
-def _metrics(url: str, accept: str | None = None) -> tuple[str, str]:
-    """A balancer's /metrics: (its Content-Type, its text)."""
-    request = urllib.request.Request(f"{url}/metrics", headers={"Accept": accept} if accept else {})
+def _metrics(url: str, accept: str | None = None, *, token: str | None = None) -> tuple[str, str]:
+    """A balancer's /metrics: (its Content-Type, its text); ``token``: the peer token, when the balancer has one."""
+    headers = {**({"Accept": accept} if accept else {}), **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(f"{url}/metrics", headers=headers)
     with urllib.request.urlopen(request, timeout=5) as resp:
         return resp.headers["Content-Type"], resp.read().decode()
 
@@ -134,13 +135,15 @@ def test_a_forwarded_request_is_one_trace_across_both_balancers(procs, tmp_path)
         assert unsampled[0][1] == UNSAMPLED_TRACE_ID and int(unsampled[0][3], 16) & 1 == 0
 
         for url, route, relay in ((us, "peer", us_relay), (eu, "local", eu_relay)):
-            content_type, text = _metrics(url, "application/openmetrics-text; version=1.0.0")
+            content_type, text = _metrics(url, "application/openmetrics-text; version=1.0.0",
+                                          token=cluster.peer_token)
             assert content_type.startswith("application/openmetrics-text") and text.endswith("# EOF\n")
             exemplars = re.findall(r'^skylb_ttft_seconds_bucket\{[^}]*route="' + route + r'"[^}]*\} \S+ '
                                    r'# \{([^}]*)\}', text, re.M)
             assert f'span_id="{relay.span_id}",trace_id="{CLIENT_TRACE_ID}"' in exemplars
             assert UNSAMPLED_TRACE_ID not in text
-        content_type, text = _metrics(us)  # a scraper that asks for nothing gets Prometheus text, no exemplar
+        # A scraper that asks for nothing gets Prometheus text, no exemplar.
+        content_type, text = _metrics(us, token=cluster.peer_token)
         assert content_type.startswith("text/plain") and CLIENT_TRACE_ID not in text
         assert sink.rejected == 0
 

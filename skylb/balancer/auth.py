@@ -12,18 +12,22 @@
   configured; 401 in the API's shape otherwise. A request carrying the peer token is a peer's (a forwarded request,
   ``/api/show`` asked of a peer) and needs no client key: the forwarding balancer checked it.
 - A request marked forwarded (``X-SkyLB-Forwarded-From``) without the peer token is refused (403): a client cannot
-  skip the one-hop rule or claim queue time (``X-SkyLB-Queue-Ms``) it did not spend elsewhere.
+  skip the one-hop rule or the quota gate, or claim queue time (``X-SkyLB-Queue-Ms``) it did not spend elsewhere.
+  Without a peer token it is always refused, from this machine too: a balancer with peers needs a token (process.py
+  refuses to start without one), so no peer can send it, and a local reverse proxy passes its clients' headers on.
 
-Without a peer token, peer endpoints, /metrics (without a metrics token) and the forwarded marker answer this machine
-only (protected mode, as Redis's: loopback addresses), so a deployment that forgot its token is not open to the
-network; without keys the client APIs are open (a load balancer's usual default). process.py logs a warning at start
-for each check that is narrowed or off. Secrets are compared
+Without a peer token, peer endpoints and /metrics (without a metrics token) answer this machine only (protected
+mode, as Redis's: loopback addresses), so a single region that forgot its token is not open to the network; without
+keys the client APIs are open (a load balancer's usual default). The credentials may be replaced while
+serving (``auth_middleware`` takes a function returning the current ones; a reload, skylb/balancer/reload.py).
+process.py logs a warning at start for each check that is narrowed or off. Secrets are compared
 in constant time and never logged. Secure by default. Source: OpenAI's and Ollama's error
 shapes (api.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,6 +137,9 @@ def _bearer(request: web.Request) -> str | None:
 def _peer_refusal(creds: Credentials, what: str) -> str:
     if creds.peer_token:
         return f"{what} needs the peer token: missing or wrong {TOKEN_HEADER}"
+    if what == "a forwarded request":
+        return ("a forwarded request needs the peer token, and none is configured here (set balancer.peer_token or "
+                "$SKYLB_PEER_TOKEN on every balancer)")
     return (f"{what} is answered on this machine only: no peer token is configured (set balancer.peer_token or "
             "$SKYLB_PEER_TOKEN on every balancer)")
 
@@ -146,21 +153,23 @@ def _tenant_of_key(creds: Credentials, key: str | None) -> str | None:
     return found
 
 
-def auth_middleware(creds: Credentials):
-    """The middleware enforcing the rules in this module's docstring with ``creds``."""
+def auth_middleware(creds: Credentials | Callable[[], Credentials]):
+    """The middleware enforcing the rules in this module's docstring with ``creds``: the Credentials, or a function
+    returning those in force at each request (so a reload replaces them without a restart)."""
+    current = creds if callable(creds) else (lambda: creds)
 
     @web.middleware
     async def check_credentials(request: web.Request, handler):
+        creds = current()
         path = request.path
         if path in _OPEN_PATHS:
             return await handler(request)
         if secret_matches(request.headers.get(TOKEN_HEADER), creds.peer_token):
             return await handler(request)  # a peer: trusted on every route
         api = "ollama" if path.startswith("/api/") else "openai"
-        # Only the status, /metrics and a forwarded request ask where the caller is (parsing the address is
-        # most of this check's time on a client's request).
-        local = (from_this_machine(request.remote) if path in (STATUS_PATH, "/metrics") or FORWARDED_FROM in
-                 request.headers else None)
+        # Only the status and /metrics ask where the caller is (parsing the address is most of this check's time
+        # on a client's request).
+        local = from_this_machine(request.remote) if path in (STATUS_PATH, "/metrics") else None
         if path == STATUS_PATH:
             if status_page.session_ok(request, creds.peer_token, status_page.PEER_SESSION):
                 return await handler(request)  # the status page of an operator logged in with the peer token
@@ -172,7 +181,7 @@ def auth_middleware(creds: Credentials):
                     return openai_error(403, "missing or wrong metrics token", type_="permission_error")
             elif not local:
                 return openai_error(403, _peer_refusal(creds, "/metrics"), type_="permission_error")
-        elif FORWARDED_FROM in request.headers and (creds.peer_token or not local):
+        elif FORWARDED_FROM in request.headers:
             return error_response(api, 403, _peer_refusal(creds, "a forwarded request"), type_="permission_error")
         elif creds.api_keys and (path.startswith(_API_PREFIXES) or path in _CLIENT_PATHS):
             key = _bearer(request)

@@ -1,12 +1,13 @@
 """One region's balancer: the parts of the request flow assembled, started and stopped as one.
 
 The parts, one module each (README "A request's path"): the dispatcher (queue -> routing decision), the probers
-(replicas and peers), membership (from the controller, kept on disk), the relay, the quota gate and model groups, the
-Ollama fleet's actions, the metrics, and the chain of stages every request passes (skylb/balancer/stages/, built by
-``build_chain`` from the settings). The routing core (``skylb.core.Router``) holds the state they share; it is built
-from the settings by ``skylb.core.build_router``, the same builder the simulator uses. The Balancer assembles and owns
-their lifecycles; it serves no request itself. No stage or feature part receives it (each gets the narrow dependencies
-it needs); only the status, Ollama metadata and model-management handlers read it from the application.
+(replicas and peers), membership (from the controller, kept on disk; or static, from the command line), the relay,
+the quota gate and model groups, the Ollama fleet's actions, the metrics, and the chain of stages every request
+passes (skylb/balancer/stages/, built by ``build_chain`` from the settings). The routing core
+(``skylb.core.Router``) holds the state they share; it is built from the settings by ``skylb.core.build_router``,
+the same builder the simulator uses. The Balancer assembles and owns their lifecycles; it serves no request itself.
+No stage or feature part receives it (each gets the narrow dependencies it needs); only the status, Ollama metadata
+and model-management handlers read it from the application.
 """
 
 from __future__ import annotations
@@ -52,13 +53,18 @@ class Balancer:
     Args:
         cfg: the balancer's settings; region: its region; advertise_url: how peers and the controller reach it;
         client_keys: whether clients authenticate with SkyLB API keys (then their Authorization is not relayed).
+        static_membership: a membership snapshot applied once at start instead of the controller's (static mode,
+            skylb/balancer/static.py); None: membership comes from the controller, else from disk.
 
     Attributes (after ``start``): router, dispatcher, metrics, session (upstream aiohttp session), relay,
     membership, tracing (skylb/balancer/spans.py Tracing, or None when tracing is off).
     """
 
-    def __init__(self, cfg: BalancerConfig, *, region: str, advertise_url: str, client_keys: bool = False):
+    def __init__(self, cfg: BalancerConfig, *, region: str, advertise_url: str, client_keys: bool = False,
+                 static_membership: dict | None = None):
         self.cfg = cfg
+        self.static_membership = static_membership
+        self._peers_refused = False
         self.client_keys = client_keys
         #: The quotas in force: the config's, replaced by the controller's when it holds some (skylb/quota).
         self.quotas: Quotas = cfg.quotas
@@ -185,7 +191,9 @@ class Balancer:
             demand=lambda: demand_report(self.limits, self.now()), apply_shares=lambda a: apply_shares(self.limits, a))
         # The controller's view first: a balancer restarted after a failover must not serve, from its file, replicas
         # that moved to another balancer meanwhile. The file when the controller does not answer (static stability).
-        if not await self.membership.fetch_once(timeout_s=2.0):
+        if self.static_membership is not None:
+            self.apply_membership(self.static_membership)
+        elif not await self.membership.fetch_once(timeout_s=2.0):
             self.membership.load_persisted()
         self.membership.start()
         probers = Probers(self.router, self.session, now=self.now, on_round=self._probe_round_done,
@@ -259,6 +267,15 @@ class Balancer:
                 if b.get("healthy", True) is not False and not b.get("draining", False)]
         peers = [(b["region"], self.cfg.peer_urls.get(b["region"], b["url"]).rstrip("/"))
                  for b in live if b.get("region") != self.region and b["region"] not in served]
+        if peers and not self.cfg.peer_token:
+            # Forwarded requests prove themselves with the peer token; without one this balancer neither forwards
+            # nor accepts forwarded requests (skylb/balancer/auth.py), so peers would only fail its requests.
+            if not self._peers_refused:
+                log.error("peers_need_peer_token", region=self.region, peers=sorted(r for r, _ in peers),
+                          detail="membership names peer balancers but no peer token is configured: not forwarding; "
+                                 "set $SKYLB_PEER_TOKEN (or balancer.peer_token) on every balancer")
+            self._peers_refused = True
+            peers = []
         self.draining = any(b.get("draining", False) for b in snapshot.get("balancers", [])
                             if b.get("region") == self.region)
         self.router.set_replicas(replicas, max_concurrency={r["id"]: r.get("max_concurrency") for r in mine})

@@ -1,6 +1,8 @@
-"""`skylb balancer --config FILE --region NAME`: one region's balancer process, speaking the OpenAI and Ollama APIs.
+"""`skylb balancer --config FILE --region NAME`, or `skylb balancer --replica URL ...` (static mode, no controller):
+one region's balancer process, speaking the OpenAI and Ollama APIs.
 
-Start-up and shut-down: the aiohttp application and its routes, the command line, and serving until SIGTERM or SIGINT.
+Start-up and shut-down: the aiohttp application and its routes, the command line, and serving until SIGTERM or SIGINT;
+SIGHUP (or a change of the config or keys file) reloads what can change at run time (skylb/balancer/reload.py).
 Through the chain of stages (skylb/balancer/handler.py, skylb/balancer/stages/): ``POST /v1/chat/completions``,
 ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``, ``/api/generate``, ``/api/chat``, ``/api/embed``,
 ``/api/embeddings``. Answered without queueing (status.py, ollama_api.py, model_management.py, lease_api.py,
@@ -28,7 +30,7 @@ from pydantic import ValidationError
 
 from skylb import aio, status_page
 from skylb.balancer import handler, lease_api, model_management, ollama_api, status, tracing
-from skylb.balancer.auth import Credentials, auth_middleware, load_api_keys, load_tenants
+from skylb.balancer.auth import Credentials, auth_middleware
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.handler import REQUEST_IDS, api_of
 from skylb.balancer.stages import RequestContext
@@ -36,11 +38,13 @@ from skylb.balancer.stages.model_group import add_model_header
 from skylb.balancer.relay import STREAM_STARTED
 from skylb.balancer.retry_after import retry_after_hook
 from skylb.balancer.status import BALANCER
-from skylb.config import BalancerConfig, ConfigError, balancer_settings, load_config
+from skylb.balancer.reload import Reload, Settings, resolve
+from skylb.balancer.static import ENGINES, STATIC_REGION
+from skylb.config import BalancerConfig, ConfigError
 from skylb.core import policy_names
 from skylb import environment, logs
 from skylb.logs import configure_logging
-from skylb.tokens import check_token
+from skylb.reload import Reloader
 
 __all__ = ["build_app", "add_arguments", "main", "BALANCER", "PEER_TOKEN_ENV", "REPLICA_API_KEY_ENV",
            "stop_time_bound_s"]
@@ -100,17 +104,22 @@ def _answered_error(request: web.Request, status: int, message: str, reason: str
 
 
 def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
-              api_keys: frozenset[str] = frozenset(), tenants: dict[str, str] | None = None) -> web.Application:
+              api_keys: frozenset[str] = frozenset(), tenants: dict[str, str] | None = None,
+              static_membership: dict | None = None) -> web.Application:
     """The balancer's aiohttp application; the Balancer starts and stops with it. ``api_keys``: the client keys
     (auth.load_api_keys), checked with the peer and metrics tokens of ``cfg`` before any handler runs; ``tenants``:
-    {key: tenant} (auth.load_tenants)."""
-    creds = Credentials(api_keys=api_keys, peer_token=cfg.peer_token, metrics_token=cfg.metrics_token,
-                        tenants=dict(tenants or {}))
+    {key: tenant} (auth.load_tenants); ``static_membership``: replicas and peers from the command line
+    (skylb/balancer/static.py), None for the controller's. ``app[CREDENTIALS].set(...)`` replaces the credentials
+    while it serves (a reload)."""
+    creds = _CredentialsInForce(Credentials(api_keys=api_keys, peer_token=cfg.peer_token,
+                                            metrics_token=cfg.metrics_token, tenants=dict(tenants or {})))
     # Errors first, so a 404 or 405 for an unknown route is also behind the credential check.
     app = web.Application(client_max_size=cfg.max_body_bytes,
-                          middlewares=[_errors_in_api_shape, auth_middleware(creds)])
-    balancer = Balancer(cfg, region=region, advertise_url=advertise_url, client_keys=bool(api_keys))
-    balancer.key_tenants = frozenset(creds.tenants.values())
+                          middlewares=[_errors_in_api_shape, auth_middleware(creds.get)])
+    app[CREDENTIALS] = creds
+    balancer = Balancer(cfg, region=region, advertise_url=advertise_url, client_keys=bool(api_keys),
+                        static_membership=static_membership)
+    balancer.key_tenants = frozenset(creds.get().tenants.values())
     app[BALANCER] = balancer
     app[status_page.ACCESS] = status_page.PageAccess(cfg.peer_token, "the peer token", f"region {region}",
                                                      status_page.PEER_SESSION)
@@ -141,10 +150,40 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     return app
 
 
+class _CredentialsInForce:
+    """The credentials the auth middleware checks now; ``set`` replaces them (a reload)."""
+
+    def __init__(self, creds: Credentials):
+        self.creds = creds
+
+    def get(self) -> Credentials:
+        return self.creds
+
+    def set(self, creds: Credentials) -> None:
+        self.creds = creds
+
+
+#: App key: the credentials in force (``_CredentialsInForce``).
+CREDENTIALS = web.AppKey("skylb_credentials", _CredentialsInForce)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `skylb balancer`."""
-    parser.add_argument("--config", help="deployment YAML (default: the embedded configs/local-3region.yaml)")
-    parser.add_argument("--region", required=True, help="this balancer's region, a key of `regions` in the config")
+    parser.add_argument("--config", help="deployment YAML (default: the embedded configs/local-3region.yaml; with "
+                        "--replica: the built-in defaults)")
+    parser.add_argument("--region", help="this balancer's region, a key of `regions` in the config (required with "
+                        f"a controller; with --replica default {STATIC_REGION!r})")
+    static = parser.add_argument_group(
+        "static mode", "serve in front of replicas that already run, with no controller and no YAML: "
+        "skylb balancer --replica http://127.0.0.1:11434")
+    static.add_argument("--replica", action="append", default=[], metavar="URL",
+                        help="a replica's base URL (an engine's OpenAI or Ollama server); repeatable")
+    static.add_argument("--engine", default="auto", choices=ENGINES, metavar="ENGINE",
+                        help=f"the replicas' engine: {', '.join(ENGINES)} (default: auto, detected by probing "
+                             "each replica once)")
+    static.add_argument("--peer", action="append", default=[], metavar="REGION=URL",
+                        help="a peer region's balancer to forward overflow to; repeatable; needs a peer token "
+                             f"(${PEER_TOKEN_ENV}), the same on both balancers")
     parser.add_argument("--host", help="listen address (overrides the config)")
     parser.add_argument("--port", type=int, help="listen port (overrides the config)")
     parser.add_argument("--controller", help="controller base URL (overrides balancer.controller_url)")
@@ -157,38 +196,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog is a list, one variable a line
     parser.epilog = (environment.epilog(environment.BALANCER_VARIABLES)
                      + "\nprecedence: the config file's balancer section, its regions.<region>.balancer, the "
-                       "environment, the flags")
+                       "environment, the flags"
+                     + "\nreload: SIGHUP (or a change of the config or keys file) re-reads client keys, tenants, "
+                       "metrics_token and quotas; other settings need a restart (logged as reload_needs_restart)")
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run one balancer until SIGTERM or SIGINT; exit status 2 on a config error."""
+    """Run one balancer until SIGTERM or SIGINT (SIGHUP reloads); exit status 2 on a config error."""
     try:
         configure_logging(level=args.log_level)
-        deployment = load_config(args.config)
-        peer_urls = {}
-        for item in args.peer_url:
-            region, sep, url = item.partition("=")
-            if not sep or not url:
-                raise ConfigError(f"--peer-url must be REGION=URL, got {item!r}")
-            peer_urls[region] = url
-        cfg = balancer_settings(deployment, args.region, {
-            "host": args.host, "port": args.port, "controller_url": args.controller,
-            "advertise_url": args.advertise_url, "policy": args.policy, "peer_urls": peer_urls})
-        if cfg.controller_url is None:
-            c = deployment.controller
-            cfg.controller_url = f"http://{c.host}:{c.port}"
-        check_token("the peer token", cfg.peer_token)
-        check_token("the metrics token", cfg.metrics_token)
-        tenants = load_tenants(cfg.tenants, cfg.api_keys_file)
-        api_keys = load_api_keys(cfg.api_keys + [k for keys in cfg.tenants.values() for k in keys],
-                                 cfg.api_keys_file)
-        if api_keys and not cfg.peer_token:
-            # Peers prove themselves with the token and skip the key check; without one, anybody could.
-            raise ConfigError(f"client API keys need a peer token: set ${PEER_TOKEN_ENV} or balancer.peer_token")
-        tracing.check_installed(cfg.tracing)
+        settings = resolve(args)
+        tracing.check_installed(settings.cfg.tracing)
     except (ConfigError, ValidationError, ValueError, RuntimeError) as exc:
         print(f"skylb balancer: {exc}", file=sys.stderr)
         return 2
+    cfg = settings.cfg.model_copy()  # the running copy gets the real port; a reload compares with the file's
     if cfg.port == 0:  # the advertised URL needs the real port before the server starts
         with socket.socket() as s:
             s.bind((cfg.host, 0))
@@ -200,8 +222,8 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ssl.SSLError) as exc:
         print(f"skylb balancer: cannot load tls_cert_file / tls_key_file: {exc}", file=sys.stderr)
         return 2
-    return aio.run(_serve(cfg, region=args.region, advertise_url=advertise_url, api_keys=api_keys,
-                          tenants=tenants, ssl_context=ssl_context))
+    return aio.run(_serve(cfg, region=settings.region, advertise_url=advertise_url, settings=settings, args=args,
+                          ssl_context=ssl_context))
 
 
 def _ssl_context(cfg: BalancerConfig) -> ssl.SSLContext | None:
@@ -218,17 +240,20 @@ def _warn_open(cfg: BalancerConfig, api_keys: frozenset[str]) -> None:
     """Say loudly which checks are off because their secret is not configured (README, "Security")."""
     if not cfg.peer_token:
         log.warning("peer_endpoints_open",
-                    detail=f"no peer token (${PEER_TOKEN_ENV}): /skylb/v1/status, /metrics and forwarded requests are "
-                           "answered from this machine only, so peers elsewhere cannot forward here; set one")
+                    detail=f"no peer token (${PEER_TOKEN_ENV}): /skylb/v1/status and /metrics are answered from this "
+                           "machine only, forwarded requests are refused, and this balancer has no peers; set one "
+                           "to add peers")
     if not api_keys:
         log.warning("client_api_open", detail="no client API keys: anyone can send requests")
 
 
-async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_keys: frozenset[str] = frozenset(),
-                 tenants: dict[str, str] | None = None, ssl_context: ssl.SSLContext | None = None) -> int:
+async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, settings: Settings,
+                 args: argparse.Namespace, ssl_context: ssl.SSLContext | None = None) -> int:
     # One region per process: every line this process logs from here on names it (skylb/logs.py).
     structlog.contextvars.bind_contextvars(region=region)
-    app = build_app(cfg, region=region, advertise_url=advertise_url, api_keys=api_keys, tenants=tenants)
+    api_keys = settings.api_keys
+    app = build_app(cfg, region=region, advertise_url=advertise_url, api_keys=api_keys, tenants=settings.tenants,
+                    static_membership=settings.static_membership)
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request leaves the queue
     # and an upstream request is aborted (aiohttp's default keeps running it; reliability.md).
     # shutdown_timeout: the drain below already waited for the requests held; what is left is idle connections.
@@ -236,15 +261,22 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, api_ke
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()
+    static = settings.static_membership
     log.info("balancer_started", listen=f"{cfg.host}:{cfg.port}", tls=ssl_context is not None,
              policy=cfg.policy, controller=cfg.controller_url, client_api_keys=len(api_keys),
-             peer_token=bool(cfg.peer_token), event_loop=aio.loop_name())
+             peer_token=bool(cfg.peer_token), event_loop=aio.loop_name(),
+             **({"static_replicas": len(static["replicas"]), "static_peers": len(static["balancers"])}
+                if static is not None else {}))
     _warn_open(cfg, api_keys)
+    reload = Reload(args, settings, set_credentials=app[CREDENTIALS].set, balancer=app[BALANCER])
+    reloader = Reloader(reload, lambda: reload.settings.files())
+    reloader.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await reloader.stop()
     # Drain (Envoy's word): /healthz answers 503 and new requests get 503 (still listening, so that load balancers
     # and the controller see it draining rather than a refused connection), what is held is served, then stop.
     balancer = app[BALANCER]

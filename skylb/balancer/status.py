@@ -14,6 +14,7 @@ from skylb.balancer.ollama_fleet import replica_thermal
 from skylb.balancer.metrics import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 from skylb.balancer.retry_after import retry_after_s
+from skylb.engines.auto import detected_engine
 from skylb.quota.buckets import LocalLimits
 from skylb.quota.wiring import quota_status
 
@@ -45,7 +46,9 @@ def detailed_status(balancer: Balancer) -> dict:
         "quotas": quotas_in_force(balancer),
         "quota": quota_status(balancer.limits, balancer.quota_gate, now),
         "replicas": [
-            {"id": r.id, "url": r.url, "engine": r.engine, "healthy": r.healthy, "pending": r.pending,
+            {"id": r.id, "url": r.url, "healthy": r.healthy, "pending": r.pending,
+             # --engine auto: the engine detected (skylb/engines/auto.py), once known.
+             "engine": (detected_engine(r.url) or r.engine) if r.engine == "auto" else r.engine,
              "running": r.running, "outstanding": r.outstanding, "kv_usage": r.kv_usage, "draining": r.draining,
              "served": r.served,
              "admission_capacity": r.slots if r.slots is not None else r.capacity.limit,
