@@ -14,6 +14,8 @@ A request's outcome, as its client sees it (:class:`Outcome` values):
 - ``error_event``: the stream ended with a ``data: {"error": ...}`` chunk (its replica or balancer died mid-stream);
 - ``http_<status>``: an error answer in the API's shape (``{"error": {"message": ...}}``);
 - ``unreachable``: both attempts failed to connect (a visible error: the client knows it was not served);
+- ``stream_cut``: the connection broke after the response began (an incomplete chunked body: the balancer the
+  client was connected to died); the client's HTTP library raises, so this too is visible;
 - ``lost``: anything else: a timeout, a stream cut without an error, an unparseable body;
 - ``duplicated``: a stream with two completion ids, two ``finish_reason`` or two ``[DONE]``.
 """
@@ -150,10 +152,13 @@ async def _attempt(http: aiohttp.ClientSession, plan: ClientPlan, rec: Record, r
                     rec.ttft_s = time.monotonic() - t0 - rec.sent_s
                 chunks.append(line)
             rec.outcome, rec.response_id, rec.error = classify(resp.status, b"".join(chunks))
-    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionResetError) as exc:
+    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
+            ConnectionResetError) as exc:
         if rec.headers_s is None:
             raise _ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
-        rec.outcome, rec.error = "lost", f"{type(exc).__name__} after the response began: {exc}"
+        # The connection broke mid-response (the process serving it died): the client's HTTP library raises, so
+        # the client knows it was not served; a body that ends cleanly but short is classified (lost) instead.
+        rec.outcome, rec.error = "stream_cut", f"{type(exc).__name__} after the response began: {exc}"[:300]
 
 
 async def send(http: aiohttp.ClientSession, plan: ClientPlan, request: Request, *, run_id: str,

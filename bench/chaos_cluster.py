@@ -65,7 +65,7 @@ class ClusterSettings:
     time_scale: float = 0.1
     max_num_seqs: int = 8
     #: The model's concurrency cap in the quota (requests in flight over all balancers).
-    quota_max_concurrent: int = 24
+    quota_max_concurrent: int = 8
     rtt_ms: dict[str, float] = field(default_factory=lambda: dict(RTT_MS))
     dns_ttl_s: int = 1
     balancer: dict[str, Any] = field(default_factory=lambda: {

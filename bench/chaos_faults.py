@@ -44,7 +44,7 @@ KINDS = ("replica_kill", "balancer_kill", "leader_kill", "etcd_kill", "redis_kil
 FULL_SCHEDULE = (("replica_kill", 10, 8), ("slow_replica", 22, 15), ("replica_500", 40, 12),
                  ("balancer_kill", 55, 12), ("latency_spike", 72, 30), ("leader_kill", 80, 10),
                  ("etcd_kill", 106, 10), ("redis_kill", 120, 12), ("partition", 138, 15),
-                 ("asymmetric", 160, 12), ("split_brain", 178, 18))
+                 ("asymmetric", 158, 28), ("split_brain", 176, 18))
 #: The short schedule of the test (under 60 s): a replica kill, a balancer kill, a partition and the split brain.
 SHORT_SCHEDULE = (("replica_kill", 3, 5), ("balancer_kill", 8, 6), ("partition", 24, 8), ("split_brain", 36, 12))
 SLOWDOWN = 5.0

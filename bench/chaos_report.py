@@ -150,7 +150,8 @@ def format_markdown(result: dict[str, Any]) -> str:
         "## Per fault kind", "",
         "Requests: those whose time in flight overlapped the fault (from its start to its recovery). Errors: the "
         "outcomes other than ok (error_event: a stream ended with an error chunk; http_N: an error answer; "
-        "unreachable: both attempts failed to connect). Retries: client retries (in brackets, those where both "
+        "unreachable: both attempts failed to connect; stream_cut: the connection broke mid-response, its balancer "
+        "killed). Retries: client retries (in brackets, those where both "
         "attempts ran on a replica). Detection from the fault's start, recovery from its heal, TTFT p90 of the "
         "requests sent during the fault: median [min, max] over the runs. "
         f"TTFT p90 outside every fault: {spread([r['ttft_p90_outside_ms'] for r in runs], ' ms')}.", "",
