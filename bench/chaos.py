@@ -32,7 +32,7 @@ from bench.chaos_client import ClientPlan, run_clients
 from bench.chaos_cluster import MODEL, ChaosCluster, ClusterSettings
 from bench.chaos_faults import FULL_SCHEDULE, SHORT_SCHEDULE, run_schedule, schedule
 from bench.chaos_measure import measure_run
-from bench.chaos_observe import Observer, executions
+from bench.chaos_observe import Observer, executions, stale_epoch_refusals
 from bench.sim.workloads import DEFAULT_TRACE
 from bench.workload import trace_sessions
 
@@ -47,7 +47,7 @@ def _load() -> dict[str, float]:
     return {"load_1m": round(one, 2), "load_5m": round(five, 2), "cores": os.cpu_count()}
 
 
-def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 4, replicas: int = 4,
+def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 6, replicas: int = 4,
              token_scale: float = 0.05, settings: ClusterSettings | None = None) -> dict[str, Any]:
     """One chaos run: start the deployment, load it, run the schedule, stop everything; returns the figures
     (bench/chaos_measure.py ``measure_run``) with the faults, the settings and the machine's load."""
@@ -55,7 +55,7 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
     cluster = ChaosCluster(work, settings)
     plan = SHORT_SCHEDULE if short else FULL_SCHEDULE
     faults = schedule(plan, cluster.regions, settings.replicas_per_region, seed)
-    stop_s = max(f.start_s + f.duration_s for f in faults) + (4.0 if short else TAIL_S)
+    stop_s = max(f.start_s + f.duration_s for f in faults) + (6.0 if short else TAIL_S)
     load_before = _load()
     try:
         started = time.monotonic()
@@ -88,6 +88,9 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
         observer.stop()
         if errors:
             raise RuntimeError(f"fault schedule failed: {errors[0]!r}") from errors[0]
+        for f in faults:
+            if f.kind in ("partition", "split_brain"):
+                f.notes["stale_epoch_refusals"] = stale_epoch_refusals(cluster, f.target)
         figures = measure_run(faults, observer.samples, records, executions(cluster),
                               leader_before=leader_before, quota_cap=settings.quota_max_concurrent)
         return {**figures, "seed": seed, "short": short, "startup_s": round(startup_s, 1),
@@ -123,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=None,
                    help="Mooncake trace whose sessions the clients run (default: $SKYLB_TRACE, else the "
                         "workspace's shared/traces/mooncake_conversation_trace.jsonl)")
-    p.add_argument("--clients", type=int, default=4, help="closed-loop clients per region (default: 4)")
+    p.add_argument("--clients", type=int, default=6, help="closed-loop clients per region (default: 6)")
     p.add_argument("--replicas", type=int, default=4, help="emulated replicas per region (default: 4)")
     p.add_argument("--token-scale", type=float, default=0.05,
                    help="prompt and output lengths x this (default: 0.05, so a 2-core machine keeps up)")
@@ -151,12 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     if not seeds or args.clients < 1 or args.replicas < 1 or args.token_scale <= 0:
         print("need at least one seed, --clients >= 1, --replicas >= 1 and --token-scale > 0", file=sys.stderr)
         return 2
+    from bench.provenance import provenance
+    prov = provenance()  # at the start: the code that ran, even if the checkout changes during the runs
     try:
         result = run_chaos(seeds, short=args.short, trace=trace, clients=args.clients, replicas=args.replicas,
                            token_scale=args.token_scale)
     except RuntimeError as exc:
         print(f"chaos benchmark failed: {exc}", file=sys.stderr)
         return 1
+    result["provenance"] = prov
     emit_markdown(format_markdown(result), result, out_md=args.out_md, out_json=args.out_json)
     bad = sum(f["lost"] + f["duplicated"] for r in result["runs"] for f in r["faults"])
     bad += sum(r["outcomes"].get("lost", 0) + r["outcomes"].get("duplicated", 0) + len(r["duplicated_attempts"])

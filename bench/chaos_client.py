@@ -2,9 +2,11 @@
 
 Each region has ``clients`` clients; each takes the next session of its region (bench/workload.py
 ``trace_sessions``) and sends its turns one after another (``think_s`` apart), streamed ``/v1/completions``, until
-the run's send window closes. Before each attempt a client resolves the service name through BIND from its region's
-source address (so it gets its region's view, and after a failover the region DNS now names); when the attempt fails
-to connect, or the connection drops before any response byte, it resolves the name again and retries once. Each
+the run's send window closes. Each client is one user's HTTP client: it resolves the service name through BIND from
+its region's source address (its region's view; answers kept for their TTL) and keeps its connections alive, so a
+connection it holds keeps reaching the balancer it reached (as an SDK's connection pool does) while new connections
+follow DNS. When an attempt fails to connect, or the connection drops before any response byte, it forgets its DNS
+answers, resolves the name again and retries once. Each
 attempt carries its own ``X-Request-Id`` (``<id>`` and ``<id>.retry``), which the balancer logs and passes on, so a
 retry is never mistaken for a duplicate execution.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
@@ -124,25 +127,34 @@ def classify(status: int, body: bytes) -> tuple[str, str | None, str | None]:
     return ("ok", first, None) if done == 1 and finishes == 1 else ("lost", first, "stream ended without [DONE]")
 
 
-async def _resolve(plan: ClientPlan, region: str) -> str:
-    """A fresh answer for the service name in ``region``'s view (no cache: this is the re-resolution)."""
-    resolver = SourceResolver(plan.dns_server, plan.dns_port, source=plan.sources[region], timeout_s=1.0)
-    (address, *_) = await resolver.addresses(plan.name.rstrip("."))
-    return plan.dial(address)
+class _Resolver(SourceResolver):
+    """SourceResolver whose answers go through ``dial`` (see ClientPlan), and whose cache can be dropped."""
+
+    def __init__(self, plan: ClientPlan, region: str):
+        super().__init__(plan.dns_server, plan.dns_port, source=plan.sources[region], timeout_s=1.0)
+        self.dial = plan.dial
+        self.last = ""
+
+    async def addresses(self, host: str, family: int = socket.AF_INET) -> list[str]:
+        """The server's answer (cached for its TTL), each address mapped by ``dial``."""
+        found = [self.dial(a) for a in await super().addresses(host, family)]
+        self.last = found[0] if found else ""
+        return found
+
+    def forget(self) -> None:
+        """Drop every cached answer: the next connection asks the DNS server again."""
+        self._cache.clear()
 
 
 async def _attempt(http: aiohttp.ClientSession, plan: ClientPlan, rec: Record, request: Request, attempt: Attempt,
                    t0: float) -> None:
     body = {"model": plan.model, "prompt": request.prompt, "max_tokens": request.output_tokens,
             "ignore_eos": True, "stream": True, "user": request.session_id}
-    try:
-        attempt.address = await _resolve(plan, rec.region)
-    except OSError as exc:
-        raise _ConnectFailed(f"DNS: {exc}") from exc
-    url = f"http://{attempt.address}:{plan.port}/v1/completions"
+    url = f"http://{plan.name.rstrip('.')}:{plan.port}/v1/completions"
     headers = {"X-Request-Id": attempt.request_id, "X-Session-ID": request.session_id}
     try:
         async with http.post(url, json=body, headers=headers) as resp:
+            attempt.address = _peer(resp)
             rec.status = resp.status
             rec.headers_s = time.monotonic() - t0
             attempt.balancer_request_id = resp.headers.get("X-SkyLB-Request-Id")
@@ -152,8 +164,7 @@ async def _attempt(http: aiohttp.ClientSession, plan: ClientPlan, rec: Record, r
                     rec.ttft_s = time.monotonic() - t0 - rec.sent_s
                 chunks.append(line)
             rec.outcome, rec.response_id, rec.error = classify(resp.status, b"".join(chunks))
-    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
-            ConnectionResetError) as exc:
+    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, OSError) as exc:
         if rec.headers_s is None:
             raise _ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
         # The connection broke mid-response (the process serving it died): the client's HTTP library raises, so
@@ -161,21 +172,22 @@ async def _attempt(http: aiohttp.ClientSession, plan: ClientPlan, rec: Record, r
         rec.outcome, rec.error = "stream_cut", f"{type(exc).__name__} after the response began: {exc}"[:300]
 
 
-async def send(http: aiohttp.ClientSession, plan: ClientPlan, request: Request, *, run_id: str,
-               t0: float) -> Record:
+async def send(http: aiohttp.ClientSession, resolver: _Resolver, plan: ClientPlan, request: Request, *,
+               run_id: str, t0: float) -> Record:
     """Send one request (with at most one retry, see the module docstring); never raises Exception."""
     rec = Record(f"{run_id}-{request.id}", request.region, request.session_id, time.monotonic() - t0)
     try:
         async with asyncio.timeout(plan.request_timeout_s):
-            for n, suffix in enumerate(("", ".retry")):
+            for suffix in ("", ".retry"):
                 attempt = Attempt(rec.id + suffix)
                 rec.attempts.append(attempt)
                 try:
                     await _attempt(http, plan, rec, request, attempt, t0)
                     break
                 except _ConnectFailed as exc:
-                    attempt.error = str(exc)[:300]
+                    attempt.error, attempt.address = str(exc)[:300], attempt.address or resolver.last
                     rec.outcome, rec.error = "unreachable", attempt.error
+                    resolver.forget()  # the retry resolves the name again
     except TimeoutError:
         rec.outcome, rec.error = "lost", f"no answer within {plan.request_timeout_s:g} s"
     except Exception as exc:  # noqa: BLE001 - a client bug must show in a record, not vanish
@@ -194,22 +206,26 @@ async def run_clients(plan: ClientPlan, sessions: Sequence[Sequence[Request]], c
             pools[s[0].region].append(list(s))
     records: list[Record] = []
 
-    async def client(region: str, http: aiohttp.ClientSession) -> None:
-        while pools[region] and time.monotonic() - t0 < stop_s:
-            for request in pools[region].popleft():
-                if time.monotonic() - t0 >= stop_s:
-                    return
-                records.append(await send(http, plan, request, run_id=run_id, t0=t0))
-                await asyncio.sleep(request.think_s)
+    async def client(region: str) -> None:
+        # One HTTP client per user, as an SDK instance: its own pool of keep-alive connections to the service name
+        # (a live connection keeps going to the balancer it reached, whatever DNS answers now) and its own resolver.
+        resolver = _Resolver(plan, region)
+        connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False, limit=0,
+                                         local_addr=(plan.sources[region], 0))
+        async with aiohttp.ClientSession(connector=connector,
+                                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=3.0)) as http:
+            while pools[region] and time.monotonic() - t0 < stop_s:
+                for request in pools[region].popleft():
+                    if time.monotonic() - t0 >= stop_s:
+                        return
+                    records.append(await send(http, resolver, plan, request, run_id=run_id, t0=t0))
+                    await asyncio.sleep(request.think_s)
 
-    sessions_http = {}
-    try:
-        for region in clients:
-            connector = aiohttp.TCPConnector(limit=0, local_addr=(plan.sources[region], 0), force_close=True)
-            sessions_http[region] = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=3.0))
-        await asyncio.gather(*(client(r, sessions_http[r]) for r, n in clients.items() for _ in range(n)))
-    finally:
-        for http in sessions_http.values():
-            await http.close()
+    await asyncio.gather(*(client(r) for r, n in clients.items() for _ in range(n)))
     return records
+
+
+def _peer(resp: aiohttp.ClientResponse) -> str:
+    """The address the response came from (the balancer this attempt reached)."""
+    peer = resp.connection.transport.get_extra_info("peername") if resp.connection else None
+    return peer[0] if peer else ""

@@ -63,7 +63,7 @@ class ClusterSettings:
 
     replicas_per_region: int = 4
     time_scale: float = 0.1
-    max_num_seqs: int = 8
+    max_num_seqs: int = 4
     #: The model's concurrency cap in the quota (requests in flight over all balancers).
     quota_max_concurrent: int = 8
     rtt_ms: dict[str, float] = field(default_factory=lambda: dict(RTT_MS))

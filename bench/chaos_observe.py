@@ -26,7 +26,7 @@ import requests
 
 from bench.chaos_cluster import ChaosCluster
 
-__all__ = ["Observer", "executions"]
+__all__ = ["Observer", "executions", "stale_epoch_refusals"]
 
 
 class Observer:
@@ -116,3 +116,9 @@ def executions(cluster: ChaosCluster) -> dict[str, list[str]]:
         key = rid if hops and rid not in parent else f"?{upstream}"
         found[key].append(obj.get("replica", "?"))
     return dict(found)
+
+
+def stale_epoch_refusals(cluster: ChaosCluster, region: str) -> int:
+    """How many heartbeats of ``region``'s balancer (all its generations) the controllers refused for a stale
+    epoch (its ``stale_epoch`` log lines: it then re-read membership and dropped the replicas it no longer serves)."""
+    return sum(1 for _ in _lines(cluster.logs(f"balancer-{region}-"), "stale_epoch"))

@@ -80,7 +80,8 @@ def _split_brain(runs: list[dict]) -> str:
     rows = [[f"{r['seed']}", f["fault"]["target"], f"{f['split_brain']['overlap_s']:.2f}",
              str(f["split_brain"].get("overlap_from_s")), str(f["split_brain"].get("overlap_after_heal_s", "")),
              str(f["split_brain"]["shared"]), str(f["split_brain"]["peak_pending"]),
-             str(f["split_brain"]["peak_outstanding"]), str(f["lost"]), str(f["duplicated"])]
+             str(f["split_brain"]["peak_outstanding"]), str(f["fault"]["notes"].get("stale_epoch_refusals", "")),
+             str(f["lost"]), str(f["duplicated"])]
             for r in runs for f in r["faults"] if f["fault"]["kind"] == "split_brain" and "split_brain" in f]
     return "\n".join([
         "## Split brain", "",
@@ -88,9 +89,13 @@ def _split_brain(runs: list[dict]) -> str:
         "controllers fail its region over to the closest live balancer, which then pushes to the same replicas "
         "(static stability: the cut balancer keeps its last membership). Overlap: how long both balancers listed "
         "the region's replicas (sampled every 0.3 s); pending: the engine queue of a shared replica at a balancer's "
-        "last probe; outstanding: both balancers' requests in flight on one shared replica.", "",
+        "last probe; outstanding: both balancers' requests in flight on one shared replica; stale-epoch refusals: "
+        "heartbeats of the cut balancer the controllers refused (409 stale_epoch) over the run, after which it "
+        "re-read membership and dropped the replicas it no longer served (skylb/balancer/membership.py); none "
+        "means the failback reached it first.", "",
         markdown_table(["seed", "region", "overlap s", "overlap began s after the cut", "overlap left after heal s",
-                        "shared replicas", "peak pending", "peak outstanding", "lost", "duplicated"], rows), "",
+                        "shared replicas", "peak pending", "peak outstanding", "stale-epoch refusals", "lost",
+                        "duplicated"], rows), "",
         f"Overlap {spread([f['split_brain']['overlap_s'] for f in sb], ' s')}; peak pending "
         f"{max(f['split_brain']['peak_pending'] for f in sb)}, peak outstanding "
         f"{max(f['split_brain']['peak_outstanding'] for f in sb)} (per replica, its batch is "

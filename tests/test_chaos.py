@@ -28,7 +28,7 @@ def _trace(tmp_path: Path) -> Path:
         return real
     path = tmp_path / "trace.jsonl"
     lines, block = [], 0
-    for session in range(60):
+    for session in range(500):  # more than 2 clients x 3 regions run in the short schedule
         ids: list[int] = []
         for turn in range(4):
             ids = ids + list(range(block, block + 3))
