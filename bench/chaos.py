@@ -57,6 +57,7 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
     faults = schedule(plan, cluster.regions, settings.replicas_per_region, seed)
     stop_s = max(f.start_s + f.duration_s for f in faults) + (6.0 if short else TAIL_S)
     load_before = _load()
+    abort, thread = threading.Event(), None
     try:
         started = time.monotonic()
         cluster.start()
@@ -75,11 +76,11 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
 
         def faults_thread() -> None:
             try:
-                run_schedule(cluster, faults, clock, stop_s)
+                run_schedule(cluster, faults, clock, stop_s, abort)
             except BaseException as exc:  # noqa: BLE001 - reported with the run
                 errors.append(exc)
 
-        thread = threading.Thread(target=faults_thread, name="chaos-faults")
+        thread = threading.Thread(target=faults_thread, name="chaos-faults", daemon=True)
         thread.start()
         records = asyncio.run(run_clients(plan_c, sessions, dict.fromkeys(cluster.regions, clients),
                                           run_id=f"s{seed}", t0=t0, stop_s=stop_s))
@@ -102,6 +103,9 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
                              "trace": trace.name},
                 "samples": len(observer.samples), "records": [r.to_dict() for r in records]}
     finally:
+        abort.set()  # the schedule restarts nothing once the teardown began
+        if thread is not None:
+            thread.join(timeout=60)
         cluster.stop()
 
 

@@ -27,7 +27,7 @@ cut holds the data of open and new connections until the toxic is removed, as a 
 from __future__ import annotations
 
 import random
-import time
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -228,14 +228,18 @@ def heal(cluster: ChaosCluster, fault: Fault, now_s: float, clock) -> None:
     fault.healed_s = clock()
 
 
-def run_schedule(cluster: ChaosCluster, faults: list[Fault], clock, stop_s: float) -> None:
+def run_schedule(cluster: ChaosCluster, faults: list[Fault], clock, stop_s: float,
+                 abort: threading.Event | None = None) -> None:
     """Inject and heal ``faults`` at their planned times (``clock()``: s since the load began) until all are
-    healed or ``stop_s``; blocking (run it in a thread). Faults still open at ``stop_s`` are healed then."""
+    healed or ``stop_s``; blocking (run it in a thread). Faults still open at ``stop_s`` are healed then. Returns
+    at once when ``abort`` is set (the run is being torn down: nothing may be restarted any more)."""
+    abort = abort or threading.Event()
     events = sorted([(f.start_s, 0, i) for i, f in enumerate(faults)]
                     + [(f.start_s + f.duration_s, 1, i) for i, f in enumerate(faults)])
     for at, what, i in events:
         while clock() < min(at, stop_s):
-            time.sleep(0.05)
+            if abort.wait(0.05):
+                return
         fault = faults[i]
         if what == 0:
             inject(cluster, fault, clock())
