@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "workspace's shared/traces/mooncake_conversation_trace.jsonl)")
     p.add_argument("--clients", type=int, default=6, help="closed-loop clients per region (default: 6)")
     p.add_argument("--replicas", type=int, default=4, help="emulated replicas per region (default: 4)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="each replica's running batch, vLLM --max-num-seqs (requests; default: 4)")
+    p.add_argument("--quota-cap", type=int, default=8,
+                   help="the model's concurrency cap over all balancers, counted in Redis (requests; default: 8, "
+                        "so the cap binds and Redis' fallback can over-admit)")
     p.add_argument("--token-scale", type=float, default=0.05,
                    help="prompt and output lengths x this (default: 0.05, so a 2-core machine keeps up)")
     p.add_argument("--out-md", default=None, metavar="PATH", help="also write the report here "
@@ -155,14 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     if not trace.is_file():
         print(f"trace {trace} not found (--trace PATH)", file=sys.stderr)
         return 2
-    if not seeds or args.clients < 1 or args.replicas < 1 or args.token_scale <= 0:
-        print("need at least one seed, --clients >= 1, --replicas >= 1 and --token-scale > 0", file=sys.stderr)
+    if not seeds or min(args.clients, args.replicas, args.batch, args.quota_cap) < 1 or args.token_scale <= 0:
+        print("need at least one seed, --clients, --replicas, --batch and --quota-cap >= 1 and --token-scale > 0",
+              file=sys.stderr)
         return 2
     from bench.provenance import provenance
     prov = provenance()  # at the start: the code that ran, even if the checkout changes during the runs
     try:
         result = run_chaos(seeds, short=args.short, trace=trace, clients=args.clients, replicas=args.replicas,
-                           token_scale=args.token_scale)
+                           token_scale=args.token_scale,
+                           settings=ClusterSettings(replicas_per_region=args.replicas, max_num_seqs=args.batch,
+                                                    quota_max_concurrent=args.quota_cap))
     except RuntimeError as exc:
         print(f"chaos benchmark failed: {exc}", file=sys.stderr)
         return 1

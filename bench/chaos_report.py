@@ -147,9 +147,17 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"{s['replicas_per_region']} emulated vLLM replicas (time scale {s['time_scale']}, batch "
         f"{s['max_num_seqs']}) and one balancer; three controllers on a three-member etcd; Redis for the quota; "
         f"BIND for DNS; every balancer-balancer, balancer-controller, controller-balancer, balancer-Redis and "
-        f"controller-etcd path through its own latency link (bench/chaos_cluster.py). Load: "
+        f"controller-etcd path through its own latency link (bench/chaos_cluster.py; a cut is a blackhole: data "
+        f"held, not refused). Not cuttable here: the controllers' health checks of the replicas (a replica's one "
+        f"URL serves its balancer too) and etcd's member-to-member traffic. Load: "
         f"{s['clients_per_region']} closed-loop clients per region running the sessions of {s['trace']} "
-        f"(lengths x {s['token_scale']}), resolving through BIND and retrying once on a connection error.", "",
+        f"(lengths x {s['token_scale']}); each client is one user's HTTP client: it resolves through BIND from "
+        f"its region's address (TTL 1 s), keeps its connections alive as an SDK does (a held connection keeps "
+        f"reaching the balancer it reached), and on a connection error before the first byte resolves again and "
+        f"retries once. Machine: {runs[0]['machine_load_after']['cores']} cores shared with other work, load "
+        f"average (1 min) {spread([r['machine_load_before']['load_1m'] for r in runs])} at the runs' starts and "
+        f"{spread([r['machine_load_after']['load_1m'] for r in runs])} at their ends; every process under "
+        f"`nice`.", "",
         f"**Over all runs: {lost} lost, {dup} duplicated** (target 0 and 0: "
         f"{'met' if lost == 0 and dup == 0 else 'MISSED'}).", "",
         "## Per fault kind", "",
