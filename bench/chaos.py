@@ -67,7 +67,7 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
         plan_c = ClientPlan(dns_server=cluster.bind.host, dns_port=cluster.bind.port, name=cluster.bind.name,
                             port=cluster.balancer_port, dial=cluster.client_address_for,
                             sources={r: cluster.client_source(r) for r in cluster.regions}, model=MODEL)
-        t0 = time.monotonic()
+        t0, wall0 = time.monotonic(), time.time()
         clock = lambda: time.monotonic() - t0  # noqa: E731 - the run's one clock
         observer = Observer(cluster, clock)
         observer.start()
@@ -89,9 +89,10 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
         observer.stop()
         if errors:
             raise RuntimeError(f"fault schedule failed: {errors[0]!r}") from errors[0]
-        for f in faults:
-            if f.kind in ("partition", "split_brain"):
-                f.notes["stale_epoch_refusals"] = stale_epoch_refusals(cluster, f.target)
+        for f in faults:  # from the cut to 20 s after the heal (the recovery, bounded)
+            if f.kind in ("partition", "split_brain") and f.ended_s is not None:
+                f.notes["stale_epoch_refusals"] = stale_epoch_refusals(
+                    cluster, f.target, wall0 + f.started_s, wall0 + f.ended_s + 20.0)
         figures = measure_run(faults, observer.samples, records, executions(cluster),
                               leader_before=leader_before, quota_cap=settings.quota_max_concurrent)
         return {**figures, "seed": seed, "short": short, "startup_s": round(startup_s, 1),

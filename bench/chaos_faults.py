@@ -5,7 +5,7 @@ and, once run, its actual start and end. ``inject`` breaks something, ``heal`` u
 restarted with its original command line on its original port; a cut link is restored). Kinds (:data:`KINDS`):
 
 - ``replica_kill``: SIGKILL one replica's process while it streams (the region's replica with most running
-  requests), restart it at the end;
+  requests by its own metrics, waiting up to 5 s for one to run any), restart it at the end;
 - ``balancer_kill``: SIGKILL a region's balancer (the controllers fail its region over to the closest live one and
   point its DNS name there), restart it at the end (and the region moves back);
 - ``leader_kill``: SIGKILL the controller that leads, restart it at the end;
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -149,16 +150,30 @@ def _replica_faults(cluster: ChaosCluster, replica: str, body: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------------- inject
 
-def _busiest_replica(cluster: ChaosCluster, region: str) -> str:
-    """The region's replica with the most running requests now (a kill mid-stream), by its balancer's status."""
+def _running_now(cluster: ChaosCluster, replica: str) -> int:
+    """Requests in the replica's running batch now, from its own metrics (vLLM's ``num_requests_running``)."""
     try:
-        replicas = [r for r in cluster.status(region)["replicas"] if r["id"].startswith(f"{region}-")]
+        text = requests.get(f"{cluster.replica_urls[replica]}/metrics", timeout=1).text
     except requests.RequestException:
-        replicas = []
-    alive = [r for r in replicas if f"replica:{r['id']}" in cluster.running]
-    if not alive:
-        return f"{region}-1"
-    return max(alive, key=lambda r: (r.get("running") or 0, r["id"]))["id"]
+        return 0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+def _busiest_replica(cluster: ChaosCluster, region: str, wait_s: float = 5.0) -> tuple[str, int]:
+    """The region's live replica with the most running requests (a kill mid-stream), and how many: looks again
+    every 50 ms for up to ``wait_s`` until one streams."""
+    alive = sorted(name.split(":", 1)[1] for name in cluster.running
+                   if name.startswith(f"replica:{region}-"))
+    deadline = time.monotonic() + wait_s
+    while True:
+        running = {rid: _running_now(cluster, rid) for rid in alive}
+        best = max(alive, key=lambda rid: (running[rid], rid)) if alive else f"{region}-1"
+        if running.get(best, 0) > 0 or time.monotonic() > deadline:
+            return best, running.get(best, 0)
+        time.sleep(0.05)
 
 
 def inject(cluster: ChaosCluster, fault: Fault, now_s: float) -> None:
@@ -166,9 +181,8 @@ def inject(cluster: ChaosCluster, fault: Fault, now_s: float) -> None:
     kind = fault.kind
     fault.started_s = now_s
     if kind == "replica_kill":
-        replica = _busiest_replica(cluster, fault.target)
-        fault.notes["replica"] = replica
-        fault.notes["running_at_kill"] = _running(cluster, fault.target, replica)
+        replica, running = _busiest_replica(cluster, fault.target)
+        fault.notes["replica"], fault.notes["running_at_kill"] = replica, running
         cluster.kill(f"replica:{replica}")
     elif kind == "balancer_kill":
         cluster.kill(f"balancer:{fault.target}")
@@ -191,13 +205,6 @@ def inject(cluster: ChaosCluster, fault: Fault, now_s: float) -> None:
         _replica_faults(cluster, fault.target, {"error_status": 500})
     else:
         raise ValueError(f"unknown fault kind {kind!r}")
-
-
-def _running(cluster: ChaosCluster, region: str, replica: str) -> int | None:
-    try:
-        return next((r.get("running") for r in cluster.status(region)["replicas"] if r["id"] == replica), None)
-    except requests.RequestException:
-        return None
 
 
 def heal(cluster: ChaosCluster, fault: Fault, now_s: float, clock) -> None:

@@ -118,7 +118,10 @@ def executions(cluster: ChaosCluster) -> dict[str, list[str]]:
     return dict(found)
 
 
-def stale_epoch_refusals(cluster: ChaosCluster, region: str) -> int:
+def stale_epoch_refusals(cluster: ChaosCluster, region: str, since: float, until: float) -> int:
     """How many heartbeats of ``region``'s balancer (all its generations) the controllers refused for a stale
-    epoch (its ``stale_epoch`` log lines: it then re-read membership and dropped the replicas it no longer serves)."""
-    return sum(1 for _ in _lines(cluster.logs(f"balancer-{region}-"), "stale_epoch"))
+    epoch between the unix times ``since`` and ``until`` (its ``stale_epoch`` log lines: it then re-read
+    membership and dropped the replicas it no longer serves)."""
+    from datetime import datetime
+    return sum(1 for obj in _lines(cluster.logs(f"balancer-{region}-"), "stale_epoch")
+               if since <= datetime.fromisoformat(obj["timestamp"].replace("Z", "+00:00")).timestamp() <= until)
