@@ -32,7 +32,7 @@ from bench.chaos_client import ClientPlan, run_clients
 from bench.chaos_cluster import MODEL, ChaosCluster, ClusterSettings
 from bench.chaos_faults import FULL_SCHEDULE, SHORT_SCHEDULE, run_schedule, schedule
 from bench.chaos_measure import measure_run
-from bench.chaos_observe import Observer, executions, stale_epoch_refusals
+from bench.chaos_observe import Observer, evidence, executions, stale_epoch_refusals
 from bench.sim.workloads import DEFAULT_TRACE
 from bench.workload import trace_sessions
 
@@ -95,6 +95,7 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
                     cluster, f.target, wall0 + f.started_s, wall0 + f.ended_s + 20.0)
         figures = measure_run(faults, observer.samples, records, executions(cluster),
                               leader_before=leader_before, quota_cap=settings.quota_max_concurrent)
+        figures["duplicate_evidence"] = evidence(cluster, figures["duplicated_attempts"])
         return {**figures, "seed": seed, "short": short, "startup_s": round(startup_s, 1),
                 "load_s": round(stop_s, 1), "machine_load_before": load_before, "machine_load_after": _load(),
                 "settings": {"clients_per_region": clients, "replicas_per_region": settings.replicas_per_region,

@@ -26,7 +26,7 @@ import requests
 
 from bench.chaos_cluster import ChaosCluster
 
-__all__ = ["Observer", "executions", "stale_epoch_refusals"]
+__all__ = ["Observer", "executions", "stale_epoch_refusals", "evidence"]
 
 
 class Observer:
@@ -125,3 +125,24 @@ def stale_epoch_refusals(cluster: ChaosCluster, region: str, since: float, until
     from datetime import datetime
     return sum(1 for obj in _lines(cluster.logs(f"balancer-{region}-"), "stale_epoch")
                if since <= datetime.fromisoformat(obj["timestamp"].replace("Z", "+00:00")).timestamp() <= until)
+
+
+def evidence(cluster: ChaosCluster, attempt_ids: list[str], *, limit: int = 30) -> dict[str, list[str]]:
+    """For each attempt id (a duplicate, say), the log lines that name it or a balancer id its lines carry
+    (balancers' request lines, replicas' request_finished lines), ``name: line`` each, at most ``limit``."""
+    logs = {path.name: path.read_text(errors="replace").splitlines()
+            for path in [*cluster.logs("balancer-"), *cluster.logs("replica-")]}
+    out: dict[str, list[str]] = {}
+    for attempt in attempt_ids:
+        wanted, found = {attempt}, []
+        for _ in range(3):  # attempt -> first balancer's id -> second balancer's id
+            for name, lines in logs.items():
+                for line in lines:
+                    if any(w in line for w in wanted) and f"{name}: {line}" not in found:
+                        found.append(f"{name}: {line}")
+                        try:
+                            wanted.add(json.loads(line[line.index("{"):]).get("id") or attempt)
+                        except ValueError:
+                            pass
+        out[attempt] = found[:limit]
+    return out
