@@ -90,7 +90,7 @@ def _split_brain(runs: list[dict]) -> str:
         "(static stability: the cut balancer keeps its last membership). Overlap: how long both balancers listed "
         "the region's replicas (sampled every 0.3 s); pending: the engine queue of a shared replica at a balancer's "
         "last probe; outstanding: both balancers' requests in flight on one shared replica; stale-epoch refusals: "
-        "heartbeats of the cut balancer the controllers refused (409 stale_epoch) over the run, after which it "
+        "heartbeats of the cut balancer the controllers refused (409 stale_epoch) from the cut to 20 s after the heal, after which it "
         "re-read membership and dropped the replicas it no longer served (skylb/balancer/membership.py); none "
         "means the failback reached it first.", "",
         markdown_table(["seed", "region", "overlap s", "overlap began s after the cut", "overlap left after heal s",
