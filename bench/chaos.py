@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos benchmark failed: {exc}", file=sys.stderr)
         return 1
     result["provenance"] = prov
+    for run in result["runs"]:  # every request's record would be megabytes; the errors are what one reads again
+        run["records_not_ok"] = [r for r in run.pop("records") if r["outcome"] != "ok"]
     emit_markdown(format_markdown(result), result, out_md=args.out_md, out_json=args.out_json)
     bad = sum(f["lost"] + f["duplicated"] for r in result["runs"] for f in r["faults"])
     bad += sum(r["outcomes"].get("lost", 0) + r["outcomes"].get("duplicated", 0) + len(r["duplicated_attempts"])
