@@ -373,6 +373,9 @@ LIVE_BENCHMARKS = {
                 "(bench/results/failover.md)",
     "soak": "many concurrent streams for minutes with replicas killed and restarted: requests lost and duplicated, "
             "memory and trie size over time (bench/results/soak.md)",
+    "chaos": "the three-region deployment (etcd, Redis, BIND) under load while a seeded schedule of kills, "
+             "partitions, a split brain and slow or failing replicas runs: lost, duplicated, detection and recovery "
+             "per fault (bench/results/chaos.md)",
     "eight_regions": "simulated: 8 regions, 200 replicas of three GPU classes, a follow-the-sun day of the Mooncake "
                      "trace (bench/results/eight_regions.md)",
     "coordination": "the cost of coordination with 200 replicas and 8 peers: decision time, peer status size, probe "

@@ -20,6 +20,7 @@ import structlog
 from aiohttp import web
 
 from skylb import aio
+from bench.emulator.faults import UPSTREAM_ID, Faults, add_fault_routes, fault_middleware
 from bench.emulator.model import ADMISSIONS, EngineModel, EngineParams, FinishedRequest, TokenOutput, make_engine
 from bench.emulator.ollama_lifecycle import LifecycleOptions, parse_keep_alive
 from bench.emulator.personalities import PERSONALITIES, ApiError, Personality, PersonalityOptions
@@ -56,6 +57,10 @@ class Replica:
         self.model = model
         self.name = name
         self.log_requests = log_requests
+        #: Injected faults (bench/emulator/faults.py): ``slowdown`` stretches every step.
+        self.faults = Faults()
+        #: request id -> the X-Request-Id it arrived with, for the request_finished line.
+        self._upstream_ids: dict[str, str] = {}
         self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
         self._wake = asyncio.Event()
 
@@ -65,29 +70,37 @@ class Replica:
         self.model.submit(request_id, prompt_tokens, max_tokens, ignore_eos=ignore_eos, now=time.monotonic())
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         self._streams[request_id] = queue
+        upstream_id = UPSTREAM_ID.get()
+        if upstream_id is not None and self.log_requests:
+            self._upstream_ids[request_id] = upstream_id
         self._wake.set()
         return queue
 
     def release(self, request_id: str) -> None:
         """Forget a request's queue; if the model still holds it (the client went away), cancel it there."""
         self._streams.pop(request_id, None)
+        upstream_id = self._upstream_ids.pop(request_id, None)
         if self.model.cancel(request_id, now=time.monotonic()):
             self._wake.set()
             if self.log_requests:
-                log.info("request_cancelled", replica=self.name, request_id=request_id)
+                log.info("request_cancelled", replica=self.name, request_id=request_id,
+                         upstream_request_id=upstream_id)
 
     async def run(self) -> None:
         """Drive the model until cancelled."""
         model = self.model
         while True:
-            step = model.start_step(time.monotonic())
+            began = time.monotonic()
+            step = model.start_step(began)
             if step is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             # Sleep to the step's planned end, not for its duration, so loop overhead does not accumulate; again if
-            # woken early (uvloop's timers have 1 ms resolution), so no step is shorter than the model says.
-            while (remaining := step.end - time.monotonic()) > 0:
+            # woken early (uvloop's timers have 1 ms resolution), so no step is shorter than the model says. An
+            # injected slowdown stretches the step (the model's own timings stay as planned).
+            end = began + (step.end - began) * self.faults.slowdown
+            while (remaining := end - time.monotonic()) > 0:
                 await asyncio.sleep(remaining)
             model.complete_step(step)
             for out in step.outputs:
@@ -99,7 +112,8 @@ class Replica:
                     self._log_finished(out.finished)
 
     def _log_finished(self, f: FinishedRequest) -> None:
-        log.info("request_finished", replica=self.name, request_id=f.request_id, prompt_tokens=f.prompt_tokens,
+        log.info("request_finished", replica=self.name, request_id=f.request_id,
+                 upstream_request_id=self._upstream_ids.pop(f.request_id, None), prompt_tokens=f.prompt_tokens,
                  cached_tokens=f.cached_tokens, completion_tokens=f.completion_tokens,
                  finish_reason=f.finish_reason, queue_ms=round(f.queue_s * 1000, 3),
                  ttft_ms=round(f.ttft_s * 1000, 3), e2e_ms=round(f.e2e_s * 1000, 3),
@@ -109,8 +123,9 @@ class Replica:
 # ---- process ------------------------------------------------------------------------------------------------------
 
 async def serve(*, engine: str, host: str, ports: list[int], params: EngineParams, options: PersonalityOptions,
-                log_requests: bool = True, stop: asyncio.Event | None = None) -> int:
-    """Serve one replica per port until ``stop`` is set (or SIGTERM/SIGINT); returns the exit status."""
+                log_requests: bool = True, stop: asyncio.Event | None = None, fault_control: bool = False) -> int:
+    """Serve one replica per port until ``stop`` is set (or SIGTERM/SIGINT); returns the exit status.
+    ``fault_control``: serve ``/emulator/faults`` (bench/emulator/faults.py) on each replica."""
     loop = asyncio.get_running_loop()
     if stop is None:
         stop = asyncio.Event()
@@ -128,7 +143,9 @@ async def serve(*, engine: str, host: str, ports: list[int], params: EngineParam
     try:
         for port in ports:
             replica = Replica(make_engine(params), name=f"{host}:{port}", log_requests=log_requests)
-            app = PERSONALITIES[engine](replica, options=options).build_app()
+            personality = PERSONALITIES[engine](replica, options=options)
+            app = personality.build_app()
+            _add_faults(app, personality, replica, fault_control)
             # handler_cancellation: a client that disconnects cancels its handler, which cancels the request.
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
@@ -154,6 +171,21 @@ async def serve(*, engine: str, host: str, ports: list[int], params: EngineParam
         await asyncio.gather(*tasks, return_exceptions=True)
         log.info("emulator_stopped", ports=ports)
     return status
+
+
+def _add_faults(app: web.Application, personality: Personality, replica: Replica, fault_control: bool) -> None:
+    """The fault middleware (first, so an injected error comes before the engine's own gates) and, with
+    ``fault_control``, the route that switches the faults."""
+
+    def error_response(status: int, message: str) -> web.Response:
+        render = getattr(personality, "error_response", None)
+        if render is None:
+            return web.json_response({"error": message}, status=status)
+        return render(ApiError(status, message, err_type="InternalServerError"))
+
+    app.middlewares.insert(0, fault_middleware(replica.faults if fault_control else None, error_response))
+    if fault_control:
+        add_fault_routes(app, replica.faults)
 
 
 #: Engine-specific PersonalityOptions fields -> the flag that sets them (refused for engines that ignore them).
@@ -227,6 +259,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     streaming.add_argument("--disable-endpoint", action="append", default=[], metavar="PATH",
                            help="do not serve PATH (404), as an engine version that lacks it (e.g. /v1/loads); "
                                 "repeatable")
+    streaming.add_argument("--fault-control", action="store_true",
+                           help="serve PUT /emulator/faults to slow the replica down or make it answer errors at "
+                                "run time (chaos benchmarks; default: off)")
     engine = parser.add_argument_group("engine-specific")
     engine.add_argument("--no-metrics", dest="metrics", action="store_false",
                         help="sglang, llamacpp: serve as if started without --enable-metrics / --metrics "
@@ -366,4 +401,4 @@ def main(args: argparse.Namespace) -> int:
         print(f"skylb emulator: {exc}", file=sys.stderr)
         return 2
     return aio.run(serve(engine=args.engine, host=args.host, ports=args.port, params=params, options=options,
-                             log_requests=args.log_requests))
+                             log_requests=args.log_requests, fault_control=args.fault_control))

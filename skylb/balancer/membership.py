@@ -46,6 +46,10 @@ class MembershipWatcher:
         demand: returns what each quota bucket was asked for (skylb/quota/demand.py), sent with every heartbeat, or
             None to send none; apply_shares: called with the heartbeat answer's "quota_shares" ({"default",
             "buckets"}; controller/shares.py).
+        timeout_s: the bound of one call to one controller, s (a long poll's wait comes on top).
+
+    ``controller_reachable`` turns False when a watch call or a heartbeat finds no controller answering, and True
+    again with the watch's next answer.
     """
 
     def __init__(self, *, region: str, advertise_url: str, controller_url: str | None, state_dir: str,
@@ -53,7 +57,7 @@ class MembershipWatcher:
                  heartbeat_s: float = 10.0, held_epochs: Callable[[], dict[str, int]] | None = None,
                  token: str | None = None, apply_quotas: Callable[[Quotas], None] | None = None,
                  config_quotas: Quotas | None = None, demand: Callable[[], dict | None] | None = None,
-                 apply_shares: Callable[[dict], None] | None = None):
+                 apply_shares: Callable[[dict], None] | None = None, timeout_s: float = 5.0):
         self.region = region
         self.demand = demand or (lambda: None)
         self.apply_shares = apply_shares
@@ -68,7 +72,7 @@ class MembershipWatcher:
         self.wait_s = wait_s
         self.heartbeat_s = heartbeat_s
         self.path = Path(state_dir) / f"membership-{region}.json"
-        self.client = (ControllerClient(controller_url, session=session, timeout_s=5.0, token=token)
+        self.client = (ControllerClient(controller_url, session=session, timeout_s=timeout_s, token=token)
                        if controller_url else None)
         self.revision: int | None = None
         self.controller_reachable = False
@@ -132,6 +136,12 @@ class MembershipWatcher:
                     log.warning("balancer_registration_failed", error=str(exc))
             except ControllerUnavailable as exc:
                 log.warning("balancer_registration_failed", error=str(exc))
+                # No controller answered: say so now. The watch may sit in a long poll that a blackholed network
+                # holds for wait_s plus the timeout per controller; its next answer sets this back.
+                if self.controller_reachable:
+                    log.warning("controller_unreachable_serving_last_membership", revision=self.revision,
+                                error=str(exc))
+                self.controller_reachable = False
             await asyncio.sleep(self.heartbeat_s)
 
     async def _watch(self) -> None:
