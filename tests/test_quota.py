@@ -54,7 +54,9 @@ def metric(cluster: Cluster, region: str, name: str, **labels) -> float:
 TENANTS = {"tenants": {"alpha": [KEY_A], "beta": [KEY_B], "gamma": [KEY_C]},
            "quotas": {"tenants": {"alpha": {"limits": {"*": {"tokens_per_minute": 600}}},
                                   "gamma": {"limits": {"*": {"max_concurrent": 1}}}}},
-           "quota": {"wait_s": 2.5}, "queue_timeout_s": 3.0}
+           "quota": {"wait_s": 2.5}, "queue_timeout_s": 3.0,
+           # The queue-timeout test needs requests to wait in the balancer: none beyond the batch in the engine.
+           "pending_allowance": 0}
 
 
 @pytest.fixture
