@@ -14,7 +14,7 @@ import requests
 
 from tests.cluster import MODEL, Cluster
 
-HEALTH = {"interval_s": 0.5, "fastinter_s": 0.2, "timeout_s": 0.5, "rise": 2, "fall": 3}
+HEALTH = {"interval_s": 0.5, "fastinter_s": 0.2, "timeout_s": 1.0, "rise": 2, "fall": 3}  # 1 s: a loaded machine
 
 
 def _stream(url: str, prompt: str, out: list, max_tokens: int = 80) -> None:

@@ -145,7 +145,7 @@ def test_rate_limit_headers_reset_after_the_time_they_give(cluster):
     assert (599 - remaining) / 10 <= seconds(last["reset-requests"]) <= (600 - remaining) / 10 + 0.001, last
     wait_s = max(seconds(last["reset-requests"]), seconds(last["reset-tokens"]))
     assert wait_s <= 1.0, last  # 10 requests and 1,000 tokens refill per second
-    time.sleep(wait_s)
+    time.sleep(wait_s + 0.25)  # a full bucket stays full: the margin only absorbs a loaded machine's late timers
     again = limits_of(chat(beta, 4).headers)
     assert again["remaining-requests"] == "599" and again["remaining-tokens"] == first["remaining-tokens"], again
 

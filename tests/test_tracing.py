@@ -153,7 +153,9 @@ async def _serve_replica(port: int, stop: asyncio.Event) -> asyncio.Task:
     task = asyncio.create_task(serve(engine="vllm", host="127.0.0.1", ports=[port], params=EngineParams(
         time_scale=0.05), options=PersonalityOptions(models=(MODEL,)), stop=stop))
     async with aiohttp.ClientSession() as session:
-        for _ in range(200):  # bounded: 10 s
+        for _ in range(600):  # bounded: 30 s (a loaded 2-core machine starts it late)
+            if task.done():  # it failed to start (its port taken, ...): say why
+                raise AssertionError(f"emulated replica on port {port} did not start: {task.exception()!r}")
             try:
                 async with session.get(f"http://127.0.0.1:{port}/health") as resp:
                     if resp.status == 200:
