@@ -205,12 +205,22 @@ def _balancer_drain(api: _Api, args: argparse.Namespace) -> None:
         return in_flight, unsure
 
     waited = _wait(args, left, f"region {region}'s balancers")
-    served_by = {a["region"]: a["balancer_region"] for a in api.call("GET", "/v1/assignments")["assignments"]}
-    _emit(args, {"balancers": body["balancers"], "done": True, "waited_s": waited,
-                 "served_by": served_by.get(region)},
+    served_by = _serving_region(api, region)
+    _emit(args, {"balancers": body["balancers"], "done": True, "waited_s": waited, "served_by": served_by},
           lambda: f"region {region}'s balancers drained: nothing queued or in flight ({waited:.1f} s); its replicas "
-                  f"are served by {served_by.get(region)}'s balancer; `skylb-ctl balancer undrain {region}` "
-                  f"brings them back")
+                  f"are served by {served_by}'s balancer; `skylb-ctl balancer undrain {region}` brings them back")
+
+
+def _serving_region(api: _Api, region: str, wait_s: float = 5.0) -> str | None:
+    """The region whose balancer serves ``region`` now, waiting up to ``wait_s`` s for the controller to move it
+    away from its drained balancer (the move follows the drain; a busy controller makes it a moment later). After
+    ``wait_s`` (no other region healthy) the assignment as it stands."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        served = {a["region"]: a["balancer_region"] for a in api.call("GET", "/v1/assignments")["assignments"]}
+        if served.get(region) != region or time.monotonic() >= deadline:
+            return served.get(region)
+        time.sleep(0.2)
 
 
 def _balancer_undrain(api: _Api, args: argparse.Namespace) -> None:

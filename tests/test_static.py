@@ -23,6 +23,7 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+import structlog
 
 from tests.cluster import MODEL, get_json
 from tests.procs import ProcGroup, free_ports
@@ -183,7 +184,13 @@ def test_peers_without_a_peer_token_refuse_to_start(tmp_path, monkeypatch, capsy
         monkeypatch.setenv(name, value)
     deployment = tmp_path / "two.yaml"
     deployment.write_text("regions: {us: {}, eu: {}, asia: {}}\n")
-    assert main(["balancer", "--config", str(deployment), "--region", "us", "--controller", "http://127.0.0.1:1"]) == 2
+    try:
+        assert main(["balancer", "--config", str(deployment), "--region", "us", "--controller",
+                     "http://127.0.0.1:1"]) == 2
+    finally:
+        # main() pointed structlog at this test's captured stderr, which pytest closes: later tests on this worker
+        # would log into a closed file.
+        structlog.reset_defaults()
     assert "peers are configured (asia, eu) but no peer token" in capsys.readouterr().err
 
 
