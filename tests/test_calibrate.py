@@ -191,7 +191,7 @@ def llama_paths() -> dict:
         skip_or_fail(f"real llama.cpp replica unavailable: {exc}")
 
 
-@pytest.mark.xdist_group("llamacpp")  # with tests/test_llamacpp.py: one llama-server test at a time
+@pytest.mark.xdist_group("cpu_heavy")  # with the llama-server, chaos and Prometheus tests: one at a time
 def test_small_calibration_against_a_real_llama_server(llama_paths, tmp_path):
     """A 2-slot llama-server and its fitted model both show 2 pending, 2 running for 4 requests sent at once."""
     plan = FitPlan(prefill_lengths=(16, 64), prefill_passes=1, decode_batches=(1, 2), decode_prompt=16,

@@ -40,7 +40,7 @@ def _trace(tmp_path: Path) -> Path:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xdist_group("chaos")
+@pytest.mark.xdist_group("cpu_heavy")  # one CPU-heavy test at a time (tests/test_llamacpp.py)
 def test_short_chaos_schedule_loses_and_duplicates_nothing(tmp_path):
     """Under the short schedule (a replica SIGKILLed mid-stream, a balancer SIGKILLed and restarted, a region
     partitioned and healed, a split brain), with closed-loop clients resolving through BIND: every fault is

@@ -336,6 +336,7 @@ def test_cli_engine_choices_cover_every_adapter():
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
+@pytest.mark.timeout(90)  # nine skylb-ctl processes, each a Python start-up: slow on a loaded 2-core machine
 def test_every_command_prints_json_with_output_json(controller):
     """`-o json` (and `--json`) works on every skylb-ctl command: stdout parses as JSON and the exit status is 0;
     every leaf command of the parser is covered, so a new one without JSON output fails here."""

@@ -36,7 +36,9 @@ SLOTS = 2
 
 # The tests that run real llama-server share one xdist worker (--dist loadgroup, with test_calibrate's real run): each
 # llama-server computes on the CPU, and two at once on other workers would change what the timing asserts measure.
-pytestmark = pytest.mark.xdist_group("llamacpp")
+# One CPU-heavy test at a time on one worker (real llama-server, the chaos schedule, Prometheus over three
+# regions): run beside each other on 2 cores they starve every timing the suite checks.
+pytestmark = pytest.mark.xdist_group("cpu_heavy")
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from bench.procs import ProcGroup, free_port, free_ports, wait_http
 from tests.cluster import MODEL, Cluster
 from tests.system import require_binary
 
-pytestmark = pytest.mark.xdist_group("metrics_live")
+pytestmark = pytest.mark.xdist_group("cpu_heavy")  # with the other CPU-heavy tests (tests/test_llamacpp.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "skylb-dashboard.json"
