@@ -22,7 +22,7 @@ from importlinter.cli import lint_imports
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("skylb", "controller")
 #: What the routing core may import besides the standard library and itself (the core is pure: no I/O, no clock).
-CORE_LIBRARIES = {"pydantic", "pygtrie", "uhashring"}
+CORE_LIBRARIES = {"pydantic", "uhashring"}
 
 def _in(module: str, packages: Iterable[str]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
@@ -38,7 +38,7 @@ def test_import_contracts_hold(capsys):
 
 def test_routing_core_imports_only_the_standard_library_and_its_libraries():
     """Every import in skylb/core (run-time and type-only, function-local included) is of the standard library,
-    pydantic, pygtrie, uhashring or skylb.core itself."""
+    pydantic, uhashring or skylb.core itself."""
     graph = grimp.build_graph("skylb", include_external_packages=True, cache_dir=None)
     core = {m for m in graph.modules if _in(m, ["skylb.core"])}
     assert len(core) > 15

@@ -15,36 +15,39 @@ that share a prefix share its chunks. Nodes grow as O(log n) in the prompt's len
 that much shorter (bench/results/overhead.md part (d)). ``double_every`` 0 keeps every chunk at ``chunk_chars``.
 
 Memory bound: ``max_bytes`` bounds the memory the trie holds, nodes and the eviction log of records together, and
-``max_chars`` the characters stored in nodes (each node stores one chunk). When an insert makes the trie exceed
+``max_chars`` the characters of prompt the nodes stand for (each node one chunk). When an insert makes the trie exceed
 either, the oldest inserted records are evicted first (paper: "starting with the earliest inserted records") until it
 fits; eviction runs on every insert, never on a timer, so a burst cannot grow it past the bound. Bytes are accounted
-per node (its chunk's ``sys.getsizeof`` plus ``NODE_BYTES`` for pygtrie's node, its children entry and the
-``{target: count}`` dict) and per record (``RECORD_BYTES`` plus a pointer per chunk of its key), constants measured
-with tracemalloc on CPython 3.11 (tests/test_core.py checks the accounting against tracemalloc). Each record keeps
-its key, whose chunks are interned (``sys.intern``) so that every record and node with the same chunk shares one
-string: without it, 2,000 prompts sharing a 50,000-character prefix held ~108 MB of copies in the log while the
-nodes counted 2.4 MB.
+per node (``NODE_BYTES``: its ``{target: count}`` dict, its children dict and its entry in its parent's) and per
+record (``RECORD_BYTES`` plus a pointer per node of its path), constants measured with tracemalloc on CPython 3.11
+(tests/test_core.py checks the accounting against tracemalloc).
+
+Nodes are plain dicts (``_Node``: ``{target: count}`` with a ``children`` dict) rather than pygtrie's, and a child is
+keyed by its chunk's ``hash()``, not by the chunk: the trie stores no prompt text at all. A walk is then a dict lookup
+per chunk on an int (a chunk's hash is computed once per string and cached in it) with no comparison of the prompt
+against text stored long ago, out of the CPU's caches: at the full trie that comparison was most of the walk of a
+32,000-token prompt (bench/results/overhead.md part (d)). Two different chunks under one node with the same 64-bit
+hash would share a node: a wrong cache-affinity guess for one request, never a wrong answer (the trie only steers
+placement), at odds of about 2**-64 per pair. Each record keeps the path of nodes it went through, so an eviction
+walks no dict at all.
 """
 
 from __future__ import annotations
 
-import sys
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
-import pygtrie
-
 __all__ = ["PrefixTrie", "Match", "KeptMatch", "chunk_text", "NODE_BYTES", "RECORD_BYTES"]
 
-#: Bytes a trie node holds besides its chunk's text: pygtrie's _Node, the entry in its parent's children, and the
-#: ``{target: count}`` dict with its two change stamps (~315 measured with tracemalloc for one or two targets; rounded
-#: up).
-NODE_BYTES = 320
-#: Bytes a record of the eviction log holds besides a pointer per chunk of its key: the key tuple's header, the
-#: (key, target) pair and the deque slot (~100 measured; rounded up).
+#: Bytes a trie node holds: the ``_Node`` (a ``{target: count}`` dict with its slots, its children dict and its
+#: step, an int) and its entry in its parent's children (~479 measured with tracemalloc for one or two targets;
+#: rounded up).
+NODE_BYTES = 480
+#: Bytes a record of the eviction log holds besides a pointer per node of its path: the path tuple's header, the
+#: (path, target) pair and the deque slot (~100 measured; rounded up).
 RECORD_BYTES = 120
-#: Bytes per chunk of a record's key (one pointer in its tuple; the chunk itself is interned and shared).
+#: Bytes per node of a record's path (one pointer in its tuple; the node is the trie's).
 _POINTER_BYTES = 8
 
 
@@ -87,16 +90,19 @@ class Match:
         return self.matched_chars / self.prompt_chars if self.prompt_chars else 0.0
 
 
-class _Targets(dict):
-    """A node's ``{target: count}``, stamped with the trie's change count when its set of targets last changed
-    (``changed``) and when a child was last added under it (``grew``): what a kept walk (``KeptMatch``) checks to
-    know it still holds."""
+class _Node(dict):
+    """A trie node: its ``{target: count}``; its ``children`` (a chunk's ``hash()`` -> ``_Node``); ``step``, its key
+    in its parent's children; ``size``, its chunk's characters; and the trie's change count when its set of targets
+    last changed (``changed``) and when a child was last added under it (``grew``): what a kept walk
+    (``KeptMatch``) checks to know it still holds."""
 
-    __slots__ = ("changed", "grew")
+    __slots__ = ("changed", "grew", "children", "step", "size")
 
-    def __init__(self) -> None:
+    def __init__(self, step: int = 0, size: int = 0) -> None:
         super().__init__()
         self.changed = self.grew = 0
+        self.children: dict[int, _Node] = {}
+        self.step, self.size = step, size
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,15 +120,15 @@ class KeptMatch:
 
     Attributes: reach: characters of the key covered per target (targets absent from the key's first node are not
     in it); prompt_chars: the key's characters; trie: the trie; at: the trie's change count when it was walked;
-    targets_of: the node values (``_Targets``) whose targets it depends on; children_of: those whose children.
+    targets_of: the node values (``_Node``) whose targets it depends on; children_of: those whose children.
     """
 
     reach: dict[str, int]
     prompt_chars: int
     trie: "PrefixTrie"
     at: int
-    targets_of: tuple[_Targets, ...]
-    children_of: tuple[_Targets, ...]
+    targets_of: tuple[_Node, ...]
+    children_of: tuple[_Node, ...]
 
     def holds(self, trie: "PrefixTrie") -> bool:
         """True when ``reach`` is still right for ``trie``."""
@@ -144,10 +150,10 @@ class KeptMatch:
 
 
 class PrefixTrie:
-    """A chunked prefix trie on pygtrie mapping prompt prefixes to targets, bounded by stored characters.
+    """A chunked prefix trie mapping prompt prefixes to targets, bounded by stored characters.
 
     Args:
-        max_chars: the most characters the trie may store in its nodes (> 0).
+        max_chars: the most characters of prompt the trie's nodes may stand for (> 0).
         max_bytes: the most bytes of memory the trie may hold, nodes and eviction log (> 0; default 64 MiB).
         chunk_chars: characters of the first chunks of a prompt (> 0).
         double_every: chunks double in length after every ``double_every`` chunks (>= 0; 0: never).
@@ -166,19 +172,20 @@ class PrefixTrie:
         self.max_bytes = max_bytes
         self.chunk_chars = chunk_chars
         self.double_every = double_every
-        self._trie: pygtrie.Trie = pygtrie.Trie()
-        self._records: deque[tuple[tuple[str, ...], str]] = deque()
+        #: (the nodes a record's key went through, root excluded; target), oldest first.
+        self._records: deque[tuple[tuple[_Node, ...], str]] = deque()
         self._chars = 0
         self._nodes = 0
         self._bytes = 0
-        #: Inserts and evictions so far: the stamp of the changes each makes (``_Targets.changed``).
+        #: Inserts and evictions so far: the stamp of the changes each makes (``_Node.changed``).
         self._changes = 0
-        #: The root's stamp (pygtrie's root holds no value): a first chunk no prompt had before is a child added.
-        self._root = _Targets()
+        #: The root stands for the empty prefix and holds no targets; its ``grew`` stamps a first chunk no prompt
+        #: had before.
+        self._root = _Node()
 
     @property
     def stored_chars(self) -> int:
-        """Characters stored in trie nodes now (<= max_chars)."""
+        """Characters of prompt the trie's nodes stand for now (<= max_chars)."""
         return self._chars
 
     @property
@@ -211,26 +218,21 @@ class PrefixTrie:
         O(matched chunks). Returns the available targets at the deepest node reached.
         """
         prompt_chars = sum(map(len, key))
-        best: frozenset[str] = frozenset()
+        best: list[str] = []
         matched = 0
         if not available or not key:
-            return Match(best, 0, prompt_chars)
-        walk = self._trie.walk_towards(key)
-        next(walk)  # the root stands for the empty prefix
-        depth_chars = 0
-        try:
-            for i, step in enumerate(walk):
-                counts = step.get()
-                if not counts:
-                    break
-                here = [t for t in counts if t in available]
-                if not here:
-                    break
-                depth_chars += len(key[i])
-                best, matched = frozenset(here), depth_chars
-        except KeyError:  # the prompt leaves the trie here
-            pass
-        return Match(best, matched, prompt_chars)
+            return Match(frozenset(), 0, prompt_chars)
+        node = self._root
+        for chunk in key:
+            node = node.children.get(hash(chunk))
+            if node is None:  # the prompt leaves the trie here
+                break
+            here = [t for t in node if t in available]
+            if not here:
+                break
+            matched += len(chunk)
+            best = here
+        return Match(frozenset(best), matched, prompt_chars)
 
     def kept_match(self, key: tuple[str, ...], kept: KeptMatch | None) -> KeptMatch:
         """A KeptMatch of ``key``: ``kept`` itself (an earlier one for the same ``key``) while it holds, else the key
@@ -240,24 +242,20 @@ class PrefixTrie:
             return kept
         reach: dict[str, int] = {}
         last: dict[str, int] = {}  # target -> depth of its last node
-        nodes: list[_Targets] = []  # the key's nodes, root first
+        nodes: list[_Node] = []  # the key's nodes, root first
         depth_chars = 0
-        walk = self._trie.walk_towards(key)
-        nodes.append(self._root)
-        next(walk)  # the root stands for the empty prefix
-        try:
-            for i, step in enumerate(walk):
-                counts = step.get()
-                if not counts:
-                    break
-                nodes.append(counts)
-                depth_chars += len(key[i])
-                for target in counts:
-                    reach[target], last[target] = depth_chars, i + 1
-        except KeyError:  # the prompt leaves the trie here
-            pass
-        targets_of: dict[int, _Targets] = {}
-        children_of: dict[int, _Targets] = {}
+        node = self._root
+        nodes.append(node)
+        for i, chunk in enumerate(key):
+            node = node.children.get(hash(chunk))
+            if node is None:  # the prompt leaves the trie here
+                break
+            nodes.append(node)
+            depth_chars += len(chunk)
+            for target in node:
+                reach[target], last[target] = depth_chars, i + 1
+        targets_of: dict[int, _Node] = {}
+        children_of: dict[int, _Node] = {}
         for d in {0, *last.values()}:  # each run's last node (0: the root, before the key's first node)
             if d:
                 targets_of[id(nodes[d])] = nodes[d]
@@ -283,28 +281,25 @@ class PrefixTrie:
                 break
         if not key:
             return
-        key = tuple(map(sys.intern, key))  # records and nodes share one string per chunk
         self._changes += 1
-        stamp, parent = self._changes, self._root
-        # Two walks: setdefault creates the missing nodes; the second walk counts the target at every node. Every
-        # pre-existing node holds a non-empty dict, so an empty or missing value marks a node created just now.
-        self._trie.setdefault(key, _Targets())
-        for i, step in enumerate(self._walk(key)):
-            counts = step.get()
-            if not counts:
-                if counts is None:
-                    counts = step.value = _Targets()
+        stamp, parent, path = self._changes, self._root, []
+        for chunk in key:
+            step = hash(chunk)
+            counts = parent.children.get(step)
+            if counts is None:
+                counts = parent.children[step] = _Node(step, len(chunk))
                 parent.grew = stamp  # a child added under it
                 self._nodes += 1
-                self._chars += len(key[i])
-                self._bytes += sys.getsizeof(key[i]) + NODE_BYTES
+                self._chars += len(chunk)
+                self._bytes += NODE_BYTES
             n = counts.get(target, 0)
             if not n:
                 counts.changed = stamp  # a target added here
             counts[target] = n + 1
+            path.append(counts)
             parent = counts
-        self._records.append((key, target))
-        self._bytes += RECORD_BYTES + _POINTER_BYTES * len(key)
+        self._records.append((tuple(path), target))
+        self._bytes += RECORD_BYTES + _POINTER_BYTES * len(path)
         while (self._chars > self.max_chars or self._bytes > self.max_bytes) and self._records:
             self._evict_oldest()
 
@@ -319,18 +314,12 @@ class PrefixTrie:
                 keep.append(self._records.popleft())
         self._records = keep
 
-    def _walk(self, key: tuple[str, ...]):
-        walk = self._trie.walk_towards(key)
-        next(walk)  # skip the root
-        return walk
-
     def _evict_oldest(self) -> None:
-        key, target = self._records.popleft()
-        self._bytes -= RECORD_BYTES + _POINTER_BYTES * len(key)
+        path, target = self._records.popleft()
+        self._bytes -= RECORD_BYTES + _POINTER_BYTES * len(path)
         self._changes += 1
         cut = None  # depth of the first node that no live record passes through any more
-        for i, step in enumerate(self._walk(key)):
-            counts = step.value
+        for i, counts in enumerate(path):
             n = counts[target] - 1
             if n:
                 counts[target] = n
@@ -340,9 +329,11 @@ class PrefixTrie:
                 if not counts and cut is None:
                     cut = i
         if cut is not None:
-            # Nodes below a node with no records carry none either (children's targets are a subset).
-            del self._trie[key[:cut + 1]:]
-            removed = key[cut:]
+            # Nodes below a node with no records carry none either (children's targets are a subset), and every
+            # node has a record through it: the branch cut is this path's nodes from ``cut`` down.
+            parent = path[cut - 1] if cut else self._root
+            del parent.children[path[cut].step]
+            removed = path[cut:]
             self._nodes -= len(removed)
-            self._chars -= sum(map(len, removed))
-            self._bytes -= sum(map(sys.getsizeof, removed)) + NODE_BYTES * len(removed)
+            self._chars -= sum(node.size for node in removed)
+            self._bytes -= NODE_BYTES * len(removed)
