@@ -138,8 +138,12 @@ def _prompt(i: int, words: int = 48) -> str:
 
 def added_latency(*, n: int = 500, systems: Sequence[str] = tuple(OVERHEAD_SYSTEMS), run_dir: Path,
                   warmup: int = 20, checkouts: dict[str, Path] | None = None,
-                  variants: dict[str, dict] | None = None) -> dict[str, Any]:
+                  variants: dict[str, dict] | None = None, floor: bool = True) -> dict[str, Any]:
     """Part (a): latency of small non-streamed completions, direct and through each balancer.
+
+    ``floor``: also run system ``aiohttp``, bench/aiohttp_floor.py (a pass-through aiohttp proxy on uvloop with no
+    routing, metrics or logs): what Python and aiohttp cost by themselves, so SkyLB's own work per request is the
+    gap between the two.
 
     ``checkouts``: {name: path} of other SkyLB checkouts (earlier commits) whose balancer, in its default
     configuration, runs beside this one's as system ``name`` (an A/B comparison, interleaved like the rest).
@@ -165,6 +169,13 @@ def added_latency(*, n: int = 500, systems: Sequence[str] = tuple(OVERHEAD_SYSTE
         started = {name: _start(procs, name, replicas, Path(run_dir) / "a") for name in names}
         urls = {name: url for name, (url, _) in started.items()}
         balancers = {name: proc for name, (_, proc) in started.items() if proc is not None}
+        if floor:
+            port = free_ports(1)[0]
+            urls["aiohttp"] = f"http://127.0.0.1:{port}"
+            balancers["aiohttp"] = procs.start(
+                [sys.executable, str(Path(__file__).with_name("aiohttp_floor.py")), "--port", str(port),
+                 "--upstream", replicas[0]], name="a-aiohttp-floor", wait_url=urls["aiohttp"] + "/healthz")
+            names.append("aiohttp")
         extra = [(name, {"checkout": path}) for name, path in (checkouts or {}).items()]
         extra += [(name, {"overrides": overrides}) for name, overrides in (variants or {}).items()]
         for name, how in extra:
@@ -207,7 +218,7 @@ def added_latency(*, n: int = 500, systems: Sequence[str] = tuple(OVERHEAD_SYSTE
             out[name]["added_p99_ms"] = percentile(v, 99) - percentile(base, 99)
     sglang = (out.get("sglang") or {}).get("added_p50_ms")
     for name, row in out.items():
-        if name.startswith("skylb") or name in (checkouts or {}) or name in (variants or {}):
+        if name.startswith("skylb") or name == "aiohttp" or name in (checkouts or {}) or name in (variants or {}):
             row["added_p50_vs_sglang"] = (row["added_p50_ms"] / sglang if sglang and sglang > 0
                                           and row.get("added_p50_ms") is not None else None)
     return {"n": n, "systems": out, "skipped": skipped, "load": load.stop()}
@@ -232,7 +243,7 @@ def tracing_cost(*, n: int = 300, rounds: int = 3, run_dir: Path, baseline: Path
         procs.start([sys.executable, "-m", "bench.otlp_sink", "--port", str(port)], name="otlp-sink",
                     wait_url=f"http://127.0.0.1:{port}/")
         variants = {"skylb-twin": {}, "skylb-tracing": {"tracing": {"otlp_endpoint": f"http://127.0.0.1:{port}"}}}
-        results = [added_latency(n=n, systems=("direct", "skylb"), run_dir=run_dir / f"round-{i}",
+        results = [added_latency(n=n, systems=("direct", "skylb"), floor=False, run_dir=run_dir / f"round-{i}",
                                  variants=variants, checkouts={base: baseline} if base else None)
                    for i in range(rounds)]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as resp:
@@ -913,7 +924,10 @@ def format_markdown(result: dict[str, Any], notes: str = "") -> str:
                   "p50 over the SGLang router's, in the same rounds. CPU ms/request: the CPU time of the balancer's "
                   "processes (/proc, its process group: HAProxy's and the SGLang router's threads and children "
                   "too; SkyLB's controller, a process of its own, not) over the measured requests, per request; "
-                  "each balancer's background work (SkyLB's probes every 100 ms) included.", "",
+                  "each balancer's background work (SkyLB's probes every 100 ms) included. `aiohttp` (when run): "
+                  "bench/aiohttp_floor.py, a pass-through aiohttp proxy on uvloop with no routing, queue, metrics or "
+                  "log line, the floor of any balancer built on aiohttp; SkyLB's own work per request is its gap to "
+                  "that row.", "",
                   markdown_table(["system", "p50 ms", "p99 ms", "mean ms", "added p50 ms", "added p99 ms",
                                   "x SGLang (added p50)", "CPU ms/request", "errors"],
                                  [[name, _f(s["p50_ms"]), _f(s["p99_ms"]), _f(s["mean_ms"]),

@@ -36,7 +36,7 @@ def _commit(path: Path) -> str:
 def run_ab(baseline: Path, *, rounds: int, n: int, run_dir: Path) -> dict:
     """``rounds`` interleaved part-(a) runs; returns {"commit", "baseline", "rounds": [part (a) results]}."""
     name = f"skylb@{_commit(baseline)}"
-    results = [added_latency(n=n, systems=("direct", "skylb"), run_dir=run_dir / f"round-{i}",
+    results = [added_latency(n=n, systems=("direct", "skylb"), floor=False, run_dir=run_dir / f"round-{i}",
                              checkouts={name: baseline}) for i in range(rounds)]
     return {"commit": _commit(ROOT), "baseline": name, "rounds": results}
 

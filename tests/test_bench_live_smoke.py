@@ -73,9 +73,10 @@ def test_trie_memory_child_process():
 
 
 def test_added_latency_direct_and_skylb(tmp_path):
-    """Part (a) on a handful of requests: every request succeeds, direct and through SkyLB."""
+    """Part (a) on a handful of requests: every request succeeds, direct, through SkyLB and through the aiohttp
+    pass-through floor."""
     r = added_latency(n=10, warmup=2, systems=("direct", "skylb"), run_dir=tmp_path)
-    for name in ("direct", "skylb"):
+    for name in ("direct", "skylb", "aiohttp"):
         assert r["systems"][name]["errors"] == 0 and r["systems"][name]["n"] == 10
     assert r["systems"]["skylb"]["added_p50_ms"] is not None and r["systems"]["skylb"]["cpu_ms_per_request"] >= 0
     assert r["systems"]["skylb"]["added_p50_vs_sglang"] is None  # no SGLang router in this run
