@@ -94,6 +94,10 @@ def _region(procs, tmp_path, *, replicas: int, balancer: dict, policy: str | Non
         cluster.add_replica("us", f"http://{proxies[i].listen}" if i in proxies else url, replica_id=f"r{i}")
     balancer_url = cluster.start_balancer("us", ["us"], policy=policy)
     cluster.wait_replicas_healthy("us", replicas)
+    # Healthy is not yet routable: the balancer reads a replica's model list just after its first probe answer, and
+    # a test that kills a replica at once must not race that read (under load it lost it: no request went there).
+    cluster.wait_until(lambda: all(r["models"] for r in cluster.status("us")["replicas"]), timeout_s=10.0,
+                       what="every replica's model list read")
     return cluster, balancer_url, urls, emulators, proxies
 
 
