@@ -150,7 +150,7 @@ class KeptMatch:
 
 
 class PrefixTrie:
-    """A chunked prefix trie mapping prompt prefixes to targets, bounded by stored characters.
+    """A chunked prefix trie mapping prompt prefixes to targets, bounded in characters and in bytes.
 
     Args:
         max_chars: the most characters of prompt the trie's nodes may stand for (> 0).
