@@ -52,10 +52,11 @@ def prompt_chars(text: str) -> int:
         # str.split() and a regex's \s agree on what whitespace is (both use str.isspace); split and join are 5x
         # faster than re.sub on a long prompt.
         return len(" ".join(text.split()))
-    # ASCII: bytes.translate and replace run in C without building a list of words (a 32k-token prompt: 0.2 ms
-    # instead of 1.0 ms, half a routing decision); the result is the same.
+    # ASCII: bytes.translate and sre run in C without building a list of words (a 32k-token prompt: 0.1 ms
+    # instead of 1.0 ms); the result is the same. The literal search scans with memchr, 4x faster than
+    # ``b"  " in data`` (its search stops at every space) and 5x faster than the substitution finding nothing, so
+    # the common prompt without a double space pays only the search.
     data = text.encode("ascii").translate(_TO_SPACE).strip(b" ")
-    # sre scans for a literal with memchr: 4x faster than ``b"  " in data``, whose search stops at every space.
     if _DOUBLE_SPACE.search(data) is None:
         return len(data)
     return len(_SPACE_RUN.sub(b" ", data))
