@@ -1,4 +1,4 @@
-"""The ``skylb`` policy (estimated wait): availability on prefill backlog and KV pressure, placement by estimated
+"""The ``skylb`` policy (``placement: estimate``, the default; ``predicted-ttft`` is tests/test_predicted_ttft.py's): availability on prefill backlog and KV pressure, placement by estimated
 time to first token, forwarding when a peer's estimate plus the round trip is lower, and freed slots reused at once.
 """
 

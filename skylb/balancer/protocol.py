@@ -69,6 +69,9 @@ class _StatusMessage(BaseModel):
     wait_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     queue_age_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     dispatch_rate: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    backlog_tokens: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    prefill_fixed_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    prefill_ms_per_token: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 
 
 def encode_status(status: PeerStatus) -> bytes:
@@ -100,7 +103,9 @@ def decode_status(data: bytes) -> PeerStatus:
         raise ProtocolError(f"peer status field {where}: {first['msg']}") from None
     return PeerStatus(region=msg.region, available_replicas=msg.available_replicas, replicas=msg.replicas,
                       queue_len=msg.queue_len, models=msg.models, wait_ms=msg.wait_ms,
-                      queue_age_ms=msg.queue_age_ms, dispatch_rate=msg.dispatch_rate)
+                      queue_age_ms=msg.queue_age_ms, dispatch_rate=msg.dispatch_rate,
+                      backlog_tokens=msg.backlog_tokens, prefill_fixed_ms=msg.prefill_fixed_ms,
+                      prefill_ms_per_token=msg.prefill_ms_per_token)
 
 
 def queued_ms(value: str | None) -> float:

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from skylb.core.candidates import Candidates
 from skylb.core.fleet_rules import FleetRules
 from skylb.core.fleet_rules import load_s as fleet_load_s
 from skylb.core.queue import ClassQueue
@@ -274,8 +275,10 @@ class Router:
         return policy.next_in_queue(window, local, peers, list(self.replicas.values()))
 
     def _place(self, request: Request, now: float) -> Decision | None:
-        rules, policy, model, api = self.rules, self.policy, request.model, request.api
-        usable = self.replica_available if policy.selective else self._replica_usable
+        """Run the policy over ``request``'s candidates at ``now`` (skylb/core/candidates.py: the filters are
+        here, the choice is the policy's ``choose``) and apply its choice; None: it stays queued."""
+        model, api = request.model, request.api
+        usable = self.replica_available if self.policy.selective else self._replica_usable
         local = [r for r in self.replicas.values() if r.serves(model, api) and usable(r, now)]
         local = self.fleet.candidates(model, api, local, list(self.replicas.values()), now,
                                       self.policy.estimated_wait_s, embedding=request.embedding,
@@ -284,27 +287,17 @@ class Router:
                  if request.may_forward else [])
         if request.avoid:
             local, peers = self._elsewhere(request, local, peers, now)
-        if local:
-            replica = policy.pick_replica(request, local)
-            peer = policy.prefer_peer(request, replica, peers) if peers else None
-            if peer is None and policy.holds_for_faster and len(local) < len(self.replicas):
-                busy = [r for r in self.replicas.values()
-                        if r not in local and r.serves(model, api) and self._replica_usable(r, now)]
-                if busy and policy.hold_for_faster(request, replica, busy, len(self.queue)):
-                    return None
-            if peer is None:
-                return self._to_replica(request, replica, now)
-        elif peers:
-            peer = policy.pick_peer(request, peers)
-        elif request.may_forward:
-            reachable = [p for p in self.peers.values() if rules.peer_unreachable_reason(p, now, model, api) is None
-                         and not self._ejected(p, now)]
-            peer = policy.forward_queued(request, now, reachable) if reachable else None
-            if peer is None:
-                return None
-        else:
+        c = Candidates(request, now, local, peers, len(self.queue), len(self.replicas), self.dispatch_rate(now),
+                       _busy=lambda: [r for r in self.replicas.values() if r not in local and r.serves(model, api)
+                                      and ("local", r.id) not in request.avoid and self._replica_usable(r, now)],
+                       _reachable=lambda: [p for p in self.peers.values() if request.may_forward
+                                           and self.rules.peer_unreachable_reason(p, now, model, api) is None
+                                           and not self._ejected(p, now)])
+        choice = self.policy.choose(c)
+        if choice is None:
             return None
-        return self._to_peer(request, peer, now)
+        return self._to_replica(request, choice, now) if isinstance(choice, ReplicaState) else \
+            self._to_peer(request, choice, now)
 
     def _to_replica(self, request: Request, replica: ReplicaState, now: float) -> Decision:
         """Send ``request`` to local ``replica`` at ``now``: count it there (outstanding, prefill backlog, rates,
@@ -541,9 +534,10 @@ class Router:
                 for m in r.models:
                     per_api[m] = per_api.get(m, 0) + (r.id in available_ids)
         waits = [w for w in map(self.policy.estimated_wait_s, available) if w is not None]
+        extra = self.policy.advertised(available, [r for r in self.replicas.values() if not r.draining])
         return PeerStatus(region=self.region, available_replicas=len(available),
                           replicas=sum(1 for r in self.replicas.values() if not r.draining),
                           queue_len=len(self.queue), models=models,
                           wait_ms=round(min(waits) * 1000.0, 3) if waits else None,
                           queue_age_ms=round(self.queue_age_s(now) * 1000.0, 3),
-                          dispatch_rate=self.dispatch_rate(now))
+                          dispatch_rate=self.dispatch_rate(now), **extra)

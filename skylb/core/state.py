@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from skylb.core.capacity import AdmissionCapacity
+from skylb.core.prefill_model import PrefillLine
 from skylb.core.rates import ReplicaRates
 from skylb.core.fleet_rules import FleetView
 
@@ -167,6 +168,10 @@ class PeerStatus:
         queue_age_ms: how long the oldest request in its queue has waited, ms (0: the queue is empty; None: an
             older peer that does not say).
         dispatch_rate: requests it placed per second lately (its last 32 placements), None before two.
+        backlog_tokens: prompt tokens queued for prefill on its best available replica (skylb/core/cost.py), None
+            when none is available or it does not say; prefill_fixed_ms, prefill_ms_per_token: its replicas'
+            fitted prefill model (skylb/core/prefill_model.py), ms and ms per token, None when not said. With
+            these a sender prices the peer on its own scale (design decision 10).
     """
 
     region: str
@@ -177,6 +182,9 @@ class PeerStatus:
     wait_ms: float | None = None
     queue_age_ms: float | None = None
     dispatch_rate: float | None = None
+    backlog_tokens: float | None = None
+    prefill_fixed_ms: float | None = None
+    prefill_ms_per_token: float | None = None
 
 
 @dataclass
@@ -194,6 +202,8 @@ class PeerState:
         rtt_s: the round trip to the peer, s: a moving average of status probe round trips (None: not measured).
         queue_age_s: how long the oldest request in its queue had waited at its latest status, s (None: not said).
         dispatch_rate: requests it placed per second at its latest status (None: not said).
+        backlog_tokens: its best available replica's prefill backlog, tokens; prefill_line: its fitted prefill
+            model (None: not said).
     """
 
     region: str
@@ -218,6 +228,8 @@ class PeerState:
     rtt_s: float | None = None
     queue_age_s: float | None = None
     dispatch_rate: float | None = None
+    backlog_tokens: float | None = None
+    prefill_line: PrefillLine | None = None
 
     #: Weight of the newest round trip in ``rtt_s`` (an exponential moving average, as TCP's SRTT uses 1/8).
     RTT_WEIGHT = 0.125
@@ -235,6 +247,11 @@ class PeerState:
             self.wait_s = None if status.wait_ms is None else max(0.0, float(status.wait_ms)) / 1000.0
             self.queue_age_s = None if status.queue_age_ms is None else max(0.0, float(status.queue_age_ms)) / 1000.0
             self.dispatch_rate = None if status.dispatch_rate is None else max(0.0, float(status.dispatch_rate))
+            self.backlog_tokens = None if status.backlog_tokens is None else max(0.0, float(status.backlog_tokens))
+            self.prefill_line = (PrefillLine(max(0.0, status.prefill_fixed_ms) / 1e3,
+                                             max(0.0, status.prefill_ms_per_token) / 1e3)
+                                 if status.prefill_fixed_ms is not None and status.prefill_ms_per_token is not None
+                                 else None)
             if rtt_s is not None and rtt_s >= 0:
                 self.rtt_s = rtt_s if self.rtt_s is None else self.rtt_s + self.RTT_WEIGHT * (rtt_s - self.rtt_s)
         self.error = None if status is not None else (error or "status probe failed")

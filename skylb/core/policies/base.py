@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from pydantic import ConfigDict, ValidationError
 from pydantic.dataclasses import dataclass
 
+from skylb.core.candidates import Candidates
 from skylb.core.estimate import prompt_tokens
 from skylb.core.policies import scoring
 from skylb.core.rates import RateBook
@@ -78,6 +79,28 @@ class Policy:
         #: learns with other settings replaces it in its own __init__.
         self.rates = RateBook()
 
+    def choose(self, c: Candidates) -> ReplicaState | PeerState | None:
+        """Where ``c.request`` goes now among its candidates ``c`` (skylb/core/candidates.py): a local replica, a
+        peer, or None (it stays queued). Default, the paper's order (Algorithm 1 lines 27-30) with this base's
+        hooks: a local replica with room (``pick_replica``), unless ``prefer_peer`` names a peer or
+        ``hold_for_faster`` keeps it for a busy faster replica; else an available peer (``pick_peer``); else a
+        peer with a younger queue (``forward_queued``); else it waits."""
+        request = c.request
+        if c.local:
+            replica = self.pick_replica(request, c.local)
+            peer = self.prefer_peer(request, replica, c.peers) if c.peers else None
+            if peer is not None:
+                return peer
+            if (self.holds_for_faster and len(c.local) < c.replicas and c.busy
+                    and self.hold_for_faster(request, replica, c.busy, c.queued)):
+                return None
+            return replica
+        if c.peers:
+            return self.pick_peer(request, c.peers)
+        if request.may_forward and c.reachable:
+            return self.forward_queued(request, c.now, c.reachable)
+        return None
+
     def pick_replica(self, request: Request, candidates: Sequence[ReplicaState]) -> ReplicaState:
         """Choose one of ``candidates`` (non-empty) for ``request``; default: the least loaded."""
         return self.least_loaded(candidates)
@@ -100,6 +123,11 @@ class Policy:
         """Prompt tokens of ``request`` the replica ``replica_id`` is expected to prefill (not find cached);
         default: the whole prompt (skylb/core/estimate.py ``prompt_tokens``)."""
         return prompt_tokens(request)
+
+    def advertised(self, available: Sequence[ReplicaState], replicas: Sequence[ReplicaState]) -> dict:
+        """Extra PeerStatus fields this policy tells peers (``available``: local replicas with room now,
+        ``replicas``: all, draining excluded); default: none."""
+        return {}
 
     def estimated_wait_s(self, replica: ReplicaState) -> float | None:
         """Seconds a new request would wait before its prefill starts on ``replica``; None: no estimate."""

@@ -52,6 +52,8 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from skylb.core.estimate import WaitModel, prompt_tokens
+from skylb.core.policies.predicted_ttft import LearningRateBook, PredictedTTFT
+from skylb.core.prefill_model import PrefillLine
 from skylb.core.policies.base import OPTIONS_CONFIG
 from skylb.core.policies.skylb_paper import SkyLBPaperOptions, SkyLBPaperPolicy
 from skylb.core.policies.estimated_wait import pick_by_estimated_wait
@@ -87,6 +89,14 @@ class SkyLBOptions(SkyLBPaperOptions):
         hold_for_faster: keep a request queued for a busy replica that would finish the queue sooner (above).
         faster_ratio: a replica counts as faster when its measured time per token is below the picked one's
             divided by this (identical replicas differ by noise, and then nothing is held).
+        placement: "estimate" (default): the rule above (pick by estimate, the load guard, ``prefer_peer``,
+            ``forward_queued``); "predicted-ttft": every candidate (local replica with room, push into a full
+            batch, peer, holding here) priced by one cost, the predicted time to first token
+            (skylb/core/policies/predicted_ttft.py, skylb/core/cost.py). Not yet the default: it wins on the
+            unsaturated cells measured so far but loses P90 on the saturated Mooncake trace at 2x (README).
+        prefill_fixed_ms: the prefill model's prior fixed part per request, ms (with ``prefill_tokens_per_s``, the
+            prior every replica's fitted line starts from; default 50: about one engine step's weight read, 53.5
+            ms for Llama-3.1-8B on an L4).
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
             piled sessions and popular prompts onto one replica (simulated Arena and WildChat, seeds 0-1: variance
@@ -106,6 +116,8 @@ class SkyLBOptions(SkyLBPaperOptions):
     max_bypass: int = Field(64, ge=0)
     tie_break: Literal["estimated-wait", "least-load"] = "estimated-wait"
     measured_prefill: bool = True
+    placement: Literal["estimate", "predicted-ttft"] = "estimate"
+    prefill_fixed_ms: float = Field(50.0, ge=0)
 
 
 class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
@@ -125,6 +137,34 @@ class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
         self._memo: tuple[object, object] | None = None
         self.queue_lookahead = o.queue_lookahead
         self.max_bypass = o.max_bypass
+        self.ttft = PredictedTTFT(wait=self.wait, prior=PrefillLine(o.prefill_fixed_ms / 1e3,
+                                                                     1.0 / o.prefill_tokens_per_s),
+                                  forward_margin_s=o.forward_margin_ms / 1e3, kv_high_watermark=o.kv_high_watermark,
+                                  queue_margin_s=o.queue_forward_margin_ms / 1e3)
+        self.rates = LearningRateBook(self.ttft)
+
+    def choose(self, c):
+        """The cheapest candidate by predicted TTFT (predicted_ttft.py), or the earlier rule (``placement``)."""
+        if self.options.placement != "predicted-ttft":
+            return super().choose(c)
+        request = c.request
+        kind, target = self.ttft.choose(
+            c, match=lambda ids: self._replica_match(request, ids),
+            snapshot=lambda regions: self.snapshot_trie.match(self._key(request), regions),
+            threshold=self.options.match_threshold, default_prompt_tokens=self.options.default_prompt_tokens)
+        if (kind == "local" and len(c.local) < c.replicas and c.busy
+                and self.hold_for_faster(request, target, c.busy, c.queued)):
+            return None
+        return target
+
+    def advertised(self, available, replicas):
+        return self.ttft.advertised(available, replicas) if self.options.placement == "predicted-ttft" else {}
+
+    def set_members(self, replicas, peers):
+        replicas = set(replicas)
+        for gone in self._replicas - replicas:
+            self.ttft.forget(gone)
+        super().set_members(replicas, peers)
 
     # -- availability and estimates -----------------------------------------------------------------------------
     def replica_unavailable_reason(self, replica):
