@@ -79,16 +79,16 @@ def test_slot_wait_counts_the_requests_ahead_of_a_push(running, pending, slots, 
 
 def test_peer_is_priced_in_its_own_tokens_and_line():
     """A peer with room: round trip + its line over its backlog and the uncached prompt; without room its queue at
-    its dispatch rate, none of it for a request older than the peer's oldest."""
+    its dispatch rate (none of it for a request older than the peer's oldest), then its backlog."""
     p = PeerState(region="eu", url="x", rtt_s=0.1, available_replicas=2, backlog_tokens=1000,
                   prefill_line=PrefillLine(0.1, 0.001))
     assert peer_ttft_s(p, uncached_tokens=500, age_s=0, default_prompt_tokens=512,
                        fallback=PRIOR) == pytest.approx(0.1 + 0.1 + 1.5)
     p.available_replicas, p.queue_len, p.dispatch_rate, p.queue_age_s = 0, 9, 10.0, 1.0
     assert peer_ttft_s(p, uncached_tokens=500, age_s=0, default_prompt_tokens=512,
-                       fallback=PRIOR) == pytest.approx(0.1 + 1.0 + 0.6)
+                       fallback=PRIOR) == pytest.approx(0.1 + 1.0 + 1.6)
     assert peer_ttft_s(p, uncached_tokens=500, age_s=5, default_prompt_tokens=512,
-                       fallback=PRIOR) == pytest.approx(0.1 + 0.1 + 0.6)
+                       fallback=PRIOR) == pytest.approx(0.1 + 0.1 + 1.6)
     p.dispatch_rate = None  # no room and no rate: its queue cannot be priced
     assert peer_ttft_s(p, uncached_tokens=500, age_s=0, default_prompt_tokens=512, fallback=PRIOR) is None
 

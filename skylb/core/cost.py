@@ -6,14 +6,15 @@ Decision 10 of the design. For a request of ``n`` prompt tokens, with ``m`` of t
 * a local replica whose batch is full (a push into its engine's waiting queue):
                                   ``slot_wait_r + line_r(backlog_r + n - m_r)``
 * a peer balancer with room:      ``rtt + line_p(backlog_p + forwarded_since_p + n - m_p)``
-* a peer with no room:            ``rtt + ahead_p / dispatch_rate_p + line_p(n - m_p)``
+* a peer with no room:            ``rtt + (ahead_p + 1) / dispatch_rate_p + line_p(backlog_p + n - m_p)``
 * holding it in this balancer's queue (only when no local replica has room): the push to the replica expected to
   free a slot first, without the commitment: ``min_r slot_wait_r`` plus that replica's own term.
 
 where ``line(x) = fixed_s + s_per_token x x`` is the prefill model (skylb/core/prefill_model.py: one per replica,
 fitted online from every response; a peer advertises its class's fitted line, so both sides are priced on one
 scale), ``backlog`` the prompt tokens queued for prefill ahead of the request (skylb/core/estimate.py
-``WaitModel.backlog_tokens``; a peer advertises its best available replica's in tokens), ``slot_wait_r = (waiting_r
+``WaitModel.backlog_tokens``; a peer advertises its least backlogged replica's in tokens, among those with room
+when it has any), ``slot_wait_r = (waiting_r
 + 1) x service_s_r / limit_r`` the time until the full batch frees a slot for it (``waiting_r``: requests already
 past the batch's limit there, ``limit_r`` its slots or learned admission capacity, ``service_s_r`` its measured
 mean time from dispatch to the end of a response), ``ahead_p`` the requests queued at the peer that will go before
@@ -107,4 +108,7 @@ def peer_ttft_s(peer: PeerState, *, uncached_tokens: float, age_s: float, defaul
         return None
     older_than_queue = peer.queue_age_s is not None and age_s > peer.queue_age_s + rtt
     ahead = peer.sent_since_probe + (0 if older_than_queue else peer.queue_len)
-    return rtt + (ahead + 1) / peer.dispatch_rate + line.seconds(uncached_tokens)
+    # Its turn comes at the peer's dispatch rate, then it meets its least backlogged replica's backlog, as a held
+    # request meets a local replica's (the two are priced alike, or every saturated region would look worse than
+    # its peers from inside).
+    return rtt + (ahead + 1) / peer.dispatch_rate + line.seconds((peer.backlog_tokens or 0.0) + uncached_tokens)

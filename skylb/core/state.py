@@ -168,8 +168,8 @@ class PeerStatus:
         queue_age_ms: how long the oldest request in its queue has waited, ms (0: the queue is empty; None: an
             older peer that does not say).
         dispatch_rate: requests it placed per second lately (its last 32 placements), None before two.
-        backlog_tokens: prompt tokens queued for prefill on its best available replica (skylb/core/cost.py), None
-            when none is available or it does not say; prefill_fixed_ms, prefill_ms_per_token: its replicas'
+        backlog_tokens: prompt tokens queued for prefill on its least backlogged replica, among those with room
+            when it has any (skylb/core/cost.py), None when it does not say; prefill_fixed_ms, prefill_ms_per_token: its replicas'
             fitted prefill model (skylb/core/prefill_model.py), ms and ms per token, None when not said. With
             these a sender prices the peer on its own scale (design decision 10).
     """

@@ -108,8 +108,10 @@ class PredictedTTFT:
                 best_kind, best_target, best_s = "hold", None, hold_s
             for r in busy:
                 # A request whose prefix the replica holds adds only its uncached tokens to the KV cache: where the
-                # engine reports KV room, the batch's request count does not bound it (shared blocks).
-                kv_room = (r.id in hit and r.kv_usage is not None and r.kv_usage < self.kv_high_watermark)
+                # engine reports KV room and queues nothing, the batch's request count does not bound it (shared
+                # blocks), so it is admitted at its next step.
+                kv_room = (r.id in hit and r.pending == 0 and r.kv_usage is not None
+                           and r.kv_usage < self.kv_high_watermark)
                 s = (0.0 if kv_room else self.slot_wait_s(r)) + self.local_s(r, uncached(r.id))
                 if s + margin < best_s:
                     best_kind, best_target, best_s = "push", r, s + margin
@@ -143,7 +145,7 @@ class PredictedTTFT:
             return {}
         best = min(pool, key=lambda r: self.wait.backlog_tokens(r))
         line = self.prefill.class_line(replica_class(best))
-        return {"backlog_tokens": round(self.wait.backlog_tokens(best), 1) if available else None,
+        return {"backlog_tokens": round(self.wait.backlog_tokens(best), 1),
                 "prefill_fixed_ms": round(line.fixed_s * 1e3, 4),
                 "prefill_ms_per_token": round(line.s_per_token * 1e3, 6)}
 
