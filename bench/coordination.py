@@ -84,11 +84,13 @@ def _observe(router, rng: random.Random, now: float, peers: list[str]) -> None:
         router.observe_peer(region, now=now, status=status, rtt_s=rng.uniform(0.05, 0.28))
 
 
-def build_router_state(replicas: int, peers: int, *, seed: int = 0):
-    """A Router with ``replicas`` local replicas and ``peers`` peers, observed once; returns (router, peer names)."""
+def build_router_state(replicas: int, peers: int, *, seed: int = 0, placement: str = "estimate"):
+    """A Router with ``replicas`` local replicas and ``peers`` peers, observed once, its ``skylb`` policy with
+    ``placement`` (skylb/core/policies/skylb.py); returns (router, peer names)."""
     from skylb.config import BalancerConfig
     from skylb.core import build_router
-    router = build_router("r0", BalancerConfig(policy="skylb"), max_queue=10 ** 6)
+    router = build_router("r0", BalancerConfig(policy="skylb", policies={"skylb": {"placement": placement}}),
+                          max_queue=10 ** 6)
     router.set_replicas([(f"r0-{i}", f"http://10.0.0.{i % 250}:{8000 + i}", "vllm") for i in range(replicas)])
     for rid in router.replicas:  # as the prober learns it from GET /v1/models; the status then lists the model
         router.set_replica_models(rid, [MODEL])
@@ -99,11 +101,11 @@ def build_router_state(replicas: int, peers: int, *, seed: int = 0):
 
 
 def decision_times(replicas: int, peers: int, *, decisions: int, prompts: list[str], seed: int,
-                   warm: int = WARM_REQUESTS) -> dict:
+                   warm: int = WARM_REQUESTS, placement: str = "estimate") -> dict:
     """One repetition: the trie warmed with ``warm`` prompts (routed, untimed), then ``decisions`` timed ``Router.dispatch``
     calls (one request each); returns p50 / p99 / mean in microseconds and the routes taken."""
     from skylb.core import Request
-    router, names = build_router_state(replicas, peers, seed=seed)
+    router, names = build_router_state(replicas, peers, seed=seed, placement=placement)
     rng = random.Random(seed)
     now, times, routes = 0.0, [], {"local": 0, "peer": 0, "none": 0}
     for k in range(warm + decisions):
@@ -187,12 +189,13 @@ def _spread(values: list[float], fmt: str = "{:.1f}") -> str:
     return text if len(values) == 1 else f"{text} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
 
 
-def measure(shapes: list[tuple[int, int]], *, decisions: int, repeats: int) -> list[dict]:
-    """Every figure for each (replicas, peers) shape; decision times once per repetition (seeds 0..repeats-1)."""
+def measure(shapes: list[tuple[int, int]], *, decisions: int, repeats: int, placement: str = "estimate") -> list[dict]:
+    """Every figure for each (replicas, peers) shape; decision times once per repetition (seeds 0..repeats-1), with
+    the ``skylb`` policy's ``placement``."""
     prompts = _prompts(WARM_REQUESTS + decisions, 0)
     out = []
     for replicas, peers in shapes:
-        reps = [decision_times(replicas, peers, decisions=decisions, prompts=prompts, seed=s)
+        reps = [decision_times(replicas, peers, decisions=decisions, prompts=prompts, seed=s, placement=placement)
                 for s in range(repeats)]
         status = status_message(replicas, peers)
         out.append({"replicas": replicas, "peers": peers, "repetitions": reps, "status": status,
@@ -245,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-md", default=str(RESULTS / "coordination.md"), help="report ('' for none)")
     p.add_argument("--out-json", default=None, help="JSON (default beside the report)")
     p.add_argument("--notes", default=None, help="a Markdown file appended to the report")
+    p.add_argument("--placement", default="estimate", choices=("estimate", "predicted-ttft"),
+                   help="the skylb policy's placement rule (default: estimate, the policy's default)")
     return p
 
 
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.eight_regions import _commit
     args = build_parser().parse_args(argv)
     shapes = [(args.replicas, args.peers), (25, 7)]
-    result = {"shapes": measure(shapes, decisions=args.decisions, repeats=args.repeats)}
+    result = {"shapes": measure(shapes, decisions=args.decisions, repeats=args.repeats, placement=args.placement)}
     command = "python -m bench.coordination " + " ".join(argv if argv is not None else sys.argv[1:])
     result["meta"] = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": command.strip(),
                       "cores": os.cpu_count(), "machine": platform.processor() or platform.machine(),

@@ -183,3 +183,16 @@ def test_the_fit_learns_from_responses_behind_others():
         router.finished(d)
     line = policy.ttft.line(router.replicas["r0"])
     assert line.seconds(450) == pytest.approx(0.2 + 0.45, rel=0.15)
+
+
+def test_the_load_guard_sends_a_hit_to_the_least_loaded_replica_when_loads_are_imbalanced():
+    """Past ``ttft_balance_abs_threshold`` outstanding requests of imbalance, the replica holding the prefix loses
+    to the least loaded one (the cost sees TTFT, not the slower decode of a larger batch); 0 turns the guard off."""
+    for threshold, expect_hit in ((2, False), (0, True)):
+        router = _router(peers=(), ttft_balance_abs_threshold=threshold)
+        [first] = _place(router, "a", P + "turn one")
+        router.first_token(first)
+        router.replicas[first.target].outstanding = 5  # busy with other sessions' decodes
+        router.observe_replica(first.target, now=0.0, healthy=True, pending=0, running=1, slots=8, kv_usage=0.5)
+        [second] = _place(router, "b", P + "turn two")
+        assert (second.target == first.target) is expect_hit

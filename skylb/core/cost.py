@@ -41,6 +41,7 @@ class ServiceTimes:
         self.alpha = alpha
         self.default_s = default_s
         self._by_replica: dict[str, float] = {}
+        self._mean: float | None = None  # of the measured replicas, recomputed after a change
 
     def observe(self, replica_id: str, seconds: float) -> None:
         """One response of ``replica_id`` took ``seconds`` from dispatch to its end."""
@@ -48,19 +49,22 @@ class ServiceTimes:
             return
         old = self._by_replica.get(replica_id)
         self._by_replica[replica_id] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._mean = None
 
     def seconds(self, replica_id: str) -> float:
         """The mean service time of ``replica_id``, s."""
         value = self._by_replica.get(replica_id)
         if value is not None:
             return value
-        if self._by_replica:
-            return sum(self._by_replica.values()) / len(self._by_replica)
-        return self.default_s
+        if self._mean is None:
+            self._mean = (sum(self._by_replica.values()) / len(self._by_replica) if self._by_replica
+                          else self.default_s)
+        return self._mean
 
     def forget(self, replica_id: str) -> None:
         """Drop ``replica_id`` (it left membership)."""
         self._by_replica.pop(replica_id, None)
+        self._mean = None
 
 
 def batch_limit(replica: ReplicaState, learn_capacity: bool = True) -> int | None:

@@ -287,8 +287,9 @@ class Router:
                  if request.may_forward else [])
         if request.avoid:
             local, peers = self._elsewhere(request, local, peers, now)
+        taken = {r.id for r in local}  # by id: a dataclass ``in`` compares every field of every replica
         c = Candidates(request, now, local, peers, len(self.queue), len(self.replicas), self.dispatch_rate(now),
-                       _busy=lambda: [r for r in self.replicas.values() if r not in local and r.serves(model, api)
+                       _busy=lambda: [r for r in self.replicas.values() if r.id not in taken and r.serves(model, api)
                                       and ("local", r.id) not in request.avoid and self._replica_usable(r, now)],
                        _reachable=lambda: [p for p in self.peers.values() if request.may_forward
                                            and self.rules.peer_unreachable_reason(p, now, model, api) is None

@@ -79,7 +79,9 @@ class PredictedTTFT:
         return wait
 
     def choose(self, c: Candidates, match: Callable[[Sequence[str]], Match], snapshot: Callable[[set[str]], Match],
-               threshold: float, default_prompt_tokens: int) -> tuple[str, ReplicaState | PeerState | None]:
+               threshold: float, default_prompt_tokens: int,
+               guard: Callable[[Sequence[ReplicaState]], ReplicaState | None] | None = None,
+               ) -> tuple[str, ReplicaState | PeerState | None]:
         """The cheapest candidate of ``c``: ("local", replica), ("push", replica), ("peer", peer) or ("hold",
         None). ``match(ids)``: the replica trie's match of the request among replica ids; ``snapshot(regions)``:
         the regional snapshot's; a match below ``threshold`` of the prompt counts as none."""
@@ -93,7 +95,13 @@ class PredictedTTFT:
             return tokens * (1.0 - m.ratio) if rid in hit else tokens
 
         best_kind, best_target, best_s = "hold", None, float("inf")
-        for r in c.local:
+        # The load guard: TTFT alone does not see that a larger batch decodes slower for everyone in it, so a
+        # replica holding popular prefixes would take ever more; with outstanding requests imbalanced, only the
+        # least loaded local replica is priced (and pushes beside it are not).
+        pick = guard(c.local) if guard is not None and len(c.local) > 1 else None
+        if pick is not None:
+            busy = []
+        for r in ([pick] if pick is not None else c.local):
             s = self.local_s(r, uncached(r.id))
             if s < best_s - 1e-9:
                 best_kind, best_target, best_s = "local", r, s

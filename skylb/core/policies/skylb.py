@@ -57,7 +57,7 @@ from skylb.core.prefill_model import PrefillLine
 from skylb.core.policies.base import OPTIONS_CONFIG
 from skylb.core.policies.skylb_paper import SkyLBPaperOptions, SkyLBPaperPolicy
 from skylb.core.policies.estimated_wait import pick_by_estimated_wait
-from skylb.core.policies.scoring import prefix_lookahead
+from skylb.core.policies.scoring import loads_imbalanced, prefix_lookahead
 from skylb.core.rates import request_chars
 
 __all__ = ["SkyLBPolicy", "SkyLBOptions"]
@@ -97,6 +97,12 @@ class SkyLBOptions(SkyLBPaperOptions):
         prefill_fixed_ms: the prefill model's prior fixed part per request, ms (with ``prefill_tokens_per_s``, the
             prior every replica's fitted line starts from; default 50: about one engine step's weight read, 53.5
             ms for Llama-3.1-8B on an L4).
+        ttft_balance_abs_threshold: with ``predicted-ttft``, the load guard's absolute threshold (outstanding
+            requests; the relative one is ``balance_rel_threshold``): past it only the least loaded local replica is
+            priced. The cost is the time to first token, which does not see that a larger batch decodes slower for
+            all in it, so without a guard replicas holding popular prefixes took ever more (closed-loop Tree of
+            Thoughts: throughput -17%). 16 was chosen on the development split (seeds 0-1; 8 lost the low-reuse
+            cell's gain, 32 lost 3-8% throughput on the closed-loop workloads): bench/results/predicted_ttft.md.
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
             piled sessions and popular prompts onto one replica (simulated Arena and WildChat, seeds 0-1: variance
@@ -118,6 +124,7 @@ class SkyLBOptions(SkyLBPaperOptions):
     measured_prefill: bool = True
     placement: Literal["estimate", "predicted-ttft"] = "estimate"
     prefill_fixed_ms: float = Field(50.0, ge=0)
+    ttft_balance_abs_threshold: int = Field(16, ge=0)
 
 
 class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
@@ -151,11 +158,21 @@ class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
         kind, target = self.ttft.choose(
             c, match=lambda ids: self._replica_match(request, ids),
             snapshot=lambda regions: self.snapshot_trie.match(self._key(request), regions),
-            threshold=self.options.match_threshold, default_prompt_tokens=self.options.default_prompt_tokens)
+            threshold=self.options.match_threshold, default_prompt_tokens=self.options.default_prompt_tokens,
+            guard=self._ttft_guard)
         if (kind == "local" and len(c.local) < c.replicas and c.busy
                 and self.hold_for_faster(request, target, c.busy, c.queued)):
             return None
         return target
+
+    def _ttft_guard(self, local):
+        """The least loaded of ``local`` when their loads are imbalanced at ``ttft_balance_abs_threshold``, else
+        None (scoring.loads_imbalanced; 0: never)."""
+        o = self.options
+        if o.ttft_balance_abs_threshold and loads_imbalanced(local, o.ttft_balance_abs_threshold,
+                                                            o.balance_rel_threshold):
+            return self.least_loaded(local)
+        return None
 
     def advertised(self, available, replicas):
         return self.ttft.advertised(available, replicas) if self.options.placement == "predicted-ttft" else {}
