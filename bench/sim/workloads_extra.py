@@ -27,7 +27,8 @@ matrix. Where no source gives a figure it is marked "chosen".
   or user reply (median 150, sigma 0.8, up to 2,000, chosen). Outputs are short tool calls or replies (median 60,
   sigma 0.6, 16-400, chosen). Inside a session a turn waits for the previous answer plus the tool's run time
   (uniform 0.2-2 s, chosen), as an agent must; turns per session are geometric with mean 12 (chosen), at most 30
-  (τ-bench's cap of 30 agent actions per task). The session id is the hash key.
+  (τ-bench's cap of 30 agent actions per task), and a session ends early before its context passes 16,384 tokens
+  (:data:`MAX_CONTEXT`). The session id is the hash key.
 * :func:`reviews`: the workload of bench/heterogeneous.py (a stand-in for OllamaRouter's review analysis,
   ../shared/seeds/000_b071411eabc9df88.txt §5.5-§5.7, which is not public): a review of 200-1,200 characters
   (40-240 tokens at 5 characters per token, uniform) followed by a 12-token instruction, outputs uniform 100-300
@@ -55,6 +56,9 @@ USERS_PER_TENANT = 5
 AGENTS = 5
 MEAN_TURNS = 12.0
 MAX_TURNS = 30
+#: A session ends early when its next prompt plus output would pass this many tokens (chosen: half an L4's SGLang
+#: KV cache of 36,044 tokens, so one session never fills a replica; the conversations' cap is 8,192).
+MAX_CONTEXT = 16384
 
 
 def _region(rng: random.Random, regions: Sequence[str]) -> str:
@@ -111,6 +115,8 @@ def _session(seed: int, sid: str, prefix: list[str], scale: float) -> list[SimRe
     program, parent = [], None
     for t in range(turns):
         out = _lognormal(rng, 60, 0.6, 16, 400)
+        if t > 0 and len(words) + out > MAX_CONTEXT:
+            break
         rid = f"{sid}-t{t}"
         program.append(SimRequest(rid, sid, words, out, parent=parent,
                                   think_s=rng.uniform(0.2, 2.0) if parent else 0.0))
