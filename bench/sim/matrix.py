@@ -87,7 +87,8 @@ class MatrixWorkload:
 
     ``make(seed, load, split, stop_at)`` -> the Workload of one run (``split`` "dev" or "val" places a trace
     window; ``stop_at`` simulated seconds of sending); ``counts``: replicas per region; ``loads``: the default
-    load multipliers; ``one_x``: what 1x means; ``kind``: "closed", "trace" or "open".
+    load multipliers; ``one_x``: what 1x means; ``kind``: "closed", "trace" or "open"; ``slow_half``: the second
+    half of each region's replicas is :data:`SLOW_FACTOR` times slower (:func:`replica_params`).
     """
 
     name: str
@@ -97,19 +98,19 @@ class MatrixWorkload:
     counts: tuple[tuple[str, int], ...]
     loads: tuple[float, ...]
     one_x: str
+    slow_half: bool = False
 
     def replica_params(self, params: EngineParams) -> dict[str, EngineParams]:
-        """Replica id -> engine parameters of the replicas that differ from ``params`` (the slow half of
-        ``heterogeneous``); empty for the other workloads."""
-        return replica_params(self.counts, params) if self.name == "heterogeneous" else {}
+        """Replica id -> engine parameters of the replicas that differ from ``params`` (the slow half when
+        ``slow_half``); empty otherwise."""
+        return replica_params(self.counts, params) if self.slow_half else {}
 
 
 def replica_params(counts: Sequence[tuple[str, int]], params: EngineParams) -> dict[str, EngineParams]:
     """The slow replicas of a heterogeneous deployment: in each region the second half (ids ``{region}-r{i}`` with
     i >= n // 2) runs every step :data:`SLOW_FACTOR` times slower (``time_scale`` x SLOW_FACTOR)."""
     slow = replace(params, time_scale=params.time_scale * SLOW_FACTOR)
-    return {rid: slow for region, n in counts for rid in replica_layout({region: n}) if int(rid.rsplit("r", 1)[1])
-            >= n // 2}
+    return {f"{region}-r{i}": slow for region, n in counts for i in range(n // 2, n)}  # replica_layout's ids
 
 
 def saturated_rps(params: EngineParams, requests: Sequence[SimRequest]) -> float:
@@ -213,7 +214,7 @@ WORKLOADS: dict[str, MatrixWorkload] = {w.name: w for w in (
     MatrixWorkload("tool_agent", "Tool agents: long system prompts and tools, sessions of short turns", "open",
                    _open("tool_agent"), EVEN, (0.5, 1.0, 2.0, 4.0), _OPEN_1X),
     MatrixWorkload("heterogeneous", f"Review analysis on replicas of two speeds (half {SLOW_FACTOR:g}x slower)",
-                   "open", _open("heterogeneous"), EVEN, (0.5, 1.0, 1.5, 2.0), _OPEN_1X),
+                   "open", _open("heterogeneous"), EVEN, (0.5, 1.0, 1.5, 2.0), _OPEN_1X, slow_half=True),
 )}
 #: Every load some workload runs by default.
 LOADS = tuple(sorted({x for w in WORKLOADS.values() for x in w.loads}))

@@ -191,7 +191,7 @@ def _detail(results: Sequence[RunSummary], cells: Sequence[CellVerdict], systems
 def render_markdown(saved: dict, results: Sequence[RunSummary], *, plot: str | None) -> str:
     """The report from ``saved`` (matrix.json's header: command, seeds, split, times, 1x rates) and the aggregated
     ``results``; ``plot``: the heat map's file name (None when matplotlib is missing)."""
-    from bench.sim import matrix
+    from bench.sim import matrix, workloads_extra
     cells = verdicts(results)
     systems = saved["systems"]
     lines = [f"# Robustness matrix: the default routing policy ({DEFAULT}) across workloads and loads", "",
@@ -218,6 +218,7 @@ def render_markdown(saved: dict, results: Sequence[RunSummary], *, plot: str | N
          for w, x in loaded.items()]), ""]
     lines += _detail(results, cells, systems)
     lines += ["## Definitions", "", "```", (matrix.__doc__ or "").strip(), "```", ""]
+    lines += ["## The generated workloads", "", "```", (workloads_extra.__doc__ or "").strip(), "```", ""]
     return "\n".join(lines)
 
 
