@@ -524,8 +524,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     """`skylb bench matrix`: run the matrix's simulations in --jobs worker processes, save them with their provenance
     (matrix.json, before anything is drawn) and write the report (bench/sim/matrix_report.py). Returns 0, or 2 when
     a trace workload is asked for and the trace is missing."""
-    from bench.sim.matrix import (MATRIX_SYSTEMS, QUICK, QUICK_STOP_AT, QUICK_WARMUP_S, STOP_AT, WARMUP_S, WORKLOADS,
-                                  execute_run, runs_for, split_seeds)
+    from bench.sim.matrix import MATRIX_SYSTEMS, QUICK, TIMES, WORKLOADS, execute_run, runs_for, split_seeds
     from bench.sim.matrix_report import write_report
     from bench.sim.scenarios import trace_available
     if args.from_json is not None:
@@ -534,7 +533,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     quick = QUICK if args.quick else {}
     workloads = args.workloads or quick.get("workloads") or tuple(WORKLOADS)
     systems = args.systems or quick.get("systems") or MATRIX_SYSTEMS
-    seeds = args.seeds or quick.get("seeds") or split_seeds(args.split)
+    seeds = args.seeds or split_seeds(args.split)[:1 if args.quick else None]
     loads = args.loads or quick.get("loads")
     missing = [w for w in workloads if WORKLOADS[w].kind == "trace" and not trace_available()]
     if missing:
@@ -550,9 +549,9 @@ def _run_matrix(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     runs = run_specs(specs, jobs=max(1, args.jobs), progress=not args.no_progress, runner=execute_run,
                      cost=lambda s: s.cost)
-    stop_at, warmup = (QUICK_STOP_AT, QUICK_WARMUP_S) if args.quick else (STOP_AT, WARMUP_S)
     saved = {"command": command, "provenance": prov, "split": args.split, "seeds": list(seeds),
-             "systems": list(systems), "quick": args.quick, "stop_at": stop_at, "warmup_s": warmup,
+             "systems": list(systems), "quick": args.quick,
+             "times": {k: TIMES["quick" if args.quick else k] for k in ("closed", "open", "trace")},
              "wall_s": time.perf_counter() - t0, "jobs": args.jobs, "runs": [r.to_dict() for r in runs]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "matrix.json").write_text(json.dumps(saved, indent=1))

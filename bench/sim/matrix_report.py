@@ -156,7 +156,7 @@ def _checks_section(cells: Sequence[CellVerdict], singles: dict[str, float]) -> 
                      + (f", {na} n/a" if na else "") + (f"; missed in {', '.join(missed)}" if missed else "") + ".")
     ok = bool(singles) and all(x < 1.0 for x in singles.values())
     lines.append("- Check 3 (mean over cells of the default's P90 over each single balancer's, below 1 for every "
-                 "one): " + ", ".join(f"{s} {x:.2f}x" for s, x in singles.items()) + f": **{_mark(ok)}**."
+                 "one): " + ", ".join(f"{s} {x:.2f}x" for s, x in singles.items()) + f": {_mark(ok)}."
                  if singles else "- Check 3: n/a (no single balancer ran).")
     return lines + [""]
 
@@ -203,8 +203,9 @@ def render_markdown(saved: dict, results: Sequence[RunSummary], *, plot: str | N
              f"**Seeds and split.** Split `{saved['split']}`, seeds {', '.join(map(str, saved['seeds']))}; each "
              "figure is the mean over the seeds, with [min, max] in the tables at the end. Trace windows: dev from "
              "the trace's start (inside its first 40 minutes), val from minute 40.", "",
-             f"**Time.** Requests are sent for {saved['stop_at']:g} simulated seconds and measured from "
-             f"{saved['warmup_s']:g} s.", "",
+             "**Time.** Simulated seconds during which requests are sent, and from when they are measured: "
+             + "; ".join(f"{kind} {stop:g} s from {warm:g} s" for kind, (stop, warm) in saved["times"].items())
+             + ".", "",
              f"**Systems.** {', '.join(systems)}. Best other: every system but the default and the oracle; single "
              f"balancers: {', '.join(SINGLES)}.", ""]
     lines += _checks_section(cells, mean_single_ratios(results))
@@ -232,7 +233,8 @@ def _one_x(workloads: Sequence[str]) -> dict[str, str]:
 def write_report(saved: dict, out: Path) -> Path:
     """Write ``out``/matrix.json (``saved`` with the aggregated results, the verdicts and the checks), the heat map
     matrix.png (when matplotlib is installed) and matrix.md; returns the Markdown's path. ``saved``: provenance,
-    command, seeds, split, systems, stop_at, warmup_s, wall_s, jobs and ``runs`` (RunSummary dicts)."""
+    command, seeds, split, systems, times (workload kind -> [stop_at, warmup_s]), wall_s, jobs and ``runs``
+    (RunSummary dicts)."""
     from bench.sim.scenarios import aggregate_runs
     runs = [RunSummary(**r) for r in saved["runs"]]
     results = aggregate_runs(runs)
