@@ -7,6 +7,10 @@ depend on --jobs. Every run is repeated for each of --seeds (default 0,1,2; --se
 gives each figure as the mean over seeds with [min, max], and the targets are evaluated on the means. --trace
 replays another Mooncake-format trace in the trace scenarios; with `sim`, --start-s and --time-compression move
 the replayed window.
+
+`skylb bench matrix` runs the robustness matrix (bench/sim/matrix.py: workloads x loads x systems x seeds) through
+the same worker processes and writes matrix.md, matrix.json and matrix.png to --out; --quick runs a tiny matrix
+(two workloads, two loads, four systems, one seed, 30 simulated seconds) for the tests.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
@@ -54,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     everything = sub.add_parser("all", help="run the whole simulated evaluation and write the report",
                                 description="Run every scenario but 'smoke' and write README.md, results.json "
                                             "and the PNG plots.")
+    _add_matrix(sub)
     for name, help_text in LIVE_BENCHMARKS.items():
         live = sub.add_parser(name, help=help_text, add_help=False,
                               description=f"{help_text}. Options are those of `python -m bench.{name} --help`.")
@@ -77,6 +82,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(a results.json this command wrote)")
 
 
+def _add_matrix(sub) -> None:
+    """The `skylb bench matrix` options (bench/sim/matrix.py)."""
+    from bench.sim.matrix import LOADS, MATRIX_SYSTEMS, SPLITS, WORKLOADS
+    m = sub.add_parser("matrix", help="run the robustness matrix (workloads x loads x systems x seeds) and write "
+                                      "matrix.md, matrix.json and matrix.png",
+                       description="The robustness matrix that judges the default routing policy (bench/sim/"
+                                   "matrix.py). Workloads: " + ", ".join(f"{w.name} ({w.title})"
+                                                                         for w in WORKLOADS.values()))
+    m.add_argument("--quick", action="store_true",
+                   help="a tiny matrix for the tests: 2 workloads x 2 loads x 4 systems x 1 seed, 30 simulated s "
+                        "(options given beside it still apply)")
+    m.add_argument("--workloads", type=_name_list(WORKLOADS), default=None, metavar="W,W,...",
+                   help="workloads (default: all): " + ", ".join(WORKLOADS))
+    m.add_argument("--loads", type=_load_list, default=None, metavar="X,X,...",
+                   help="load multipliers for every workload (default: each workload's own; "
+                        + ", ".join(f"{x:g}" for x in LOADS) + " in all)")
+    m.add_argument("--systems", type=_name_list(MATRIX_SYSTEMS), default=None, metavar="S,S,...",
+                   help="systems (default: all): " + ", ".join(MATRIX_SYSTEMS))
+    m.add_argument("--split", choices=list(SPLITS), default="dev",
+                   help="dev: seeds 0-2, trace windows in the first 40 minutes; val: seeds 3-5, trace windows from "
+                        "minute 40; all: both (default dev)")
+    m.add_argument("--seeds", type=_seed_list, default=None, metavar="N,N,...",
+                   help="seeds (default: the split's)")
+    m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="worker processes (default: min(2, CPUs))")
+    m.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    m.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    m.add_argument("--from-json", type=Path, default=None, metavar="PATH",
+                   help="run nothing: rewrite the report and the heat map from the runs saved in PATH (a "
+                        "matrix.json this command wrote)")
+
+
+def _name_list(known) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: comma-separated names, each one of ``known``."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(x for x in text.split(",") if x)
+        unknown = [x for x in names if x not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown) or 'empty list'}; known: "
+                                             + ", ".join(known))
+        return names
+    return parse
+
+
+def _load_list(text: str) -> tuple[float, ...]:
+    """``"0.5,1,2"`` -> (0.5, 1.0, 2.0); argparse.ArgumentTypeError for anything else or a load <= 0."""
+    try:
+        loads = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(x <= 0 for x in loads):
+        raise argparse.ArgumentTypeError(f"loads must be > 0, got {text!r}")
+    return loads
+
+
 def _seed_list(text: str) -> tuple[int, ...]:
     """``"0,1,2"`` -> (0, 1, 2); argparse.ArgumentTypeError for anything else or a repeated seed."""
     try:
@@ -93,9 +153,15 @@ def _default_trace() -> Path:
     return DEFAULT_TRACE
 
 
-def run_specs(specs: Sequence, *, jobs: int, progress: bool = True) -> list:
-    """Execute RunSpecs (in ``jobs`` processes when > 1) and return their RunSummaries in ``specs`` order."""
+def run_specs(specs: Sequence, *, jobs: int, progress: bool = True, runner=None, cost=None) -> list:
+    """Execute RunSpecs (in ``jobs`` processes when > 1) and return their RunSummaries in ``specs`` order.
+
+    ``runner``: a top-level function spec -> RunSummary (default bench/sim/scenarios.py ``execute``; the matrix
+    passes bench/sim/matrix.py ``execute_run``); ``cost``: spec -> relative cost, the longest started first
+    (default :func:`_cost_hint`). A spec has ``scenario`` and ``system`` (shown on the progress bar)."""
     from bench.sim.scenarios import execute
+    execute = runner or execute
+    _cost = cost or _cost_hint
     results: list = [None] * len(specs)
     bar = tqdm(total=len(specs), desc="simulating", unit="run", disable=not progress, file=sys.stderr)
     try:
@@ -107,7 +173,7 @@ def run_specs(specs: Sequence, *, jobs: int, progress: bool = True) -> list:
         else:
             with ProcessPoolExecutor(max_workers=jobs) as pool:
                 # Longest first: the big scenarios do not end up last on one worker.
-                order = sorted(range(len(specs)), key=lambda i: -_cost_hint(specs[i]))
+                order = sorted(range(len(specs)), key=lambda i: -_cost(specs[i]))
                 futures = {pool.submit(execute, specs[i]): i for i in order}
                 for fut in as_completed(futures):
                     i = futures[fut]
@@ -406,6 +472,8 @@ def main(args: argparse.Namespace) -> int:
     """Run `skylb bench sim|all` (simulated) or a live benchmark; returns the exit status (130 when interrupted)."""
     if args.bench_command in LIVE_BENCHMARKS:
         return _run_live(args.bench_command, args.rest)
+    if args.bench_command == "matrix":
+        return _run_matrix(args)
     from bench.sim.scenarios import SCENARIOS, SUITE, aggregate_runs, runs_of, trace_available
     seeds = (args.seed,) if args.seed is not None else tuple(args.seeds)
     trace = str(args.trace) if args.trace is not None else None
@@ -449,6 +517,46 @@ def main(args: argparse.Namespace) -> int:
          "results": [r.to_dict() for r in aggregate_runs(runs)], "runs": [r.to_dict() for r in runs]}, indent=1))
     _render_saved(json_path, out, stem, skipped=skipped, trace=trace)
     print(f"{len(runs)} runs in {wall:.0f} s; report: {out / (stem + '.md')}")
+    return 0
+
+
+def _run_matrix(args: argparse.Namespace) -> int:
+    """`skylb bench matrix`: run the matrix's simulations in --jobs worker processes, save them with their provenance
+    (matrix.json, before anything is drawn) and write the report (bench/sim/matrix_report.py). Returns 0, or 2 when
+    a trace workload is asked for and the trace is missing."""
+    from bench.sim.matrix import MATRIX_SYSTEMS, QUICK, TIMES, WORKLOADS, execute_run, runs_for, split_seeds
+    from bench.sim.matrix_report import write_report
+    from bench.sim.scenarios import trace_available
+    if args.from_json is not None:
+        print(f"report: {write_report(json.loads(args.from_json.read_text()), args.out)}")
+        return 0
+    quick = QUICK if args.quick else {}
+    workloads = args.workloads or quick.get("workloads") or tuple(WORKLOADS)
+    systems = args.systems or quick.get("systems") or MATRIX_SYSTEMS
+    seeds = args.seeds or split_seeds(args.split)[:1 if args.quick else None]
+    loads = args.loads or quick.get("loads")
+    missing = [w for w in workloads if WORKLOADS[w].kind == "trace" and not trace_available()]
+    if missing:
+        print(f"skylb bench matrix: {', '.join(missing)} need the trace {_default_trace()}, which is missing",
+              file=sys.stderr)
+        return 2
+    specs = runs_for(workloads, systems, seeds, split=args.split, loads=loads, quick=args.quick)
+    command = "skylb bench matrix" + (" --quick" if args.quick else "") + "".join(
+        f" --{flag} {','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in value)}"
+        for flag, value in (("workloads", args.workloads), ("loads", args.loads), ("systems", args.systems),
+                            ("seeds", args.seeds)) if value) + f" --split {args.split}"
+    prov = provenance(command)  # at the start: the code that ran, even if the checkout changes during the run
+    t0 = time.perf_counter()
+    runs = run_specs(specs, jobs=max(1, args.jobs), progress=not args.no_progress, runner=execute_run,
+                     cost=lambda s: s.cost)
+    saved = {"command": command, "provenance": prov, "split": args.split, "seeds": list(seeds),
+             "systems": list(systems), "quick": args.quick,
+             "times": {k: TIMES["quick" if args.quick else k] for k in ("closed", "open", "trace")},
+             "wall_s": time.perf_counter() - t0, "jobs": args.jobs, "runs": [r.to_dict() for r in runs]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "matrix.json").write_text(json.dumps(saved, indent=1))
+    md = write_report(saved, args.out)
+    print(f"{len(runs)} runs in {saved['wall_s']:.0f} s; report: {md}")
     return 0
 
 

@@ -5,6 +5,8 @@
   scenarios (1x, 2x, 3x, warm).
 * Fig. 9: BP / SP-O / SP-P throughput and latency.
 * Fig. 10: throughput vs replicas, SkyLB vs region-local, with the region-local 12-replica level dashed.
+* The robustness matrix (bench/sim/matrix.py): a heat map of the default policy's P90 TTFT over the best other
+  system's, workloads x loads, on a diverging scale centred on 1.0.
 
 Each function takes RunSummary records (bench.sim.metrics; means over seeds, whose [min, max] become the
 throughput bars' error bars; the box plots show the means of each percentile) and writes one PNG, returning its
@@ -20,11 +22,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from bench.sim.metrics import RunSummary  # noqa: E402
 
-__all__ = ["plot_fig8", "plot_fig9", "plot_fig10", "plot_sweep"]
+__all__ = ["plot_fig8", "plot_fig9", "plot_fig10", "plot_sweep", "plot_matrix"]
 
 #: One colour per system, stable across figures.
 COLORS = {
@@ -174,6 +177,35 @@ def plot_sweep(results: Sequence[RunSummary], workload: str, loads: Sequence[flo
     ax_p.set_yscale("log")
     ax_t.legend(fontsize=8)
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_matrix(values: dict[tuple[str, float], float], workloads: Sequence[str], loads: Sequence[float], path: Path,
+                *, title: str, label: str = "P90 TTFT ratio (< 1: the default is ahead)") -> Path:
+    """A heat map of ``values`` ((workload, load) -> ratio): one row per workload, one column per load (x the
+    workload's 1x), each cell coloured on a diverging scale centred on 1.0 (blue below, red above) with its value
+    printed; a cell that did not run is grey and marked "-"."""
+    grid = [[values.get((w, x), float("nan")) for x in loads] for w in workloads]
+    finite = [v for row in grid for v in row if v == v]
+    lo, hi = min([*finite, 0.5]), max([*finite, 2.0])
+    norm = TwoSlopeNorm(vmin=min(lo, 0.999), vcenter=1.0, vmax=max(hi, 1.001))
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#dddddd")
+    fig, ax = plt.subplots(figsize=(1.6 * len(loads) + 3.2, 0.55 * len(workloads) + 1.6))
+    image = ax.imshow([[v if v == v else float("nan") for v in row] for row in grid], cmap=cmap, norm=norm,
+                      aspect="auto")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            text = "-" if v != v else f"{v:.2f}"
+            dark = v == v and abs(norm(v) - 0.5) > 0.3
+            ax.text(j, i, text, ha="center", va="center", fontsize=9, color="white" if dark else "black")
+    ax.set_xticks(range(len(loads)), [f"{x:g}x" for x in loads])
+    ax.set_yticks(range(len(workloads)), list(workloads))
+    ax.set_xlabel("offered load (x the workload's 1x)")
+    fig.colorbar(image, ax=ax, label=label)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -419,6 +419,9 @@ class Cluster:
         workload: what the clients send. replicas: replica id -> region. balancers: one setup per balancer.
         entry: client region -> region of the balancer its requests go to (DNS, or the one central balancer).
         network: latencies. params: engine parameters of every replica (L4 / Llama-3.1-8B defaults).
+        replica_params: replica id -> its own engine parameters, for the replicas that differ from ``params``
+            (replicas of different speeds: ``EngineParams.time_scale`` multiplies every step's duration, so 4 is a
+            replica four times slower; bench/sim/matrix.py's heterogeneous workload). None: all use ``params``.
         seed: seeds the client start times and probe phases. stop_at: no request is sent at or after this time
             (s); requests already sent run to completion (nothing is lost or duplicated).
         probe_interval_s: the probe interval of every balancer (paper §3.3 and the prototype: 0.1 s).
@@ -430,7 +433,8 @@ class Cluster:
 
     def __init__(self, *, workload: Workload, replicas: Mapping[str, str], balancers: list[BalancerSetup],
                  entry: Mapping[str, str], network: Network | None = None, params: EngineParams | None = None,
-                 seed: int = 0, stop_at: float = 120.0, probe_interval_s: float = 0.1, sample_every_s: float = 0.1):
+                 seed: int = 0, stop_at: float = 120.0, probe_interval_s: float = 0.1, sample_every_s: float = 0.1,
+                 replica_params: Mapping[str, EngineParams] | None = None):
         self.loop = EventLoop()
         self.workload = workload
         self.network = network or Network()
@@ -439,7 +443,11 @@ class Cluster:
         self.stop_at = stop_at
         self.probe_interval_s = probe_interval_s
         self.sample_every_s = sample_every_s
-        self.replicas = {rid: SimReplica(self, rid, region, self.params) for rid, region in replicas.items()}
+        own = dict(replica_params or {})
+        if set(own) - set(replicas):
+            raise ValueError(f"replica_params names unknown replicas: {sorted(set(own) - set(replicas))}")
+        self.replicas = {rid: SimReplica(self, rid, region, own.get(rid, self.params))
+                         for rid, region in replicas.items()}
         self.step_hooks: list = []
         self.balancers: dict[str, SimBalancer] = {}
         for setup in balancers:

@@ -164,9 +164,11 @@ def replica_layout(counts: Mapping[str, int]) -> dict[str, str]:
 
 def build(system: System, workload: Workload, counts: Mapping[str, int], *, seed: int, stop_at: float,
           network: Network | None = None, params: EngineParams | None = None,
-          settings: BalancerConfig | None = None) -> Cluster:
+          settings: BalancerConfig | None = None, replica_params: Mapping[str, EngineParams] | None = None) -> Cluster:
     """The Cluster of ``system`` over replicas ``counts`` (region -> replicas) running ``workload``; every balancer
-    uses ``settings`` (default: the live defaults) with the system's policy (``settings_for``)."""
+    uses ``settings`` (default: the live defaults) with the system's policy (``settings_for``). ``replica_params``:
+    replica id (``replica_layout``'s ids) -> engine parameters of a replica that differs from ``params`` (a slower
+    one: ``time_scale`` > 1); bench/sim/cluster.py ``Cluster``."""
     base = settings
     replicas = replica_layout(counts)
     client_regions = workload.regions()
@@ -194,4 +196,5 @@ def build(system: System, workload: Workload, counts: Mapping[str, int], *, seed
     else:
         raise ValueError(f"unknown layout {system.layout!r}")
     return Cluster(workload=workload, replicas=replicas, balancers=setups, entry=entry, network=network,
-                   params=params, seed=seed, stop_at=stop_at, probe_interval_s=settings.probe_interval_ms / 1000)
+                   params=params, seed=seed, stop_at=stop_at, probe_interval_s=settings.probe_interval_ms / 1000,
+                   replica_params=replica_params)

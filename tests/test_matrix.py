@@ -1,0 +1,210 @@
+"""The robustness matrix (bench/sim/matrix.py): its workload generators, its per-replica speeds, its verdicts, and
+`skylb bench matrix --quick` end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from bench.emulator.model import EngineParams
+from bench.sim.cluster import Cluster
+from bench.sim.matrix import (DEFAULT, QUICK, SLOW_FACTOR, SPLITS, VAL_START_S, WORKLOADS, cell_name, parse_cell,
+                              replica_params, runs_for, one_x_rps)
+from bench.sim.matrix_report import first_loaded, mean_single_ratios, verdicts
+from bench.sim.metrics import RunSummary
+from bench.sim.scenarios import trace_available
+from bench.sim.systems import SYSTEMS, build
+from bench.sim.workloads import Workload
+from bench.sim.workloads_extra import multi_tenant, reviews, tool_agents
+from skylb import cli
+
+
+def _tokens(wl: Workload) -> list[tuple[str, tuple[str, ...], int, float | None, str]]:
+    return [(r.id, tuple(r.tokens), r.output_tokens, r.arrival_s, r.region) for r in wl.arrivals]
+
+
+def test_multi_tenant_is_deterministic_by_seed():
+    """The same seed gives the same requests (ids, prompts, outputs, times, regions); another seed other ones."""
+    a = multi_tenant(seed=3, rate_rps=5.0, duration_s=20.0)
+    assert _tokens(a) == _tokens(multi_tenant(seed=3, rate_rps=5.0, duration_s=20.0))
+    assert _tokens(a) != _tokens(multi_tenant(seed=4, rate_rps=5.0, duration_s=20.0))
+
+
+def test_multi_tenant_tenants_share_identical_prefix_text():
+    """Every request of a tenant opens with the same 750-token prefix text, then a 150-token question of its own;
+    different tenants' prefixes differ; outputs are 100-300 tokens; arrivals are sorted inside the duration."""
+    wl = multi_tenant(seed=0, rate_rps=40.0, duration_s=30.0)
+    by_tenant: dict[str, list] = {}
+    for r in wl.arrivals:
+        assert len(r.tokens) == 750 + 150 and 100 <= r.output_tokens <= 300
+        by_tenant.setdefault(r.session_key.split("-")[0], []).append(r)
+    shared = [reqs for reqs in by_tenant.values() if len(reqs) > 1]
+    assert shared, "some tenant should have two requests in 1,200 arrivals over 150 tenants"
+    for reqs in shared:
+        assert len({" ".join(r.tokens[:750]) for r in reqs}) == 1
+        assert len({r.region for r in reqs}) == 1
+        assert len({tuple(r.tokens[750:]) for r in reqs}) == len(reqs)
+    prefixes = {" ".join(reqs[0].tokens[:750]) for reqs in by_tenant.values()}
+    assert len(prefixes) == len(by_tenant)
+    times = [r.arrival_s for r in wl.arrivals]
+    assert times == sorted(times) and 0 <= times[0] and times[-1] < 30.0
+    assert 0.8 * 1200 < len(times) < 1.2 * 1200
+
+
+def test_tool_agent_turns_extend_the_session_and_agents_share_prefixes():
+    """A tool-agent session's turn t prompt extends turn t-1's; each turn waits 0.2-2 s after its parent; every
+    session of one agent opens with that agent's 3,000-6,000-token prefix; the same seed gives the same sessions."""
+    wl = tool_agents(seed=1, sessions_per_s=2.0, duration_s=20.0)
+    again = tool_agents(seed=1, sessions_per_s=2.0, duration_s=20.0)
+    assert [(c.id, c.region, c.start_s) for c in wl.clients] == [(c.id, c.region, c.start_s) for c in again.clients]
+    heads = set()
+    for c in wl.clients:
+        program = c.programs(0)
+        assert c.programs(1) is None and program[0].parent is None
+        assert [tuple(r.tokens) for r in program] == [tuple(r.tokens) for r in again.clients[wl.clients.index(c)]
+                                                      .programs(0)]
+        for prev, turn in zip(program, program[1:]):
+            assert turn.parent == prev.id and 0.2 <= turn.think_s <= 2.0
+            assert turn.tokens[:len(prev.tokens)] == prev.tokens and len(turn.tokens) > len(prev.tokens)
+            assert 16 <= turn.output_tokens <= 400
+        prefix_end = program[0].tokens.index("me:")
+        assert 3000 <= prefix_end - 1 <= 6000
+        heads.add(" ".join(program[0].tokens[:prefix_end]))
+    assert 1 < len(heads) <= 5
+
+
+def test_reviews_arrive_at_a_constant_rate():
+    """Review requests are evenly spaced at 1 / rate, 40-240 review tokens plus the shared instruction, outputs
+    100-300 tokens."""
+    wl = reviews(seed=2, rate_rps=4.0, duration_s=10.0)
+    gaps = {round(b.arrival_s - a.arrival_s, 9) for a, b in zip(wl.arrivals, wl.arrivals[1:])}
+    assert gaps == {0.25} and len(wl.arrivals) in (39, 40)
+    tails = {tuple(r.tokens[-12:]) for r in wl.arrivals}
+    assert len(tails) == 1
+    assert all(1 + 40 + 12 <= len(r.tokens) <= 1 + 240 + 12 and 100 <= r.output_tokens <= 300 for r in wl.arrivals)
+
+
+def test_heterogeneous_half_of_each_region_is_slower():
+    """In the heterogeneous deployment the second half of each region's replicas steps SLOW_FACTOR times slower,
+    and the simulated cluster gives each replica its own parameters."""
+    base = EngineParams()
+    slow = replica_params((("us", 4), ("eu", 2)), base)
+    assert sorted(slow) == ["eu-r1", "us-r2", "us-r3"]
+    step = dict(prefill_tokens=100, decode_seqs=3, decode_kv_tokens=300)
+    assert slow["us-r2"].step_seconds(**step) == pytest.approx(SLOW_FACTOR * base.step_seconds(**step))
+    wl = reviews(seed=0, rate_rps=1.0, duration_s=1.0)
+    cluster = build(SYSTEMS["LL"], wl, {"us": 4, "eu": 2}, seed=0, stop_at=1.0, params=base, replica_params=slow)
+    assert {rid: r.engine.params.time_scale for rid, r in cluster.replicas.items()} == {
+        "us-r0": 1.0, "us-r1": 1.0, "us-r2": SLOW_FACTOR, "us-r3": SLOW_FACTOR, "eu-r0": 1.0, "eu-r1": SLOW_FACTOR}
+    with pytest.raises(ValueError, match="unknown replicas"):
+        Cluster(workload=wl, replicas={"a": "us"}, balancers=[], entry={}, replica_params={"b": base})
+
+
+def test_slow_replicas_take_longer_in_a_run():
+    """The same requests take longer end to end on replicas SLOW_FACTOR times slower."""
+    wl = reviews(seed=0, rate_rps=2.0, duration_s=5.0)
+    base = EngineParams()
+    times = []
+    slow = replace(base, time_scale=SLOW_FACTOR)
+    for own in ({}, {"us-r0": slow, "us-r1": slow}):
+        cluster = build(SYSTEMS["RR"], replace(wl, arrivals=[replace(r, region="us") for r in wl.arrivals]),
+                        {"us": 2}, seed=0, stop_at=10.0, params=base, replica_params=own).run()
+        times.append(sum(f.done_at - f.sent_at for f in cluster.records))
+    assert times[1] > 2.5 * times[0]
+
+
+def test_one_x_is_positive_and_the_same_in_every_call():
+    """The 1x rate of a generated open-loop workload is a positive request rate, computed the same way each time."""
+    for name in ("multi_tenant", "heterogeneous", "tool_agent"):
+        rate = one_x_rps(name)
+        assert rate > 0 and math.isfinite(rate)
+        one_x_rps.cache_clear()
+        assert one_x_rps(name) == rate
+
+
+@pytest.mark.skipif(not trace_available(), reason="the Mooncake trace is not in this workspace")
+def test_trace_windows_follow_the_split():
+    """Dev trace windows replay trace time before minute 40, val windows from minute 40; the load compresses time."""
+    make = WORKLOADS["conversation_1_8"].make
+    dev, val = make(0, 2.0, "dev", 30.0), make(3, 2.0, "val", 30.0)
+    assert "60 s from 0 s at 2x" in dev.description and f"from {VAL_START_S:g} s at 2x" in val.description
+    assert all(r.arrival_s < 30.0 for r in dev.arrivals + val.arrivals)
+    assert SPLITS["dev"] == (0, 1, 2) and SPLITS["val"] == (3, 4, 5)
+
+
+def _summary(scenario: str, system: str, p90: float, rps: float) -> RunSummary:
+    figures = dict.fromkeys(("throughput_tps", "ttft_mean", "ttft_p10", "ttft_p25", "ttft_p50", "ttft_p75",
+                             "e2e_mean", "e2e_p10", "e2e_p25", "e2e_p50", "e2e_p75", "e2e_p90", "hit_rate",
+                             "ideal_hit_rate", "ideal_kv_hit_rate", "outstanding_var", "pending_mean", "queue_mean",
+                             "kv_usage_mean", "forwarded_frac", "remote_frac", "network_mean", "sim_end_s"), 0.0)
+    return RunSummary(scenario=scenario, system=system, replicas=12, layout="", seed=0, window_s=100.0, sent=1,
+                      completed=1, throughput_rps=rps, ttft_p90=p90, served_share={}, sent_share={}, **figures)
+
+
+@pytest.mark.parametrize("rows, p90_ratio, tput_ratio, check1, check2", [
+    # default best on both, oracle within 1.15x: check 1 met; best single at 0.8 s: check 2 n/a
+    ({"SkyLB": (0.5, 10.0), "RR": (0.8, 9.0), "SGL": (0.6, 9.5), "Oracle": (0.45, 10.0)}, 0.5 / 0.6, 10 / 9.5,
+     True, None),
+    # 2% behind the best other on P90, oracle 1.2x: check 1 missed by the oracle part only
+    ({"SkyLB": (1.02, 10.0), "SkyLB-CH": (1.0, 10.0), "Oracle": (0.85, 10.0)}, 1.02, 1.0, False, None),
+    # singles queue for seconds: default at 0.4x their P90 and 1.2x their throughput meets check 2
+    ({"SkyLB": (1.2, 12.0), "LL": (3.0, 10.0), "CH": (4.0, 9.0)}, 0.4, 1.2, True, True),
+    # ... at 0.6x their P90 misses it
+    ({"SkyLB": (1.8, 12.0), "LL": (3.0, 10.0)}, 0.6, 1.2, True, False),
+])
+def test_verdicts_compute_ratios_and_checks_from_the_rows(rows, p90_ratio, tput_ratio, check1, check2):
+    """A cell's ratios are the default's over the best other system (lowest P90, highest throughput; the oracle
+    left out) and its checks follow the declared limits (check 2 only where the best single's P90 >= 2 s)."""
+    results = [_summary("w@1x", s, p, t) for s, (p, t) in rows.items()]
+    (v,) = verdicts(results)
+    assert (v.workload, v.load) == ("w", 1.0)
+    assert v.p90_ratio == pytest.approx(p90_ratio) and v.tput_ratio == pytest.approx(tput_ratio)
+    assert v.check1 is check1 and v.check2 is check2
+
+
+def test_check3_and_first_loaded_load():
+    """Check 3 averages the default's P90 over each single balancer's across cells; the first loaded load is the
+    lowest where the best single balancer's P90 reaches 2 s."""
+    results = [_summary("w@1x", "SkyLB", 1.0, 1), _summary("w@1x", "RR", 1.5, 1),
+               _summary("w@2x", "SkyLB", 1.0, 1), _summary("w@2x", "RR", 2.5, 1)]
+    assert mean_single_ratios(results) == pytest.approx({"RR": (1 / 1.5 + 1 / 2.5) / 2})
+    assert first_loaded(verdicts(results)) == {"w": 2.0}
+    assert parse_cell(cell_name("tool_agent", 0.5)) == ("tool_agent", 0.5)
+
+
+def test_runs_for_covers_every_cell_system_and_seed():
+    """The matrix's runs are the product of workloads, their loads, systems and seeds; an unknown system fails."""
+    specs = runs_for(["arena", "tot"], ["SkyLB", "RR"], [0, 1], loads=[0.5, 2.0])
+    assert len(specs) == 2 * 2 * 2 * 2 and {s.scenario for s in specs} == {"arena@0.5x", "arena@2x", "tot@0.5x",
+                                                                             "tot@2x"}
+    assert len(runs_for(["arena"], ["SkyLB"], [0])) == len(WORKLOADS["arena"].loads)
+    with pytest.raises(KeyError):
+        runs_for(["arena"], ["nope"], [0])
+
+
+def test_quick_matrix_end_to_end(tmp_path):
+    """`skylb bench matrix --quick` runs every cell in worker processes and writes a report with every cell, a JSON
+    with provenance whose ratios are the ones its runs give, and the heat map."""
+    assert cli.main(["bench", "matrix", "--quick", "--out", str(tmp_path), "--no-progress", "--jobs", "2"]) == 0
+    data = json.loads((tmp_path / "matrix.json").read_text())
+    assert {"commit", "date", "command", "machine"} <= set(data["provenance"])
+    assert data["provenance"]["command"].startswith("skylb bench matrix --quick")
+    cells = {(c["workload"], c["load"]) for c in data["cells"]}
+    assert cells == {(w, x) for w in QUICK["workloads"] for x in QUICK["loads"]}
+    assert len(data["runs"]) == len(cells) * len(QUICK["systems"]) and data["seeds"] == [0]
+    report = (tmp_path / "matrix.md").read_text()
+    for w, x in cells:
+        assert f"| {w} " in report and f"### {w}@{x:g}x" in report
+    assert "Provenance: commit" in report and "Check 3" in report
+    for cell in data["cells"]:  # recompute the ratios from the aggregated results
+        rows = {r["system"]: r for r in data["results"] if r["scenario"] == cell_name(cell["workload"], cell["load"])}
+        others = [r for s, r in rows.items() if s not in (DEFAULT, "Oracle")]
+        assert cell["p90_ratio"] == pytest.approx(rows[DEFAULT]["ttft_p90"] / min(r["ttft_p90"] for r in others))
+        assert cell["tput_ratio"] == pytest.approx(rows[DEFAULT]["throughput_rps"]
+                                                   / max(r["throughput_rps"] for r in others))
+        assert cell["oracle_ratio"] == pytest.approx(rows[DEFAULT]["ttft_p90"] / rows["Oracle"]["ttft_p90"])
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "matrix.png").stat().st_size > 1000 and "![" in report
