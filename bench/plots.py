@@ -15,6 +15,7 @@ path.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -184,27 +185,29 @@ def plot_sweep(results: Sequence[RunSummary], workload: str, loads: Sequence[flo
 
 
 def plot_matrix(values: dict[tuple[str, float], float], workloads: Sequence[str], loads: Sequence[float], path: Path,
-                *, title: str, label: str = "P90 TTFT ratio (< 1: the default is ahead)") -> Path:
+                *, title: str, label: str = "P90 TTFT ratio (< 1: the default is ahead)", limit: float = 4.0) -> Path:
     """A heat map of ``values`` ((workload, load) -> ratio): one row per workload, one column per load (x the
-    workload's 1x), each cell coloured on a diverging scale centred on 1.0 (blue below, red above) with its value
-    printed; a cell that did not run is grey and marked "-"."""
+    workload's 1x). Colours are diverging and centred on 1.0 on a log scale (blue below, red above), saturating at
+    1 / ``limit`` and ``limit``, so 0.9 and 1.1 look as far from 1 as each other; every cell prints its value; a cell
+    that did not run is grey and marked "-"."""
     grid = [[values.get((w, x), float("nan")) for x in loads] for w in workloads]
-    finite = [v for row in grid for v in row if v == v]
-    lo, hi = min([*finite, 0.5]), max([*finite, 2.0])
-    norm = TwoSlopeNorm(vmin=min(lo, 0.999), vcenter=1.0, vmax=max(hi, 1.001))
+    span = math.log2(limit)
+    norm = TwoSlopeNorm(vmin=-span, vcenter=0.0, vmax=span)
     cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#dddddd")
-    fig, ax = plt.subplots(figsize=(1.6 * len(loads) + 3.2, 0.55 * len(workloads) + 1.6))
-    image = ax.imshow([[v if v == v else float("nan") for v in row] for row in grid], cmap=cmap, norm=norm,
-                      aspect="auto")
+    logs = [[math.log2(v) if v == v and v > 0 else float("nan") for v in row] for row in grid]
+    fig, ax = plt.subplots(figsize=(1.3 * len(loads) + 3.4, 0.5 * len(workloads) + 1.6))
+    image = ax.imshow(logs, cmap=cmap, norm=norm, aspect="auto")
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
-            text = "-" if v != v else f"{v:.2f}"
-            dark = v == v and abs(norm(v) - 0.5) > 0.3
-            ax.text(j, i, text, ha="center", va="center", fontsize=9, color="white" if dark else "black")
+            dark = v == v and v > 0 and abs(math.log2(v)) > 0.6 * span
+            ax.text(j, i, "-" if v != v else f"{v:.2f}", ha="center", va="center", fontsize=9,
+                    color="white" if dark else "black")
     ax.set_xticks(range(len(loads)), [f"{x:g}x" for x in loads])
     ax.set_yticks(range(len(workloads)), list(workloads))
     ax.set_xlabel("offered load (x the workload's 1x)")
-    fig.colorbar(image, ax=ax, label=label)
+    ticks = [t for t in (0.25, 0.5, 0.8, 1.0, 1.25, 2.0, 4.0) if 1 / limit <= t <= limit]
+    bar = fig.colorbar(image, ax=ax, label=label, ticks=[math.log2(t) for t in ticks])
+    bar.ax.set_yticklabels([f"{t:g}" for t in ticks])
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -41,6 +41,16 @@ Tuning discipline (``--split``): ``dev`` is seeds 0-2 and, for the trace workloa
 at 2,400 s of trace); ``all`` is seeds 0-5, each seed on its own split's window. Defaults are tuned on ``dev`` and
 reported on ``val``. ``--seeds`` overrides the seeds, not the windows.
 
+Duration, measured at commit 3076192 with ``skylb bench matrix --seeds 0 --jobs 2`` on this 2-core machine while it
+was nearly idle (the run got 193% CPU): one seed of the full default matrix is 324 runs in 722 s of wall time
+(1,394 CPU-seconds). Per cell (every system, the oracle's 5 candidates included), the wall seconds of its runs
+summed, by load: conversation_1_8 6 / 9 / 18; conversation_full 23 / 88 / 113; arena 16 / 24 / 43 / 80; wildchat
+9 / 14 / 19 / 28; tot 16 / 26 / 51 / 61 / 95; mixed_tree 11 / 21 / 35 / 47 / 95; multi_tenant 7 / 14 / 34 / 65;
+tool_agent 7 / 12 / 15 / 24; heterogeneous 11 / 22 / 42 / 85 (one cell at 1x: 9 to 88 s). The default matrix
+(3 seeds) is three times that: about 36 minutes on 2 workers, longer when other processes share the cores. To
+fit about 40 minutes: 90 s and 120 s of simulated time instead of the paper's scenarios' 210 s, the trace
+workloads stop at 2x (every system's P90 is tens of seconds there), and above 2x each workload's top load is
+the first where the best single balancer's P90 reaches seconds, not beyond.
 """
 
 from __future__ import annotations
