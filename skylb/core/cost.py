@@ -7,8 +7,9 @@ Decision 10 of the design. For a request of ``n`` prompt tokens, with ``m`` of t
                                   ``slot_wait_r + line_r(backlog_r + n - m_r)``
 * a peer balancer with room:      ``rtt + line_p(backlog_p + forwarded_since_p + n - m_p)``
 * a peer with no room:            ``rtt + (ahead_p + 1) / dispatch_rate_p + line_p(backlog_p + n - m_p)``
-* holding it in this balancer's queue (only when no local replica has room): the push to the replica expected to
-  free a slot first, without the commitment: ``min_r slot_wait_r`` plus that replica's own term.
+* holding it in this balancer's queue (only when no local replica has room): its turn here at this balancer's
+  dispatch rate, as a peer's queue is priced (``1 / dispatch_rate``; the slot wait of the replica freeing first
+  before two placements), plus ``line_f(backlog_f + n - m_f)`` of that replica ``f``.
 
 where ``line(x) = fixed_s + s_per_token x x`` is the prefill model (skylb/core/prefill_model.py: one per replica,
 fitted online from every response; a peer advertises its class's fitted line, so both sides are priced on one

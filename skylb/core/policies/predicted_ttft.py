@@ -1,13 +1,15 @@
-"""Placement by one cost: the predicted time to first token of every candidate (skylb/core/cost.py), the default
-policy's rule (``skylb``, ``placement: predicted-ttft``).
+"""Placement by one cost: the predicted time to first token of every candidate (skylb/core/cost.py), a rule of the
+default policy (``skylb`` with ``placement: predicted-ttft``; not its default yet, README "Predicted-TTFT placement").
 
 Candidates, from the router's filters (skylb/core/candidates.py): local replicas with room, local replicas whose
 batch is full (a push into the engine's waiting queue), peers (with room or with a queue), and, when no local replica
 has room, holding the request in this balancer's queue. Each is priced in seconds by skylb/core/cost.py; the
-cheapest wins, ties going to (in order) a local replica with room, holding, a push into a full batch, a peer. A peer
-or a push must beat holding and the best local replica by ``forward_margin_ms`` (the prediction's error is not
-free: a forwarded request pays its round trip for certain and a pushed one loses the choice of the replica that
-frees first).
+cheapest wins, ties going to (in order) a local replica with room, holding, a push into a full batch, a peer. A push
+or a peer with room must beat the best so far by ``forward_margin_ms``, a peer without room by
+``queue_forward_margin_ms`` (the prediction's error is not free: a forwarded request pays its round trip for certain,
+a pushed one loses the choice of the replica that frees first, and under saturation every region's queue looks
+alike). With outstanding requests imbalanced (the guard the caller passes), only the least loaded local replica is
+priced.
 
 What the prices learn from (every response, not only lone ones): each replica's prefill line (fixed + per token,
 skylb/core/prefill_model.py) from its responses' TTFT against the tokens it had to prefill up to theirs, for the
@@ -59,6 +61,8 @@ class PredictedTTFT:
         self.learn_capacity = learn_capacity
         #: request id -> (replica id, class, backlog tokens ahead, uncached tokens expected, had room) at dispatch.
         self._flights: dict[str, tuple[str, tuple, float, float, bool]] = {}
+        #: The latest choice's (request id, uncached tokens at the chosen replica, had room), for ``dispatched``.
+        self._last: tuple[str, float, bool] = ("", 0.0, False)
 
     # -- prices ---------------------------------------------------------------------------------------------------
     def line(self, replica: ReplicaState) -> PrefillLine:
@@ -139,11 +143,16 @@ class PredictedTTFT:
                 m_s = margin if p.available_replicas > p.sent_since_probe and p.queue_len == 0 else self.queue_margin_s
                 if s is not None and s + m_s < best_s:
                     best_kind, best_target, best_s = "peer", p, s + m_s
-        if best_target is not None and best_kind in ("local", "push"):
-            r = best_target
-            self._flights[request.id] = (r.id, replica_class(r), self.wait.backlog_tokens(r), uncached(r.id),
-                                         best_kind == "local")
+        self._last = (request.id, uncached(best_target.id) if best_kind in ("local", "push") else 0.0,
+                      best_kind == "local")
         return best_kind, best_target
+
+    def dispatched(self, request: Request, replica: ReplicaState) -> None:
+        """``request`` goes to local ``replica`` as ``choose`` just chose: note what the fit will learn from (the
+        backlog ahead, its expected uncached tokens, whether it found room)."""
+        rid, uncached, had_room = self._last if self._last[0] == request.id else (request.id, 0.0, False)
+        self._flights[request.id] = (replica.id, replica_class(replica), self.wait.backlog_tokens(replica), uncached,
+                                     had_room)
 
     # -- status ---------------------------------------------------------------------------------------------------
     def advertised(self, available: Sequence[ReplicaState], replicas: Sequence[ReplicaState]) -> dict:

@@ -163,6 +163,8 @@ class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
         if (kind == "local" and len(c.local) < c.replicas and c.busy
                 and self.hold_for_faster(request, target, c.busy, c.queued)):
             return None
+        if kind in ("local", "push"):
+            self.ttft.dispatched(request, target)  # recorded only once it is sent: a held request leaves nothing
         return target
 
     def _ttft_guard(self, local):
