@@ -126,12 +126,17 @@ def _name_list(known) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+def _number_list(text: str, cast, kind: str) -> tuple:
+    """``text`` split on commas, each item through ``cast``; argparse.ArgumentTypeError naming ``kind`` otherwise."""
+    try:
+        return tuple(cast(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {kind}, got {text!r}") from None
+
+
 def _load_list(text: str) -> tuple[float, ...]:
     """``"0.5,1,2"`` -> (0.5, 1.0, 2.0); argparse.ArgumentTypeError for anything else or a load <= 0."""
-    try:
-        loads = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    loads = _number_list(text, float, "numbers")
     if any(x <= 0 for x in loads):
         raise argparse.ArgumentTypeError(f"loads must be > 0, got {text!r}")
     return loads
@@ -139,10 +144,7 @@ def _load_list(text: str) -> tuple[float, ...]:
 
 def _seed_list(text: str) -> tuple[int, ...]:
     """``"0,1,2"`` -> (0, 1, 2); argparse.ArgumentTypeError for anything else or a repeated seed."""
-    try:
-        seeds = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    seeds = _number_list(text, int, "integers")
     if len(set(seeds)) != len(seeds):
         raise argparse.ArgumentTypeError(f"seed repeated in {text!r}")
     return seeds
