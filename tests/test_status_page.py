@@ -21,6 +21,8 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 from selenium import webdriver
 from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.ui import WebDriverWait
 
 from skylb import status_page
 from skylb.status_page import ADMIN_SESSION, PEER_SESSION, SESSION_TTL_S, PageAccess, session_ok, session_value
@@ -158,11 +160,13 @@ def _deploy(procs, tmp_path) -> Cluster:
 
 
 def _login(browser, url: str, token: str) -> None:
-    """Open ``url``, which must answer the login form, and log in with ``token``."""
+    """Open ``url``, which must answer the login form, and log in with ``token``; return once the form's page has been
+    replaced (submit() only starts the navigation)."""
     browser.get(url)
     field = browser.find_element(By.ID, "token")
     field.send_keys(token)
     field.submit()
+    WebDriverWait(browser, 15).until(expected_conditions.staleness_of(field))
 
 
 def _wait_drawn(browser, predicate, what: str, timeout_s: float = 15.0) -> dict:
@@ -287,7 +291,9 @@ def test_status_page_in_chromium_matches_the_status_of_its_revision(procs, tmp_p
     assert {"eu-1", "asia-1"} <= set(page["tables"]["replicas"]) and set(page["tables"]["regions"]) == {"eu", "asia"}
     assert browser.get_cookie(ADMIN_SESSION) and browser.get_cookie(PEER_SESSION)["httpOnly"]  # one host, both
     browser.find_element(By.CSS_SELECTOR, "header form button").click()  # log out: the form again
-    assert browser.find_element(By.ID, "token") and browser.get_cookie(PEER_SESSION) is None
+    # The click only starts the form's navigation: wait for the login form rather than read the old page.
+    WebDriverWait(browser, 15).until(expected_conditions.presence_of_element_located((By.ID, "token")))
+    assert browser.get_cookie(PEER_SESSION) is None
     with urllib.request.urlopen(f"{eu}/", timeout=5) as resp:
         assert resp.read() == b"Ollama is running"
     _no_token_in_any_url(browser)
