@@ -123,7 +123,8 @@ def decision_times(replicas: int, peers: int, *, decisions: int, prompts: list[s
             times.append(elapsed / 1000.0)
             routes[out[0].route if out else "none"] += 1
         if not out:
-            router.queue.clear()
+            for request in list(router.queue):  # cancel, so the router forgets them too
+                router.cancel(request.id)
     times.sort()
     return {"p50_us": times[len(times) // 2], "p99_us": times[int(0.99 * (len(times) - 1))],
             "mean_us": statistics.fmean(times), "routes": routes}

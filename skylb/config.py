@@ -234,6 +234,10 @@ class BalancerConfig(_Strict):
     dispatch_tick_ms: float = Field(10.0, gt=0)
     #: Requests waiting longer than this get 503 in the API's shape (s).
     queue_timeout_s: float = Field(600.0, gt=0)
+    #: A queued request whose model no usable replica here or peer serves (all unhealthy, stale, ejected or
+    #: draining) gets 503 with Retry-After once that has lasted this long (s): it waits at most this plus one
+    #: dispatch tick past the moment its model's last usable target went, not ``queue_timeout_s``.
+    no_target_timeout_s: float = Field(5.0, gt=0)
     max_queue: int = Field(10_000, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     #: Longest wait from sending a streamed request to a replica or peer until its first byte, s (Envoy's per-try

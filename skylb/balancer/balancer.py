@@ -87,7 +87,8 @@ class Balancer:
         self.embed_cache = EmbeddingCache.from_settings(cfg.embedding_cache, region=region,
                                                         registry=self.metrics.registry)
         self.dispatcher = Dispatcher(self.router, now=self.now, queue_timeout_s=cfg.queue_timeout_s,
-                                     tick_s=cfg.dispatch_tick_ms / 1000, on_routed=self._count_routed)
+                                     tick_s=cfg.dispatch_tick_ms / 1000,
+                                     no_target_timeout_s=cfg.no_target_timeout_s, on_routed=self._count_routed)
         self.retry_budget = RetryBudget(cfg.retry_policy)
         #: Where quota buckets live: Redis shared by every balancer, or this process (``balancer.quota``).
         self.limits: LimitBackend = build_limits(cfg.quota, regions_share=self.regions_share)

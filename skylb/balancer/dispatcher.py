@@ -4,6 +4,9 @@ Source: SkyLB paper Algorithm 1 HANDLEREQUEST (the head of the FCFS queue goes t
 available peer, else waits) and §4.1 "Request life cycle". The dispatcher runs whenever something changes (a request
 arrives or ends, a probe answers: ``wake``) and at least every ``dispatch_tick_ms`` (the prototype's 10 ms loop).
 A request that can be placed at once is placed inline by ``acquire``, without a round trip through the loop.
+A request that cannot be placed holds back only requests of its own candidate set (skylb/core/router.py
+``Router.dispatch``); one whose model no usable replica or peer serves fails with NoHealthyTarget once that has
+lasted ``no_target_timeout_s`` (it waits at most that plus one tick past the moment its last target went).
 """
 
 from __future__ import annotations
@@ -13,11 +16,16 @@ from collections.abc import Callable
 
 from skylb.core import Decision, QueueFull, Request, Router
 
-__all__ = ["Dispatcher", "QueueTimeout", "QueueFull"]
+__all__ = ["Dispatcher", "QueueTimeout", "QueueFull", "NoHealthyTarget"]
 
 
 class QueueTimeout(Exception):
     """A request waited longer than ``queue_timeout_s`` without an available target (or the balancer stopped)."""
+
+
+class NoHealthyTarget(Exception):
+    """No usable replica here or peer serves a queued request's model, and that lasted ``no_target_timeout_s``
+    (Envoy's "no healthy upstream")."""
 
 
 class Dispatcher:
@@ -26,14 +34,17 @@ class Dispatcher:
     Args:
         router: the region's routing core. now: the balancer's clock (s).
         queue_timeout_s: the longest a request may wait (s). tick_s: the loop's longest sleep (s).
+        no_target_timeout_s: how long a queued request's model may have no usable target before the request fails
+            with NoHealthyTarget (s; ``Router.unserved``).
         on_routed: called with each decision handed to a waiting request (metrics).
     """
 
     def __init__(self, router: Router, *, now: Callable[[], float], queue_timeout_s: float, tick_s: float,
-                 on_routed: Callable[[Decision], None] = lambda d: None):
+                 no_target_timeout_s: float = 5.0, on_routed: Callable[[Decision], None] = lambda d: None):
         self.router = router
         self.now = now
         self.queue_timeout_s = queue_timeout_s
+        self.no_target_timeout_s = no_target_timeout_s
         self.tick_s = tick_s
         self.on_routed = on_routed
         self._waiting: dict[str, asyncio.Future] = {}
@@ -51,7 +62,7 @@ class Dispatcher:
         """Queue ``request`` and wait for its routing decision.
 
         ``retry`` puts it back at the head (its target failed before the first byte). Raises QueueFull,
-        QueueTimeout; if the waiting task is cancelled (client gone) the request leaves the queue, or, if it was
+        QueueTimeout, NoHealthyTarget; if the waiting task is cancelled (client gone) the request leaves the queue, or, if it was
         already placed, its decision is released.
         """
         if self.closed is not None:
@@ -95,13 +106,25 @@ class Dispatcher:
             self.dispatch_once()
 
     def dispatch_once(self) -> None:
-        """Expire overdue requests and place every request the head of the queue lets through (synchronous)."""
+        """Expire overdue requests, place every request that can be placed, then fail those whose model has had no
+        usable target for ``no_target_timeout_s`` (synchronous)."""
         now = self.now()
         for request in self.router.expire(now, self.queue_timeout_s):
-            fut = self._waiting.get(request.id)
-            if fut and not fut.done():
-                fut.set_exception(QueueTimeout(f"no replica in region {self.router.region} or its peers had room "
-                                               f"for {self.queue_timeout_s:g} s"))
+            self._fail(request, QueueTimeout(f"no replica in region {self.router.region} or its peers had room "
+                                             f"for {self.queue_timeout_s:g} s"))
+        self._place(now)
+        if self.router.queue:
+            for request in self.router.unserved(now, self.no_target_timeout_s):
+                self._fail(request, NoHealthyTarget(
+                    f"model '{request.model}' is served by no healthy replica in region {self.router.region} or its "
+                    f"peers (for {self.no_target_timeout_s:g} s); retry later"))
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        fut = self._waiting.get(request.id)
+        if fut and not fut.done():
+            fut.set_exception(exc)
+
+    def _place(self, now: float) -> None:
         for decision in self.router.dispatch(now):
             fut = self._waiting.get(decision.request.id)
             if fut is None or fut.done():  # its client left between the queue and here

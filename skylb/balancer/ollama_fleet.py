@@ -24,6 +24,8 @@ import structlog
 
 from skylb.core.fleet_rules import FleetSettings, ModelSlot, canonical, thermal
 
+from skylb.balancer.dispatcher import NoHealthyTarget
+
 if TYPE_CHECKING:
     from skylb.balancer.dispatcher import Dispatcher
     from skylb.core import Decision, ReplicaState, Router
@@ -183,7 +185,8 @@ class Fleet:
     async def acquire(self, routed: Any, body: bytes, *, retry: bool) -> tuple["Decision", bytes]:
         """The dispatcher's decision for ``routed``, through the fallback chain when its model has one: a model
         served somewhere (a local replica or a peer) is held in the queue up to ``fallback_hold_s`` seconds, then
-        the next model is tried; a model served nowhere is skipped at once; the last one waits as any request
+        the next model is tried (at once when the dispatcher finds no usable target for it); a model served nowhere
+        is skipped at once; the last one waits as any request
         does (queue timeout). Returns the decision and the body, whose ``model`` names the model now asked for
         (``routed.model`` too). Retries and forwarded requests keep their model. Raises what
         ``Dispatcher.acquire`` raises."""
@@ -206,6 +209,8 @@ class Fleet:
                 return await asyncio.wait_for(dispatcher.acquire(routed), self.settings.fallback_hold_s), body
             except asyncio.TimeoutError:
                 continue  # acquire's cancellation took it out of the queue (or released a late decision)
+            except NoHealthyTarget:
+                continue  # the dispatcher took it out of the queue: this model has no usable target now
         raise AssertionError("unreachable: the last model of the chain returns or raises")
 
     def any_served(self, model: str, served: set[str]) -> bool:

@@ -19,6 +19,9 @@ The order of one pick at ``now``:
 2. In that class: a retried request first (``requeue``: its target failed before the first byte; it was charged
    when first placed), in age order; then, if the class won by aging, its oldest request (it is the one that aged);
    else the tenant whose deficit round robin turn it is, its oldest request.
+3. A request the router cannot place now (``window``'s ``blocked``) is passed over within its deque; a deque with
+   nothing else loses its turn for the rest of the dispatch pass (the next tenant in rotation goes, then the next
+   class), so a blocked request never holds up a request of another candidate set.
 
 Deficit round robin: tenants with queued requests take turns in a fixed rotation; at the start of its turn a
 tenant's deficit grows by ``weight x quantum`` and it places requests while its deficit covers their cost
@@ -118,14 +121,22 @@ class _Class:
         self.deficit.pop(tenant, None)
         del self.tenants[tenant]
 
-    def wdrr_tenant(self, weight_of: Callable[[str], float]) -> str:
+    def wdrr_tenant(self, weight_of: Callable[[str], float],
+                    passed: Callable[[str], bool] | None = None) -> str | None:
         """The tenant whose turn it is and whose deficit covers its oldest request's cost (advancing turns as
-        needed; the class has tenants queued)."""
+        needed; the class has tenants queued). A tenant ``passed`` says cannot place anything now loses its turn,
+        as an idle flow does in deficit round robin (its deficit is kept); None when every tenant is passed."""
         active = self.active
+        if passed is not None and all(passed(t) for t in active):
+            return None
         # The quantum lets every turn place its head, so the current turn and the next suffice; the bound only
         # guards against float rounding.
-        for _ in range(2 * len(active) + 2):
+        for _ in range(3 * len(active) + 2):
             tenant = active[0]
+            if passed is not None and passed(tenant):
+                active.rotate(-1)
+                self.turn_started = False
+                continue
             if not self.turn_started:
                 weight = _weight(weight_of, tenant)
                 self.quantum = max(self.quantum, self.tenants[tenant][0].cost / weight)
@@ -172,6 +183,9 @@ class ClassQueue:
         self._seq = itertools.count()
         #: The last pick: (class index, deque, won by aging), valid until the queue changes.
         self._pick: tuple[int, deque[Request], bool] | None = None
+        #: Deques (by id) whose every request the current dispatch pass found blocked: picks pass them over until
+        #: ``new_pass``.
+        self._passed: set[int] = set()
 
     def __len__(self) -> int:
         return self._size
@@ -248,52 +262,82 @@ class ClassQueue:
             heapq.heappop(ages)
 
     # -- picks --------------------------------------------------------------------------------------------------
-    def _choose(self, now: float) -> tuple[int, deque[Request], bool]:
-        """(class index, deque whose head goes next, whether the class won by aging); the queue is not empty."""
+    def _choose(self, now: float) -> tuple[int, deque[Request], bool] | None:
+        """(class index, deque whose head goes next, whether the class won by aging), passing over the deques of
+        ``_passed``; None when every queued request is in one of those."""
         if self._pick is not None:
             return self._pick
-        best: tuple[float, float, int, bool] | None = None
+        ranked: list[tuple[float, float, int, bool]] = []
         for ci, cls in enumerate(self._classes):
             if not cls.size:
                 continue
             since = self._oldest(cls)[1].queued_since
             steps = math.floor((now - since) / self.aging_s) if self.aging_s > 0 else 0
             effective = max(0, ci - max(0, steps))
-            key = (effective, since, ci, effective < ci)
-            if best is None or key[:2] < best[:2]:
-                best = key
-        assert best is not None
-        _, _, ci, aged = best
-        cls = self._classes[ci]
-        if cls.retries:
-            queue = cls.retries
-        elif aged:
+            ranked.append((effective, since, ci, effective < ci))
+        # Stable sort on (effective class, oldest): a tie keeps the lower class index first, as the scan did.
+        for _, _, ci, aged in sorted(ranked, key=lambda key: key[:2]):
+            pick = self._class_pick(ci, aged)
+            if pick is not None:
+                # Cached until the queue changes: the same answer for the same state, whatever ``now`` (a dispatch
+                # pass asks twice: for the window, then to take), while aging moves on at the next change or pass.
+                self._pick = pick
+                return pick
+        return None
+
+    def _class_pick(self, ci: int, aged: bool) -> tuple[int, deque[Request], bool] | None:
+        """Class ``ci``'s pick: its retries, else (``aged``) its oldest request's deque, else the deficit round
+        robin tenant's; deques in ``_passed`` are passed over."""
+        cls, passed = self._classes[ci], self._passed
+        if cls.retries and id(cls.retries) not in passed:
+            return ci, cls.retries, aged
+        if aged:
             queue = self._oldest(cls)[0]
-        else:
-            queue = cls.tenants[cls.wdrr_tenant(self.weight_of)]
-        # Cached until the queue changes: the same answer for the same state, whatever ``now`` (a dispatch pass
-        # asks twice: for the window, then to take), while aging moves on at the next change or pass.
-        self._pick = (ci, queue, aged)
-        return self._pick
+            if id(queue) not in passed:
+                return ci, queue, True
+        if not cls.active:
+            return None
+        tenant = cls.wdrr_tenant(self.weight_of, (lambda t: id(cls.tenants[t]) in passed) if passed else None)
+        return None if tenant is None else (ci, cls.tenants[tenant], False)
 
     def head(self, now: float) -> Request:
         """The request to place next at ``now`` (the queue must not be empty)."""
-        return self._choose(now)[1][0]
+        pick = self._choose(now)
+        assert pick is not None
+        return pick[1][0]
 
-    def window(self, now: float, k: int) -> list[Request]:
-        """The head and up to ``k - 1`` later requests of its deque (same class, same tenant), oldest first."""
-        return list(itertools.islice(self._choose(now)[1], max(1, k)))
+    def window(self, now: float, k: int, blocked: Callable[[Request], bool] | None = None) -> list[Request]:
+        """The head and up to ``k - 1`` later requests of its deque (same class, same tenant), oldest first.
+
+        ``blocked`` (request -> True when it cannot be placed in this pass) passes requests over: the window holds
+        the deque's first ``k`` others, and a deque with none is passed over until ``new_pass`` (the next tenant in
+        rotation, or the next class, goes instead); [] when every queued request is blocked."""
+        while True:
+            pick = self._choose(now)
+            if pick is None:
+                return []
+            queue = pick[1]
+            found = queue if blocked is None else (r for r in queue if not blocked(r))
+            window = list(itertools.islice(found, max(1, k)))
+            if window:
+                return window
+            self._passed.add(id(queue))
+            self._pick = None
 
     def take(self, now: float, request: Request) -> None:
         """Remove ``request`` (from ``window(now, k)``), just placed; a deficit round robin pick charges its
         tenant ``request.cost``."""
-        ci, queue, aged = self._choose(now)
+        pick = self._choose(now)
+        assert pick is not None, "take() follows a window() that found a request"
+        ci, queue, aged = pick
         cls = self._classes[ci]
         self._remove(cls, queue, request, charge=queue is not cls.retries and not aged)
 
     def new_pass(self) -> None:
-        """Forget the cached pick (a dispatch pass starts: time moved on, aging may have changed the order)."""
+        """Forget the cached pick and the deques passed over (a dispatch pass starts: time moved on, aging may have
+        changed the order, targets may have room again)."""
         self._pick = None
+        self._passed.clear()
 
     # -- reading ------------------------------------------------------------------------------------------------
     def oldest_since(self) -> float | None:

@@ -3,6 +3,9 @@
 Source: SkyLB paper Algorithm 1 (HANDLEREQUEST, lines 27-30) and §4.1 "Request life cycle": a request waits in a
 first-come, first-served queue; at the head it goes to an available local replica if there is one, else to an
 available peer (never for a request that came from a peer), else it stays at the head and everything waits behind it.
+SkyLB narrows that wait to what the head can block: a request that cannot be placed holds back only the requests of
+its candidate set (same model, dialect, exclusions), which keep FCFS order among themselves, and a request whose
+model has no usable target is given back by ``unserved`` (503) after a bounded grace.
 Beyond the paper, a policy may (skylb/core/policies/skylb.py): take a later request first when a free
 replica holds its prefix (``queue_lookahead``, the head passed over at most ``max_bypass`` times), and forward the
 head to a peer with no room but younger requests queued (``forward_queued``). The queue is ordered by
@@ -96,6 +99,12 @@ class Router:
         self.queue: deque[Request] | ClassQueue = ClassQueue(aging_s=aging_s) if priorities else deque()
         self._bypassed: tuple[str | None, int] = (None, 0)
         self._placed_at: deque[float] = deque(maxlen=32)
+        #: Queued requests' candidate sets (``candidate_set``) by request id, as they were when queued, and how many
+        #: queued requests each set has: a dispatch pass stops once every set queued is blocked.
+        self._queued_sets: dict[str, tuple] = {}
+        self._set_counts: dict[tuple, int] = {}
+        #: Candidate set -> when ``unserved`` first found no usable target for it, s.
+        self._unserved_since: dict[tuple, float] = {}
 
     # -- membership ---------------------------------------------------------------------------------------------
     def set_replicas(self, replicas: Iterable[tuple[str, str, str]], *,
@@ -170,6 +179,9 @@ class Router:
     def _insert(self, request: Request, *, retry: bool = False) -> None:
         """Insert ``request`` in ``queued_since`` order (after those that joined at the same time); with classes,
         in its class and tenant (``retry``: ahead of its class's tenants)."""
+        key = self.candidate_set(request)
+        self._queued_sets[request.id] = key
+        self._set_counts[key] = self._set_counts.get(key, 0) + 1
         if self.classes is not None:
             self.classes.add(request, retry=retry)
             return
@@ -186,12 +198,24 @@ class Router:
     def cancel(self, request_id: str) -> bool:
         """Remove a still-queued request (its client went away); True if it was queued."""
         if self.classes is not None:
-            return self.classes.cancel(request_id) is not None
+            request = self.classes.cancel(request_id)
+            if request is not None:
+                self._left(request)
+            return request is not None
         for i, r in enumerate(self.queue):
             if r.id == request_id:
                 del self.queue[i]
+                self._left(r)
                 return True
         return False
+
+    def _left(self, request: Request) -> None:
+        """``request`` left the queue: forget its candidate set."""
+        key = self._queued_sets.pop(request.id, None)
+        if key is not None:
+            n = self._set_counts.pop(key) - 1
+            if n:
+                self._set_counts[key] = n
 
     def expire(self, now: float, timeout_s: float) -> list[Request]:
         """Remove and return the requests that have waited longer than ``timeout_s`` at ``now``.
@@ -203,43 +227,106 @@ class Router:
         log n).
         """
         if self.classes is not None:
-            return self.classes.expire(now, timeout_s)
-        expired = []
-        while self.queue and now - self.queue[0].queued_since > timeout_s:
-            expired.append(self.queue.popleft())
+            expired = self.classes.expire(now, timeout_s)
+        else:
+            expired = []
+            while self.queue and now - self.queue[0].queued_since > timeout_s:
+                expired.append(self.queue.popleft())
+        for request in expired:
+            self._left(request)
         return expired
 
     # -- decisions ----------------------------------------------------------------------------------------------
     def dispatch(self, now: float) -> list[Decision]:
-        """Place requests from the queue while the head (or the later request the policy's look-ahead picks) can be
-        placed; returns the decisions in order.
+        """Place requests from the queue while some can be placed; returns the decisions in order.
 
-        Each decision is already counted (outstanding, sent since probe, trie); call ``finished`` when its
-        response ends.
+        The head (or the later request the policy's look-ahead picks) goes first. A request that cannot be placed
+        holds back only the requests of its candidate set (``candidate_set``: same model, dialect, exclusions):
+        they keep first-come, first-served order among themselves, and the pass goes on with the next request of
+        another set, in the queue's order (with priority classes: the next of the tenant's, then the next tenant in
+        rotation, then the next class). So a request whose only replicas are busy or failing never holds up one
+        that a free replica serves. Each decision is already counted (outstanding, sent since probe, trie); call
+        ``finished`` when its response ends.
         """
         out: list[Decision] = []
         classes = self.classes
         if classes is not None:
             classes.new_pass()
-        while self.queue:
-            # FCFS: the queue itself; with classes: the chosen head and its tenant's later requests.
-            window = self.queue if classes is None else classes.window(now, max(1, self.policy.queue_lookahead))
+        blocked: set[tuple] = set()  # candidate sets whose oldest request could not be placed in this pass
+
+        def is_blocked(request: Request) -> bool:
+            return self._queued_sets.get(request.id) in blocked
+
+        k = max(1, self.policy.queue_lookahead)
+        # Every set queued blocked: nothing more can go (checked first, so a long queue of one blocked set costs
+        # one placement attempt per pass, not a scan).
+        while self.queue and len(blocked) < len(self._set_counts):
+            if classes is None:
+                window = list(itertools.islice((r for r in self.queue if not is_blocked(r)), k))
+            else:
+                window = classes.window(now, k, is_blocked if blocked else None)
+            if not window:
+                break
             i = self._next_index(now, window)
             decision = self._place(window[i], now)
             if decision is None and i:
                 i, decision = 0, self._place(window[0], now)
             if decision is None:
-                break
+                blocked.add(self._queued_sets[window[0].id])
+                continue
             if i:
                 head = window[0].id
                 self._bypassed = (head, (self._bypassed[1] + 1) if self._bypassed[0] == head else 1)
             if classes is None:
-                del self.queue[i]
+                self.queue.remove(window[i])  # Request compares by identity (eq=False)
             else:
                 classes.take(now, window[i])
+            self._left(window[i])
             self._placed_at.append(now)
             out.append(decision)
         return out
+
+    @staticmethod
+    def candidate_set(request: Request) -> tuple:
+        """What decides where ``request`` may go: (model, dialect, may be forwarded, targets to avoid, embedding).
+        Two requests with the same set can be placed on the same targets, so they keep FCFS order between them."""
+        return request.model, request.api, request.may_forward, request.avoid, request.embedding
+
+    def unserved(self, now: float, grace_s: float) -> list[Request]:
+        """Remove and return the queued requests whose model no usable target serves, once that has lasted
+        ``grace_s`` s at ``now``.
+
+        Usable: a local replica healthy, freshly probed, not draining, not ejected, serving the model in the
+        request's dialect (or whose models are not known yet), or, for a request that may be forwarded, a peer
+        reachable, not ejected and serving it; room does not matter (a busy target frees up). The time counts from
+        the first call that found none for the request's candidate set, so with a call at least every dispatch tick
+        a request waits at most ``grace_s`` plus one tick past the moment its model's last usable target went, then
+        is answered (503) instead of waiting for ``queue_timeout_s``.
+        """
+        since = self._unserved_since
+        for key in [key for key in since if key not in self._set_counts]:
+            del since[key]
+        gone: set[tuple] = set()
+        for key in self._set_counts:
+            if self._servable(key, now):
+                since.pop(key, None)
+            elif now - since.setdefault(key, now) >= grace_s:
+                gone.add(key)
+        if not gone:
+            return []
+        out = [r for r in self.queue if self._queued_sets.get(r.id) in gone]
+        for request in out:
+            self.cancel(request.id)
+        return out
+
+    def _servable(self, key: tuple, now: float) -> bool:
+        """True when some usable target serves candidate set ``key``'s model (``unserved``)."""
+        model, api, may_forward = key[:3]
+        if any((r.serves(model, api) or (r.models is None and api in r.apis)) and self._replica_usable(r, now)
+               for r in self.replicas.values()):
+            return True
+        return may_forward and any(self.rules.peer_unreachable_reason(p, now, model, api) is None
+                                   and not self._ejected(p, now) for p in self.peers.values())
 
     def dispatch_rate(self, now: float) -> float | None:
         """Requests placed per second over the last placements (at most 32), up to ``now``; None before two."""
@@ -419,13 +506,15 @@ class Router:
 
     def _elsewhere(self, request: Request, local: list[ReplicaState], peers: list[PeerState],
                    now: float) -> tuple[list[ReplicaState], list[PeerState]]:
-        """A retry's candidates: without the targets that failed it (``request.avoid``) while another target is
-        usable (healthy, fresh, not ejected; it may be busy, then the request waits for it). With none usable, the
-        failed targets stay candidates rather than the request waiting for nothing."""
-        avoid = request.avoid
-        others = ([r for r in self.replicas.values() if ("local", r.id) not in avoid and self._replica_usable(r, now)]
+        """A retry's candidates: without the targets that failed it (``request.avoid``) while another target that
+        serves its model is usable (healthy, fresh, not ejected; it may be busy, then the request waits for it).
+        With none, the failed targets stay candidates rather than the request waiting for nothing (a replica of
+        another model does not count: it will never take this request)."""
+        avoid, model, api = request.avoid, request.model, request.api
+        others = ([r for r in self.replicas.values() if ("local", r.id) not in avoid and r.serves(model, api)
+                   and self._replica_usable(r, now)]
                   + [p for p in self.peers.values() if ("peer", p.region) not in avoid and request.may_forward
-                     and self.rules.peer_unreachable_reason(p, now, request.model, request.api) is None
+                     and self.rules.peer_unreachable_reason(p, now, model, api) is None
                      and not self._ejected(p, now)])
         if not others:
             return local, peers

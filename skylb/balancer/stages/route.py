@@ -7,7 +7,8 @@ fallback chain when its model has one; the relay streams the answer back. A targ
 (refused, reset, timed out, 502/503/504) counts a gateway failure for outlier detection (ejected after enough in a row:
 skylb/core/outlier.py), and the request, after a jittered backoff, goes back to the head of the queue to be routed to
 another target while it has retries left (``retry_policy.num_retries``) and the retry budget allows
-(skylb/balancer/retry.py; Envoy's names). Once a byte reached the client it is never retried (a started stream cannot be
+(skylb/balancer/retry.py; Envoy's names). 503 with Retry-After when the request's model has had no usable replica or
+peer for ``no_target_timeout_s`` (the dispatcher's NoHealthyTarget). Once a byte reached the client it is never retried (a started stream cannot be
 spliced). 503 with an estimated Retry-After when the queue is full or the request waited past the queue timeout.
 A request pinned to one target (``ctx.pin``: a Responses API follow-up, skylb/balancer/stages/responses.py) skips
 the queue and goes to that target at once, retries included; 503 with Retry-After when it is unavailable.
@@ -24,7 +25,8 @@ import structlog
 from aiohttp import web
 
 from skylb.balancer.api import error_response
-from skylb.balancer.dispatcher import Dispatcher, QueueFull, QueueTimeout
+from skylb.balancer import retry_after
+from skylb.balancer.dispatcher import Dispatcher, NoHealthyTarget, QueueFull, QueueTimeout
 from skylb.balancer.metrics import BalancerMetrics
 from skylb.balancer.ollama_fleet import Fleet
 from skylb.balancer.protocol import QUEUE_MS_HEADER, queued_ms
@@ -71,6 +73,11 @@ class RouteStage:
                         ctx.decision = self._place_pinned(routed)
                     else:
                         ctx.decision, ctx.body = await self.fleet.acquire(routed, ctx.body, retry=attempt > 0)
+                except NoHealthyTarget as exc:
+                    if trace is not None:
+                        trace.queue_failed("model_unavailable", str(exc))
+                    return ctx.reject(503, str(exc), "model_unavailable", type_="service_unavailable",
+                                      retry_after_s=retry_after.retry_after_s(self.cfg.retry_after_s))
                 except (QueueFull, QueueTimeout) as exc:
                     full = isinstance(exc, QueueFull)
                     reason = "queue_full" if full else "queue_timeout"
