@@ -142,6 +142,23 @@ class Cluster:
         self.balancers[region] = url
         return url
 
+    def start_static_balancer(self, replicas: list[str], *, region: str = "local", engine: str = "auto",
+                              name: str | None = None):
+        """Start a balancer with no controller in front of ``replicas`` (static mode: `--replica URL` each, probed as
+        ``engine``), with this cluster's balancer settings and tokens, and wait until it has read every replica's
+        models; returns its Proc (its URL is ``balancers[region]``)."""
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        config = self.tmp / f"static-{region}.yaml"
+        config.write_text(yaml.safe_dump({"balancer": {**self.balancer_cfg, "state_dir": str(self.tmp / "state")}}))
+        args = ["balancer", "--config", str(config), "--region", region, "--port", str(port), "--engine", engine,
+                *(a for r in replicas for a in ("--replica", r))]
+        proc = self.procs.skylb(*args, name=name or f"balancer-{region}", wait_url=f"{url}/healthz", env=self.env)
+        self.balancers[region] = url
+        self.wait_until(lambda: sum(bool(r["models"]) for r in self.status(region)["replicas"]) == len(replicas),
+                        timeout_s=20, what="every replica's models")
+        return proc
+
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """Run `skylb-ctl --controller URL ARGS` as a real subprocess."""
         return subprocess.run([sys.executable, "-m", "controller.ctl", "--controller", self.controller_url, *args],

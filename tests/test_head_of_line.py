@@ -5,7 +5,6 @@ directly, and through a real balancer over emulated replicas."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import time
 
 import requests
@@ -14,12 +13,8 @@ from hypothesis import strategies as st
 
 from skylb.core import AvailabilityRules, Request, Router, make_policy
 from skylb.core.outlier import OutlierDetector
-from tests.cluster import get_json
+from tests.cluster import Cluster
 from tests.procs import free_ports
-
-#: Every process starts from this environment: no token or key the test runner's own environment may hold.
-CLEAN = {"SKYLB_PEER_TOKEN": "", "SKYLB_API_KEYS": "", "SKYLB_API_KEYS_FILE": "", "SKYLB_ADMIN_TOKEN": "",
-         "SKYLB_ADMIN_TOKEN_FILE": "", "SKYLB_METRICS_TOKEN": ""}
 
 GRACE_S = 2.0
 
@@ -196,31 +191,16 @@ def test_every_request_ends_and_none_waits_while_its_model_has_room(served, slot
 # -------------------------------------------------------------------------------------------- the real balancer
 
 
-def _static_balancer(procs, tmp_path, models: dict[str, str], *, balancer: dict, env: dict | None = None):
-    """Emulated vLLM replicas (one process each, model by name in ``models``: name -> model, with fault control)
-    behind one static balancer; returns (balancer url, {name: replica url}, {name: Proc}, balancer Proc)."""
-    ports = free_ports(len(models) + 1)
+def _emulators(procs, models: dict[str, str]) -> tuple[dict[str, str], dict]:
+    """One emulated vLLM replica process per name in ``models`` (name -> model served), with fault control;
+    returns ({name: url}, {name: Proc})."""
     urls, emulators = {}, {}
-    for (name, model), port in zip(models.items(), ports):
+    for (name, model), port in zip(models.items(), free_ports(len(models))):
         urls[name] = f"http://127.0.0.1:{port}"
         emulators[name] = procs.skylb("emulator", "--engine", "vllm", "--model", model, "--time-scale", "0.1",
                                       "--fault-control", "--port", str(port), name=f"emu-{name}",
                                       wait_url=f"{urls[name]}/health")
-    config = tmp_path / "balancer.json"
-    config.write_text(json.dumps({"balancer": {"probe_interval_ms": 50, "state_dir": str(tmp_path / "state"),
-                                               **balancer}}))
-    url = f"http://127.0.0.1:{ports[-1]}"
-    replica_args = [a for u in urls.values() for a in ("--replica", u)]
-    proc = procs.skylb("balancer", *replica_args, "--config", str(config), "--port", str(ports[-1]),
-                       name="balancer", env={**CLEAN, **(env or {})}, wait_url=f"{url}/healthz")
-    deadline = time.monotonic() + 20
-    while True:
-        known = [r for r in get_json(f"{url}/skylb/v1/status?format=json")["replicas"] if r["models"]]
-        if len(known) == len(models):
-            break
-        assert time.monotonic() < deadline, "the replicas' models were never read"
-        time.sleep(0.05)
-    return url, urls, emulators, proc
+    return urls, emulators
 
 
 def _chat(url: str, model: str, *, path: str = "/v1/chat/completions", timeout: float = 20.0):
@@ -236,9 +216,10 @@ def test_a_failing_models_requests_hold_up_no_other_model_and_end_with_503(procs
     go back to that replica) and one for b, queued behind it, is answered at once; once a's replica is down, a
     request for a gets 503 with Retry-After in the API's shape (OpenAI and Ollama) within no_target_timeout_s
     plus a little, not at the queue timeout."""
-    url, replicas, emulators, _ = _static_balancer(
-        procs, tmp_path, {"a": "model-a", "b": "model-b"},
-        balancer={"no_target_timeout_s": 1.0, "queue_timeout_s": 60})
+    replicas, emulators = _emulators(procs, {"a": "model-a", "b": "model-b"})
+    cluster = Cluster(procs, tmp_path, balancer={"no_target_timeout_s": 1.0, "queue_timeout_s": 60})
+    cluster.start_static_balancer(list(replicas.values()), engine="vllm")
+    url = cluster.balancers["local"]
     requests.put(f"{replicas['a']}/emulator/faults", json={"error_status": 502}, timeout=5).raise_for_status()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         failing = pool.submit(_chat, url, "model-a", timeout=30)
@@ -249,11 +230,8 @@ def test_a_failing_models_requests_hold_up_no_other_model_and_end_with_503(procs
     assert status_a == 502 and "error" in body_a
 
     emulators["a"].kill()
-    deadline = time.monotonic() + 10
-    while any(r["healthy"] for r in get_json(f"{url}/skylb/v1/status?format=json")["replicas"]
-              if r["url"] == replicas["a"]):
-        assert time.monotonic() < deadline, "replica a still healthy"
-        time.sleep(0.05)
+    cluster.wait_until(lambda: not any(r["healthy"] for r in cluster.status("local")["replicas"]
+                                       if r["url"] == replicas["a"]), what="replica a unhealthy")
     for path in ("/v1/chat/completions", "/api/chat"):
         status, body, headers, took = _chat(url, "model-a", path=path, timeout=15)
         assert status == 503 and took < 4, (path, status, took)

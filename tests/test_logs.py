@@ -13,9 +13,11 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+import requests
 import structlog
 
 from skylb.logs import configure_logging
+from tests.cluster import Cluster
 from tests.procs import free_ports
 
 
@@ -160,3 +162,35 @@ def test_balancer_lines_name_their_logger_and_region_at_info(procs, tmp_path):
     line = next(json.loads(text) for text in balancer.log().splitlines() if request_id in text)
     assert (line["event"], line["region"], line["request_id"], line["tenant"]) == ("request", "eu", request_id,
                                                                                    "default")
+
+
+def test_every_request_leaves_one_line_cancelled_ones_included(procs, tmp_path):
+    """A request whose client goes away while it is queued, and a stream its client closes after the first event,
+    each leave exactly one JSON request line (status 499, "client disconnected"), as an answered request does."""
+    cluster = Cluster(procs, tmp_path, balancer={"no_target_timeout_s": 60})
+    [gone] = cluster.start_emulator(1, "--model", "model-a", "--time-scale", "0.1", name="emu-a")
+    [slow] = cluster.start_emulator(1, "--model", "model-b", "--time-scale", "1", name="emu-b")
+    balancer = cluster.start_static_balancer([gone, slow], engine="vllm")
+    url = cluster.balancers["local"]
+    next(p for p in procs.procs if p.name == "emu-a").kill()  # model-a's requests now wait (no usable replica)
+    cluster.wait_until(lambda: [r["healthy"] for r in cluster.status("local")["replicas"] if r["url"] == gone]
+                       == [False], what="model-a's replica unhealthy")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}
+    with requests.post(f"{url}/v1/chat/completions", json={**chat, "model": "model-b", "stream": True},
+                       stream=True, timeout=30) as streamed:
+        assert streamed.status_code == 200
+        streamed_id = streamed.headers["X-SkyLB-Request-Id"]
+        assert next(line for line in streamed.iter_lines() if line).startswith(b"data: ")
+    with pytest.raises(requests.exceptions.ReadTimeout):  # the client gives up while its request is queued
+        requests.post(f"{url}/v1/chat/completions", json={**chat, "model": "model-a"}, timeout=(5, 1.0))
+    cluster.assert_counters_return_to_zero()
+
+    def request_lines() -> list[dict]:
+        return [line for line in map(json.loads, balancer.log().splitlines()) if line["event"] == "request"]
+
+    cluster.wait_until(lambda: len(request_lines()) >= 2, what="two request lines")
+    by_model = {line["model"]: line for line in request_lines()}
+    assert len(request_lines()) == 2 and by_model.keys() == {"model-a", "model-b"}
+    assert by_model["model-b"]["id"] == streamed_id
+    assert all((line["status"], line["error"]) == (499, "client disconnected") for line in by_model.values())
+    assert by_model["model-a"]["route"] is None and by_model["model-b"]["route"] == "local"

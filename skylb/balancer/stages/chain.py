@@ -8,6 +8,7 @@ inside that terminal stage, so no stage before it runs twice for one request and
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Sequence
 from typing import Protocol
@@ -46,18 +47,24 @@ class Chain:
 
     async def run(self, ctx: RequestContext) -> web.StreamResponse:
         """Pass ``ctx`` through the stages until one answers; then (also when cancelled or on an error) run the end
-        hooks, last registered first, each once; then count the response and log the request's one line.
+        hooks, last registered first, each once; then count the response and log the request's one line. A request
+        cancelled on the way (its client went away: queued, waiting for its first byte, or mid-stream) gets its line
+        too, with status 499 (nginx's "client closed request"), before the cancellation goes on.
         Raises RuntimeError when no stage answers (a chain built without its terminal stage)."""
         response = None
         try:
-            for stage in self.stages:
-                response = await stage.handle(ctx)
-                if response is not None:
-                    break
-            else:
-                raise RuntimeError(f"no stage of {self.names} answered the request")
-        finally:
-            await self._run_end_hooks(ctx)
+            try:
+                for stage in self.stages:
+                    response = await stage.handle(ctx)
+                    if response is not None:
+                        break
+                else:
+                    raise RuntimeError(f"no stage of {self.names} answered the request")
+            finally:
+                await self._run_end_hooks(ctx)
+        except asyncio.CancelledError:
+            self.request_log.cancelled(ctx)
+            raise
         return self.request_log.finish(ctx, response)
 
     @staticmethod

@@ -20,6 +20,9 @@ __all__ = ["RequestLog"]
 
 log = structlog.get_logger("skylb.request")
 
+#: The status logged for a request whose client went away before its answer ended (nginx's 499).
+CLIENT_CLOSED = 499
+
 
 class RequestLog:
     """Counts responses (``skylb_responses_total``, ``skylb_rejected_requests_total``, the latency histograms and
@@ -29,7 +32,14 @@ class RequestLog:
         self.metrics = metrics
         self.region = region
 
-    def finish(self, ctx, response: web.StreamResponse) -> web.StreamResponse:
+    def cancelled(self, ctx) -> None:
+        """Count and log ``ctx``, whose handler was cancelled (its client went away), as status 499 ("client closed
+        request", nginx's), error "client disconnected", reason ``client_disconnected``."""
+        ctx.status, ctx.reason = CLIENT_CLOSED, ctx.reason or "client_disconnected"
+        ctx.error = ctx.error or "client disconnected"
+        self.finish(ctx, None)
+
+    def finish(self, ctx, response: web.StreamResponse | None) -> web.StreamResponse | None:
         """Count ``response`` (a rejection too when ``ctx.rejected``) and write ``ctx``'s log line; a response not
         yet sent gets the ids as headers (X-SkyLB-Request-Id, the client's X-Request-Id echoed). Returns it.
 
@@ -38,7 +48,7 @@ class RequestLog:
         not wait for (bench/results/overhead.md part (a)). The next turn comes before the loop reads anything
         more, so a later request, a scrape of /metrics included, sees the response counted."""
         status = ctx.status if ctx.status is not None else response.status
-        if not response.prepared:
+        if response is not None and not response.prepared:
             response.headers[BALANCER_REQUEST_ID_HEADER] = ctx.request_id
             if ctx.client_id is not None:
                 response.headers[REQUEST_ID_HEADER] = ctx.client_id
