@@ -45,14 +45,29 @@ def read_token_file(path: str) -> str:
 
 def secret_matches(given: str | None, *secrets: str | None) -> bool:
     """True when ``given`` equals one of the configured ``secrets`` (None ones are skipped); constant-time per
-    comparison, and every secret is compared so the time does not say which one matched."""
-    if not given:
+    comparison, and every secret is compared so the time does not say which one matched.
+
+    ``given`` may be any text a client sent: a header value with invalid UTF-8 arrives as lone surrogates (aiohttp
+    and ``os.environ`` decode with ``surrogateescape``), compared as the bytes they stand for; text that encodes to no
+    bytes at all matches nothing. Never raises."""
+    given_bytes = _raw_bytes(given) if given else None
+    if not given_bytes:
         return False
     found = False
     for secret in secrets:
-        if secret:
-            found |= hmac.compare_digest(secret.encode(), given.encode())
+        secret_bytes = _raw_bytes(secret) if secret else None
+        if secret_bytes:
+            found |= hmac.compare_digest(secret_bytes, given_bytes)
     return found
+
+
+def _raw_bytes(text: str) -> bytes | None:
+    """``text`` as the bytes it was decoded from (UTF-8 with ``surrogateescape``), or None when no bytes make it
+    (a lone surrogate outside the escape range)."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return None
 
 
 def from_this_machine(remote: str | None) -> bool:

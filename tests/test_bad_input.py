@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gzip
+import http.client
 import json
 import threading
 import zlib
@@ -554,3 +555,67 @@ def test_a_balancer_answering_garbage_status_is_an_unhealthy_peer(procs, tmp_pat
         status, body, _ = post_json(f"{us}/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
                                                                   "messages": [{"role": "user", "content": "x"}]})
         assert status == 200, body
+
+
+# -- malformed credentials and the log ----------------------------------------------------------------------------
+PEER_TOKEN = "bad-input-peer-token-0123456789abcdef"
+
+
+def _keyed_balancer(procs, tmp_path):
+    """A static balancer with a peer token and one client API key in front of one emulated replica; returns
+    (cluster, its URL, its Proc)."""
+    cluster = Cluster(procs, tmp_path, balancer={"api_keys": ["client-key-0123456789"]}, peer_token=PEER_TOKEN)
+    [replica] = cluster.start_emulator(1, *FAST, name="emu")
+    proc = cluster.start_static_balancer([replica], engine="vllm")
+    return cluster, cluster.balancers["local"], proc
+
+
+def _raw_request(url: str, method: str, path: str, headers: list[tuple[str, bytes]], body: bytes = b""):
+    """Send one request whose header values are raw bytes (any bytes); (status, headers, body)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.putrequest(method, path)
+        for name, value in headers:
+            conn.putheader(name, value)
+        if body:
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body or None)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def test_malformed_credentials_are_401_or_403_in_the_apis_shape_never_500(procs, tmp_path):
+    """Invalid UTF-8 in Authorization or X-SkyLB-Token, from any client, and status-page session cookies whose
+    expiry is not ASCII digits (Arabic-Indic, superscript) or whose bytes are not UTF-8: 401 / 403 in the API's
+    own shape (OpenAI's, Ollama's on /api/*), never a 500."""
+    _, url, _ = _keyed_balancer(procs, tmp_path)
+    chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    ollama = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    cookie = "skylb_peer_session="
+    cases = [
+        ("POST", "/v1/chat/completions", [("Authorization", b"Bearer \xff\xfe\xc3(")], chat, 401, "openai"),
+        ("POST", "/api/chat", [("Authorization", b"Bearer \xff\xfe")], ollama, 401, "ollama"),
+        ("POST", "/v1/chat/completions", [("X-SkyLB-Token", b"\xff\xfe")], chat, 401, "openai"),
+        ("POST", "/api/chat", [("X-SkyLB-Token", b"\xc3(")], ollama, 401, "ollama"),
+        ("GET", "/skylb/v1/status?format=json", [("X-SkyLB-Token", b"\xff" * 40)], b"", 403, "openai"),
+        ("GET", "/metrics", [("Authorization", b"Bearer \xed\xa0\x80")], b"", 403, "openai"),
+        ("GET", "/skylb/v1/status?format=json", [("Cookie", (cookie + "١٧٩٩٩٩٩٩٩٩.abc").encode())], b"", 403,
+         "openai"),
+        ("GET", "/skylb/v1/status?format=json", [("Cookie", (cookie + "²²²²²²²²²².abc").encode())], b"", 403,
+         "openai"),
+        ("GET", "/skylb/v1/status?format=json", [("Cookie", cookie.encode() + b"1799999999.\xff\xfe")], b"", 403,
+         "openai"),
+    ]
+    for method, path, headers, body, status, api in cases:
+        got, answer_headers, answer = _raw_request(url, method, path, headers, body)
+        assert got == status, (path, headers, got, answer[:300])
+        error = json.loads(answer)["error"]
+        assert isinstance(error, str) if api == "ollama" else isinstance(error["message"], str), (path, answer)
+    # The status page itself: a tampered cookie is no session (the login form), not a 500.
+    got, _, _ = _raw_request(url, "GET", "/", [("Accept", b"text/html"),
+                                               ("Cookie", (cookie + "²²²²²²²²²².abc").encode())])
+    assert got < 500

@@ -7,7 +7,6 @@ SkyLB paper Algorithm 1 line 10 (PROBELB returns the peer's available replicas a
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import math
 from typing import Annotated, Literal
 
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skylb import PROTOCOL_VERSION
 from skylb.core import PeerStatus
+from skylb.tokens import secret_matches
 
 __all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SERVED_BY_HEADER", "MODEL_HEADER",
            "LEASE_HEADER",
@@ -127,7 +127,8 @@ def client_request_id(value: str | None) -> str | None:
 
 
 def token_ok(configured: str | None, given: str | None) -> bool:
-    """True when no token is configured, or ``given`` equals it (constant-time comparison)."""
+    """True when no token is configured, or ``given`` equals it (constant-time comparison; any text a client sent,
+    invalid UTF-8 included, is compared without raising: skylb/tokens.py ``secret_matches``)."""
     if configured is None:
         return True
-    return given is not None and hmac.compare_digest(configured.encode(), given.encode())
+    return secret_matches(given, configured)

@@ -102,9 +102,10 @@ def session_value(token: str, cookie: str, now: float) -> str:
 
 def session_ok(request: web.Request, token: str | None, cookie: str, now: float | None = None) -> bool:
     """True when ``request`` carries an unexpired session cookie ``cookie`` made with ``token`` (False when
-    ``token`` is None: without a token there are no sessions)."""
+    ``token`` is None: without a token there are no sessions). A cookie of any other shape (an expiry that is not
+    ASCII digits: ``str.isdigit`` also accepts '١' and '²'; a MAC that is not ASCII) is no session; never raises."""
     expiry, _, mac = request.cookies.get(cookie, "").partition(".")
-    if token is None or not expiry.isdigit() or len(expiry) > 12:
+    if token is None or not (expiry.isascii() and expiry.isdigit()) or len(expiry) > 12 or not mac.isascii():
         return False
     if int(expiry) < (time.time() if now is None else now):
         return False
