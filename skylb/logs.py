@@ -8,6 +8,12 @@ names it) and the event's own fields; a logged exception adds ``exception`` (the
 stream: stderr, which also keeps stdout free for what a command prints for people or pipes.
 
 The lowest level written is ``--log-level`` (:func:`add_arguments`), else ``$SKYLB_LOG_LEVEL``, else info.
+
+The standard library's logging (aiohttp's "Error handling request" and "Unhandled exception", asyncio's, any
+library's) goes through the same JSON renderer: one handler on the root logger with structlog's
+``ProcessorFormatter`` (structlog docs, "Standard Library Logging": rendering foreign records with structlog-based
+formatters), so such a line is one JSON object too, with its logger's name and its traceback as ``exception``
+(warning and above, or the level if higher).
 """
 
 from __future__ import annotations
@@ -80,12 +86,13 @@ def configure_logging(*, level: int | str | None = None, file: TextIO | None = N
     """
     number = _level_number(level)
     out = file or sys.stderr
+    timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             _add_logger_name,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            timestamper,
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),
         ],
@@ -93,6 +100,37 @@ def configure_logging(*, level: int | str | None = None, file: TextIO | None = N
         logger_factory=lambda name=None, *_: _NamedPrintLogger(out, name),
         cache_logger_on_first_use=True,
     )
+    _route_standard_logging(out, number, timestamper)
+
+
+class _StructlogHandler(logging.StreamHandler):
+    """The root logger's handler that ``configure_logging`` installs (a later call replaces it, not adds one)."""
+
+
+def _route_standard_logging(out: TextIO, number: int, timestamper: Any) -> None:
+    """Write the standard library's records to ``out``, rendered as structlog's lines are (``ProcessorFormatter``
+    with a ``foreign_pre_chain``), at warning and above or ``number`` if higher, as Python's own last-resort handler
+    did: libraries' info lines (httpx logs one per request) are not SkyLB's events."""
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            timestamper,
+        ],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+    )
+    handler = _StructlogHandler(out)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _StructlogHandler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(max(number, logging.WARNING))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,9 @@ import concurrent.futures
 import gzip
 import http.client
 import json
+import socket
 import threading
+import time
 import zlib
 
 import msgpack
@@ -619,3 +621,46 @@ def test_malformed_credentials_are_401_or_403_in_the_apis_shape_never_500(procs,
     got, _, _ = _raw_request(url, "GET", "/", [("Accept", b"text/html"),
                                                ("Cookie", (cookie + "²²²²²²²²²².abc").encode())])
     assert got < 500
+
+
+_MALFORMED_REQUESTS = [
+    b"GARBAGE\r\n\r\n",
+    b"GET / HTTP/9.9\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Bad Name: 1\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GET /\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-\xff: \xfe\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20_000 + b"\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nContent-Length: 2\r\n\r\n{}",
+    b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xc3(\r\n\r\n",
+]
+
+
+def test_every_line_the_balancer_logs_is_one_json_object_whatever_clients_send(procs, tmp_path):
+    """Malformed requests (bad request lines, bad headers, invalid UTF-8, bad lengths and chunks) make aiohttp log
+    its own errors through the standard library's logging; every line the balancer writes is still one JSON object
+    (aiohttp's included, with logger and level)."""
+    _, url, proc = _keyed_balancer(procs, tmp_path)
+    host, port = url.removeprefix("http://").split(":")
+    for raw in _MALFORMED_REQUESTS:
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(raw)
+            sock.shutdown(socket.SHUT_WR)
+            try:
+                while sock.recv(65536):
+                    pass
+            except OSError:
+                pass
+    assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+    deadline = time.monotonic() + 5
+    while "aiohttp.server" not in proc.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = proc.log().splitlines()
+    for line in lines:
+        assert isinstance(json.loads(line), dict), line
+    aiohttp_lines = [json.loads(line) for line in lines if '"aiohttp.server"' in line]
+    assert aiohttp_lines and all(line["level"] in ("error", "warning", "info") and line["event"]
+                                 for line in aiohttp_lines)

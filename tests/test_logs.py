@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -26,9 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def buffer():
-    """A buffer to log into; structlog's defaults come back afterwards, so later tests find it as they left it."""
+    """A buffer to log into; structlog's defaults and the root logger's handlers and level come back afterwards, so
+    later tests find them as they left them."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     yield io.StringIO()
     structlog.reset_defaults()
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def lines(buffer: io.StringIO) -> list[dict]:
@@ -194,3 +200,21 @@ def test_every_request_leaves_one_line_cancelled_ones_included(procs, tmp_path):
     assert by_model["model-b"]["id"] == streamed_id
     assert all((line["status"], line["error"]) == (499, "client disconnected") for line in by_model.values())
     assert by_model["model-a"]["route"] is None and by_model["model-b"]["route"] == "local"
+
+
+def test_standard_library_records_are_json_lines_with_their_logger_and_traceback(buffer):
+    """A record of the standard library's logging (aiohttp's loggers) is one JSON line: its message with its
+    arguments as ``event``, its level and logger, and its traceback as ``exception``; below warning, nothing."""
+    configure_logging(level="info", file=buffer)
+    try:
+        raise ValueError("bad\nrequest")
+    except ValueError:
+        logging.getLogger("aiohttp.server").exception("Error handling request from %s", "127.0.0.1")
+    logging.getLogger("aiohttp.server").info("hidden")
+    configure_logging(level="info", file=buffer)  # configured again: still one line per record, not two
+    logging.getLogger("asyncio").warning("a warning")
+    first, second = lines(buffer)
+    assert (first["event"], first["level"], first["logger"]) == ("Error handling request from 127.0.0.1", "error",
+                                                                 "aiohttp.server")
+    assert "ValueError: bad\nrequest" in first["exception"]
+    assert (second["event"], second["logger"]) == ("a warning", "asyncio")
