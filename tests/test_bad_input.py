@@ -664,3 +664,31 @@ def test_every_line_the_balancer_logs_is_one_json_object_whatever_clients_send(p
     aiohttp_lines = [json.loads(line) for line in lines if '"aiohttp.server"' in line]
     assert aiohttp_lines and all(line["level"] in ("error", "warning", "info") and line["event"]
                                  for line in aiohttp_lines)
+
+
+class _BadIdsReplica(MisbehavingReplica):
+    """A MisbehavingReplica that lists model ids no client should see: with CR/LF (a header split in two), with a
+    control character, empty, not a string, and one far too long; ``text-json`` stays a model it answers."""
+
+    MODELS = ("text-json", "evil\r\nX-Injected: 1", "tab\there", "", 7, "x" * 1000)
+
+
+def test_model_ids_a_replica_lists_are_validated_before_they_reach_a_client(procs, tmp_path):
+    """A replica listing a model id with CR/LF (or a control character, empty, not a string, too long): the id is
+    skipped with a warning naming the replica, so a request for it is a clean 404 in the API's shape instead of a
+    dropped connection logged as 200; the replica's valid model still answers, with its headers intact."""
+    with _BadIdsReplica() as replica:
+        cluster = Cluster(procs, tmp_path)
+        balancer = cluster.start_static_balancer([replica.url], engine="openai")
+        url = cluster.balancers["local"]
+        msg = [{"role": "user", "content": "hi"}]
+        status, body, headers = post_json(f"{url}/v1/chat/completions", {"model": "evil\r\nX-Injected: 1",
+                                                                         "messages": msg})
+        assert status == 404 and "X-Injected" not in headers, (status, body, headers)
+        assert body["error"]["param"] == "model"
+        status, body, headers = post_json(f"{url}/v1/chat/completions", {"model": "text-json", "messages": msg})
+        assert status == 200 and headers["X-SkyLB-Model"] == "text-json"
+        listed = {m["id"] for m in requests.get(f"{url}/v1/models", timeout=5).json()["data"]}
+        assert listed == {"text-json"}
+    skipped = [json.loads(line) for line in balancer.log().splitlines() if "replica_model_ids_skipped" in line]
+    assert skipped and skipped[0]["level"] == "warning" and skipped[0]["skipped"] == 5

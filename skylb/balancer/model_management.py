@@ -16,6 +16,7 @@ from aiohttp import web
 
 from skylb.balancer.api import ollama_error
 from skylb.balancer.balancer import Balancer
+from skylb.balancer.probers import checked_models
 from skylb.balancer.retry_after import retry_after_s
 from skylb.balancer.status import BALANCER
 from skylb.core import ReplicaState
@@ -72,7 +73,7 @@ async def _refresh(balancer: Balancer, replica: ReplicaState) -> None:
         raw = await adapter.models(balancer.session, replica.url, timeout_s=5.0)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return  # the next model-list refresh reads it
-    balancer.router.set_replica_models(replica.id, raw)
+    balancer.router.set_replica_models(replica.id, checked_models(replica.id, raw))
     if replica.fleet is not None:
         replica.fleet.observe_tags(slots)
     balancer.remember_models()

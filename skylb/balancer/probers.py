@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import structlog
 
-from skylb.balancer.protocol import MAX_STATUS_BYTES, STATUS_PATH, TOKEN_HEADER, ProtocolError, decode_status
+from skylb.balancer.protocol import (MAX_STATUS_BYTES, STATUS_PATH, TOKEN_HEADER, ProtocolError, decode_status,
+                                     valid_model_ids)
 from skylb.core import PeerState, ReplicaState, Router
 from skylb.core.fleet_rules import FleetView
 from skylb.engines import adapter_for
@@ -25,6 +26,16 @@ from skylb.engines.auto import detected_engine
 __all__ = ["Probers"]
 
 log = structlog.get_logger("skylb.balancer")
+
+
+def checked_models(replica_id: str, ids: list) -> list[str]:
+    """The model ids replica ``replica_id`` listed that are valid (protocol.valid_model_ids); the others are skipped
+    with a warning (an id reaches clients' answers and response headers: one with CR/LF would split a header)."""
+    good, bad = valid_model_ids(ids)
+    if bad:
+        log.warning("replica_model_ids_skipped", replica=replica_id, ids=bad[:10], skipped=len(bad),
+                    rule="1 to 512 printable characters")
+    return good
 
 
 class Probers:
@@ -123,6 +134,7 @@ class Probers:
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 return  # keep the list we have; retried at the next probe
             self._models_read_at[state.id] = self.now()
+            models = checked_models(state.id, models)
             if frozenset(models) != state.models:
                 self.router.set_replica_models(state.id, models)
 

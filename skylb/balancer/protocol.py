@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import msgpack
@@ -21,7 +22,8 @@ __all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SER
            "LEASE_HEADER",
            "QUEUE_MS_HEADER",
            "REQUEST_ID_HEADER", "BALANCER_REQUEST_ID_HEADER", "MAX_CLIENT_ID_CHARS", "MAX_STATUS_BYTES",
-           "client_request_id", "ProtocolError", "queued_ms", "encode_status", "decode_status", "token_ok"]
+           "client_request_id", "ProtocolError", "queued_ms", "encode_status", "decode_status", "token_ok",
+           "MAX_MODEL_ID_CHARS", "header_value", "valid_model_ids"]
 
 STATUS_PATH = "/skylb/v1/status"
 #: Set on a forwarded request: the region of the balancer that forwarded it. Such a request is never forwarded again.
@@ -124,6 +126,31 @@ def client_request_id(value: str | None) -> str | None:
     if value and len(value) <= MAX_CLIENT_ID_CHARS and value.isascii() and value.isprintable():
         return value
     return None
+
+
+#: The longest model id a replica may list (longer ones are skipped: no engine names a model so).
+MAX_MODEL_ID_CHARS = 512
+
+
+def header_value(value: object) -> str | None:
+    """``value`` when it may go into a response header as it is: a str of printable ASCII, so no CR or LF (a header
+    split in two, which aiohttp refuses only once the handler has returned, dropping the connection) and nothing
+    that fails to encode; else None."""
+    return value if isinstance(value, str) and value.isascii() and value.isprintable() else None
+
+
+def valid_model_ids(ids: Iterable[object]) -> tuple[list[str], list[str]]:
+    """Split the model ids a replica listed into (the valid ones, in order; the others as ``repr`` for a log line).
+    Valid: a str of 1 to MAX_MODEL_ID_CHARS printable characters (no CR, LF or other control character, no lone
+    surrogate from invalid UTF-8), since an id reaches clients' answers, the log and response headers."""
+    good: list[str] = []
+    bad: list[str] = []
+    for model in ids:
+        if isinstance(model, str) and 0 < len(model) <= MAX_MODEL_ID_CHARS and model.isprintable():
+            good.append(model)
+        else:
+            bad.append(repr(model)[:100])
+    return good, bad
 
 
 def token_ok(configured: str | None, given: str | None) -> bool:

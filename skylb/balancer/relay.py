@@ -23,7 +23,7 @@ from aiohttp import web
 from skylb.balancer.api import error_response
 from skylb.balancer.framing import FramingError, StreamFramer, stream_kind
 from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER,
-                                     MODEL_HEADER, ROUTE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER)
+                                     MODEL_HEADER, ROUTE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER, header_value)
 from skylb.balancer.translate import StreamTranslator, Translation
 from skylb.balancer.usage import UsageTap, usage_of, usage_of_body
 from skylb.core import Decision
@@ -139,10 +139,14 @@ class Relay:
             route, served_by = f"peer:{decision.target}", upstream.headers.get(SERVED_BY_HEADER, decision.target)
         headers = {ROUTE_HEADER: route, SERVED_BY_HEADER: served_by, BALANCER_REQUEST_ID_HEADER: request_id,
                    QUEUE_MS_HEADER: f"{decision.queued_s * 1000:.1f}"}
-        if decision.request.model:  # the model asked of the target (after a fallback, the fallback's)
-            headers[MODEL_HEADER] = decision.request.model
-        if "Content-Type" in upstream.headers:
-            headers["Content-Type"] = upstream.headers["Content-Type"]
+        # What a replica or peer said goes into a header only as printable ASCII (no CR/LF: a split header drops
+        # the client's connection after the handler returned); anything else is left out.
+        for name, value in ((MODEL_HEADER, decision.request.model),  # the model asked of the target (a fallback's)
+                            ("Content-Type", upstream.headers.get("Content-Type"))):
+            if header_value(value) is not None:
+                headers[name] = value
+        if header_value(served_by) is None:
+            headers[SERVED_BY_HEADER] = decision.target
         return headers
 
     async def relay(self, request: web.Request, body: bytes, decision: Decision, *, request_id: str,
