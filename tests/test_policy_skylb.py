@@ -255,10 +255,9 @@ def test_a_later_request_with_its_prefix_on_the_free_replica_goes_first():
     """Look-ahead: when a replica frees up, the first queued request (within ``queue_lookahead``) whose prefix that
     replica holds goes there ahead of a head that has no match on it; the head is passed over at most
     ``max_bypass`` times."""
-    router = _router(max_bypass=2)
+    router = _router(max_bypass=2, push_to_prefix_holder=False)  # the look-ahead alone: no push into r0's batch
     router.rules.max_dispatch_per_probe = 1  # one request per replica per probe: one placement per round here
     router.rules.learn_capacity = False  # the probes below report one running request however many were sent
-    B = "bravo " * 200
     for rid in router.replicas:  # r0 served B's conversation before
         router.observe_replica(rid, now=0.0, healthy=True, pending=3)
     router.policy.routed(Request("earlier", B, 0.0), replica="r0")
@@ -273,11 +272,58 @@ def test_a_later_request_with_its_prefix_on_the_free_replica_goes_first():
         assert got == (["q2"] if n == 0 else ["q0"]), "the head was passed over twice: it goes next"
 
 
+def _full_router(**options):
+    """Two replicas of a learned batch of 4, each running 5 (the batch and one allowed to wait) with nothing
+    waiting, probed at 0; r0 served B's conversation."""
+    router = _router(**options)
+    for rid in router.replicas:
+        router.replicas[rid].capacity.limit = 4
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0, running=5)
+        router.replicas[rid].capacity.limit = 4  # a probe may raise it: keep the batch at 4
+    router.policy.routed(Request("earlier", B, 0.0), replica="r0")
+    return router
+
+
+B = "bravo " * 200
+
+
+def _r0_busy_r1_idle(router):
+    """r0 has 5 of this balancer's requests in flight, r1 none and an empty batch (room)."""
+    router.replicas["r0"].outstanding = 5
+    router.observe_replica("r1", now=0.0, healthy=True, pending=0, running=0)
+
+
+def test_a_cache_hit_is_pushed_into_its_holders_full_batch():
+    """A request whose prefix a full replica holds goes into that replica's batch (it prefills only its tail
+    there) while one without a match waits here: selective pushing for misses, affinity for hits."""
+    router = _full_router()
+    router.enqueue(Request("hit", B + "more", arrived_at=0.01))
+    router.enqueue(Request("miss", A, arrived_at=0.02))
+    assert [(d.request.id, d.target) for d in router.dispatch(0.03)] == [("hit", "r0")]
+    assert [r.id for r in router.queue] == ["miss"]
+
+
+@pytest.mark.parametrize("setup, expected, why", [
+    (lambda r: setattr(r.replicas["r0"], "pending", 4), [], "as many waiting as its batch holds: it waits here"),
+    (lambda r: setattr(r.replicas["r0"], "max_concurrency", 5), [], "a stated bound (max_concurrency) holds"),
+    (lambda r: setattr(r.replicas["r0"], "slots", 4), [], "an engine's own slot count (llama.cpp) holds"),
+    (_r0_busy_r1_idle, [("hit", "r0")], "r1 idle, but a gap of 5 is within SGLang's 64: the hit goes to its holder"),
+    (_r0_busy_r1_idle, [("hit", "r1")],
+     "with the gap's threshold at 2, 5 against 0 is imbalanced: the replica with room takes it"),
+])
+def test_a_cache_hit_is_not_pushed_where_its_holder_cannot_take_it(setup, expected, why):
+    """No push into the holder's batch when a batch's worth already waits for it, when its bound is stated rather
+    than learned, or when the local replicas' loads are imbalanced (``holder_balance_*_threshold``)."""
+    router = _full_router(**({"holder_balance_abs_threshold": 2} if why.startswith("with the gap") else {}))
+    setup(router)
+    router.enqueue(Request("hit", B + "more", arrived_at=0.01))
+    assert [(d.request.id, d.target) for d in router.dispatch(0.03)] == expected, why
+
+
 def test_fcfs_without_lookahead():
     """``queue_lookahead`` 0 keeps strict first come, first served."""
-    router = _router(queue_lookahead=0)
+    router = _router(queue_lookahead=0, push_to_prefix_holder=False)  # the queue's order alone
     router.rules.max_dispatch_per_probe = 1
-    B = "bravo " * 200
     for rid in router.replicas:
         router.observe_replica(rid, now=0.0, healthy=True, pending=3)
     router.policy.routed(Request("earlier", B, 0.0), replica="r0")

@@ -110,6 +110,7 @@ class SkyLBOptions(SkyLBPaperOptions):
     """
 
     balance_abs_threshold: int = Field(8, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1)
     hold_for_faster: bool = True
     faster_ratio: float = Field(1.5, ge=1)
     prefill_tokens_per_s: float = Field(2000.0, gt=0)
@@ -123,6 +124,9 @@ class SkyLBOptions(SkyLBPaperOptions):
     tie_break: Literal["estimated-wait", "least-load"] = "estimated-wait"
     measured_prefill: bool = True
     placement: Literal["estimate", "predicted-ttft"] = "estimate"
+    push_to_prefix_holder: bool = True
+    holder_balance_abs_threshold: int = Field(64, ge=0)
+    holder_balance_rel_threshold: float = Field(1.5, ge=1)
     prefill_fixed_ms: float = Field(50.0, ge=0)
     ttft_balance_abs_threshold: int = Field(16, ge=0)
 
@@ -153,7 +157,8 @@ class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
     def choose(self, c):
         """The cheapest candidate by predicted TTFT (predicted_ttft.py), or the earlier rule (``placement``)."""
         if self.options.placement != "predicted-ttft":
-            return super().choose(c)
+            holder = self._busy_holder(c) if self.options.push_to_prefix_holder else None
+            return holder if holder is not None else super().choose(c)
         request = c.request
         kind, target = self.ttft.choose(
             c, match=lambda ids: self._replica_match(request, ids),
@@ -166,6 +171,26 @@ class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
         if kind in ("local", "push"):
             self.ttft.dispatched(request, target)  # recorded only once it is sent: a held request leaves nothing
         return target
+
+    def _busy_holder(self, c):
+        """The least loaded full local replica holding ``c.request``'s prefix (replica-trie match of at least
+        ``match_threshold``) when no replica with room holds it and the local replicas' outstanding requests are
+        not imbalanced at ``holder_balance_*_threshold``; else None (the rest of the rule decides)."""
+        busy = c.busy
+        if not busy:
+            return None
+        everyone = [*c.local, *busy]
+        # Not the memoised match: that one is over the replicas with room, which the rest of the rule prices.
+        m = self.replica_trie.match(self._key(c.request), {r.id for r in everyone})
+        if not m.targets or m.ratio < self.options.match_threshold or any(r.id in m.targets for r in c.local):
+            return None
+        holders = [r for r in busy if r.id in m.targets and _queue_shorter_than_batch(r)]
+        if not holders:
+            return None
+        holder = self.least_loaded(holders)
+        o = self.options
+        imbalanced = loads_imbalanced(everyone, o.holder_balance_abs_threshold, o.holder_balance_rel_threshold)
+        return None if imbalanced else holder
 
     def _ttft_guard(self, local):
         """The least loaded of ``local`` when their loads are imbalanced at ``ttft_balance_abs_threshold``, else
@@ -330,3 +355,16 @@ class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
             if cost is not None and cost < best_s:
                 best, best_s = p, cost
         return best
+
+
+def _queue_shorter_than_batch(replica) -> bool:
+    """True when ``replica``'s batch is bounded only by its learned admission capacity (skylb/core/capacity.py)
+    and fewer requests wait for it than that capacity, so a request pushed there starts within about one turnover
+    of the batch. False for an engine that reports its slots (llama.cpp) or a replica with ``max_concurrency``:
+    those bounds are stated, not estimated, and are never exceeded."""
+    if replica.slots is not None or replica.max_concurrency is not None or replica.running is None:
+        return False
+    limit = replica.capacity.limit
+    # The probe's running and waiting, plus what this balancer sent since; its own in-flight count never errs low.
+    waiting = max(replica.running + replica.pending + replica.sent_since_probe, replica.outstanding) - limit
+    return waiting < limit
