@@ -31,7 +31,7 @@ def test_a_half_empty_batch_beside_a_waiting_prompt_halves_the_limit_at_most():
 
 
 def test_a_retest_is_undone_when_the_engine_keeps_its_batch_and_kept_when_it_runs_more():
-    c = AdmissionCapacity(limit=4, saturated=True, held_since=0.0)
+    c = AdmissionCapacity(limit=4, saturated=True, held_since=0.0, hold_s=5.0)
     c.observe(1.0, pending=0, running=4)
     assert c.limit == 4  # within the hold
     c.observe(5.0, pending=0, running=4)

@@ -30,6 +30,11 @@ and congestion avoidance), per replica:
   within ``settle_s`` (a batch of 4 turns over every few hundred ms) never lowered the limit, and it crept up with
   one more request waiting in the engine at every retest (measured live: 1.3 requests waiting on average, where
   HAProxy's per-server ``maxconn`` left 0.3).
+  ``hold_s`` is 1 s, not the 5 s it was: after a fall (a burst of cold prompts filling the KV cache early in a run
+  halved one limit to 15 where the engine later ran 90), growing by an eighth per 5 s took over a minute to
+  return, while the balancer queued hundreds of requests for engines with room (simulated 150-tenant workload at
+  2x, validation seed: P90 TTFT 41.6 s at 5 s, 0.66 s at 1 s); an undone retest costs one request waiting for a
+  step, now at most once a second.
 
 Between probes the balancer counts what it sent (skylb/core/state.py): a replica is full when the probe's running
 count plus the requests sent since that probe, or this balancer's own requests in flight there, reach the limit
@@ -65,7 +70,7 @@ class AdmissionCapacity:
     waiting_since: float | None = None
     streak_running: int = 0
     held_since: float | None = None
-    hold_s: float = 5.0
+    hold_s: float = 1.0
     settle_s: float = 0.5
     trial_from: int | None = None
 
