@@ -21,6 +21,16 @@ def test_run_one_applies_policy_options_end_to_end():
         raise AssertionError("an unknown policy option was accepted")
 
 
+def test_run_one_runs_a_matrix_cell_with_an_option(monkeypatch):
+    """A robustness-matrix cell as the scenario: its own workload and replicas (12), and a policy option reaches
+    the policy (turning the push of cache hits off changes the run)."""
+    monkeypatch.setitem(__import__("bench.sim.matrix", fromlist=["TIMES"]).TIMES, "open", (20.0, 5.0))
+    on = run_one(("multi_tenant@2x", "SkyLB", 0))
+    off = run_one(("multi_tenant@2x", "SkyLB+push_to_prefix_holder=False", 0))
+    assert on.replicas == off.replicas == 12 and on.scenario == "multi_tenant@2x"
+    assert on.completed > 0 and (on.hit_rate, on.ttft_p90) != (off.hit_rate, off.ttft_p90)
+
+
 def test_table_gives_mean_and_spread_per_label_scenario_system():
     """Two seeds of one system become one row with their mean and [min, max]; other lines are ignored."""
     lines = ["VAL arena        SkyLB      s3 p90=  0.40 p50= 0.17 thr= 14.00 hit= 50.0% q= 0.00 pend=0.06 fwd= 7.0% wall=1",

@@ -4,7 +4,8 @@
 systems separated by ';', each a key of bench/sim/systems.py SYSTEMS optionally followed by ``+option=value`` (an
 option of the system's policy, a Python literal) or ``+cfg.setting=value`` (a balancer setting, skylb/config.py),
 e.g. ``'SkyLB;SkyLB+placement="predicted-ttft"'``. ``TRACE=path`` replays another Mooncake-format trace in the
-trace scenarios. Each line gives P90 and P50 TTFT (s), throughput (req/s), prefix hit rate, mean requests queued at
+trace scenarios. A scenario may also be a robustness-matrix cell ("multi_tenant@2x"; ``SPLIT=val`` for the
+validation split's trace windows). Each line gives P90 and P50 TTFT (s), throughput (req/s), prefix hit rate, mean requests queued at
 the balancers, mean pending requests per replica, forwarded share and the run's wall time (s).
 
 ``python -m bench.sim.ab --table FILE...``: a Markdown table of such lines (each optionally prefixed by a label
@@ -29,24 +30,36 @@ LINE = re.compile(r"^(?P<label>(?:[A-Z]+ )*)(?P<scenario>\S+)\s+(?P<system>\S+)\
 
 
 def run_one(args: tuple[str, str, int]):
-    """Run (scenario, system spec, seed) to completion; returns its bench.sim.metrics.RunSummary."""
+    """Run (scenario, system spec, seed) to completion; returns its bench.sim.metrics.RunSummary. A scenario named
+    like a robustness-matrix cell ("multi_tenant@2x", bench/sim/matrix.py) runs that cell: its workload, load,
+    replicas and times, trace windows of the split in ``SPLIT`` (dev or val, default dev)."""
     from bench.sim.metrics import summarize
     from bench.sim.regime import engine_params
-    from bench.sim.scenarios import SCENARIOS
     from bench.sim.systems import SYSTEMS, build
     from skylb.config import BalancerConfig
     sc_name, spec, seed = args
     key, *opts = spec.split("+")
-    system, sc = SYSTEMS[key], SCENARIOS[sc_name]
-    workload = sc.make_workload(seed, trace=os.environ.get("TRACE"))
+    system = SYSTEMS[key]
     options = {k: ast.literal_eval(v) for k, v in (x.split("=", 1) for x in opts)}
     top = {k[4:]: options.pop(k) for k in list(options) if k.startswith("cfg.")}
     base = (BalancerConfig.model_validate(BalancerConfig().model_dump() | top | {"policies": {system.policy: options}})
             if options or top else None)
+    params = engine_params()
+    if "@" in sc_name:
+        from bench.sim.matrix import TIMES, WORKLOADS, parse_cell, trace_window
+        name, load = parse_cell(sc_name)
+        wl = WORKLOADS[name]
+        stop_at, warmup_s = TIMES[wl.kind]
+        workload = wl.make(seed, load, trace_window(os.environ.get("SPLIT", "dev"), seed), stop_at)
+        counts, extra = dict(wl.counts), {"replica_params": wl.replica_params(params)}
+    else:
+        from bench.sim.scenarios import SCENARIOS
+        sc = SCENARIOS[sc_name]
+        workload, stop_at, warmup_s = sc.make_workload(seed, trace=os.environ.get("TRACE")), sc.stop_at, sc.warmup_s
+        counts, extra = dict(sc.deployments[0]), {}
     t0 = time.perf_counter()
-    cluster = build(system, workload, dict(sc.deployments[0]), seed=seed, stop_at=sc.stop_at, params=engine_params(),
-                    settings=base).run()
-    return summarize(cluster, scenario=sc_name, system=spec, layout=system.layout, warmup_s=sc.warmup_s, seed=seed,
+    cluster = build(system, workload, counts, seed=seed, stop_at=stop_at, params=params, settings=base, **extra).run()
+    return summarize(cluster, scenario=sc_name, system=spec, layout=system.layout, warmup_s=warmup_s, seed=seed,
                      wall_s=time.perf_counter() - t0)
 
 

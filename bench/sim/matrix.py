@@ -69,7 +69,7 @@ from bench.sim.workloads_extra import mean_turns, multi_tenant, reviews, tool_ag
 
 __all__ = ["MatrixWorkload", "MatrixRun", "WORKLOADS", "LOADS", "MATRIX_SYSTEMS", "DEFAULT", "SINGLES", "SPLITS",
            "TIMES", "QUICK", "SLOW_FACTOR", "cell_name", "parse_cell", "split_seeds",
-           "runs_for", "execute_run", "saturated_rps", "one_x_rps", "replica_params"]
+           "runs_for", "execute_run", "trace_window", "saturated_rps", "one_x_rps", "replica_params"]
 
 #: The default routing policy the matrix judges, the other systems, and the single balancers among them.
 DEFAULT = "SkyLB"
@@ -246,7 +246,7 @@ def split_seeds(split: str) -> tuple[int, ...]:
     return SPLITS[split]
 
 
-def _window(split: str, seed: int) -> str:
+def trace_window(split: str, seed: int) -> str:
     """The trace window of one run: the split's, or under "all" the split its seed belongs to (0-2 dev)."""
     if split != "all":
         return split
@@ -294,7 +294,7 @@ def execute_run(spec: MatrixRun) -> RunSummary:
     system = SYSTEMS[spec.system]
     stop_at, warmup = TIMES["quick" if spec.quick else wl.kind]
     t0 = time.perf_counter()
-    workload = wl.make(spec.seed, spec.load, _window(spec.split, spec.seed), stop_at)
+    workload = wl.make(spec.seed, spec.load, trace_window(spec.split, spec.seed), stop_at)
     params = engine_params()
     own = wl.replica_params(params)
     runs = []
