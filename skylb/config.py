@@ -137,7 +137,7 @@ class ControllerConfig(_Strict):
 
 class RetryPolicy(_Strict):
     """Retries before the first byte (Envoy's ``retry_policy`` and ``retry_budget``): a request whose target refused
-    it, timed out before its first byte or answered 502/503/504 before any byte reached the client goes back to the
+    it, timed out before its first byte or answered 500/502/503/504 before any byte reached the client goes back to the
     head of the queue, after a jittered backoff, and is routed again to another target (never the one that just
     failed while another is usable). Once a byte reached the client it is never retried (no spliced generations)."""
 
