@@ -22,8 +22,8 @@ CUT_BY_S = 6.0
 
 @pytest.fixture(scope="module")
 def balancer(tmp_path_factory):
-    """A static balancer with 1-s deadlines on reading requests, 2-s idle keep-alive, a cap of 6 connections in front of one emulated replica;
-    yields its (host, port)."""
+    """A static balancer with 1-s deadlines on reading requests, 2-s idle keep-alive and a cap of 6 connections, in
+    front of one emulated replica; yields its (host, port)."""
     tmp = tmp_path_factory.mktemp("client-limits")
     with ProcGroup(tmp / "logs") as procs:  # every process stopped at the end, also on failure
         cluster = Cluster(procs, tmp, balancer={"client_connections": LIMITS})

@@ -115,8 +115,8 @@ class GuardedRequestHandler(web.RequestHandler):
         log.info("client_cut", reason="header_timeout", limit_s=self._limits.header_timeout_s,
                  bytes_received=self._head_bytes, peer=_peer(self.transport))
         if self._head_bytes:  # nothing to answer to a connection that never sent a byte (nginx does the same)
-            self.transport.write(_bare(408, "Request Timeout", "request head not complete within "
-                                       f"balancer.client_connections.header_timeout_s ({self._limits.header_timeout_s} s)"))
+            self.transport.write(_bare(408, "Request Timeout", "request head not complete within balancer."
+                                       f"client_connections.header_timeout_s ({self._limits.header_timeout_s} s)"))
         self.force_close()  # as aiohttp's own keep-alive timeout does: the idle handler ends, the socket closes
 
     def _watch_body(self, payload, started: float) -> None:

@@ -41,8 +41,9 @@ from aiohttp import web
 
 from skylb.tokens import from_this_machine, secret_matches
 
-__all__ = ["PageAccess", "LoginThrottle", "LOGIN_FREE_FAILURES", "LOGIN_LOCK_MAX_S", "ACCESS", "ADMIN_SESSION", "PEER_SESSION", "SESSION_TTL_S", "LOGIN_PATH", "LOGOUT_PATH",
-           "STATIC_PREFIX", "OPEN_PATHS", "session_value", "session_ok", "wants_html", "handle_page", "ROUTES"]
+__all__ = ["PageAccess", "LoginThrottle", "LOGIN_FREE_FAILURES", "LOGIN_LOCK_MAX_S", "ACCESS", "ADMIN_SESSION",
+           "PEER_SESSION", "SESSION_TTL_S", "LOGIN_PATH", "LOGOUT_PATH", "STATIC_PREFIX", "OPEN_PATHS", "session_value",
+           "session_ok", "wants_html", "handle_page", "ROUTES"]
 
 #: The session cookies' names: the controller's (admin token) and the balancers' (peer token), apart so that a
 #: controller and a balancer on one host (ports do not separate cookies, RFC 6265 §8.5) keep their sessions.
@@ -63,8 +64,8 @@ _HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'non
             "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
 
 
-#: Wrong tokens in a row from one address that are free; the next locks it out (OWASP's authentication cheat sheet: lock out
-#: after a few failures, with a growing delay).
+#: Wrong tokens in a row from one address that are free; the next locks it out (OWASP's authentication cheat
+#: sheet: lock out after a few failures, with a growing delay).
 LOGIN_FREE_FAILURES = 5
 #: The first lockout, s; each further wrong token doubles it, up to LOGIN_LOCK_MAX_S (reached at the 16th).
 LOGIN_LOCK_BASE_S = 1.0
