@@ -188,9 +188,9 @@ class Relay:
         url = decision.url + (translation.path if translation is not None else request.rel_url.path_qs)
         first_timeout = self.first_byte_timeout_s if stream else self.response_timeout_s
 
-        def failed(status: int, error: str, failure: str = "gateway") -> RelayOutcome:
+        def failed(status: int, error: str) -> RelayOutcome:  # a 500 is a 5xx, the rest (502-504) gateway failures
             response = None if retry_allowed else error_response(api, status, error)
-            return RelayOutcome(response, status, error=error, failure=failure)
+            return RelayOutcome(response, status, error=error, failure=_failure_of(status))
 
         upstream_cm = self.session.post(url, data=body,
                                         headers=self._upstream_headers(request, decision, request_id, trace_headers))
@@ -204,8 +204,7 @@ class Relay:
                         watchdog = asyncio.create_task(_watch(abandon, check_s, deadline, abandoned))
                     upstream = await upstream_cm.__aenter__()
                     if upstream.status in RETRYABLE_STATUSES and retry_allowed:
-                        return failed(upstream.status, f"{decision.target} answered {upstream.status}",
-                                      _failure_of(upstream.status))
+                        return failed(upstream.status, f"{decision.target} answered {upstream.status}")
                     framer, first, data, eof = await _read_until_first_event(upstream)
             except TimeoutError:
                 return failed(504, f"{decision.route} {decision.target} " + (
