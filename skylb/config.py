@@ -36,6 +36,7 @@ __all__ = [
     "EtcdStoreConfig",
     "RetryPolicy",
     "OutlierDetection",
+    "ClientConnections",
     "RegionConfig",
     "DeploymentConfig",
     "load_config", "balancer_environment", "balancer_settings",
@@ -136,7 +137,7 @@ class ControllerConfig(_Strict):
 
 class RetryPolicy(_Strict):
     """Retries before the first byte (Envoy's ``retry_policy`` and ``retry_budget``): a request whose target refused
-    it, timed out before its first byte or answered 502/503/504 before any byte reached the client goes back to the
+    it, timed out before its first byte or answered 500/502/503/504 before any byte reached the client goes back to the
     head of the queue, after a jittered backoff, and is routed again to another target (never the one that just
     failed while another is usable). Once a byte reached the client it is never retried (no spliced generations)."""
 
@@ -185,6 +186,34 @@ class OutlierDetection(_Strict):
     #: Panic threshold, percent: below this share of healthy, un-ejected targets ejection is ignored (Envoy's
     #: ``healthy_panic_threshold``: 50); 0 disables panic.
     healthy_panic_threshold: float = Field(50.0, ge=0, le=100)
+
+
+class ClientConnections(_Strict):
+    """Deadlines on clients and a cap on their connections, as well-known proxies set them (nginx's
+    ``client_header_timeout``, ``client_body_timeout`` and ``keepalive_timeout``, HAProxy's ``timeout http-request``
+    and ``maxconn``), so a client sending one byte a second cannot hold a connection for ever, nor many such clients
+    every file descriptor (skylb/balancer/listener.py). Peers and the controller connect as clients too."""
+
+    #: A request's head (request line and headers) must be complete within this many seconds of its first byte,
+    #: the first request's within this of the connection opening; else 408 and the connection is closed (closed
+    #: without an answer when no byte came) (nginx ``client_header_timeout``: 60 s).
+    header_timeout_s: float = Field(60.0, gt=0)
+    #: A request's body must be complete within this many seconds of its head, plus one second for every
+    #: ``body_min_rate_bytes_s`` bytes received (Apache's ``RequestReadTimeout body=60,MinRate=500``); else 408 in
+    #: the API's shape and the connection is closed. A deadline, not a gap between reads (nginx
+    #: ``client_body_timeout``), which a client sending a byte a second never reaches.
+    body_timeout_s: float = Field(60.0, gt=0)
+    #: The least body rate that keeps extending the body's deadline, bytes/s; 0: the deadline is ``body_timeout_s``
+    #: whatever the size (the largest body, ``max_body_bytes``, must then fit in it).
+    body_min_rate_bytes_s: float = Field(500.0, ge=0)
+    #: An idle keep-alive connection (no request since the last answer ended) is closed after this many seconds
+    #: (aiohttp's ``keepalive_timeout``; nginx ``keepalive_timeout``: 75 s).
+    keepalive_timeout_s: float = Field(75.0, gt=0)
+    #: Open client connections at most; one more is answered 503 with Retry-After and closed (nginx ``limit_conn``
+    #: answers 503). Every queued or streaming request holds one, so keep it above ``max_queue`` plus the requests
+    #: in flight, and below the process's file descriptor limit (LimitNOFILE=65536 in deploy/systemd) halved, since
+    #: a request in flight also holds a connection to its replica.
+    max_connections: int = Field(16_384, gt=0)
 
 
 class BalancerConfig(_Strict):
@@ -301,6 +330,8 @@ class BalancerConfig(_Strict):
     #: shutting down, a queue 503 before any dispatch rate is known), s; each answer draws from [base, 1.5 x base].
     retry_after_s: int = Field(5, ge=1)
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
+    #: Deadlines on reading clients' requests, idle keep-alive and a cap on open connections (``ClientConnections``).
+    client_connections: ClientConnections = Field(default_factory=ClientConnections)
     outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
     #: Ollama fleets: thermal state, fit, hot preference, pre-warm, fallbacks, num_ctx pinning, embedding slot
     #: (skylb/core/fleet_rules.py ``FleetSettings``; README "Ollama fleets"); routing changes are off by default.

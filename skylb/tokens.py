@@ -10,7 +10,8 @@ import hmac
 import ipaddress
 from pathlib import Path
 
-__all__ = ["ADMIN_TOKEN_ENV", "ADMIN_TOKEN_FILE_ENV", "PEER_TOKEN_ENV", "PLACEHOLDER_PREFIX", "check_token",
+__all__ = ["ADMIN_TOKEN_ENV", "ADMIN_TOKEN_FILE_ENV", "PEER_TOKEN_ENV", "PLACEHOLDER_PREFIX", "MIN_TOKEN_CHARS",
+           "MIN_TOKEN_DISTINCT", "check_token",
            "read_token_file", "secret_matches", "from_this_machine"]
 
 #: The controller's admin token (every change of membership; skylb-ctl sends it).
@@ -23,11 +24,30 @@ PEER_TOKEN_ENV = "SKYLB_PEER_TOKEN"
 PLACEHOLDER_PREFIX = "replace-with-"
 
 
-def check_token(name: str, token: str | None) -> str | None:
-    """``token`` unchanged; ValueError naming ``name`` (never the value) when it is still the deployment files'
-    placeholder, so a forgotten install step stops the process instead of running with a public secret."""
-    if token is not None and token.startswith(PLACEHOLDER_PREFIX):
-        raise ValueError(f"{name} is still the example placeholder; generate one, e.g. with openssl rand -hex 32")
+#: The least a peer or admin token must have: this many characters ...
+MIN_TOKEN_CHARS = 32
+#: ... this many of them different (a run of one letter, or a word padded with one, is no secret) ...
+MIN_TOKEN_DISTINCT = 10
+#: ... and only printable ASCII without spaces, what a header, a cookie and an env file carry unchanged.
+#: `secrets.token_urlsafe(32)` (43 characters) and `openssl rand -hex 32` (64) pass.
+GENERATE_HINT = "python -c 'import secrets; print(secrets.token_urlsafe(32))' (or openssl rand -hex 32)"
+
+
+def check_token(name: str, token: str | None, *, strong: bool = True) -> str | None:
+    """``token`` unchanged. Raises ValueError naming ``name`` and the rule (never the value) when it is still the
+    deployment files' placeholder (a forgotten install step stops the process instead of running with a public
+    secret) or, with ``strong`` (peer and admin tokens), when it is weaker than the minimum above (a guessable
+    secret opens membership changes and peer endpoints)."""
+    if token is None:
+        return None
+    if token.startswith(PLACEHOLDER_PREFIX):
+        raise ValueError(f"{name} is still the example placeholder; generate one with {GENERATE_HINT}")
+    if strong and (len(token) < MIN_TOKEN_CHARS or len(set(token)) < MIN_TOKEN_DISTINCT
+                   or not all("!" <= c <= "~" for c in token)):
+        raise ValueError(
+            f"{name} is too weak: it needs at least {MIN_TOKEN_CHARS} characters, at least {MIN_TOKEN_DISTINCT} of "
+            f"them different, all printable ASCII without spaces (it has {len(token)} characters, "
+            f"{len(set(token))} different); generate one with {GENERATE_HINT}")
     return token
 
 

@@ -114,7 +114,7 @@ def test_expired_lease_is_reclaimed_with_its_slot_and_tokens(procs, tmp_path):
 def test_schedule_heartbeat_complete_advice_and_leased_generation(procs, tmp_path):
     quotas = {"groups": {"solo": {"m-b": 1}}, "models": {"m-b": {"max_concurrent": 1, "tokens_per_minute": 60000}},
               "tenants": {"batch": {"limits": {"*": {"max_concurrent": 3}}}}}
-    cluster, url, _ = _cluster(procs, tmp_path, quotas, ["m-b"], wait_s=1.0, peer_token="p" * 32,
+    cluster, url, _ = _cluster(procs, tmp_path, quotas, ["m-b"], wait_s=1.0, peer_token="admission-peer-token-6e2b9d04c7a1f358",
                                balancer={"tenants": {"batch": ["key-batch-0123456789"]}})
     auth = {"Authorization": "Bearer key-batch-0123456789"}
     # Client endpoints: a client key is needed; the peer status stays peer-only.

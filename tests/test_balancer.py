@@ -378,9 +378,10 @@ def test_peer_token_from_the_environment_overrides_the_config(procs, tmp_path):
     """$SKYLB_PEER_TOKEN (what the systemd EnvironmentFile and the Kubernetes Secret set) is the token peers must
     send, over ``balancer.peer_token`` in the config; without it the config's token holds."""
     cfg = tmp_path / "token.yaml"
-    cfg.write_text("balancer:\n  peer_token: from-config\nregions:\n  us: {}\n")
+    from_config, from_env = "peer-token-from-the-config-5e8a1c07", "peer-token-from-the-env-93b4d6f2a7"
+    cfg.write_text(f"balancer:\n  peer_token: {from_config}\nregions:\n  us: {{}}\n")
     ports = free_ports(2)
-    for port, env in zip(ports, ({"SKYLB_PEER_TOKEN": "from-env"}, {"SKYLB_PEER_TOKEN": ""})):
+    for port, env in zip(ports, ({"SKYLB_PEER_TOKEN": from_env}, {"SKYLB_PEER_TOKEN": ""})):
         procs.skylb("balancer", "--config", str(cfg), "--region", "us", "--port", str(port),
                     "--controller", "http://127.0.0.1:1", name=f"balancer-{port}", env=env,
                     wait_url=f"http://127.0.0.1:{port}/healthz")
@@ -390,8 +391,8 @@ def test_peer_token_from_the_environment_overrides_the_config(procs, tmp_path):
         return requests.get(f"http://127.0.0.1:{port}/skylb/v1/status", headers=headers, timeout=5).status_code
 
     env_port, config_port = ports
-    assert [status(env_port, t) for t in (None, "from-config", "from-env")] == [403, 403, 200]
-    assert [status(config_port, t) for t in (None, "from-env", "from-config")] == [403, 403, 200]
+    assert [status(env_port, t) for t in (None, from_config, from_env)] == [403, 403, 200]
+    assert [status(config_port, t) for t in (None, from_env, from_config)] == [403, 403, 200]
 
 
 async def test_model_lists_refresh_on_schedule():

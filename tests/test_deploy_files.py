@@ -781,9 +781,11 @@ def test_skylb_pods_start_from_the_manifests(procs, tmp_path):
 
     controller_url = f"http://127.0.0.1:{controller_port}"
     procs.start(argv("skylb-controller"), name="controller", wait_url=f"{controller_url}/healthz",
-                env={"SKYLB_ADMIN_TOKEN": "admin-from-the-secret", "SKYLB_PEER_TOKEN": "from-the-secret"})
+                env={"SKYLB_ADMIN_TOKEN": "admin-from-the-secret-8e41c0d7f3",
+                     "SKYLB_PEER_TOKEN": "peer-from-the-secret-2a9f63b5c81"})
     url = f"http://127.0.0.1:{balancer_port}"
-    procs.start(argv("skylb-balancer-us"), name="balancer-us", env={"SKYLB_PEER_TOKEN": "from-the-secret"},
+    procs.start(argv("skylb-balancer-us"), name="balancer-us",
+                env={"SKYLB_PEER_TOKEN": "peer-from-the-secret-2a9f63b5c81"},
                 wait_url=f"{url}/healthz")
     deadline = time.monotonic() + 15
     while not (registered := requests.get(f"{controller_url}/v1/balancers", timeout=5).json()["balancers"]):
@@ -791,12 +793,12 @@ def test_skylb_pods_start_from_the_manifests(procs, tmp_path):
         time.sleep(0.1)
     assert [(b["region"], b["url"]) for b in registered] == [("us", url)]
     assert requests.get(f"{url}/skylb/v1/status", timeout=5).status_code == 403
-    assert requests.get(f"{url}/skylb/v1/status", headers={"X-SkyLB-Token": "from-the-secret"},
+    assert requests.get(f"{url}/skylb/v1/status", headers={"X-SkyLB-Token": "peer-from-the-secret-2a9f63b5c81"},
                         timeout=5).status_code == 200
     replica = {"region": "us", "url": "http://127.0.0.1:9"}
     assert requests.post(f"{controller_url}/v1/replicas", json=replica, timeout=5).status_code == 401
     assert requests.post(f"{controller_url}/v1/replicas", json=replica, timeout=5,
-                         headers={"Authorization": "Bearer admin-from-the-secret"}).status_code == 201
+                         headers={"Authorization": "Bearer admin-from-the-secret-8e41c0d7f3"}).status_code == 201
 
 
 # --- etcd ---------------------------------------------------------------------------------------------------------

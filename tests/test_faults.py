@@ -448,3 +448,28 @@ def test_counters_return_to_zero_when_a_replica_is_removed_and_killed_with_strea
     cluster.wait_until(lambda: [r["id"] for r in cluster.status("us")["replicas"]] == ["r1"], timeout_s=30,
                        what="r0 dropped")
     cluster.assert_counters_return_to_zero()
+
+
+def test_a_replica_answering_500_is_retried_before_the_first_byte_and_the_client_gets_the_others_200(procs,
+                                                                                                      tmp_path):
+    """One of two replicas answers every generation with 500 (the fault schedule's failing engine): each request
+    routed there is retried on the other before any byte reached the client, streamed or not, so the client gets
+    200 from the healthy one, and the retries are counted."""
+    # consecutive_5xx 100: the failing replica is not ejected, so round robin keeps sending it requests to retry
+    cluster = Cluster(procs, tmp_path, balancer={"policy": "round-robin",
+                                                 "outlier_detection": {"consecutive_5xx": 100}})
+    bad, good = cluster.start_emulator(2, "--fault-control", *FAST)
+    assert requests.put(f"{bad}/emulator/faults", json={"error_status": 500}, timeout=5).status_code == 200
+    cluster.start_static_balancer([bad, good], engine="vllm")
+    url = cluster.balancers["local"]
+    results = [_stream(url, f"five hundred {i}") for i in range(3)]
+    for i in range(3):
+        r = requests.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": f"whole {i}"}]})
+        results.append({"status": r.status_code, "served_by": r.headers.get("X-SkyLB-Served-By"),
+                        "error": None if r.ok else r.text, "done": r.ok})
+    print("500 replica:", results)
+    assert all(r["status"] == 200 and r["error"] is None and r["done"] for r in results), results
+    good_id = next(r["id"] for r in cluster.status("local")["replicas"] if r["url"] == good)
+    assert {r["served_by"] for r in results} == {f"local/{good_id}"}
+    assert _counter(url, "skylb_retries_total") >= 2  # round robin: at least 2 of the 6 went to the 500 first

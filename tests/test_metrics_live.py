@@ -40,7 +40,7 @@ KEYS = {"alpha": "key-alpha-0123456789", "tiny": "key-tiny-0123456789"}
 RATE_INTERVAL = "1m"
 LONG_PROMPT = "tell me about the regions of the world " * 160  # about 1,300 tokens: two fill us's prefill backlog
 REGIONS = {"us": 1, "eu": 2, "asia": 2}  # emulated vLLM replicas per region
-PEER_TOKEN, ADMIN_TOKEN = "peer-token-metrics-live", "admin-token-metrics-live"
+PEER_TOKEN, ADMIN_TOKEN = "peer-token-metrics-live-9c1e47b2", "admin-token-metrics-live-3f8a60d5"
 BALANCER = {"probe_interval_ms": 100, "tenants": {t: [k] for t, k in KEYS.items()},
             "quotas": {"tenants": {"tiny": {"limits": {"*": {"requests_per_minute": 2}}}}},
             "quota": {"wait_s": 0.2, "local_share": 1.0},

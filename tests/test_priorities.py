@@ -20,6 +20,8 @@ import requests
 
 from tests.cluster import Cluster
 
+PEER_TOKEN = "priorities-peer-token-0d7c3e91a5b2f846"
+
 OLLAMA_MODEL = "llama3.1:8b"
 #: Half speed: a 20-token generation takes about half a second, a 60-token one about 1.5 s.
 EMULATOR = ("--engine", "ollama", "--model", OLLAMA_MODEL, "--parallel", "1", "--time-scale", "0.5")
@@ -156,7 +158,7 @@ def test_two_tenants_with_weights_2_to_1_share_a_saturated_replica_2_to_1(procs,
     keys = {"a": "key-a", "b": "key-b", "c": "key-c"}
     cfg = {"tenants": {t: [k] for t, k in keys.items()},
            "quotas": {"tenants": {"a": {"weight": 2}, "b": {"weight": 1}}}}
-    cluster, url, _ = _region(procs, tmp_path, balancer=cfg, peer_token="peer-secret")
+    cluster, url, _ = _region(procs, tmp_path, balancer=cfg, peer_token=PEER_TOKEN)
     auth = {t: {"Authorization": f"Bearer {k}"} for t, k in keys.items()}
     order = _Order()
     with ThreadPoolExecutor(20) as pool:
@@ -169,7 +171,7 @@ def test_two_tenants_with_weights_2_to_1_share_a_saturated_replica_2_to_1(procs,
                                        lambda t=tenant, i=i: _generate(url, f"{t} {i}", SHORT // 2, auth[t])))
             _queue(cluster, len(futures))
         assert cluster.status("us")["replicas"][0]["outstanding"] == 1, "the blocker ended before all queued"
-        metrics = _metrics(url, {"Authorization": "Bearer peer-secret"})
+        metrics = _metrics(url, {"Authorization": f"Bearer {PEER_TOKEN}"})
         assert _sample(metrics, "skylb_queue_length_by_class", priority="normal", tenant="a") == 9
         assert _sample(metrics, "skylb_queue_length_by_class", priority="normal", tenant="b") == 9
         assert blocker.result(timeout=60).status_code == 200
@@ -232,7 +234,7 @@ def test_a_forwarded_request_keeps_its_class_and_tenant_and_clients_cannot_set_t
     high and as tenant a (X-SkyLB-Priority, X-SkyLB-Tenant with the peer token), although the client's own key
     never reaches eu. A client sending those headers itself is not believed."""
     cfg = {"priorities": {"enabled": True}, "tenants": {"a": ["key-a"], "b": ["key-b"]}}
-    cluster = Cluster(procs, tmp_path, balancer=cfg, peer_token="peer-secret")
+    cluster = Cluster(procs, tmp_path, balancer=cfg, peer_token=PEER_TOKEN)
     regions = ["us", "eu"]
     cluster.start_controller(regions)
     [replica] = cluster.start_emulator(1, *EMULATOR, name="emu-eu")
@@ -250,7 +252,7 @@ def test_a_forwarded_request_keeps_its_class_and_tenant_and_clients_cannot_set_t
     direct = _generate(eu, "direct", 2, headers={"Authorization": "Bearer key-b", "X-SkyLB-Priority": "critical",
                                                  "X-SkyLB-Tenant": "a"})
     assert direct.status_code == 200 and direct.headers["X-SkyLB-Route"] == "local"
-    metrics = _metrics(eu, {"Authorization": "Bearer peer-secret"})
+    metrics = _metrics(eu, {"Authorization": f"Bearer {PEER_TOKEN}"})
     assert _sample(metrics, "skylb_queue_wait_seconds_count", priority="high") == 1
     assert _sample(metrics, "skylb_queue_wait_seconds_count", priority="normal") == 1
     assert _sample(metrics, "skylb_queue_wait_seconds_count", priority="critical") == 0

@@ -19,7 +19,7 @@ from tests.cluster import Cluster, get_json
 
 pytestmark = pytest.mark.timeout(120)
 
-ADMIN = "admin-secret-for-quota-tests"
+ADMIN = "admin-secret-for-quota-tests-5b1d"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 

@@ -29,8 +29,8 @@ from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-PEER = "peer-secret-3f9a1c"
-ADMIN = "admin-secret-7b2e94"
+PEER = "peer-secret-3f9a1c-d82b57e40c6a9f13"
+ADMIN = "admin-secret-7b2e94-15c3f0a8e6d24b97"
 KEY = "client-key-51d0aa"
 METRICS = "metrics-secret-c8e613"
 SECRETS = (PEER, ADMIN, KEY, METRICS)
@@ -534,3 +534,80 @@ def test_without_tokens_peer_and_admin_endpoints_answer_this_machine_only():
     for remote in ("10.0.0.5", "127.0.0.1"):
         marked = asyncio.run(run(check, request("POST", "/v1/completions", remote, {"X-SkyLB-Forwarded-From": "eu"})))
         assert marked.status == 403 and "peer token" in json.loads(marked.body)["error"]["message"], remote
+
+
+# --- guessing: the status page's login, weak tokens ------------------------------------------------------------------
+
+def test_status_page_login_is_throttled_per_address_with_429_and_a_growing_retry_after(procs, tmp_path):
+    """Five wrong tokens from one address get the form again (401); the sixth locks the address out: 429 with
+    Retry-After 1, and while locked out even the right token is not checked (429); the next wrong token once the
+    lockout ended doubles it (Retry-After 2). 300 guesses no longer run in a second."""
+    cluster = Cluster(procs, tmp_path, peer_token=PEER)
+    [replica] = cluster.start_emulator(1, "--time-scale", "0.01", name="emu")
+    cluster.start_static_balancer([replica], engine="vllm")
+    login = f"{cluster.balancers['local']}/skylb/login"
+
+    def attempt(token: str) -> requests.Response:
+        return requests.post(login, data={"token": token}, allow_redirects=False, timeout=10)
+
+    assert [attempt(f"wrong-{i}").status_code for i in range(5)] == [401] * 5
+    sixth = attempt("wrong-5")
+    assert sixth.status_code == 429 and sixth.headers["Retry-After"] == "1" and "try again" in sixth.text
+    assert attempt(PEER).status_code == 429 and "Set-Cookie" not in attempt(PEER).headers
+    time.sleep(1.1)
+    again = attempt("wrong-6")
+    assert again.status_code == 429 and again.headers["Retry-After"] == "2"
+
+
+def test_login_throttle_forgets_after_a_success_or_an_hour_and_stays_bounded():
+    """A right token forgets the address's failures; so does an hour without one; lockouts double up to 15 min;
+    at most LOGIN_MAX_ADDRESSES addresses are tracked, the oldest failure forgotten first."""
+    from skylb import status_page
+    from skylb.status_page import LOGIN_FREE_FAILURES, LOGIN_LOCK_MAX_S, LoginThrottle
+
+    now = [1000.0]
+    throttle = LoginThrottle(clock=lambda: now[0])
+    assert [throttle.failed("a") for _ in range(LOGIN_FREE_FAILURES)] == [0.0] * LOGIN_FREE_FAILURES
+    locks = []
+    for _ in range(12):
+        locks.append(throttle.failed("a"))
+        now[0] += locks[-1]
+    assert locks[:4] == [1.0, 2.0, 4.0, 8.0] and locks[-1] == LOGIN_LOCK_MAX_S
+    assert throttle.locked_for_s("b") == 0.0
+    throttle.succeeded("a")
+    assert throttle.locked_for_s("a") == 0.0 and throttle.failed("a") == 0.0
+    for _ in range(LOGIN_FREE_FAILURES):
+        throttle.failed("c")
+    now[0] += 3601
+    assert throttle.failed("c") == 0.0  # an hour later: a first failure again
+    small = LoginThrottle(clock=lambda: now[0])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(status_page, "LOGIN_MAX_ADDRESSES", 3)
+        for address in ("1", "2", "3", "4"):
+            small.failed(address)
+    assert list(small._failures) == ["2", "3", "4"]
+
+
+def test_weak_peer_or_admin_tokens_stop_the_process_naming_the_rule(tmp_path):
+    """A balancer or controller whose peer or admin token is short, a run of few characters, or holds a space exits 2
+    with the rule and how to generate a token on stderr (never the token); a generated one starts."""
+    from skylb.tokens import check_token
+
+    weak = ("abc", "peer-" + "p" * 40, "a long enough token with spaces 0123456789")
+    for token in weak:
+        with pytest.raises(ValueError, match="at least 32 characters.*secrets.token_urlsafe"):
+            check_token("the peer token", token)
+    assert check_token("the metrics token", "short", strong=False) == "short"
+    # cwd: the controller's default database lies there (never reached); PYTHONPATH: this checkout's skylb from there
+    base = {**{k: v for k, v in os.environ.items() if not k.startswith("SKYLB_")},
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    runs = [(["balancer", "--replica", "http://127.0.0.1:9", "--port", str(free_port())],
+             {"SKYLB_PEER_TOKEN": "abc"}, "the peer token"),
+            (["controller", "--port", str(free_port())], {"SKYLB_ADMIN_TOKEN": "admin-" + "a" * 40},
+             "the admin token")]
+    for args, env, name in runs:
+        done = subprocess.run([sys.executable, "-m", "skylb", *args], capture_output=True, text=True, timeout=20,
+                              env={**base, **env}, cwd=tmp_path)
+        assert done.returncode == 2, (args, done.stderr[-2000:])
+        assert f"{name} is too weak" in done.stderr and "token_urlsafe" in done.stderr
+        assert list(env.values())[0] not in done.stderr

@@ -203,7 +203,8 @@ def test_ctl_status_says_a_balancer_refused_for_want_of_the_peer_token(static, t
         port = free_ports(1)[0]
         controller = f"http://127.0.0.1:{port}"
         admin_file = tmp_path / "admin-token"
-        admin_file.write_text("admin-one\n")
+        admin_one, admin_two = "admin-token-one-5c9e2b7d4a1f0836", "admin-token-two-8f3a6d0b2e7c9154"
+        admin_file.write_text(admin_one + "\n")
         proc = procs.skylb("controller", "--port", str(port), "--db", str(tmp_path / "c.sqlite"), name="controller",
                            env={**CLEAN, "SKYLB_ADMIN_TOKEN_FILE": str(admin_file)}, wait_url=f"{controller}/healthz")
 
@@ -211,11 +212,11 @@ def test_ctl_status_says_a_balancer_refused_for_want_of_the_peer_token(static, t
             return requests.delete(f"{controller}/v1/replicas/none", headers={"Authorization": f"Bearer {token}"},
                                    timeout=10).status_code
 
-        assert (change("admin-one"), change("admin-two")) == (404, 401)
-        admin_file.write_text("admin-two\n")
+        assert (change(admin_one), change(admin_two)) == (404, 401)
+        admin_file.write_text(admin_two + "\n")
         proc.popen.send_signal(signal.SIGHUP)
-        static.wait(lambda: change("admin-two") == 404, "the controller to take the new admin token", timeout_s=10)
-        assert change("admin-one") == 401
+        static.wait(lambda: change(admin_two) == 404, "the controller to take the new admin token", timeout_s=10)
+        assert change(admin_one) == 401
         for region, url in (("eu", static.eu), ("local", static.plain)):
             requests.post(f"{controller}/v1/balancers", json={"region": region, "url": url},
                           timeout=10).raise_for_status()

@@ -31,8 +31,8 @@ from tests.procs import free_port
 from tests.system import require_binary
 
 REGIONS = ["us", "eu", "asia"]
-ADMIN = "admin-" + "a" * 32
-PEER = "peer-" + "p" * 32
+ADMIN = "admin-status-page-4d9e2a7c1b8f6035"
+PEER = "peer-status-page-b7e03f5a92c4d816"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 HEALTH = {"interval_s": 0.3, "fastinter_s": 0.2, "timeout_s": 0.5, "rise": 1, "fall": 2}
 #: asia's closest region is eu: asia fails over there.

@@ -33,6 +33,7 @@ from skylb.balancer import handler, lease_api, model_management, ollama_api, sta
 from skylb.balancer.auth import Credentials, auth_middleware
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.handler import REQUEST_IDS, api_of
+from skylb.balancer.listener import ClientBodyTimeout, GuardedAppRunner
 from skylb.balancer.stages import RequestContext
 from skylb.balancer.stages.model_group import add_model_header
 from skylb.balancer.relay import STREAM_STARTED
@@ -74,7 +75,8 @@ log = structlog.get_logger("skylb.balancer")
 @web.middleware
 async def _errors_in_api_shape(request: web.Request, handler):
     """Every error the balancer answers itself is JSON in the API's shape, logged and counted, never HTML or
-    ``500 text/plain``: aiohttp's HTTP errors (404, 405, 413) and, as a last resort, any bug (500)."""
+    ``500 text/plain``: aiohttp's HTTP errors (404, 405, 413), a body the client sent too slowly (408) and, as a
+    last resort, any bug (500)."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -82,6 +84,8 @@ async def _errors_in_api_shape(request: web.Request, handler):
             raise
         reason = {404: "no_route", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
         return _answered_error(request, exc.status, f"{exc.reason}: {request.method} {request.path}", reason)
+    except ClientBodyTimeout as exc:  # a handler other than the chain's was reading a body too slow to wait for
+        return _answered_error(request, 408, str(exc), "body_timeout")
     except (asyncio.CancelledError, ConnectionResetError):
         raise  # the client went away: there is nobody to answer
     except Exception as exc:
@@ -257,7 +261,9 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, settin
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request leaves the queue
     # and an upstream request is aborted (aiohttp's default keeps running it; reliability.md).
     # shutdown_timeout: the drain below already waited for the requests held; what is left is idle connections.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    # GuardedAppRunner: deadlines on reading requests, idle keep-alive and a connection cap (skylb/balancer/listener.py).
+    runner = GuardedAppRunner(app, limits=cfg.client_connections, handler_cancellation=True, access_log=None,
+                              shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()

@@ -30,10 +30,14 @@ from skylb.core import Decision
 from skylb.core.rates import Usage
 from skylb.quota.priorities import peer_headers
 
-__all__ = ["Relay", "RelayOutcome", "RETRYABLE_STATUSES", "STREAM_STARTED"]
+__all__ = ["Relay", "RelayOutcome", "GATEWAY_STATUSES", "RETRYABLE_STATUSES", "STREAM_STARTED"]
 
-#: Upstream statuses that mean "this target could not take it": the request is re-queued (before any byte).
-RETRYABLE_STATUSES = frozenset({502, 503, 504})
+#: Upstream statuses that mean "this target could not take it": gateway failures for outlier detection.
+GATEWAY_STATUSES = frozenset({502, 503, 504})
+#: Upstream statuses after which the request is re-queued for another target (before any byte reached the client):
+#: the gateway failures and 500, the engine's own failure on this request, which another replica may well serve
+#: (Envoy's ``retry_on: 5xx``, SGLang's gateway retries it too); a 500 counts as a 5xx, not a gateway failure.
+RETRYABLE_STATUSES = GATEWAY_STATUSES | {500}
 #: Request key set once a streamed response's headers went to the client (no other response can follow).
 STREAM_STARTED = (web.RequestKey("skylb_stream_started", bool) if hasattr(web, "RequestKey")  # aiohttp >= 3.12
                   else "skylb_stream_started")
@@ -58,8 +62,8 @@ class RelayOutcome:
         ttft_s: time from arrival to the first streamed byte relayed, s (None when not streamed).
         error: what went wrong, if anything.
         failure: for outlier detection: "gateway" (refused, reset, timed out before the first byte, 502/503/504,
-            garbage, died or was cut mid-stream), "5xx" (another status >= 500 from the target), None (the target
-            answered).
+            garbage, died or was cut mid-stream), "5xx" (another status >= 500 from the target, 500 included, which is
+            retried as the gateway failures are), None (the target answered).
         usage: the token counts and engine durations the answer reported (skylb/balancer/usage.py), or None.
     """
 
@@ -73,7 +77,7 @@ class RelayOutcome:
 
 def _failure_of(status: int) -> str | None:
     """Outlier detection's name for an answer with HTTP ``status``."""
-    return "gateway" if status in RETRYABLE_STATUSES else "5xx" if status >= 500 else None
+    return "gateway" if status in GATEWAY_STATUSES else "5xx" if status >= 500 else None
 
 
 class Relay:
@@ -184,9 +188,9 @@ class Relay:
         url = decision.url + (translation.path if translation is not None else request.rel_url.path_qs)
         first_timeout = self.first_byte_timeout_s if stream else self.response_timeout_s
 
-        def failed(status: int, error: str) -> RelayOutcome:
+        def failed(status: int, error: str) -> RelayOutcome:  # a 500 is a 5xx, the rest (502-504) gateway failures
             response = None if retry_allowed else error_response(api, status, error)
-            return RelayOutcome(response, status, error=error, failure="gateway")
+            return RelayOutcome(response, status, error=error, failure=_failure_of(status))
 
         upstream_cm = self.session.post(url, data=body,
                                         headers=self._upstream_headers(request, decision, request_id, trace_headers))

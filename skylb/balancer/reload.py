@@ -112,7 +112,7 @@ def resolve(args: argparse.Namespace) -> Settings:
     elif cfg.controller_url is None:
         cfg.controller_url = f"http://{deployment.controller.host}:{deployment.controller.port}"
     check_token("the peer token", cfg.peer_token)
-    check_token("the metrics token", cfg.metrics_token)
+    check_token("the metrics token", cfg.metrics_token, strong=False)  # read-only: a scraper's credential
     expected = set(peers) | set(cfg.peer_urls) | ({r for r in deployment.regions if r != region} if not static
                                                    else set())
     if expected and not cfg.peer_token:

@@ -16,6 +16,11 @@ Who may see it, as the other operator endpoints (never a token in a URL):
   sessions, and changing the token ends every session. A reverse proxy that authenticates operators its own way
   may instead send ``Authorization: Bearer <token>`` upstream.
 
+Guesses are throttled per client address (``LoginThrottle``): LOGIN_FREE_FAILURES wrong tokens in a row are free;
+the next locks the address out for a second, each further one twice as long as the last (at most LOGIN_LOCK_MAX_S); a
+login while locked out gets 429 with Retry-After and is not checked. Behind a reverse proxy every client shares the
+proxy's address, so one guesser locks the proxy's operators out for as long.
+
 Source: the cookie attributes from RFC 6265 §4.1.2 and the SameSite draft (draft-ietf-httpbis-rfc6265bis §4.1.2.7).
 """
 
@@ -25,16 +30,20 @@ import functools
 import hashlib
 import hmac
 import html
+import math
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from importlib import resources
 
 from aiohttp import web
 
 from skylb.tokens import from_this_machine, secret_matches
 
-__all__ = ["PageAccess", "ACCESS", "ADMIN_SESSION", "PEER_SESSION", "SESSION_TTL_S", "LOGIN_PATH", "LOGOUT_PATH",
-           "STATIC_PREFIX", "OPEN_PATHS", "session_value", "session_ok", "wants_html", "handle_page", "ROUTES"]
+__all__ = ["PageAccess", "LoginThrottle", "LOGIN_FREE_FAILURES", "LOGIN_LOCK_MAX_S", "ACCESS", "ADMIN_SESSION",
+           "PEER_SESSION", "SESSION_TTL_S", "LOGIN_PATH", "LOGOUT_PATH", "STATIC_PREFIX", "OPEN_PATHS", "session_value",
+           "session_ok", "wants_html", "handle_page", "ROUTES"]
 
 #: The session cookies' names: the controller's (admin token) and the balancers' (peer token), apart so that a
 #: controller and a balancer on one host (ports do not separate cookies, RFC 6265 §8.5) keep their sessions.
@@ -55,6 +64,53 @@ _HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'non
             "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
 
 
+#: Wrong tokens in a row from one address that are free; the next locks it out (OWASP's authentication cheat
+#: sheet: lock out after a few failures, with a growing delay).
+LOGIN_FREE_FAILURES = 5
+#: The first lockout, s; each further wrong token doubles it, up to LOGIN_LOCK_MAX_S (reached at the 16th).
+LOGIN_LOCK_BASE_S = 1.0
+LOGIN_LOCK_MAX_S = 900.0
+#: An address with no wrong token for this long starts again from zero failures, s.
+LOGIN_FORGET_S = 3600.0
+#: Addresses tracked at most (the one with the oldest failure is forgotten first), so guesses from many addresses
+#: cannot grow memory without bound.
+LOGIN_MAX_ADDRESSES = 10_000
+
+
+class LoginThrottle:
+    """Wrong logins per client address, and how long each address is locked out.
+
+    ``clock``: seconds, monotonic (time.monotonic by default; a test passes its own).
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        # address -> (wrong tokens in a row, locked out until, last wrong token), oldest failure first
+        self._failures: OrderedDict[str, tuple[int, float, float]] = OrderedDict()
+
+    def locked_for_s(self, address: str) -> float:
+        """Seconds ``address`` is still locked out (0.0: it may try)."""
+        entry = self._failures.get(address)
+        return max(0.0, entry[1] - self._clock()) if entry else 0.0
+
+    def failed(self, address: str) -> float:
+        """Record a wrong token from ``address``; returns the seconds it is now locked out (0.0 for the first
+        LOGIN_FREE_FAILURES in a row)."""
+        now = self._clock()
+        count, _, last = self._failures.pop(address, (0, 0.0, now))
+        count = 1 if now - last > LOGIN_FORGET_S else count + 1
+        lock_s = (min(LOGIN_LOCK_BASE_S * 2 ** (count - LOGIN_FREE_FAILURES - 1), LOGIN_LOCK_MAX_S)
+                  if count > LOGIN_FREE_FAILURES else 0.0)
+        self._failures[address] = (count, now + lock_s, now)
+        while len(self._failures) > LOGIN_MAX_ADDRESSES:
+            self._failures.popitem(last=False)
+        return lock_s
+
+    def succeeded(self, address: str) -> None:
+        """A right token from ``address``: its failures are forgotten."""
+        self._failures.pop(address, None)
+
+
 @dataclass(frozen=True)
 class PageAccess:
     """The credential guarding the page on one server.
@@ -65,12 +121,14 @@ class PageAccess:
         credential: its name for people ("the admin token"), shown on the login form and the 403 page.
         scope: what the page shows ("controller" or "region us"), shown in its title.
         cookie: the session cookie's name (ADMIN_SESSION or PEER_SESSION).
+        throttle: the wrong logins per client address (``LoginThrottle``).
     """
 
     token: str | None
     credential: str
     scope: str
     cookie: str = ADMIN_SESSION
+    throttle: LoginThrottle = field(default_factory=LoginThrottle, compare=False)
 
     def __repr__(self) -> str:  # never print a secret by accident
         return f"PageAccess(token={'set' if self.token else None}, credential={self.credential!r})"
@@ -142,17 +200,31 @@ async def handle_page(request: web.Request) -> web.Response:
 
 async def _login(request: web.Request) -> web.Response:
     """``POST /skylb/login`` (form field ``token``): 303 to ``/`` with the session cookie, or the form again (401)
-    saying the token was wrong."""
+    saying the token was wrong, or (429, with Retry-After) that this address is locked out for guessing."""
     access = request.app[ACCESS]
     if access.token is None:
         raise web.HTTPSeeOther("/")  # nothing to log in to: the page answers this machine only
+    address = request.remote or ""
+    if locked_s := access.throttle.locked_for_s(address):
+        return _locked_out(access, locked_s)
     form = await request.post()
     token = form.get("token")
     if not isinstance(token, str) or not secret_matches(token.strip(), access.token):
+        if locked_s := access.throttle.failed(address):
+            return _locked_out(access, locked_s)
         return _html("login.html", 401, access, f"That is not {access.credential}.")
+    access.throttle.succeeded(address)
     response = web.Response(status=303, headers={"Location": "/", "Cache-Control": "no-store"})
     response.set_cookie(access.cookie, session_value(access.token, access.cookie, time.time()),
                         max_age=SESSION_TTL_S, path="/", httponly=True, samesite="Strict", secure=request.secure)
+    return response
+
+
+def _locked_out(access: PageAccess, locked_s: float) -> web.Response:
+    """The login form (429) saying this address must wait ``locked_s`` seconds, with that as Retry-After."""
+    wait_s = max(1, math.ceil(locked_s))
+    response = _html("login.html", 429, access, f"Too many wrong tokens from this address: try again in {wait_s} s.")
+    response.headers["Retry-After"] = str(wait_s)
     return response
 
 

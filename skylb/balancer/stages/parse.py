@@ -1,6 +1,7 @@
 """Stage 1, parse: read the body, parse it in the request's dialect, and check a forwarded request's peer token.
 
-Answers 413 for a body over ``balancer.max_body_bytes``, 400 for a body that is not a valid request (OpenAI or Ollama
+Answers 413 for a body over ``balancer.max_body_bytes``, 408 for one the client sent too slowly
+(``balancer.client_connections``), 400 for a body that is not a valid request (OpenAI or Ollama
 API reference), 403 for a request marked as forwarded without the right peer token (SkyLB paper §3.3: a forwarded
 request is never forwarded again, so only a peer may mark one).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from skylb.balancer.api import BadRequest, parse_ollama, parse_openai
+from skylb.balancer.listener import ClientBodyTimeout
 from skylb.balancer.protocol import FORWARDED_FROM, TOKEN_HEADER, token_ok
 from skylb.balancer.stages.context import RequestContext
 
@@ -37,6 +39,8 @@ class ParseStage:
         except web.HTTPRequestEntityTooLarge:
             return ctx.reject(413, f"request body is larger than balancer.max_body_bytes ({self.max_body_bytes} "
                                    "bytes)", "body_too_large")
+        except ClientBodyTimeout as exc:  # the listener's body deadline (skylb/balancer/listener.py)
+            return ctx.reject(408, str(exc), "body_timeout")
         parse = parse_ollama if ctx.api == "ollama" else parse_openai
         try:
             ctx.parsed = parse(request.path, ctx.body, session_header_value=request.headers.get(self.session_header))

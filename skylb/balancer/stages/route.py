@@ -4,8 +4,8 @@ Like Envoy's router filter (Envoy architecture overview, "HTTP routing" and "Ret
 retry happens inside it, so no stage before it runs twice. The request waits in the balancer's queue until the
 dispatcher routes it to a local replica or a peer (SkyLB paper §3.3, selective pushing), through an Ollama fleet's
 fallback chain when its model has one; the relay streams the answer back. A target that fails before the first byte
-(refused, reset, timed out, 502/503/504) counts a gateway failure for outlier detection (ejected after enough in a row:
-skylb/core/outlier.py), and the request, after a jittered backoff, goes back to the head of the queue to be routed to
+(refused, reset, timed out, 502/503/504) counts a gateway failure for outlier detection (ejected after enough in a
+row: skylb/core/outlier.py), one that answers 500 a 5xx, and the request, after a jittered backoff, goes back to the head of the queue to be routed to
 another target while it has retries left (``retry_policy.num_retries``) and the retry budget allows
 (skylb/balancer/retry.py; Envoy's names). 503 with Retry-After when the request's model has had no usable replica or
 peer for ``no_target_timeout_s`` (the dispatcher's NoHealthyTarget). Once a byte reached the client it is never retried (a started stream cannot be

@@ -1,0 +1,139 @@
+"""Slow and greedy clients against a real balancer (balancer.client_connections, skylb/balancer/listener.py): a head
+or a body sent a byte at a time is cut at its deadline with 408, an idle keep-alive connection is closed, and
+connections past the cap are refused with 503, while ordinary clients are served throughout."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+import requests
+
+from tests.cluster import MODEL, Cluster
+from tests.procs import ProcGroup
+
+LIMITS = {"header_timeout_s": 1.0, "body_timeout_s": 1.0, "body_min_rate_bytes_s": 500,
+          "keepalive_timeout_s": 2.0, "max_connections": 6}
+#: Longest a test waits for a cut that should come after about 1 s (the machine may be loaded).
+CUT_BY_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def balancer(tmp_path_factory):
+    """A static balancer with 1-s deadlines on reading requests, 2-s idle keep-alive and a cap of 6 connections, in
+    front of one emulated replica; yields its (host, port)."""
+    tmp = tmp_path_factory.mktemp("client-limits")
+    with ProcGroup(tmp / "logs") as procs:  # every process stopped at the end, also on failure
+        cluster = Cluster(procs, tmp, balancer={"client_connections": LIMITS})
+        [replica] = cluster.start_emulator(1, "--time-scale", "0.1", name="emu")
+        cluster.start_static_balancer([replica], engine="vllm")
+        host, port = cluster.balancers["local"].removeprefix("http://").split(":")
+        yield host, int(port)
+
+
+def _dribble(address, head: bytes, body: bytes = b"", *, every_s: float = 0.2) -> tuple[float, bytes]:
+    """Send ``head`` at once when ``body`` is given (else a byte every ``every_s``), then ``body`` a byte every
+    ``every_s``, until the balancer answers or closes (at most CUT_BY_S); returns (seconds until then, what it
+    answered). Raises AssertionError when the connection is still open after CUT_BY_S."""
+    started = time.monotonic()
+    with socket.create_connection(address, timeout=CUT_BY_S) as sock:
+        sock.settimeout(every_s)
+        slow = body if body else head
+        if body:
+            sock.sendall(head)
+        for i in range(int(CUT_BY_S / every_s)):
+            try:
+                answer = sock.recv(65536)
+                return time.monotonic() - started, answer + _rest(sock)
+            except TimeoutError:
+                pass
+            try:
+                sock.sendall(slow[i % len(slow):i % len(slow) + 1])
+            except OSError:  # reset: closed without (or after) an answer we could read
+                return time.monotonic() - started, b""
+    raise AssertionError(f"still connected after {CUT_BY_S} s")
+
+
+def _rest(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except OSError:
+        pass
+    return data
+
+
+def _status_and_json(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_at_the_header_deadline_with_408(balancer):
+    """A client dribbling its request line and headers (slowloris) gets 408 and a closed connection about
+    header_timeout_s after it opened, not a connection held for ever."""
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Pad: {'a' * 200}\r\n\r\n".encode()
+    took, answer = _dribble(balancer, head)
+    assert 0.8 < took < CUT_BY_S
+    status, body = _status_and_json(answer)
+    assert status == 408 and body["error"]["code"] == 408 and "header_timeout_s" in body["error"]["message"]
+
+
+def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_body_deadline_with_408_in_the_apis_shape(balancer):
+    """A client whose head is whole but whose body comes a byte at a time (under body_min_rate_bytes_s) gets 408
+    in the API's shape (OpenAI's on /v1/*, Ollama's on /api/*) about body_timeout_s after its head, and the
+    connection closes."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 50}]}).encode()
+    for path, api in (("/v1/chat/completions", "openai"), ("/api/chat", "ollama")):
+        head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        took, answer = _dribble(balancer, head, body)
+        assert 0.8 < took < CUT_BY_S, path
+        status, error = _status_and_json(answer)
+        assert status == 408, answer
+        message = error["error"] if api == "ollama" else error["error"]["message"]
+        assert "body_timeout_s" in message
+
+
+def test_an_idle_keep_alive_connection_is_closed_and_one_that_never_sends_too(balancer):
+    """A connection idle after an answer is closed after keepalive_timeout_s (2 s); one that never sends a byte is
+    closed after header_timeout_s (1 s), without an answer."""
+    for first, limit_s in ((b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 2.0), (b"", 1.0)):
+        started = time.monotonic()
+        with socket.create_connection(balancer, timeout=CUT_BY_S) as sock:
+            if first:
+                sock.sendall(first)
+            received = _rest(sock)  # until the balancer closes (or CUT_BY_S: a TimeoutError, an OSError)
+            took = time.monotonic() - started
+        assert limit_s - 0.2 < took < CUT_BY_S - 0.5, (first, took)
+        assert received.startswith(b"HTTP/1.1 200") if first else received == b""
+
+
+def test_connections_past_the_cap_get_503_and_ordinary_clients_are_served_after(balancer):
+    """With max_connections open, one more gets 503 with Retry-After and is closed; once they close, an ordinary
+    request (the official client's shape) is served."""
+    held = [socket.create_connection(balancer, timeout=5) for _ in range(LIMITS["max_connections"])]
+    try:
+        time.sleep(0.2)  # all accepted by the balancer
+        with socket.create_connection(balancer, timeout=5) as extra:
+            answer = _rest(extra)
+        assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer, answer
+        assert "max_connections" in _status_and_json(answer)[1]["error"]["message"]
+    finally:
+        for sock in held:
+            sock.close()
+    host, port = balancer
+    deadline = time.monotonic() + 5
+    while True:  # until the held connections' ends reached the balancer
+        try:
+            r = requests.post(f"http://{host}:{port}/v1/chat/completions", timeout=10,
+                              json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+            if r.status_code != 503:
+                break
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, "still refused 5 s after the held connections closed"
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
