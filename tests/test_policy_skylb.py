@@ -357,3 +357,23 @@ def test_a_request_waits_for_a_faster_busy_replica_unless_the_queue_is_long():
     fast.outstanding, slow.outstanding = 1, 0
     router.enqueue(Request("q9", "y" * 400, arrived_at=0.0))
     assert [d.request.id for d in router.dispatch(0.3)] == ["q1"]  # off: room wins
+
+
+@pytest.mark.parametrize("decode_ms, holds", [
+    ((10, 40), True),  # r0 4x faster in decode too: a faster replica
+    ((20, 20), False),  # equal decode per output token: the t^ gap is the mix of requests each served, not speed
+    (None, True),  # decode not measured: t^ alone decides, as before
+])
+def test_a_replica_is_faster_only_when_its_decode_rate_agrees(decode_ms, holds):
+    """``hold_for_faster`` takes r0 as faster than r1 only when its decode seconds per output token agree with its
+    4x lower time per token (where both are measured)."""
+    router = _router(n=2, peers=())
+    fast, slow = router.replicas["r0"], router.replicas["r1"]
+    for i, (state, per_token) in enumerate(((fast, 0.01), (slow, 0.04))):
+        state.max_concurrency = 1
+        state.rates.models[""] = ModelRates(time_per_token_s=per_token, samples=3,
+                                            decode_s_per_token=None if decode_ms is None else decode_ms[i] / 1e3)
+    fast.outstanding = 1
+    router.policy.rates.dispatched(fast.rates, "running", "", "x" * 400)
+    router.enqueue(Request("q0", "y" * 400, arrived_at=0.0))
+    assert (router.dispatch(0.1) == []) is holds
