@@ -6,6 +6,8 @@ round the dispatcher is woken, since a target may have become available. A probe
 is logged and the next one runs. A round waits for its probes at most one interval: a target that hangs (a
 partitioned peer) keeps its own probe running, bounded by the probe timeout, and gets no second one meanwhile, but
 never delays the next round of the others; its status simply ages until the availability rules call it stale.
+A replica's health is logged when it changes (and so at its first probe): ``replica_unhealthy`` (a warning, with the
+reason, e.g. ``engine detection failed: GET /metrics: connection refused``) and ``replica_healthy``.
 """
 
 from __future__ import annotations
@@ -118,9 +120,11 @@ class Probers:
         sent_at = self.now()
         result = await adapter.probe(self.session, state.url, timeout_s=self.timeout_s,
                                      outstanding=state.outstanding, max_concurrency=state.max_concurrency)
+        before = (state.probed_at is not None, state.healthy, state.error)
         self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
                                     running=result.running, error=result.error, slots=result.slots,
                                     probe_sent_at=sent_at, kv_usage=result.kv_usage)
+        _log_health_change(state, before)
         read_at = self._models_read_at.get(state.id)
         due = state.models is None or read_at is None or self.now() - read_at >= self.models_refresh_s
         engine = detected_engine(state.url) if state.engine == "auto" else state.engine
@@ -172,6 +176,19 @@ class Probers:
             return
         now = self.now()
         self.router.observe_peer(peer.region, now=now, status=status, rtt_s=now - sent_at)
+
+
+def _log_health_change(state: ReplicaState, before: tuple[bool, bool, str | None]) -> None:
+    """Log ``state``'s health when it differs from ``before`` = (probed, healthy, error) of the previous probe: an
+    operator sees at start, and at each change, which replica cannot be used and why, without polling the status."""
+    if before == (True, state.healthy, state.error):
+        return
+    engine = (detected_engine(state.url) or state.engine) if state.engine == "auto" else state.engine
+    if state.healthy:
+        log.info("replica_healthy", replica=state.id, url=state.url, engine=engine)
+    else:
+        log.warning("replica_unhealthy", replica=state.id, url=state.url, reason=state.error,
+                    detail="no request goes to this replica until a probe succeeds")
 
 
 async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:

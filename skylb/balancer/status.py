@@ -18,8 +18,8 @@ from skylb.engines.auto import detected_engine
 from skylb.quota.buckets import LocalLimits
 from skylb.quota.wiring import quota_status
 
-__all__ = ["BALANCER", "ROUTES", "detailed_status", "quotas_in_force", "handle_status", "handle_healthz",
-           "handle_metrics", "handle_models"]
+__all__ = ["BALANCER", "ROUTES", "detailed_status", "quotas_in_force", "readiness", "handle_status",
+           "handle_healthz", "handle_metrics", "handle_models"]
 
 BALANCER = web.AppKey("balancer", Balancer)
 
@@ -116,17 +116,34 @@ async def handle_status(request: web.Request) -> web.Response:
                         content_type="application/msgpack")
 
 
+def readiness(balancer: Balancer) -> dict:
+    """Whether a request could be placed now: {"ready": some local replica or peer is healthy, "replicas" and
+    "peers": {"healthy": n, "total": n}, "unhealthy": [{"replica", "url", "reason"}] for each local replica that is
+    not (at most 10)}."""
+    replicas = [r for r in balancer.router.replicas.values() if not r.draining]
+    peers = list(balancer.router.peers.values())
+    healthy = sum(r.healthy for r in replicas)
+    healthy_peers = sum(p.healthy for p in peers)
+    return {"ready": bool(healthy or healthy_peers),
+            "replicas": {"healthy": healthy, "total": len(replicas)},
+            "peers": {"healthy": healthy_peers, "total": len(peers)},
+            "unhealthy": [{"replica": r.id, "url": r.url, "reason": r.error or "not probed yet"}
+                          for r in replicas if not r.healthy][:10]}
+
+
 async def handle_healthz(request: web.Request) -> web.Response:
-    """``GET /healthz``: 200 while the process serves (replica health is in /skylb/v1/status and /metrics); the
-    body says whether the operator is draining it and how many requests it still holds. 503 with status "draining"
-    once it is shutting down (SIGTERM), so load balancers and the controller stop sending it requests."""
+    """``GET /healthz``: 200 while the process serves, a liveness answer: a balancer whose replicas are all down
+    still forwards, queues and answers (and the controller fails a region over on it); the body says whether the
+    operator is draining it, how many requests it still holds, and its readiness (``readiness``: ``ready`` false
+    while no replica or peer is healthy, with each unhealthy replica and why). 503 with status "draining" once it
+    is shutting down (SIGTERM), so load balancers and the controller stop sending it requests."""
     balancer = request.app[BALANCER]
     if balancer.shutting_down:
         return web.json_response({"status": "draining", "region": balancer.region,
                                   "in_flight": balancer.in_flight()}, status=503,
                                  headers={"Retry-After": str(retry_after_s(balancer.cfg.retry_after_s))})
     return web.json_response({"status": "draining" if balancer.draining else "ok", "region": balancer.region,
-                              "in_flight": balancer.in_flight()})
+                              "in_flight": balancer.in_flight(), **readiness(balancer)})
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
