@@ -13,6 +13,7 @@ reason, e.g. ``engine detection failed: GET /metrics: connection refused``) and 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -38,6 +39,19 @@ def checked_models(replica_id: str, ids: list) -> list[str]:
         log.warning("replica_model_ids_skipped", replica=replica_id, ids=bad[:10], skipped=len(bad),
                     rule="1 to 512 printable characters")
     return good
+
+
+#: The most characters of one model entry a replica lists that ``GET /v1/models`` passes on (as JSON); a larger
+#: one is passed on as its id alone.
+MAX_CARD_CHARS = 4096
+
+
+def _passed_on(cards: list[dict], ids: list[str]) -> dict[str, dict]:
+    """{id: entry} of the entries in ``cards`` whose id is in ``ids`` (the valid ones), each entry no larger than
+    MAX_CARD_CHARS as JSON (else ``{"id": id}``)."""
+    valid = set(ids)
+    return {card["id"]: card if len(json.dumps(card, default=str)) <= MAX_CARD_CHARS else {"id": card["id"]}
+            for card in cards if isinstance(card.get("id"), str) and card["id"] in valid}
 
 
 class Probers:
@@ -134,11 +148,12 @@ class Probers:
             if engine == "ollama":  # Ollama serves its own API besides the OpenAI one
                 state.apis = frozenset({"openai", "ollama"})
             try:
-                models = await adapter.models(self.session, state.url, timeout_s=self.timeout_s)
+                cards = await adapter.model_cards(self.session, state.url, timeout_s=self.timeout_s)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 return  # keep the list we have; retried at the next probe
             self._models_read_at[state.id] = self.now()
-            models = checked_models(state.id, models)
+            models = checked_models(state.id, [card["id"] for card in cards])
+            state.model_cards = _passed_on(cards, models)
             if frozenset(models) != state.models:
                 self.router.set_replica_models(state.id, models)
 

@@ -18,8 +18,8 @@ from skylb.engines.auto import detected_engine
 from skylb.quota.buckets import LocalLimits
 from skylb.quota.wiring import quota_status
 
-__all__ = ["BALANCER", "ROUTES", "detailed_status", "quotas_in_force", "readiness", "handle_status",
-           "handle_healthz", "handle_metrics", "handle_models"]
+__all__ = ["BALANCER", "ROUTES", "detailed_status", "quotas_in_force", "readiness", "model_entry", "handle_status",
+           "handle_health", "handle_healthz", "handle_metrics", "handle_models"]
 
 BALANCER = web.AppKey("balancer", Balancer)
 
@@ -131,6 +131,16 @@ def readiness(balancer: Balancer) -> dict:
                           for r in replicas if not r.healthy][:10]}
 
 
+async def handle_health(request: web.Request) -> web.Response:
+    """``GET /health``, as vLLM, SGLang and llama-server answer it (load generators such as guidellm check it before
+    a run): 200 with an empty body while the balancer serves, 503 once it is shutting down (SIGTERM). /healthz says
+    more."""
+    balancer = request.app[BALANCER]
+    if balancer.shutting_down:
+        return web.Response(status=503, headers={"Retry-After": str(retry_after_s(balancer.cfg.retry_after_s))})
+    return web.Response(status=200)
+
+
 async def handle_healthz(request: web.Request) -> web.Response:
     """``GET /healthz``: 200 while the process serves, a liveness answer: a balancer whose replicas are all down
     still forwards, queues and answers (and the controller fails a region over on it); the body says whether the
@@ -158,17 +168,43 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=balancer.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+#: The fields of OpenAI's model object, which every entry of ``GET /v1/models`` has.
+_OPENAI_MODEL_FIELDS = ("id", "object", "created", "owned_by")
+
+
+def model_entry(model: str, cards: list[dict]) -> dict:
+    """One entry of ``GET /v1/models`` for ``model`` from the entries its replicas list (``cards``, in replica
+    order; empty for a model only peers serve): OpenAI's fields (``created``: the earliest a replica says, unix s, 0
+    when none does; ``owned_by``: the first replica's, "skylb" when none says), then the engines' own fields
+    (``max_model_len``, ``root``, ``parent``, ...) as the first replica listing each says, except
+    ``max_model_len``: the smallest, since a request must fit whichever replica serves it."""
+    merged: dict = {}
+    for card in reversed(cards):
+        merged.update(card)
+    created = [c["created"] for c in cards if type(c.get("created")) is int]
+    lengths = [c["max_model_len"] for c in cards if type(c.get("max_model_len")) is int]
+    if lengths:
+        merged["max_model_len"] = min(lengths)
+    owned_by = merged.get("owned_by")
+    return {"id": model, "object": "model", "created": min(created, default=0),
+            "owned_by": owned_by if isinstance(owned_by, str) else "skylb",
+            **{k: v for k, v in merged.items() if k not in _OPENAI_MODEL_FIELDS}}
+
+
 async def handle_models(request: web.Request) -> web.Response:
-    """``GET /v1/models``: the union of models the local replicas (and peers) serve, then the model group aliases
-    (with ``skylb_group``: their models), in OpenAI's list shape."""
+    """``GET /v1/models``: the union of models the local replicas (and peers) serve, each with what its replicas
+    say of it (``model_entry``), then the model group aliases (with ``skylb_group``: their models), in OpenAI's
+    list shape."""
     balancer = request.app[BALANCER]
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "skylb"} for m in balancer.served_models()]
+    replicas = sorted((r for r in balancer.router.replicas.values() if not r.draining), key=lambda r: r.id)
+    data = [model_entry(m, [r.model_cards[m] for r in replicas if m in r.model_cards])
+            for m in balancer.served_models()]
     # Model group aliases (skylb/balancer/model_groups.py), with the models that serve them.
     data += [{"id": alias, "object": "model", "created": 0, "owned_by": "skylb", "skylb_group": sorted(members)}
              for alias, members in sorted(balancer.quotas.groups.items())]
     return web.json_response({"object": "list", "data": data})
 
 
-#: The status routes: /v1/models, /healthz, /metrics, /skylb/v1/status.
-ROUTES = [web.get("/v1/models", handle_models), web.get("/healthz", handle_healthz),
+#: The status routes: /v1/models, /health, /healthz, /metrics, /skylb/v1/status.
+ROUTES = [web.get("/v1/models", handle_models), web.get("/health", handle_health), web.get("/healthz", handle_healthz),
           web.get("/metrics", handle_metrics), web.get("/skylb/v1/status", handle_status)]
