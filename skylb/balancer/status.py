@@ -26,9 +26,9 @@ BALANCER = web.AppKey("balancer", Balancer)
 
 def detailed_status(balancer: Balancer) -> dict:
     """A JSON-able view for operators: the peer status plus every replica and peer with its availability and the
-    reason it is unavailable, the policy, and the controller's reachability and membership revision; ``time`` is
-    when the view was taken (unix s), ``kv_usage`` a replica's KV cache use at its latest probe (0-1, None when
-    its engine does not say)."""
+    reason it is unavailable, the policy, and the controller's reachability and membership revision (None, and
+    ``static_membership`` true, for a balancer started with --replica); ``time`` is when the view was taken (unix
+    s), ``kv_usage`` a replica's KV cache use at its latest probe (0-1, None when its engine does not say)."""
     now, router = balancer.now(), balancer.router
     membership = balancer.membership
     return {
@@ -36,6 +36,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "policy": balancer.cfg.policy,
         "controller_reachable": balancer.controller_reachable(),
         "membership_revision": membership.revision if membership else None,
+        "static_membership": balancer.static_membership is not None,  # --replica flags: no controller, no revision
         "time": round(time.time(), 3),
         "draining": balancer.draining,
         "in_flight": balancer.in_flight(),
