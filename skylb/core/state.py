@@ -219,6 +219,7 @@ class PeerState:
     sent_since_probe: int = 0
     outstanding: int = 0
     error: str | None = None
+    #: Forwards sent there: a request retried there before its first byte counts once per try.
     forwarded: int = 0
     models: dict[str, dict[str, int]] | None = None
     #: Consecutive gateway failures and 5xx answers, ejections so far and the end of the current or latest
