@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: install demo test bench clean llama-server system-packages
 
 install: $(STAMP)
+	@echo "installed: $(abspath $(VENV))/bin/skylb and skylb-ctl; put them on PATH with: . $(VENV)/bin/activate"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -242,3 +242,4 @@ def main(args: argparse.Namespace) -> int:
         interrupts.stopping()
         _say("stopping every process (Ctrl-C is ignored until they are stopped)")
         deployment.stop()
+        _say("every process stopped")

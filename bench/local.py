@@ -28,7 +28,9 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import socket
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -44,10 +46,21 @@ from bench.latency.links import LatencyLinks
 from bench.procs import ProcGroup, free_ports, wait_http
 from bench.settings import emulator_settings, failover_rtt_ms, latency_settings
 
-__all__ = ["Deployment", "LLAMACPP_START_TIMEOUT_S"]
+__all__ = ["Deployment", "LLAMACPP_START_TIMEOUT_S", "ctl_program"]
 
 #: How long one llama-server may take to load its model before /health answers 200 (s).
 LLAMACPP_START_TIMEOUT_S = 120.0
+
+
+def ctl_program() -> str:
+    """How a shell runs this installation's `skylb-ctl` as pasted: ``skylb-ctl`` when PATH finds it (the venv is
+    activated), else the absolute path of the script beside this Python (``.venv/bin/skylb-ctl``), else this Python
+    with ``-m controller.ctl`` (a checkout without the console scripts installed)."""
+    beside = Path(sys.executable).parent / "skylb-ctl"
+    if not beside.is_file():
+        return f"{shlex.quote(sys.executable)} -m controller.ctl"
+    found = shutil.which("skylb-ctl")
+    return "skylb-ctl" if found and Path(found).resolve() == beside.resolve() else shlex.quote(str(beside))
 
 
 def _say(msg: str) -> None:
@@ -180,12 +193,24 @@ class Deployment:
                            headers={"Authorization": f"Bearer {self.admin_token}"})
         _say(f"registered {n_replicas} replicas through the controller")
         self._wait_ready()
+        for line in self.page_lines():
+            _say(line)
         _say(f"skylb-ctl for this deployment (paste it): {self.ctl_command()}")
+
+    def page_lines(self) -> list[str]:
+        """Where each status page is and what its login form wants: the controller's (the admin token) and each
+        balancer's (the peer token), as the content of this run's token files."""
+        lines = [f"status page of the controller: {self.controller_url}/ in a browser; its token is the content of "
+                 f"{self.run_dir / 'admin-token'}"]
+        pages = ", ".join(f"{r}={u}/" for r, u in self.balancer_urls.items())
+        where = (f"the content of {self.run_dir / 'peer-token'}" if self._controller_peer_token
+                 else "each region's balancer.peer_token in the config")
+        return [*lines, f"status pages of the balancers: {pages}; their token is {where}"]
 
     def ctl_command(self, command: str = "status") -> str:
         """A ready-to-paste `skylb-ctl` command line for this deployment: its controller, the admin token file and,
         when the balancers share one peer token, the peer token file (so that ``status`` can read the balancers)."""
-        parts = ["skylb-ctl", "--controller", self.controller_url or "",
+        parts = [ctl_program(), "--controller", self.controller_url or "",
                  "--admin-token-file", shlex.quote(str(self.run_dir / "admin-token"))]
         if self._controller_peer_token:
             parts += ["--peer-token-file", shlex.quote(str(self.run_dir / "peer-token"))]

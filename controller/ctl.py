@@ -22,6 +22,7 @@ import requests
 from controller.ctl_views import (balancer_status, balancer_table, quota_tables, replica_table, request_error,
                                   status_tables, system_status)
 from controller.store import ENGINES, InvalidInput, normalize_url
+from skylb.cli import SuggestingParser
 from skylb.core.request import PRIORITIES
 from skylb.environment import CONTROLLER_URL, env
 from skylb.tokens import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, read_token_file
@@ -401,7 +402,7 @@ def _wait_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `skylb-ctl` argument parser (each command stores its function in ``args.run``)."""
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="skylb-ctl", description=__doc__.split("\n\n")[0].replace("\n", " "), epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

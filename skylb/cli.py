@@ -11,11 +11,13 @@ wheel has no bench/: those subcommands then say to run them from a checkout.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
+import re
 import sys
 
-__all__ = ["main", "SUBCOMMANDS", "PLUGIN_GROUP", "subcommands"]
+__all__ = ["main", "SUBCOMMANDS", "PLUGIN_GROUP", "subcommands", "SuggestingParser", "close_match"]
 
 #: The product's subcommands: name -> (module, one-line help).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -57,9 +59,32 @@ def _help(name: str, module_name: str) -> str:
     return f"(harness, {module_name})"
 
 
+def close_match(message: str, parser: argparse.ArgumentParser) -> str:
+    """A hint for argparse's error ``message`` of ``parser``: " (did you mean --replica?)" for an unknown option or
+    an invalid choice close to a known one (difflib), "" when nothing is close or the error is of another kind."""
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if choice:
+        words, known = [choice.group(1)], re.findall(r"'([^']*)'", choice.group(2))
+    elif message.startswith("unrecognized arguments: "):
+        words = [w.split("=", 1)[0] for w in message.split(": ", 1)[1].split() if w.startswith("--")]
+        known = [o for o in parser._option_string_actions if o.startswith("--")]  # argparse has no public list
+    else:
+        return ""
+    hints = [m[0] for w in words if (m := difflib.get_close_matches(w, known, n=1))]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors suggest the closest option or subcommand (Python 3.14's
+    ``suggest_on_error``, which 3.11 lacks)."""
+
+    def error(self, message: str):
+        super().error(message + close_match(message, self))
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """Build the top-level parser; with ``only``, import and describe just that subcommand (fast start)."""
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="skylb",
         description="SkyLB: a cross-region load balancer for LLM inference. One balancer per region; "
         "requests go to a local replica with room, else to a peer region with room, else wait in the queue.",
@@ -80,7 +105,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         first_line = (module.__doc__ or help_text).strip().splitlines()[0]
         p = sub.add_parser(name, help=help_text if name in SUBCOMMANDS else first_line, description=first_line)
         module.add_arguments(p)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
     return parser
 
 
@@ -95,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args, extra = parser.parse_known_args(argv)
     if extra:  # only subcommands that hand their options to another program take unknown ones
-        if not getattr(args, "passes_options", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if not getattr(args, "passes_options", False):  # the subcommand's own usage, not the top level's
+            args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.rest = [*getattr(args, "rest", []), *extra]
     return int(args._module.main(args) or 0)
 

@@ -138,3 +138,23 @@ def test_stream_extras_and_mid_stream_errors_reach_the_client_unchanged(procs, t
     assert "error" in shape(via)[0] or "error-line" in shape(via)[0]
     if engine == "vllm":
         assert shape(via)[1]  # keep-alive comments were relayed
+
+
+def test_health_and_models_answer_as_the_engines_do(procs, tmp_path):
+    """`GET /health` is 200 as on vLLM (guidellm checks it); `/v1/models` keeps the engines' fields
+    (vLLM's ``root``, ``parent``, ``created``, ``owned_by``) with the smallest ``max_model_len`` of two replicas."""
+    cluster = Cluster(procs, tmp_path)
+    [long] = cluster.start_emulator(1, "--max-model-len", "8192", *FAST, name="emu-long")
+    [short] = cluster.start_emulator(1, "--max-model-len", "4096", *FAST, name="emu-short")
+    cluster.start_static_balancer([long, short], engine="vllm")
+    url = cluster.balancers["local"]
+    assert requests.get(f"{url}/health", timeout=5).status_code == 200
+    assert requests.head(f"{url}/health", timeout=5).status_code == 200
+    [card] = requests.get(f"{url}/v1/models", timeout=5).json()["data"]
+    [engine_card] = requests.get(f"{long}/v1/models", timeout=5).json()["data"]
+    assert card["max_model_len"] == 4096 and engine_card["max_model_len"] == 8192
+    assert {k: card[k] for k in ("id", "object", "root", "parent", "owned_by")} == {
+        "id": MODEL, "object": "model", "root": engine_card["root"], "parent": None, "owned_by": "vllm"}
+    assert 0 < card["created"] <= engine_card["created"]
+    listed = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10).models.list().data
+    assert [(m.id, m.model_extra["max_model_len"]) for m in listed] == [(MODEL, 4096)]

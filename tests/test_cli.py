@@ -35,6 +35,36 @@ def test_unknown_option_is_a_usage_error():
     assert out.returncode == 2 and "--no-such-flag" in out.stderr
 
 
+def test_a_mistyped_option_or_subcommand_gets_its_usage_and_the_close_match():
+    """`skylb balancer --replicas URL` exits 2 with the balancer's own usage and "did you mean --replica?";
+    `skylb balancr` suggests balancer; an invalid choice suggests the close one, in skylb-ctl too."""
+    out = _run("balancer", "--replicas", "http://127.0.0.1:1")
+    assert out.returncode == 2 and "usage: skylb balancer" in out.stderr
+    assert "unrecognized arguments: --replicas http://127.0.0.1:1 (did you mean --replica?)" in out.stderr
+    out = _run("balancr", "--replica", "http://127.0.0.1:1")
+    assert out.returncode == 2 and "(did you mean balancer?)" in out.stderr
+    out = _run("balancer", "--replica", "http://127.0.0.1:1", "--engine", "vlm")
+    assert out.returncode == 2 and "(did you mean vllm?)" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "controller.ctl", "replica", "ad"], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 2 and "usage: skylb-ctl replica" in out.stderr and "(did you mean add?)" in out.stderr
+
+
+def test_a_balancer_without_config_runs_on_the_defaults_not_the_demo_file(monkeypatch):
+    """`skylb balancer --region us` with no --config and no peer token: the built-in defaults and the default
+    controller address, not the demo's three regions (which would want a peer token for peers asia and eu)."""
+    from skylb.balancer.reload import resolve
+    from skylb.cli import build_parser
+    from skylb.config import BalancerConfig
+
+    for name in ("SKYLB_PEER_TOKEN", "SKYLB_API_KEYS", "SKYLB_API_KEYS_FILE", "SKYLB_METRICS_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    settings = resolve(build_parser("balancer").parse_args(["balancer", "--region", "us"]))
+    assert settings.region == "us" and settings.static_membership is None
+    assert settings.cfg.controller_url == "http://127.0.0.1:8470"
+    assert settings.cfg.model_copy(update={"controller_url": None}) == BalancerConfig()
+
+
 def test_live_benchmarks_receive_their_options_in_order():
     """`skylb bench overhead ARGS` hands ARGS to `python -m bench.overhead` unchanged."""
     out = _run("bench", "overhead", "--help")

@@ -76,6 +76,22 @@ def test_local_deployment_replays_forwards_and_stops_everything(tmp_path):
     assert not [p for p in pids if _alive(p)]
 
 
+def test_what_local_prints_says_where_the_pages_are_and_its_ctl_line_runs_as_pasted(tmp_path):
+    """The printed skylb-ctl line runs from a shell whose PATH lacks the venv (not activated); the page lines give
+    the controller's and each balancer's page address and the token files whose content the login form wants."""
+    from bench.local import Deployment
+    from skylb.config import load_config
+
+    deployment = Deployment(load_config(_smallest_config(tmp_path)), tmp_path / "run")
+    deployment.controller_url, deployment.balancer_urls = "http://127.0.0.1:1", {"us": "http://127.0.0.1:2"}
+    out = subprocess.run(deployment.ctl_command("--help"), shell=True, capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0 and "usage: skylb-ctl" in out.stdout, out.stderr
+    controller, balancers = deployment.page_lines()
+    assert "http://127.0.0.1:1/" in controller and str(tmp_path / "run" / "admin-token") in controller
+    assert "us=http://127.0.0.1:2/" in balancers and str(tmp_path / "run" / "peer-token") in balancers
+
+
 def test_local_stops_every_process_on_ctrl_c(tmp_path):
     """Ctrl-C (SIGINT) on the launcher stops every process it started, also when an impatient user presses it
     again 0.3 s later: no traceback on stderr or stdout, nothing left running in any process group it started."""
@@ -89,10 +105,12 @@ def test_local_stops_every_process_on_ctrl_c(tmp_path):
                                 stdout=subprocess.PIPE, stderr=stderr, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        deadline = time.monotonic() + 120
+        deadline, printed = time.monotonic() + 120, []
         for line in launcher.stdout:  # bounded by the deadline and by the launcher's own output
+            printed.append(line)
             if "deployment is up" in line or time.monotonic() > deadline:
                 break
+        assert any("status pages of the balancers" in line for line in printed), printed
         pids = _pids(run_dir)
         assert len(pids) == 4 and all(_alive(p) for p in pids)  # controller, emulator, latency proxy, balancer
         launcher.send_signal(signal.SIGINT)
@@ -114,6 +132,7 @@ def test_local_stops_every_process_on_ctrl_c(tmp_path):
         errors = stderr.read()
         assert launcher.returncode == 130, errors[-3000:]
         assert "Traceback" not in errors and "Traceback" not in rest, errors[-3000:]
+        assert rest.rstrip().endswith("[skylb local] every process stopped"), rest[-1000:]
         time.sleep(0.2)
         assert not [p for p in pids if _alive(p)]
         assert alive_in_groups(set(pids)) == []  # each process led its own group: its children too

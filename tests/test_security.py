@@ -100,9 +100,11 @@ def test_client_api_key_required_on_ollama_api(secured):
 
 
 def test_health_and_ollama_root_stay_open(secured):
-    """/healthz (probes, the controller's health check) and Ollama's GET / need no credential."""
+    """/healthz (probes, the controller's health check), /health (the engines' own, which load generators check)
+    and Ollama's GET / need no credential."""
     base = secured.balancers["us"]
     assert http("GET", f"{base}/healthz")[0] == 200 and http("GET", f"{base}/")[0] == 200
+    assert http("GET", f"{base}/health")[0] == 200
 
 
 def test_client_key_not_relayed_to_replicas_and_replica_key_sent():

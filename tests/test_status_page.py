@@ -18,6 +18,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import requests
 from aiohttp.test_utils import make_mocked_request
 from selenium import webdriver
 from selenium.webdriver.common.by import By
@@ -297,3 +298,26 @@ def test_status_page_in_chromium_matches_the_status_of_its_revision(procs, tmp_p
     with urllib.request.urlopen(f"{eu}/", timeout=5) as resp:
         assert resp.read() == b"Ollama is running"
     _no_token_in_any_url(browser)
+
+
+def test_a_static_balancers_page_offers_log_out_to_a_session_only_and_answers_the_favicon(procs, tmp_path):
+    """A balancer started with --replica: /favicon.ico is 204 with no request log line; the page has no Log out for
+    a reverse proxy's Bearer token (no session) and has one after a login; its status says the membership is static
+    (no controller revision), which the page shows instead of "membership revision null"."""
+    cluster = Cluster(procs, tmp_path, peer_token=PEER)
+    [replica] = cluster.start_emulator(1, "--time-scale", "0.1")
+    balancer = cluster.start_static_balancer([replica])
+    url = cluster.balancers["local"]
+    icon = requests.get(f"{url}/favicon.ico", timeout=5)
+    assert icon.status_code == 204 and not icon.content
+    html = {"Accept": "text/html"}
+    page = requests.get(f"{url}/", headers={**html, "Authorization": f"Bearer {PEER}"}, timeout=5)
+    assert page.status_code == 200 and 'id="revision"' in page.text and "Log out" not in page.text
+    with requests.Session() as browser:
+        assert browser.post(f"{url}/skylb/login", data={"token": PEER}, allow_redirects=False,
+                            timeout=5).status_code == 303
+        page = browser.get(f"{url}/", headers=html, timeout=5)
+        assert page.status_code == 200 and "Log out" in page.text
+    status = cluster.status("local")
+    assert status["static_membership"] is True and status["membership_revision"] is None
+    assert "favicon" not in balancer.log()

@@ -6,11 +6,14 @@ round the dispatcher is woken, since a target may have become available. A probe
 is logged and the next one runs. A round waits for its probes at most one interval: a target that hangs (a
 partitioned peer) keeps its own probe running, bounded by the probe timeout, and gets no second one meanwhile, but
 never delays the next round of the others; its status simply ages until the availability rules call it stale.
+A replica's health is logged when it changes (and so at its first probe): ``replica_unhealthy`` (a warning, with the
+reason, e.g. ``engine detection failed: GET /metrics: connection refused``) and ``replica_healthy``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -36,6 +39,19 @@ def checked_models(replica_id: str, ids: list) -> list[str]:
         log.warning("replica_model_ids_skipped", replica=replica_id, ids=bad[:10], skipped=len(bad),
                     rule="1 to 512 printable characters")
     return good
+
+
+#: The most characters of one model entry a replica lists that ``GET /v1/models`` passes on (as JSON); a larger
+#: one is passed on as its id alone.
+MAX_CARD_CHARS = 4096
+
+
+def _passed_on(cards: list[dict], ids: list[str]) -> dict[str, dict]:
+    """{id: entry} of the entries in ``cards`` whose id is in ``ids`` (the valid ones), each entry no larger than
+    MAX_CARD_CHARS as JSON (else ``{"id": id}``)."""
+    valid = set(ids)
+    return {card["id"]: card if len(json.dumps(card, default=str)) <= MAX_CARD_CHARS else {"id": card["id"]}
+            for card in cards if isinstance(card.get("id"), str) and card["id"] in valid}
 
 
 class Probers:
@@ -118,9 +134,11 @@ class Probers:
         sent_at = self.now()
         result = await adapter.probe(self.session, state.url, timeout_s=self.timeout_s,
                                      outstanding=state.outstanding, max_concurrency=state.max_concurrency)
+        before = (state.probed_at is not None, state.healthy, state.error)
         self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
                                     running=result.running, error=result.error, slots=result.slots,
                                     probe_sent_at=sent_at, kv_usage=result.kv_usage)
+        _log_health_change(state, before)
         read_at = self._models_read_at.get(state.id)
         due = state.models is None or read_at is None or self.now() - read_at >= self.models_refresh_s
         engine = detected_engine(state.url) if state.engine == "auto" else state.engine
@@ -130,11 +148,12 @@ class Probers:
             if engine == "ollama":  # Ollama serves its own API besides the OpenAI one
                 state.apis = frozenset({"openai", "ollama"})
             try:
-                models = await adapter.models(self.session, state.url, timeout_s=self.timeout_s)
+                cards = await adapter.model_cards(self.session, state.url, timeout_s=self.timeout_s)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 return  # keep the list we have; retried at the next probe
             self._models_read_at[state.id] = self.now()
-            models = checked_models(state.id, models)
+            models = checked_models(state.id, [card["id"] for card in cards])
+            state.model_cards = _passed_on(cards, models)
             if frozenset(models) != state.models:
                 self.router.set_replica_models(state.id, models)
 
@@ -172,6 +191,19 @@ class Probers:
             return
         now = self.now()
         self.router.observe_peer(peer.region, now=now, status=status, rtt_s=now - sent_at)
+
+
+def _log_health_change(state: ReplicaState, before: tuple[bool, bool, str | None]) -> None:
+    """Log ``state``'s health when it differs from ``before`` = (probed, healthy, error) of the previous probe: an
+    operator sees at start, and at each change, which replica cannot be used and why, without polling the status."""
+    if before == (True, state.healthy, state.error):
+        return
+    engine = (detected_engine(state.url) or state.engine) if state.engine == "auto" else state.engine
+    if state.healthy:
+        log.info("replica_healthy", replica=state.id, url=state.url, engine=engine)
+    else:
+        log.warning("replica_unhealthy", replica=state.id, url=state.url, reason=state.error,
+                    detail="no request goes to this replica until a probe succeeds")
 
 
 async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:

@@ -173,8 +173,9 @@ CREDENTIALS = web.AppKey("skylb_credentials", _CredentialsInForce)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `skylb balancer`."""
-    parser.add_argument("--config", help="deployment YAML (default: the embedded configs/local-3region.yaml; with "
-                        "--replica: the built-in defaults)")
+    parser.add_argument("--config", help="deployment YAML: its balancer section and regions.<region>.balancer "
+                        "(default: none, the built-in defaults, with the controller at --controller or "
+                        "http://127.0.0.1:8470)")
     parser.add_argument("--region", help="this balancer's region, a key of `regions` in the config (required with "
                         f"a controller; with --replica default {STATIC_REGION!r})")
     static = parser.add_argument_group(

@@ -75,8 +75,9 @@ def _peer_urls(items: list[str]) -> dict[str, str]:
 
 
 def _deployment(args: argparse.Namespace, region: str, static: bool) -> DeploymentConfig:
-    """The deployment file (or, in static mode without --config, the defaults with ``region`` as its one region)."""
-    if static and not args.config:
+    """The deployment file, or without --config the defaults with ``region`` as its one region (as `skylb
+    controller` without --config runs on its defaults; the peers then come from the controller)."""
+    if not args.config:
         return DeploymentConfig(regions={region: RegionConfig()})
     deployment = load_config(args.config)
     if static:  # the file gives the balancer settings; the membership comes from the flags

@@ -18,17 +18,17 @@ from skylb.engines.auto import detected_engine
 from skylb.quota.buckets import LocalLimits
 from skylb.quota.wiring import quota_status
 
-__all__ = ["BALANCER", "ROUTES", "detailed_status", "quotas_in_force", "handle_status", "handle_healthz",
-           "handle_metrics", "handle_models"]
+__all__ = ["BALANCER", "ROUTES", "detailed_status", "quotas_in_force", "readiness", "model_entry", "handle_status",
+           "handle_health", "handle_healthz", "handle_metrics", "handle_models"]
 
 BALANCER = web.AppKey("balancer", Balancer)
 
 
 def detailed_status(balancer: Balancer) -> dict:
     """A JSON-able view for operators: the peer status plus every replica and peer with its availability and the
-    reason it is unavailable, the policy, and the controller's reachability and membership revision; ``time`` is
-    when the view was taken (unix s), ``kv_usage`` a replica's KV cache use at its latest probe (0-1, None when
-    its engine does not say)."""
+    reason it is unavailable, the policy, and the controller's reachability and membership revision (None, and
+    ``static_membership`` true, for a balancer started with --replica); ``time`` is when the view was taken (unix
+    s), ``kv_usage`` a replica's KV cache use at its latest probe (0-1, None when its engine does not say)."""
     now, router = balancer.now(), balancer.router
     membership = balancer.membership
     return {
@@ -36,6 +36,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "policy": balancer.cfg.policy,
         "controller_reachable": balancer.controller_reachable(),
         "membership_revision": membership.revision if membership else None,
+        "static_membership": balancer.static_membership is not None,  # --replica flags: no controller, no revision
         "time": round(time.time(), 3),
         "draining": balancer.draining,
         "in_flight": balancer.in_flight(),
@@ -116,17 +117,44 @@ async def handle_status(request: web.Request) -> web.Response:
                         content_type="application/msgpack")
 
 
+def readiness(balancer: Balancer) -> dict:
+    """Whether a request could be placed now: {"ready": some local replica or peer is healthy, "replicas" and
+    "peers": {"healthy": n, "total": n}, "unhealthy": [{"replica", "url", "reason"}] for each local replica that is
+    not (at most 10)}."""
+    replicas = [r for r in balancer.router.replicas.values() if not r.draining]
+    peers = list(balancer.router.peers.values())
+    healthy = sum(r.healthy for r in replicas)
+    healthy_peers = sum(p.healthy for p in peers)
+    return {"ready": bool(healthy or healthy_peers),
+            "replicas": {"healthy": healthy, "total": len(replicas)},
+            "peers": {"healthy": healthy_peers, "total": len(peers)},
+            "unhealthy": [{"replica": r.id, "url": r.url, "reason": r.error or "not probed yet"}
+                          for r in replicas if not r.healthy][:10]}
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    """``GET /health``, as vLLM, SGLang and llama-server answer it (load generators such as guidellm check it before
+    a run): 200 with an empty body while the balancer serves, 503 once it is shutting down (SIGTERM). /healthz says
+    more."""
+    balancer = request.app[BALANCER]
+    if balancer.shutting_down:
+        return web.Response(status=503, headers={"Retry-After": str(retry_after_s(balancer.cfg.retry_after_s))})
+    return web.Response(status=200)
+
+
 async def handle_healthz(request: web.Request) -> web.Response:
-    """``GET /healthz``: 200 while the process serves (replica health is in /skylb/v1/status and /metrics); the
-    body says whether the operator is draining it and how many requests it still holds. 503 with status "draining"
-    once it is shutting down (SIGTERM), so load balancers and the controller stop sending it requests."""
+    """``GET /healthz``: 200 while the process serves, a liveness answer: a balancer whose replicas are all down
+    still forwards, queues and answers (and the controller fails a region over on it); the body says whether the
+    operator is draining it, how many requests it still holds, and its readiness (``readiness``: ``ready`` false
+    while no replica or peer is healthy, with each unhealthy replica and why). 503 with status "draining" once it
+    is shutting down (SIGTERM), so load balancers and the controller stop sending it requests."""
     balancer = request.app[BALANCER]
     if balancer.shutting_down:
         return web.json_response({"status": "draining", "region": balancer.region,
                                   "in_flight": balancer.in_flight()}, status=503,
                                  headers={"Retry-After": str(retry_after_s(balancer.cfg.retry_after_s))})
     return web.json_response({"status": "draining" if balancer.draining else "ok", "region": balancer.region,
-                              "in_flight": balancer.in_flight()})
+                              "in_flight": balancer.in_flight(), **readiness(balancer)})
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
@@ -141,17 +169,43 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=balancer.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+#: The fields of OpenAI's model object, which every entry of ``GET /v1/models`` has.
+_OPENAI_MODEL_FIELDS = ("id", "object", "created", "owned_by")
+
+
+def model_entry(model: str, cards: list[dict]) -> dict:
+    """One entry of ``GET /v1/models`` for ``model`` from the entries its replicas list (``cards``, in replica
+    order; empty for a model only peers serve): OpenAI's fields (``created``: the earliest a replica says, unix s, 0
+    when none does; ``owned_by``: the first replica's, "skylb" when none says), then the engines' own fields
+    (``max_model_len``, ``root``, ``parent``, ...) as the first replica listing each says, except
+    ``max_model_len``: the smallest, since a request must fit whichever replica serves it."""
+    merged: dict = {}
+    for card in reversed(cards):
+        merged.update(card)
+    created = [c["created"] for c in cards if type(c.get("created")) is int]
+    lengths = [c["max_model_len"] for c in cards if type(c.get("max_model_len")) is int]
+    if lengths:
+        merged["max_model_len"] = min(lengths)
+    owned_by = merged.get("owned_by")
+    return {"id": model, "object": "model", "created": min(created, default=0),
+            "owned_by": owned_by if isinstance(owned_by, str) else "skylb",
+            **{k: v for k, v in merged.items() if k not in _OPENAI_MODEL_FIELDS}}
+
+
 async def handle_models(request: web.Request) -> web.Response:
-    """``GET /v1/models``: the union of models the local replicas (and peers) serve, then the model group aliases
-    (with ``skylb_group``: their models), in OpenAI's list shape."""
+    """``GET /v1/models``: the union of models the local replicas (and peers) serve, each with what its replicas
+    say of it (``model_entry``), then the model group aliases (with ``skylb_group``: their models), in OpenAI's
+    list shape."""
     balancer = request.app[BALANCER]
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "skylb"} for m in balancer.served_models()]
+    replicas = sorted((r for r in balancer.router.replicas.values() if not r.draining), key=lambda r: r.id)
+    data = [model_entry(m, [r.model_cards[m] for r in replicas if m in r.model_cards])
+            for m in balancer.served_models()]
     # Model group aliases (skylb/balancer/model_groups.py), with the models that serve them.
     data += [{"id": alias, "object": "model", "created": 0, "owned_by": "skylb", "skylb_group": sorted(members)}
              for alias, members in sorted(balancer.quotas.groups.items())]
     return web.json_response({"object": "list", "data": data})
 
 
-#: The status routes: /v1/models, /healthz, /metrics, /skylb/v1/status.
-ROUTES = [web.get("/v1/models", handle_models), web.get("/healthz", handle_healthz),
+#: The status routes: /v1/models, /health, /healthz, /metrics, /skylb/v1/status.
+ROUTES = [web.get("/v1/models", handle_models), web.get("/health", handle_health), web.get("/healthz", handle_healthz),
           web.get("/metrics", handle_metrics), web.get("/skylb/v1/status", handle_status)]

@@ -592,6 +592,17 @@ class Router:
         return (all(r.models is not None for r in self.replicas.values() if r.healthy and not r.draining)
                 and all(p.models is not None for p in self.peers.values() if p.healthy))
 
+    def unreachable_unlisted(self, *, with_peers: bool = True) -> list[tuple[str, str]]:
+        """(url, why) of each local replica (and, ``with_peers``, each peer) that is not healthy and has never said
+        which models it serves (not probed yet, or unreachable since it joined), so it may serve any model; draining
+        replicas left and are not counted. Replicas first, each group in membership order."""
+        found = [(r.url, r.error or "not probed yet") for r in self.replicas.values()
+                 if not r.draining and not r.healthy and r.models is None]
+        if with_peers:
+            found += [(p.url, p.error or "not probed yet") for p in self.peers.values()
+                      if not p.healthy and p.models is None]
+        return found
+
     def replica_unavailable_reason(self, replica: ReplicaState, now: float) -> str | None:
         """None when ``replica`` may take a request at ``now`` under selective pushing: the availability rules'
         reason first, then ejection by outlier detection, then the policy's own clause (for status and metrics)."""

@@ -55,6 +55,8 @@ class ReplicaState:
         draining: removed from membership; gets no new requests while its in-flight ones finish.
         max_concurrency: the replica's parallel slots when configured (engines without a pending metric).
         models: the model ids it serves (None until learned from the replica); apis: the API dialects it speaks.
+        model_cards: model id -> the replica's own entry for it in its model list (a JSON object: vLLM's
+            ``max_model_len``, ``root``, ``parent``, ...), passed on by the balancer's ``GET /v1/models``.
         error: why the latest probe failed, if it did.
         kv_usage: the fraction of the engine's KV cache in use (0-1) at the latest probe, when the engine says.
         unprefilled: request id -> prompt tokens not expected from the prefix cache, for this balancer's requests
@@ -77,6 +79,7 @@ class ReplicaState:
     max_concurrency: int | None = None
     models: frozenset[str] | None = None
     apis: frozenset[str] = frozenset({"openai"})
+    model_cards: dict[str, dict] = field(default_factory=dict, repr=False)
     slots: int | None = None
     #: Consecutive gateway failures and 5xx answers, ejections so far and the end of the current or latest
     #: ejection, s (outlier detection: skylb/core/outlier.py).
@@ -216,6 +219,7 @@ class PeerState:
     sent_since_probe: int = 0
     outstanding: int = 0
     error: str | None = None
+    #: Forwards sent there: a request retried there before its first byte counts once per try.
     forwarded: int = 0
     models: dict[str, dict[str, int]] | None = None
     #: Consecutive gateway failures and 5xx answers, ejections so far and the end of the current or latest

@@ -92,7 +92,8 @@ class AutoAdapter(EngineAdapter, engine="auto"):
         return await ADAPTERS[engine]().probe(session, url, timeout_s=timeout_s, outstanding=outstanding,
                                               max_concurrency=max_concurrency)
 
-    async def models(self, session, url, *, timeout_s):
-        """The detected engine's model list; raises FetchError when detection cannot reach the server."""
+    async def model_cards(self, session, url, *, timeout_s):
+        """The detected engine's model entries (``models`` reads their ids); raises FetchError when detection
+        cannot reach the server."""
         engine = await detect_engine(session, url, timeout_s=timeout_s)
-        return await ADAPTERS[engine]().models(session, url, timeout_s=timeout_s)
+        return await ADAPTERS[engine]().model_cards(session, url, timeout_s=timeout_s)

@@ -61,12 +61,18 @@ class EngineAdapter:
         raise NotImplementedError
 
     async def models(self, session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> list[str]:
-        """The model ids the replica serves (OpenAI ``GET /v1/models``); raises aiohttp.ClientError on failure."""
+        """The model ids the replica serves (``model_cards``' ids); raises aiohttp.ClientError on failure."""
+        return [card["id"] for card in await self.model_cards(session, url, timeout_s=timeout_s)]
+
+    async def model_cards(self, session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> list[dict]:
+        """The replica's model list (OpenAI ``GET /v1/models``), each entry as the engine sent it (a JSON object with
+        an ``id``; vLLM and SGLang add ``max_model_len``, ``root``, ``parent``); raises aiohttp.ClientError on
+        failure."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with session.get(f"{url}/v1/models", timeout=timeout) as resp:
             resp.raise_for_status()
             body = await resp.json(content_type=None)
-        return [m["id"] for m in body.get("data", []) if isinstance(m, dict) and "id" in m]
+        return [m for m in body.get("data", []) if isinstance(m, dict) and "id" in m]
 
 
 def adapter_for(engine: str) -> EngineAdapter:

@@ -51,6 +51,11 @@ class OllamaAdapter(EngineAdapter, engine="ollama"):
         return [m.get("name") or m.get("model") for m in body["models"]
                 if isinstance(m, dict) and (m.get("name") or m.get("model"))]
 
+    async def model_cards(self, session, url, *, timeout_s):
+        """``{"id": name}`` for each model of ``/api/tags`` (its other fields are not OpenAI's); raises as
+        ``models``."""
+        return [{"id": name} for name in await self.models(session, url, timeout_s=timeout_s)]
+
     async def model_slots(self, session, url, path, *, timeout_s) -> dict[str, ModelSlot]:
         """``GET /api/tags`` or ``/api/ps`` as canonical name -> ModelSlot (size in bytes, expires_at); raises
         FetchError (an aiohttp.ClientError) or ValueError if malformed."""

@@ -42,8 +42,8 @@ from aiohttp import web
 from skylb.tokens import from_this_machine, secret_matches
 
 __all__ = ["PageAccess", "LoginThrottle", "LOGIN_FREE_FAILURES", "LOGIN_LOCK_MAX_S", "ACCESS", "ADMIN_SESSION",
-           "PEER_SESSION", "SESSION_TTL_S", "LOGIN_PATH", "LOGOUT_PATH", "STATIC_PREFIX", "OPEN_PATHS", "session_value",
-           "session_ok", "wants_html", "handle_page", "ROUTES"]
+           "PEER_SESSION", "SESSION_TTL_S", "LOGIN_PATH", "LOGOUT_PATH", "STATIC_PREFIX", "FAVICON_PATH", "OPEN_PATHS",
+           "session_value", "session_ok", "wants_html", "handle_page", "ROUTES"]
 
 #: The session cookies' names: the controller's (admin token) and the balancers' (peer token), apart so that a
 #: controller and a balancer on one host (ports do not separate cookies, RFC 6265 §8.5) keep their sessions.
@@ -54,8 +54,13 @@ SESSION_TTL_S = 12 * 3600
 LOGIN_PATH = "/skylb/login"
 LOGOUT_PATH = "/skylb/logout"
 STATIC_PREFIX = "/skylb/static"
-#: Paths that need no credential: the login form's target, the logout, the stylesheet and the script.
-OPEN_PATHS = frozenset({LOGIN_PATH, LOGOUT_PATH, f"{STATIC_PREFIX}/page.css", f"{STATIC_PREFIX}/page.js"})
+#: What a browser asks of every site: answered 204 (no icon, and no 404 in the request log).
+FAVICON_PATH = "/favicon.ico"
+#: Paths that need no credential: the login form's target, the logout, the stylesheet, the script, the favicon.
+OPEN_PATHS = frozenset({LOGIN_PATH, LOGOUT_PATH, f"{STATIC_PREFIX}/page.css", f"{STATIC_PREFIX}/page.js",
+                        FAVICON_PATH})
+#: The header's logout form, shown only to a browser that logged in (a session cookie).
+_LOGOUT_FORM = f'<form method="post" action="{LOGOUT_PATH}"><button type="submit">Log out</button></form>'
 
 _STATIC = resources.files(__package__) / "static"
 _TYPES = {"page.css": "text/css", "page.js": "text/javascript"}
@@ -181,9 +186,10 @@ def _asset(name: str) -> str:
     return (_STATIC / name).read_text(encoding="utf-8")
 
 
-def _html(name: str, status: int, access: PageAccess, message: str = "") -> web.Response:
+def _html(name: str, status: int, access: PageAccess, message: str = "", logout: bool = False) -> web.Response:
     body = (_asset(name).replace("{scope}", html.escape(access.scope))
-            .replace("{credential}", html.escape(access.credential)).replace("{message}", html.escape(message)))
+            .replace("{credential}", html.escape(access.credential)).replace("{message}", html.escape(message))
+            .replace("{logout}", _LOGOUT_FORM if logout else ""))
     return web.Response(text=body, status=status, content_type="text/html", headers=_HEADERS)
 
 
@@ -191,8 +197,8 @@ async def handle_page(request: web.Request) -> web.Response:
     """``GET /``: the page when the client is allowed (``PageAccess.allowed``), else the login form (401), or a
     403 page when no credential is configured and the client is not on this machine."""
     access = request.app[ACCESS]
-    if access.allowed(request):
-        return _html("index.html", 200, access)
+    if access.allowed(request):  # Log out only for a session: protected mode and a proxy's Bearer have none
+        return _html("index.html", 200, access, logout=session_ok(request, access.token, access.cookie))
     if access.token is None:
         return _html("closed.html", 403, access)
     return _html("login.html", 401, access)
@@ -243,6 +249,11 @@ async def _static(request: web.Request) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
 
 
-#: The login, logout and asset routes (``/`` itself is the server's: the balancer shares it with Ollama's).
+async def _favicon(request: web.Request) -> web.Response:
+    """``GET /favicon.ico``: 204, no icon."""
+    return web.Response(status=204, headers={"Cache-Control": "max-age=86400"})
+
+
+#: The login, logout, asset and favicon routes (``/`` itself is the server's: the balancer shares it with Ollama's).
 ROUTES = [web.post(LOGIN_PATH, _login), web.post(LOGOUT_PATH, _logout),
-          web.get(STATIC_PREFIX + "/{name}", _static)]
+          web.get(STATIC_PREFIX + "/{name}", _static), web.get(FAVICON_PATH, _favicon)]

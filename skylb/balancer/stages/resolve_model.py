@@ -5,7 +5,9 @@ Names resolve as Ollama resolves them (``gemma3`` means ``gemma3:latest``, any c
 gets 404 in the API's shape, listing what is served (and saying so when the model is served in the other dialect
 only: an Ollama client asking for a model of vLLM or llama.cpp replicas); one served within the last
 ``model_memory_s`` seconds (its replicas or region went away) gets 503 with Retry-After instead, since it is likely
-back soon. A model group alias
+back soon; so does a model nobody reachable serves while some replica or peer has been unreachable since it joined
+(its models are unknown, it may serve this one): the 503 names each with the reason (``connection refused``), so a
+balancer in front of replicas that are down says so rather than "does not exist". A model group alias
 or a model with a fallback chain (Ollama fleet router "Routing Engine" guide, fallback chain) counts as served when
 one of its models is. Until the first model lists are read, every name passes (nothing is known yet).
 """
@@ -36,19 +38,23 @@ class ResolveModelStage:
         models_known(): True once model lists were read. is_group(name): a model group alias.
         any_served(model, served): the model or one of its fallbacks is in ``served``.
         recently_served(api, model, with_peers): served within ``model_memory_s``. retry_after_s: Retry-After, s.
+        unreachable(with_peers): (url, why) of the replicas (and peers) that may serve any model but cannot be
+            reached (Router.unreachable_unlisted).
     """
 
     name = "resolve_model"
 
     def __init__(self, *, served_models: Callable[..., Collection[str]], models_known: Callable[[], bool],
                  is_group: Callable[[str], bool], any_served: Callable[[str, Collection[str]], bool],
-                 recently_served: Callable[..., bool], retry_after_s: int):
+                 recently_served: Callable[..., bool], retry_after_s: int,
+                 unreachable: Callable[..., list[tuple[str, str]]]):
         self.served_models = served_models
         self.models_known = models_known
         self.is_group = is_group
         self.any_served = any_served
         self.recently_served = recently_served
         self.retry_after_s = retry_after_s
+        self.unreachable = unreachable
 
     async def handle(self, ctx: RequestContext) -> web.StreamResponse | None:
         parsed, with_peers = ctx.parsed, not ctx.forwarded
@@ -64,6 +70,11 @@ class ResolveModelStage:
             return ctx.reject(503, f"model '{parsed.model}' is served by no replica or peer reachable now; retry "
                                    "later", "model_unavailable", type_="service_unavailable",
                               retry_after_s=retry_after.retry_after_s(self.retry_after_s))
+        unreachable = self.unreachable(with_peers=with_peers)
+        if unreachable:
+            return ctx.reject(503, _unreachable_message(parsed.model, served, unreachable), "replicas_unreachable",
+                              type_="service_unavailable",
+                              retry_after_s=retry_after.retry_after_s(self.retry_after_s))
         message = (f"model '{parsed.model}' not found" if ctx.api == "ollama" else
                    f"The model `{parsed.model}` does not exist.")
         hint = f" Models served here: {', '.join(sorted(served)) or 'none'}."
@@ -72,3 +83,14 @@ class ResolveModelStage:
             hint += (f" '{parsed.model}' is served here through the {_API_NAMES[other]} only: its replicas do not "
                      f"speak the {_API_NAMES[ctx.api]}.")
         return ctx.reject(404, message + hint, "unknown_model", param="model")
+
+
+def _unreachable_message(model: str, served: Collection[str], unreachable: list[tuple[str, str]]) -> str:
+    """The 503's message: which targets cannot be reached and why (the first three), and what is served."""
+    named = "; ".join(f"{url}: {why}" for url, why in unreachable[:3])
+    if len(unreachable) > 3:
+        named += f"; and {len(unreachable) - 3} more"
+    if not served:
+        return f"model '{model}' cannot be served now: no replica is reachable: {named}"
+    return (f"model '{model}' is not served by a reachable replica, and some that may serve it cannot be reached: "
+            f"{named}. Models served here: {', '.join(sorted(served))}.")

@@ -10,7 +10,7 @@ function fromBalancer(d) {
   // A balancer's own status, in the controller view's shape: its region, the regions it serves, its replicas.
   const served = d.served_regions && Object.keys(d.served_regions).length ? d.served_regions : {[d.region]: 0};
   return {
-    revision: d.membership_revision, time: d.time,
+    revision: d.membership_revision, static_membership: d.static_membership, time: d.time,
     regions: Object.entries(served).map(([region, epoch]) => ({region, balancer_region: d.region, epoch})),
     balancers: [{region: d.region, url: location.origin, healthy: true, draining: d.draining, reachable: true,
                  error: null, queue_len: d.queue_len, in_flight: d.in_flight,
@@ -127,7 +127,11 @@ function drawQuotas(view) {
 }
 
 function draw(view) {
-  document.getElementById("revision").textContent = String(view.revision);
+  if (view.static_membership) {  // --replica flags: no controller, so no revision to show
+    document.getElementById("membership").textContent = "static membership (no controller)";
+  } else {
+    document.getElementById("revision").textContent = view.revision === null ? "none yet" : String(view.revision);
+  }
   const when = document.getElementById("snapshot-time"), at = new Date(view.time * 1000);
   when.dateTime = at.toISOString();
   when.dataset.unix = String(view.time);
