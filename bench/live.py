@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import shlex
 import sys
 import tempfile
@@ -134,7 +135,8 @@ def deployment_config(setup: LiveSetup, *, policy: str, region_local: bool) -> D
     """
     data = load_config(None).model_dump()
     data["regions"] = {r: {"replicas": setup.replicas,
-                           "balancer": {"peer_token": f"region-local-{r}"} if region_local else {}}
+                           "balancer": {"peer_token": f"region-local-{r}-{secrets.token_urlsafe(24)}"}
+                           if region_local else {}}
                        for r in REGIONS}
     data["emulator"].update(engine="vllm", model=MODEL, time_scale=setup.time_scale,
                             extra_args=["--max-num-seqs", str(setup.max_num_seqs), "--no-request-log"])
