@@ -205,6 +205,11 @@ def test_every_request_leaves_one_line_cancelled_ones_included(procs, tmp_path):
 def test_standard_library_records_are_json_lines_with_their_logger_and_traceback(buffer):
     """A record of the standard library's logging (aiohttp's loggers) is one JSON line: its message with its
     arguments as ``event``, its level and logger, and its traceback as ``exception``; below warning, nothing."""
+    # In a shared test process import-linter's lint_imports (tests/test_layout.py) calls logging.config.dictConfig,
+    # which disables every logger that existed then (disable_existing_loggers): this test is about the routing alone.
+    logging.disable(logging.NOTSET)
+    for name in ("aiohttp.server", "asyncio"):
+        logging.getLogger(name).disabled = False
     configure_logging(level="info", file=buffer)
     try:
         raise ValueError("bad\nrequest")

@@ -153,8 +153,10 @@ def test_429_and_503_bodies_in_each_api_shape(tenants):
     with ThreadPoolExecutor(6) as pool:
         running = [pool.submit(http, url, body, key=KEY_B) for url, body in busy]
         time.sleep(0.5)
-        openai_503 = pool.submit(http, f"{base}/v1/chat/completions", chat(), key=KEY_B)
-        ollama_503 = pool.submit(http, f"{base}/api/chat", ollama_chat(), key=KEY_B)
+        # Prompts no replica holds: a cache hit would be pushed into its holder's batch instead of waiting here.
+        fresh = [{"role": "user", "content": f"a question nobody asked before, number {i}, " * 4} for i in range(2)]
+        openai_503 = pool.submit(http, f"{base}/v1/chat/completions", chat() | {"messages": [fresh[0]]}, key=KEY_B)
+        ollama_503 = pool.submit(http, f"{base}/api/chat", ollama_chat() | {"messages": [fresh[1]]}, key=KEY_B)
         status, body, headers = openai_503.result(timeout=20)
         assert status == 503 and body["error"]["type"] == "overloaded_error" and body["error"]["code"] == 503
         assert int(headers["Retry-After"]) >= 1
