@@ -79,7 +79,8 @@ def _check_balancer_spans(spans, region: str, parent_id: str, *, route: str, tar
     assert relay.attributes["gen_ai.operation.name"] == "chat"
     assert relay.attributes["gen_ai.provider.name"] == provider
     assert relay.attributes["gen_ai.request.model"] == MODEL and relay.attributes["gen_ai.request.stream"] is True
-    assert relay.attributes["gen_ai.response.time_to_first_chunk"] > 0 and relay.status_code != 2
+    assert relay.attributes["gen_ai.response.time_to_first_chunk"] > 0
+    assert relay.status_code != 2, f"relay span in error: {relay.attributes.get('error.type')}; {relay.attributes}"
     return server, relay
 
 
