@@ -172,7 +172,8 @@ class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
         self.rates = LearningRateBook(self.ttft)
 
     def choose(self, c):
-        """The cheapest candidate by predicted TTFT (predicted_ttft.py), or the earlier rule (``placement``)."""
+        """With ``placement: predicted-ttft`` the cheapest candidate by predicted TTFT (predicted_ttft.py); else a
+        cache hit's full holder (``push_to_prefix_holder``, ``_busy_holder``) or, without one, the estimate rule."""
         if self.options.placement != "predicted-ttft":
             holder = self._busy_holder(c) if self.options.push_to_prefix_holder else None
             return holder if holder is not None else super().choose(c)
