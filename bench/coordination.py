@@ -204,6 +204,12 @@ def measure(shapes: list[tuple[int, int]], *, decisions: int, repeats: int, plac
     return out
 
 
+def target_us(replicas: int) -> float:
+    """The decision p99 target for a state of ``replicas`` local replicas, us: 0.5 ms up to 12 (one region of the
+    paper's deployment), 1 ms beyond."""
+    return 500.0 if replicas <= 12 else 1000.0
+
+
 def render(result: dict) -> str:
     """The Markdown report."""
     meta = result["meta"]
@@ -219,8 +225,9 @@ def render(result: dict) -> str:
         rows.append([f"{s['replicas']} replicas, {s['peers']} peers", _spread([r["p50_us"] for r in reps]),
                      _spread([r["p99_us"] for r in reps]), _spread([r["mean_us"] for r in reps]),
                      ", ".join(f"{k} {v}" for k, v in routes.items()),
-                     "met" if max(r["p99_us"] for r in reps) <= 1000 else "MISSED"])
-    lines += [markdown_table(["State", "p50 us", "p99 us", "mean us", "Routes taken", "p99 <= 1 ms"], rows), "",
+                     f"{target_us(s['replicas']) / 1000:g} ms: "
+                     + ("met" if max(r["p99_us"] for r in reps) <= target_us(s["replicas"]) else "MISSED")])
+    lines += [markdown_table(["State", "p50 us", "p99 us", "mean us", "Routes taken", "p99 target"], rows), "",
               "## Peer status message (msgpack, GET /skylb/v1/status)", ""]
     lines += [markdown_table(["State", "Bytes", "Encode us (median)", "Decode us (median)", "Decodes to the same"],
                              [[f"{s['replicas']} replicas, {s['peers']} peers", str(s["status"]["bytes"]),
@@ -258,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure and write the report and JSON; returns the exit status."""
     from bench.eight_regions import _commit
     args = build_parser().parse_args(argv)
-    shapes = [(args.replicas, args.peers), (25, 7)]
+    shapes = [(args.replicas, args.peers), (25, 7), (12, 2)]
     result = {"shapes": measure(shapes, decisions=args.decisions, repeats=args.repeats, placement=args.placement)}
     command = "python -m bench.coordination " + " ".join(argv if argv is not None else sys.argv[1:])
     result["meta"] = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": command.strip(),

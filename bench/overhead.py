@@ -60,7 +60,7 @@ from bench.sampling import MachineLoad, conditions_lines
 from bench.workload import VOCABULARY
 from skylb.config import BalancerConfig
 from skylb.core import Request, Router, build_policy, build_router
-from skylb.core.policies.scoring import trie_key
+from skylb.core.plugins.scoring import trie_key
 from skylb.core.policies.skylb_paper import SkyLBPaperOptions
 from bench.procs import Proc, ProcGroup, free_ports
 

@@ -46,7 +46,7 @@ def picks(name: str, options: Mapping, history: Sequence[tuple[str, str]], loads
     out = []
     for i, (text, key) in enumerate(asks):
         request = Request(id=f"q{i}", text=text, arrived_at=0.0, session_key=key)
-        chosen = policy.pick_replica(request, replicas(loads)).id
+        chosen = policy.local.pick(request, replicas(loads)).id
         if learn:
             policy.routed(request, replica=chosen)
         out.append(chosen)
@@ -60,7 +60,7 @@ def peer_picks(name: str, options: Mapping, history: Sequence[tuple[str, str]], 
     out = []
     for i, (text, key) in enumerate(asks):
         request = Request(id=f"q{i}", text=text, arrived_at=0.0, session_key=key)
-        chosen = policy.pick_peer(request, peers(free)).region
+        chosen = policy.peer.pick(request, peers(free)).region
         policy.routed(request, peer=chosen)
         out.append(chosen)
     return out

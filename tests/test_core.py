@@ -507,7 +507,7 @@ def test_a_probe_sent_before_a_dispatch_does_not_clear_it():
 
 def test_trie_key_is_recut_for_another_chunk_size():
     """A request's cached trie key is reused for the same chunk size and recut for a different one."""
-    from skylb.core.policies import trie_key
+    from skylb.core.plugins.scoring import trie_key
     request = Request("q", "abcdefgh", arrived_at=0.0)
     assert trie_key(request, PrefixTrie(chunk_chars=4)) == ("abcd", "efgh")
     assert trie_key(request, PrefixTrie(chunk_chars=3)) == ("abc", "def", "gh")

@@ -69,16 +69,16 @@ def _sglang(history: list[tuple[str, str]], **options):
 def test_sglang_cache_aware_choice(case, history, loads, prompt, expected):
     """SGLang's cache_aware rule: prefix match >= 0.3, else smallest tree; least load when imbalanced."""
     policy = _sglang(history)
-    assert policy.pick_replica(_req(prompt), _replicas(loads)).id == expected, case
+    assert policy.local.pick(_req(prompt), _replicas(loads)).id == expected, case
 
 
 def test_sglang_tree_size_counts_only_new_characters():
     """A replica's tree grows by the characters of a prompt it did not already hold (SGLang tenant size)."""
     policy = _sglang([(PROMPT_A, "r1")])
-    assert policy.tree_chars["r1"] == len(PROMPT_A)
+    assert policy.local.tree_chars["r1"] == len(PROMPT_A)
     policy.routed(_req(PROMPT_A + "more text", "x"), replica="r1")
-    assert policy.tree_chars["r1"] == len(PROMPT_A) + len("more text")
-    assert policy.tree_chars["r2"] == 0
+    assert policy.local.tree_chars["r1"] == len(PROMPT_A) + len("more text")
+    assert policy.local.tree_chars["r2"] == 0
 
 
 @pytest.mark.parametrize("lookahead, expected", [(64, ["q1", "q0"]), (0, ["q0", "q1"])])

@@ -4,12 +4,12 @@ time to first token, forwarding when a peer's estimate plus the round trip is lo
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
 from skylb.core import AvailabilityRules, PeerStatus, Request, Router, make_policy
 from skylb.core.estimate import WaitModel, prompt_tokens
+from skylb.core.plugins.hold_for_faster import HoldForFaster
 from skylb.core.rates import ModelRates
 from skylb.core.state import ReplicaState
 from tests.policy_table import replicas
@@ -95,7 +95,7 @@ def test_prefix_match_is_weighed_against_the_backlog(backlog_tokens, expected):
     policy.routed(Request("h", A, 0.0), replica="r1")
     candidates = replicas({"r1": 1, "r2": 1})
     candidates[0].add_unprefilled("other", backlog_tokens)
-    assert policy.pick_replica(Request("q", A + "more", 0.0), candidates).id == expected
+    assert policy.local.pick(Request("q", A + "more", 0.0), candidates).id == expected
 
 
 def test_request_forwarded_when_peer_estimate_plus_rtt_is_lower():
@@ -353,7 +353,7 @@ def test_a_request_waits_for_a_faster_busy_replica_unless_the_queue_is_long():
     for i in range(1, 4):
         router.enqueue(Request(f"q{i}", "y" * 400, arrived_at=0.0))
     assert [(d.request.id, d.target) for d in router.dispatch(0.2)] == [("q0", "r1")]  # 4 s < 1 s + 4 x 1 s
-    router.policy.options = dataclasses.replace(router.policy.options, hold_for_faster=False)
+    router.policy.then = tuple(r for r in router.policy.then if not isinstance(r, HoldForFaster))  # the option off
     fast.outstanding, slow.outstanding = 1, 0
     router.enqueue(Request("q9", "y" * 400, arrived_at=0.0))
     assert [d.request.id for d in router.dispatch(0.3)] == ["q1"]  # off: room wins

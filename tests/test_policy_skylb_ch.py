@@ -39,6 +39,6 @@ def test_consistent_hash_is_sticky_whatever_the_load():
     """Blind consistent hashing keeps a key on its owner even when that replica is the most loaded."""
     policy = make_policy("consistent-hash")
     policy.set_members(["r1", "r2", "r3"], [])
-    owner = policy.pick_replica(Request("a", "x", arrived_at=0.0, session_key="user-7"), replicas({"r1": 0, "r2": 0, "r3": 0})).id
+    owner = policy.local.pick(Request("a", "x", arrived_at=0.0, session_key="user-7"), replicas({"r1": 0, "r2": 0, "r3": 0})).id
     loads = {r: (100 if r == owner else 0) for r in ("r1", "r2", "r3")}
-    assert policy.pick_replica(Request("b", "y", arrived_at=0.0, session_key="user-7"), replicas(loads)).id == owner
+    assert policy.local.pick(Request("b", "y", arrived_at=0.0, session_key="user-7"), replicas(loads)).id == owner

@@ -160,8 +160,8 @@ def test_a_peer_with_room_beats_holding_behind_full_replicas():
     router = _router(peers=("eu",))
     for rid in router.replicas:
         router.observe_replica(rid, now=0.0, healthy=True, pending=2, running=2, slots=2, kv_usage=0.5)
-    router.policy.ttft.service.observe("r0", 30.0)
-    router.policy.ttft.service.observe("r1", 30.0)
+    router.policy.rates.ttft.service.observe("r0", 30.0)
+    router.policy.rates.ttft.service.observe("r1", 30.0)
     router.observe_peer("eu", now=0.0, rtt_s=0.1, status=PeerStatus(
         "eu", available_replicas=2, replicas=2, queue_len=0, models=None, backlog_tokens=0,
         prefill_fixed_ms=50, prefill_ms_per_token=0.5))
@@ -181,7 +181,7 @@ def test_the_fit_learns_from_responses_behind_others():
         router.observe_response(d, Usage(prompt_tokens=450, prefilled_tokens=450, output_tokens=10),
                                 ttft_s=0.2 + 0.001 * 450, e2e_s=2.0)
         router.finished(d)
-    line = policy.ttft.line(router.replicas["r0"])
+    line = policy.rates.ttft.line(router.replicas["r0"])
     assert line.seconds(450) == pytest.approx(0.2 + 0.45, rel=0.15)
 
 

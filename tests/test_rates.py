@@ -195,9 +195,9 @@ def test_default_policy_shares_the_measured_prefill_rate():
     router = _router("skylb")
     r0 = router.replicas["r0"]
     r0.add_unprefilled("x", 1000)
-    assert router.policy.wait.wait_s(r0) == pytest.approx(0.5)  # 2000 tokens/s configured
+    assert router.policy.estimator.wait.wait_s(r0) == pytest.approx(0.5)  # 2000 tokens/s configured
     _serve(router, "r0", 0, 0.004)  # prefill 4 ms per token measured
-    assert router.policy.wait.wait_s(r0) == pytest.approx(4.0)
+    assert router.policy.estimator.wait.wait_s(r0) == pytest.approx(4.0)
     assert router.status(0.0).wait_ms is not None
     off = WaitModel(measured=False)
     assert off.wait_s(r0) == pytest.approx(0.5)
@@ -212,7 +212,7 @@ def test_default_policy_explores_an_unmeasured_replica_beside_a_measured_one():
     for measured_prefill, expected in ((True, "r1"), (False, "r1")):
         router = _router("skylb", measured_prefill=measured_prefill)
         _serve(router, "r0", 0, 0.0005 / 20, text="warm zero")  # 20x the configured 2000 tokens/s
-        prior = router.policy.wait.prior_s_per_token(router.replicas.values())
+        prior = router.policy.estimator.wait.prior_s_per_token(router.replicas.values())
         assert prior == (pytest.approx(0.0005 / 20) if measured_prefill else None)
         router.enqueue(Request("a", "a fresh prompt " * 40, 0.0, model="m"))
         (d,) = router.dispatch(0.0)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from skylb.core.builder import RouterSettings, build_policy, build_router, build_rules
     from skylb.core.hash_ring import HashRing
-    from skylb.core.policies import POLICIES, Policy, PolicyError, make_policy, policy_names, policy_options
+    from skylb.core.policies import POLICIES, PolicyError, make_policy, policy_names, policy_options
+    from skylb.core.profile import Profile
     from skylb.core.prefix_trie import Match, PrefixTrie, chunk_text
     from skylb.core.request import Request
     from skylb.core.router import Decision, QueueFull, Router
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
 _HOMES = {
     **dict.fromkeys(["RouterSettings", "build_policy", "build_router", "build_rules"], "builder"),
     "HashRing": "hash_ring",
-    **dict.fromkeys(["POLICIES", "Policy", "PolicyError", "make_policy", "policy_names", "policy_options"],
-                    "policies"),
+    **dict.fromkeys(["POLICIES", "PolicyError", "make_policy", "policy_names", "policy_options"], "policies"),
+    "Profile": "profile",
     **dict.fromkeys(["Match", "PrefixTrie", "chunk_text"], "prefix_trie"),
     "Request": "request",
     **dict.fromkeys(["Decision", "QueueFull", "Router"], "router"),

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from skylb.core.fleet_rules import FleetRules, FleetSettings
 from skylb.core.outlier import OutlierDetector
-from skylb.core.policies import Policy, make_policy
+from skylb.core.policies import make_policy
+from skylb.core.profile import Profile
 from skylb.core.router import Router
 from skylb.core.state import AvailabilityRules
 
@@ -75,7 +76,7 @@ class RouterSettings(Protocol):
     priorities: QueueClassSettings
 
 
-def build_policy(settings: RouterSettings) -> Policy:
+def build_policy(settings: RouterSettings) -> Profile:
     """The policy ``settings.policy`` with its options from ``settings.policies``; raises PolicyError if invalid."""
     return make_policy(settings.policy, **dict(settings.policies.get(settings.policy, {})))
 

@@ -168,7 +168,7 @@ class ReplicaRates:
 
 class RateBook:
     """The learning rule and the estimate, over the ``ReplicaRates`` of each replica (one per balancer: policies
-    hold it as ``Policy.rates``, the Router feeds it).
+    hold it as ``Profile.rates``, the Router feeds it).
 
     Args:
         alpha: EMA smoothing factor in (0, 1]: the weight of the newest response.

@@ -72,7 +72,7 @@ class Request:
     chunks: tuple[str, ...] | None = field(default=None, repr=False)
     chunking: tuple[int, int] | None = field(default=None, repr=False)
     #: The queue look-ahead's walk of this request's key while it waits (a prefix_trie.KeptMatch, reused while the
-    #: trie nodes it depends on are unchanged; skylb/core/policies/scoring.py ``prefix_lookahead``).
+    #: trie nodes it depends on are unchanged; skylb/core/plugins/prefix_lookahead.py``).
     kept_match: object | None = field(default=None, repr=False)
 
     @property

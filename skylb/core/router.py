@@ -32,7 +32,7 @@ from skylb.core.fleet_rules import FleetRules
 from skylb.core.fleet_rules import load_s as fleet_load_s
 from skylb.core.queue import ClassQueue
 from skylb.core.outlier import OutlierDetector
-from skylb.core.policies import Policy
+from skylb.core.profile import Profile
 from skylb.core.rates import Usage, request_chars
 from skylb.core.request import Request
 from skylb.core.state import AvailabilityRules, PeerState, PeerStatus, ReplicaState
@@ -77,7 +77,7 @@ class Router:
         aging_s: with ``priorities``, a request's class rises one step per this many seconds waited (0: never).
     """
 
-    def __init__(self, *, region: str, policy: Policy, rules: AvailabilityRules | None = None,
+    def __init__(self, *, region: str, policy: Profile, rules: AvailabilityRules | None = None,
                  max_queue: int = 10_000, outlier: OutlierDetector | None = None, fleet: FleetRules | None = None,
                  priorities: bool = False, aging_s: float = 0.0):
         self.region = region
@@ -344,8 +344,8 @@ class Router:
 
     def _next_index(self, now: float, queue: deque[Request] | list[Request]) -> int:
         """Which request of ``queue`` (the FCFS queue, or the class queue's window) to place next: the head, unless
-        the policy looks ahead (``Policy.queue_lookahead`` > 1) and picks a later one within that window, and the
-        head has been passed over fewer than ``Policy.max_bypass`` times."""
+        the policy looks ahead (``Profile.queue_lookahead`` > 1) and picks a later one within that window, and the
+        head has been passed over fewer than ``Profile.max_bypass`` times."""
         policy = self.policy
         k = policy.queue_lookahead
         if k <= 1 or len(queue) < 2:

@@ -1,5 +1,5 @@
-"""Routing policies as plugins: which target, among the candidates the availability rules let through, gets a
-request. One module per policy; ``scoring`` holds what they share; ``base`` the interface and the registry.
+"""Named routing policies: each is a scheduling profile (skylb/core/profile.py) composed of plugins
+(skylb/core/plugins/), built from its typed options; ``base`` holds the registry.
 
 ========================  ========  ==================================================================
 name                      pushing   module
@@ -17,21 +17,11 @@ name                      pushing   module
 ========================  ========  ==================================================================
 """
 
-from skylb.core.policies.base import (POLICIES, Policy, PolicyError, make_policy, options_class, policy_names,
-                                      policy_options)
-from skylb.core.policies.skylb import SkyLBPolicy
-from skylb.core.policies.consistent_hash import ConsistentHashPolicy
-from skylb.core.policies.skylb_ch import HashRingPolicy
-from skylb.core.policies.least_load import LeastLoadPolicy
-from skylb.core.policies.estimated_wait import EstimatedWaitPolicy
-from skylb.core.policies.skylb_paper import SkyLBPaperPolicy
-from skylb.core.policies.round_robin import RoundRobinPolicy
-from skylb.core.policies.scoring import least_loaded, loads_imbalanced, most_room, trie_key
-from skylb.core.policies.sglang import SGLangCacheAwarePolicy
-from skylb.core.policies.sglang_selective import SGLangSelectivePolicy
+from skylb.core.policies.base import (POLICIES, PolicyError, PolicySpec, make_policy, options_class, policy_names,
+                                      policy_options, register)
+from skylb.core.policies import (consistent_hash, estimated_wait, least_load, round_robin, sglang,  # noqa: F401
+                                 sglang_selective, skylb, skylb_ch, skylb_paper)
+from skylb.core.profile import Profile
 
-__all__ = ["POLICIES", "Policy", "PolicyError", "make_policy", "options_class", "policy_names", "policy_options",
-           "SkyLBPaperPolicy", "SkyLBPolicy", "HashRingPolicy", "ConsistentHashPolicy", "RoundRobinPolicy",
-           "LeastLoadPolicy", "EstimatedWaitPolicy",
-           "SGLangCacheAwarePolicy", "SGLangSelectivePolicy", "trie_key", "loads_imbalanced", "least_loaded",
-           "most_room"]
+__all__ = ["POLICIES", "PolicyError", "PolicySpec", "Profile", "make_policy", "options_class", "policy_names",
+           "policy_options", "register"]

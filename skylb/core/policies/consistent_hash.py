@@ -8,12 +8,16 @@ replica is a candidate, so a key always lands on its owner however loaded it is.
 
 from __future__ import annotations
 
-from skylb.core.policies.skylb_ch import HashRingPolicy
+from skylb.core.policies.base import register
+from skylb.core.policies.skylb_ch import HashRingOptions, hash_ring
+from skylb.core.profile import Profile
 
-__all__ = ["ConsistentHashPolicy"]
+__all__ = ["consistent_hash"]
 
 
-class ConsistentHashPolicy(HashRingPolicy, name="consistent-hash"):
+def consistent_hash(options: HashRingOptions) -> Profile:
     """Blind pushing by consistent hashing of the session key (baseline CH, paper §5.1)."""
+    return hash_ring(options, name="consistent-hash", selective=False)
 
-    selective = False
+
+register("consistent-hash", HashRingOptions, consistent_hash)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from skylb.core.policies.base import Policy
+from skylb.core.plugins.most_room import MostRoom
+from skylb.core.plugins.round_robin import RoundRobin
+from skylb.core.policies.base import NoOptions, register
+from skylb.core.profile import Profile, Turns
 
-__all__ = ["RoundRobinPolicy"]
+__all__ = ["round_robin"]
 
 
-class RoundRobinPolicy(Policy, name="round-robin"):
-    """Replicas in id order, one after another, whatever their load."""
+def round_robin(options: NoOptions) -> Profile:
+    """Replicas in id order, one after another, whatever their load; every healthy replica is a candidate."""
+    return Profile("round-robin", options, local=RoundRobin(Turns()), peer=MostRoom(), selective=False)
 
-    selective = False
 
-    def pick_replica(self, request, candidates):
-        ordered = sorted(candidates, key=lambda c: c.id)
-        return ordered[next(self._rotation) % len(ordered)]
+register("round-robin", NoOptions, round_robin)

@@ -1,7 +1,25 @@
 """``skylb``: prefix trie + selective pushing on estimated wait, forwarding when a peer is faster (the default).
 
-Builds on the paper's rule (``skylb-paper``, prefix.py) with what measurements on real load showed
-(the busiest region's TTFT under the Mooncake trace):
+Builds on the paper's rule (``skylb-paper``, skylb_paper.py) with what measurements on real load showed (the busiest
+region's TTFT under the Mooncake trace). The profile, in the order it runs (``skylb`` below; each plugin's module
+under skylb/core/plugins/ gives its source and its measurements):
+
+==========================  =====================================  ================================================
+stage                       plugin                                 what it does
+==========================  =====================================  ================================================
+filter                      ``engine_pressure.EnginePressure``     no request to a prefill backlog or a full KV cache
+first rule                  ``push_to_holder.PushToPrefixHolder``  a cache hit goes into its holder's full batch
+local picker                ``estimated_ttft.EstimatedTTFT``       least estimated TTFT, load guard, tie-breaks
+then rule                   ``prefer_peer.PreferFasterPeer``       a peer with room that is faster by a margin
+then rule                   ``hold_for_faster.HoldForFaster``      wait for a faster busy replica (mixed hardware)
+peer picker                 ``prefix_match.SnapshotMatch``         the peer holding the prefix, else most room
+no-room rule                ``forward_queued.ForwardQueued``       first come, first served across regions
+queue order                 ``prefix_lookahead.PrefixLookahead``   a free replica takes a request it holds
+learner                     ``prefix_locality.PrefixLocality``     the replica and regional snapshot tries
+==========================  =====================================  ================================================
+
+With ``placement: predicted-ttft`` the first rule is ``predicted_ttft.PredictedTTFTPlacement`` instead, which prices
+every candidate by one cost and settles every placement. In words:
 
 * Availability sees prefill backlog and KV pressure. Besides 0 pending at the latest probe, a replica must have less
   than ``backlog_budget_tokens`` of this balancer's prompt tokens still waiting for their first token (about one
@@ -60,16 +78,24 @@ from typing import Literal
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from skylb.core.estimate import WaitModel, prompt_tokens
-from skylb.core.policies.predicted_ttft import LearningRateBook, PredictedTTFT
+from skylb.core.estimate import WaitModel
+from skylb.core.plugins.engine_pressure import EnginePressure
+from skylb.core.plugins.estimated_ttft import EstimatedTTFT, PrefillEstimate
+from skylb.core.plugins.forward_queued import ForwardQueued
+from skylb.core.plugins.hold_for_faster import HoldForFaster
+from skylb.core.plugins.predicted_ttft import PredictedTTFTPlacement
+from skylb.core.plugins.prefer_peer import PreferFasterPeer
+from skylb.core.plugins.prefix_lookahead import PrefixLookahead
+from skylb.core.plugins.prefix_match import SnapshotMatch
+from skylb.core.plugins.push_to_holder import PushToPrefixHolder
+from skylb.core.policies.base import OPTIONS_CONFIG, register
+from skylb.core.policies.skylb_paper import SkyLBPaperOptions, prefix_locality
+from skylb.core.predicted_ttft import LearningRateBook, PredictedTTFT
 from skylb.core.prefill_model import PrefillLine
-from skylb.core.policies.base import OPTIONS_CONFIG
-from skylb.core.policies.skylb_paper import SkyLBPaperOptions, SkyLBPaperPolicy
-from skylb.core.policies.estimated_wait import pick_by_estimated_wait
-from skylb.core.policies.scoring import loads_imbalanced, prefix_lookahead
-from skylb.core.rates import request_chars
+from skylb.core.profile import Profile, Turns
+from skylb.core.rates import RateBook
 
-__all__ = ["SkyLBPolicy", "SkyLBOptions"]
+__all__ = ["SkyLBOptions", "skylb"]
 
 
 @dataclass(frozen=True, config=OPTIONS_CONFIG)
@@ -101,7 +127,7 @@ class SkyLBOptions(SkyLBPaperOptions):
         placement: "estimate" (default): the rule above (pick by estimate, the load guard, ``prefer_peer``,
             ``forward_queued``); "predicted-ttft": every candidate (local replica with room, push into a full
             batch, peer, holding here) priced by one cost, the predicted time to first token
-            (skylb/core/policies/predicted_ttft.py, skylb/core/cost.py). Not yet the default: it wins on the
+            (skylb/core/plugins/predicted_ttft.py, skylb/core/cost.py). Not yet the default: it wins on the
             unsaturated cells measured so far but loses P90 on the saturated Mooncake trace at 2x (README).
         prefill_fixed_ms: the prefill model's prior fixed part per request, ms (with ``prefill_tokens_per_s``, the
             prior every replica's fitted line starts from; default 50: about one engine step's weight read, 53.5
@@ -148,255 +174,41 @@ class SkyLBOptions(SkyLBPaperOptions):
     ttft_balance_abs_threshold: int = Field(16, ge=0)
 
 
-class SkyLBPolicy(SkyLBPaperPolicy, name="skylb"):
-    """Prefix-aware placement by estimated time to first token, locally and across regions."""
-
-    Options = SkyLBOptions
-    reuse_freed_slots = True
-    holds_for_faster = True
-
-    def __init__(self, options: SkyLBOptions | None = None):
-        super().__init__(options)
-        o = self.options
-        self.wait = WaitModel(prefill_tokens_per_s=o.prefill_tokens_per_s,
-                              default_prompt_tokens=o.default_prompt_tokens, measured=o.measured_prefill)
-        # One decision needs the prompt's replica-trie match three times (pick, forward check, backlog accounting);
-        # the trie changes only in ``routed``, so the pick's match is kept until then.
-        self._memo: tuple[object, object] | None = None
-        self.queue_lookahead = o.queue_lookahead
-        self.max_bypass = o.max_bypass
-        self.ttft = PredictedTTFT(wait=self.wait, prior=PrefillLine(o.prefill_fixed_ms / 1e3,
-                                                                     1.0 / o.prefill_tokens_per_s),
-                                  forward_margin_s=o.forward_margin_ms / 1e3, kv_high_watermark=o.kv_high_watermark,
-                                  queue_margin_s=o.queue_forward_margin_ms / 1e3)
-        self.rates = LearningRateBook(self.ttft)
-
-    def choose(self, c):
-        """With ``placement: predicted-ttft`` the cheapest candidate by predicted TTFT (predicted_ttft.py); else a
-        cache hit's full holder (``push_to_prefix_holder``, ``_busy_holder``) or, without one, the estimate rule."""
-        if self.options.placement != "predicted-ttft":
-            holder = self._busy_holder(c) if self.options.push_to_prefix_holder else None
-            return holder if holder is not None else super().choose(c)
-        request = c.request
-        kind, target = self.ttft.choose(
-            c, match=lambda ids: self._replica_match(request, ids),
-            snapshot=lambda regions: self.snapshot_trie.match(self._key(request), regions),
-            threshold=self.options.match_threshold, default_prompt_tokens=self.options.default_prompt_tokens,
-            guard=self._ttft_guard)
-        if (kind == "local" and len(c.local) < c.replicas and c.busy
-                and self.hold_for_faster(request, target, c.busy, c.queued)):
-            return None
-        if kind in ("local", "push"):
-            self.ttft.dispatched(request, target)  # recorded only once it is sent: a held request leaves nothing
-        return target
-
-    def _busy_holder(self, c):
-        """The least loaded full local replica holding ``c.request``'s prefix (replica-trie match of at least
-        ``match_threshold``) when no replica with room holds it and the local replicas' outstanding requests are
-        not imbalanced at ``holder_balance_*_threshold``; else None (the rest of the rule decides)."""
-        busy = c.busy
-        if not busy:
-            return None
-        everyone = [*c.local, *busy]
-        # Not the memoised match: that one is over the replicas with room, which the rest of the rule prices.
-        m = self.replica_trie.match(self._key(c.request), {r.id for r in everyone})
-        if not m.targets or m.ratio < self.options.match_threshold or any(r.id in m.targets for r in c.local):
-            return None
-        holders = [r for r in busy if r.id in m.targets and _queue_shorter_than_batch(r)]
-        if not holders:
-            return None
-        holder = self.least_loaded(holders)
-        o = self.options
-        imbalanced = loads_imbalanced(everyone, o.holder_balance_abs_threshold, o.holder_balance_rel_threshold)
-        return None if imbalanced else holder
-
-    def _ttft_guard(self, local):
-        """The least loaded of ``local`` when their loads are imbalanced at ``ttft_balance_abs_threshold``, else
-        None (scoring.loads_imbalanced; 0: never)."""
-        o = self.options
-        if o.ttft_balance_abs_threshold and loads_imbalanced(local, o.ttft_balance_abs_threshold,
-                                                            o.balance_rel_threshold):
-            return self.least_loaded(local)
-        return None
-
-    def advertised(self, available, replicas):
-        return self.ttft.advertised(available, replicas) if self.options.placement == "predicted-ttft" else {}
-
-    def set_members(self, replicas, peers):
-        replicas = set(replicas)
-        for gone in self._replicas - replicas:
-            self.ttft.forget(gone)
-        super().set_members(replicas, peers)
-
-    # -- availability and estimates -----------------------------------------------------------------------------
-    def replica_unavailable_reason(self, replica):
-        o = self.options
-        if o.backlog_budget_tokens and replica.unprefilled and replica.backlog_tokens >= o.backlog_budget_tokens:
-            return "prefill backlog"
-        if replica.kv_usage is not None and o.kv_high_watermark < 1 and replica.kv_usage >= o.kv_high_watermark:
-            return "KV cache full"
-        return None
-
-    def estimated_wait_s(self, replica):
-        return self.wait.wait_s(replica)
-
-    def _matched(self, request, trie, members) -> tuple[frozenset[str], float]:
-        """(targets with the deepest match, matched fraction), the fraction 0 below ``match_threshold``."""
-        m = trie.match(self._key(request), members)
-        if not m.targets or m.ratio < self.options.match_threshold:
-            return frozenset(), 0.0
-        return m.targets, m.ratio
-
-    def _replica_match(self, request, members):
-        """``request``'s replica-trie match among ``members`` (replica ids), computed once per decision: the
-        first call (the pick, over the available candidates) is reused until ``routed``. A request the queue's
-        look-ahead walked while it waited is answered from that walk while it holds (no second walk)."""
-        if self._memo is None or self._memo[0] is not request:
-            kept = request.kept_match
-            found = (kept.match(members) if kept is not None and kept.holds(self.replica_trie)
-                     else self.replica_trie.match(self._key(request), members))
-            self._memo = (request, found)
-        return self._memo[1]
-
-    def _matched_fraction(self, request, replica_id, members) -> float:
-        """The fraction of ``request``'s prompt expected cached at ``replica_id``: the match ratio when the replica
-        holds the deepest match among ``members`` and the ratio reaches ``match_threshold``, else 0."""
-        m = self._replica_match(request, members)
-        if replica_id not in m.targets or m.ratio < self.options.match_threshold:
-            return 0.0
-        return m.ratio
-
-    def uncached_tokens(self, request, replica_id):
-        return round(prompt_tokens(request) * (1.0 - self._matched_fraction(request, replica_id, self._replicas)))
-
-    def routed(self, request, *, replica=None, peer=None):
-        self._memo = None
-        super().routed(request, replica=replica, peer=peer)
-
-    def next_in_queue(self, window, local, peers, replicas):
-        """scoring.prefix_lookahead over the replica trie (a free replica takes a request whose prefix it holds;
-        with only peers free, one whose cache is not here goes first)."""
-        return prefix_lookahead(window, local, replicas, self.replica_trie, self.options.match_threshold)
-
-    # -- placement ------------------------------------------------------------------------------------------------
-    def _local_costs(self, request, candidates) -> dict[str, float]:
-        """Candidate id -> estimated seconds to its first token (wait + uncached prefill)."""
-        tokens = prompt_tokens(request)
-        members = {c.id for c in candidates}
-        prior = self.wait.prior_s_per_token(candidates)
-        return {c.id: self.wait.wait_s(c, prior) + self.wait.prefill_s(
-                    tokens * (1.0 - self._matched_fraction(request, c.id, members)), c, prior)
-                for c in candidates}
-
-    def pick_replica(self, request, candidates):
-        if len(candidates) > 1 and self.imbalanced(candidates):
-            return self.least_loaded(candidates)
-        costs = self._local_costs(request, candidates)
-        best = min(costs.values())
-        # Within a millisecond is a tie: spread over the tied ones by load rather than by dict order.
-        tied = [c for c in candidates if costs[c.id] <= best + 1e-3]
-        if len(tied) > 1 and self.options.tie_break == "estimated-wait":
-            members = {c.id for c in candidates}
-            ratio = {c.id: self._matched_fraction(request, c.id, members) for c in tied}
-            top = max(ratio.values())
-            tied = pick_by_estimated_wait(self.rates, request, [c for c in tied if ratio[c.id] == top])
-        return self.least_loaded(tied)
-
-    def hold_for_faster(self, request, replica, busy, queued):
-        """True when a measured replica of ``busy`` at least ``faster_ratio`` x faster than ``replica`` would
-        finish its backlog plus ``queued`` requests of this one's size before ``replica`` finished this one."""
-        if not self.options.hold_for_faster:
-            return False
-        model = request.model
-        mine = replica.rates.for_model(model)
-        if mine is None:
-            return False
-        tokens = request_chars(request) * self.rates.token_factor
-        own_s = tokens * mine.time_per_token_s
-        for other in busy:
-            theirs = other.rates.for_model(model)
-            if theirs is None or not _faster(theirs, mine, self.options.faster_ratio):
-                continue
-            backlog_s = self.rates.queue_wait_s(other.rates, model) or 0.0
-            if own_s > backlog_s + queued * tokens * theirs.time_per_token_s:
-                return True
-        return False
-
-    def peer_cost_s(self, request, peer, ratio: float, replica=None) -> float | None:
-        """Estimated seconds to ``request``'s first token through ``peer`` (its status's wait, the round trip, the
-        requests forwarded there since that status spread over its available replicas, and the prefill of the
-        part of the prompt not matched (``ratio``) in the regional snapshot); None when the peer gave no wait or
-        its round trip is not measured yet. Prefill is priced at ``replica``'s measured rate when given (the local
-        replica it is compared with: the same model, so the same rate there, and a measured rate holds a step's
-        fixed cost that the configured one lacks), else at ``prefill_tokens_per_s``."""
-        if peer.wait_s is None or peer.rtt_s is None:
-            return None
-        queued = peer.sent_since_probe * self.options.default_prompt_tokens / max(1, peer.available_replicas)
-        return (peer.rtt_s + peer.wait_s + self.wait.prefill_s(queued, replica)
-                + self.wait.prefill_s(prompt_tokens(request) * (1.0 - ratio), replica))
-
-    def forward_queued(self, request, now, peers):
-        """The peer whose queue head is youngest relative to ``request``'s age, by more than the round trip, the
-        prefill lost (local match ratio less the peer's snapshot match, at ``prefill_tokens_per_s``) and
-        ``queue_forward_margin_ms``; None when none is (or none reports its queue age and dispatch rate)."""
-        # Global first come, first served, approximately: a peer whose queue head is younger than this request
-        # (by more than the round trip, the prefix cache lost and the margin) would serve younger requests first.
-        # The forwarded request keeps its age there (Request.waited_s), so it queues ahead of them. Requests
-        # already forwarded since the peer's status sit ahead too, for sent_since_probe / dispatch_rate seconds.
-        age = now - request.queued_since
-        tokens = prompt_tokens(request)
-        local = self._replica_match(request, self._replicas)
-        local_ratio = local.ratio if local.targets and local.ratio >= self.options.match_threshold else 0.0
-        targets, ratio = self._matched(request, self.snapshot_trie, {p.region for p in peers})
-        best, best_gain = None, 0.0
-        for p in sorted(peers, key=lambda p: p.region):
-            if p.queue_age_s is None or not p.dispatch_rate or p.rtt_s is None or p.probed_at is None:
-                continue
-            ahead_s = p.queue_age_s + (now - p.probed_at) + p.sent_since_probe / p.dispatch_rate
-            lost = max(0.0, local_ratio - (ratio if p.region in targets else 0.0))
-            gain = (age - ahead_s - p.rtt_s - self.wait.prefill_s(tokens * lost)
-                    - self.options.queue_forward_margin_ms / 1e3)
-            if gain > best_gain:
-                best, best_gain = p, gain
-        return best
-
-    def prefer_peer(self, request, replica, peers):
-        local_s = self._local_costs(request, [replica])[replica.id]
-        margin_s = self.options.forward_margin_ms / 1000.0
-        targets, ratio = self._matched(request, self.snapshot_trie, {p.region for p in peers})
-        best, best_s = None, local_s - margin_s
-        for p in sorted(peers, key=lambda p: p.region):
-            # Both sides at the local replica's rate: pricing the local prefill at its measured rate (TTFT / prompt
-            # tokens, which holds each step's fixed cost) and a peer's at the configured one sent short prompts
-            # abroad with every local queue empty (43% of Arena's requests forwarded under symmetric load).
-            cost = self.peer_cost_s(request, p, ratio if p.region in targets else 0.0, replica)
-            if cost is not None and cost < best_s:
-                best, best_s = p, cost
-        return best
+def skylb(options: SkyLBOptions) -> Profile:
+    """The default profile (module docstring's table) configured by ``options``."""
+    o = options
+    turns, loc = Turns(), prefix_locality(o)
+    wait = WaitModel(prefill_tokens_per_s=o.prefill_tokens_per_s, default_prompt_tokens=o.default_prompt_tokens,
+                     measured=o.measured_prefill)
+    predicted = o.placement == "predicted-ttft"
+    ttft = PredictedTTFT(wait=wait, prior=PrefillLine(o.prefill_fixed_ms / 1e3, 1.0 / o.prefill_tokens_per_s),
+                         forward_margin_s=o.forward_margin_ms / 1e3, kv_high_watermark=o.kv_high_watermark,
+                         queue_margin_s=o.queue_forward_margin_ms / 1e3) if predicted else None
+    rates = LearningRateBook(ttft) if predicted else RateBook()
+    hold = HoldForFaster(rates, o.faster_ratio) if o.hold_for_faster else None
+    local = EstimatedTTFT(wait=wait, locality=loc, rates=rates, turns=turns, abs_threshold=o.balance_abs_threshold,
+                          rel_threshold=o.balance_rel_threshold, tie_break=o.tie_break)
+    if predicted:
+        placement = PredictedTTFTPlacement(ttft=ttft, locality=loc, turns=turns, hold=hold,
+                                           abs_threshold=o.ttft_balance_abs_threshold,
+                                           rel_threshold=o.balance_rel_threshold,
+                                           default_prompt_tokens=o.default_prompt_tokens)
+        first, then, no_room, learners = (placement,), (), None, (placement, loc)
+    else:
+        push = PushToPrefixHolder(loc, turns, abs_threshold=o.holder_balance_abs_threshold,
+                                  rel_threshold=o.holder_balance_rel_threshold)
+        prefer = PreferFasterPeer(estimate=local, locality=loc, wait=wait, forward_margin_s=o.forward_margin_ms / 1000.0,
+                                  default_prompt_tokens=o.default_prompt_tokens)
+        first = (push,) if o.push_to_prefix_holder else ()
+        then = (prefer, hold) if hold is not None else (prefer,)
+        no_room, learners = ForwardQueued(loc, wait, o.queue_forward_margin_ms / 1e3), (loc,)
+    return Profile("skylb", o, local=local, peer=SnapshotMatch(loc), filters=(EnginePressure(
+                       backlog_budget_tokens=o.backlog_budget_tokens, kv_high_watermark=o.kv_high_watermark),),
+                   first=first, then=then, no_room=no_room,
+                   queue=PrefixLookahead(lambda: loc.replica_trie, o.match_threshold), lookahead=o.queue_lookahead,
+                   max_bypass=o.max_bypass, learners=learners, rates=rates,
+                   estimator=PrefillEstimate(wait, loc, ttft.advertised if predicted else None),
+                   tries=(loc.replica_trie, loc.snapshot_trie))
 
 
-def _queue_shorter_than_batch(replica) -> bool:
-    """True when ``replica``'s batch is bounded only by its learned admission capacity (skylb/core/capacity.py)
-    and fewer requests wait for it than that capacity, so a request pushed there starts within about one turnover
-    of the batch. False for an engine that reports its slots (llama.cpp) or a replica with ``max_concurrency``:
-    those bounds are stated, not estimated, and are never exceeded."""
-    if replica.slots is not None or replica.max_concurrency is not None or replica.running is None:
-        return False
-    limit = replica.capacity.limit
-    # The probe's running and waiting, plus what this balancer sent since; its own in-flight count never errs low.
-    waiting = max(replica.running + replica.pending + replica.sent_since_probe, replica.outstanding) - limit
-    return waiting < limit
-
-
-def _faster(theirs, mine, ratio: float) -> bool:
-    """True when rates ``theirs`` are at least ``ratio`` x faster than ``mine`` (skylb/core/rates.py ModelRates):
-    in time per token (prompt and output together), and in decode time per output token where both measured it.
-    The first alone follows the mix of requests each replica happened to serve (a long prompt makes a replica look
-    fast per token, a long answer slow): identical replicas serving the conversation trace at real prompt lengths
-    differed by more than 1.5x, and requests waited for the "faster" one while a replica had room (simulated, P90
-    TTFT 26.4 s against 17.9 s without holding). Decode per output token does not depend on the mix."""
-    if theirs.time_per_token_s * ratio > mine.time_per_token_s:
-        return False
-    if theirs.decode_s_per_token is not None and mine.decode_s_per_token is not None:
-        return theirs.decode_s_per_token * ratio <= mine.decode_s_per_token
-    return True
+register("skylb", SkyLBOptions, skylb)

@@ -1,11 +1,7 @@
-"""``skylb-ch``: consistent hashing of the session key with selective pushing.
-
-SkyLB paper §3.2 "SkyLB-CH" and Algorithm 1 lines 23-26: a ring at both layers (local replicas, peer regions),
-walking past unavailable targets. The blind baseline on the same ring is ``consistent-hash``
+"""``skylb-ch``: consistent hashing of the session key with selective pushing (SkyLB paper §3.2 "SkyLB-CH",
+Algorithm 1 lines 23-26): a ring at both layers (local replicas, peer regions), walking past unavailable targets
+(skylb/core/plugins/hash_ring.py). The blind baseline on the same ring is ``consistent-hash``
 (skylb/core/policies/consistent_hash.py).
-
-A request without a session key is keyed by the first ``fallback_key_chars`` characters of its prompt (as Olla does), so
-requests sharing a system prompt and first turn stay together.
 """
 
 from __future__ import annotations
@@ -13,11 +9,11 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from skylb.core.hash_ring import HashRing
-from skylb.core.policies.base import OPTIONS_CONFIG, Policy
-from skylb.core.policies.scoring import most_room
+from skylb.core.plugins.hash_ring import PeerRing, ReplicaRing, SessionKey
+from skylb.core.policies.base import OPTIONS_CONFIG, register
+from skylb.core.profile import Profile, Turns
 
-__all__ = ["HashRingPolicy", "HashRingOptions"]
+__all__ = ["HashRingOptions", "hash_ring"]
 
 
 @dataclass(frozen=True, config=OPTIONS_CONFIG)
@@ -33,29 +29,11 @@ class HashRingOptions:
     fallback_key_chars: int = Field(512, gt=0)
 
 
-class HashRingPolicy(Policy, name="skylb-ch"):
-    """The ring owner of the request's key among the candidates, at both layers; least load if none."""
+def hash_ring(options: HashRingOptions, *, name: str = "skylb-ch", selective: bool = True) -> Profile:
+    """The ring owner of the request's key among the candidates, at both layers; least load (most room) if none."""
+    key = SessionKey(options.fallback_key_chars)
+    local, peer = ReplicaRing(key, options.hash_ring_vnodes, Turns()), PeerRing(key, options.hash_ring_vnodes)
+    return Profile(name, options, local=local, peer=peer, selective=selective, learners=(local, peer))
 
-    Options = HashRingOptions
 
-    def __init__(self, options: HashRingOptions | None = None):
-        super().__init__(options)
-        self.replica_ring = HashRing(vnodes=self.options.hash_ring_vnodes)
-        self.peer_ring = HashRing(vnodes=self.options.hash_ring_vnodes)
-
-    def _key(self, request) -> str:
-        return request.session_key or request.text[: self.options.fallback_key_chars]
-
-    def pick_replica(self, request, candidates):
-        by_id = {c.id: c for c in candidates}
-        chosen = self.replica_ring.pick(self._key(request), by_id)
-        return by_id[chosen] if chosen is not None else self.least_loaded(candidates)
-
-    def pick_peer(self, request, candidates):
-        by_region = {c.region: c for c in candidates}
-        chosen = self.peer_ring.pick(self._key(request), by_region)
-        return by_region[chosen] if chosen is not None else most_room(candidates)
-
-    def set_members(self, replicas, peers):
-        self.replica_ring.set_targets(replicas)
-        self.peer_ring.set_targets(peers)
+register("skylb-ch", HashRingOptions, hash_ring)

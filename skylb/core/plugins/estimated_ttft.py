@@ -1,0 +1,80 @@
+"""Placement by estimated time to first token among local replicas with room (the default profile's picker).
+
+For each candidate: its estimated wait (skylb/core/estimate.py WaitModel: prompt tokens queued ahead of it, at its
+measured prefill rate once measured, else the configured one) plus the prefill of the part of the prompt it is not
+expected to have cached. A prefix match of ratio m (at least the locality's threshold; the replica trie's match at
+the deepest node) saves m x prompt tokens of prefill; that is how locality is weighed against queueing. The load
+guard (``abs_threshold``, ``rel_threshold``: SGLang's imbalance test, scoring.loads_imbalanced) wins when outstanding
+requests are imbalanced. Among candidates left tied (estimates within a millisecond), those with the best prefix
+match, then, with ``tie_break`` "estimated-wait", OllamaRouter's least estimated wait from measured time per token
+(estimated_wait.py), then least load: a slower replica gets less of the work than a faster one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from skylb.core.estimate import WaitModel, prompt_tokens
+from skylb.core.plugins.estimated_wait import pick_by_estimated_wait
+from skylb.core.plugins.prefix_locality import PrefixLocality
+from skylb.core.plugins.scoring import least_loaded, loads_imbalanced
+from skylb.core.profile import Estimator, Turns
+from skylb.core.rates import RateBook
+from skylb.core.request import Request
+from skylb.core.state import ReplicaState
+
+__all__ = ["EstimatedTTFT", "PrefillEstimate"]
+
+
+class EstimatedTTFT:
+    """ReplicaPicker: least estimated seconds to first token (module docstring)."""
+
+    def __init__(self, *, wait: WaitModel, locality: PrefixLocality, rates: RateBook, turns: Turns,
+                 abs_threshold: int, rel_threshold: float, tie_break: str = "estimated-wait"):
+        self.wait, self.locality, self.rates, self.turns = wait, locality, rates, turns
+        self.abs_threshold, self.rel_threshold, self.tie_break = abs_threshold, rel_threshold, tie_break
+
+    def local_costs(self, request: Request, candidates: Sequence[ReplicaState]) -> dict[str, float]:
+        """Candidate id -> estimated seconds to its first token (wait + uncached prefill)."""
+        tokens = prompt_tokens(request)
+        members = {c.id for c in candidates}
+        prior = self.wait.prior_s_per_token(candidates)
+        return {c.id: self.wait.wait_s(c, prior) + self.wait.prefill_s(
+                    tokens * (1.0 - self.locality.matched_fraction(request, c.id, members)), c, prior)
+                for c in candidates}
+
+    def pick(self, request: Request, candidates: Sequence[ReplicaState]) -> ReplicaState:
+        """The pick among ``candidates`` (non-empty)."""
+        if len(candidates) > 1 and loads_imbalanced(candidates, self.abs_threshold, self.rel_threshold):
+            return least_loaded(candidates, self.turns.next())
+        costs = self.local_costs(request, candidates)
+        best = min(costs.values())
+        # Within a millisecond is a tie: spread over the tied ones by load rather than by dict order.
+        tied = [c for c in candidates if costs[c.id] <= best + 1e-3]
+        if len(tied) > 1 and self.tie_break == "estimated-wait":
+            members = {c.id for c in candidates}
+            ratio = {c.id: self.locality.matched_fraction(request, c.id, members) for c in tied}
+            top = max(ratio.values())
+            tied = pick_by_estimated_wait(self.rates, request, [c for c in tied if ratio[c.id] == top])
+        return least_loaded(tied, self.turns.next())
+
+
+class PrefillEstimate(Estimator):
+    """Estimator of the default profile: the wait model's wait, the prompt tokens its prefix match leaves to
+    prefill, and (with the predicted-TTFT placement) the figures peers price this balancer with."""
+
+    def __init__(self, wait: WaitModel, locality: PrefixLocality, advertise=None):
+        self.wait, self.locality, self._advertise = wait, locality, advertise
+
+    def estimated_wait_s(self, replica: ReplicaState) -> float | None:
+        """Seconds before a new request's prefill starts on ``replica`` (WaitModel.wait_s)."""
+        return self.wait.wait_s(replica)
+
+    def uncached_tokens(self, request: Request, replica_id: str) -> int:
+        """``request``'s prompt tokens less the fraction matched at ``replica_id`` (the decision's kept match)."""
+        fraction = self.locality.matched_fraction(request, replica_id, self.locality.replicas)
+        return round(prompt_tokens(request) * (1.0 - fraction))
+
+    def advertised(self, available: Sequence[ReplicaState], replicas: Sequence[ReplicaState]) -> dict:
+        """PredictedTTFT.advertised when the placement prices peers by it, else nothing."""
+        return self._advertise(available, replicas) if self._advertise is not None else {}

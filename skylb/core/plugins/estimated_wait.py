@@ -1,0 +1,68 @@
+"""Least estimated wait from measured speed (OllamaRouter).
+
+Source: the OllamaRouter paper ("Adaptive Load Balancing for Distributed LLM Inference Using Ollama") §3 Algorithm 1
+and §4.3. Each replica's speed is learned from its responses (skylb/core/rates.py: EMAs of time per token per model,
+the token-estimation factor, the queue weight gamma); a request goes to the candidate with the least
+W^ = (gamma x q x f + p x f) x t^.
+
+* Candidates (CHOOSEINSTANCE / FILTERCANDIDATEINSTANCES): when some replica is measured for the request's model,
+  the measured ones and the unmeasured ones with nothing in flight from this balancer; otherwise all.
+* An unmeasured candidate counts W^ = 0, so an idle unmeasured replica is tried first (the paper's exploration: its
+  JavaScript multiplies by a null estimate, which is 0).
+* Ties on W^ go to the smaller queue (q x f tokens), then take turns (least load).
+
+``pick_by_estimated_wait`` is also the default profile's tie-breaker (skylb/core/plugins/estimated_ttft.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from skylb.core.plugins.scoring import least_loaded
+from skylb.core.profile import Estimator, Turns
+from skylb.core.rates import RateBook, request_chars
+from skylb.core.request import Request
+from skylb.core.state import ReplicaState
+
+__all__ = ["EstimatedWait", "QueueWait", "pick_by_estimated_wait"]
+
+
+def pick_by_estimated_wait(book: RateBook, request: Request,
+                           candidates: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """The candidates (non-empty) tied best by OllamaRouter's Algorithm 1: least W^ (unmeasured ones counting 0, and
+    admitted only with nothing in flight when some candidate is measured), then the smallest queue. Returns a
+    non-empty sub-list, in the candidates' order; the caller breaks what ties remain."""
+    model = request.model
+    measured = [c for c in candidates if c.rates.for_model(model) is not None]
+    pool = ([c for c in candidates if c.rates.for_model(model) is not None or not c.rates.inflight]
+            if measured else list(candidates))
+    chars = request_chars(request)
+    # Total time = queue wait + inference (W^) + the time to load the model there (RateBook.load_s; 0 for now).
+    keyed = [((book.estimate_s(c.rates, model, chars) or 0.0) + book.load_s(c, model), book.queue_tokens(c.rates), c)
+             for c in pool]
+    best = min(k[:2] for k in keyed)
+    # Within a microsecond of wait and a token of queue is a tie (float noise).
+    return [c for w, q, c in keyed if w <= best[0] + 1e-6 and q <= best[1] + 1.0]
+
+
+class EstimatedWait:
+    """ReplicaPicker: least W^ over ``rates`` (the profile's RateBook), then the smaller queue, then turns."""
+
+    def __init__(self, rates: RateBook, turns: Turns):
+        self.rates, self.turns = rates, turns
+
+    def pick(self, request: Request, candidates: Sequence[ReplicaState]) -> ReplicaState:
+        """The pick among ``candidates`` (non-empty)."""
+        return least_loaded(pick_by_estimated_wait(self.rates, request, candidates), self.turns.next())
+
+
+class QueueWait(Estimator):
+    """Estimator: a replica's wait is gamma x q x f x t^ over every model (s), the wait behind this balancer's
+    requests in flight there."""
+
+    def __init__(self, rates: RateBook):
+        self.rates = rates
+
+    def estimated_wait_s(self, replica: ReplicaState) -> float | None:
+        """gamma x q x f x t^ on ``replica``, s (None before any measurement)."""
+        return self.rates.queue_wait_s(replica.rates)

@@ -1,0 +1,61 @@
+"""Forwarding on the estimate (a then Rule of the default profile): a request goes to an available peer when that
+peer's estimated wait (from its status), plus the measured round trip, plus the prefill of the part its snapshot
+match does not cover, beats the local pick's estimate (estimated_ttft.py) by ``forward_margin_s``, even though a
+local replica has room. Both sides are priced at the local replica's rate: pricing the local prefill at its measured
+rate (TTFT / prompt tokens, which holds each step's fixed cost) and a peer's at the configured one sent short
+prompts abroad with every local queue empty (43% of Arena's requests forwarded under symmetric load).
+"""
+
+from __future__ import annotations
+
+from skylb.core.candidates import Candidates
+from skylb.core.estimate import WaitModel, prompt_tokens
+from skylb.core.plugins.estimated_ttft import EstimatedTTFT
+from skylb.core.plugins.prefix_locality import PrefixLocality
+from skylb.core.request import Request
+from skylb.core.state import PeerState, ReplicaState
+
+__all__ = ["PreferFasterPeer"]
+
+
+class PreferFasterPeer:
+    """Rule: the peer with room that is cheapest by more than the margin, over the local pick; else no opinion.
+
+    Args:
+        estimate: the local picker, whose ``local_costs`` prices the local pick.
+        locality: the tries (the regional snapshot's match prices a peer's cached prefix).
+        wait: the wait model (prefill seconds of tokens). forward_margin_s: the margin, s.
+        default_prompt_tokens: the length assumed for each request forwarded to a peer since its status, tokens.
+    """
+
+    def __init__(self, *, estimate: EstimatedTTFT, locality: PrefixLocality, wait: WaitModel,
+                 forward_margin_s: float, default_prompt_tokens: int):
+        self.estimate, self.locality, self.wait = estimate, locality, wait
+        self.forward_margin_s, self.default_prompt_tokens = forward_margin_s, default_prompt_tokens
+
+    def decide(self, c: Candidates, picked: ReplicaState | None) -> PeerState | None:
+        """The peer to forward ``c.request`` to instead of ``picked``, or None."""
+        if not c.peers or picked is None:
+            return None
+        request = c.request
+        local_s = self.estimate.local_costs(request, [picked])[picked.id]
+        targets, ratio = self.locality.matched(request, self.locality.snapshot_trie, {p.region for p in c.peers})
+        best, best_s = None, local_s - self.forward_margin_s
+        for p in sorted(c.peers, key=lambda p: p.region):
+            cost = self.peer_cost_s(request, p, ratio if p.region in targets else 0.0, picked)
+            if cost is not None and cost < best_s:
+                best, best_s = p, cost
+        return best
+
+    def peer_cost_s(self, request: Request, peer: PeerState, ratio: float,
+                    replica: ReplicaState | None = None) -> float | None:
+        """Estimated seconds to ``request``'s first token through ``peer`` (its status's wait, the round trip, the
+        requests forwarded there since that status spread over its available replicas, and the prefill of the
+        part of the prompt not matched (``ratio``) in the regional snapshot); None when the peer gave no wait or
+        its round trip is not measured yet. Prefill is priced at ``replica``'s measured rate when given (the local
+        replica it is compared with: the same model, so the same rate there), else at the configured rate."""
+        if peer.wait_s is None or peer.rtt_s is None:
+            return None
+        queued = peer.sent_since_probe * self.default_prompt_tokens / max(1, peer.available_replicas)
+        return (peer.rtt_s + peer.wait_s + self.wait.prefill_s(queued, replica)
+                + self.wait.prefill_s(prompt_tokens(request) * (1.0 - ratio), replica))

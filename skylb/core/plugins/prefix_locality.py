@@ -1,0 +1,84 @@
+"""Where prompts' prefixes are expected cached: this balancer's replica trie (what it sent to which local replica)
+and regional snapshot trie (what it forwarded to which peer region), SkyLB paper §3.2-§3.3.
+
+Both are the core's chunked prefix tries (skylb/core/prefix_trie.py), bounded in characters and bytes. The pickers
+and rules of the prefix-aware profiles read them; this Learner keeps them up to date. One decision asks for the
+prompt's replica-trie match several times (the pick, a peer comparison, the backlog accounting); the trie changes
+only in ``routed``, so the first answer is kept (``replica_match``) until then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from skylb.core.plugins.scoring import trie_key
+from skylb.core.prefix_trie import Match, PrefixTrie
+from skylb.core.request import Request
+
+__all__ = ["PrefixLocality"]
+
+
+class PrefixLocality:
+    """The replica and snapshot tries of one balancer (Learner).
+
+    Args:
+        max_chars, max_bytes, chunk_chars, double_every: each trie's bounds and chunking (prefix_trie.py).
+        threshold: the smallest matched fraction of a prompt (0-1) that counts as a cache hit.
+    """
+
+    def __init__(self, *, max_chars: int, max_bytes: int, chunk_chars: int, double_every: int, threshold: float):
+        self.replica_trie = PrefixTrie(max_chars=max_chars, max_bytes=max_bytes, chunk_chars=chunk_chars,
+                                       double_every=double_every)
+        self.snapshot_trie = PrefixTrie(max_chars=max_chars, max_bytes=max_bytes, chunk_chars=chunk_chars,
+                                        double_every=double_every)
+        self.threshold = threshold
+        self.replicas: set[str] = set()
+        self.peers: set[str] = set()
+        self._memo: tuple[object, Match] | None = None
+
+    def key(self, request: Request) -> tuple[str, ...]:
+        """``request``'s prompt in the tries' chunks (computed once per request)."""
+        return trie_key(request, self.replica_trie)
+
+    def matched(self, request: Request, trie: PrefixTrie, members: Collection[str]) -> tuple[frozenset[str], float]:
+        """(targets with the deepest match of ``request`` in ``trie`` among ``members``, matched fraction), or
+        (empty, 0.0) below ``threshold``."""
+        m = trie.match(self.key(request), members)
+        if not m.targets or m.ratio < self.threshold:
+            return frozenset(), 0.0
+        return m.targets, m.ratio
+
+    def replica_match(self, request: Request, members: Collection[str]) -> Match:
+        """``request``'s replica-trie match among ``members`` (replica ids), computed once per decision: the first
+        call (the pick, over the available candidates) is reused until ``routed``. A request the queue's look-ahead
+        walked while it waited is answered from that walk while it holds (no second walk)."""
+        if self._memo is None or self._memo[0] is not request:
+            kept = request.kept_match
+            found = (kept.match(members) if kept is not None and kept.holds(self.replica_trie)
+                     else self.replica_trie.match(self.key(request), members))
+            self._memo = (request, found)
+        return self._memo[1]
+
+    def matched_fraction(self, request: Request, replica_id: str, members: Collection[str]) -> float:
+        """The fraction of ``request``'s prompt expected cached at ``replica_id``: the (kept) match ratio when the
+        replica holds the deepest match among ``members`` and the ratio reaches ``threshold``, else 0."""
+        m = self.replica_match(request, members)
+        if replica_id not in m.targets or m.ratio < self.threshold:
+            return 0.0
+        return m.ratio
+
+    def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
+        """Record ``request``'s prompt for ``replica`` (replica trie) or ``peer`` (snapshot trie)."""
+        self._memo = None
+        if replica is not None:
+            self.replica_trie.insert(self.key(request), replica)
+        elif peer is not None:
+            self.snapshot_trie.insert(self.key(request), peer)
+
+    def set_members(self, replicas: set[str], peers: set[str]) -> None:
+        """Forget the prefixes of replicas and peers that left."""
+        for gone in self.replicas - replicas:
+            self.replica_trie.remove_target(gone)
+        for gone in self.peers - peers:
+            self.snapshot_trie.remove_target(gone)
+        self.replicas, self.peers = set(replicas), set(peers)

@@ -1,0 +1,60 @@
+"""Cache hits go to their replica (a first Rule of the default profile).
+
+A request whose prefix a local replica holds (replica trie, at least the locality's threshold) while no replica with
+room holds it is pushed into the holder's full batch, as SGLang's cache-aware router (sgl-router ``cache_aware``)
+sends every matched request, unless a batch's worth already waits there, the holder's bound is stated rather than
+learned (llama.cpp's slots, ``max_concurrency``), or the local replicas' outstanding requests are imbalanced
+(``abs_threshold``, ``rel_threshold``: SGLang's 64 and 1.5). Selective pushing sent such a hit to a replica with
+room, which prefilled the whole prefix and kept a second copy of it; under load those copies evicted other
+prefixes, misses grew the load, and the load made more misses (150 tenants behind 6,000-token prefixes at 2x: each
+tenant's requests spread over 3.3 replicas and 67% hits, where one SGLang router kept each tenant on one replica for
+83%). Requests without a match keep selective pushing.
+"""
+
+from __future__ import annotations
+
+from skylb.core.candidates import Candidates
+from skylb.core.plugins.prefix_locality import PrefixLocality
+from skylb.core.plugins.scoring import least_loaded, loads_imbalanced
+from skylb.core.profile import Turns
+from skylb.core.state import ReplicaState
+
+__all__ = ["PushToPrefixHolder", "queue_shorter_than_batch"]
+
+
+class PushToPrefixHolder:
+    """Rule: the least loaded full local replica holding the request's prefix, when no replica with room holds it
+    and the local loads are not imbalanced; else no opinion."""
+
+    def __init__(self, locality: PrefixLocality, turns: Turns, *, abs_threshold: int, rel_threshold: float):
+        self.locality, self.turns = locality, turns
+        self.abs_threshold, self.rel_threshold = abs_threshold, rel_threshold
+
+    def decide(self, c: Candidates, picked: ReplicaState | None) -> ReplicaState | None:
+        """The holder to push ``c.request`` into, or None."""
+        busy = c.busy
+        if not busy:
+            return None
+        everyone = [*c.local, *busy]
+        # Not the decision's kept match: that one is over the replicas with room, which the rest of the rule prices.
+        m = self.locality.replica_trie.match(self.locality.key(c.request), {r.id for r in everyone})
+        if not m.targets or m.ratio < self.locality.threshold or any(r.id in m.targets for r in c.local):
+            return None
+        holders = [r for r in busy if r.id in m.targets and queue_shorter_than_batch(r)]
+        if not holders:
+            return None
+        holder = least_loaded(holders, self.turns.next())
+        return None if loads_imbalanced(everyone, self.abs_threshold, self.rel_threshold) else holder
+
+
+def queue_shorter_than_batch(replica: ReplicaState) -> bool:
+    """True when ``replica``'s batch is bounded only by its learned admission capacity (skylb/core/capacity.py)
+    and fewer requests wait for it than that capacity, so a request pushed there starts within about one turnover
+    of the batch. False for an engine that reports its slots (llama.cpp) or a replica with ``max_concurrency``:
+    those bounds are stated, not estimated, and are never exceeded."""
+    if replica.slots is not None or replica.max_concurrency is not None or replica.running is None:
+        return False
+    limit = replica.capacity.limit
+    # The probe's running and waiting, plus what this balancer sent since; its own in-flight count never errs low.
+    waiting = max(replica.running + replica.pending + replica.sent_since_probe, replica.outstanding) - limit
+    return waiting < limit

@@ -1,0 +1,272 @@
+"""Each routing plugin (skylb/core/plugins/) on its own: one or more tests per module, named after it.
+
+The named policies that compose them are tested through the Router in tests/test_policy_*.py; here each plugin's own
+rule is pinned with hand-built states, so a change to one plugin shows in its own test.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+
+import pytest
+
+import skylb.core.plugins as plugins
+from skylb.core.candidates import Candidates
+from skylb.core.estimate import WaitModel
+from skylb.core.plugins.engine_pressure import EnginePressure
+from skylb.core.plugins.estimated_ttft import EstimatedTTFT, PrefillEstimate
+from skylb.core.plugins.estimated_wait import EstimatedWait, QueueWait
+from skylb.core.plugins.forward_queued import ForwardQueued
+from skylb.core.plugins.hash_ring import PeerRing, ReplicaRing, SessionKey
+from skylb.core.plugins.hold_for_faster import HoldForFaster, faster
+from skylb.core.plugins.least_load import LeastLoad
+from skylb.core.plugins.most_room import MostRoom
+from skylb.core.plugins.predicted_ttft import PredictedTTFTPlacement
+from skylb.core.plugins.prefer_peer import PreferFasterPeer
+from skylb.core.plugins.prefix_locality import PrefixLocality
+from skylb.core.plugins.prefix_lookahead import PrefixLookahead
+from skylb.core.plugins.prefix_match import PrefixMatch, SnapshotMatch
+from skylb.core.plugins.push_to_holder import PushToPrefixHolder
+from skylb.core.plugins.round_robin import RoundRobin
+from skylb.core.plugins.scoring import loads_imbalanced
+from skylb.core.plugins.sglang_tree import SGLangTree
+from skylb.core.predicted_ttft import PredictedTTFT
+from skylb.core.prefill_model import PrefillLine
+from skylb.core.profile import HOLD, Turns
+from skylb.core.rates import ModelRates, RateBook
+from skylb.core.request import Request
+from skylb.core.state import PeerState, ReplicaState
+
+A = "tenant alpha system prompt " * 40
+B = "tenant bravo system prompt " * 40
+
+
+def _replica(rid: str, outstanding: int = 0, **fields) -> ReplicaState:
+    return ReplicaState(id=rid, url=f"sim://{rid}", healthy=True, probed_at=0.0, outstanding=outstanding, **fields)
+
+
+def _peer(region: str, free: int = 1, **fields) -> PeerState:
+    return PeerState(region=region, url=f"sim://{region}", healthy=True, probed_at=0.0, available_replicas=free,
+                     replicas=4, **fields)
+
+
+def _req(rid: str, text: str, key: str | None = None, **fields) -> Request:
+    return Request(id=rid, text=text, arrived_at=0.0, session_key=key, **fields)
+
+
+def _locality(threshold: float = 0.5) -> PrefixLocality:
+    return PrefixLocality(max_chars=10 ** 6, max_bytes=2 ** 26, chunk_chars=64, double_every=0, threshold=threshold)
+
+
+def _candidates(request, local, busy=(), peers=(), reachable=(), queued=1, now=0.0) -> Candidates:
+    return Candidates(request, now, list(local), list(peers), queued, len(local) + len(busy),
+                      _busy=lambda: list(busy), _reachable=lambda: list(reachable))
+
+
+def test_every_plugin_module_has_a_test_here():
+    """Each module under skylb/core/plugins/ is named by at least one test of this file."""
+    names = {m.name for m in pkgutil.iter_modules(plugins.__path__)}
+    tests = [n for n in globals() if n.startswith("test_")]
+    assert names and all(any(t.startswith(f"test_{n}_") for t in tests) for n in names), names
+
+
+def test_scoring_imbalance_is_sglangs_two_thresholds():
+    """max - min > abs and max > rel x min, both needed."""
+    assert loads_imbalanced([_replica("a", 10), _replica("b", 0)], 8, 1.5)
+    assert not loads_imbalanced([_replica("a", 10), _replica("b", 3)], 8, 1.5)  # gap 7
+    assert not loads_imbalanced([_replica("a", 30), _replica("b", 21)], 8, 1.5)  # 30 < 1.5 x 21
+
+
+def test_least_load_takes_the_fewest_and_rotates_ties():
+    picker = LeastLoad(Turns())
+    assert picker.pick(_req("q", "x"), [_replica("a", 2), _replica("b", 1)]).id == "b"
+    tied = [_replica("a"), _replica("b")]
+    assert {picker.pick(_req("q", "x"), tied).id for _ in range(2)} == {"a", "b"}
+
+
+def test_round_robin_cycles_in_id_order():
+    picker = RoundRobin(Turns())
+    cands = [_replica("b", 9), _replica("a"), _replica("c")]
+    assert [picker.pick(_req("q", "x"), cands).id for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_hash_ring_keeps_a_session_on_its_owner_at_both_layers():
+    key = SessionKey(16)
+    ring = ReplicaRing(key, 40, Turns())
+    ring.set_members({"r1", "r2", "r3"}, set())
+    cands = [_replica("r1"), _replica("r2"), _replica("r3")]
+    owner = ring.pick(_req("a", "x", key="user-7"), cands).id
+    assert all(ring.pick(_req(f"b{i}", f"y{i}", key="user-7"), cands).id == owner for i in range(5))
+    rest = [c for c in cands if c.id != owner]
+    assert ring.pick(_req("c", "x", key="user-7"), rest).id != owner  # walks past a member without room
+    assert key(_req("d", "0123456789abcdefXYZ")) == "0123456789abcdef"  # no session key: the prompt's start
+    peers = PeerRing(key, 40)
+    peers.set_members(set(), {"eu", "asia"})
+    chosen = peers.pick(_req("e", "x", key="user-7"), [_peer("eu"), _peer("asia")]).region
+    assert peers.pick(_req("f", "z", key="user-7"), [_peer("eu"), _peer("asia")]).region == chosen
+
+
+def test_sglang_tree_follows_its_tree_until_loads_are_imbalanced():
+    tree = SGLangTree(threshold=0.3, abs_threshold=4, rel_threshold=1.5, max_chars=10 ** 6, chunk_chars=64)
+    tree.set_members({"r1", "r2"}, set())
+    tree.routed(_req("h", A), replica="r2")
+    assert tree.tree_chars == {"r1": 0, "r2": len(A)}
+    assert tree.pick(_req("q", A + "more"), [_replica("r1"), _replica("r2", 2)]).id == "r2"  # a match
+    assert tree.pick(_req("q", B), [_replica("r1", 1), _replica("r2")]).id == "r1"  # no match: smallest tree
+    assert tree.pick(_req("q", A), [_replica("r1"), _replica("r2", 9)]).id == "r1"  # imbalanced: least loaded
+
+
+def test_estimated_wait_prefers_the_measured_faster_replica_and_explores_idle_ones():
+    rates = RateBook()
+    picker = EstimatedWait(rates, Turns())
+    fast, slow = _replica("fast"), _replica("slow")
+    fast.rates.models["m"] = ModelRates(time_per_token_s=0.01, samples=3)
+    slow.rates.models["m"] = ModelRates(time_per_token_s=0.04, samples=3)
+    rates.dispatched(fast.rates, "running", "m", "x" * 400)
+    request = _req("q", "y" * 400, model="m")
+    assert picker.pick(request, [fast, slow]).id == "fast"  # its queue is shorter than slow's service time
+    assert picker.pick(request, [fast, slow, _replica("new")]).id == "new"  # unmeasured and idle: W^ 0
+    fast.rates.overall = ModelRates(time_per_token_s=0.01, samples=3)
+    assert QueueWait(rates).estimated_wait_s(fast) > 0 and QueueWait(rates).estimated_wait_s(slow) is None
+
+
+def test_prefix_match_routes_hits_to_their_holder_and_snapshot_hits_to_their_region():
+    loc = _locality()
+    loc.routed(_req("h1", A), replica="r2")
+    loc.routed(_req("h2", B), peer="asia")
+    picker = PrefixMatch(loc, Turns(), abs_threshold=8, rel_threshold=1.5)
+    assert picker.pick(_req("q", A + "next"), [_replica("r1"), _replica("r2", 3)]).id == "r2"
+    assert picker.pick(_req("q", "unrelated " * 80), [_replica("r1", 1), _replica("r2")]).id == "r2"  # least loaded
+    assert picker.pick(_req("q", A), [_replica("r1"), _replica("r2", 20)]).id == "r1"  # the load guard
+    peers = [_peer("eu", free=3), _peer("asia", free=1)]
+    assert SnapshotMatch(loc).pick(_req("q", B + "next"), peers).region == "asia"
+    assert SnapshotMatch(loc).pick(_req("q", A), peers).region == "eu"  # no snapshot match: most room
+
+
+def test_prefix_locality_forgets_members_that_left_and_keeps_one_match_per_decision():
+    loc = _locality()
+    loc.set_members({"r1", "r2"}, {"eu"})
+    loc.routed(_req("h", A), replica="r1")
+    q = _req("q", A)
+    assert loc.matched_fraction(q, "r1", {"r1", "r2"}) > 0.9
+    first = loc.replica_match(q, {"r2"})
+    assert loc.replica_match(q, {"r1", "r2"}) is first  # kept for this request until the next placement
+    loc.routed(_req("x", B), replica="r2")
+    assert loc.replica_match(q, {"r1", "r2"}) is not first
+    loc.set_members({"r2"}, set())
+    assert loc.matched(q, loc.replica_trie, {"r1", "r2"}) == (frozenset(), 0.0)
+
+
+def test_estimated_ttft_weighs_a_cached_prefix_against_a_backlog():
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    loc.set_members({"r1", "r2"}, set())
+    loc.routed(_req("h", A), replica="r1")
+    picker = EstimatedTTFT(wait=wait, locality=loc, rates=RateBook(), turns=Turns(), abs_threshold=8,
+                           rel_threshold=1.5)
+    r1, r2 = _replica("r1", 1), _replica("r2", 1)
+    assert picker.pick(_req("q", A + "x"), [r1, r2]).id == "r1"  # the holder prefills less
+    r1.add_unprefilled("other", 4000)  # 2 s of backlog ahead on the holder
+    loc.routed(_req("h2", B), replica="r2")  # (resets the kept match)
+    assert picker.pick(_req("q2", A + "y"), [r1, r2]).id == "r2"
+    estimate = PrefillEstimate(wait, loc)
+    assert estimate.estimated_wait_s(r1) == pytest.approx(2.0)
+    assert estimate.uncached_tokens(_req("q3", A), "r1") < estimate.uncached_tokens(_req("q4", A), "r2")
+
+
+def test_most_room_counts_queues_and_what_was_sent_since():
+    peers = [_peer("eu", free=3, queue_len=2), _peer("asia", free=2), _peer("us", free=4, sent_since_probe=3)]
+    assert MostRoom().pick(_req("q", "x"), peers).region == "asia"
+
+
+def test_engine_pressure_objects_to_a_prefill_backlog_and_a_full_kv_cache():
+    f = EnginePressure(backlog_budget_tokens=2048, kv_high_watermark=0.95)
+    r = _replica("r", kv_usage=0.5)
+    assert f.unavailable_reason(r) is None
+    r.add_unprefilled("a", 3000)
+    assert f.unavailable_reason(r) == "prefill backlog"
+    assert f.unavailable_reason(_replica("k", kv_usage=0.97)) == "KV cache full"
+    assert EnginePressure(backlog_budget_tokens=0, kv_high_watermark=1).unavailable_reason(r) is None
+
+
+def test_push_to_holder_pushes_a_hit_into_its_full_holder_unless_it_is_bounded_or_someone_free_holds_it():
+    loc = _locality()
+    loc.routed(_req("h", A), replica="busy")
+    rule = PushToPrefixHolder(loc, Turns(), abs_threshold=64, rel_threshold=1.5)
+    holder = _replica("busy", 8, running=8)
+    holder.capacity.limit = 8
+    free = _replica("free")
+    assert rule.decide(_candidates(_req("q", A), [free], busy=[holder]), None) is holder
+    assert rule.decide(_candidates(_req("q", B), [free], busy=[holder]), None) is None  # not a hit
+    stated = _replica("busy", 2, running=2, slots=2)  # llama.cpp's slots: never exceeded
+    assert rule.decide(_candidates(_req("q", A), [free], busy=[stated]), None) is None
+    loc.routed(_req("h2", A), replica="free")
+    assert rule.decide(_candidates(_req("q", A), [free], busy=[holder]), None) is None  # a free replica holds it
+
+
+def test_hold_for_faster_holds_only_for_a_replica_faster_in_decode_too():
+    fast = ModelRates(time_per_token_s=0.01, decode_s_per_token=0.01, samples=3)
+    slow = ModelRates(time_per_token_s=0.04, decode_s_per_token=0.04, samples=3)
+    assert faster(fast, slow, 1.5) and not faster(slow, fast, 1.5)
+    assert not faster(ModelRates(time_per_token_s=0.01, decode_s_per_token=0.04), slow, 1.5)
+    rates = RateBook()
+    rule = HoldForFaster(rates, 1.5)
+    r_fast, r_slow = _replica("fast", 1), _replica("slow")
+    r_fast.rates.models[""] = fast
+    r_slow.rates.models[""] = slow
+    rates.dispatched(r_fast.rates, "running", "", "x" * 400)
+    c = _candidates(_req("q", "y" * 400), [r_slow], busy=[r_fast], queued=1)
+    assert rule.decide(c, r_slow) is HOLD
+    assert rule.decide(_candidates(_req("q", "y" * 400), [r_slow], busy=[r_fast], queued=9), r_slow) is None
+
+
+def test_prefer_peer_forwards_only_to_a_peer_faster_by_the_margin():
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    estimate = EstimatedTTFT(wait=wait, locality=loc, rates=RateBook(), turns=Turns(), abs_threshold=8,
+                             rel_threshold=1.5)
+    rule = PreferFasterPeer(estimate=estimate, locality=loc, wait=wait, forward_margin_s=0.05,
+                            default_prompt_tokens=512)
+    local = _replica("r1", 1)
+    local.add_unprefilled("other", 4000)  # 2 s ahead here
+    request = _req("q", "z" * 400)
+    quick = _peer("eu", wait_s=0.0, rtt_s=0.1)
+    assert rule.decide(_candidates(request, [local], peers=[quick]), local) is quick
+    assert rule.decide(_candidates(request, [local], peers=[_peer("eu", wait_s=2.0, rtt_s=0.1)]), local) is None
+    assert rule.decide(_candidates(request, [local], peers=[_peer("eu", wait_s=0.0)]), local) is None  # no rtt
+
+
+def test_forward_queued_sends_an_old_request_to_a_peer_serving_younger_ones():
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    rule = ForwardQueued(loc, wait, margin_s=2.0)
+    request = _req("q", "w" * 400)  # queued since 0.0
+    young = _peer("eu", free=0, queue_age_s=0.5, dispatch_rate=10.0, rtt_s=0.1)
+    young.probed_at = 9.9
+    c = _candidates(request, [], reachable=[young], now=10.0)
+    assert rule.decide(c, None) is young  # waited 10 s here; eu's oldest had waited 0.5 s 0.1 s ago
+    young.probed_at = 1.9
+    assert rule.decide(_candidates(request, [], reachable=[young], now=2.0), None) is None  # within the margin
+
+
+def test_prefix_lookahead_lets_a_free_replica_take_a_request_it_holds():
+    loc = _locality()
+    loc.routed(_req("h", A), replica="r2")
+    order = PrefixLookahead(lambda: loc.replica_trie, 0.5)
+    window = [_req("q0", B), _req("q1", A + "more")]
+    assert order.next_in_queue(window, [_replica("r2")], [], [_replica("r1"), _replica("r2")]) == 1
+    assert order.next_in_queue(window, [_replica("r1")], [], [_replica("r1"), _replica("r2")]) == 0
+    # Only peers free: the first request whose cache is not here goes first.
+    assert order.next_in_queue(window[::-1], [], [_peer("eu")], [_replica("r1"), _replica("r2")]) == 1
+
+
+def test_predicted_ttft_prices_every_kind_of_candidate_on_one_scale():
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    loc.set_members({"r1", "r2"}, set())
+    ttft = PredictedTTFT(wait=wait, prior=PrefillLine(0.05, 1 / 2000.0), forward_margin_s=0.05)
+    rule = PredictedTTFTPlacement(ttft=ttft, locality=loc, turns=Turns(), hold=None, abs_threshold=16,
+                                  rel_threshold=1.5, default_prompt_tokens=512)
+    rule.set_members({"r1", "r2"}, set())
+    loc.routed(_req("h", A), replica="r2")
+    r1, r2 = _replica("r1", 1), _replica("r2", 1)
+    assert rule.decide(_candidates(_req("q", A + "x"), [r1, r2]), None) is r2  # less to prefill
+    full = _replica("r3", 4, running=4, pending=4)
+    full.capacity.limit = 4
+    assert rule.decide(_candidates(_req("q2", B), [], busy=[full], queued=1), None) is HOLD  # nothing has room
