@@ -105,3 +105,32 @@ def test_a_bound_below_one_block_is_refused():
     """max_blocks < 1 raises ValueError."""
     with pytest.raises(ValueError, match="max_blocks"):
         BlockIndex(0)
+
+
+def test_metrics_read_the_index_and_pass_promtool():
+    """The collector exposes per-replica event counters, liveness, the index size and bound; the exposition
+    passes `promtool check metrics`."""
+    import subprocess
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from skylb.engines.kv_metrics import KVIndexCollector
+    from tests.system import require_binary
+
+    index = _live("a", "b")
+    index.store("a", [1, 2])
+    state = index.replica("a")
+    state.stored, state.gaps, state.skipped_unknown = 1, 2, 3
+    registry = CollectorRegistry()
+    KVIndexCollector(index, region="us").register(registry)
+    sample = registry.get_sample_value
+    assert sample("skylb_kv_events_total", {"region": "us", "replica": "a", "kind": "stored"}) == 1
+    assert sample("skylb_kv_event_gaps_total", {"region": "us", "replica": "a"}) == 2
+    assert sample("skylb_kv_events_skipped_total", {"region": "us", "replica": "a", "reason": "unknown"}) == 3
+    assert sample("skylb_kv_index_replica_blocks", {"region": "us", "replica": "a"}) == 2
+    assert sample("skylb_kv_index_blocks", {"region": "us"}) == 2
+    index.mark_stale("b")
+    assert sample("skylb_kv_events_live", {"region": "us", "replica": "b"}) == 0
+    checked = subprocess.run([require_binary("promtool"), "check", "metrics"], input=generate_latest(registry),
+                             capture_output=True, timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
