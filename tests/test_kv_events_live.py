@@ -162,37 +162,47 @@ async def test_subscribers_follow_the_membership():
     assert not index.is_live("a")
 
 
-async def test_the_emulator_publishes_vllm_events_and_a_killed_stream_falls_back_to_the_trie(procs):
-    """A real `skylb emulator --kv-events-config` process: a completion's full prompt blocks arrive as
-    BlockStored with vLLM's block hashes (the request's own chain matches all 3 blocks), a second prompt that
-    overflows the 4-block cache evicts as BlockRemoved; SIGKILL of the process makes the replica stale."""
+async def test_the_emulator_stream_recovers_dropped_batches_then_is_killed_and_falls_back_to_the_trie(procs):
+    """A real `skylb emulator --kv-events-config` process: a completion's full prompt blocks arrive as BlockStored
+    with vLLM's block hashes (its own chain matches all 3 blocks); the next step's batch is dropped mid-run (a
+    second prompt overflowing the 4-block cache: its eviction and store) and recovered through the replay socket
+    once a third request's batch shows the gap; SIGKILL of the process then makes the replica stale."""
     http, pub, replay = free_ports(3)
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
               "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
-    proc = procs.skylb("emulator", "--port", str(http), "--time-scale", "0.01", "--kv-cache-tokens", "64", "--model", "m",
-                       "--kv-events-config", json.dumps(config), name="emu-kv",
-                       wait_url=f"http://127.0.0.1:{http}/health")
+    base = f"http://127.0.0.1:{http}"
+    proc = procs.skylb("emulator", "--port", str(http), "--time-scale", "0.01", "--kv-cache-tokens", "64",
+                       "--model", "m", "--fault-control", "--kv-events-config", json.dumps(config), name="emu-kv",
+                       wait_url=f"{base}/health")
     index = BlockIndex(1000)
     source = KVEventsEndpoint(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", "kv-events")
-    task = asyncio.create_task(KVEventSubscriber(index, "emu", source, heartbeat_s=0.2,
-                                                 heartbeat_timeout_s=0.6).run())
+    task = asyncio.create_task(KVEventSubscriber(index, "emu", source).run())
+    prompts = [[f"{tag}{i}" for i in range(n)] for tag, n in (("w", 50), ("x", 40), ("y", 20))]
+    chains = [[kv_hash.external(h) for h in kv_hash.block_hashes(kv_hash.token_ids(p), 16)] for p in prompts]
     try:
         await _until(lambda: index.is_live("emu"))
         await asyncio.sleep(0.2)  # the subscription reaches the PUB socket
-        words = [f"w{i}" for i in range(50)]
-        chain = [kv_hash.external(h) for h in kv_hash.block_hashes(kv_hash.token_ids(words), 16)]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            for prompt in (words, [f"x{i}" for i in range(40)]):
-                async with session.post(f"http://127.0.0.1:{http}/v1/completions",
-                                        json={"model": "m", "prompt": " ".join(prompt), "max_tokens": 2}) as resp:
+            async def complete(words: list[str]) -> None:
+                async with session.post(f"{base}/v1/completions",
+                                        json={"model": "m", "prompt": " ".join(words), "max_tokens": 1}) as resp:
                     assert resp.status == 200, await resp.text()
-                if prompt is words:
-                    await _until(lambda: index.matched_tokens(chain) == {"emu": 48})
-        await _until(lambda: index.replica("emu").removed >= 1)
-        assert index.matched_tokens(chain)["emu"] < 48
+
+            await complete(prompts[0])
+            await _until(lambda: index.matched_tokens(chains[0]) == {"emu": 48})
+            async with session.put(f"{base}/emulator/kv-events", json={"drop_next": 1}) as resp:
+                assert resp.status == 200 and (await resp.json())["drop_next"] == 1
+            await complete(prompts[1])
+            await asyncio.sleep(0.1)
+            assert index.matched_tokens(chains[1]) == {"emu": 0}  # its batch never came on the PUB socket
+            await complete(prompts[2])
+        await _until(lambda: index.matched_tokens(chains[2]) == {"emu": 16})
+        state = index.replica("emu")
+        assert (state.gaps, state.replayed, state.unfilled_gaps) == (1, 1, 0)
+        assert index.matched_tokens(chains[1]) == {"emu": 32} and index.matched_tokens(chains[0])["emu"] < 48
         proc.kill()
         await _until(lambda: not index.is_live("emu"), timeout_s=3)
-        assert index.matched_tokens(chain) == {}
+        assert index.matched_tokens(chains[2]) == {}  # not live: the router uses the prefix trie
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

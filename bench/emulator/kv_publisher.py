@@ -13,7 +13,8 @@ each event as a map whose first key ``"type"`` holds the class name, fields equa
 As vLLM, an endpoint with ``*`` (or ``::``, ``ipc://``, ``inproc://``) is bound and any other is connected to; here a
 ``*`` host binds the emulator's own ``--host`` (loopback by default) and replica i of one process publishes on the
 port + i (vLLM offsets data-parallel ranks so). ``drop_next(n)`` (tests, chaos) keeps the next n messages off the
-PUB socket but in the replay buffer, as messages lost at the high-water mark are.
+PUB socket but in the replay buffer, as messages lost at the high-water mark are; with ``--fault-control`` it is
+``PUT /emulator/kv-events {"drop_next": n}`` (:func:`add_kv_event_routes`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ from dataclasses import dataclass, fields
 import msgpack
 import zmq
 import zmq.asyncio
+from aiohttp import web
 
-__all__ = ["KVEventsConfig", "KVEventPublisher", "encode_batch", "END_SEQ"]
+__all__ = ["KVEventsConfig", "KVEventPublisher", "add_kv_event_routes", "encode_batch", "END_SEQ",
+           "KV_EVENTS_PATH"]
+
+KV_EVENTS_PATH = "/emulator/kv-events"
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: BlockStored's fields after the tag, in declaration order, with the default of those that have one (vLLM 0.33).
@@ -207,3 +212,27 @@ class KVEventPublisher:
         for socket in (self._pub, self._router):
             if socket is not None:
                 socket.close(linger=0)
+
+
+def add_kv_event_routes(app: web.Application, publisher: KVEventPublisher) -> None:
+    """``GET`` / ``PUT {"drop_next": n}`` on ``/emulator/kv-events``: the publisher's endpoints and sequence, and
+    the next n batches kept off the PUB socket (a subscriber sees a gap it must fill by replay)."""
+
+    def state() -> dict:
+        return {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+                "next_seq": publisher._seq, "drop_next": publisher._drop}
+
+    async def show(request: web.Request) -> web.Response:
+        return web.json_response(state())
+
+    async def update(request: web.Request) -> web.Response:
+        body = await request.json()
+        n = body.get("drop_next") if isinstance(body, dict) and set(body) == {"drop_next"} else None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            return web.json_response({"error": {"message": "body must be {\"drop_next\": integer >= 0}",
+                                                 "type": "BadRequestError"}}, status=400)
+        publisher.drop_next(n)
+        return web.json_response(state())
+
+    app.router.add_get(KV_EVENTS_PATH, show)
+    app.router.add_put(KV_EVENTS_PATH, update)

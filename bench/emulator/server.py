@@ -22,7 +22,7 @@ from aiohttp import web
 
 from skylb import aio
 from bench.emulator.faults import UPSTREAM_ID, Faults, add_fault_routes, fault_middleware
-from bench.emulator.kv_publisher import KVEventPublisher, KVEventsConfig
+from bench.emulator.kv_publisher import KVEventPublisher, KVEventsConfig, add_kv_event_routes
 from bench.emulator.model import ADMISSIONS, EngineModel, EngineParams, FinishedRequest, TokenOutput, make_engine
 from bench.emulator.ollama_lifecycle import LifecycleOptions, parse_keep_alive
 from bench.emulator.personalities import PERSONALITIES, ApiError, Personality, PersonalityOptions
@@ -133,8 +133,9 @@ async def serve(*, engine: str, host: str, ports: list[int], params: EngineParam
                 log_requests: bool = True, stop: asyncio.Event | None = None, fault_control: bool = False,
                 kv_events: KVEventsConfig | None = None) -> int:
     """Serve one replica per port until ``stop`` is set (or SIGTERM/SIGINT); returns the exit status.
-    ``fault_control``: serve ``/emulator/faults`` (bench/emulator/faults.py) on each replica. ``kv_events``: publish
-    KV-cache events (bench/emulator/kv_publisher.py); the i-th port's replica on the configured ports + i."""
+    ``fault_control``: serve ``/emulator/faults`` (bench/emulator/faults.py) on each replica, and
+    ``/emulator/kv-events`` with events on. ``kv_events``: publish KV-cache events (bench/emulator/kv_publisher.py);
+    the i-th port's replica on the configured ports + i."""
     loop = asyncio.get_running_loop()
     if stop is None:
         stop = asyncio.Event()
@@ -165,6 +166,8 @@ async def serve(*, engine: str, host: str, ports: list[int], params: EngineParam
             personality = PERSONALITIES[engine](replica, options=options)
             app = personality.build_app()
             _add_faults(app, personality, replica, fault_control)
+            if fault_control and publisher is not None:
+                add_kv_event_routes(app, publisher)
             # handler_cancellation: a client that disconnects cancels its handler, which cancels the request.
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
