@@ -100,3 +100,11 @@ def test_vllms_flag_and_json_configure_the_publisher(capsys):
         with pytest.raises(SystemExit) as exit_info:
             _flag(bad)
         assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_token_ids_of_a_prompt_sent_as_ids_are_those_ids():
+    """A word of decimal digits (how a prompt of token ids reaches the model) is its own id; any other word is its
+    CRC-32: ids from /tokenize sent back as a prompt hash to the same blocks."""
+    ids = kv_hash.token_ids(["w1", "w2"])
+    assert kv_hash.token_ids([str(i) for i in ids]) == ids
+    assert kv_hash.token_ids(["123"]) == [123]

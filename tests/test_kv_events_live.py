@@ -164,7 +164,8 @@ async def test_subscribers_follow_the_membership():
 
 async def test_the_emulator_stream_recovers_dropped_batches_then_is_killed_and_falls_back_to_the_trie(procs):
     """A real `skylb emulator --kv-events-config` process: a completion's full prompt blocks arrive as BlockStored
-    with vLLM's block hashes (its own chain matches all 3 blocks); the next step's batch is dropped mid-run (a
+    with vLLM's block hashes (the chain over the ids its /tokenize gives matches all 3 blocks, as a balancer would
+    compute it); the next step's batch is dropped mid-run (a
     second prompt overflowing the 4-block cache: its eviction and store) and recovered through the replay socket
     once a third request's batch shows the gap; SIGKILL of the process then makes the replica stale."""
     http, pub, replay = free_ports(3)
@@ -188,6 +189,9 @@ async def test_the_emulator_stream_recovers_dropped_batches_then_is_killed_and_f
                                         json={"model": "m", "prompt": " ".join(words), "max_tokens": 1}) as resp:
                     assert resp.status == 200, await resp.text()
 
+            async with session.post(f"{base}/tokenize", json={"model": "m", "prompt": " ".join(prompts[0])}) as resp:
+                ids = (await resp.json())["tokens"]
+            assert chains[0] == [kv_hash.external(h) for h in kv_hash.block_hashes(ids, 16)]
             await complete(prompts[0])
             await _until(lambda: index.matched_tokens(chains[0]) == {"emu": 48})
             async with session.put(f"{base}/emulator/kv-events", json={"drop_next": 1}) as resp:

@@ -8,8 +8,10 @@ NONE_HASH = ``sha256(pickle(seed))`` with seed ``"vllm-none-hash"`` (PYTHONHASHS
 when set, and a random seed for the xxhash algorithms: no outsider can match those). Events carry the lower 64 bits.
 ``tests/fixtures/kv_events/hashes.json`` holds chains computed by vLLM's own functions, checked in the tests.
 
-The emulator's tokens are words; a word's token id is its CRC-32 (any fixed map works: the balancer asks the engine's
-``/tokenize`` for ids, and the emulator's must be stable across processes).
+The emulator's tokens are words; a word's token id is its CRC-32, or the number itself for a word of decimal digits
+(a prompt sent as token ids reaches the model as such words), so ids from the emulator's ``/tokenize`` sent back as a
+prompt hash to the same blocks. Any fixed map works: the balancer asks the engine's ``/tokenize`` for ids, and the
+emulator's must be stable across processes.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ _MASK64 = (1 << 64) - 1
 
 
 def token_ids(words: Sequence[str]) -> list[int]:
-    """The emulator's token id of each word (CRC-32 of its UTF-8 bytes)."""
-    return [zlib.crc32(w.encode()) for w in words]
+    """The emulator's token id of each word (a decimal number is itself, any other word the CRC-32 of its UTF-8)."""
+    return [int(w) if w.isdigit() and w.isascii() else zlib.crc32(w.encode()) for w in words]
 
 
 def block_hashes(ids: Sequence[int], block_size: int, extra_keys: tuple | None = None) -> list[bytes]:

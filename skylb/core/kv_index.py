@@ -25,8 +25,9 @@ from typing import NamedTuple
 
 __all__ = ["BlockIndex", "Holder", "ReplicaEvents", "DEFAULT_MAX_BLOCKS"]
 
-#: Default bound of the index, in blocks: 10^6 blocks of 16 tokens are 16M tokens of KV cache, about 120 replicas
-#: of 32k-token Llama-3.1-8B caches; about 90 MB of index (bench/kv_index_memory.py).
+#: Default bound of the index, in blocks: 10^6 blocks of 16 tokens are 16M tokens of KV cache, about 500 replicas
+#: of 32k-token Llama-3.1-8B caches; about 100 MiB of index, 145 MiB at the allocator's high-water mark once evicting
+#: (bench/results/kv_index.md).
 DEFAULT_MAX_BLOCKS = 1_000_000
 
 
