@@ -224,6 +224,8 @@ class BlockIndex:
         """Per live replica, how many leading blocks of ``block_hashes`` it holds (see :meth:`matched_tokens`)."""
         result = {r: 0 for r, s in self.replicas.items() if s.live}
         remaining = {r: bits for r, bits in self._replica_bits.items() if r in result}
+        if not remaining:
+            return result  # no live replica holds anything
         running = 0
         for bits in remaining.values():
             running |= bits

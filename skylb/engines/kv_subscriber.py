@@ -92,7 +92,8 @@ class KVEventSubscriber:
             monitor.close(linger=0)
             sub.close(linger=0)
             self._close_dealer()
-            self.index.mark_stale(self.replica)
+            if self.replica in self.index.replicas:  # not when the replica was forgotten (it left membership)
+                self.index.mark_stale(self.replica)
 
     async def _follow_monitor(self, monitor: zmq.asyncio.Socket) -> None:
         while True:
