@@ -24,6 +24,7 @@ import time
 
 from bench.emulator import kv_hash
 from bench.emulator.kv_publisher import encode_batch
+from skylb.core.kv_events import BlockRemoved, BlockStored
 from skylb.core.kv_index import BlockIndex
 from skylb.engines.kv_wire import decode_batch
 
@@ -75,8 +76,8 @@ def _lookup_ms(index: BlockIndex, rng: random.Random, replica: str, rounds: int 
 
 def _codec_speed(rng: random.Random, batches: int = 2000) -> dict:
     """Decode rate of vLLM-format batches (one BlockStored of 16 blocks and one BlockRemoved each)."""
-    payloads = [encode_batch(time.time(), [("BlockStored", [rng.getrandbits(64) for _ in range(16)], None,
-                                            list(range(256)), 16), ("BlockRemoved", [rng.getrandbits(64)])])
+    payloads = [encode_batch(time.time(), [BlockStored([rng.getrandbits(64) for _ in range(16)], None,
+                                                       list(range(256)), 16), BlockRemoved([rng.getrandbits(64)])])
                 for _ in range(batches)]
     began = time.perf_counter()
     for p in payloads:

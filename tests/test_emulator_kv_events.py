@@ -13,6 +13,7 @@ from bench.emulator import kv_hash
 from bench.emulator.kv_publisher import KVEventsConfig, encode_batch
 from bench.emulator.model import EngineModel, EngineParams
 from bench.emulator.server import add_arguments
+from skylb.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
 
@@ -23,11 +24,11 @@ def test_encoded_batches_are_byte_for_byte_vllms():
     published = msgpack.unpackb((FIXTURES / "frames.msgpack").read_bytes())["published"]
     ours = [
         encode_batch(1700000000.5, [
-            ("BlockStored", [11, 2**64 - 1], None, list(range(32)), 16, None, "GPU", None),
-            ("BlockStored", [12], 2**64 - 1, list(range(32, 48)), 16, 7, "CPU", "sql-adapter",
-             [("sql-adapter", "tenant-a")])]),
-        encode_batch(1700000001.25, [("BlockRemoved", [11])]),
-        encode_batch(1700000002.0, [("AllBlocksCleared",)], 1),
+            BlockStored([11, 2**64 - 1], None, list(range(32)), 16, None, "GPU", None),
+            BlockStored([12], 2**64 - 1, list(range(32, 48)), 16, 7, "CPU", "sql-adapter",
+                        [("sql-adapter", "tenant-a")])]),
+        encode_batch(1700000001.25, [BlockRemoved([11], "GPU")]),
+        encode_batch(1700000002.0, [AllBlocksCleared()], 1),
     ]
     assert ours == [frames[2] for frames in published]
 
@@ -64,10 +65,10 @@ def test_the_block_cache_emits_stores_then_evictions_with_parents_and_token_ids(
         while model.next_step(now):
             now += 1.0
         if request_id == "a":
-            assert model.take_kv_events() == [("BlockStored", chain, None, ids[:32], 16)]
+            assert model.take_kv_events() == [BlockStored(chain, None, ids[:32], 16)]
     events = model.take_kv_events()
-    assert [e[0] for e in events] == ["BlockRemoved", "BlockStored"]
-    assert events[0][1] == [chain[1]]
+    assert [type(e) for e in events] == [BlockRemoved, BlockStored]
+    assert events[0] == BlockRemoved([chain[1]], "GPU")
     assert model.take_kv_events() == []
 
 

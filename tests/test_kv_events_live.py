@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from bench.emulator import kv_hash
 from bench.emulator.kv_publisher import KVEventPublisher, KVEventsConfig
+from skylb.core.kv_events import BlockRemoved, BlockStored
 from skylb.core.kv_index import BlockIndex
 from skylb.engines.kv_subscriber import KVEventSubscriber, KVEventsEndpoint, KVEventSubscribers
 from tests.procs import free_ports
@@ -22,8 +23,8 @@ from tests.procs import free_ports
 pytestmark = pytest.mark.timeout(30)
 
 
-def _stored(*hashes: int) -> tuple:
-    return ("BlockStored", list(hashes), None, [0] * 16 * len(hashes), 16)
+def _stored(*hashes: int) -> BlockStored:
+    return BlockStored(list(hashes), None, [0] * 16 * len(hashes), 16)
 
 
 async def _until(condition, timeout_s: float = 5.0) -> None:
@@ -64,7 +65,7 @@ async def _settle(publisher, index: BlockIndex, *events: tuple) -> None:
     for batch in events:
         publisher.publish([batch])
     marker = 10**9 + publisher._seq
-    publisher.publish([("BlockStored", [marker], None, [0] * 16, 16)])
+    publisher.publish([_stored(marker)])
     await _until(lambda: index.holders(marker))
 
 
@@ -74,7 +75,7 @@ async def test_dropped_sequence_numbers_are_filled_from_the_replay_socket():
     async with _stream() as (publisher, index):
         await _settle(publisher, index, _stored(1, 2))
         publisher.drop_next(3)
-        for batch in (_stored(3), ("BlockRemoved", [1]), _stored(4), _stored(5)):
+        for batch in (_stored(3), BlockRemoved([1]), _stored(4), _stored(5)):
             publisher.publish([batch])
         await _until(lambda: index.holders(5))
         state = index.replica("r")

@@ -29,7 +29,7 @@ def test_fixture_from_vllm_decodes_to_the_published_events():
     assert [b.data_parallel_rank for b in batches] == [0, 0, 1]
     assert batches[0].events == [
         BlockStored([11, TOP], None, list(range(32)), 16, None, "GPU", None),
-        BlockStored([12], TOP, list(range(32, 48)), 16, 7, "CPU", "sql-adapter")]
+        BlockStored([12], TOP, list(range(32, 48)), 16, 7, "CPU", "sql-adapter", [["sql-adapter", "tenant-a"]])]
     assert batches[1].events == [BlockRemoved([11], "GPU")]
     assert batches[2].events == [AllBlocksCleared()]
     assert all(b.unknown == 0 and b.corrupt == 0 for b in batches)

@@ -30,18 +30,18 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from skylb.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
 __all__ = ["KVEventsConfig", "KVEventPublisher", "add_kv_event_routes", "encode_batch", "END_SEQ",
            "KV_EVENTS_PATH"]
 
 KV_EVENTS_PATH = "/emulator/kv-events"
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-#: BlockStored's fields after the tag, in declaration order, with the default of those that have one (vLLM 0.33).
+#: The fields without a default, after the tag, in declaration order (vLLM 0.33); of those with one, only
+#: ``extra_keys`` (when set) and ``group_idx`` (0, not its default None) are written: the others are left None.
 _STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
-_STORED_DEFAULTS = ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
-                    "ownership", "session_id", "lookahead_token_ids")
 _REMOVED = ("block_hashes", "medium")
-_REMOVED_DEFAULTS = ("group_idx", "locality", "ownership")
 
 
 @dataclass(frozen=True)
@@ -93,23 +93,19 @@ def _map(pairs: list[tuple[str, object]], wide: bool, packer: msgpack.Packer) ->
     return head + b"".join(packer.pack(k) + packer.pack(v) for k, v in pairs)
 
 
-def _event(event: tuple, packer: msgpack.Packer) -> bytes:
-    """One event tuple from the model (``("BlockStored", hashes, parent, token_ids, block_size[, lora_id, medium,
-    lora_name, extra_keys])``, ``("BlockRemoved", hashes)`` or ``("AllBlocksCleared",)``) as msgspec encodes vLLM's
-    struct (medium "GPU" unless given, KV cache group 0)."""
-    kind = event[0]
-    if kind == "BlockStored":
-        values = (*event[1:8], *(None, "GPU", None)[len(event) - 5:])
-        extra = [("extra_keys", event[8])] if len(event) > 8 and event[8] is not None else []
-        return _map([("type", kind), *zip(_STORED, values), *extra, ("group_idx", 0)], True, packer)
-    if kind == "BlockRemoved":
-        return _map([("type", kind), *zip(_REMOVED, (event[1], "GPU")), ("group_idx", 0)], False, packer)
-    if kind == "AllBlocksCleared":
-        return _map([("type", kind)], False, packer)
-    raise ValueError(f"unknown KV-cache event {kind!r}")
+def _event(event: KVEvent, packer: msgpack.Packer) -> bytes:
+    """One event as msgspec encodes vLLM's struct (KV cache group 0)."""
+    if isinstance(event, BlockStored):
+        extra = [("extra_keys", event.extra_keys)] if event.extra_keys is not None else []
+        return _map([("type", "BlockStored"), *zip(_STORED, event[:7]), *extra, ("group_idx", 0)], True, packer)
+    if isinstance(event, BlockRemoved):
+        return _map([("type", "BlockRemoved"), *zip(_REMOVED, event), ("group_idx", 0)], False, packer)
+    if isinstance(event, AllBlocksCleared):
+        return _map([("type", "AllBlocksCleared")], False, packer)
+    raise TypeError(f"not a KV-cache event: {event!r}")
 
 
-def encode_batch(ts: float, events: list[tuple], data_parallel_rank: int = 0) -> bytes:
+def encode_batch(ts: float, events: list[KVEvent], data_parallel_rank: int = 0) -> bytes:
     """A ``KVEventBatch`` payload, byte for byte as vLLM 0.33's msgspec encoder writes it."""
     packer = msgpack.Packer(use_bin_type=True, use_single_float=False)
     body = b"".join(_event(e, packer) for e in events)
@@ -174,7 +170,7 @@ class KVEventPublisher:
         socket.bind(endpoint)
         return socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def publish(self, events: list[tuple], *, ts: float | None = None) -> int:
+    def publish(self, events: list[KVEvent], *, ts: float | None = None) -> int:
         """Send one batch (one engine step's events); returns its sequence number. Never blocks: a PUB socket
         drops messages past its high-water mark, and the replay buffer still holds them."""
         seq = self._seq

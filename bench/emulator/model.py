@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
 from bench.emulator import kv_hash
+from skylb.core.kv_events import BlockRemoved, BlockStored, KVEvent
 
 __all__ = [
     "ADMISSIONS",
@@ -481,18 +482,18 @@ class EngineModel:
         #: Running requests preempted because KV blocks ran out (vLLM ``num_preemptions``).
         self.num_preemptions = 0
         #: KV-cache events since the last ``take_kv_events`` (None: not recorded; see ``enable_kv_events``).
-        self.kv_events: list[tuple] | None = None
+        self.kv_events: list[KVEvent] | None = None
 
     def enable_kv_events(self) -> None:
         """Record KV-cache events as vLLM's block pool does (``BlockStored`` when computed prompt blocks enter the
         prefix cache, ``BlockRemoved`` when one is evicted), with block hashes as vLLM computes them
         (bench/emulator/kv_hash.py: SHA-256 chains over token ids) instead of the default cheaper hash. Call it
-        before the first request. Events are tuples (bench/emulator/kv_publisher.py encodes them)."""
+        before the first request. Events are skylb.core.kv_events' (bench/emulator/kv_publisher.py encodes them)."""
         if self._cache or self._waiting or self._running:
             raise RuntimeError("enable KV-cache events before the first request")
         self.kv_events = []
 
-    def take_kv_events(self) -> list[tuple]:
+    def take_kv_events(self) -> list[KVEvent]:
         """The events recorded since the last call, oldest first (vLLM ``BlockPool.take_events``)."""
         events, self.kv_events = self.kv_events, ([] if self.kv_events is not None else None)
         return events or []
@@ -816,7 +817,7 @@ class EngineModel:
             del self._cache[h]
             self.evicted_blocks += 1
             if self.kv_events is not None:
-                self.kv_events.append(("BlockRemoved", [kv_hash.external(h)]))
+                self.kv_events.append(BlockRemoved([kv_hash.external(h)]))
 
     def _register_blocks(self, r: _Request) -> None:
         """Put the request's newly computed full prompt blocks into the prefix cache."""
@@ -847,8 +848,8 @@ class EngineModel:
         for run in runs:
             first = run[0]
             parent = kv_hash.external(r.block_hashes[first - 1]) if first else None
-            self.kv_events.append(("BlockStored", [kv_hash.external(r.block_hashes[i]) for i in run], parent,
-                                   r.token_ids[first * bs:(run[-1] + 1) * bs], bs))
+            self.kv_events.append(BlockStored([kv_hash.external(r.block_hashes[i]) for i in run], parent,
+                                              r.token_ids[first * bs:(run[-1] + 1) * bs], bs))
 
     def _release(self, r: _Request) -> None:
         """Return the request's blocks: cached ones to the LRU tail (last block first), the rest to the free pool."""

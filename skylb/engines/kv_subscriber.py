@@ -34,8 +34,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from skylb.core.kv_events import apply_events
 from skylb.core.kv_index import BlockIndex
-from skylb.engines.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, CorruptBatch, decode_batch
+from skylb.engines.kv_wire import CorruptBatch, decode_batch
 
 __all__ = ["KVEventSubscriber", "KVEventSubscribers", "KVEventsEndpoint"]
 
@@ -149,17 +150,7 @@ class KVEventSubscriber:
             return
         state.skipped_unknown += batch.unknown
         state.skipped_corrupt += batch.corrupt
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                state.stored += 1
-                self.index.store(self.replica, event.block_hashes, block_size=event.block_size,
-                                 medium=event.medium, lora_id=event.lora_id)
-            elif isinstance(event, BlockRemoved):
-                state.removed += 1
-                self.index.remove(self.replica, event.block_hashes, medium=event.medium)
-            elif isinstance(event, AllBlocksCleared):
-                state.cleared += 1
-                self.index.drop(self.replica)
+        apply_events(self.index, self.replica, batch.events)
 
     async def _replay(self, start: int, until: int) -> None:
         """Apply the buffered batches from ``start`` up to (not including) ``until`` from the replay socket."""

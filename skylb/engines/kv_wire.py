@@ -26,37 +26,14 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from skylb.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "CorruptBatch", "DecodedBatch", "decode_batch",
            "external_hash", "END_SEQ"]
 
 _MASK64 = (1 << 64) - 1
 #: The replay socket's end-of-replay sequence number (vLLM ``ZmqEventPublisher.END_SEQ``: -1, signed).
 END_SEQ = -1
-
-
-class BlockStored(NamedTuple):
-    """Blocks a replica stored: ``block_hashes`` (64-bit ints, prompt order), ``parent_block_hash`` (the block
-    before the first, None at the prompt's start), ``token_ids`` (len = blocks x ``block_size``), ``lora_id``,
-    ``medium`` (vLLM: "GPU", "CPU", "STORAGE" or None), ``lora_name``."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-
-
-class BlockRemoved(NamedTuple):
-    """Blocks a replica evicted from ``medium``."""
-
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(NamedTuple):
-    """The replica emptied its prefix cache (vLLM ``reset_prefix_cache``)."""
 
 
 class DecodedBatch(NamedTuple):
@@ -116,7 +93,8 @@ def decode_batch(payload: bytes) -> DecodedBatch:
 
 
 #: Field names in declaration order (array-encoded events carry them positionally after the tag).
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                  "extra_keys")
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
@@ -142,10 +120,13 @@ def _event(item: Any) -> BlockStored | BlockRemoved | AllBlocksCleared | None:
         token_ids = f["token_ids"]
         if not isinstance(block_size, int) or block_size < 1 or not isinstance(token_ids, list):
             raise ValueError("BlockStored: bad block_size or token_ids")
+        extra_keys = f.get("extra_keys")
+        if extra_keys is not None and not isinstance(extra_keys, list):
+            raise TypeError("BlockStored: extra_keys is not a list")
         return BlockStored([external_hash(h) for h in f["block_hashes"]],
                            None if parent is None else external_hash(parent), token_ids, block_size,
                            _optional(f.get("lora_id"), int), _optional(f.get("medium"), str),
-                           _optional(f.get("lora_name"), str))
+                           _optional(f.get("lora_name"), str), extra_keys)
     if tag == "BlockRemoved":
         f = _fields(item, _REMOVED_FIELDS)
         return BlockRemoved([external_hash(h) for h in f["block_hashes"]], _optional(f.get("medium"), str))
