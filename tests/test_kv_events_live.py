@@ -9,9 +9,8 @@ import contextlib
 import json
 
 import aiohttp
+import msgpack
 import pytest
-import zmq
-import zmq.asyncio
 
 from bench.emulator import kv_hash
 from bench.emulator.kv_publisher import KVEventPublisher, KVEventsConfig
@@ -109,7 +108,6 @@ async def test_corrupt_and_unknown_messages_are_counted_and_never_stop_the_subsc
         pub.send_multipart([b"kv-events", b"\x00"])
         pub.send_multipart([b"kv-events", b"\x01", b"x"])
         pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), b"\xc1garbage"])
-        import msgpack
         pub.send_multipart([b"kv-events", (seq + 1).to_bytes(8, "big"),
                             msgpack.packb([1.0, [{"type": "BlockPinned"}, {"type": "BlockStored"}]])])
         publisher._seq = seq + 2
