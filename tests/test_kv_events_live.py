@@ -142,6 +142,15 @@ async def test_a_restarted_engine_is_dropped_then_followed_again():
             await again.close()
 
 
+@pytest.mark.parametrize("endpoint, replay", [("tcp://127.0.0.1", None), ("127.0.0.1:5557", None),
+                                              ("tcp://*:5557", None), ("tcp://h:99999", None),
+                                              ("tcp://h:5557", "tcp://h:")])
+def test_an_endpoint_that_is_not_a_zmq_address_is_refused(endpoint, replay):
+    """A subscriber endpoint must be tcp://HOST:PORT (a wildcard host binds, it cannot be connected to)."""
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        KVEventsEndpoint(endpoint, replay)
+
+
 async def test_subscribers_follow_the_membership():
     """KVEventSubscribers starts one subscriber per replica with events and forgets a replica that left."""
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0")

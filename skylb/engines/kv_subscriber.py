@@ -52,6 +52,21 @@ class KVEventsEndpoint:
     replay_endpoint: str | None = None
     topic: str = ""
 
+    def __post_init__(self) -> None:
+        """Raises ValueError for an endpoint that is not a ZMQ ``tcp://host:port`` (or ``ipc://``, ``inproc://``)."""
+        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if value is None and name == "replay_endpoint":
+                continue
+            if not isinstance(value, str) or not _valid_endpoint(value):
+                raise ValueError(f"KV events {name} must be tcp://HOST:PORT (or ipc://, inproc://), got {value!r}")
+
+
+def _valid_endpoint(value: str) -> bool:
+    if value.startswith(("ipc://", "inproc://")):
+        return len(value.split("://", 1)[1]) > 0
+    host, _, port = value.removeprefix("tcp://").rpartition(":")
+    return value.startswith("tcp://") and bool(host) and "*" not in host and port.isdigit() and 0 < int(port) < 65536
+
 
 class KVEventSubscriber:
     """Follows one replica's event stream into ``index`` until ``run()`` is cancelled (its sockets then close).
@@ -112,7 +127,12 @@ class KVEventSubscriber:
 
     async def _follow_stream(self, sub: zmq.asyncio.Socket) -> None:
         while True:
-            await self.on_message(await sub.recv_multipart())
+            frames = await sub.recv_multipart()
+            try:
+                await self.on_message(frames)
+            except (zmq.ZMQError, ValueError, TypeError) as exc:  # no message may stop the stream
+                self.index.replica(self.replica).skipped_corrupt += 1
+                log.error("kv_events_message_failed", replica=self.replica, error=repr(exc))
 
     async def on_message(self, frames: list[bytes]) -> None:
         """Handle one PUB message: fill a gap before it from the replay socket, then apply it."""
