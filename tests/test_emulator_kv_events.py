@@ -109,3 +109,19 @@ def test_token_ids_of_a_prompt_sent_as_ids_are_those_ids():
     ids = kv_hash.token_ids(["w1", "w2"])
     assert kv_hash.token_ids([str(i) for i in ids]) == ids
     assert kv_hash.token_ids(["123"]) == [123]
+
+
+def test_a_prefix_cache_reset_clears_when_no_request_holds_blocks():
+    """reset_prefix_cache is refused while a request runs (as vLLM's) and, once idle, frees every cached block and
+    records AllBlocksCleared."""
+    model = EngineModel(EngineParams(kv_cache_tokens=64, block_size=16))
+    model.enable_kv_events()
+    model.submit("a", [f"w{i}" for i in range(40)], 3, ignore_eos=True, now=0.0)
+    model.next_step(0.0)
+    assert not model.reset_prefix_cache()
+    while model.next_step(1.0):
+        pass
+    model.take_kv_events()
+    assert model.num_cached_blocks == 2 and model.reset_prefix_cache()
+    assert model.num_cached_blocks == 0 and model.num_free_blocks == 4
+    assert model.take_kv_events() == [AllBlocksCleared()]

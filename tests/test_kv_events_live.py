@@ -175,7 +175,8 @@ async def test_the_emulator_stream_recovers_dropped_batches_then_is_killed_and_f
     with vLLM's block hashes (the chain over the ids its /tokenize gives matches all 3 blocks, as a balancer would
     compute it); the next step's batch is dropped mid-run (a
     second prompt overflowing the 4-block cache: its eviction and store) and recovered through the replay socket
-    once a third request's batch shows the gap; SIGKILL of the process then makes the replica stale."""
+    once a third request's batch shows the gap; a prefix-cache reset (AllBlocksCleared) empties the replica in the
+    index; SIGKILL of the process then makes the replica stale."""
     http, pub, replay = free_ports(3)
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
               "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
@@ -212,6 +213,11 @@ async def test_the_emulator_stream_recovers_dropped_batches_then_is_killed_and_f
         state = index.replica("emu")
         assert (state.gaps, state.replayed, state.unfilled_gaps) == (1, 1, 0)
         assert index.matched_tokens(chains[1]) == {"emu": 32} and index.matched_tokens(chains[0])["emu"] < 48
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            async with session.post(f"{base}/reset_prefix_cache") as resp:
+                assert await resp.json() == {"success": True}
+        await _until(lambda: index.replica("emu").cleared == 1)
+        assert index.matched_tokens(chains[1]) == {"emu": 0} and index.is_live("emu")
         proc.kill()
         await _until(lambda: not index.is_live("emu"), timeout_s=3)
         assert index.matched_tokens(chains[2]) == {}  # not live: the router uses the prefix trie

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
 from bench.emulator import kv_hash
-from skylb.core.kv_events import BlockRemoved, BlockStored, KVEvent
+from skylb.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = [
     "ADMISSIONS",
@@ -497,6 +497,18 @@ class EngineModel:
         """The events recorded since the last call, oldest first (vLLM ``BlockPool.take_events``)."""
         events, self.kv_events = self.kv_events, ([] if self.kv_events is not None else None)
         return events or []
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM ``BlockPool.reset_prefix_cache``, ``POST /reset_prefix_cache``); as vLLM,
+        refused (False) while a running request holds blocks. Records ``AllBlocksCleared`` when events are on."""
+        if self._running or self._in_flight is not None:
+            return False
+        self._free_anon += len(self._lru)
+        self._lru.clear()
+        self._cache.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
+        return True
 
     def _hash_prompt(self, prompt_tokens: list[str]) -> tuple[list[bytes], list[int] | None]:
         """The prompt's full-block hash chain, and its token ids when events are recorded."""

@@ -81,6 +81,12 @@ class Replica:
         self._wake.set()
         return queue
 
+    def publish_kv_events(self) -> None:
+        """Send the model's KV-cache events recorded since the last call as one batch (after each engine step, as
+        vLLM's engine core publishes, and after a prefix-cache reset); nothing when events are off or none came."""
+        if self.kv_events is not None and (events := self.model.take_kv_events()):
+            self.kv_events.publish(events)
+
     def release(self, request_id: str) -> None:
         """Forget a request's queue; if the model still holds it (the client went away), cancel it there."""
         self._streams.pop(request_id, None)
@@ -108,8 +114,7 @@ class Replica:
             while (remaining := end - time.monotonic()) > 0:
                 await asyncio.sleep(remaining)
             model.complete_step(step)
-            if self.kv_events is not None and (events := model.take_kv_events()):
-                self.kv_events.publish(events)  # one batch per engine step, as vLLM's engine core publishes
+            self.publish_kv_events()
             for out in step.outputs:
                 queue = self._streams.get(out.request_id)
                 if queue is None:

@@ -1,5 +1,5 @@
 """vLLM's OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/responses (responses.py),
-/v1/models, /v1/embeddings, /tokenize, /metrics, /health, /version.
+/v1/models, /v1/embeddings, /tokenize, /reset_prefix_cache, /metrics, /health, /version.
 
 Sources: vLLM's OpenAI server (``vllm/entrypoints/openai``: error shape ``{"error": {"message", "type", "param",
 "code"}}`` with code = the HTTP status, the "model does not exist" and context-length messages, a mid-stream
@@ -82,6 +82,16 @@ class VllmPersonality(OpenAIServing, ResponsesServing, name="vllm"):
         self.add(app, "GET", "/health", self.health)
         self.add(app, "GET", "/version", self.version)
         self.add(app, "POST", "/tokenize", self.tokenize)
+        self.add(app, "POST", "/reset_prefix_cache", self.reset_prefix_cache)
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode ``POST /reset_prefix_cache`` (``vllm/entrypoints/serve/dev/cache/api_router.py``):
+        ``{"success": bool}``, false while running requests hold blocks; a success publishes ``AllBlocksCleared``
+        at once (with KV-cache events on)."""
+        reset = getattr(self.replica.model, "reset_prefix_cache", None)  # the SGLang model has none
+        success = bool(reset and reset())
+        self.replica.publish_kv_events()
+        return web.json_response({"success": success})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /tokenize`` (``vllm/entrypoints/openai/serving_tokenization.py``): a ``prompt`` or chat
