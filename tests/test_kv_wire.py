@@ -46,8 +46,8 @@ def test_fixture_replay_frames_carry_topic_sequence_and_end_marker():
 
 
 def test_array_encoded_events_of_older_vllm_and_map_encoded_batches_decode():
-    """vLLM 0.9-0.10 encoded each event as [tag, fields...] (array_like); vLLM's main branch encodes the batch as
-    a map: both decode to the same events; bytes hashes are reduced to their lower 64 bits."""
+    """Earlier vLLM releases encoded each event as [tag, fields...] (array_like); a later source encodes the batch
+    as a map: both decode to the same events; bytes hashes are reduced to their lower 64 bits."""
     old = msgpack.packb([1.0, [["BlockStored", [1, 2], None, list(range(32)), 16, None, "GPU"],
                                ["BlockRemoved", [1], "GPU"], ["AllBlocksCleared"]]])
     assert decode_batch(old).events == [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU"),

@@ -7,7 +7,7 @@ Source: vLLM ``vllm/distributed/kv_events.py`` (``ZmqEventPublisher``) and its e
 - a SUB socket on the topic: messages ``[topic, seq (8 bytes, big-endian), payload]``, decoded by
   :mod:`skylb.engines.kv_wire` and applied to the :class:`~skylb.core.kv_index.BlockIndex`;
 - a DEALER socket on the replay endpoint: a request is ``[b"", start seq (8 bytes, big-endian)]``; the answer is
-  ``[b"", topic, seq, payload]`` per buffered batch from ``start`` on (vLLM 0.9-0.10: ``[b"", seq, payload]``),
+  ``[b"", topic, seq, payload]`` per buffered batch from ``start`` on (earlier releases: ``[b"", seq, payload]``),
   then ``[b"", b"", -1 (8 bytes, signed), b""]``;
 - the SUB socket's monitor: a completed handshake marks the replica live, a disconnect (the engine died, or ZMTP
   heartbeats went unanswered for ``heartbeat_timeout_s``) marks it stale. Stale, the index drops what it knew and

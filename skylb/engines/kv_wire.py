@@ -6,9 +6,10 @@ frames ``[topic, sequence number (8 bytes, big-endian, unsigned), payload]``; th
 encoder) of ``KVEventBatch(ts: float, events: list, data_parallel_rank: int | None)``, encoded as an array
 (``array_like=True``) with a trailing default (``data_parallel_rank`` None) omitted. Each event is a tagged union
 (``tag=True``: the tag is the class name): vLLM 0.33 encodes an event as a map whose ``"type"`` key holds the tag and
-whose fields equal to their default are omitted; earlier releases (0.9-0.10) encoded it as an array whose first item
-is the tag, fields in declaration order. Both are accepted here, and a map-encoded batch too (vLLM's main branch
-dropped ``array_like`` from ``EventBatch``).
+whose fields equal to their default are omitted; earlier releases declared events ``array_like`` too (as vLLM's
+``examples/online_serving/kv_events_subscriber.py`` still does): an array whose first item is the tag, fields in
+declaration order. Both are accepted here, and a map-encoded batch too (a later vLLM source dropped ``array_like``
+from ``EventBatch``).
 
 Fields read (declaration order): ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id,
 medium, lora_name, extra_keys, group_idx, ...)``, ``BlockRemoved(block_hashes, medium, group_idx, ...)``,
