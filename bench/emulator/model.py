@@ -73,6 +73,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
+from bench.emulator import kv_hash
+from skylb.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
 __all__ = [
     "ADMISSIONS",
     "EngineParams",
@@ -407,7 +410,7 @@ class _Request:
 
     __slots__ = ("request_id", "prompt_len", "block_hashes", "max_tokens", "output_len", "finish_reason", "seed",
                  "submitted_at", "admitted_at", "first_token_at", "cached_tokens", "num_computed", "num_generated",
-                 "num_hashed", "blocks", "anon_blocks", "kv_slots", "num_preemptions")
+                 "num_hashed", "blocks", "anon_blocks", "kv_slots", "num_preemptions", "token_ids")
 
     def __init__(self, request_id: str, prompt_len: int, block_hashes: list[bytes], max_tokens: int,
                  output_len: int, finish_reason: str, seed: int, now: float):
@@ -429,6 +432,7 @@ class _Request:
         self.anon_blocks = 0  # held blocks not (yet) in the prefix cache
         self.kv_slots = 0  # tokens the held blocks can store: (len(blocks) + anon_blocks) x block_size
         self.num_preemptions = 0
+        self.token_ids: list[int] | None = None  # the prompt's token ids, kept only to publish KV-cache events
 
 
 def _block_hashes(tokens: list[str], block_size: int) -> list[bytes]:
@@ -477,6 +481,41 @@ class EngineModel:
         self.evicted_blocks = 0
         #: Running requests preempted because KV blocks ran out (vLLM ``num_preemptions``).
         self.num_preemptions = 0
+        #: KV-cache events since the last ``take_kv_events`` (None: not recorded; see ``enable_kv_events``).
+        self.kv_events: list[KVEvent] | None = None
+
+    def enable_kv_events(self) -> None:
+        """Record KV-cache events as vLLM's block pool does (``BlockStored`` when computed prompt blocks enter the
+        prefix cache, ``BlockRemoved`` when one is evicted), with block hashes as vLLM computes them
+        (bench/emulator/kv_hash.py: SHA-256 chains over token ids) instead of the default cheaper hash. Call it
+        before the first request. Events are skylb.core.kv_events' (bench/emulator/kv_publisher.py encodes them)."""
+        if self._cache or self._waiting or self._running:
+            raise RuntimeError("enable KV-cache events before the first request")
+        self.kv_events = []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first (vLLM ``BlockPool.take_events``)."""
+        events, self.kv_events = self.kv_events, ([] if self.kv_events is not None else None)
+        return events or []
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM ``BlockPool.reset_prefix_cache``, ``POST /reset_prefix_cache``); as vLLM,
+        refused (False) while a running request holds blocks. Records ``AllBlocksCleared`` when events are on."""
+        if self._running or self._in_flight is not None:
+            return False
+        self._free_anon += len(self._lru)
+        self._lru.clear()
+        self._cache.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
+        return True
+
+    def _hash_prompt(self, prompt_tokens: list[str]) -> tuple[list[bytes], list[int] | None]:
+        """The prompt's full-block hash chain, and its token ids when events are recorded."""
+        if self.kv_events is None:
+            return _block_hashes(prompt_tokens, self.params.block_size), None
+        ids = kv_hash.token_ids(prompt_tokens)
+        return kv_hash.block_hashes(ids, self.params.block_size), ids
 
     # ---- state ----------------------------------------------------------------------------------------------
 
@@ -509,7 +548,7 @@ class EngineModel:
         """Tokens of this prompt the prefix cache would serve if it were admitted now (full blocks; no side effects)."""
         n = len(prompt_tokens)
         hits = 0
-        for h in _block_hashes(prompt_tokens[: max(n - 1, 0)], self.params.block_size):
+        for h in self._hash_prompt(prompt_tokens[: max(n - 1, 0)])[0]:
             if h not in self._cache:
                 break
             hits += 1
@@ -555,9 +594,10 @@ class EngineModel:
         seed = int.from_bytes(hashlib.blake2b("\x1f".join(prompt_tokens).encode(), digest_size=8).digest(), "big")
         output_len, reason = output_length(seed, max_tokens, ignore_eos=ignore_eos, output_len=output_len,
                                            eos_max_tokens=self.params.eos_max_tokens)
-        hashes = _block_hashes(prompt_tokens, self.params.block_size)
-        self._waiting[request_id] = _Request(request_id, prompt_len, hashes, max_tokens, output_len, reason, seed,
-                                             now)
+        hashes, ids = self._hash_prompt(prompt_tokens)
+        req = self._waiting[request_id] = _Request(request_id, prompt_len, hashes, max_tokens, output_len, reason,
+                                                   seed, now)
+        req.token_ids = ids
 
     def cancel(self, request_id: str, *, now: float) -> bool:
         """Drop a waiting or running request (a client went away) and free its slot and blocks.
@@ -788,10 +828,13 @@ class EngineModel:
             h, _ = self._lru.popitem(last=False)
             del self._cache[h]
             self.evicted_blocks += 1
+            if self.kv_events is not None:
+                self.kv_events.append(BlockRemoved([kv_hash.external(h)]))
 
     def _register_blocks(self, r: _Request) -> None:
         """Put the request's newly computed full prompt blocks into the prefix cache."""
         full = min(r.num_computed // self.params.block_size, len(r.block_hashes))
+        stored: list[int] = []
         for i in range(r.num_hashed, full):
             h = r.block_hashes[i]
             if h in self._cache:
@@ -800,7 +843,25 @@ class EngineModel:
             self._cache[h] = b
             r.blocks.append(b)
             r.anon_blocks -= 1
+            stored.append(i)
+        if stored and self.kv_events is not None:
+            self._record_stored(r, stored)
         r.num_hashed = max(r.num_hashed, full)
+
+    def _record_stored(self, r: _Request, stored: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive newly cached blocks (vLLM ``cache_full_blocks``)."""
+        bs = self.params.block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first = run[0]
+            parent = kv_hash.external(r.block_hashes[first - 1]) if first else None
+            self.kv_events.append(BlockStored([kv_hash.external(r.block_hashes[i]) for i in run], parent,
+                                              r.token_ids[first * bs:(run[-1] + 1) * bs], bs))
 
     def _release(self, r: _Request) -> None:
         """Return the request's blocks: cached ones to the LRU tail (last block first), the rest to the free pool."""

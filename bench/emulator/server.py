@@ -17,10 +17,12 @@ import sys
 import time
 
 import structlog
+import zmq
 from aiohttp import web
 
 from skylb import aio
 from bench.emulator.faults import UPSTREAM_ID, Faults, add_fault_routes, fault_middleware
+from bench.emulator.kv_publisher import KVEventPublisher, KVEventsConfig, add_kv_event_routes
 from bench.emulator.model import ADMISSIONS, EngineModel, EngineParams, FinishedRequest, TokenOutput, make_engine
 from bench.emulator.ollama_lifecycle import LifecycleOptions, parse_keep_alive
 from bench.emulator.personalities import PERSONALITIES, ApiError, Personality, PersonalityOptions
@@ -53,10 +55,13 @@ class Replica:
     complete it, hand each token to its request's queue. Times given to the model are ``time.monotonic()`` (s).
     """
 
-    def __init__(self, model: EngineModel, *, name: str, log_requests: bool = True):
+    def __init__(self, model: EngineModel, *, name: str, log_requests: bool = True,
+                 kv_events: KVEventPublisher | None = None):
         self.model = model
         self.name = name
         self.log_requests = log_requests
+        #: Publishes each step's KV-cache events (vLLM ``--kv-events-config``); None: events are off.
+        self.kv_events = kv_events
         #: Injected faults (bench/emulator/faults.py): ``slowdown`` stretches every step.
         self.faults = Faults()
         #: request id -> the X-Request-Id it arrived with, for the request_finished line.
@@ -75,6 +80,12 @@ class Replica:
             self._upstream_ids[request_id] = upstream_id
         self._wake.set()
         return queue
+
+    def publish_kv_events(self) -> None:
+        """Send the model's KV-cache events recorded since the last call as one batch (after each engine step, as
+        vLLM's engine core publishes, and after a prefix-cache reset); nothing when events are off or none came."""
+        if self.kv_events is not None and (events := self.model.take_kv_events()):
+            self.kv_events.publish(events)
 
     def release(self, request_id: str) -> None:
         """Forget a request's queue; if the model still holds it (the client went away), cancel it there."""
@@ -103,6 +114,7 @@ class Replica:
             while (remaining := end - time.monotonic()) > 0:
                 await asyncio.sleep(remaining)
             model.complete_step(step)
+            self.publish_kv_events()
             for out in step.outputs:
                 queue = self._streams.get(out.request_id)
                 if queue is None:
@@ -123,9 +135,12 @@ class Replica:
 # ---- process ------------------------------------------------------------------------------------------------------
 
 async def serve(*, engine: str, host: str, ports: list[int], params: EngineParams, options: PersonalityOptions,
-                log_requests: bool = True, stop: asyncio.Event | None = None, fault_control: bool = False) -> int:
+                log_requests: bool = True, stop: asyncio.Event | None = None, fault_control: bool = False,
+                kv_events: KVEventsConfig | None = None) -> int:
     """Serve one replica per port until ``stop`` is set (or SIGTERM/SIGINT); returns the exit status.
-    ``fault_control``: serve ``/emulator/faults`` (bench/emulator/faults.py) on each replica."""
+    ``fault_control``: serve ``/emulator/faults`` (bench/emulator/faults.py) on each replica, and
+    ``/emulator/kv-events`` with events on. ``kv_events``: publish KV-cache events (bench/emulator/kv_publisher.py);
+    the i-th port's replica on the configured ports + i."""
     loop = asyncio.get_running_loop()
     if stop is None:
         stop = asyncio.Event()
@@ -133,6 +148,7 @@ async def serve(*, engine: str, host: str, ports: list[int], params: EngineParam
             loop.add_signal_handler(sig, stop.set)
     runners: list[web.AppRunner] = []
     tasks: list[asyncio.Task] = []
+    publishers: list[KVEventPublisher] = []
 
     def replica_died(task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -141,11 +157,22 @@ async def serve(*, engine: str, host: str, ports: list[int], params: EngineParam
 
     status = 0
     try:
-        for port in ports:
-            replica = Replica(make_engine(params), name=f"{host}:{port}", log_requests=log_requests)
+        for i, port in enumerate(ports):
+            model = make_engine(params)
+            publisher = None
+            if kv_events is not None and kv_events.enabled:
+                model.enable_kv_events()
+                publisher = KVEventPublisher(kv_events, host=host, offset=i)
+                publishers.append(publisher)
+                publisher.start()
+                log.info("kv_events_publishing", replica=f"{host}:{port}", endpoint=publisher.endpoint,
+                         replay_endpoint=publisher.replay_endpoint, topic=kv_events.topic)
+            replica = Replica(model, name=f"{host}:{port}", log_requests=log_requests, kv_events=publisher)
             personality = PERSONALITIES[engine](replica, options=options)
             app = personality.build_app()
             _add_faults(app, personality, replica, fault_control)
+            if fault_control and publisher is not None:
+                add_kv_event_routes(app, publisher)
             # handler_cancellation: a client that disconnects cancels its handler, which cancels the request.
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
@@ -159,7 +186,7 @@ async def serve(*, engine: str, host: str, ports: list[int], params: EngineParam
                  time_scale=params.time_scale, max_num_seqs=params.max_num_seqs,
                  kv_cache_tokens=params.kv_cache_tokens, block_size=params.block_size)
         await stop.wait()
-    except OSError as exc:  # a port in use
+    except (OSError, zmq.ZMQError) as exc:  # a port in use
         log.error("emulator_bind_failed", error=str(exc))
         status = 1
     finally:
@@ -169,6 +196,8 @@ async def serve(*, engine: str, host: str, ports: list[int], params: EngineParam
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for publisher in publishers:
+            await publisher.close()
         log.info("emulator_stopped", ports=ports)
     return status
 
@@ -262,6 +291,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     streaming.add_argument("--fault-control", action="store_true",
                            help="serve PUT /emulator/faults to slow the replica down or make it answer errors at "
                                 "run time (chaos benchmarks; default: off)")
+    parser.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                        help="publish KV-cache events as vLLM does, with vLLM's own flag and JSON, e.g. "
+                             '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                             '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\' (a * host binds --host; '
+                             "the i-th --port's replica uses the ports + i; --admission vllm only)")
     engine = parser.add_argument_group("engine-specific")
     engine.add_argument("--no-metrics", dest="metrics", action="store_false",
                         help="sglang, llamacpp: serve as if started without --enable-metrics / --metrics "
@@ -293,6 +327,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the request gives no keep_alive ('5m', '30s', seconds; negative: forever; default: 5m)")
     engine.add_argument("--ollama-pull-s", type=float, default=None, metavar="S",
                         help=f"ollama: how long /api/pull and /api/create take (s; default: {lc.pull_s})")
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def params_from_args(args: argparse.Namespace) -> EngineParams:
@@ -391,6 +432,11 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"skylb emulator: {exc}", file=sys.stderr)
         return 2
+    kv_events = getattr(args, "kv_events_config", None)
+    if kv_events is not None and kv_events.enabled and params.admission != "vllm":
+        print("skylb emulator: --kv-events-config needs --admission vllm (the SGLang model publishes none)",
+              file=sys.stderr)
+        return 2
     bad = [p for p in args.port if not 0 < p < 65536]
     if bad or len(set(args.port)) != len(args.port):
         print(f"skylb emulator: --port values must be distinct and in 1-65535, got {args.port}", file=sys.stderr)
@@ -401,4 +447,4 @@ def main(args: argparse.Namespace) -> int:
         print(f"skylb emulator: {exc}", file=sys.stderr)
         return 2
     return aio.run(serve(engine=args.engine, host=args.host, ports=args.port, params=params, options=options,
-                             log_requests=args.log_requests, fault_control=args.fault_control))
+                             log_requests=args.log_requests, fault_control=args.fault_control, kv_events=kv_events))

@@ -26,6 +26,9 @@ time, so the decisions are made by the same ``skylb.core.Router`` and policy obj
   (bench/workload.py ``VOCABULARY``).
 * Replicas: one ``bench.emulator.model.EngineModel`` each (continuous batching, KV capacity, block prefix cache
   with LRU; L4 / Llama-3.1-8B timings). One event per engine iteration, never one per token.
+* KV-cache events (``kv_index``): each replica's engine records vLLM's events and, at the end of every step, they go
+  through the live subscriber's own code (skylb/core/kv_events.py ``apply_events``) into the one block index given,
+  with no delay (vLLM publishes them within the step; the network's few ms are not modelled).
 * The oracle balancer (``fresh_view``) re-reads every replica's real state before each placement, with zero
   network latency: no staleness at all.
 * Not modelled: failures and membership changes (every replica and peer stays healthy), the balancer's queue
@@ -44,6 +47,8 @@ from bench.sim.engine import EventLoop
 from bench.sim.workloads import ClientSpec, SimRequest, Workload
 from skylb.config import BalancerConfig
 from skylb.core import Decision, PeerStatus, Request, build_router
+from skylb.core.kv_events import apply_events
+from skylb.core.kv_index import BlockIndex
 from skylb.core.state import load_from_outstanding
 from skylb.balancer.usage import observe as observe_usage, usage_of
 from bench.emulator.model import EngineParams, FinishedRequest, make_engine
@@ -148,6 +153,11 @@ class SimReplica:
         self.id = replica_id
         self.region = region
         self.engine = make_engine(params)
+        if cluster.kv_index is not None:
+            if not hasattr(self.engine, "enable_kv_events"):
+                raise ValueError(f"replica {replica_id}: the {params.admission} engine model publishes no KV events")
+            self.engine.enable_kv_events()
+            cluster.kv_index.mark_live(replica_id)
         self.loop = cluster.loop
         self.cluster = cluster
         self.flights: dict[str, Flight] = {}
@@ -173,6 +183,8 @@ class SimReplica:
 
     def _complete(self, step) -> None:
         self.engine.complete_step(step)
+        if self.cluster.kv_index is not None:
+            apply_events(self.cluster.kv_index, self.id, self.engine.take_kv_events())
         for out in step.outputs:
             if out.index == 0:
                 self.cluster.first_token(self.flights[out.request_id], step.end)
@@ -426,6 +438,7 @@ class Cluster:
             (s); requests already sent run to completion (nothing is lost or duplicated).
         probe_interval_s: the probe interval of every balancer (paper §3.3 and the prototype: 0.1 s).
         sample_every_s: how often replica load is sampled for the time-averaged statistics.
+        kv_index: a block index the replicas' KV-cache events are applied to (None: no events are recorded).
 
     After ``run()``: ``records`` (completed flights, in completion order) and ``samples``
     (time, per-replica outstanding, per-replica pending, per-balancer queue length, per-replica KV usage 0-1).
@@ -434,8 +447,9 @@ class Cluster:
     def __init__(self, *, workload: Workload, replicas: Mapping[str, str], balancers: list[BalancerSetup],
                  entry: Mapping[str, str], network: Network | None = None, params: EngineParams | None = None,
                  seed: int = 0, stop_at: float = 120.0, probe_interval_s: float = 0.1, sample_every_s: float = 0.1,
-                 replica_params: Mapping[str, EngineParams] | None = None):
+                 replica_params: Mapping[str, EngineParams] | None = None, kv_index: BlockIndex | None = None):
         self.loop = EventLoop()
+        self.kv_index = kv_index
         self.workload = workload
         self.network = network or Network()
         self.params = params or EngineParams()

@@ -275,6 +275,11 @@ def parse_generate(raw: bytes, *, chat: bool, resolve_model: Callable[[str | Non
                            include_usage=include_usage, ignore_eos=ignore_eos)
 
 
+def parse_json_body(raw: bytes) -> dict:
+    """A request body that must be a JSON object; ApiError 400 otherwise."""
+    return _json_body(raw)
+
+
 def _json_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)

@@ -1,5 +1,5 @@
 """vLLM's OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/responses (responses.py),
-/v1/models, /v1/embeddings, /metrics, /health, /version.
+/v1/models, /v1/embeddings, /tokenize, /reset_prefix_cache, /metrics, /health, /version.
 
 Sources: vLLM's OpenAI server (``vllm/entrypoints/openai``: error shape ``{"error": {"message", "type", "param",
 "code"}}`` with code = the HTTP status, the "model does not exist" and context-length messages, a mid-stream
@@ -14,9 +14,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from bench.emulator import kv_hash
 from bench.emulator.model import EngineModel
-from bench.emulator.personalities.base import PersonalityOptions
-from bench.emulator.personalities.openai import OpenAIServing
+from bench.emulator.personalities.base import ApiError, PersonalityOptions
+from bench.emulator.personalities.openai import OpenAIServing, chat_prompt, completion_prompt, parse_json_body
 from bench.emulator.personalities.responses import ResponsesServing
 
 __all__ = ["VllmPersonality", "VLLM_VERSION"]
@@ -80,6 +81,32 @@ class VllmPersonality(OpenAIServing, ResponsesServing, name="vllm"):
         self.add(app, "GET", "/metrics", self.metrics)
         self.add(app, "GET", "/health", self.health)
         self.add(app, "GET", "/version", self.version)
+        self.add(app, "POST", "/tokenize", self.tokenize)
+        self.add(app, "POST", "/reset_prefix_cache", self.reset_prefix_cache)
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode ``POST /reset_prefix_cache`` (``vllm/entrypoints/serve/dev/cache/api_router.py``):
+        ``{"success": bool}``, false while running requests hold blocks; a success publishes ``AllBlocksCleared``
+        at once (with KV-cache events on)."""
+        reset = getattr(self.replica.model, "reset_prefix_cache", None)  # the SGLang model has none
+        success = bool(reset and reset())
+        self.replica.publish_kv_events()
+        return web.json_response({"success": success})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize`` (``vllm/entrypoints/openai/serving_tokenization.py``): a ``prompt`` or chat
+        ``messages`` -> ``{"count", "max_model_len", "tokens", "token_strs"}``; the token ids are the ones the
+        emulator hashes its KV-cache blocks over (bench/emulator/kv_hash.py), so a balancer can compute the blocks
+        a prompt would hit, as it would against vLLM."""
+        try:
+            body = parse_json_body(await request.read())
+            self.resolve_model(body.get("model") if isinstance(body.get("model"), str) else None)
+            words = chat_prompt(body) if "messages" in body else completion_prompt(body)
+        except ApiError as err:
+            return self.error_response(err)
+        ids = kv_hash.token_ids(words)
+        return web.json_response({"count": len(ids), "max_model_len": self.replica.model.params.model_len,
+                                  "tokens": ids, "token_strs": None})
 
     async def health(self, request: web.Request) -> web.Response:
         """200 with an empty body, as vLLM (it answers 503 only when the engine died)."""
