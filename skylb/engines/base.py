@@ -9,7 +9,7 @@ from typing import ClassVar
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["EngineAdapter", "ProbeResult", "ADAPTERS", "adapter_for", "sum_gauges", "max_gauges"]
+__all__ = ["EngineAdapter", "ProbeResult", "ADAPTERS", "adapter_for", "sum_gauges", "max_gauges", "gauges"]
 
 #: engine name -> adapter class, filled by ``EngineAdapter.__init_subclass__``.
 ADAPTERS: dict[str, type["EngineAdapter"]] = {}
@@ -107,6 +107,20 @@ def sum_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     for name, value in _samples(text, names):
         totals[name] = totals.get(name, 0.0) + value
     return totals
+
+
+def gauges(text: str, summed: tuple[str, ...], highest: tuple[str, ...]) -> tuple[dict[str, float], dict[str, float]]:
+    """``(sum_gauges(text, summed), max_gauges(text, highest))`` in one pass over ``text``: the probe of an engine
+    that reports both kinds (vLLM, SGLang) splits and parses its exposition once, not twice (half of a probe's
+    parsing time, every 100 ms per replica). Raises ValueError as ``sum_gauges``."""
+    totals: dict[str, float] = {}
+    tops: dict[str, float] = {}
+    for name, value in _samples(text, summed + highest):
+        if name in summed:
+            totals[name] = totals.get(name, 0.0) + value
+        if name in highest:
+            tops[name] = max(value, tops.get(name, value))
+    return totals, tops
 
 
 def max_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:

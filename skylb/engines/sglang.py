@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
-from skylb.engines.base import EngineAdapter, ProbeResult, max_gauges, sum_gauges
+from skylb.engines.base import EngineAdapter, ProbeResult, gauges
 from skylb.engines.fetch import FetchError, get, json_or_none
 
 __all__ = ["SGLangAdapter", "WAITING", "RUNNING"]
@@ -42,8 +42,7 @@ async def _from_metrics(session, url: str, timeout_s: float) -> ProbeResult | st
     if answer.status != 200:
         return f"/metrics answered HTTP {answer.status}"
     try:
-        values = sum_gauges(answer.text, (WAITING, RUNNING))
-        kv = max_gauges(answer.text, (KV_USAGE,))
+        values, kv = gauges(answer.text, (WAITING, RUNNING), (KV_USAGE,))
     except ValueError as exc:
         return f"malformed /metrics: {exc}"[:200]
     if WAITING not in values:

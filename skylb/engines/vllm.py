@@ -11,7 +11,7 @@ import asyncio
 
 import aiohttp
 
-from skylb.engines.base import EngineAdapter, ProbeResult, max_gauges, sum_gauges
+from skylb.engines.base import EngineAdapter, ProbeResult, gauges
 
 __all__ = ["VLLMAdapter"]
 
@@ -34,8 +34,7 @@ class VLLMAdapter(EngineAdapter, engine="vllm"):
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return ProbeResult(False, error=f"/metrics unreachable: {type(exc).__name__}")
         try:
-            values = sum_gauges(text, (WAITING, RUNNING))
-            kv = max_gauges(text, KV_USAGE)
+            values, kv = gauges(text, (WAITING, RUNNING), KV_USAGE)
         except ValueError as exc:  # the reason shows in the status, rather than a stale probe
             return ProbeResult(False, error=f"malformed /metrics: {exc}"[:200])
         if WAITING not in values:
