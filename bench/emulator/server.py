@@ -218,7 +218,8 @@ def _add_faults(app: web.Application, personality: Personality, replica: Replica
 
 
 #: Engine-specific PersonalityOptions fields -> the flag that sets them (refused for engines that ignore them).
-_ENGINE_FLAGS = {"metrics": "--no-metrics", "load_seconds": "--load-seconds", "max_queue": "--max-queue",
+_ENGINE_FLAGS = {"metrics": "--no-metrics", "embeddings": "--no-embeddings", "load_seconds": "--load-seconds",
+                 "max_queue": "--max-queue",
                  "max_concurrent_requests": "--max-concurrent-requests"}
 
 
@@ -300,6 +301,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-metrics", dest="metrics", action="store_false",
                         help="sglang, llamacpp: serve as if started without --enable-metrics / --metrics "
                              "(SGLang /metrics 404, llama.cpp /metrics 501)")
+    engine.add_argument("--no-embeddings", dest="embeddings", action="store_false",
+                        help="llamacpp: serve as if started without --embeddings (/v1/embeddings answers 501)")
     engine.add_argument("--load-seconds", type=float, default=None, metavar="S",
                         help="llamacpp: answer 503 'Loading model' for S seconds after start (default: 0)")
     engine.add_argument("--max-queue", type=int, default=None, metavar="N",
@@ -357,7 +360,7 @@ def params_from_args(args: argparse.Namespace) -> EngineParams:
 def options_from_args(args: argparse.Namespace) -> PersonalityOptions:
     """PersonalityOptions from parsed flags; ValueError for bad values or a flag the engine does not honour."""
     personality = PERSONALITIES[args.engine]
-    given = {"metrics": not args.metrics, "load_seconds": args.load_seconds is not None,
+    given = {"metrics": not args.metrics, "embeddings": not args.embeddings, "load_seconds": args.load_seconds is not None,
              "max_queue": args.max_queue is not None,
              "max_concurrent_requests": args.max_concurrent_requests is not None}
     for field_name, is_given in given.items():
@@ -374,7 +377,7 @@ def options_from_args(args: argparse.Namespace) -> PersonalityOptions:
     return PersonalityOptions(
         ollama=ollama,
         models=models, sse_keepalive_ms=args.sse_keepalive_ms, fail_after_tokens=args.fail_after_tokens,
-        load_seconds=args.load_seconds or 0.0, metrics=args.metrics,
+        load_seconds=args.load_seconds or 0.0, metrics=args.metrics, embeddings=args.embeddings,
         disabled_paths=frozenset(args.disable_endpoint), max_queue=args.max_queue,
         max_concurrent_requests=args.max_concurrent_requests)
 

@@ -30,7 +30,7 @@ from skylb.core import Decision
 from skylb.core.rates import Usage
 from skylb.quota.priorities import peer_headers
 
-__all__ = ["Relay", "RelayOutcome", "GATEWAY_STATUSES", "RETRYABLE_STATUSES", "STREAM_STARTED"]
+__all__ = ["Relay", "RelayOutcome", "GATEWAY_STATUSES", "RETRYABLE_STATUSES", "UNSUPPORTED_STATUS", "STREAM_STARTED"]
 
 #: Upstream statuses that mean "this target could not take it": gateway failures for outlier detection.
 GATEWAY_STATUSES = frozenset({502, 503, 504})
@@ -38,6 +38,9 @@ GATEWAY_STATUSES = frozenset({502, 503, 504})
 #: the gateway failures and 500, the engine's own failure on this request, which another replica may well serve
 #: (Envoy's ``retry_on: 5xx``, SGLang's gateway retries it too); a 500 counts as a 5xx, not a gateway failure.
 RETRYABLE_STATUSES = GATEWAY_STATUSES | {500}
+#: 501 Not Implemented: the target does not serve this kind of request (llama-server without ``--embeddings``);
+#: retried elsewhere before the first byte, and not a failure for outlier detection (the target is fine otherwise).
+UNSUPPORTED_STATUS = 501
 #: Request key set once a streamed response's headers went to the client (no other response can follow).
 STREAM_STARTED = (web.RequestKey("skylb_stream_started", bool) if hasattr(web, "RequestKey")  # aiohttp >= 3.12
                   else "skylb_stream_started")
@@ -63,7 +66,8 @@ class RelayOutcome:
         error: what went wrong, if anything.
         failure: for outlier detection: "gateway" (refused, reset, timed out before the first byte, 502/503/504,
             garbage, died or was cut mid-stream), "5xx" (another status >= 500 from the target, 500 included, which is
-            retried as the gateway failures are), None (the target answered).
+            retried as the gateway failures are), "unsupported" (501 Not Implemented, retried elsewhere; ``error``
+            holds the engine's message), None (the target answered).
         usage: the token counts and engine durations the answer reported (skylb/balancer/usage.py), or None.
     """
 
@@ -78,6 +82,17 @@ class RelayOutcome:
 def _failure_of(status: int) -> str | None:
     """Outlier detection's name for an answer with HTTP ``status``."""
     return "gateway" if status in GATEWAY_STATUSES else "5xx" if status >= 500 else None
+
+
+def _error_message(body: bytes) -> str:
+    """The ``error.message`` (OpenAI, llama.cpp) or ``error`` (Ollama) of an error body, at most 300 characters;
+    "" when the body says none."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    message = err.get("message") if isinstance(err, dict) else err
+    return str(message)[:300] if message else ""
 
 
 class Relay:
@@ -205,6 +220,10 @@ class Relay:
                     upstream = await upstream_cm.__aenter__()
                     if upstream.status in RETRYABLE_STATUSES and retry_allowed:
                         return failed(upstream.status, f"{decision.target} answered {upstream.status}")
+                    if upstream.status == UNSUPPORTED_STATUS and retry_allowed:
+                        said = _error_message(await upstream.content.read(4096))
+                        return RelayOutcome(None, UNSUPPORTED_STATUS, failure="unsupported",
+                                            error=f"{decision.target} answered 501" + (f": {said}" if said else ""))
                     framer, first, data, eof = await _read_until_first_event(upstream)
             except TimeoutError:
                 return failed(504, f"{decision.route} {decision.target} " + (

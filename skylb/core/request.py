@@ -72,8 +72,14 @@ class Request:
     chunks: tuple[str, ...] | None = field(default=None, repr=False)
     chunking: tuple[int, int] | None = field(default=None, repr=False)
     #: The queue look-ahead's walk of this request's key while it waits (a prefix_trie.KeptMatch, reused while the
-    #: trie nodes it depends on are unchanged; skylb/core/plugins/prefix_lookahead.py``).
+    #: trie nodes it depends on are unchanged; skylb/core/plugins/prefix_lookahead.py).
     kept_match: object | None = field(default=None, repr=False)
+
+    @property
+    def kind(self) -> str:
+        """What the request asks of a replica, as replicas' capabilities are recorded (``ReplicaState.supports``):
+        "embeddings" or "generation"."""
+        return "embeddings" if self.embedding else "generation"
 
     @property
     def may_forward(self) -> bool:

@@ -322,8 +322,9 @@ class Router:
     def _servable(self, key: tuple, now: float) -> bool:
         """True when some usable target serves candidate set ``key``'s model (``unserved``)."""
         model, api, may_forward = key[:3]
-        if any((r.serves(model, api) or (r.models is None and api in r.apis)) and self._replica_usable(r, now)
-               for r in self.replicas.values()):
+        kind = "embeddings" if key[4] else "generation"
+        if any((r.serves(model, api) or (r.models is None and api in r.apis)) and r.supports(kind, now)
+               and self._replica_usable(r, now) for r in self.replicas.values()):
             return True
         return may_forward and any(self.rules.peer_unreachable_reason(p, now, model, api) is None
                                    and not self._ejected(p, now) for p in self.peers.values())
@@ -364,9 +365,10 @@ class Router:
     def _place(self, request: Request, now: float) -> Decision | None:
         """Run the policy over ``request``'s candidates at ``now`` (skylb/core/candidates.py: the filters are
         here, the choice is the policy's ``choose``) and apply its choice; None: it stays queued."""
-        model, api = request.model, request.api
+        model, api, kind = request.model, request.api, request.kind
         usable = self.replica_available if self.policy.selective else self._replica_usable
-        local = [r for r in self.replicas.values() if r.serves(model, api) and usable(r, now)]
+        local = [r for r in self.replicas.values()
+                 if r.serves(model, api) and r.supports(kind, now) and usable(r, now)]
         local = self.fleet.candidates(model, api, local, list(self.replicas.values()), now,
                                       self.policy.estimated_wait_s, embedding=request.embedding,
                                       usable=self._replica_usable)
@@ -377,7 +379,8 @@ class Router:
         taken = {r.id for r in local}  # by id: a dataclass ``in`` compares every field of every replica
         c = Candidates(request, now, local, peers, len(self.queue), len(self.replicas), self.dispatch_rate(now),
                        _busy=lambda: [r for r in self.replicas.values() if r.id not in taken and r.serves(model, api)
-                                      and ("local", r.id) not in request.avoid and self._replica_usable(r, now)],
+                                      and r.supports(kind, now) and ("local", r.id) not in request.avoid
+                                      and self._replica_usable(r, now)],
                        _reachable=lambda: [p for p in self.peers.values() if request.may_forward
                                            and self.rules.peer_unreachable_reason(p, now, model, api) is None
                                            and not self._ejected(p, now)])
@@ -510,16 +513,30 @@ class Router:
         serves its model is usable (healthy, fresh, not ejected; it may be busy, then the request waits for it).
         With none, the failed targets stay candidates rather than the request waiting for nothing (a replica of
         another model does not count: it will never take this request)."""
-        avoid, model, api = request.avoid, request.model, request.api
-        others = ([r for r in self.replicas.values() if ("local", r.id) not in avoid and r.serves(model, api)
-                   and self._replica_usable(r, now)]
-                  + [p for p in self.peers.values() if ("peer", p.region) not in avoid and request.may_forward
-                     and self.rules.peer_unreachable_reason(p, now, model, api) is None
-                     and not self._ejected(p, now)])
-        if not others:
+        avoid = request.avoid
+        if not self.served_elsewhere(request, now):
             return local, peers
         return ([r for r in local if ("local", r.id) not in avoid],
                 [p for p in peers if ("peer", p.region) not in avoid])
+
+    def served_elsewhere(self, request: Request, now: float) -> bool:
+        """True when a usable target other than those ``request`` avoids could serve it: a local replica serving its
+        model, dialect and kind (``ReplicaState.supports``), healthy, fresh and not ejected, or (for a request that
+        may be forwarded) a reachable peer serving its model; busy or not."""
+        avoid, model, api, kind = request.avoid, request.model, request.api, request.kind
+        return (any(("local", r.id) not in avoid and r.serves(model, api) and r.supports(kind, now)
+                    and self._replica_usable(r, now) for r in self.replicas.values())
+                or any(("peer", p.region) not in avoid and request.may_forward
+                       and self.rules.peer_unreachable_reason(p, now, model, api) is None
+                       and not self._ejected(p, now) for p in self.peers.values()))
+
+    def unsupported(self, decision: Decision, now: float, hold_s: float) -> None:
+        """``decision``'s local replica answered 501 Not Implemented: send it no request of that kind for
+        ``hold_s`` s from ``now`` (``ReplicaState.unsupported``). A peer's 501 is not recorded: the request avoids
+        it on its retry, and another request of the kind may find a replica there that serves it."""
+        replica = self.replicas.get(decision.target) if decision.route == "local" else None
+        if replica is not None:
+            replica.unsupported[decision.request.kind] = now + hold_s
 
     def _replica_usable(self, replica: ReplicaState, now: float) -> bool:
         """Blind pushing's rule: healthy, fresh, not draining (pending ignored), and not ejected."""

@@ -62,6 +62,9 @@ class ReplicaState:
         unprefilled: request id -> prompt tokens not expected from the prefix cache, for this balancer's requests
             sent here that have not yet produced a first token (the prefill backlog it knows exactly).
         capacity: the admission capacity learned from this replica's probes (skylb/core/capacity.py).
+        unsupported: request kind ("embeddings", "generation": ``Request.kind``) -> until when (s) no request of
+            that kind goes here, after the replica answered one with 501 Not Implemented (llama-server without
+            ``--embeddings``); a replica restarted with the feature gets such requests again after that.
     """
 
     id: str
@@ -96,6 +99,12 @@ class ReplicaState:
     #: Ollama replicas: models on disk and loaded, recent loads (skylb/core/fleet_rules.py); None for other engines.
     fleet: FleetView | None = field(default=None, repr=False)
     capacity: AdmissionCapacity = field(default_factory=AdmissionCapacity, repr=False)
+    unsupported: dict[str, float] = field(default_factory=dict, repr=False)
+
+    def supports(self, kind: str, now: float) -> bool:
+        """False while this replica is known not to serve requests of ``kind`` (``unsupported``) at ``now``."""
+        until = self.unsupported.get(kind)
+        return until is None or now >= until
 
     def add_unprefilled(self, request_id: str, tokens: int) -> None:
         """Request ``request_id`` was sent here with ``tokens`` prompt tokens to prefill (not expected cached)."""

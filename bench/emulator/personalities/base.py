@@ -58,6 +58,8 @@ class PersonalityOptions:
         load_seconds: llama.cpp only: answer 503 "Loading model" for this long after start (s).
         metrics: False serves as if metrics were not enabled (SGLang without ``--enable-metrics``: /metrics 404;
             llama.cpp without ``--metrics``: /metrics 501).
+        embeddings: llama.cpp only: False answers /v1/embeddings 501 "This server does not support embeddings.
+            Start it with `--embeddings`", as llama-server started without ``--embeddings``.
         disabled_paths: routes not served (404), as on an engine version that lacks them (e.g. SGLang's
             /v1/loads before it existed).
         max_queue: Ollama only: ``OLLAMA_MAX_QUEUE``, pending requests beyond it get 503 (requests).
@@ -71,6 +73,7 @@ class PersonalityOptions:
     fail_after_tokens: int | None = None
     load_seconds: float = 0.0
     metrics: bool = True
+    embeddings: bool = True
     disabled_paths: frozenset[str] = field(default_factory=frozenset)
     max_queue: int | None = None
     max_concurrent_requests: int | None = None

@@ -40,6 +40,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 #: Routes llama-server answers while the model is still loading.
 _OPEN_WHILE_LOADING = frozenset({"/models", "/v1/models", "/api/tags"})
 METRICS_DISABLED = "This server does not support metrics endpoint. Start it with `--metrics`"
+#: ``handle_embeddings_impl`` without ``--embeddings`` (ERROR_TYPE_NOT_SUPPORTED: 501).
+EMBEDDINGS_DISABLED = "This server does not support embeddings. Start it with `--embeddings`"
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -52,7 +54,7 @@ class LlamaCppPersonality(OpenAIServing, name="llamacpp"):
 
     owned_by = "llamacpp"
     default_max_num_seqs = 4
-    engine_flags = frozenset({"metrics", "load_seconds"})
+    engine_flags = frozenset({"metrics", "embeddings", "load_seconds"})
     done_after_error = False
 
     def routes(self, app: web.Application) -> None:
@@ -65,6 +67,12 @@ class LlamaCppPersonality(OpenAIServing, name="llamacpp"):
         self.add(app, "GET", "/slots", self.slots)
         self.add(app, "GET", "/props", self.props)
         self.add(app, "GET", "/", self.index)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """``POST /v1/embeddings``; 501 when started without ``--embeddings`` (``--no-embeddings``)."""
+        if not self.options.embeddings:
+            return web.json_response(error_body(501, EMBEDDINGS_DISABLED), status=501)
+        return await super().embeddings(request)
 
     def middlewares(self) -> list:
         """The loading gate: 503 "Loading model" for ``--load-seconds`` after start."""

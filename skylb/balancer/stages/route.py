@@ -10,6 +10,9 @@ another target while it has retries left (``retry_policy.num_retries``) and the 
 (skylb/balancer/retry.py; Envoy's names). 503 with Retry-After when the request's model has had no usable replica or
 peer for ``no_target_timeout_s`` (the dispatcher's NoHealthyTarget). Once a byte reached the client it is never retried (a started stream cannot be
 spliced). 503 with an estimated Retry-After when the queue is full or the request waited past the queue timeout.
+A replica that answers 501 Not Implemented (llama-server without ``--embeddings``) gets no request of that kind
+for ``UNSUPPORTED_HOLD_S`` (Router.unsupported) and the request goes to another target; with none left that serves
+it, the client gets 501 naming the model and what the engine said.
 A request pinned to one target (``ctx.pin``: a Responses API follow-up, skylb/balancer/stages/responses.py) skips
 the queue and goes to that target at once, retries included; 503 with Retry-After when it is unavailable.
 When the balancer traces, each step is a span of the request's trace (``ctx.trace``: queue, routing decision, relay,
@@ -41,6 +44,10 @@ from skylb.core import Decision, Request, Router
 __all__ = ["RouteStage"]
 
 log = structlog.get_logger("skylb.request")
+
+#: How long a replica that answered 501 to a kind of request (embeddings, generation) gets none of that kind, s:
+#: long enough not to pay a failed attempt per request, short enough for a replica restarted with the feature.
+UNSUPPORTED_HOLD_S = 300.0
 
 
 class RouteStage:
@@ -94,6 +101,11 @@ class RouteStage:
                 if outcome.response is not None:
                     ctx.ttft_s, ctx.error, ctx.status = outcome.ttft_s, outcome.error, outcome.status
                     return outcome.response
+                if outcome.failure == "unsupported" and not self._served_elsewhere(ctx, routed):
+                    ctx.error = (f"no target here serves {routed.kind} for model {routed.model or '(any)'!r}: "
+                                 f"{outcome.error}")
+                    ctx.status = 501
+                    return error_response(ctx.api, 501, ctx.error)
                 if not self.budget.try_acquire(self.in_flight()):  # failed before any byte reached the client
                     self.metrics.child(self.metrics.retry_budget_exhausted, self.region).inc()
                     ctx.error, ctx.status = f"{outcome.error}; not retried: retry budget exhausted", outcome.status
@@ -191,6 +203,16 @@ class RouteStage:
         if ctx.trace is not None:
             ctx.trace.retry_ended()
 
+    def _served_elsewhere(self, ctx: RequestContext, routed: Request) -> bool:
+        """After a 501: record that the replica lacks the request's kind (Router.unsupported), avoid the target,
+        and say whether another one could serve the request."""
+        decision, now = ctx.decision, self.now()
+        self.router.unsupported(decision, now, UNSUPPORTED_HOLD_S)
+        log.warning("unsupported", route=decision.route, target=decision.target, kind=routed.kind,
+                    error=ctx.outcome.error, hold_s=UNSUPPORTED_HOLD_S)
+        routed.avoid = routed.avoid | {(decision.route, decision.target)}
+        return self.router.served_elsewhere(routed, now)
+
     def _engine(self, decision: Decision) -> str | None:
         """The engine adapter of a local decision's replica ("vllm", "ollama", ...); None for a peer."""
         replica = self.router.replicas.get(decision.target) if decision.route == "local" else None
@@ -211,7 +233,7 @@ class RouteStage:
 
     def _outlier(self, decision: Decision, failure: str | None) -> None:
         """Outlier detection: count a failure (ejecting the target after enough in a row) or an answer."""
-        if failure is None:
+        if failure is None or failure == "unsupported":  # a 501 is an answer: the target is up
             self.router.target_answered(decision)
         elif self.router.target_failed(decision, now=self.now(), gateway=failure == "gateway"):
             self.metrics.child(self.metrics.ejections, self.region, decision.route, decision.target).inc()
