@@ -193,6 +193,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="listen port (overrides the config)")
     parser.add_argument("--controller", help="controller base URL (overrides balancer.controller_url)")
     parser.add_argument("--advertise-url", help="URL peers and the controller use to reach this balancer")
+    parser.add_argument("--balancer-id", metavar="ID", help="this balancer's name among its region's balancers "
+                        "(default: the advertised host:port); a region runs several, each with its own id")
     parser.add_argument("--policy", choices=policy_names(), metavar="NAME",
                         help="routing policy (overrides the config): " + ", ".join(policy_names()))
     parser.add_argument("--peer-url", action="append", default=[], metavar="REGION=URL",
