@@ -320,7 +320,8 @@ def _stale(store: Store, url: str, region: str, epochs: dict[str, int], owned: d
     if not regions and not replicas:
         return None
     log.warning("stale_epoch_rejected", balancer=url, region=region,
-                held={**{a.region: epochs[a.region] for a in regions}, **{o.replica: owned[o.replica] for o in replicas}},
+                held={**{a.region: epochs[a.region] for a in regions},
+                      **{o.replica: owned[o.replica] for o in replicas}},
                 current={**{a.region: [a.balancer_region, a.epoch] for a in regions},
                          **{o.replica: [o.balancer, o.epoch] for o in replicas}})
     detail = ", ".join([f"{a.region} (held epoch {epochs[a.region]}, now epoch {a.epoch} at {a.balancer_region}'s "

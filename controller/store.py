@@ -696,8 +696,9 @@ class MembershipStore:
             epochs = dict(self._db.execute("SELECT replica_id, epoch FROM owners"))
             changed = [Ownership(rid, url, epochs.get(rid, 0) + 1) for rid, url in sorted(plan.items())
                        if rid in known and (rid not in current or current[rid].balancer != url)]
-            self._db.executemany("INSERT INTO owners (replica_id, balancer_url, epoch) VALUES (?, ?, ?) ON CONFLICT("
-                                 "replica_id) DO UPDATE SET balancer_url = excluded.balancer_url, epoch = excluded.epoch",
+            self._db.executemany("INSERT INTO owners (replica_id, balancer_url, epoch) VALUES (?, ?, ?) "
+                                 "ON CONFLICT(replica_id) DO UPDATE SET balancer_url = excluded.balancer_url, "
+                                 "epoch = excluded.epoch",
                                  [(o.replica, o.balancer, o.epoch) for o in changed])
             if changed:
                 self._bump()

@@ -240,15 +240,16 @@ def test_balancer_heartbeat_needs_peer_token(secured):
     assert secured.balancers["us"] in urls
 
 
-def test_live_region_cannot_be_taken_over(secured):
-    """Registering another URL for a region with a live balancer is 409 region_taken, even with the peer token;
+def test_live_balancer_id_cannot_be_taken_over(secured):
+    """Registering another URL under a live balancer's id is 409 balancer_id_taken, even with the peer token;
     "replace": true without the admin token is 401; with it, the new one replaces the old, and the old one's next
-    heartbeat is refused."""
+    heartbeat is refused. Another id joins the region as a sibling."""
     c = secured.controller_url
     old = secured.balancers["us"]
-    intruder = {"region": "us", "url": "http://10.7.7.7:8080"}
+    old_id = old.split("://", 1)[1]
+    intruder = {"region": "us", "url": "http://10.7.7.7:8080", "id": old_id}
     status, body = http("POST", f"{c}/v1/balancers", headers={"X-SkyLB-Token": PEER}, body=intruder)
-    assert status == 409 and json.loads(body)["error"]["type"] == "region_taken"
+    assert status == 409 and json.loads(body)["error"]["type"] == "balancer_id_taken"
     status, _ = http("POST", f"{c}/v1/balancers", headers={"X-SkyLB-Token": PEER}, body={**intruder, "replace": True})
     assert status == 401
     assert [b["url"] for b in requests.get(f"{c}/v1/balancers", timeout=5).json()["balancers"]] == [old]
@@ -257,7 +258,11 @@ def test_live_region_cannot_be_taken_over(secured):
     assert status == 200
     assert [b["url"] for b in requests.get(f"{c}/v1/balancers", timeout=5).json()["balancers"]] == [intruder["url"]]
     status, body = http("POST", f"{c}/v1/balancers", headers={"X-SkyLB-Token": PEER}, body={"region": "us", "url": old})
-    assert status == 409 and json.loads(body)["error"]["type"] == "region_taken"
+    assert status == 409 and json.loads(body)["error"]["type"] == "balancer_id_taken"
+    status, _ = http("POST", f"{c}/v1/balancers", headers={"X-SkyLB-Token": PEER},
+                     body={"region": "us", "url": "http://10.7.7.8:8080", "id": "us-2"})
+    assert status == 200
+    assert len(requests.get(f"{c}/v1/balancers", timeout=5).json()["balancers"]) == 2
 
 
 def test_replica_and_balancer_urls_are_validated(secured):

@@ -114,6 +114,7 @@ def test_siblings_split_replicas_and_a_killed_one_fails_over_inside_the_region(p
     assert sorted(o["replica"] for o in owners if o["replica"].startswith("us")) == sorted(everything)
     cluster.wait_until(lambda: "us@us-a" in {p["region"] for p in cluster.status("us-b")["peers"]},
                        what="us-a among us-b's peers")
+    assert requests.get(f"{cluster.balancers['us-b']}/readyz", timeout=5).json()["status"] == "ready"
 
     with _ClosedLoop(cluster.balancers["us-b"]) as load:
         time.sleep(0.5)  # the load is running before the kill

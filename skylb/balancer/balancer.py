@@ -297,7 +297,8 @@ class Balancer:
         ``<region>@<id>`` too, each sibling there a peer of its own (each owns part of its region's replicas, and a
         forwarded request is never forwarded again). Regions this balancer serves after a failover are left out.
         """
-        me = (snapshot.get("view") or {}).get("balancer") or self.advertise_url  # the view's: as the controller spells it
+        # The view's URL: as the controller spells it (normalised), which the balancers list uses too.
+        me = (snapshot.get("view") or {}).get("balancer") or self.advertise_url
         live = [b for b in snapshot.get("balancers", [])
                 if b.get("healthy", True) is not False and not b.get("draining", False)
                 and b.get("url", "").rstrip("/") != me.rstrip("/")]
