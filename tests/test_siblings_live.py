@@ -16,7 +16,7 @@ import requests
 from bench.dns.bind import BindServer
 from controller.dns import DnsUpdater
 from tests.cluster import MODEL, Cluster, get_json
-from tests.procs import free_port
+from tests.procs import free_port, wait_http
 from tests.system import require_binary
 
 pytestmark = pytest.mark.timeout(90)
@@ -92,7 +92,7 @@ def _served_by_each(url: str, replica_ids: set[str], *, rounds: int = 6, paralle
 
 def test_siblings_split_replicas_and_a_killed_one_fails_over_inside_the_region(procs, tmp_path):
     """us runs balancers us-a and us-b: each owns 2 of us's 4 replicas, none both, and each lists the other as
-    peer ``us@<id>``. SIGKILL us-a under closed-loop load on us-b: us-a's replicas are probed healthy in us-b and
+    peer ``us@<id>``, marked sibling. SIGKILL us-a under closed-loop load on us-b: us-a's replicas are probed healthy in us-b and
     serve requests within 3 s; every request answers 200; us stays assigned to itself (epoch 0) and eu's balancer
     never gets a us replica."""
     cluster = Cluster(procs, tmp_path, controller={"health": HEALTH, "failover": {"rtt_ms": {"us-eu": 80}}})
@@ -105,6 +105,8 @@ def test_siblings_split_replicas_and_a_killed_one_fails_over_inside_the_region(p
     for bid in ("us-a", "us-b"):
         cluster.start_balancer("us", REGIONS, balancer_id=bid, wait=False)
     cluster.start_balancer("eu", REGIONS)
+    for bid in ("us-a", "us-b"):
+        wait_http(f"{cluster.balancers[bid]}/healthz", timeout_s=20)
     everything = {f"us-{i}" for i in range(1, US_REPLICAS + 1)}
     cluster.wait_until(lambda: all(len(_healthy(cluster, b)) == 2 for b in ("us-a", "us-b")), timeout_s=20,
                        what="2 healthy replicas in each us sibling")
@@ -112,8 +114,8 @@ def test_siblings_split_replicas_and_a_killed_one_fails_over_inside_the_region(p
     assert not a & b and a | b == everything
     owners = get_json(f"{cluster.controller_url}/v1/owners")["owners"]
     assert sorted(o["replica"] for o in owners if o["replica"].startswith("us")) == sorted(everything)
-    cluster.wait_until(lambda: "us@us-a" in {p["region"] for p in cluster.status("us-b")["peers"]},
-                       what="us-a among us-b's peers")
+    cluster.wait_until(lambda: {(p["region"], p["sibling"]) for p in cluster.status("us-b")["peers"]}
+                       == {("us@us-a", True), ("eu", False)}, what="us-a (a sibling) and eu among us-b's peers")
     assert requests.get(f"{cluster.balancers['us-b']}/readyz", timeout=5).json()["status"] == "ready"
 
     with _ClosedLoop(cluster.balancers["us-b"]) as load:
@@ -150,6 +152,8 @@ def test_dns_answers_every_live_sibling(procs, tmp_path):
         cluster.start_balancer("us", REGIONS, balancer_id="us-a", host="127.0.0.11", wait=False)
         cluster.start_balancer("us", REGIONS, balancer_id="us-b", host="127.0.0.21", wait=False)
         cluster.start_balancer("eu", REGIONS, host="127.0.0.12")
+        for bid in ("us-a", "us-b"):
+            wait_http(f"{cluster.balancers[bid]}/healthz", timeout_s=20)
         updater = DnsUpdater(bind.dns_config())
 
         def answer() -> list[str]:

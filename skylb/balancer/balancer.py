@@ -286,6 +286,8 @@ class Balancer:
                             if b.get("region") == self.region and (view is None or b.get("url") == view["balancer"]))
         self.router.set_replicas(replicas, max_concurrency={r["id"]: r.get("max_concurrency") for r in mine})
         self.router.set_peers(peers)
+        for name, peer in self.router.peers.items():
+            peer.sibling = name.startswith(f"{self.region}@")
         self.dispatcher.wake()
 
     def peers_of(self, snapshot: dict, served: set[str]) -> list[tuple[str, str]]:

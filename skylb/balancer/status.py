@@ -62,7 +62,8 @@ def detailed_status(balancer: Balancer) -> dict:
              "thermal": replica_thermal(r, now, balancer.cfg.ollama_fleet.recent_window_s)}
             for r in router.replicas.values()],
         "peers": [
-            {"region": p.region, "url": p.url, "healthy": p.healthy, "available_replicas": p.available_replicas,
+            {"region": p.region, "url": p.url, "sibling": p.sibling, "healthy": p.healthy,
+             "available_replicas": p.available_replicas,
              "queue_len": p.queue_len, "forwarded": p.forwarded, "models": p.models, "outstanding": p.outstanding,
              "wait_ms": _ms(p.wait_s), "queue_age_ms": _ms(p.queue_age_s), "rtt_ms": _ms(p.rtt_s),
              "dispatch_rate": p.dispatch_rate,
