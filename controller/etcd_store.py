@@ -5,7 +5,7 @@ Keys under ``prefix`` (default /skylb):
 - ``<prefix>/membership``: the whole membership as one JSON document (``_State``): {"format": 1, "revision": N,
   "regions": {name: next replica number}, "replicas": {id: replica}, "balancers": {url: {"region", "healthy",
   "draining", "id"}}, "assignments": {region: {"balancer_region", "epoch"}}, "owners": {replica id: {"balancer",
-  "epoch"}}, "quotas": the quota document or null, "quotas_revision": the revision of its last change}.
+  "epoch", "handover_to"}}, "quotas": the quota document or null, "quotas_revision": the revision of its last change}.
 - ``<prefix>/last_seen/<balancer url>``: that balancer's latest heartbeat (unix s, as text). Heartbeats live apart
   so that they neither rewrite the document nor collide with membership writes.
 
@@ -181,7 +181,8 @@ class _State:
                           for url, b in self.balancers.items()},
             "assignments": {region: {"balancer_region": a.balancer_region, "epoch": a.epoch}
                             for region, a in self.assignments.items()},
-            "owners": {rid: {"balancer": o.balancer, "epoch": o.epoch} for rid, o in self.owners.items()},
+            "owners": {rid: {"balancer": o.balancer, "epoch": o.epoch, "handover_to": o.handover_to}
+                       for rid, o in self.owners.items()},
             "quotas": quotas_json(self.quotas),
             "quotas_revision": self.quotas_revision,
         }, sort_keys=True, separators=(",", ":")).encode()
@@ -395,12 +396,17 @@ class EtcdMembershipStore:
 
         return self._write(change)
 
-    def set_owners(self, plan: dict[str, str]) -> list[Ownership]:
-        """As MembershipStore.set_owners: the ownerships that changed (epoch + 1 each), in one compare-and-swap."""
+    def set_owners(self, plan: dict[str, str], handovers: dict[str, str | None] | None = None) -> list[Ownership]:
+        """As MembershipStore.set_owners: the ownerships that changed (new owners at epoch + 1, handovers set or
+        cleared at the same epoch), in one compare-and-swap."""
         def change(state: _State) -> list[Ownership]:
+            current = {rid: o for rid, o in state.owners.items() if rid in state.replicas}
             changed = [Ownership(rid, url, state.owners[rid].epoch + 1 if rid in state.owners else 1)
                        for rid, url in sorted(plan.items()) if rid in state.replicas
-                       and (rid not in state.owners or state.owners[rid].balancer != url)]
+                       and (rid not in current or current[rid].balancer != url)]
+            moved = {o.replica for o in changed}
+            changed += [replace(current[rid], handover_to=to) for rid, to in sorted((handovers or {}).items())
+                        if rid in current and rid not in moved and current[rid].handover_to != to]
             state.owners.update((o.replica, o) for o in changed)
             return changed
 

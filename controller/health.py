@@ -112,7 +112,8 @@ class HealthChecker:
         """Re-balance replica ownership among the live balancers (after failover moved any region)."""
         moved = rebalance(self.store, now=time.time())
         for o in moved:
-            log.info("replica_owner_changed", replica=o.replica, balancer=o.balancer, epoch=o.epoch)
+            log.info("replica_owner_changed", replica=o.replica, balancer=o.balancer, epoch=o.epoch,
+                     handover_to=o.handover_to)
         if moved:
             await self.on_change("owners_changed", {"owners": [o.to_dict() for o in moved]})
             await self._hook(None)

@@ -10,7 +10,11 @@ A balancer is *live* here when it is healthy, not draining and heard from within
 heartbeats count even where the health check is off). A region whose balancers are all down keeps its owners (there
 is nobody to give the replicas to) until failover gives the region to another region's balancers.
 
-Every change of owner is a store write that bumps the replica's epoch (controller/store.py ``set_owners``);
+Every change of owner is a store write that bumps the replica's epoch (controller/store.py ``set_owners``).
+A replica taken from a live owner (a sibling joined or came back) is handed over in two steps, release before
+acquire, so that no two balancers push to it at once: the owner's view drops it (``handover_to`` set; the new owner
+does not get it yet), the owner stops pushing and heartbeats at once without it, and that heartbeat completes the
+handover (:func:`confirm_released`: new owner, epoch + 1). A replica whose owner is dead or draining moves at once.
 :func:`view_for` is what one balancer receives of the membership: only the replicas it owns, and its siblings.
 """
 
@@ -21,7 +25,8 @@ from typing import Protocol
 
 from controller.store import Assignment, Balancer, Membership, Ownership, Replica
 
-__all__ = ["LIVE_HEARTBEAT_S", "OwnerStore", "live_balancers", "plan_owners", "rebalance", "stale_owned", "view_for"]
+__all__ = ["LIVE_HEARTBEAT_S", "OwnerStore", "live_balancers", "plan_owners", "rebalance", "confirm_released",
+           "stale_owned", "view_for"]
 
 #: A balancer whose last heartbeat is older than this (s; three of its 10 s heartbeats) is not live: it owns no
 #: replica and no longer holds its id against a new registration, even where the health check is off.
@@ -35,7 +40,8 @@ class OwnerStore(Protocol):
     def list_balancers(self) -> list[Balancer]: ...
     def assignments(self) -> list[Assignment]: ...
     def owners(self) -> list[Ownership]: ...
-    def set_owners(self, plan: dict[str, str]) -> list[Ownership]: ...
+    def set_owners(self, plan: dict[str, str], handovers: dict[str, str | None] | None = None) -> list[Ownership]:
+        ...
 
 
 def live_balancers(balancers: list[Balancer], now: float, live_s: float) -> list[Balancer]:
@@ -71,14 +77,31 @@ def plan_owners(replicas: list[Replica], balancers: list[Balancer], assignments:
 
 
 def rebalance(store: OwnerStore, *, now: float, live_s: float = LIVE_HEARTBEAT_S) -> list[Ownership]:
-    """Apply :func:`plan_owners` to ``store`` (``now``: unix s); returns the ownerships that changed (their epochs
-    grown, one revision for all)."""
-    plan = plan_owners(store.list_replicas(), store.list_balancers(), store.assignments(), store.owners(), now=now,
-                       live_s=live_s)
-    current = {o.replica: o.balancer for o in store.owners()}
-    if all(current.get(rid) == url for rid, url in plan.items()):
+    """Apply :func:`plan_owners` to ``store`` (``now``: unix s): a replica without a live owner moves now, one a
+    live owner must give up starts its handover (and a handover no longer wanted is cancelled); returns the
+    ownerships that changed (one revision for all)."""
+    balancers, owners = store.list_balancers(), store.owners()
+    plan = plan_owners(store.list_replicas(), balancers, store.assignments(), owners, now=now, live_s=live_s)
+    live = {b.url for b in live_balancers(balancers, now, live_s)}
+    current = {o.replica: o for o in owners}
+    moves, handovers = {}, {}
+    for rid, url in plan.items():
+        owner = current.get(rid)
+        if owner is None or (owner.balancer != url and owner.balancer not in live):
+            moves[rid] = url
+        elif owner.handover_to != (None if owner.balancer == url else url):
+            handovers[rid] = None if owner.balancer == url else url
+    if not moves and not handovers:
         return []  # nothing to write: a heartbeat that changes nothing costs reads only
-    return store.set_owners(plan)
+    return store.set_owners(moves, handovers)
+
+
+def confirm_released(store: OwnerStore, url: str, owned: dict[str, int]) -> list[Ownership]:
+    """Complete the handovers of the balancer at ``url`` whose replicas its heartbeat no longer claims (``owned``:
+    {replica id: epoch}): each goes to its ``handover_to`` at epoch + 1. Returns the ownerships that changed."""
+    done = {o.replica: o.handover_to for o in store.owners()
+            if o.balancer == url and o.handover_to is not None and o.replica not in owned}
+    return store.set_owners(done) if done else []
 
 
 def _balance(replica_ids: list[str], urls: list[str], current: dict[str, str]) -> dict[str, str]:
@@ -105,10 +128,10 @@ def stale_owned(owned: dict[str, int], url: str, owners: list[Ownership]) -> lis
 
 def view_for(membership: Membership, url: str) -> dict:
     """The membership as the balancer at ``url`` receives it: the snapshot's shape (Membership.to_dict) with
-    ``replicas`` cut to the ones it owns (each with its ``owner_epoch``), plus ``"view": {"balancer": url, "id":
+    ``replicas`` cut to the ones it owns and is not handing over (each with its ``owner_epoch``), plus ``"view": {"balancer": url, "id":
     its id or null when not registered, "siblings": [the other balancers of its region, as in "balancers"]}``."""
     snapshot = membership.to_dict()
-    epochs = {o.replica: o.epoch for o in membership.owners if o.balancer == url}
+    epochs = {o.replica: o.epoch for o in membership.owners if o.balancer == url and o.handover_to is None}
     snapshot["replicas"] = [{**r, "owner_epoch": epochs[r["id"]]} for r in snapshot["replicas"] if r["id"] in epochs]
     me = next((b for b in membership.balancers if b.url == url), None)
     siblings = [b.to_dict() for b in membership.balancers if me is not None and b.region == me.region and b.url != url]

@@ -58,7 +58,8 @@ from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
 from controller.metrics import CONTENT_TYPE, ControllerMetrics
-from controller.ownership import LIVE_HEARTBEAT_S, live_balancers, rebalance, stale_owned, view_for
+from controller.ownership import (LIVE_HEARTBEAT_S, confirm_released, live_balancers, rebalance, stale_owned,
+                                  view_for)
 from controller.reload import Reload, resolve
 from controller.quotas import remove_entry, set_entry
 from controller.shares import ShareBook
@@ -277,9 +278,10 @@ async def register_balancer(request: web.Request) -> web.Response:
     carries the admin token (else 401): then the live one is removed (its later heartbeats get 409) and this one
     takes the id. A balancer holding the id that is not live is replaced (the same balancer, restarted elsewhere).
 
-    ``epochs`` are the region assignments the balancer holds, ``owned`` the replicas it owns. When one of them has
-    since been given to another balancer at a higher epoch, the heartbeat is recorded but answered 409
-    ``stale_epoch``: the balancer must drop those replicas and re-read membership.
+    ``epochs`` are the region assignments the balancer holds, ``owned`` the replicas it owns (a replica it was
+    handing over and no longer claims completes that handover). When one of them has since been given to another
+    balancer at a higher epoch, the heartbeat is recorded but answered 409 ``stale_epoch``: the balancer must drop
+    those replicas and re-read membership.
     """
     body = await _json_object(request)
     region, url, balancer_id, epochs, owned, replace = _registration(body)
@@ -300,6 +302,8 @@ async def register_balancer(request: web.Request) -> web.Response:
     balancer, changed = store.register_balancer(region, url, balancer_id=balancer_id, now=now)
     if changed:
         await _changed(request.app, "balancer_registered", **balancer.to_dict())
+    if "owned" in body:  # a balancer that says what it holds confirms the replicas it let go
+        await _owners_changed(request.app, confirm_released(store, balancer.url, owned))
     await _rebalance(request.app)
     stale = _stale(store, balancer.url, balancer.region, epochs, owned)
     if stale is not None:
@@ -331,10 +335,15 @@ def _stale(store: Store, url: str, region: str, epochs: dict[str, int], owned: d
 
 
 async def _rebalance(app: web.Application) -> None:
-    """Re-plan replica ownership after a change of balancers or replicas; announce the ownerships that moved."""
-    moved = rebalance(app[STORE], now=time.time())
+    """Re-plan replica ownership after a change of balancers or replicas; announce the ownerships that changed."""
+    await _owners_changed(app, rebalance(app[STORE], now=time.time()))
+
+
+async def _owners_changed(app: web.Application, moved: list) -> None:
+    """Log each changed ownership, publish the revision and wake the DNS sync."""
     for o in moved:
-        log.info("replica_owner_changed", replica=o.replica, balancer=o.balancer, epoch=o.epoch)
+        log.info("replica_owner_changed", replica=o.replica, balancer=o.balancer, epoch=o.epoch,
+                 handover_to=o.handover_to)
     if moved:
         await _changed(app, "owners_changed", owners=[o.to_dict() for o in moved])
         for wake in app[DNS_WAKE]:

@@ -71,7 +71,8 @@ CREATE TABLE IF NOT EXISTS balancers (
 CREATE TABLE IF NOT EXISTS owners (
     replica_id TEXT PRIMARY KEY,
     balancer_url TEXT NOT NULL,
-    epoch INTEGER NOT NULL
+    epoch INTEGER NOT NULL,
+    handover_to TEXT  -- a live owner releasing it to this balancer (URL): neither pushes until the owner confirms
 );
 -- Which region's balancer serves a region's replicas (failover, SkyLB paper §4.2). No row: its own balancer,
 -- epoch 0. Every change of serving region bumps the epoch, so a balancer holding an older one knows it is stale.
@@ -225,15 +226,18 @@ class Ownership:
     """Which balancer pushes requests to replica ``replica`` (its URL ``balancer``), and the epoch of that choice.
 
     ``epoch`` (>= 1) grows by one at every change of owner, so a balancer still holding an older epoch for the
-    replica is stale: its heartbeat is answered 409 ``stale_epoch`` and it drops the replica.
+    replica is stale: its heartbeat is answered 409 ``stale_epoch`` and it drops the replica. ``handover_to`` (a
+    URL, or None) is set while a live owner releases the replica to another balancer: neither pushes to it until
+    the owner's heartbeat confirms it let go (controller/ownership.py).
     """
 
     replica: str
     balancer: str
     epoch: int
+    handover_to: str | None = None
 
     def to_dict(self) -> dict:
-        """JSON shape: {"replica", "balancer" (a URL), "epoch"}."""
+        """JSON shape: {"replica", "balancer" (a URL), "epoch", "handover_to" (a URL or null)}."""
         return asdict(self)
 
 
@@ -536,7 +540,7 @@ class MembershipStore:
         """The owner of every replica that has one, sorted by replica id (rows of removed replicas left out)."""
         rows = self._db.execute("SELECT o.* FROM owners o JOIN replicas r ON r.id = o.replica_id "
                                 "ORDER BY o.replica_id")
-        return [Ownership(row["replica_id"], row["balancer_url"], row["epoch"]) for row in rows]
+        return [Ownership(row["replica_id"], row["balancer_url"], row["epoch"], row["handover_to"]) for row in rows]
 
     # --- writes (each one transaction that bumps the revision) --------------------------------------------------
 
@@ -686,20 +690,25 @@ class MembershipStore:
             self._bump()
         return new
 
-    def set_owners(self, plan: dict[str, str]) -> list[Ownership]:
-        """Give each replica of ``plan`` ({replica id: balancer URL}) to that balancer, in one transaction; returns
-        the ownerships that changed (epoch + 1 each; the revision moves once when any did). Replicas that no longer
-        exist are skipped."""
+    def set_owners(self, plan: dict[str, str], handovers: dict[str, str | None] | None = None) -> list[Ownership]:
+        """Give each replica of ``plan`` ({replica id: balancer URL}) to that balancer, and set or clear (None) the
+        ``handover_to`` of each replica of ``handovers``, in one transaction; returns the ownerships that changed
+        (a new owner: epoch + 1 and no handover; a handover set or cleared: same epoch). The revision moves once
+        when any did. Replicas that no longer exist are skipped."""
         with self._write():
             current = {o.replica: o for o in self.owners()}
             known = {r.id for r in self.list_replicas()}
             epochs = dict(self._db.execute("SELECT replica_id, epoch FROM owners"))
             changed = [Ownership(rid, url, epochs.get(rid, 0) + 1) for rid, url in sorted(plan.items())
                        if rid in known and (rid not in current or current[rid].balancer != url)]
-            self._db.executemany("INSERT INTO owners (replica_id, balancer_url, epoch) VALUES (?, ?, ?) "
-                                 "ON CONFLICT(replica_id) DO UPDATE SET balancer_url = excluded.balancer_url, "
-                                 "epoch = excluded.epoch",
-                                 [(o.replica, o.balancer, o.epoch) for o in changed])
+            moved = {o.replica for o in changed}
+            changed += [Ownership(rid, current[rid].balancer, current[rid].epoch, to)
+                        for rid, to in sorted((handovers or {}).items())
+                        if rid in current and rid not in moved and current[rid].handover_to != to]
+            self._db.executemany("INSERT INTO owners (replica_id, balancer_url, epoch, handover_to) "
+                                 "VALUES (?, ?, ?, ?) ON CONFLICT(replica_id) DO UPDATE SET balancer_url = "
+                                 "excluded.balancer_url, epoch = excluded.epoch, handover_to = excluded.handover_to",
+                                 [(o.replica, o.balancer, o.epoch, o.handover_to) for o in changed])
             if changed:
                 self._bump()
         return changed
@@ -746,6 +755,8 @@ class MembershipStore:
                 self._db.execute(f"ALTER TABLE balancers ADD COLUMN {column} INTEGER NOT NULL DEFAULT {default}")
         if "id" not in balancer_columns:  # an older controller's rows get their default id when read (_balancer)
             self._db.execute("ALTER TABLE balancers ADD COLUMN id TEXT")
+        if "handover_to" not in {row["name"] for row in self._db.execute("PRAGMA table_info(owners)")}:
+            self._db.execute("ALTER TABLE owners ADD COLUMN handover_to TEXT")
 
     def _write(self) -> "_Transaction":
         return _Transaction(self._db)

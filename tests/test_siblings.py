@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controller.ownership import plan_owners, stale_owned, view_for
+from controller.ownership import confirm_released, plan_owners, rebalance, stale_owned, view_for
 from controller.server import create_app
 from controller.store import Assignment, Balancer, MembershipStore, Ownership, Replica
 
@@ -130,27 +130,58 @@ def test_view_carries_only_owned_replicas_and_the_siblings():
 
 
 async def test_registration_api_shares_a_region_and_guards_an_id():
-    """Over HTTP: two ids of us both register and split us's replicas; a live id at another URL is 409
-    balancer_id_taken; a bad id is 400 naming it; the view answers each its own replicas; a heartbeat holding
-    a replica's older epoch is 409 stale_epoch."""
+    """Over HTTP: b1 registers and owns us's 4 replicas; b2 joins: 2 of them start a handover (in neither view),
+    b1's heartbeat without them completes it (b2 owns them at epoch 2); a live id at another URL is 409
+    balancer_id_taken; a bad id is 400 naming it; a heartbeat holding a replica's older epoch is 409
+    stale_epoch."""
     store = MembershipStore(":memory:")
     for i in (1, 2, 3, 4):
         store.add_replica("us", f"http://r{i}:8000", replica_id=f"us-{i}")
+    b1, b2 = "http://127.0.0.1:1", "http://127.0.0.1:2"
+
+    async def view(client, url) -> dict[str, int]:
+        answer = await (await client.get("/v1/membership", params={"balancer": url})).json()
+        return {r["id"]: r["owner_epoch"] for r in answer["replicas"]}
+
     async with TestClient(TestServer(create_app(store))) as client:
-        for url, bid in (("http://127.0.0.1:1", "b1"), ("http://127.0.0.1:2", "b2")):
+        for url, bid in ((b1, "b1"), (b2, "b2")):
             resp = await client.post("/v1/balancers", json={"region": "us", "url": url, "id": bid})
             assert resp.status == 200 and (await resp.json())["id"] == bid
         owners = (await (await client.get("/v1/owners")).json())["owners"]
-        assert sorted(o["balancer"] for o in owners) == ["http://127.0.0.1:1"] * 2 + ["http://127.0.0.1:2"] * 2
+        leaving = sorted(o["replica"] for o in owners if o["handover_to"] == b2)
+        assert len(leaving) == 2 and all(o["balancer"] == b1 for o in owners)
+        kept = await view(client, b1)
+        assert sorted(kept) == sorted(set(f"us-{i}" for i in (1, 2, 3, 4)) - set(leaving))
+        assert await view(client, b2) == {}
+        resp = await client.post("/v1/balancers", json={"region": "us", "url": b1, "id": "b1", "owned": kept})
+        assert resp.status == 200
+        assert await view(client, b2) == {rid: 2 for rid in leaving}
         resp = await client.post("/v1/balancers", json={"region": "us", "url": "http://127.0.0.1:9", "id": "b1"})
         assert resp.status == 409 and (await resp.json())["error"]["type"] == "balancer_id_taken"
         resp = await client.post("/v1/balancers", json={"region": "us", "url": "http://127.0.0.1:9", "id": "a b"})
         assert resp.status == 400 and (await resp.json())["error"]["message"].startswith("id: ")
-        view = await (await client.get("/v1/membership", params={"balancer": "http://127.0.0.1:2"})).json()
-        mine = {o["replica"] for o in owners if o["balancer"] == "http://127.0.0.1:2"}
-        assert {r["id"] for r in view["replicas"]} == mine
-        theirs = next(o for o in owners if o["balancer"] == "http://127.0.0.1:1")
-        resp = await client.post("/v1/balancers", json={"region": "us", "url": "http://127.0.0.1:2", "id": "b2",
-                                                        "owned": {theirs["replica"]: 0}})
+        resp = await client.post("/v1/balancers", json={"region": "us", "url": b1, "id": "b1",
+                                                        "owned": {**kept, leaving[0]: 1}})
         assert resp.status == 409 and (await resp.json())["error"]["type"] == "stale_epoch"
     store.close()
+
+
+def test_a_dead_owner_loses_its_replicas_at_once_a_live_one_hands_them_over(reopen):
+    """rebalance: replicas of a dead sibling move now (epoch + 1); those a live sibling must give up to a joining one
+    only get handover_to (same epoch) until confirm_released, which moves the ones its heartbeat no longer claims."""
+    store = reopen()
+    for i in (1, 2, 3, 4):
+        store.add_replica("us", f"http://r{i}:8000", replica_id=f"us-{i}")
+    store.register_balancer("us", "http://a:1", now=NOW)
+    assert len(rebalance(store, now=NOW)) == 4
+    store.register_balancer("us", "http://b:1", now=NOW)
+    started = rebalance(store, now=NOW)
+    assert {(o.balancer, o.epoch, o.handover_to) for o in started} == {("http://a:1", 1, "http://b:1")}
+    leaving = {o.replica for o in started}
+    assert rebalance(store, now=NOW) == []  # stable while it waits
+    done = confirm_released(store, "http://a:1", {r: 1 for r in {"us-1", "us-2", "us-3", "us-4"} - leaving})
+    assert {(o.replica, o.balancer, o.epoch, o.handover_to) for o in done} == {
+        (r, "http://b:1", 2, None) for r in leaving}
+    store.set_balancer_health("http://b:1", False)
+    moved = rebalance(store, now=NOW)
+    assert {(o.replica, o.balancer, o.epoch) for o in moved} == {(r, "http://a:1", 3) for r in leaving}

@@ -114,9 +114,9 @@ class Balancer:
         self.membership: MembershipWatcher | None = None
         #: {region: assignment epoch} of the regions whose replicas this balancer serves (sent with heartbeats).
         self.served_epochs: dict[str, int] = {region: 0}
-        #: {replica id: owner epoch} of the replicas this balancer owns (sent with heartbeats; empty before the
-        #: controller gave any, or from a controller without owners).
-        self.owned_epochs: dict[str, int] = {}
+        #: {replica id: owner epoch} of the replicas this balancer owns, sent with heartbeats; None until a view of
+        #: the controller's (a controller without owners sends none).
+        self.owned_epochs: dict[str, int] | None = None
         #: True while the operator drains this region's balancers (`skylb-ctl balancer drain`).
         self.draining = False
         #: True from SIGTERM on: /healthz answers 503 "draining", new requests get 503 (skylb/balancer/process.py).
@@ -191,7 +191,8 @@ class Balancer:
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
             state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
             held_epochs=lambda: dict(self.served_epochs), token=cfg.peer_token, apply_quotas=self.apply_quotas,
-            balancer_id=cfg.balancer_id, held_owned=lambda: dict(self.owned_epochs),
+            balancer_id=cfg.balancer_id,
+            held_owned=lambda: None if self.owned_epochs is None else dict(self.owned_epochs),
             config_quotas=cfg.quotas, heartbeat_s=cfg.heartbeat_s,
             demand=lambda: demand_report(self.limits, self.now()), apply_shares=lambda a: apply_shares(self.limits, a))
         # The controller's view first: a balancer restarted after a failover must not serve, from its file, replicas
@@ -269,7 +270,7 @@ class Balancer:
         self.served_epochs = {region: assigned.get(region, (self.region, 0))[1] for region in served}
         view = snapshot.get("view")
         mine = [r for r in snapshot.get("replicas", []) if view is not None or r.get("region") in served]
-        self.owned_epochs = {r["id"]: r["owner_epoch"] for r in mine if "owner_epoch" in r}
+        self.owned_epochs = None if view is None else {r["id"]: r["owner_epoch"] for r in mine}
         replicas = [(r["id"], r["url"].rstrip("/"), r.get("engine", "vllm")) for r in mine
                     if r.get("healthy", True) is not False and not r.get("draining", False)]
         peers = self.peers_of(snapshot, served)

@@ -86,15 +86,15 @@ class ControllerClient:
         balancer, and the caller must drop those replicas and re-read membership. ``demand`` (skylb/quota/demand.py)
         asks for this balancer's quota shares: the answer then has "quota_shares" (controller/shares.py).
         ``balancer_id`` names it among its region's balancers (None: the controller uses the URL's host:port);
-        ``owned`` ({replica id: epoch}) are the replicas it owns, checked as ``epochs`` are. Returns the balancer
-        as stored.
+        ``owned`` ({replica id: epoch}, None: not said) are the replicas it owns, checked as ``epochs`` are; a
+        replica it was handing over and no longer lists is released. Returns the balancer as stored.
         """
         body: dict = {"region": region, "url": url}
         if balancer_id:
             body["id"] = balancer_id
         if epochs:
             body["epochs"] = epochs
-        if owned:
+        if owned is not None:  # {} too: it holds nothing (any replica it was handing over is let go)
             body["owned"] = owned
         if demand is not None:
             body["demand"] = demand

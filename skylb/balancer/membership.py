@@ -52,7 +52,9 @@ class MembershipWatcher:
             "buckets"}; controller/shares.py).
         timeout_s: the bound of one call to one controller, s (a long poll's wait comes on top).
         balancer_id: this balancer's name among its region's balancers (None: the controller's default);
-        held_owned: returns {replica id: owner epoch} of the replicas this balancer owns, sent with heartbeats.
+        held_owned: returns {replica id: owner epoch} of the replicas this balancer owns, sent with heartbeats (None:
+            not known, a controller without owners); when it loses one, a heartbeat goes at once (it confirms a
+            handover, so the new owner gets the replica within a round trip).
 
     ``controller_reachable`` turns False when a watch call or a heartbeat finds no controller answering, and True
     again with the watch's next answer.
@@ -64,10 +66,11 @@ class MembershipWatcher:
                  token: str | None = None, apply_quotas: Callable[[Quotas], None] | None = None,
                  config_quotas: Quotas | None = None, demand: Callable[[], dict | None] | None = None,
                  apply_shares: Callable[[dict], None] | None = None, timeout_s: float = 5.0,
-                 balancer_id: str | None = None, held_owned: Callable[[], dict[str, int]] | None = None):
+                 balancer_id: str | None = None, held_owned: Callable[[], dict[str, int] | None] | None = None):
         self.region = region
         self.balancer_id = balancer_id
-        self.held_owned = held_owned or (lambda: {})
+        self.held_owned = held_owned or (lambda: None)
+        self._beat_now = asyncio.Event()
         self.demand = demand or (lambda: None)
         self.apply_shares = apply_shares
         self.apply_quotas = apply_quotas
@@ -154,7 +157,11 @@ class MembershipWatcher:
                     log.warning("controller_unreachable_serving_last_membership", revision=self.revision,
                                 error=str(exc))
                 self.controller_reachable = False
-            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
+            self._beat_now.clear()
 
     async def _watch(self) -> None:
         backoff = 0.5
@@ -179,7 +186,10 @@ class MembershipWatcher:
                 self._apply(snapshot, persist=True)
 
     def _apply(self, snapshot: dict, *, persist: bool) -> None:
+        before = self.held_owned() or {}
         self.apply(snapshot)
+        if set(before) - set(self.held_owned() or {}):
+            self._beat_now.set()  # say at once that it let go: that completes a handover to a sibling
         self._apply_quotas(snapshot)
         self.revision = snapshot.get("revision")
         if persist:
