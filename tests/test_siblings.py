@@ -77,6 +77,20 @@ def test_the_last_siblings_death_keeps_owners_until_failover_moves_the_region():
     assert _counts(moved) == {eu1.url: 2, eu2.url: 2}
 
 
+def test_a_region_fails_over_only_when_its_last_sibling_is_down():
+    """plan_assignments: us keeps itself while one of its two balancers lives; with both down it goes to eu."""
+    from controller.failover import plan_assignments
+    from skylb.config import Failover
+
+    config = Failover(rtt_ms={"us-eu": 80})
+    current = [Assignment("eu", "eu"), Assignment("us", "us")]
+    eu, a, b = _balancer("eu", 3), _balancer("us", 1), _balancer("us", 2)
+    one_dead = [eu, a, Balancer(b.region, b.url, b.last_seen, healthy=False)]
+    assert plan_assignments(current, one_dead, config) == {"eu": "eu", "us": "us"}
+    both_dead = [eu, *(Balancer(x.region, x.url, x.last_seen, healthy=False) for x in (a, b))]
+    assert plan_assignments(current, both_dead, config) == {"eu": "eu", "us": "eu"}
+
+
 def test_stale_owned_names_replicas_given_away():
     """A balancer claiming epoch 1 of a replica now at epoch 2 elsewhere is stale; its current ones are not."""
     owners = [Ownership("us-1", "http://b", 2), Ownership("us-2", "http://a", 1)]
