@@ -128,8 +128,9 @@ def stale_owned(owned: dict[str, int], url: str, owners: list[Ownership]) -> lis
 
 def view_for(membership: Membership, url: str) -> dict:
     """The membership as the balancer at ``url`` receives it: the snapshot's shape (Membership.to_dict) with
-    ``replicas`` cut to the ones it owns and is not handing over (each with its ``owner_epoch``), plus ``"view": {"balancer": url, "id":
-    its id or null when not registered, "siblings": [the other balancers of its region, as in "balancers"]}``."""
+    ``replicas`` cut to the ones it owns and is not handing over (each with its ``owner_epoch``), plus ``"view":
+    {"balancer": url, "id": its id or null when not registered, "siblings": [the other balancers of its region, as
+    in "balancers"]}``."""
     snapshot = membership.to_dict()
     epochs = {o.replica: o.epoch for o in membership.owners if o.balancer == url and o.handover_to is None}
     snapshot["replicas"] = [{**r, "owner_epoch": epochs[r["id"]]} for r in snapshot["replicas"] if r["id"] in epochs]

@@ -679,8 +679,9 @@ def test_volumes_refer_to_objects_that_exist():
 def test_configmap_config_fits_the_services_and_mounts(tmp_path):
     """The ConfigMap's skylb.yaml loads with skylb.config.load_config; its regions are the three balancer
     Deployments; each balancer pod registers at its own pod address and port under its pod name (its args), and its
-    Service targets that port; listen ports are the containers' ports; controller_url is the controller Service; the SQLite file is on the controller's PVC and each balancer's
-    state_dir on a writable volume; --config points into the ConfigMap's mount."""
+    Service targets that port; listen ports are the containers' ports; controller_url is the controller Service;
+    the SQLite file is on the controller's PVC and each balancer's state_dir on a writable volume; --config points
+    into the ConfigMap's mount."""
     cfg, _ = configmap_config(tmp_path)
     assert tuple(cfg.regions) == REGIONS
     controller = k8s_object("Deployment", "skylb-controller")

@@ -91,10 +91,10 @@ def _served_by_each(url: str, replica_ids: set[str], *, rounds: int = 6, paralle
 
 
 def test_siblings_split_replicas_and_a_killed_one_fails_over_inside_the_region(procs, tmp_path):
-    """us runs balancers us-a and us-b: each owns 2 of us's 4 replicas, none both, and each lists the other as
-    peer ``us@<id>``, marked sibling. SIGKILL us-a under closed-loop load on us-b: us-a's replicas are probed healthy in us-b and
-    serve requests within 3 s; every request answers 200; us stays assigned to itself (epoch 0) and eu's balancer
-    never gets a us replica."""
+    """us runs balancers us-a and us-b: each owns 2 of us's 4 replicas, none both (the later one's share handed
+    over by the first), and each lists the other as peer ``us@<id>``, marked sibling. SIGKILL us-a under
+    closed-loop load on us-b: us-a's replicas are probed healthy in us-b and serve requests within 3 s; every
+    request answers 200; us stays assigned to itself (epoch 0) and eu's balancer never gets a us replica."""
     cluster = Cluster(procs, tmp_path, controller={"health": HEALTH, "failover": {"rtt_ms": {"us-eu": 80}}})
     cluster.start_controller(REGIONS)
     us_urls = cluster.start_emulator(US_REPLICAS, "--time-scale", "0.05", name="emulator-us")
