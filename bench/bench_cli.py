@@ -439,6 +439,8 @@ LIVE_BENCHMARKS = {
                  "both (bench/results/calibration.md)",
     "failover": "detection, failover, DNS and recovery times when a region's balancer dies, with real processes "
                 "(bench/results/failover.md)",
+    "scale_out": "one region served by 1, 2 and 4 balancers (siblings) in front of fast emulated replicas: sustained "
+                 "plain and streamed request rates, latency and CPU per request, interleaved rounds",
     "soak": "many concurrent streams for minutes with replicas killed and restarted: requests lost and duplicated, "
             "memory and trie size over time (bench/results/soak.md)",
     "chaos": "the three-region deployment (etcd, Redis, BIND) under load while a seeded schedule of kills, "

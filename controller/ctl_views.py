@@ -73,7 +73,8 @@ def system_status(membership: dict, statuses: dict[str, tuple[dict | None, str |
     answered but wants the peer token; "down": no answer), "reachable" (it answered: up or refused), "error",
     "queue_len", "in_flight", "available_replicas", "forwarded", "forwarded_per_s", "serves" ({region: epoch})}],
     "replicas": [{"id", "region", "engine", "url", "healthy" (the controller's check), "draining", "balancer" (the
-    URL of the balancer serving it, or None), "pending", "running", "outstanding", "available", "reason"}]}``;
+    URL of its owner when a balancer's status lists it, else None), "pending", "running", "outstanding",
+    "available", "reason"}]}``;
     figures a balancer did not give are None.
     """
     balancers, seen = [], {}
@@ -90,8 +91,11 @@ def system_status(membership: dict, statuses: dict[str, tuple[dict | None, str |
         for r in live.get("replicas", []):
             seen[r["id"]] = (b["url"], r)
     replicas = []
+    owners = {o["replica"]: o["balancer"] for o in membership.get("owners", [])}
     for r in membership.get("replicas", []):
         url, live = seen.get(r["id"], (None, {}))
+        if url is not None:  # listed by a balancer: its owner's, not a sibling's still draining it
+            url = owners.get(r["id"], url)
         replicas.append({"id": r["id"], "region": r["region"], "engine": r["engine"], "url": r["url"],
                          "healthy": r.get("healthy", True), "draining": r.get("draining", False), "balancer": url,
                          **{k: live.get(k) for k in ("pending", "running", "outstanding", "available", "reason")}})

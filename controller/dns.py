@@ -14,6 +14,7 @@ example there.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import dns.asyncquery
@@ -111,26 +112,39 @@ class DnsUpdater:
                                  region=region, rcode=name)
         return response
 
-    async def point(self, region: str, address: str) -> None:
-        """Make region's view answer the service name with ``address`` (IPv4 -> A, IPv6 -> AAAA, hostname ->
-        CNAME), deleting the other types in the same update, with TTL ``ttl_s``.
+    async def point(self, region: str, address: str | Sequence[str]) -> None:
+        """Make region's view answer the service name with ``address``, or with every address of a list (IPv4 ->
+        A, IPv6 -> AAAA records; a hostname -> one CNAME, which admits nothing beside it, so a list holding one
+        answers with the first hostname alone), deleting the other types in the same update, with TTL ``ttl_s``.
 
         Raises DnsUpdateError (``rcode`` set when the server refused: NOTAUTH for a bad or unknown key, REFUSED
-        when the key may not update the zone), or ValueError / DNSException for a malformed address.
+        when the key may not update the zone), or ValueError / DNSException for a malformed or empty address list.
         """
         cfg = self.config
-        rdtype, data = record_for(address)
+        records = sorted({record_for(a) for a in ([address] if isinstance(address, str) else address)})
+        if not records:
+            raise ValueError(f"no address to point region {region}'s name at")
+        cname = next((r for r in records if r[0] == "CNAME"), None)
+        records = [cname] if cname else records
         update = dns.update.UpdateMessage(cfg.zone, keyring=self._key(region))
         for other in self.RECORD_TYPES:  # deletes first: BIND applies an update's records in order, and a CNAME
             update.delete(cfg.name, other)  # cannot be added next to other data
-        update.add(cfg.name, cfg.ttl_s, rdtype, data)
+        for rdtype, data in records:
+            update.add(cfg.name, cfg.ttl_s, rdtype, data)
         await self._send(region, update, "DNS update")
-        log.info("dns_pointed", region=region, name=cfg.name, type=rdtype, data=data, ttl_s=cfg.ttl_s)
+        log.info("dns_pointed", region=region, name=cfg.name, records=[f"{t} {d}" for t, d in records],
+                 ttl_s=cfg.ttl_s)
 
     async def current(self, region: str) -> str | None:
-        """What region's view answers for the service name: an address, or a CNAME target without the trailing
-        dot; None when it has no A, AAAA or CNAME. The query is signed with the region's key, which selects its
-        view. Raises DnsUpdateError when the server cannot be asked or refuses."""
+        """What region's view answers for the service name: an address (the lowest when several), or a CNAME
+        target without the trailing dot; None when it has no A, AAAA or CNAME. The query is signed with the
+        region's key, which selects its view. Raises DnsUpdateError when the server cannot be asked or refuses."""
+        answers = await self.current_all(region)
+        return answers[0] if answers else None
+
+    async def current_all(self, region: str) -> list[str]:
+        """Every answer of region's view for the service name: its A addresses (sorted), else its AAAA ones, else
+        its CNAME target (without the trailing dot); [] when none. Raises DnsUpdateError as :meth:`current`."""
         cfg = self.config
         name = dns.name.from_text(cfg.name)
         for rdtype in ("A", "AAAA"):
@@ -139,7 +153,7 @@ class DnsUpdater:
             response = await self._send(region, query, "DNS query", ok=(dns.rcode.NOERROR, dns.rcode.NXDOMAIN))
             for rrset in response.answer:  # an authoritative server puts the name's CNAME first
                 if rrset.name == name and rrset.rdtype == dns.rdatatype.CNAME:
-                    return rrset[0].target.to_text().rstrip(".")
+                    return [rrset[0].target.to_text().rstrip(".")]
                 if rrset.name == name and rrset.rdtype == dns.rdatatype.from_text(rdtype):
-                    return sorted(r.address for r in rrset)[0]
-        return None
+                    return sorted(r.address for r in rrset)
+        return []

@@ -4,8 +4,8 @@ Keys under ``prefix`` (default /skylb):
 
 - ``<prefix>/membership``: the whole membership as one JSON document (``_State``): {"format": 1, "revision": N,
   "regions": {name: next replica number}, "replicas": {id: replica}, "balancers": {url: {"region", "healthy",
-  "draining"}}, "assignments": {region: {"balancer_region", "epoch"}}, "quotas": the quota document or null,
-  "quotas_revision": the revision of its last change}.
+  "draining", "id"}}, "assignments": {region: {"balancer_region", "epoch"}}, "owners": {replica id: {"balancer",
+  "epoch", "handover_to"}}, "quotas": the quota document or null, "quotas_revision": the revision of its last change}.
 - ``<prefix>/last_seen/<balancer url>``: that balancer's latest heartbeat (unix s, as text). Heartbeats live apart
   so that they neither rewrite the document nor collide with membership writes.
 
@@ -43,8 +43,9 @@ import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 
-from controller.store import (Assignment, Balancer, Conflict, Membership, NotFound, Replica, StoreUnavailable,
-                              _BalancerInput, _parse, _ReplicaInput, normalize_url, quotas_json, validate_region)
+from controller.store import (Assignment, Balancer, Conflict, Membership, NotFound, Ownership, Replica,
+                              StoreUnavailable, _BalancerInput, _parse, _ReplicaInput, default_balancer_id,
+                              normalize_url, quotas_json, validate_balancer_id, validate_region)
 from skylb.quota.limits import Quotas
 
 __all__ = ["EtcdConnection", "EtcdMembershipStore", "REQUEST_TIMEOUT_S"]
@@ -148,6 +149,8 @@ class _State:
     #: The quota document (None: never set) and the revision of its last change.
     quotas: Quotas | None = None
     quotas_revision: int = 0
+    #: Every replica's owner ever given (kept after the replica goes, so its epoch never goes back).
+    owners: dict[str, Ownership] = field(default_factory=dict)
 
     @classmethod
     def decode(cls, doc: bytes | None, last_seen: dict[str, float]) -> _State:
@@ -161,6 +164,7 @@ class _State:
             balancers={url: Balancer(url=url, last_seen=last_seen.get(url, 0.0), **b)
                        for url, b in data["balancers"].items()},
             assignments={region: Assignment(region=region, **a) for region, a in data["assignments"].items()},
+            owners={rid: Ownership(replica=rid, **o) for rid, o in data.get("owners", {}).items()},
             # A document written before quotas existed has neither key.
             quotas=None if data.get("quotas") is None else Quotas.model_validate(data["quotas"]),
             quotas_revision=data.get("quotas_revision", 0),
@@ -173,10 +177,12 @@ class _State:
             "revision": self.revision,
             "regions": self.next_replica_n,
             "replicas": {rid: asdict(r) for rid, r in self.replicas.items()},
-            "balancers": {url: {"region": b.region, "healthy": b.healthy, "draining": b.draining}
+            "balancers": {url: {"region": b.region, "healthy": b.healthy, "draining": b.draining, "id": b.id}
                           for url, b in self.balancers.items()},
             "assignments": {region: {"balancer_region": a.balancer_region, "epoch": a.epoch}
                             for region, a in self.assignments.items()},
+            "owners": {rid: {"balancer": o.balancer, "epoch": o.epoch, "handover_to": o.handover_to}
+                       for rid, o in self.owners.items()},
             "quotas": quotas_json(self.quotas),
             "quotas_revision": self.quotas_revision,
         }, sort_keys=True, separators=(",", ":")).encode()
@@ -197,7 +203,10 @@ class _State:
     def membership(self) -> Membership:
         return Membership(revision=self.revision, regions=self.regions(), balancers=self.list_balancers(),
                           replicas=self.list_replicas(), assignments=self.list_assignments(), quotas=self.quotas,
-                          quotas_revision=self.quotas_revision)
+                          quotas_revision=self.quotas_revision, owners=self.list_owners())
+
+    def list_owners(self) -> list[Ownership]:
+        return [self.owners[rid] for rid in sorted(self.owners) if rid in self.replicas]
 
     def next_id(self, region: str) -> str:
         # Skip ids an operator already chose by hand (e.g. "us-3" given explicitly before the counter got there).
@@ -267,6 +276,10 @@ class EtcdMembershipStore:
         state = self._read()[0]
         return state.quotas, state.quotas_revision
 
+    def owners(self) -> list[Ownership]:
+        """The owner of every replica that has one, sorted by replica id."""
+        return self._read()[0].list_owners()
+
     def snapshot(self) -> Membership:
         """Everything at one revision (the document and the heartbeats are read in one etcd transaction)."""
         return self._read()[0].membership()
@@ -303,19 +316,25 @@ class EtcdMembershipStore:
 
         return self._write(change)
 
-    def register_balancer(self, region: str, url: str, *, now: float | None = None) -> tuple[Balancer, bool]:
-        """As MembershipStore.register_balancer: (balancer, changed); only a new balancer or a region move bumps
-        the revision, a heartbeat writes its last_seen key alone."""
+    def register_balancer(self, region: str, url: str, *, balancer_id: str | None = None,
+                          now: float | None = None) -> tuple[Balancer, bool]:
+        """As MembershipStore.register_balancer: (balancer, changed); only a new balancer, a region or id change or
+        a move (another URL held the id) bumps the revision, a heartbeat writes its last_seen key alone."""
         spec = _parse(_BalancerInput, region=region, url=url)
+        balancer_id = validate_balancer_id(balancer_id) or default_balancer_id(spec.url)
         last_seen = time.time() if now is None else now
 
         def change(state: _State) -> tuple[Balancer, bool]:
             old = state.balancers.get(spec.url)
+            moved = [u for u, b in state.balancers.items()
+                     if b.region == spec.region and b.id == balancer_id and u != spec.url]
+            for gone in moved:
+                del state.balancers[gone]
             state.next_replica_n.setdefault(spec.region, 1)
-            new = (Balancer(region=spec.region, url=spec.url, last_seen=last_seen) if old is None
-                   else replace(old, region=spec.region, last_seen=last_seen))
+            new = (Balancer(region=spec.region, url=spec.url, last_seen=last_seen, id=balancer_id) if old is None
+                   else replace(old, region=spec.region, last_seen=last_seen, id=balancer_id))
             state.balancers[spec.url] = new
-            return new, old is None or old.region != spec.region
+            return new, old is None or old.region != spec.region or old.id != balancer_id or bool(moved)
 
         return self._write(change)
 
@@ -374,6 +393,22 @@ class EtcdMembershipStore:
                 return None
             state.assignments[region] = Assignment(region, balancer_region, current.epoch + 1)
             return state.assignments[region]
+
+        return self._write(change)
+
+    def set_owners(self, plan: dict[str, str], handovers: dict[str, str | None] | None = None) -> list[Ownership]:
+        """As MembershipStore.set_owners: the ownerships that changed (new owners at epoch + 1, handovers set or
+        cleared at the same epoch), in one compare-and-swap."""
+        def change(state: _State) -> list[Ownership]:
+            current = {rid: o for rid, o in state.owners.items() if rid in state.replicas}
+            changed = [Ownership(rid, url, state.owners[rid].epoch + 1 if rid in state.owners else 1)
+                       for rid, url in sorted(plan.items()) if rid in state.replicas
+                       and (rid not in current or current[rid].balancer != url)]
+            moved = {o.replica for o in changed}
+            changed += [replace(current[rid], handover_to=to) for rid, to in sorted((handovers or {}).items())
+                        if rid in current and rid not in moved and current[rid].handover_to != to]
+            state.owners.update((o.replica, o) for o in changed)
+            return changed
 
         return self._write(change)
 

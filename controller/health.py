@@ -7,7 +7,9 @@ load, so "healthy" means the same thing to both); each balancer on ``GET /health
 target is checked every ``interval_s`` (``inter``), and every ``fastinter_s`` while a verdict is changing (after a
 first result that disagrees with it), so a dead balancer is found in ``interval_s + (fall - 1) * fastinter_s`` at
 worst. A change of verdict is a membership revision; after each round the failover plan (controller/failover.py)
-reassigns regions whose balancers are all down or draining, and back.
+reassigns regions whose balancers are all down or draining, and back, then replica ownership is re-balanced among
+the live balancers (controller/ownership.py): a sibling's death moves its replicas to its region's survivors, and
+only the last one's moves the region to another region.
 
 Counters live in memory: a restarted controller starts each target from its stored verdict with empty counters.
 """
@@ -15,6 +17,7 @@ Counters live in memory: a restarted controller starts each target from its stor
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -23,6 +26,7 @@ import structlog
 
 from controller.failover import plan_assignments
 from controller.metrics import ControllerMetrics
+from controller.ownership import rebalance
 from controller.store import Assignment, Balancer, MembershipStore, Replica
 from skylb.config import Failover, HealthCheck
 from skylb.engines import adapter_for
@@ -33,8 +37,9 @@ log = structlog.get_logger("skylb.controller")
 
 #: Called with (action, the changed replica, balancer or assignment as a dict) after the store bumped its revision.
 OnChange = Callable[[str, dict], Awaitable[None]]
-#: Called with each new assignment (after OnChange), e.g. to point the region's DNS name at its new balancer.
-OnAssignment = Callable[[Assignment], Awaitable[None]]
+#: Called with each new assignment (after OnChange), e.g. to point the region's DNS name at its new balancer; and
+#: with None when a balancer's verdict or replica owners changed (a region's set of live balancers did).
+OnAssignment = Callable[[Assignment | None], Awaitable[None]]
 
 #: Shortest sleep between two rounds (s): bounds the loop's rate whatever the settings.
 _MIN_SLEEP_S = 0.05
@@ -79,6 +84,7 @@ class HealthChecker:
         loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession() as session:
             await self.plan_failover()  # a controller restarted mid-failure resumes from the stored verdicts
+            await self.plan_owners()
             while True:
                 await self.check_due(session, loop.time())
                 next_at = min((s.next_at for s in self._streaks.values()), default=loop.time() + self.config.interval_s)
@@ -100,6 +106,17 @@ class HealthChecker:
             await self._record(key, target, ok, asyncio.get_running_loop().time())
         # Every round, not only after a verdict change here: an operator's drain also changes which regions are live.
         await self.plan_failover()
+        await self.plan_owners()
+
+    async def plan_owners(self) -> None:
+        """Re-balance replica ownership among the live balancers (after failover moved any region)."""
+        moved = rebalance(self.store, now=time.time())
+        for o in moved:
+            log.info("replica_owner_changed", replica=o.replica, balancer=o.balancer, epoch=o.epoch,
+                     handover_to=o.handover_to)
+        if moved:
+            await self.on_change("owners_changed", {"owners": [o.to_dict() for o in moved]})
+            await self._hook(None)
 
     async def plan_failover(self) -> None:
         """Apply the failover plan: assign every region whose serving region should change (epoch + 1 each)."""
@@ -119,11 +136,14 @@ class HealthChecker:
             log.info("failover", region=new.region, balancer_region=new.balancer_region, epoch=new.epoch,
                      previous=a.balancer_region)
             await self.on_change(action, new.to_dict())
-            if self.on_assignment is not None:
-                try:
-                    await self.on_assignment(new)
-                except Exception:  # DNS down must not stop health checks; the next change retries it
-                    log.exception("assignment_hook_failed", region=new.region)
+            await self._hook(new)
+
+    async def _hook(self, assignment: Assignment | None) -> None:
+        if self.on_assignment is not None:
+            try:
+                await self.on_assignment(assignment)
+            except Exception:  # DNS down must not stop health checks; the next change retries it
+                log.exception("assignment_hook_failed", region=assignment and assignment.region)
 
     def _streak(self, key: str, target: Replica | Balancer) -> _Streak:
         return self._streaks.setdefault(key, _Streak(ok=target.healthy))
@@ -167,4 +187,6 @@ class HealthChecker:
             return False
         log.info("health_change", target=kind, name=name, region=target.region, healthy=ok, streak=streak.count)
         await self.on_change(f"{kind}_{'healthy' if ok else 'unhealthy'}", changed.to_dict())
+        if kind == "balancer":
+            await self._hook(None)  # the region's DNS answer lists its healthy balancers
         return True

@@ -9,21 +9,24 @@ URLS]``. Endpoints:
   (controller/metrics.py)
 - ``GET /`` the status page, ``GET /skylb/v1/status`` its data: the membership joined with every balancer's status
   (controller/status_view.py; the admin token or the page's session, as skylb/status_page says)
-- ``GET /v1/membership[?revision=N&wait=S]`` -> full snapshot; with both, a long poll that answers as soon as the
-  revision is > N, or after S seconds (at most 60) with the unchanged state
+- ``GET /v1/membership[?revision=N&wait=S][&balancer=URL]`` -> full snapshot; with both, a long poll that answers as
+  soon as the revision is > N, or after S seconds (at most 60) with the unchanged state; with ``balancer``, that
+  balancer's view: only the replicas it owns and its siblings (controller/ownership.py ``view_for``)
 - ``GET /v1/replicas[?region=R]``, ``POST /v1/replicas``, ``DELETE /v1/replicas/{id}``
 - ``POST /v1/replicas/{id}/drain``, ``POST /v1/replicas/{id}/undrain``
 - ``GET /v1/balancers``, ``POST /v1/balancers`` (register or heartbeat, with the epochs held), ``DELETE
-  /v1/balancers?url=U``
+  /v1/balancers?url=U``; ``GET /v1/owners``: which balancer owns each replica, and the epoch
 - ``POST /v1/regions/{region}/drain``, ``POST /v1/regions/{region}/undrain`` (the region's balancers)
 - ``GET /v1/assignments``: which region's balancer serves each region's replicas, and the epoch
 - ``GET /v1/quotas``, ``POST /v1/quotas`` (set one entry: a tenant, a model's limit, a group), ``DELETE
   /v1/quotas?tenant=T[&model=M] | ?model=M | ?group=G | ?all=true`` (controller/quotas.py); the quotas travel
   with the membership snapshot, so every change wakes the balancers' watches
 
-Reads are open; changes need the admin token, balancer heartbeats the peer token (controller/auth.py). A balancer
-registering for a region whose balancer is live at another URL is refused (409 ``region_taken``) unless the request
-carries the admin token and ``"replace": true``, which removes the live one.
+Reads are open; changes need the admin token, balancer heartbeats the peer token (controller/auth.py). A region may
+run several balancers (siblings), told apart by their id; each replica is owned by one of them at a time
+(controller/ownership.py). A balancer registering with an id that a live balancer of its region holds at another
+URL is refused (409 ``balancer_id_taken``) unless the request carries the admin token and ``"replace": true``,
+which removes the live one.
 
 Errors are always {"error": {"message", "type", "code"}}. Each membership change logs one structlog JSON line.
 Unless ``controller.health.enabled`` is false, every replica and balancer is health-checked (controller/health.py); a
@@ -55,11 +58,14 @@ from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
 from controller.metrics import CONTENT_TYPE, ControllerMetrics
+from controller.ownership import (LIVE_HEARTBEAT_S, confirm_released, live_balancers, rebalance, stale_owned,
+                                  view_for)
 from controller.reload import Reload, resolve
 from controller.quotas import remove_entry, set_entry
 from controller.shares import ShareBook
 from controller import status_view
-from controller.store import InvalidInput, StoreError, normalize_url, quotas_json, validate_region
+from controller.store import (InvalidInput, StoreError, default_balancer_id, normalize_url, quotas_json,
+                              validate_balancer_id, validate_region)
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig
 from skylb import environment, logs
@@ -69,9 +75,6 @@ from skylb.reload import Reloader
 
 __all__ = ["MAX_WAIT_S", "RevisionWatch", "create_app", "serve", "add_arguments", "main"]
 
-#: A balancer whose last heartbeat is older than this (s; three of its 10 s heartbeats) no longer holds its region
-#: against a new registration, even where the health check is off and never marks it unhealthy.
-LIVE_HEARTBEAT_S = 30.0
 #: Longest long poll a client may ask for (s); longer asks are cut to this.
 MAX_WAIT_S = 60.0
 #: How long shutdown waits for in-flight requests after waking every watcher (s).
@@ -118,6 +121,9 @@ WATCH = web.AppKey("watch", RevisionWatch)
 LEADERSHIP = web.AppKey("leadership", SoleLeader | EtcdElection)
 SHARES = web.AppKey("shares", ShareBook)
 METRICS = web.AppKey("metrics", ControllerMetrics)
+#: Awaited when replicas change owner (a sibling joined, drained or left), so each region's DNS answer follows at
+#: once: the DNS sync's ``changed`` when DNS is configured, else nothing.
+DNS_WAKE = web.AppKey("dns_wake", list)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -188,10 +194,13 @@ async def get_membership(request: web.Request) -> web.Response:
     store = request.app[STORE]
     revision = _query_number(request, "revision", int, 0)
     wait_s = _query_number(request, "wait", float, 0.0)
+    balancer = request.query.get("balancer")
+    balancer = None if balancer is None else normalize_url(balancer, field="balancer")
     # A revision above ours means the store was replaced under the client: answer at once so it re-lists.
     if revision is not None and wait_s and revision <= store.revision:
         await request.app[WATCH].wait_beyond(revision, min(wait_s, MAX_WAIT_S))
-    return web.json_response(store.snapshot().to_dict())
+    snapshot = store.snapshot()
+    return web.json_response(snapshot.to_dict() if balancer is None else view_for(snapshot, balancer))
 
 
 async def list_replicas(request: web.Request) -> web.Response:
@@ -210,6 +219,7 @@ async def add_replica(request: web.Request) -> web.Response:
     replica = store.add_replica(body.get("region"), body.get("url"), body.get("engine", "vllm"), body.get("id"),
                                 max_concurrency=body.get("max_concurrency"))
     await _changed(request.app, "replica_added", **replica.to_dict())
+    await _rebalance(request.app)
     return web.json_response(replica.to_dict(), status=201)
 
 
@@ -225,28 +235,12 @@ async def list_balancers(request: web.Request) -> web.Response:
     return web.json_response({"balancers": [b.to_dict() for b in request.app[STORE].list_balancers()]})
 
 
-async def register_balancer(request: web.Request) -> web.Response:
-    """POST /v1/balancers {"region", "url", "epochs"?: {region: epoch}, "replace"?: bool, "demand"?} -> 200 with the
-    balancer (register, or heartbeat when known).
-
-    ``demand`` (skylb/quota/demand.py: per quota bucket, what it was asked for over the last minute) comes from a
-    balancer enforcing its region's share of every limit (no Redis); the answer then carries ``"quota_shares":
-    {"default", "buckets": {key: share}}``, its shares computed from every live balancer's demand
-    (controller/shares.py).
-
-    When another URL holds a live balancer of the same region (healthy, not draining, heard from within
-    LIVE_HEARTBEAT_S), the registration is refused 409 ``region_taken``, unless it says ``"replace": true`` and
-    carries the admin token (else 401): then the live one is removed (its later heartbeats get 409) and this one
-    takes the region.
-
-    ``epochs`` are the assignments the balancer holds (the regions whose replicas it serves). When one of them has
-    since been given to another region's balancer at a higher epoch, the heartbeat is recorded but answered 409
-    ``stale_epoch``: the balancer must drop those replicas and re-read membership.
-    """
-    body = await _json_object(request)
-    unknown = set(body) - {"region", "url", "epochs", "replace", "demand"}
+def _registration(body: dict[str, Any]) -> tuple[str, str, str, dict[str, int], dict[str, int], bool]:
+    """(region, url, id, epochs, owned, replace) of a registration body; InvalidInput naming the first bad field."""
+    unknown = set(body) - {"region", "url", "id", "epochs", "owned", "replace", "demand"}
     if unknown:
-        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, epochs, replace, demand)")
+        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, id, epochs, owned, replace, "
+                                               "demand)")
     demand = body.get("demand")
     if demand is not None and not (isinstance(demand, dict) and isinstance(demand.get("buckets", {}), dict)
                                    and all(isinstance(b, dict) for b in demand.get("buckets", {}).values())):
@@ -254,43 +248,111 @@ async def register_balancer(request: web.Request) -> web.Response:
     replace = body.get("replace", False)
     if not isinstance(replace, bool):
         raise InvalidInput("replace", "must be true or false")
-    epochs = body.get("epochs") or {}
-    if not isinstance(epochs, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in epochs.items()):
-        raise InvalidInput("epochs", "must be an object of region name to integer epoch")
-    store = request.app[STORE]
+    held = {}
+    for name, what in (("epochs", "region name"), ("owned", "replica id")):
+        value = body.get(name) or {}
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in value.items()):
+            raise InvalidInput(name, f"must be an object of {what} to integer epoch")
+        held[name] = value
     region, url = validate_region(body.get("region")), normalize_url(body.get("url"))
+    balancer_id = validate_balancer_id(body.get("id")) or default_balancer_id(url)
+    return region, url, balancer_id, held["epochs"], held["owned"], replace
+
+
+async def register_balancer(request: web.Request) -> web.Response:
+    """POST /v1/balancers {"region", "url", "id"?, "epochs"?: {region: epoch}, "owned"?: {replica: epoch},
+    "replace"?: bool, "demand"?} -> 200 with the balancer (register, or heartbeat when known).
+
+    A region may run several balancers (siblings); ``id`` (default: the URL's host:port) tells them apart. Each
+    registration, join or heartbeat, re-balances the ownership of replicas among the live ones
+    (controller/ownership.py).
+
+    ``demand`` (skylb/quota/demand.py: per quota bucket, what it was asked for over the last minute) comes from a
+    balancer enforcing its share of every limit (no Redis); the answer then carries ``"quota_shares":
+    {"default", "buckets": {key: share}}``, its shares computed from every live balancer's demand, siblings
+    included (controller/shares.py).
+
+    When another URL of the same region holds ``id`` and is live (healthy, not draining, heard from within
+    LIVE_HEARTBEAT_S), the registration is refused 409 ``balancer_id_taken``, unless it says ``"replace": true`` and
+    carries the admin token (else 401): then the live one is removed (its later heartbeats get 409) and this one
+    takes the id. A balancer holding the id that is not live is replaced (the same balancer, restarted elsewhere).
+
+    ``epochs`` are the region assignments the balancer holds, ``owned`` the replicas it owns (a replica it was
+    handing over and no longer claims completes that handover). When one of them has since been given to another
+    balancer at a higher epoch, the heartbeat is recorded but answered 409 ``stale_epoch``: the balancer must drop
+    those replicas and re-read membership.
+    """
+    body = await _json_object(request)
+    region, url, balancer_id, epochs, owned, replace = _registration(body)
+    store = request.app[STORE]
     now = time.time()
-    live = [b for b in store.list_balancers() if b.region == region and b.url != url and b.healthy
-            and not b.draining and now - b.last_seen < LIVE_HEARTBEAT_S]
-    if live and not replace:
-        return _error(409, f"region {region} has a live balancer at {live[0].url}; to replace it, remove it "
-                           "(DELETE /v1/balancers?url=...) or register with \"replace\": true and the admin token",
-                      "region_taken")
-    if live and not is_admin(request):
-        return _error(401, "replacing a region's live balancer needs the admin token", "authentication_error")
-    for old in live:
+    holders = [b for b in live_balancers(store.list_balancers(), now, LIVE_HEARTBEAT_S)
+               if b.region == region and b.id == balancer_id and b.url != url]
+    if holders and not replace:
+        return _error(409, f"balancer id {balancer_id} of region {region} is held by a live balancer at "
+                           f"{holders[0].url}; give this one another id (--balancer-id), remove that one (DELETE "
+                           "/v1/balancers?url=...) or register with \"replace\": true and the admin token",
+                      "balancer_id_taken")
+    if holders and not is_admin(request):
+        return _error(401, "replacing a live balancer needs the admin token", "authentication_error")
+    for old in holders:
         store.remove_balancer(old.url)
         await _changed(request.app, "balancer_replaced", **old.to_dict(), by=url)
-    balancer, changed = store.register_balancer(region, url)
+    balancer, changed = store.register_balancer(region, url, balancer_id=balancer_id, now=now)
     if changed:
         await _changed(request.app, "balancer_registered", **balancer.to_dict())
-    stale = [a for a in store.assignments()
-             if a.region in epochs and epochs[a.region] < a.epoch and a.balancer_region != balancer.region]
-    if stale:
-        log.warning("stale_epoch_rejected", balancer=balancer.url, region=balancer.region,
-                    held={a.region: epochs[a.region] for a in stale},
-                    current={a.region: [a.balancer_region, a.epoch] for a in stale})
-        detail = ", ".join(f"{a.region} (held epoch {epochs[a.region]}, now epoch {a.epoch} at "
-                           f"{a.balancer_region}'s balancer)" for a in stale)
-        return _error(409, f"stale epoch: this balancer no longer serves {detail}", "stale_epoch")
-    if demand is None:
+    if "owned" in body:  # a balancer that says what it holds confirms the replicas it let go
+        await _owners_changed(request.app, confirm_released(store, balancer.url, owned))
+    await _rebalance(request.app)
+    stale = _stale(store, balancer.url, balancer.region, epochs, owned)
+    if stale is not None:
+        return stale
+    if body.get("demand") is None:
         return web.json_response(balancer.to_dict())
     shares = request.app[SHARES]
-    shares.report(balancer.url, demand, now)
-    live_urls = [b.url for b in store.list_balancers()
-                 if b.healthy and not b.draining and now - b.last_seen < LIVE_HEARTBEAT_S]
+    shares.report(balancer.url, body["demand"], now)
+    live_urls = [b.url for b in live_balancers(store.list_balancers(), now, LIVE_HEARTBEAT_S)]
     return web.json_response({**balancer.to_dict(), "quota_shares": shares.shares_for(balancer.url, live_urls, now)})
+
+
+def _stale(store: Store, url: str, region: str, epochs: dict[str, int], owned: dict[str, int]) -> web.Response | None:
+    """The 409 ``stale_epoch`` answer when a region or a replica the balancer holds has moved on, else None."""
+    regions = [a for a in store.assignments()
+               if a.region in epochs and epochs[a.region] < a.epoch and a.balancer_region != region]
+    replicas = stale_owned(owned, url, store.owners())
+    if not regions and not replicas:
+        return None
+    log.warning("stale_epoch_rejected", balancer=url, region=region,
+                held={**{a.region: epochs[a.region] for a in regions},
+                      **{o.replica: owned[o.replica] for o in replicas}},
+                current={**{a.region: [a.balancer_region, a.epoch] for a in regions},
+                         **{o.replica: [o.balancer, o.epoch] for o in replicas}})
+    detail = ", ".join([f"{a.region} (held epoch {epochs[a.region]}, now epoch {a.epoch} at {a.balancer_region}'s "
+                        "balancer)" for a in regions] + [f"replica {o.replica} (held epoch {owned[o.replica]}, now "
+                                                         f"epoch {o.epoch} at {o.balancer})" for o in replicas])
+    return _error(409, f"stale epoch: this balancer no longer serves {detail}", "stale_epoch")
+
+
+async def _rebalance(app: web.Application) -> None:
+    """Re-plan replica ownership after a change of balancers or replicas; announce the ownerships that changed."""
+    await _owners_changed(app, rebalance(app[STORE], now=time.time()))
+
+
+async def _owners_changed(app: web.Application, moved: list) -> None:
+    """Log each changed ownership, publish the revision and wake the DNS sync."""
+    for o in moved:
+        log.info("replica_owner_changed", replica=o.replica, balancer=o.balancer, epoch=o.epoch,
+                 handover_to=o.handover_to)
+    if moved:
+        await _changed(app, "owners_changed", owners=[o.to_dict() for o in moved])
+        for wake in app[DNS_WAKE]:
+            await wake()
+
+
+async def list_owners(request: web.Request) -> web.Response:
+    """GET /v1/owners -> {"owners": [{"replica", "balancer", "epoch"}]}: which balancer pushes to each replica."""
+    return web.json_response({"owners": [o.to_dict() for o in request.app[STORE].owners()]})
 
 
 async def remove_balancer(request: web.Request) -> web.Response:
@@ -300,6 +362,7 @@ async def remove_balancer(request: web.Request) -> web.Response:
         raise InvalidInput("url", "required as a query parameter, e.g. ?url=http://10.0.0.2:8080")
     balancer = request.app[STORE].remove_balancer(request.query["url"])
     await _changed(request.app, "balancer_removed", **balancer.to_dict())
+    await _rebalance(request.app)
     return web.json_response(balancer.to_dict())
 
 
@@ -322,6 +385,7 @@ async def drain_balancer(request: web.Request) -> web.Response:
     changed = store.set_balancer_draining(request.match_info["region"], draining)
     for b in changed:
         await _changed(request.app, "balancer_draining" if draining else "balancer_undrained", **b.to_dict())
+    await _rebalance(request.app)
     return web.json_response({"balancers": [b.to_dict() for b in store.list_balancers()
                                             if b.region == request.match_info["region"]]})
 
@@ -386,6 +450,7 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     are checked on every change (controller/auth.py)."""
     app = web.Application(middlewares=[_errors, auth_middleware])
     app[CREDENTIALS] = credentials or ControllerCredentials()
+    app[DNS_WAKE] = []
     app[STORE] = store
     app[LEADERSHIP] = leadership or SoleLeader()
     app[WATCH] = RevisionWatch(store.revision)
@@ -405,6 +470,7 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app.router.add_post("/v1/regions/{region}/drain", drain_balancer)
     app.router.add_post("/v1/regions/{region}/undrain", drain_balancer)
     app.router.add_get("/v1/assignments", list_assignments)
+    app.router.add_get("/v1/owners", list_owners)
     app.router.add_get("/v1/quotas", get_quotas)
     app.router.add_post("/v1/quotas", set_quota)
     app.router.add_delete("/v1/quotas", delete_quota)
@@ -452,6 +518,8 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
         if reloader is not None:
             reloader.start()
         dns_sync = DnsSync(store, DnsUpdater(config.dns)) if config.dns else None
+        if dns_sync is not None:
+            app[DNS_WAKE].append(dns_sync.changed)
 
         def lead() -> Awaitable[None]:  # the leader's task, started at each election and cancelled at its end
             checker = HealthChecker(store, config.health, lambda action, fields: _changed(app, action, **fields),

@@ -37,11 +37,14 @@ __all__ = [
     "Replica",
     "Balancer",
     "Assignment",
+    "Ownership",
     "Membership",
     "MembershipStore",
     "normalize_url",
     "validate_region",
     "validate_engine",
+    "validate_balancer_id",
+    "default_balancer_id",
     "validate_max_concurrency",
 ]
 
@@ -59,7 +62,17 @@ CREATE TABLE IF NOT EXISTS balancers (
     region TEXT NOT NULL REFERENCES regions(name),
     last_seen REAL NOT NULL,
     healthy INTEGER NOT NULL DEFAULT 1,  -- the controller's active health check
-    draining INTEGER NOT NULL DEFAULT 0  -- `skylb-ctl balancer drain`: no new clients, its replicas served elsewhere
+    draining INTEGER NOT NULL DEFAULT 0,  -- `skylb-ctl balancer drain`: no new clients, its replicas served elsewhere
+    id TEXT  -- unique within its region (default: the URL's host:port); NULL only in rows of an older controller
+);
+-- Which balancer pushes to each replica (controller/ownership.py): one at a time, so siblings of a region never
+-- both fill one replica's room. The epoch grows at every change of owner; rows outlive their replica so that a
+-- replica re-added under the same id never sees its epoch go back.
+CREATE TABLE IF NOT EXISTS owners (
+    replica_id TEXT PRIMARY KEY,
+    balancer_url TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    handover_to TEXT  -- a live owner releasing it to this balancer (URL): neither pushes until the owner confirms
 );
 -- Which region's balancer serves a region's replicas (failover, SkyLB paper §4.2). No row: its own balancer,
 -- epoch 0. Every change of serving region bumps the epoch, so a balancer holding an older one knows it is stale.
@@ -180,16 +193,51 @@ class Replica:
 
 @dataclass(frozen=True)
 class Balancer:
-    """One region's balancer as last registered; ``last_seen`` is unix time in seconds of its latest heartbeat."""
+    """A balancer as last registered; ``last_seen`` is unix time in seconds of its latest heartbeat.
+
+    A region may run several balancers at once (siblings); ``id`` tells them apart within the region (default: the
+    URL's ``host:port``). A registration at an id another URL holds is that balancer moved (a restarted pod).
+    """
 
     region: str
     url: str
     last_seen: float
     healthy: bool = True
     draining: bool = False
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", default_balancer_id(self.url))
 
     def to_dict(self) -> dict:
-        """JSON shape: {"region", "url", "last_seen", "healthy" (the controller's check), "draining"}."""
+        """JSON shape: {"region", "url", "last_seen", "healthy" (the controller's check), "draining", "id"}."""
+        return asdict(self)
+
+
+def default_balancer_id(url: str) -> str:
+    """A balancer's id when it gives none: its URL's ``host:port`` (``http://10.0.0.2:8080`` -> ``10.0.0.2:8080``),
+    or the host alone when the URL names no port."""
+    return urlsplit(url).netloc or url
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Which balancer pushes requests to replica ``replica`` (its URL ``balancer``), and the epoch of that choice.
+
+    ``epoch`` (>= 1) grows by one at every change of owner, so a balancer still holding an older epoch for the
+    replica is stale: its heartbeat is answered 409 ``stale_epoch`` and it drops the replica. ``handover_to`` (a
+    URL, or None) is set while a live owner releases the replica to another balancer: neither pushes to it until
+    the owner's heartbeat confirms it let go (controller/ownership.py).
+    """
+
+    replica: str
+    balancer: str
+    epoch: int
+    handover_to: str | None = None
+
+    def to_dict(self) -> dict:
+        """JSON shape: {"replica", "balancer" (a URL), "epoch", "handover_to" (a URL or null)}."""
         return asdict(self)
 
 
@@ -224,17 +272,20 @@ class Membership:
     #: last change (0: never set).
     quotas: Quotas | None = None
     quotas_revision: int = 0
+    #: The owner of each replica that has one (controller/ownership.py).
+    owners: list[Ownership] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON shape: {"revision": int, "regions": [str], "balancers": [dict], "replicas": [dict],
-        "assignments": [dict], "quotas": Quotas as JSON or null, "quotas_revision": int} (one assignment per
-        region, its own balancer at epoch 0 unless failed over)."""
+        "assignments": [dict], "owners": [dict], "quotas": Quotas as JSON or null, "quotas_revision": int} (one
+        assignment per region, its own balancer at epoch 0 unless failed over)."""
         return {
             "revision": self.revision,
             "regions": list(self.regions),
             "balancers": [b.to_dict() for b in self.balancers],
             "replicas": [r.to_dict() for r in self.replicas],
             "assignments": [a.to_dict() for a in self.assignments],
+            "owners": [o.to_dict() for o in self.owners],
             "quotas": quotas_json(self.quotas),
             "quotas_revision": self.quotas_revision,
         }
@@ -253,6 +304,7 @@ _RULES = {
     "url": "is not a URL such as http://10.0.0.5:8000",
     "engine": f"is not a known engine (one of: {', '.join(ENGINES)})",
     "id": "must be 1-128 letters, digits, '.', '-' or '_'",
+    "balancer_id": "must be 1-128 letters, digits, '.', ':', '-' or '_'",
     "max_concurrency": "must be an integer of at least 1 (parallel requests)",
 }
 #: The message for a required field that is missing, null or blank.
@@ -308,6 +360,7 @@ def _canonical_url(url: str) -> str:
 # Strict: values come from JSON as they are, and "4" or true where a count belongs is a mistake to report.
 _Region = Annotated[str, StringConstraints(strict=True, pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 _ReplicaId = Annotated[str, StringConstraints(strict=True, pattern=r"^[A-Za-z0-9._-]{1,128}$")]
+_BalancerId = Annotated[str, StringConstraints(strict=True, pattern=r"^[A-Za-z0-9.:_-]{1,128}$")]
 _Url = Annotated[str, Strict(), AfterValidator(_canonical_url)]
 _Engine = Literal[ENGINES]  # type: ignore[valid-type]
 _MaxConcurrency = Annotated[int, Strict(), Field(ge=1)]
@@ -335,6 +388,7 @@ class _BalancerInput(BaseModel):
 
 
 _FIELDS = {"region": TypeAdapter(_Region), "url": TypeAdapter(_Url), "engine": TypeAdapter(_Engine),
+           "balancer_id": TypeAdapter(_BalancerId | None),
            "max_concurrency": TypeAdapter(_MaxConcurrency | None)}
 
 
@@ -387,6 +441,12 @@ def validate_region(region: object) -> str:
 def validate_engine(engine: object) -> str:
     """Return ``engine`` if it is one of ENGINES, else InvalidInput listing the known names."""
     return _check("engine", engine)
+
+
+def validate_balancer_id(value: object) -> str | None:
+    """Return ``value`` if it is None or a balancer id (1-128 letters, digits, '.', ':', '-', '_'), else
+    InvalidInput naming ``id``."""
+    return _check("balancer_id", value, field="id")
 
 
 def validate_max_concurrency(value: object) -> int | None:
@@ -471,10 +531,16 @@ class MembershipStore:
             return Membership(
                 revision=self.revision, regions=self.regions(),
                 balancers=self.list_balancers(), replicas=self.list_replicas(), assignments=self.assignments(),
-                quotas=quotas, quotas_revision=quotas_revision,
+                quotas=quotas, quotas_revision=quotas_revision, owners=self.owners(),
             )
         finally:
             self._db.execute("COMMIT")
+
+    def owners(self) -> list[Ownership]:
+        """The owner of every replica that has one, sorted by replica id (rows of removed replicas left out)."""
+        rows = self._db.execute("SELECT o.* FROM owners o JOIN replicas r ON r.id = o.replica_id "
+                                "ORDER BY o.replica_id")
+        return [Ownership(row["replica_id"], row["balancer_url"], row["epoch"], row["handover_to"]) for row in rows]
 
     # --- writes (each one transaction that bumps the revision) --------------------------------------------------
 
@@ -518,24 +584,30 @@ class MembershipStore:
             self._bump()
         return replica
 
-    def register_balancer(self, region: str, url: str, *, now: float | None = None) -> tuple[Balancer, bool]:
+    def register_balancer(self, region: str, url: str, *, balancer_id: str | None = None,
+                          now: float | None = None) -> tuple[Balancer, bool]:
         """Register or refresh (heartbeat) the balancer at ``url``; returns (balancer, changed).
 
-        A balancer is identified by its URL. ``changed`` is True, and the revision bumped, only when the balancer
-        is new or moved to another region; a plain heartbeat updates ``last_seen`` (unix s) and nothing else, so
-        heartbeats do not wake every watcher.
+        A balancer is identified by its URL; ``balancer_id`` (default: the URL's host:port) names it within its
+        region, and another URL holding the same id in the region is removed (the balancer moved; the server
+        decides before whether that is allowed). ``changed`` is True, and the revision bumped, only when the
+        balancer is new, moved or changed its id; a plain heartbeat updates ``last_seen`` (unix s) and nothing
+        else, so heartbeats do not wake every watcher. InvalidInput for a bad region, URL or id.
         """
         spec = _parse(_BalancerInput, region=region, url=url)
         region, url = spec.region, spec.url
+        balancer_id = validate_balancer_id(balancer_id) or default_balancer_id(url)
         last_seen = time.time() if now is None else now
         with self._write():
-            row = self._db.execute("SELECT region FROM balancers WHERE url = ?", (url,)).fetchone()
-            changed = row is None or row[0] != region
+            row = self._db.execute("SELECT region, id FROM balancers WHERE url = ?", (url,)).fetchone()
+            moved = self._db.execute("DELETE FROM balancers WHERE region = ? AND id = ? AND url != ?",
+                                     (region, balancer_id, url)).rowcount
+            changed = row is None or row[0] != region or row[1] != balancer_id or moved > 0
             self._db.execute("INSERT OR IGNORE INTO regions (name) VALUES (?)", (region,))
             self._db.execute(
-                "INSERT INTO balancers (url, region, last_seen) VALUES (?, ?, ?) "
-                "ON CONFLICT(url) DO UPDATE SET region = excluded.region, last_seen = excluded.last_seen",
-                (url, region, last_seen),
+                "INSERT INTO balancers (url, region, last_seen, id) VALUES (?, ?, ?, ?) ON CONFLICT(url) DO UPDATE "
+                "SET region = excluded.region, last_seen = excluded.last_seen, id = excluded.id",
+                (url, region, last_seen, balancer_id),
             )
             if changed:
                 self._bump()
@@ -618,6 +690,29 @@ class MembershipStore:
             self._bump()
         return new
 
+    def set_owners(self, plan: dict[str, str], handovers: dict[str, str | None] | None = None) -> list[Ownership]:
+        """Give each replica of ``plan`` ({replica id: balancer URL}) to that balancer, and set or clear (None) the
+        ``handover_to`` of each replica of ``handovers``, in one transaction; returns the ownerships that changed
+        (a new owner: epoch + 1 and no handover; a handover set or cleared: same epoch). The revision moves once
+        when any did. Replicas that no longer exist are skipped."""
+        with self._write():
+            current = {o.replica: o for o in self.owners()}
+            known = {r.id for r in self.list_replicas()}
+            epochs = dict(self._db.execute("SELECT replica_id, epoch FROM owners"))
+            changed = [Ownership(rid, url, epochs.get(rid, 0) + 1) for rid, url in sorted(plan.items())
+                       if rid in known and (rid not in current or current[rid].balancer != url)]
+            moved = {o.replica for o in changed}
+            changed += [Ownership(rid, current[rid].balancer, current[rid].epoch, to)
+                        for rid, to in sorted((handovers or {}).items())
+                        if rid in current and rid not in moved and current[rid].handover_to != to]
+            self._db.executemany("INSERT INTO owners (replica_id, balancer_url, epoch, handover_to) "
+                                 "VALUES (?, ?, ?, ?) ON CONFLICT(replica_id) DO UPDATE SET balancer_url = "
+                                 "excluded.balancer_url, epoch = excluded.epoch, handover_to = excluded.handover_to",
+                                 [(o.replica, o.balancer, o.epoch, o.handover_to) for o in changed])
+            if changed:
+                self._bump()
+        return changed
+
     def change_quotas(self, change: Callable[[Quotas | None], Quotas | None]) -> tuple[Quotas | None, bool]:
         """Replace the quota document by ``change(current)`` in one transaction; returns (new document, changed).
         The revision moves (and balancers' watches wake) only when the document changed; an exception raised by
@@ -658,6 +753,10 @@ class MembershipStore:
         for column, default in (("healthy", 1), ("draining", 0)):
             if column not in balancer_columns:
                 self._db.execute(f"ALTER TABLE balancers ADD COLUMN {column} INTEGER NOT NULL DEFAULT {default}")
+        if "id" not in balancer_columns:  # an older controller's rows get their default id when read (_balancer)
+            self._db.execute("ALTER TABLE balancers ADD COLUMN id TEXT")
+        if "handover_to" not in {row["name"] for row in self._db.execute("PRAGMA table_info(owners)")}:
+            self._db.execute("ALTER TABLE owners ADD COLUMN handover_to TEXT")
 
     def _write(self) -> "_Transaction":
         return _Transaction(self._db)
@@ -695,4 +794,4 @@ def _replica(row: sqlite3.Row) -> Replica:
 
 def _balancer(row: sqlite3.Row) -> Balancer:
     return Balancer(region=row["region"], url=row["url"], last_seen=row["last_seen"], healthy=bool(row["healthy"]),
-                    draining=bool(row["draining"]))
+                    draining=bool(row["draining"]), id=row["id"] or "")

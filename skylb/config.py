@@ -223,6 +223,9 @@ class BalancerConfig(_Strict):
     port: int = Field(0, ge=0, le=65535)
     #: The URL peers and the controller use to reach this balancer; default http://host:port.
     advertise_url: str | None = None
+    #: This balancer's name among its region's balancers (siblings): 1-128 letters, digits, '.', ':', '-', '_';
+    #: default: the advertised URL's host:port. A balancer restarted elsewhere with the same id replaces itself.
+    balancer_id: str | None = Field(None, pattern=r"^[A-Za-z0-9.:_-]{1,128}$")
     #: The routing policy, a name from the registry (skylb.core.policies): skylb (prefix trie + selective pushing,
     #: the default), skylb-ch (hash ring + selective pushing), and the baselines round-robin, least-load,
     #: consistent-hash, sglang (blind pushing) and sglang-selective.

@@ -126,9 +126,11 @@ class Cluster:
 
     def start_balancer(self, region: str, regions: list[str], *, port: int | None = None,
                        peer_urls: dict[str, str] | None = None, policy: str | None = None,
-                       name: str | None = None, host: str = "127.0.0.1", wait: bool = True) -> str:
+                       name: str | None = None, host: str = "127.0.0.1", wait: bool = True,
+                       balancer_id: str | None = None) -> str:
         """Start ``region``'s balancer against the controller, listening on ``host``; returns its URL. ``wait``
-        False returns at once (the caller waits for its /healthz, starting others meanwhile)."""
+        False returns at once (the caller waits for its /healthz, starting others meanwhile). ``balancer_id``: one
+        of several balancers of the region (`--balancer-id`), kept in ``balancers`` under that id."""
         port = port or free_port()
         url = f"http://{host}:{port}"
         args = ["balancer", "--config", str(self.config(regions)), "--region", region, "--port", str(port),
@@ -137,9 +139,11 @@ class Cluster:
             args += ["--peer-url", f"{peer}={peer_url}"]
         if policy:
             args += ["--policy", policy]
-        self.procs.skylb(*args, name=name or f"balancer-{region}", wait_url=f"{url}/healthz" if wait else None,
-                         env=self.env)
-        self.balancers[region] = url
+        if balancer_id:
+            args += ["--balancer-id", balancer_id]
+        self.procs.skylb(*args, name=name or f"balancer-{balancer_id or region}",
+                         wait_url=f"{url}/healthz" if wait else None, env=self.env)
+        self.balancers[balancer_id or region] = url
         return url
 
     def start_static_balancer(self, replicas: list[str], *, region: str = "local", engine: str = "auto",

@@ -176,8 +176,10 @@ def test_membership_persists_across_restart(procs, tmp_path):
     c.port = free_port()  # the config file still names the old port: the flag must win
     c.start("--port", str(c.port))
     assert requests.get(f"{c.url}/v1/membership", timeout=5).json() == before
+    assert before["owners"] == [{"replica": "us-1", "balancer": "http://lb:9000", "epoch": 1, "handover_to": None}]
     resp = requests.post(f"{c.url}/v1/replicas", json={"region": "us", "url": "http://a:2"}, timeout=5)
-    assert resp.json()["id"] == "us-2" and revision(c.url) == before["revision"] + 1
+    # Two writes: the replica, then its owner (the region's only balancer, registered and heard from just now).
+    assert resp.json()["id"] == "us-2" and revision(c.url) == before["revision"] + 2
 
 
 async def test_long_poll_wakes_on_change_and_times_out(controller):

@@ -52,7 +52,11 @@ SKYLB_BIN = "/opt/skylb/bin/skylb"
 LLAMA_BIN = "/usr/local/bin/llama-server"
 CONFIG_PATH = "/etc/skylb/skylb.yaml"
 #: A sample instance name per template unit.
-INSTANCES = {"skylb-balancer@.service": "us", "llama-server@.service": "8081"}
+INSTANCES = {"skylb-balancer@.service": "us-1", "llama-server@.service": "8081"}
+#: The host name the tests give systemd's %l and %H specifiers.
+HOSTNAME = "host-a"
+#: The balancer instances deploy/systemd ships settings for: two siblings of region us on one host.
+BALANCER_INSTANCES = ("us-1", "us-2")
 
 
 # --- a small systemd unit reader ----------------------------------------------------------------------------------
@@ -127,6 +131,8 @@ def expand_specifiers(text: str, instance: str | None) -> str:
             return "%"
         if spec in "iI" and instance is not None:
             return instance
+        if spec in "lH":
+            return HOSTNAME
         raise AssertionError(f"specifier %{spec} not handled (instance {instance!r})")
     return re.sub(r"%(.)", one, text)
 
@@ -151,11 +157,13 @@ def exec_argv(command: str, env: dict[str, str], instance: str | None) -> list[s
     return argv
 
 
-def unit_argv(path: Path, env_files: dict[str, dict[str, str]] | None = None) -> tuple[list[str], dict[str, str]]:
-    """The ExecStart argv of the unit at ``path`` (with its sample instance) and the environment it runs with:
-    Environment= then the EnvironmentFile= files found in ``env_files`` (by path; optional ones may be missing)."""
+def unit_argv(path: Path, env_files: dict[str, dict[str, str]] | None = None, *,
+              instance: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The ExecStart argv of the unit at ``path`` (as ``instance``, default its sample instance) and the environment
+    it runs with: Environment= then the EnvironmentFile= files found in ``env_files`` (by path; optional ones may be
+    missing)."""
     unit = parse_unit(path)
-    instance = INSTANCES.get(path.name)
+    instance = instance or INSTANCES.get(path.name)
     env = unit_environment(unit)
     for ref in values(unit, "Service", "EnvironmentFile"):
         optional = ref.startswith("-")
@@ -196,7 +204,7 @@ def test_the_units_and_files_are_all_there():
     assert {u.name for u in UNITS} == {"skylb-controller.service", "skylb-balancer@.service",
                                       "llama-server@.service"}
     for name in ("skylb.yaml", "peer-token.env", "admin-token.env", "llama-server.env", "skylb.sysusers.conf",
-                 "README.md"):
+                 "README.md", *(f"skylb-balancer-{i}.env" for i in BALANCER_INSTANCES)):
         assert (SYSTEMD / name).is_file(), name
 
 
@@ -246,8 +254,8 @@ def test_balancer_stop_timeout_covers_the_drain():
 
 def test_example_config_loads_and_fits_the_units():
     """deploy/systemd/skylb.yaml is a valid deployment config: the controller's db and every balancer's state_dir are
-    inside /var/lib/skylb (StateDirectory=skylb), every region has its own advertise_url, and it sets no peer token
-    (that is the EnvironmentFile's job)."""
+    inside /var/lib/skylb (StateDirectory=skylb), it sets no peer token (that is the EnvironmentFile's job) and no
+    balancer address (each instance's settings file has its own: one port each on a host, a URL on that port)."""
     cfg = load_config(SYSTEMD / "skylb.yaml")
     assert cfg.controller.db.startswith("/var/lib/skylb/")
     assert cfg.controller.host == "0.0.0.0" and cfg.controller.port == 8470
@@ -258,9 +266,15 @@ def test_example_config_loads_and_fits_the_units():
         assert b.state_dir.startswith("/var/lib/skylb/")
         assert b.peer_token is None
         assert b.controller_url and b.controller_url.endswith(f":{cfg.controller.port}")
-        assert b.advertise_url and b.advertise_url.endswith(f":{b.port}")
-        urls.add(b.advertise_url)
-    assert len(urls) == len(cfg.regions)
+        assert b.advertise_url is None and b.balancer_id is None
+    ports = set()
+    for instance in BALANCER_INSTANCES:
+        env = read_env_file(SYSTEMD / f"skylb-balancer-{instance}.env")
+        assert set(env) == {"REGION", "PORT", "ADVERTISE_URL"} and env["REGION"] in cfg.regions
+        assert env["ADVERTISE_URL"].endswith(f":{env['PORT']}")
+        ports.add(env["PORT"])
+        urls.add(env["ADVERTISE_URL"])
+    assert len(ports) == len(urls) == len(BALANCER_INSTANCES)
 
 
 #: The tokens README.md's install step puts in place of the placeholders (`openssl rand -hex 32`), once per run.
@@ -286,16 +300,24 @@ def test_controller_exec_start_parses_with_the_real_cli():
     assert args.config == CONFIG_PATH and args.db is None  # the db path is the config's, inside StateDirectory
 
 
-@pytest.mark.parametrize("region", ["us", "eu", "asia"])
-def test_balancer_exec_start_parses_for_every_region(region):
-    """skylb-balancer@REGION: the real parser accepts the command line and REGION is a region of the config."""
-    unit = parse_unit(SYSTEMD / "skylb-balancer@.service")
-    env = read_env_file(SYSTEMD / "peer-token.env")
-    argv = exec_argv(value(unit, "Service", "ExecStart"), env, region)
+def balancer_env_files(instance: str, settings: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """The balancer unit's EnvironmentFiles for ``instance`` as installed (README.md), its settings file replaced
+    by ``settings`` when given."""
+    return {"/etc/skylb/peer-token.env": installed_env_file("peer-token.env"),
+            f"/etc/skylb/skylb-balancer-{instance}.env":
+                settings or read_env_file(SYSTEMD / f"skylb-balancer-{instance}.env")}
+
+
+@pytest.mark.parametrize("instance", BALANCER_INSTANCES)
+def test_balancer_exec_start_parses_for_every_instance(instance):
+    """skylb-balancer@INSTANCE: the real parser accepts the command line; its region, port and URL are its settings
+    file's, its id the host's short name and the instance (unique among the host's siblings and across hosts)."""
+    argv, env = unit_argv(SYSTEMD / "skylb-balancer@.service", balancer_env_files(instance), instance=instance)
     assert argv[:2] == [SKYLB_BIN, "balancer"]
     args = skylb_args(argv)
-    assert args.config == CONFIG_PATH and args.region == region
-    load_config(SYSTEMD / "skylb.yaml").balancer_for(region)
+    assert args.config == CONFIG_PATH and args.region == env["REGION"] and args.port == int(env["PORT"])
+    assert args.advertise_url == env["ADVERTISE_URL"] and args.balancer_id == f"{HOSTNAME}-{instance}"
+    load_config(SYSTEMD / "skylb.yaml").balancer_for(args.region)
 
 
 def test_balancer_reads_the_peer_token_the_env_file_sets():
@@ -303,7 +325,8 @@ def test_balancer_reads_the_peer_token_the_env_file_sets():
     from skylb.balancer.process import PEER_TOKEN_ENV
 
     unit = parse_unit(SYSTEMD / "skylb-balancer@.service")
-    assert values(unit, "Service", "EnvironmentFile") == ["/etc/skylb/peer-token.env"]
+    assert values(unit, "Service", "EnvironmentFile") == ["/etc/skylb/peer-token.env",
+                                                          "/etc/skylb/skylb-balancer-%i.env"]
     assert set(read_env_file(SYSTEMD / "peer-token.env")) == {PEER_TOKEN_ENV}
 
 
@@ -357,17 +380,15 @@ def test_llama_server_flags_exist_in_the_built_binary():
 
 
 def _localized_config(tmp_path: Path) -> tuple[Path, dict]:
-    """deploy/systemd/skylb.yaml with /var/lib/skylb moved under tmp_path and every address on 127.0.0.1 (free
-    ports); returns its path and the rewritten data."""
+    """deploy/systemd/skylb.yaml with /var/lib/skylb moved under tmp_path and the controller on 127.0.0.1 (a free
+    port); returns its path and the rewritten data."""
     data = yaml.safe_load((SYSTEMD / "skylb.yaml").read_text())
     state = tmp_path / "var-lib-skylb"
-    controller_port, *balancer_ports = free_ports(1 + len(data["regions"]))
+    controller_port = free_ports(1)[0]
     data["controller"].update(host="127.0.0.1", port=controller_port,
                               db=data["controller"]["db"].replace("/var/lib/skylb", str(state)))
     data["balancer"].update(host="127.0.0.1", controller_url=f"http://127.0.0.1:{controller_port}",
                             state_dir=data["balancer"]["state_dir"].replace("/var/lib/skylb", str(state)))
-    for region, port in zip(data["regions"], balancer_ports):
-        data["regions"][region]["balancer"].update(port=port, advertise_url=f"http://127.0.0.1:{port}")
     path = tmp_path / "etc-skylb" / "skylb.yaml"
     path.parent.mkdir()
     path.write_text(yaml.safe_dump(data))
@@ -383,40 +404,50 @@ def _run_unit_argv(argv: list[str], config: Path) -> list[str]:
 
 
 def test_controller_and_balancer_units_start_on_the_example_config(procs, tmp_path):
-    """The two SkyLB units' command lines, with their environment, run on the example config (moved to a temporary
-    directory): the controller creates its SQLite file, the balancer registers at its advertise_url, keeps its
-    membership in state_dir, enforces the token from peer-token.env, the controller the admin token from
-    admin-token.env, and the balancer exits 0 on SIGTERM."""
+    """The SkyLB units' command lines, with their environment, run on the example config (moved to a temporary
+    directory): the controller creates its SQLite file; two instances of the balancer unit (us-1 and us-2, siblings
+    on one host, each its own port) register at their URLs under their ids, keep their membership in state_dir
+    (one file each) and enforce the token from peer-token.env; the controller the admin token from
+    admin-token.env; a replica added is owned by one of them; a balancer exits 0 on SIGTERM."""
     config, data = _localized_config(tmp_path)
-    token_file = installed_env_file("peer-token.env")
+    token = installed_env_file("peer-token.env")["SKYLB_PEER_TOKEN"]
     c_argv, c_env = unit_argv(SYSTEMD / "skylb-controller.service", controller_env_files())
     controller_url = data["balancer"]["controller_url"]
     procs.start(_run_unit_argv(c_argv, config), name="controller", env=c_env, wait_url=f"{controller_url}/healthz")
-    b_argv, b_env = unit_argv(SYSTEMD / "skylb-balancer@.service", {"/etc/skylb/peer-token.env": token_file})
-    url = data["regions"]["us"]["balancer"]["advertise_url"]
-    balancer = procs.start(_run_unit_argv(b_argv, config), name="balancer-us", env=b_env, wait_url=f"{url}/healthz")
+    urls, balancers = {}, {}
+    for instance, port in zip(BALANCER_INSTANCES, free_ports(len(BALANCER_INSTANCES))):
+        settings = {**read_env_file(SYSTEMD / f"skylb-balancer-{instance}.env"), "PORT": str(port),
+                    "ADVERTISE_URL": f"http://127.0.0.1:{port}"}
+        b_argv, b_env = unit_argv(SYSTEMD / "skylb-balancer@.service", balancer_env_files(instance, settings),
+                                  instance=instance)
+        urls[instance] = settings["ADVERTISE_URL"]
+        balancers[instance] = procs.start(_run_unit_argv(b_argv, config), name=f"balancer-{instance}", env=b_env,
+                                          wait_url=f"{urls[instance]}/healthz")
 
+    state = Path(data["balancer"]["state_dir"])
+    files = [state / f"membership-us-{HOSTNAME}-{instance}.json" for instance in BALANCER_INSTANCES]
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         registered = requests.get(f"{controller_url}/v1/balancers", timeout=5).json()["balancers"]
-        membership_file = Path(data["balancer"]["state_dir"]) / "membership-us.json"
-        if registered and membership_file.exists():
+        if len(registered) == 2 and all(f.exists() for f in files):
             break
         time.sleep(0.1)
-    assert [(b["region"], b["url"]) for b in registered] == [("us", url)]
-    assert membership_file.exists()
+    assert {(b["region"], b["url"], b["id"]) for b in registered} == {
+        ("us", urls[i], f"{HOSTNAME}-{i}") for i in BALANCER_INSTANCES}
+    assert all(f.exists() for f in files)
     assert Path(data["controller"]["db"]).is_file()
-    token = token_file["SKYLB_PEER_TOKEN"]
-    status = f"{url}/skylb/v1/status"
+    status = f"{urls['us-1']}/skylb/v1/status"
     assert requests.get(status, timeout=5).status_code == 403
     assert requests.get(status, headers={"X-SkyLB-Token": token}, timeout=5).status_code == 200
     replica = {"region": "us", "url": "http://127.0.0.1:9"}
     assert requests.post(f"{controller_url}/v1/replicas", json=replica, timeout=5).status_code == 401
     admin = {"Authorization": f"Bearer {c_env['SKYLB_ADMIN_TOKEN']}"}
     assert requests.post(f"{controller_url}/v1/replicas", json=replica, headers=admin, timeout=5).status_code == 201
+    owners = requests.get(f"{controller_url}/v1/owners", timeout=5).json()["owners"]
+    assert [o["replica"] for o in owners] == ["us-1"] and owners[0]["balancer"] in urls.values()
 
-    balancer.popen.send_signal(signal.SIGTERM)
-    assert balancer.popen.wait(timeout=30) == 0
+    balancers["us-1"].popen.send_signal(signal.SIGTERM)
+    assert balancers["us-1"].popen.wait(timeout=30) == 0
 
 
 def test_units_refuse_to_start_with_the_placeholder_tokens(tmp_path):
@@ -425,6 +456,7 @@ def test_units_refuse_to_start_with_the_placeholder_tokens(tmp_path):
     config, _ = _localized_config(tmp_path)
     raw = {"/etc/skylb/admin-token.env": read_env_file(SYSTEMD / "admin-token.env"),
            "/etc/skylb/peer-token.env": read_env_file(SYSTEMD / "peer-token.env")}
+    raw["/etc/skylb/skylb-balancer-us-1.env"] = read_env_file(SYSTEMD / "skylb-balancer-us-1.env")
     for unit in ("skylb-controller.service", "skylb-balancer@.service"):
         argv, env = unit_argv(SYSTEMD / unit, raw)
         done = subprocess.run(_run_unit_argv(argv, config), env={**os.environ, **env}, capture_output=True,
@@ -614,7 +646,11 @@ def test_labels_namespaces_and_selectors_are_consistent():
     for pdb in (d for d in docs if d["kind"] == "PodDisruptionBudget"):
         selected = [w for w in workloads
                     if pdb["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
-        assert len(selected) == 1 and pdb["spec"]["minAvailable"] > selected[0]["spec"]["replicas"] // 2
+        assert len(selected) == 1
+        if "minAvailable" in pdb["spec"]:  # a quorum (etcd): a majority stays up
+            assert pdb["spec"]["minAvailable"] > selected[0]["spec"]["replicas"] // 2
+        else:  # siblings (balancers): one at a time, and never the last
+            assert 1 == pdb["spec"]["maxUnavailable"] < selected[0]["spec"]["replicas"]
 
 
 def test_volumes_refer_to_objects_that_exist():
@@ -642,9 +678,10 @@ def test_volumes_refer_to_objects_that_exist():
 
 def test_configmap_config_fits_the_services_and_mounts(tmp_path):
     """The ConfigMap's skylb.yaml loads with skylb.config.load_config; its regions are the three balancer
-    Deployments; each region's advertise_url is its Service's DNS name and port; listen ports are the containers'
-    ports; controller_url is the controller Service; the SQLite file is on the controller's PVC and each balancer's
-    state_dir on a writable volume; --config points into the ConfigMap's mount."""
+    Deployments; each balancer pod registers at its own pod address and port under its pod name (its args), and its
+    Service targets that port; listen ports are the containers' ports; controller_url is the controller Service;
+    the SQLite file is on the controller's PVC and each balancer's state_dir on a writable volume; --config points
+    into the ConfigMap's mount."""
     cfg, _ = configmap_config(tmp_path)
     assert tuple(cfg.regions) == REGIONS
     controller = k8s_object("Deployment", "skylb-controller")
@@ -664,8 +701,12 @@ def test_configmap_config_fits_the_services_and_mounts(tmp_path):
         service = k8s_object("Service", f"skylb-balancer-{region}")
         bc = container(deployment)
         assert b.host == "0.0.0.0" and b.port == bc["ports"][0]["containerPort"]
-        assert b.advertise_url == (f"http://skylb-balancer-{region}.{NAMESPACE}.{CLUSTER_DOMAIN}:"
-                                   f"{service['spec']['ports'][0]['port']}")
+        assert service["spec"]["ports"][0]["targetPort"] == bc["ports"][0]["name"]
+        # Each sibling registers at its own pod address and port, under its pod name (args; ConfigMap has none).
+        args = bc["args"]
+        assert b.advertise_url is None and b.balancer_id is None
+        assert args[args.index("--advertise-url") + 1] == f"http://$(POD_IP):{bc['ports'][0]['containerPort']}"
+        assert args[args.index("--balancer-id") + 1] == "$(POD_NAME)"
         assert b.controller_url == controller_dns
         assert b.peer_token is None  # from the Secret
         writable = {m["mountPath"] for m in bc["volumeMounts"] if not m.get("readOnly")}
@@ -694,10 +735,31 @@ def test_skylb_container_args_parse_with_the_real_cli(tmp_path):
         args = skylb_args(["skylb", *c["args"]])
         assert args.command == "balancer" and args.region == region
         cfg.balancer_for(region)
-        assert [e["name"] for e in c["env"]] == [PEER_TOKEN_ENV]
+        assert [e["name"] for e in c["env"]] == [PEER_TOKEN_ENV, "POD_IP", "POD_NAME"]
+        assert [e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"][1:]] == ["status.podIP", "metadata.name"]
     controller_env = container(k8s_object("Deployment", "skylb-controller"))["env"]
     assert {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in controller_env} == {
         "SKYLB_ADMIN_TOKEN": "skylb-admin-token", PEER_TOKEN_ENV: "skylb-peer-token"}
+
+
+def test_each_region_runs_two_sibling_balancers_that_a_disruption_cannot_take_together():
+    """Each region's Deployment runs 2 balancers, prefers them on different nodes (anti-affinity on its own pods'
+    labels, by hostname), and its PodDisruptionBudget lets one go at a time; readiness is the balancer's /readyz,
+    a route the real balancer serves without credentials."""
+    from skylb.balancer.auth import _OPEN_PATHS
+    from skylb.balancer.status import ROUTES
+
+    assert "/readyz" in {r.path for r in ROUTES} and "/readyz" in _OPEN_PATHS
+    for region in REGIONS:
+        d = k8s_object("Deployment", f"skylb-balancer-{region}")
+        assert d["spec"]["replicas"] == 2
+        (term,) = d["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"]
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"]
+        pdb = k8s_object("PodDisruptionBudget", f"skylb-balancer-{region}")
+        assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"] == d["spec"]["selector"]
+        assert container(d)["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
 def test_the_three_balancer_files_differ_only_in_the_region():
@@ -722,7 +784,8 @@ def test_balancer_pods_have_time_to_drain(tmp_path):
         assert pre_stop[0] == "sleep"
         assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + drain_s + 15
         assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-        assert c["readinessProbe"]["httpGet"]["path"] == c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     controller = k8s_object("Deployment", "skylb-controller")
     assert controller["spec"]["replicas"] == 1 and controller["spec"]["strategy"]["type"] == "Recreate"
 
@@ -771,13 +834,16 @@ def test_skylb_pods_start_from_the_manifests(procs, tmp_path):
     data["controller"].update(host="127.0.0.1", port=controller_port, db=str(state / "controller.sqlite"))
     data["balancer"].update(host="127.0.0.1", controller_url=f"http://127.0.0.1:{controller_port}",
                             state_dir=str(state / "balancer"))
-    data["regions"]["us"]["balancer"].update(port=balancer_port, advertise_url=f"http://127.0.0.1:{balancer_port}")
+    data["regions"]["us"]["balancer"] = {"port": balancer_port}
     config = tmp_path / "skylb.yaml"
     config.write_text(yaml.safe_dump(data))
 
     def argv(workload: str) -> list[str]:
         args = container(k8s_object("Deployment", workload))["args"]
-        return [sys.executable, "-m", "skylb", *[str(config) if a == "/etc/skylb/skylb.yaml" else a for a in args]]
+        # What Kubernetes does with $(POD_IP) and $(POD_NAME), and the port moved to this machine.
+        pod = {"/etc/skylb/skylb.yaml": str(config), "http://$(POD_IP):8080": f"http://127.0.0.1:{balancer_port}",
+               "$(POD_NAME)": "skylb-balancer-us-7d9f-x2k4p"}
+        return [sys.executable, "-m", "skylb", *[pod.get(a, a) for a in args]]
 
     controller_url = f"http://127.0.0.1:{controller_port}"
     procs.start(argv("skylb-controller"), name="controller", wait_url=f"{controller_url}/healthz",
@@ -791,7 +857,8 @@ def test_skylb_pods_start_from_the_manifests(procs, tmp_path):
     while not (registered := requests.get(f"{controller_url}/v1/balancers", timeout=5).json()["balancers"]):
         assert time.monotonic() < deadline, "the balancer did not register"
         time.sleep(0.1)
-    assert [(b["region"], b["url"]) for b in registered] == [("us", url)]
+    assert [(b["region"], b["url"], b["id"]) for b in registered] == [("us", url, "skylb-balancer-us-7d9f-x2k4p")]
+    assert requests.get(f"{url}/readyz", timeout=5).status_code == 503  # no replica or peer yet: not ready
     assert requests.get(f"{url}/skylb/v1/status", timeout=5).status_code == 403
     assert requests.get(f"{url}/skylb/v1/status", headers={"X-SkyLB-Token": "peer-from-the-secret-2a9f63b5c81"},
                         timeout=5).status_code == 200

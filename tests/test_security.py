@@ -240,15 +240,16 @@ def test_balancer_heartbeat_needs_peer_token(secured):
     assert secured.balancers["us"] in urls
 
 
-def test_live_region_cannot_be_taken_over(secured):
-    """Registering another URL for a region with a live balancer is 409 region_taken, even with the peer token;
+def test_live_balancer_id_cannot_be_taken_over(secured):
+    """Registering another URL under a live balancer's id is 409 balancer_id_taken, even with the peer token;
     "replace": true without the admin token is 401; with it, the new one replaces the old, and the old one's next
-    heartbeat is refused."""
+    heartbeat is refused. Another id joins the region as a sibling."""
     c = secured.controller_url
     old = secured.balancers["us"]
-    intruder = {"region": "us", "url": "http://10.7.7.7:8080"}
+    old_id = old.split("://", 1)[1]
+    intruder = {"region": "us", "url": "http://10.7.7.7:8080", "id": old_id}
     status, body = http("POST", f"{c}/v1/balancers", headers={"X-SkyLB-Token": PEER}, body=intruder)
-    assert status == 409 and json.loads(body)["error"]["type"] == "region_taken"
+    assert status == 409 and json.loads(body)["error"]["type"] == "balancer_id_taken"
     status, _ = http("POST", f"{c}/v1/balancers", headers={"X-SkyLB-Token": PEER}, body={**intruder, "replace": True})
     assert status == 401
     assert [b["url"] for b in requests.get(f"{c}/v1/balancers", timeout=5).json()["balancers"]] == [old]
@@ -257,7 +258,11 @@ def test_live_region_cannot_be_taken_over(secured):
     assert status == 200
     assert [b["url"] for b in requests.get(f"{c}/v1/balancers", timeout=5).json()["balancers"]] == [intruder["url"]]
     status, body = http("POST", f"{c}/v1/balancers", headers={"X-SkyLB-Token": PEER}, body={"region": "us", "url": old})
-    assert status == 409 and json.loads(body)["error"]["type"] == "region_taken"
+    assert status == 409 and json.loads(body)["error"]["type"] == "balancer_id_taken"
+    status, _ = http("POST", f"{c}/v1/balancers", headers={"X-SkyLB-Token": PEER},
+                     body={"region": "us", "url": "http://10.7.7.8:8080", "id": "us-2"})
+    assert status == 200
+    assert len(requests.get(f"{c}/v1/balancers", timeout=5).json()["balancers"]) == 2
 
 
 def test_replica_and_balancer_urls_are_validated(secured):
@@ -431,25 +436,29 @@ async def test_a_key_names_its_tenant(tmp_path, monkeypatch):
         assert response.status == 401
 
 
-async def test_a_silent_balancer_no_longer_holds_its_region():
+async def test_a_silent_balancer_no_longer_holds_its_id():
     """A balancer not heard from for LIVE_HEARTBEAT_S (where the health check is off and never marks it unhealthy)
-    does not block a new registration for its region; a fresh one does."""
+    does not block a new registration under its id, which replaces it; a fresh one does (409)."""
     from aiohttp.test_utils import TestClient, TestServer
 
     from controller.auth import ControllerCredentials
-    from controller.server import LIVE_HEARTBEAT_S, create_app
+    from controller.ownership import LIVE_HEARTBEAT_S
+    from controller.server import create_app
     from controller.store import MembershipStore
 
     store = MembershipStore(":memory:")
-    store.register_balancer("us", "http://10.0.0.1:8080", now=time.time() - LIVE_HEARTBEAT_S - 1)
-    store.register_balancer("eu", "http://10.0.0.2:8080")
+    store.register_balancer("us", "http://10.0.0.1:8080", balancer_id="lb-1", now=time.time() - LIVE_HEARTBEAT_S - 1)
+    store.register_balancer("eu", "http://10.0.0.2:8080", balancer_id="lb-1")
     app = create_app(store, credentials=ControllerCredentials(admin_token=ADMIN, peer_token=PEER))
     async with TestClient(TestServer(app)) as client:
         peer = {"X-SkyLB-Token": PEER}
-        resp = await client.post("/v1/balancers", json={"region": "us", "url": "http://10.0.0.3:8080"}, headers=peer)
+        resp = await client.post("/v1/balancers", json={"region": "us", "url": "http://10.0.0.3:8080", "id": "lb-1"},
+                                 headers=peer)
         assert resp.status == 200
-        resp = await client.post("/v1/balancers", json={"region": "eu", "url": "http://10.0.0.4:8080"}, headers=peer)
-        assert resp.status == 409
+        assert [b.url for b in store.list_balancers() if b.region == "us"] == ["http://10.0.0.3:8080"]
+        resp = await client.post("/v1/balancers", json={"region": "eu", "url": "http://10.0.0.4:8080", "id": "lb-1"},
+                                 headers=peer)
+        assert resp.status == 409 and (await resp.json())["error"]["type"] == "balancer_id_taken"
     store.close()
 
 

@@ -1,7 +1,7 @@
 """Who may call what on a balancer: one aiohttp middleware in front of every route.
 
-- ``GET /healthz``, ``GET /health`` (the engines' health check) and ``GET``/``HEAD /`` (Ollama's "is it
-  running"): open, for load balancers, Kubernetes probes and the controller's health check. To a browser ``/`` is
+- ``GET /healthz``, ``GET /readyz``, ``GET /health`` (the engines' health check) and ``GET``/``HEAD /`` (Ollama's
+  "is it running"): open, for load balancers, Kubernetes probes and the controller's health check. To a browser ``/`` is
   the status page, which guards itself (skylb/status_page: the login form, its stylesheet and script are open; the
   page needs the session cookie or protected mode).
 - The peer endpoint ``GET /skylb/v1/status`` (msgpack and ``?format=json``): the peer token (``X-SkyLB-Token``), or
@@ -53,7 +53,7 @@ API_KEYS_FILE_ENV = environment.API_KEYS_FILE.name
 #: The metrics token (overrides ``balancer.metrics_token``).
 METRICS_TOKEN_ENV = environment.METRICS_TOKEN.name
 
-_OPEN_PATHS = frozenset({"/health", "/healthz", "/"}) | status_page.OPEN_PATHS
+_OPEN_PATHS = frozenset({"/health", "/healthz", "/readyz", "/"}) | status_page.OPEN_PATHS
 _API_PREFIXES = ("/v1/", "/api/")
 #: The admission API (skylb/balancer/lease_api.py): client endpoints too; /skylb/v1/status stays peer-only.
 _CLIENT_PATHS = frozenset({"/skylb/v1/schedule", "/skylb/v1/heartbeat", "/skylb/v1/complete", "/skylb/v1/advice"})

@@ -114,6 +114,9 @@ class Balancer:
         self.membership: MembershipWatcher | None = None
         #: {region: assignment epoch} of the regions whose replicas this balancer serves (sent with heartbeats).
         self.served_epochs: dict[str, int] = {region: 0}
+        #: {replica id: owner epoch} of the replicas this balancer owns, sent with heartbeats; None until a view of
+        #: the controller's (a controller without owners sends none).
+        self.owned_epochs: dict[str, int] | None = None
         #: True while the operator drains this region's balancers (`skylb-ctl balancer drain`).
         self.draining = False
         #: True from SIGTERM on: /healthz answers 503 "draining", new requests get 503 (skylb/balancer/process.py).
@@ -188,6 +191,8 @@ class Balancer:
             region=self.region, advertise_url=self.advertise_url, controller_url=cfg.controller_url,
             state_dir=cfg.state_dir, apply=self.apply_membership, session=self.session,
             held_epochs=lambda: dict(self.served_epochs), token=cfg.peer_token, apply_quotas=self.apply_quotas,
+            balancer_id=cfg.balancer_id,
+            held_owned=lambda: None if self.owned_epochs is None else dict(self.owned_epochs),
             config_quotas=cfg.quotas, heartbeat_s=cfg.heartbeat_s,
             demand=lambda: demand_report(self.limits, self.now()), apply_shares=lambda a: apply_shares(self.limits, a))
         # The controller's view first: a balancer restarted after a failover must not serve, from its file, replicas
@@ -249,25 +254,26 @@ class Balancer:
                 log.exception("quota_listener_failed", region=self.region, listener=repr(listener))
 
     def apply_membership(self, snapshot: dict) -> None:
-        """Apply a controller snapshot.
+        """Apply a controller snapshot: the full membership, or this balancer's view (``"view"``: only the
+        replicas it owns, and its siblings; controller/ownership.py ``view_for``).
 
-        Local replicas: the healthy, not draining replicas of every region assigned to this balancer (its own
-        region, and after a failover the regions it took over, SkyLB paper §4.2); one that leaves (unhealthy,
-        draining, reassigned) is drained: no new requests, its in-flight ones finish. Peers: other regions' healthy
-        balancers that are not draining. ``draining`` is set when the operator drains this balancer's region.
+        Local replicas: the healthy, not draining replicas this balancer owns (from a view), or of every region
+        assigned to this balancer (its own region, and after a failover the regions it took over, SkyLB paper
+        §4.2); one that leaves (unhealthy, draining, reassigned, given to a sibling) is drained: no new requests,
+        its in-flight ones finish. Peers (``peers_of``): its region's other live balancers (siblings) and other
+        regions' live balancers. ``draining`` is set when the operator drains this balancer's region.
         """
         assigned = {a["region"]: (a["balancer_region"], a["epoch"]) for a in snapshot.get("assignments", [])}
         served = {region for region, (by, _) in assigned.items() if by == self.region}
         if self.region not in assigned:  # a controller from before assignments, or a region not yet known
             served.add(self.region)
         self.served_epochs = {region: assigned.get(region, (self.region, 0))[1] for region in served}
-        mine = [r for r in snapshot.get("replicas", []) if r.get("region") in served]
+        view = snapshot.get("view")
+        mine = [r for r in snapshot.get("replicas", []) if view is not None or r.get("region") in served]
+        self.owned_epochs = None if view is None else {r["id"]: r["owner_epoch"] for r in mine}
         replicas = [(r["id"], r["url"].rstrip("/"), r.get("engine", "vllm")) for r in mine
                     if r.get("healthy", True) is not False and not r.get("draining", False)]
-        live = [b for b in snapshot.get("balancers", [])
-                if b.get("healthy", True) is not False and not b.get("draining", False)]
-        peers = [(b["region"], self.cfg.peer_urls.get(b["region"], b["url"]).rstrip("/"))
-                 for b in live if b.get("region") != self.region and b["region"] not in served]
+        peers = self.peers_of(snapshot, served)
         if peers and not self.cfg.peer_token:
             # Forwarded requests prove themselves with the peer token; without one this balancer neither forwards
             # nor accepts forwarded requests (skylb/balancer/auth.py), so peers would only fail its requests.
@@ -278,10 +284,41 @@ class Balancer:
             self._peers_refused = True
             peers = []
         self.draining = any(b.get("draining", False) for b in snapshot.get("balancers", [])
-                            if b.get("region") == self.region)
+                            if b.get("region") == self.region and (view is None or b.get("url") == view["balancer"]))
         self.router.set_replicas(replicas, max_concurrency={r["id"]: r.get("max_concurrency") for r in mine})
         self.router.set_peers(peers)
+        for name, peer in self.router.peers.items():
+            peer.sibling = name.startswith(f"{self.region}@")
         self.dispatcher.wake()
+
+    def peers_of(self, snapshot: dict, served: set[str]) -> list[tuple[str, str]]:
+        """(peer name, URL) of every live (healthy, not draining) balancer of ``snapshot`` but this one.
+
+        A sibling (this region's) is named ``<region>@<its id>``: a peer the router knows like any other, whose
+        measured round trip (local) ranks it before every other region. Another region's balancer is named by its
+        region when it is the region's only live one (``peer_urls`` may route it through a proxy), else
+        ``<region>@<id>`` too, each sibling there a peer of its own (each owns part of its region's replicas, and a
+        forwarded request is never forwarded again). Regions this balancer serves after a failover are left out.
+        """
+        # The view's URL: as the controller spells it (normalised), which the balancers list uses too.
+        me = (snapshot.get("view") or {}).get("balancer") or self.advertise_url
+        live = [b for b in snapshot.get("balancers", [])
+                if b.get("healthy", True) is not False and not b.get("draining", False)
+                and b.get("url", "").rstrip("/") != me.rstrip("/")]
+        per_region: dict[str, int] = {}
+        for b in live:
+            per_region[b["region"]] = per_region.get(b["region"], 0) + 1
+        peers = []
+        for b in live:
+            region, url = b["region"], b["url"].rstrip("/")
+            if region == self.region:
+                peers.append((f"{region}@{b.get('id') or url}", url))
+            elif region not in served and per_region[region] == 1:
+                peers.append((region, self.cfg.peer_urls.get(region, url).rstrip("/")))
+            elif region not in served:
+                name = f"{region}@{b.get('id') or url}"
+                peers.append((name, self.cfg.peer_urls.get(name, url).rstrip("/")))
+        return peers
 
     def _probe_round_done(self) -> None:
         self.remember_models()
@@ -313,7 +350,8 @@ class Balancer:
         return None if state is None else state.url
 
     def regions_share(self) -> float:
-        """1 / the number of regions whose balancers this one knows in membership (itself and its live peers)."""
+        """1 / the number of balancers this one knows in membership (itself and its live peers, siblings included):
+        each balancer's even share of a limit it enforces alone."""
         return 1.0 / (1 + len(self.router.peers))
 
     def in_flight(self) -> int:

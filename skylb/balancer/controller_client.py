@@ -57,15 +57,18 @@ class ControllerClient:
         """The controller the next request goes to first."""
         return self.base_urls[self._current]
 
-    async def get_membership(self, revision: int | None = None, wait_s: float = 0) -> dict:
-        """The full membership snapshot.
+    async def get_membership(self, revision: int | None = None, wait_s: float = 0, *,
+                             balancer: str | None = None) -> dict:
+        """The full membership snapshot, or with ``balancer`` (a balancer's URL) that balancer's view: only the
+        replicas it owns, each with its "owner_epoch", and "view": {"balancer", "id", "siblings": [balancers]}.
 
         With ``revision`` and ``wait_s`` > 0, a long poll: returns as soon as the controller's revision is above
         ``revision``, or after ``wait_s`` seconds (the controller caps it at 60) with the unchanged state; compare
         the answer's "revision" to tell which. Shape: {"revision": int, "regions": [str], "balancers":
-        [{"region", "url", "last_seen"}], "replicas": [{"id", "region", "url", "engine", ...}]}.
+        [{"region", "url", "id", "last_seen"}], "replicas": [{"id", "region", "url", "engine", ...}], "owners":
+        [{"replica", "balancer", "epoch"}]}.
         """
-        params: dict[str, str] = {}
+        params: dict[str, str] = {} if balancer is None else {"balancer": balancer}
         if revision is not None:
             params["revision"] = str(revision)
             if wait_s > 0:
@@ -74,18 +77,25 @@ class ControllerClient:
                                    check=_snapshot)
 
     async def register_balancer(self, region: str, url: str, epochs: dict[str, int] | None = None, *,
-                                demand: dict | None = None) -> dict:
+                                demand: dict | None = None, balancer_id: str | None = None,
+                                owned: dict[str, int] | None = None) -> dict:
         """Register this balancer (``url`` is how peers reach it) or, when already registered, refresh last_seen.
 
         ``epochs`` ({region: epoch}) are the assignments this balancer holds (the regions whose replicas it serves);
         the controller answers 409 ``stale_epoch`` (ControllerError) when one of them was since given to another
         balancer, and the caller must drop those replicas and re-read membership. ``demand`` (skylb/quota/demand.py)
-        asks for this balancer's quota shares: the answer then has "quota_shares" (controller/shares.py). Returns
-        the balancer as stored.
+        asks for this balancer's quota shares: the answer then has "quota_shares" (controller/shares.py).
+        ``balancer_id`` names it among its region's balancers (None: the controller uses the URL's host:port);
+        ``owned`` ({replica id: epoch}, None: not said) are the replicas it owns, checked as ``epochs`` are; a
+        replica it was handing over and no longer lists is released. Returns the balancer as stored.
         """
         body: dict = {"region": region, "url": url}
+        if balancer_id:
+            body["id"] = balancer_id
         if epochs:
             body["epochs"] = epochs
+        if owned is not None:  # {} too: it holds nothing (any replica it was handing over is let go)
+            body["owned"] = owned
         if demand is not None:
             body["demand"] = demand
         return await self._request("POST", "/v1/balancers", json=body)

@@ -5,6 +5,10 @@ persisted to ``state_dir``; at start the balancer loads it before the controller
 unreachable it keeps serving on it and says so (``controller_reachable`` in status and metrics). The controller is
 watched with a long poll from the last revision; every answer is a full snapshot, so a missed change is never lost.
 
+The watch asks for this balancer's view (``?balancer=`` its URL): only the replicas it owns (a region may run several
+balancers, siblings, which share its replicas one owner each: controller/ownership.py) and the list of its siblings.
+A controller that predates the view answers the full snapshot, which ``apply`` also understands.
+
 The snapshot also carries the controller's quotas (``quotas``, ``quotas_revision``; controller/quotas.py): when they
 differ from the ones applied, ``apply_quotas`` gets them, so a `skylb-ctl quota set` reaches every balancer within
 one watch round trip; they are kept on disk with the rest. While the controller holds none (null), the balancer's
@@ -47,6 +51,10 @@ class MembershipWatcher:
             None to send none; apply_shares: called with the heartbeat answer's "quota_shares" ({"default",
             "buckets"}; controller/shares.py).
         timeout_s: the bound of one call to one controller, s (a long poll's wait comes on top).
+        balancer_id: this balancer's name among its region's balancers (None: the controller's default);
+        held_owned: returns {replica id: owner epoch} of the replicas this balancer owns, sent with heartbeats (None:
+            not known, a controller without owners); when it loses one, a heartbeat goes at once (it confirms a
+            handover, so the new owner gets the replica within a round trip).
 
     ``controller_reachable`` turns False when a watch call or a heartbeat finds no controller answering, and True
     again with the watch's next answer.
@@ -57,8 +65,12 @@ class MembershipWatcher:
                  heartbeat_s: float = 10.0, held_epochs: Callable[[], dict[str, int]] | None = None,
                  token: str | None = None, apply_quotas: Callable[[Quotas], None] | None = None,
                  config_quotas: Quotas | None = None, demand: Callable[[], dict | None] | None = None,
-                 apply_shares: Callable[[dict], None] | None = None, timeout_s: float = 5.0):
+                 apply_shares: Callable[[dict], None] | None = None, timeout_s: float = 5.0,
+                 balancer_id: str | None = None, held_owned: Callable[[], dict[str, int] | None] | None = None):
         self.region = region
+        self.balancer_id = balancer_id
+        self.held_owned = held_owned or (lambda: None)
+        self._beat_now = asyncio.Event()
         self.demand = demand or (lambda: None)
         self.apply_shares = apply_shares
         self.apply_quotas = apply_quotas
@@ -71,7 +83,9 @@ class MembershipWatcher:
         self.held_epochs = held_epochs or (lambda: {})
         self.wait_s = wait_s
         self.heartbeat_s = heartbeat_s
-        self.path = Path(state_dir) / f"membership-{region}.json"
+        # One file per balancer: siblings on one host may share a state directory.
+        self.path = Path(state_dir) / (f"membership-{region}.json" if balancer_id is None
+                                       else f"membership-{region}-{balancer_id.replace(':', '_')}.json")
         self.client = (ControllerClient(controller_url, session=session, timeout_s=timeout_s, token=token)
                        if controller_url else None)
         self.revision: int | None = None
@@ -94,7 +108,7 @@ class MembershipWatcher:
         if self.client is None:
             return False
         try:
-            snapshot = await asyncio.wait_for(self.client.get_membership(), timeout_s)
+            snapshot = await asyncio.wait_for(self.client.get_membership(balancer=self.advertise_url), timeout_s)
         except (ControllerUnavailable, ControllerError, asyncio.TimeoutError):
             return False
         self.controller_reachable = True
@@ -116,7 +130,8 @@ class MembershipWatcher:
         while True:
             try:
                 answer = await self.client.register_balancer(self.region, self.advertise_url, self.held_epochs(),
-                                                             demand=self.demand())
+                                                             demand=self.demand(), balancer_id=self.balancer_id,
+                                                             owned=self.held_owned())
                 shares = answer.get("quota_shares")
                 if self.apply_shares is not None and isinstance(shares, dict):
                     self.apply_shares(shares)
@@ -142,7 +157,11 @@ class MembershipWatcher:
                     log.warning("controller_unreachable_serving_last_membership", revision=self.revision,
                                 error=str(exc))
                 self.controller_reachable = False
-            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
+            self._beat_now.clear()
 
     async def _watch(self) -> None:
         backoff = 0.5
@@ -152,7 +171,7 @@ class MembershipWatcher:
                 # seen at once); later ones long-poll from the revision we hold.
                 poll = self.revision is not None and self.controller_reachable
                 snapshot = await self.client.get_membership(
-                    revision=self.revision, wait_s=self.wait_s if poll else 0)
+                    revision=self.revision, wait_s=self.wait_s if poll else 0, balancer=self.advertise_url)
             except (ControllerUnavailable, ControllerError) as exc:
                 if self.controller_reachable:
                     log.warning("controller_unreachable_serving_last_membership",
@@ -167,7 +186,10 @@ class MembershipWatcher:
                 self._apply(snapshot, persist=True)
 
     def _apply(self, snapshot: dict, *, persist: bool) -> None:
+        before = self.held_owned() or {}
         self.apply(snapshot)
+        if set(before) - set(self.held_owned() or {}):
+            self._beat_now.set()  # say at once that it let go: that completes a handover to a sibling
         self._apply_quotas(snapshot)
         self.revision = snapshot.get("revision")
         if persist:

@@ -7,10 +7,11 @@ Through the chain of stages (skylb/balancer/handler.py, skylb/balancer/stages/):
 ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``, ``/api/generate``, ``/api/chat``, ``/api/embed``,
 ``/api/embeddings``. Answered without queueing (status.py, ollama_api.py, model_management.py, lease_api.py,
 responses.py): ``GET /v1/models``, ``GET /v1/responses/{id}`` (from the replica holding it), the Ollama metadata
-endpoints (``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/version``, ``GET``/``HEAD /``), ``GET /healthz``, ``GET
-/metrics`` (Prometheus), ``GET /skylb/v1/status`` (msgpack for peers; JSON with ``?format=json`` for operators). Who may
-call which route (client API keys, the peer token, the metrics token) is checked before any handler, in
-skylb/balancer/auth.py; with ``tls_cert_file`` and ``tls_key_file`` the listener speaks HTTPS.
+endpoints (``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/version``, ``GET``/``HEAD /``), ``GET /healthz``,
+``GET /readyz``, ``GET /metrics`` (Prometheus), ``GET /skylb/v1/status`` (msgpack for peers; JSON with
+``?format=json`` for operators). Who may call which route (client API keys, the peer token, the metrics token) is
+checked before any handler, in skylb/balancer/auth.py; with ``tls_cert_file`` and ``tls_key_file`` the listener
+speaks HTTPS.
 """
 
 from __future__ import annotations
@@ -193,6 +194,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="listen port (overrides the config)")
     parser.add_argument("--controller", help="controller base URL (overrides balancer.controller_url)")
     parser.add_argument("--advertise-url", help="URL peers and the controller use to reach this balancer")
+    parser.add_argument("--balancer-id", metavar="ID", help="this balancer's name among its region's balancers "
+                        "(default: the advertised host:port); a region runs several, each with its own id")
     parser.add_argument("--policy", choices=policy_names(), metavar="NAME",
                         help="routing policy (overrides the config): " + ", ".join(policy_names()))
     parser.add_argument("--peer-url", action="append", default=[], metavar="REGION=URL",

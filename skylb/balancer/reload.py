@@ -107,7 +107,8 @@ def resolve(args: argparse.Namespace) -> Settings:
     deployment = _deployment(args, region, static)
     cfg = balancer_settings(deployment, region, {
         "host": args.host, "port": args.port, "controller_url": args.controller, "advertise_url": args.advertise_url,
-        "policy": args.policy, "peer_urls": _peer_urls(args.peer_url)})
+        "balancer_id": getattr(args, "balancer_id", None), "policy": args.policy,
+        "peer_urls": _peer_urls(args.peer_url)})
     if static:
         cfg.controller_url = None
     elif cfg.controller_url is None:

@@ -19,7 +19,7 @@ from skylb.quota.buckets import LocalLimits
 from skylb.quota.wiring import quota_status
 
 __all__ = ["BALANCER", "ROUTES", "detailed_status", "quotas_in_force", "readiness", "model_entry", "handle_status",
-           "handle_health", "handle_healthz", "handle_metrics", "handle_models"]
+           "handle_health", "handle_healthz", "handle_readyz", "handle_metrics", "handle_models"]
 
 BALANCER = web.AppKey("balancer", Balancer)
 
@@ -62,7 +62,8 @@ def detailed_status(balancer: Balancer) -> dict:
              "thermal": replica_thermal(r, now, balancer.cfg.ollama_fleet.recent_window_s)}
             for r in router.replicas.values()],
         "peers": [
-            {"region": p.region, "url": p.url, "healthy": p.healthy, "available_replicas": p.available_replicas,
+            {"region": p.region, "url": p.url, "sibling": p.sibling, "healthy": p.healthy,
+             "available_replicas": p.available_replicas,
              "queue_len": p.queue_len, "forwarded": p.forwarded, "models": p.models, "outstanding": p.outstanding,
              "wait_ms": _ms(p.wait_s), "queue_age_ms": _ms(p.queue_age_s), "rtt_ms": _ms(p.rtt_s),
              "dispatch_rate": p.dispatch_rate,
@@ -157,6 +158,20 @@ async def handle_healthz(request: web.Request) -> web.Response:
                               "in_flight": balancer.in_flight(), **readiness(balancer)})
 
 
+async def handle_readyz(request: web.Request) -> web.Response:
+    """``GET /readyz``: whether this balancer should receive new clients now (Kubernetes' readiness probe, a cloud
+    load balancer's target check): 200 {"status": "ready", ...readiness} while it serves, is not drained by the
+    operator and has a healthy replica or peer (a sibling counts); 503 with ``status`` "shutting_down",
+    "draining" or "not_ready" otherwise, so clients go to its siblings meanwhile. /healthz stays the liveness
+    answer."""
+    balancer = request.app[BALANCER]
+    ready = readiness(balancer)
+    status = ("shutting_down" if balancer.shutting_down else "draining" if balancer.draining
+              else "ready" if ready["ready"] else "not_ready")
+    return web.json_response({"status": status, "region": balancer.region, **ready},
+                             status=200 if status == "ready" else 503)
+
+
 async def handle_metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text; OpenMetrics text, with the TTFT histogram's exemplars (trace ids), when the
     balancer traces and the scraper accepts ``application/openmetrics-text`` (Prometheus asks for it first; it keeps
@@ -208,4 +223,5 @@ async def handle_models(request: web.Request) -> web.Response:
 
 #: The status routes: /v1/models, /health, /healthz, /metrics, /skylb/v1/status.
 ROUTES = [web.get("/v1/models", handle_models), web.get("/health", handle_health), web.get("/healthz", handle_healthz),
+          web.get("/readyz", handle_readyz),
           web.get("/metrics", handle_metrics), web.get("/skylb/v1/status", handle_status)]

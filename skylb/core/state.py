@@ -216,6 +216,9 @@ class PeerState:
         dispatch_rate: requests it placed per second at its latest status (None: not said).
         backlog_tokens: its best available replica's prefill backlog, tokens; prefill_line: its fitted prefill
             model (None: not said).
+        sibling: True for a balancer of this balancer's own region (a sibling: it owns others of the region's
+            replicas, at a local round trip), to be tried before any other region's; set by the balancer after
+            ``Router.set_peers`` from its membership.
     """
 
     region: str
@@ -243,6 +246,7 @@ class PeerState:
     dispatch_rate: float | None = None
     backlog_tokens: float | None = None
     prefill_line: PrefillLine | None = None
+    sibling: bool = False
 
     #: Weight of the newest round trip in ``rtt_s`` (an exponential moving average, as TCP's SRTT uses 1/8).
     RTT_WEIGHT = 0.125
