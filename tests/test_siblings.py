@@ -199,3 +199,25 @@ def test_a_dead_owner_loses_its_replicas_at_once_a_live_one_hands_them_over(reop
     store.set_balancer_health("http://b:1", False)
     moved = rebalance(store, now=NOW)
     assert {(o.replica, o.balancer, o.epoch) for o in moved} == {(r, "http://a:1", 3) for r in leaving}
+
+
+def test_a_request_with_no_local_room_goes_to_a_sibling_before_another_region():
+    """The router's peer filter: with a sibling (a balancer of this region) that has room, only siblings are offered,
+    even when another region reports more room; with no sibling with room, the other region takes it."""
+    from skylb.core import AvailabilityRules, PeerStatus, Request, Router, make_policy
+    router = Router(region="us", policy=make_policy("skylb"), rules=AvailabilityRules())
+    router.set_replicas([("r1", "sim://r1", "vllm")])
+    router.set_peers([("us@b", "sim://us-b"), ("eu", "sim://eu")])
+    router.peers["us@b"].sibling = True
+    router.observe_replica("r1", now=0.0, healthy=True, pending=3)  # no room here
+    for region, free in (("us@b", 1), ("eu", 4)):
+        router.observe_peer(region, now=0.0, rtt_s=0.01, status=PeerStatus(region, available_replicas=free,
+                                                                           replicas=4, queue_len=0, models=None))
+    router.enqueue(Request("a", "hello " * 50, arrived_at=0.0))
+    [decision] = router.dispatch(0.01)
+    assert (decision.route, decision.target) == ("peer", "us@b")
+    router.observe_peer("us@b", now=0.02, rtt_s=0.01, status=PeerStatus("us@b", available_replicas=0, replicas=4,
+                                                                        queue_len=0, models=None))
+    router.enqueue(Request("b", "other " * 50, arrived_at=0.02))
+    [decision] = router.dispatch(0.03)
+    assert (decision.route, decision.target) == ("peer", "eu")

@@ -2,7 +2,9 @@
 
 The filters (the Gateway API inference extension's endpoint picker shape: filter -> score -> pick) are the router's:
 serves the request's model and dialect, healthy and fresh, not drained, not ejected by outlier detection, the Ollama
-fleet rules, the retry's exclusions, the one-hop rule for forwarded requests, and room (selective pushing). What is
+fleet rules, the retry's exclusions, the one-hop rule for forwarded requests, and room (selective pushing); peers
+with room are only the siblings (balancers of this region) when a sibling has room, so overflow stays in the
+region, at a local round trip, before it crosses to another. What is
 filtered out for want of room only is kept apart (``busy``, ``reachable``), computed on first use, so a policy that
 prices a push into a full batch or a forward to a peer with a queue can see it and one that does not pays nothing.
 """

@@ -374,6 +374,7 @@ class Router:
                                       usable=self._replica_usable)
         peers = ([p for p in self.peers.values() if self.peer_available(p, now, model, api)]
                  if request.may_forward else [])
+        peers = [p for p in peers if p.sibling] or peers  # a sibling with room first: the region's own replicas
         if request.avoid:
             local, peers = self._elsewhere(request, local, peers, now)
         taken = {r.id for r in local}  # by id: a dataclass ``in`` compares every field of every replica
