@@ -198,6 +198,13 @@ class Profile:
             if hasattr(learner, "routed"):
                 learner.routed(request, replica=replica, peer=peer)
 
+    def attach_kv_index(self, index) -> None:
+        """Give every learner that can use it (``attach_kv_index``) the block index of the engines' KV-cache events
+        (skylb/core/kv_index.py BlockIndex), so cache locality is exact where the engines publish events."""
+        for learner in self.learners:
+            if hasattr(learner, "attach_kv_index"):
+                learner.attach_kv_index(index)
+
     def set_members(self, replicas: Iterable[str], peers: Iterable[str]) -> None:
         """Tell every learner the current local replica ids and peer regions."""
         replicas, peers = set(replicas), set(peers)
