@@ -78,7 +78,8 @@ def _git(*args: str) -> str:
 
 def report(summaries: list[RunSummary], *, one_x: float, command: str, kv_cache_tokens: int) -> str:
     """The Markdown report: provenance, then one table per figure (rows: loads; columns: systems)."""
-    dirty = " (uncommitted changes)" if _git("status", "--porcelain", "--", "skylb", "bench") else ""
+    dirty = " (uncommitted changes)" if _git("status", "--porcelain", "--", "skylb", "bench",
+                                             ":(exclude)bench/results") else ""
     lines = [
         "# Routing by the trie vs by KV-cache events: multi-tenant shared prefixes, KV memory below the prefixes",
         "",
