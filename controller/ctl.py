@@ -39,6 +39,8 @@ _POLL_S = 0.5
 _EXAMPLES = """\
 examples:
   skylb-ctl replica add --region us --url http://10.0.0.5:8000 --engine vllm
+  skylb-ctl replica add --region us --url http://10.0.0.6:8000 --kv-events tcp://10.0.0.6:5557 \
+      --kv-events-replay tcp://10.0.0.6:5558   # routes by the engine's KV-cache events
   skylb-ctl replica list --region us -o json
   skylb-ctl replica drain us-1            # no new requests; returns when its in-flight ones are done
   skylb-ctl replica remove us-1
@@ -118,6 +120,9 @@ def _replica_add(api: _Api, args: argparse.Namespace) -> None:
         body["id"] = args.id
     if args.max_concurrency is not None:
         body["max_concurrency"] = args.max_concurrency
+    for field in ("kv_events", "kv_events_replay", "kv_block_size"):
+        if getattr(args, field) is not None:
+            body[field] = getattr(args, field)
     r = api.call("POST", "/v1/replicas", json=body)
     _emit(args, r, lambda: f"added replica {r['id']} (region {r['region']}, {r['engine']} at {r['url']})")
 
@@ -434,6 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "or a generic OpenAI server's concurrency limit (default: the adapter's, 1 for ollama, "
                           "8 for openai)")
     add.add_argument("--id", help="replica id (default: <region>-<n>, chosen by the controller)")
+    add.add_argument("--kv-events", dest="kv_events", metavar="tcp://HOST:PORT",
+                     help="the engine's KV-cache event endpoint (vLLM --kv-events-config \"endpoint\", as the "
+                          "balancer reaches it): its balancer then routes by the engine's exact cache state")
+    add.add_argument("--kv-events-replay", dest="kv_events_replay", metavar="tcp://HOST:PORT",
+                     help="the engine's replay socket (vLLM \"replay_endpoint\"), for missed event batches")
+    add.add_argument("--kv-block-size", dest="kv_block_size", type=int, metavar="N",
+                     help="tokens per KV-cache block, when not the one the engine's events report")
     add.set_defaults(run=_replica_add)
 
     for name, run, help_, desc in (

@@ -287,10 +287,10 @@ class EtcdMembershipStore:
     # --- writes (each one compare-and-swap that bumps the revision when membership changed) -----------------------
 
     def add_replica(self, region: str, url: str, engine: str = "vllm", replica_id: str | None = None,
-                    *, max_concurrency: int | None = None, now: float | None = None) -> Replica:
+                    *, max_concurrency: int | None = None, now: float | None = None, **kv: Any) -> Replica:
         """As MembershipStore.add_replica: InvalidInput for a bad field, Conflict for a URL or id in use."""
         spec = _parse(_ReplicaInput, region=region, url=url, engine=engine, max_concurrency=max_concurrency,
-                      id=replica_id)
+                      id=replica_id, **kv)
         created_at = time.time() if now is None else now
 
         def change(state: _State) -> Replica:
@@ -301,7 +301,9 @@ class EtcdMembershipStore:
                 raise Conflict.id_taken(spec.id)
             state.next_replica_n.setdefault(spec.region, 1)
             replica = Replica(id=spec.id or state.next_id(spec.region), region=spec.region, url=spec.url,
-                              engine=spec.engine, created_at=created_at, max_concurrency=spec.max_concurrency)
+                              engine=spec.engine, created_at=created_at, max_concurrency=spec.max_concurrency,
+                              kv_events=spec.kv_events, kv_events_replay=spec.kv_events_replay,
+                              kv_block_size=spec.kv_block_size)
             state.replicas[replica.id] = replica
             return replica
 

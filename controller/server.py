@@ -210,14 +210,18 @@ async def list_replicas(request: web.Request) -> web.Response:
 
 
 async def add_replica(request: web.Request) -> web.Response:
-    """POST /v1/replicas {"region", "url", "engine"="vllm", "id"?, "max_concurrency"?} -> 201 with the replica."""
+    """POST /v1/replicas {"region", "url", "engine"="vllm", "id"?, "max_concurrency"?, "kv_events"?,
+    "kv_events_replay"?, "kv_block_size"?} -> 201 with the replica."""
     body = await _json_object(request)
-    unknown = set(body) - {"region", "url", "engine", "id", "max_concurrency"}
+    kv_fields = ("kv_events", "kv_events_replay", "kv_block_size")
+    unknown = set(body) - {"region", "url", "engine", "id", "max_concurrency", *kv_fields}
     if unknown:
-        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, engine, id, max_concurrency)")
+        raise InvalidInput(sorted(unknown)[0], "unknown field (expected region, url, engine, id, max_concurrency, "
+                                               "kv_events, kv_events_replay, kv_block_size)")
     store = request.app[STORE]
     replica = store.add_replica(body.get("region"), body.get("url"), body.get("engine", "vllm"), body.get("id"),
-                                max_concurrency=body.get("max_concurrency"))
+                                max_concurrency=body.get("max_concurrency"),
+                                **{k: body[k] for k in kv_fields if k in body})
     await _changed(request.app, "replica_added", **replica.to_dict())
     await _rebalance(request.app)
     return web.json_response(replica.to_dict(), status=201)

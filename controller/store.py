@@ -23,8 +23,9 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StringConstraints, TypeAdapter,
-                      ValidationError)
+                      ValidationError, model_validator)
 
+from skylb.engines.kv_subscriber import KVEventsEndpoint
 from skylb.quota.limits import Quotas
 
 __all__ = [
@@ -88,6 +89,9 @@ CREATE TABLE IF NOT EXISTS replicas (
     engine TEXT NOT NULL,
     created_at REAL NOT NULL,
     max_concurrency INTEGER,  -- parallel slots of an engine without a pending metric; NULL: the adapter's default
+    kv_events TEXT,  -- the engine's KV-cache event endpoint (tcp://host:port); NULL: it publishes none
+    kv_events_replay TEXT,  -- its replay socket; NULL: none
+    kv_block_size INTEGER,  -- tokens per block when not the one its events report; NULL: theirs
     healthy INTEGER NOT NULL DEFAULT 1,  -- the controller's active health check (controller/health.py)
     draining INTEGER NOT NULL DEFAULT 0  -- `skylb-ctl replica drain`: no new requests, in-flight ones finish
 );
@@ -173,6 +177,11 @@ class Replica:
     ``max_concurrency`` (requests, >= 1, or None) is the replica's parallel slots, for engines that expose no
     pending metric (Ollama's OLLAMA_NUM_PARALLEL, a generic OpenAI server's limit): the balancer counts its own
     in-flight requests against it. None lets the engine adapter use its default.
+
+    ``kv_events`` / ``kv_events_replay``: the engine's KV-cache event endpoints (vLLM ``--kv-events-config``'s
+    ``endpoint`` and ``replay_endpoint`` as reachable from the balancer, ``tcp://HOST:PORT``), or None; with them its
+    balancer routes by the engine's exact cache state (skylb/balancer/kv_routing.py). ``kv_block_size``: tokens per
+    block, when the events' own should not be used (None).
     """
 
     id: str
@@ -183,9 +192,13 @@ class Replica:
     max_concurrency: int | None = None
     healthy: bool = True
     draining: bool = False
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_block_size: int | None = None
 
     def to_dict(self) -> dict:
-        """JSON shape: {"id", "region", "url", "engine", "created_at", "max_concurrency" (int or null), "healthy"
+        """JSON shape: {"id", "region", "url", "engine", "created_at", "max_concurrency" (int or null),
+        "kv_events", "kv_events_replay" (str or null), "kv_block_size" (int or null), "healthy"
         (the controller's health check: false takes the replica out of every balancer's candidates), "draining"
         (true: no new requests; in-flight ones finish)}."""
         return asdict(self)
@@ -306,6 +319,9 @@ _RULES = {
     "id": "must be 1-128 letters, digits, '.', '-' or '_'",
     "balancer_id": "must be 1-128 letters, digits, '.', ':', '-' or '_'",
     "max_concurrency": "must be an integer of at least 1 (parallel requests)",
+    "kv_events": "is not a ZMQ endpoint such as tcp://10.0.0.5:5557",
+    "kv_events_replay": "is not a ZMQ endpoint such as tcp://10.0.0.5:5558",
+    "kv_block_size": "must be an integer of at least 1 (tokens per block)",
 }
 #: The message for a required field that is missing, null or blank.
 _REQUIRED = {"region": "required, a region name such as us", "url": "required, a URL such as http://10.0.0.5:8000"}
@@ -366,6 +382,15 @@ _Engine = Literal[ENGINES]  # type: ignore[valid-type]
 _MaxConcurrency = Annotated[int, Strict(), Field(ge=1)]
 
 
+def _kv_endpoint(value: str) -> str:
+    """``value`` when it is a ZMQ endpoint a balancer can connect to; ValueError saying what is wrong otherwise."""
+    KVEventsEndpoint(value)  # raises ValueError naming the accepted forms
+    return value
+
+
+_KVEndpoint = Annotated[str, Strict(), AfterValidator(_kv_endpoint)]
+
+
 class _ReplicaInput(BaseModel):
     """A replica as add_replica receives it; fields are checked in this order and the first bad one is reported."""
 
@@ -376,6 +401,16 @@ class _ReplicaInput(BaseModel):
     engine: _Engine = "vllm"
     max_concurrency: _MaxConcurrency | None = None
     id: _ReplicaId | None = None
+    kv_events: _KVEndpoint | None = None
+    kv_events_replay: _KVEndpoint | None = None
+    kv_block_size: _MaxConcurrency | None = None
+
+    @model_validator(mode="after")
+    def _replay_needs_events(self) -> "_ReplicaInput":
+        if self.kv_events is None and (self.kv_events_replay is not None or self.kv_block_size is not None):
+            raise InvalidInput("kv_events", "required with kv_events_replay or kv_block_size (the replica's KV-cache "
+                                            "event endpoint, tcp://HOST:PORT)")
+        return self
 
 
 class _BalancerInput(BaseModel):
@@ -545,15 +580,16 @@ class MembershipStore:
     # --- writes (each one transaction that bumps the revision) --------------------------------------------------
 
     def add_replica(self, region: str, url: str, engine: str = "vllm", replica_id: str | None = None,
-                    *, max_concurrency: int | None = None, now: float | None = None) -> Replica:
+                    *, max_concurrency: int | None = None, now: float | None = None, **kv: Any) -> Replica:
         """Add a replica; the region is created on first use; the id defaults to ``<region>-<n>``.
 
-        ``max_concurrency`` is the replica's parallel slots (int >= 1) or None. ``now`` is unix time in seconds
-        (default: the clock). Raises InvalidInput for a bad region, URL, engine, id or max_concurrency, and
+        ``max_concurrency`` is the replica's parallel slots (int >= 1) or None. ``kv``: ``kv_events``,
+        ``kv_events_replay``, ``kv_block_size`` (Replica). ``now`` is unix time in seconds (default: the clock).
+        Raises InvalidInput for a bad region, URL, engine, id, max_concurrency or KV-cache event field, and
         Conflict when the URL or the id already exists.
         """
         spec = _parse(_ReplicaInput, region=region, url=url, engine=engine, max_concurrency=max_concurrency,
-                      id=replica_id)
+                      id=replica_id, **kv)
         region, url, engine, max_concurrency, replica_id = (
             spec.region, spec.url, spec.engine, spec.max_concurrency, spec.id)
         created_at = time.time() if now is None else now
@@ -567,12 +603,15 @@ class MembershipStore:
             if replica_id is None:
                 replica_id = self._next_id(region)
             self._db.execute(
-                "INSERT INTO replicas (id, region, url, engine, created_at, max_concurrency) VALUES (?, ?, ?, ?, ?, ?)",
-                (replica_id, region, url, engine, created_at, max_concurrency),
+                "INSERT INTO replicas (id, region, url, engine, created_at, max_concurrency, kv_events, "
+                "kv_events_replay, kv_block_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (replica_id, region, url, engine, created_at, max_concurrency, spec.kv_events,
+                 spec.kv_events_replay, spec.kv_block_size),
             )
             self._bump()
         return Replica(id=replica_id, region=region, url=url, engine=engine, created_at=created_at,
-                       max_concurrency=max_concurrency)
+                       max_concurrency=max_concurrency, kv_events=spec.kv_events,
+                       kv_events_replay=spec.kv_events_replay, kv_block_size=spec.kv_block_size)
 
     def remove_replica(self, replica_id: str) -> Replica:
         """Remove a replica by id and return it; NotFound if no replica has that id."""
@@ -749,6 +788,9 @@ class MembershipStore:
             self._db.execute("ALTER TABLE replicas ADD COLUMN healthy INTEGER NOT NULL DEFAULT 1")
         if "draining" not in columns:
             self._db.execute("ALTER TABLE replicas ADD COLUMN draining INTEGER NOT NULL DEFAULT 0")
+        for column, kind in (("kv_events", "TEXT"), ("kv_events_replay", "TEXT"), ("kv_block_size", "INTEGER")):
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE replicas ADD COLUMN {column} {kind}")
         balancer_columns = {row["name"] for row in self._db.execute("PRAGMA table_info(balancers)")}
         for column, default in (("healthy", 1), ("draining", 0)):
             if column not in balancer_columns:
@@ -789,7 +831,8 @@ class _Transaction:
 def _replica(row: sqlite3.Row) -> Replica:
     return Replica(id=row["id"], region=row["region"], url=row["url"], engine=row["engine"],
                    created_at=row["created_at"], max_concurrency=row["max_concurrency"], healthy=bool(row["healthy"]),
-                   draining=bool(row["draining"]))
+                   draining=bool(row["draining"]), kv_events=row["kv_events"], kv_events_replay=row["kv_events_replay"],
+                   kv_block_size=row["kv_block_size"])
 
 
 def _balancer(row: sqlite3.Row) -> Balancer:

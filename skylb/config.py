@@ -347,6 +347,15 @@ class BalancerConfig(_Strict):
     #: OpenTelemetry spans of each request, sent over OTLP/HTTP (skylb/balancer/tracing.py): ``{otlp_endpoint: null,
     #: sample_ratio: 1.0}``; off unless an endpoint is set here or in $OTEL_EXPORTER_OTLP_ENDPOINT.
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    #: Route by the replicas' KV-cache events (exact cache locality, skylb/balancer/kv_routing.py) for replicas
+    #: whose membership entry names an event endpoint (``kv_events``); false: the prefix trie alone, no subscriber.
+    kv_events: bool = True
+    #: The bound of the block index, in blocks (distinct block hashes; about 107 bytes each, bench/results/
+    #: kv_index.md); beyond it the least recently stored blocks are forgotten.
+    kv_index_max_blocks: int = Field(1_000_000, ge=1)
+    #: The longest wait for a replica's ``/tokenize`` answer before a request is queued, ms; past it the request is
+    #: routed by the prefix trie.
+    kv_tokenize_timeout_ms: float = Field(100.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -90,7 +90,7 @@ def test_cli_add_list_remove(controller):
     listed = json.loads(ctl(url, "replica", "list", "--region", "eu", "--json").stdout)
     assert listed == [{"id": "eu-gpu", "region": "eu", "url": "http://10.0.0.2:8000", "engine": "sglang",
                        "created_at": listed[0]["created_at"], "max_concurrency": None, "healthy": True,
-                       "draining": False}]
+                       "draining": False, "kv_events": None, "kv_events_replay": None, "kv_block_size": None}]
     membership = json.loads(ctl(url, "membership", "--json").stdout)
     assert membership["revision"] == 2 and membership["regions"] == ["eu", "us"]
     assert "revision: 2" in ctl(url, "membership").stdout
@@ -325,6 +325,22 @@ def test_max_concurrency_over_rest_and_cli(controller):
     assert resp.status_code == 400 and "max_concurrency" in resp.json()["error"]["message"]
     r = ctl(url, "replica", "add", "--region", "us", "--url", "http://d:1", "--max-concurrency", "-1")
     assert r.returncode == 1 and "max_concurrency" in r.stderr
+
+
+def test_kv_event_endpoints_over_cli_and_their_validation(controller):
+    """`skylb-ctl replica add --kv-events E --kv-events-replay R` stores both in membership (what balancers follow);
+    a malformed endpoint or a replay without events is refused (exit 1, the field named), nothing added."""
+    url = controller.url
+    r = ctl(url, "replica", "add", "--region", "us", "--url", "http://10.0.0.6:8000", "--kv-events",
+            "tcp://10.0.0.6:5557", "--kv-events-replay", "tcp://10.0.0.6:5558", "--json")
+    assert r.returncode == 0, r.stderr
+    entry = requests.get(f"{url}/v1/membership", timeout=5).json()["replicas"][0]
+    assert (entry["kv_events"], entry["kv_events_replay"]) == ("tcp://10.0.0.6:5557", "tcp://10.0.0.6:5558")
+    for flags, field in ((["--kv-events", "10.0.0.7:5557"], "kv_events"),
+                         (["--kv-events-replay", "tcp://10.0.0.7:5558"], "kv_events")):
+        r = ctl(url, "replica", "add", "--region", "us", "--url", "http://10.0.0.7:8000", *flags)
+        assert r.returncode == 1 and f"{field}:" in r.stderr, r.stderr
+    assert revision(url) == 1
 
 
 def test_cli_engine_choices_cover_every_adapter():

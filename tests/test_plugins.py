@@ -13,12 +13,14 @@ import pytest
 import skylb.core.plugins as plugins
 from skylb.core.candidates import Candidates
 from skylb.core.estimate import WaitModel
+from skylb.core.kv_index import BlockIndex
 from skylb.core.plugins.engine_pressure import EnginePressure
 from skylb.core.plugins.estimated_ttft import EstimatedTTFT, PrefillEstimate
 from skylb.core.plugins.estimated_wait import EstimatedWait, QueueWait
 from skylb.core.plugins.forward_queued import ForwardQueued
 from skylb.core.plugins.hash_ring import PeerRing, ReplicaRing, SessionKey
 from skylb.core.plugins.hold_for_faster import HoldForFaster, faster
+from skylb.core.plugins.kv_locality import CachedMatch, KVLocality
 from skylb.core.plugins.least_load import LeastLoad
 from skylb.core.plugins.most_room import MostRoom
 from skylb.core.plugins.predicted_ttft import PredictedTTFTPlacement
@@ -155,6 +157,71 @@ def test_prefix_locality_forgets_members_that_left_and_keeps_one_match_per_decis
     assert loc.replica_match(q, {"r1", "r2"}) is not first
     loc.set_members({"r2"}, set())
     assert loc.matched(q, loc.replica_trie, {"r1", "r2"}) == (frozenset(), 0.0)
+
+
+def _indexed(blocks: dict[str, int], live: tuple[str, ...] | None = None) -> BlockIndex:
+    """An index where each replica holds the first n blocks (16 tokens each) of the chain 1, 2, 3, ..."""
+    index = BlockIndex(1000)
+    for rid, n in blocks.items():
+        if live is None or rid in live:
+            index.mark_live(rid)
+        index.store(rid, range(1, n + 1), block_size=16)
+    return index
+
+
+@pytest.mark.parametrize("blocks, live, expected", [
+    ({"r1": 4, "r2": 2}, None, {"r1": 0.5, "r2": 0.25}),  # 128-token prompt: 64 and 32 tokens held
+    ({"r1": 8, "r2": 0}, None, {"r1": 1.0, "r2": 0.0}),
+    ({"r1": 4, "r2": 8}, ("r1",), {"r1": 0.5}),  # r2's stream is not live: absent, the trie answers for it
+    ({}, None, None),  # no live replica: no exact answer
+])
+def test_kv_locality_fractions_are_matched_tokens_over_prompt_tokens(blocks, live, expected):
+    """Replica r holds matched_tokens[r] / prompt tokens of the prompt, for live replicas only."""
+    kv = KVLocality(_indexed(blocks, live))
+    request = _req("q", "x", block_hashes=tuple(range(1, 9)), prompt_tokens=128)
+    assert kv.fractions(request) == expected
+    assert kv.fractions(_req("n", "x", prompt_tokens=128)) is None  # no block hashes: the trie alone
+
+
+def test_kv_locality_answer_is_kept_until_the_index_changes():
+    """The same request is matched once per index state: a store in between gives a fresh answer."""
+    index = _indexed({"r1": 2})
+    kv = KVLocality(index)
+    request = _req("q", "x", block_hashes=(1, 2, 3, 4), prompt_tokens=64)
+    first = kv.fractions(request)
+    assert kv.fractions(request) is first and first == {"r1": 0.5}
+    index.store("r1", [3, 4], block_size=16)
+    assert kv.fractions(request) == {"r1": 1.0}
+
+
+def test_kv_locality_combines_exact_and_trie_answers():
+    """Live replicas by the index, the others by the trie's deepest match; the best holders are the targets."""
+    loc = _locality()
+    loc.set_members({"r1", "r2", "r3"}, set())
+    loc.routed(_req("h", A), replica="r3")  # the trie believes r3 (no events) holds A
+    loc.routed(_req("h2", A), replica="r1")  # ... and r1, whose events say it holds only a quarter
+    loc.attach_kv_index(_indexed({"r1": 2, "r2": 6}, live=("r1", "r2")))
+    q = _req("q", A, block_hashes=tuple(range(1, 9)), prompt_tokens=128)
+    m = loc.replica_match(q, {"r1", "r2", "r3"})
+    assert isinstance(m, CachedMatch) and m.targets == {"r3"} and m.ratio == 1.0
+    assert loc.matched_fraction(q, "r2", {"r1", "r2", "r3"}) == 0.75
+    assert loc.matched_fraction(q, "r1", {"r1", "r2", "r3"}) == 0.0  # 0.25: below the 0.5 threshold
+    assert loc.match_among(q, {"r1", "r2"}).targets == {"r2"}
+    # Without block hashes the same locality answers from the tries, as without an index.
+    plain = _req("p", A)
+    assert loc.replica_match(plain, {"r1", "r2", "r3"}).targets == {"r1", "r3"}
+
+
+def test_push_to_holder_pushes_to_the_replica_the_index_says_holds_the_prefix():
+    """A full replica holding the prompt by its events gets it, though the trie never saw the prompt there."""
+    loc = _locality()
+    loc.set_members({"r1", "r2"}, set())
+    loc.attach_kv_index(_indexed({"r2": 8}))
+    rule = PushToPrefixHolder(loc, Turns(), abs_threshold=64, rel_threshold=1.5)
+    r1, r2 = _replica("r1", 1), _replica("r2", 2, running=2, pending=0)
+    q = _req("q", A, block_hashes=tuple(range(1, 9)), prompt_tokens=128)
+    assert rule.decide(_candidates(q, [r1], busy=[r2]), None) is r2
+    assert rule.decide(_candidates(_req("p", A), [r1], busy=[r2]), None) is None  # no hashes: the trie knows none
 
 
 def test_estimated_ttft_weighs_a_cached_prefix_against_a_backlog():

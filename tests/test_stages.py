@@ -15,8 +15,8 @@ from skylb.balancer.stages.parse import ParseStage
 from skylb.config import BalancerConfig
 
 ALL_ON = {"embedding_cache": {"enabled": True}, "ollama_fleet": {"num_ctx": {"llama3": 4096}},
-          "quota": {"enabled": True}}
-ALL_OFF = {"embedding_cache": {"enabled": False}, "quota": {"enabled": False}}
+          "quota": {"enabled": True}, "kv_events": True}
+ALL_OFF = {"embedding_cache": {"enabled": False}, "quota": {"enabled": False}, "kv_events": False}
 
 
 async def _chain_names(settings: dict) -> list[str]:

@@ -1,4 +1,5 @@
-"""Block hashes as vLLM computes them, for the emulator's word tokens.
+"""Block hashes as vLLM computes them, for the emulator's word tokens (the chain itself is skylb/engines/kv_hash.py,
+which the balancer uses too).
 
 Source: vLLM 0.33 ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``, ``init_none_hash``,
 ``maybe_convert_block_hash``) and ``vllm/utils/hashing.py`` (``sha256``: SHA-256 of the pickled object, protocol
@@ -16,35 +17,14 @@ emulator's must be stable across processes.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 import zlib
 from collections.abc import Sequence
 
-__all__ = ["NONE_HASH", "block_hashes", "external", "token_ids"]
+from skylb.engines.kv_hash import NONE_HASH, block_hashes, external
 
-NONE_HASH = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=pickle.HIGHEST_PROTOCOL)).digest()
-_MASK64 = (1 << 64) - 1
+__all__ = ["NONE_HASH", "block_hashes", "external", "token_ids"]
 
 
 def token_ids(words: Sequence[str]) -> list[int]:
     """The emulator's token id of each word (a decimal number is itself, any other word the CRC-32 of its UTF-8)."""
     return [int(w) if w.isdigit() and w.isascii() else zlib.crc32(w.encode()) for w in words]
-
-
-def block_hashes(ids: Sequence[int], block_size: int, extra_keys: tuple | None = None) -> list[bytes]:
-    """vLLM's chained 32-byte hash of each FULL block of ``ids`` (a trailing partial block has none); ``extra_keys``
-    (vLLM's tagged tuple, e.g. ``(("cache_salt", "s"),)``) go into the first block only, as a cache salt does."""
-    hashes: list[bytes] = []
-    parent = NONE_HASH
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        keys = extra_keys if start == 0 else None
-        parent = hashlib.sha256(pickle.dumps((parent, tuple(ids[start:start + block_size]), keys),
-                                             protocol=pickle.HIGHEST_PROTOCOL)).digest()
-        hashes.append(parent)
-    return hashes
-
-
-def external(block_hash: bytes) -> int:
-    """The hash events carry: the lower 64 bits (vLLM ``maybe_convert_block_hash``, the default)."""
-    return int.from_bytes(block_hash, "big") & _MASK64

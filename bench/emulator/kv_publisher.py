@@ -149,6 +149,9 @@ class KVEventPublisher:
         self.endpoint: str | None = None
         self.replay_endpoint: str | None = None
 
+    #: True once ``close`` ran: batches are no longer sent.
+    closed = False
+
     def start(self) -> None:
         """Bind or connect the sockets and start answering replays (inside the event loop)."""
         self._pub = self._context.socket(zmq.PUB)
@@ -179,7 +182,7 @@ class KVEventPublisher:
         self._buffer.append((seq, payload))
         if self._drop:
             self._drop -= 1
-        else:
+        elif not self.closed:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         return seq
 
@@ -201,7 +204,9 @@ class KVEventPublisher:
             await router.send_multipart((client, b"", b"", END_SEQ, b""))
 
     async def close(self) -> None:
-        """Stop answering replays and close both sockets (subscribers see the connection drop)."""
+        """Stop answering replays and close both sockets (subscribers see the connection drop); later batches are
+        kept in the buffer only (the engine runs on, its stream is gone)."""
+        self.closed = True
         if self._replay_task is not None:
             self._replay_task.cancel()
             await asyncio.gather(self._replay_task, return_exceptions=True)
@@ -212,20 +217,26 @@ class KVEventPublisher:
 
 def add_kv_event_routes(app: web.Application, publisher: KVEventPublisher) -> None:
     """``GET`` / ``PUT {"drop_next": n}`` on ``/emulator/kv-events``: the publisher's endpoints and sequence, and
-    the next n batches kept off the PUB socket (a subscriber sees a gap it must fill by replay)."""
+    the next n batches kept off the PUB socket (a subscriber sees a gap it must fill by replay); ``PUT {"stop":
+    true}`` closes the sockets while the engine serves on (a lost event stream: its balancer falls back to the
+    trie)."""
 
     def state() -> dict:
         return {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
-                "next_seq": publisher._seq, "drop_next": publisher._drop}
+                "next_seq": publisher._seq, "drop_next": publisher._drop, "stopped": publisher.closed}
 
     async def show(request: web.Request) -> web.Response:
         return web.json_response(state())
 
     async def update(request: web.Request) -> web.Response:
         body = await request.json()
+        if body == {"stop": True}:
+            await publisher.close()
+            return web.json_response(state())
         n = body.get("drop_next") if isinstance(body, dict) and set(body) == {"drop_next"} else None
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            return web.json_response({"error": {"message": "body must be {\"drop_next\": integer >= 0}",
+            return web.json_response({"error": {"message": "body must be {\"drop_next\": integer >= 0} or "
+                                                           "{\"stop\": true}",
                                                  "type": "BadRequestError"}}, status=400)
         publisher.drop_next(n)
         return web.json_response(state())

@@ -51,6 +51,8 @@ from skylb.core.kv_events import apply_events
 from skylb.core.kv_index import BlockIndex
 from skylb.core.state import load_from_outstanding
 from skylb.balancer.usage import observe as observe_usage, usage_of
+from skylb.engines.kv_hash import request_block_hashes
+from bench.emulator import kv_hash
 from bench.emulator.model import EngineParams, FinishedRequest, make_engine
 
 __all__ = ["Network", "DEFAULT_RTT_MS", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
@@ -97,6 +99,9 @@ class BalancerSetup:
         max_concurrency: when set, its replicas report no pending metric and the balancer derives
             pending = max(0, outstanding - max_concurrency) at each probe, as skylb/engines/openai.py does (SP-O).
         fresh_view: the oracle: every placement sees every replica's real state (no probes, no staleness).
+        kv_routing: its router reads the cluster's block index (exact cache locality from the replicas' KV-cache
+            events, as a live balancer with ``kv_events`` replicas does) and each request's block hashes are
+            computed as it arrives; needs the Cluster's ``kv_index``.
     """
 
     region: str
@@ -105,6 +110,7 @@ class BalancerSetup:
     forwarding: bool = False
     max_concurrency: int | None = None
     fresh_view: bool = False
+    kv_routing: bool = False
 
 
 class Flight:
@@ -208,7 +214,10 @@ class SimBalancer:
         self.setup = setup
         self.region = setup.region
         # The queue bound is lifted: a simulated client is never refused, it waits (its latency is the figure).
-        self.router = build_router(setup.region, setup.settings, max_queue=10 ** 9)
+        if setup.kv_routing and cluster.kv_index is None:
+            raise ValueError(f"balancer {setup.region}: kv_routing needs the Cluster's kv_index")
+        self.router = build_router(setup.region, setup.settings, max_queue=10 ** 9,
+                                   kv_index=cluster.kv_index if setup.kv_routing else None)
         self.replicas = [cluster.replicas[r] for r in setup.replicas]
         limits = {r.id: setup.max_concurrency for r in self.replicas} if setup.max_concurrency else None
         engine = "openai" if setup.max_concurrency else "vllm"
@@ -230,7 +239,8 @@ class SimBalancer:
         waited = flight.origin_decision.queued_s if from_region is not None and flight.origin_decision else 0.0
         # As skylb/balancer/stages/route.py builds it: no prompt_tokens, the length is estimated from the text.
         self.router.enqueue(Request(id=req.id, text=req.text, arrived_at=self.loop.now,
-                                    session_key=req.session_key, forwarded_from=from_region, waited_s=waited))
+                                    session_key=req.session_key, forwarded_from=from_region, waited_s=waited,
+                                    block_hashes=self.cluster.block_hashes(req) if self.setup.kv_routing else None))
         self.dispatch()
 
     def dispatch(self) -> None:
@@ -450,6 +460,7 @@ class Cluster:
                  replica_params: Mapping[str, EngineParams] | None = None, kv_index: BlockIndex | None = None):
         self.loop = EventLoop()
         self.kv_index = kv_index
+        self._block_hashes: dict[str, tuple[int, ...]] = {}
         self.workload = workload
         self.network = network or Network()
         self.params = params or EngineParams()
@@ -482,6 +493,15 @@ class Cluster:
         self.finished = False
 
     # -- running ------------------------------------------------------------------------------------------------
+    def block_hashes(self, req) -> tuple[int, ...]:
+        """``req``'s block hashes as its replicas' engines hash them (the emulator's token ids, the engine model's
+        block size; skylb/engines/kv_hash.py), computed once per request, as a live balancer does before queueing."""
+        hashes = self._block_hashes.get(req.id)
+        if hashes is None:
+            hashes = self._block_hashes[req.id] = request_block_hashes(kv_hash.token_ids(req.tokens),
+                                                                       self.params.block_size)
+        return hashes
+
     def run(self) -> "Cluster":
         """Run the workload to the end (every sent request completed); returns self."""
         rng = random.Random(f"{self.seed}:cluster")

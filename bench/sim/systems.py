@@ -69,15 +69,16 @@ but 256-character tree nodes, ``SIM_POLICY_OPTIONS``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bench.sim.cluster import BalancerSetup, Cluster, Network
 from bench.sim.workloads import Workload
 from skylb.config import BalancerConfig
+from skylb.core.kv_index import BlockIndex
 from skylb.core.policies import policy_names
 from bench.emulator.model import EngineParams
 
-__all__ = ["System", "SYSTEMS", "FIG8_SYSTEMS", "FIG9_SYSTEMS", "MOONCAKE_SYSTEMS", "ORACLE_CANDIDATES",
+__all__ = ["System", "SYSTEMS", "KV_SYSTEMS", "FIG8_SYSTEMS", "FIG9_SYSTEMS", "MOONCAKE_SYSTEMS", "ORACLE_CANDIDATES",
            "SIM_POLICY_OPTIONS", "replica_layout", "build", "settings_for"]
 
 #: Options the simulated SGLang policies run with: 256-character tree nodes, the size every simulated run so far
@@ -106,6 +107,8 @@ class System:
         max_concurrency: replicas report no pending metric; the cap of SP-O. home: region of the single balancer.
         candidates: the oracle only: the policies it runs, one run each (``policy`` is then the first of them);
             bench/sim/scenarios.py ``execute`` keeps the best value of each figure.
+        kv_events: the replicas publish KV-cache events into a block index and the balancers route by it (exact
+            cache locality) rather than by their prefix tries alone.
     """
 
     key: str
@@ -116,6 +119,7 @@ class System:
     max_concurrency: int | None = None
     home: str = "us"
     candidates: tuple[str, ...] = ()
+    kv_events: bool = False
 
 
 #: The oracle's candidate policies (issue 8: SkyLB's, SGLang's cache-aware, least load), those registered.
@@ -146,6 +150,14 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
            "sglang-selective", max_concurrency=10),
     System("SP-P", "SGLang cache_aware, selective pushing by pending requests, prefix-aware queue look-ahead",
            "single", "sglang-selective"),
+)}
+
+#: Systems whose replicas publish KV-cache events: kept out of SYSTEMS (every one of which the smoke test runs) and
+#: run by the KV-routing benchmark (bench/kv_routing.py).
+KV_SYSTEMS: dict[str, System] = {s.key: s for s in (
+    System("SkyLB-KV", "per-region balancers, exact cache locality from the replicas' KV-cache events (the trie for "
+           "replicas without) + selective pushing on estimated wait + forwarding", "per_region", "skylb",
+           forwarding=True, kv_events=True),
 )}
 
 #: The systems of paper Fig. 8 (plus the paper's rule and the oracle), in plotting order.
@@ -195,6 +207,8 @@ def build(system: System, workload: Workload, counts: Mapping[str, int], *, seed
         network = Network(scale=0.0)
     else:
         raise ValueError(f"unknown layout {system.layout!r}")
+    if system.kv_events:
+        setups = [replace(s, kv_routing=True) for s in setups]
     return Cluster(workload=workload, replicas=replicas, balancers=setups, entry=entry, network=network,
                    params=params, seed=seed, stop_at=stop_at, probe_interval_s=settings.probe_interval_ms / 1000,
-                   replica_params=replica_params)
+                   replica_params=replica_params, kv_index=BlockIndex() if system.kv_events else None)

@@ -22,6 +22,7 @@ import structlog
 from skylb.balancer.dispatcher import Dispatcher
 from skylb.balancer.embed_cache import EmbeddingCache
 from skylb.balancer.ollama_fleet import Fleet
+from skylb.balancer.kv_routing import KVRouting
 from skylb.balancer.membership import MembershipWatcher
 from skylb.balancer.metrics import BalancerMetrics
 from skylb.balancer.probers import Probers
@@ -57,7 +58,8 @@ class Balancer:
             skylb/balancer/static.py); None: membership comes from the controller, else from disk.
 
     Attributes (after ``start``): router, dispatcher, metrics, session (upstream aiohttp session), relay,
-    membership, tracing (skylb/balancer/spans.py Tracing, or None when tracing is off).
+    membership, tracing (skylb/balancer/spans.py Tracing, or None when tracing is off), kv (KV-cache event routing,
+    skylb/balancer/kv_routing.py, or None when ``kv_events`` is off).
     """
 
     def __init__(self, cfg: BalancerConfig, *, region: str, advertise_url: str, client_keys: bool = False,
@@ -76,11 +78,16 @@ class Balancer:
                                                   if self.router.models_known() else None))
         self.region = region
         self.advertise_url = advertise_url
-        self.router = build_router(region, cfg)
+        #: The block index of the replicas' KV-cache events and what feeds it, or None (``balancer.kv_events``).
+        self.kv = (KVRouting(max_blocks=cfg.kv_index_max_blocks, region=region,
+                             tokenize_timeout_s=cfg.kv_tokenize_timeout_ms / 1000) if cfg.kv_events else None)
+        self.router = build_router(region, cfg, kv_index=self.kv.index if self.kv is not None else None)
         #: The tenants client API keys map to (set by the application that checks the keys).
         self.key_tenants: frozenset[str] = frozenset()
         self.metrics = BalancerMetrics(self.router, now=self.now, controller_reachable=self.controller_reachable,
                                        tenant_configured=self.tenant_configured)
+        if self.kv is not None:
+            self.kv.register(self.metrics.registry)
         # Priority classes: tenants' weights for deficit round robin, read from the quotas in force at each turn.
         self.router.set_tenant_weights(lambda tenant: self.quotas.tenant(tenant).weight)
         #: Answers to repeated embedding requests, or None when balancer.embedding_cache is off.
@@ -179,7 +186,7 @@ class Balancer:
             fleet=self.fleet, metrics=self.metrics, budget=self.retry_budget, now=self.now, in_flight=self.in_flight,
             quotas=lambda: self.quotas, quota_gate=self.quota_gate, group_gate=self.gate, leases=self.leases,
             embed_cache=self.embed_cache, client_keys=self.client_keys, recently_served=self.model_recently_served,
-            request_log=self.request_log, responses=self.responses)
+            request_log=self.request_log, responses=self.responses, kv=self.kv)
         self.retrieve_response = retrieve_handler(
             self.responses, target_url=self.target_url, session=lambda: self.session, region=self.region,
             peer_token=cfg.peer_token, replica_auth=self.relay.replica_authorization)
@@ -202,6 +209,8 @@ class Balancer:
         elif not await self.membership.fetch_once(timeout_s=2.0):
             self.membership.load_persisted()
         self.membership.start()
+        if self.kv is not None:
+            self.kv.start()
         probers = Probers(self.router, self.session, now=self.now, on_round=self._probe_round_done,
                           interval_s=cfg.probe_interval_ms / 1000, timeout_s=cfg.probe_timeout_ms / 1000,
                           peer_token=cfg.peer_token, models_refresh_s=cfg.models_refresh_s)
@@ -236,6 +245,8 @@ class Balancer:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.fleet.stop()
+        if self.kv is not None:
+            await self.kv.close()
         self.dispatcher.fail_waiting("balancer shutting down")
         if self.session:
             await self.session.close()
@@ -286,6 +297,8 @@ class Balancer:
         self.draining = any(b.get("draining", False) for b in snapshot.get("balancers", [])
                             if b.get("region") == self.region and (view is None or b.get("url") == view["balancer"]))
         self.router.set_replicas(replicas, max_concurrency={r["id"]: r.get("max_concurrency") for r in mine})
+        if self.kv is not None:  # every replica it serves, healthy or not: a stream outlives a failed probe
+            self.kv.apply(mine)
         self.router.set_peers(peers)
         for name, peer in self.router.peers.items():
             peer.sibling = name.startswith(f"{self.region}@")

@@ -183,7 +183,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "static mode", "serve in front of replicas that already run, with no controller and no YAML: "
         "skylb balancer --replica http://127.0.0.1:11434")
     static.add_argument("--replica", action="append", default=[], metavar="URL",
-                        help="a replica's base URL (an engine's OpenAI or Ollama server); repeatable")
+                        help="a replica's base URL (an engine's OpenAI or Ollama server); repeatable. A vLLM "
+                             "replica that publishes KV-cache events (vLLM --kv-events-config) takes its endpoints "
+                             "after '#': URL#kv=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,block_size=N], and the "
+                             "balancer then routes by its exact cache state")
     static.add_argument("--engine", default="auto", choices=ENGINES, metavar="ENGINE",
                         help=f"the replicas' engine: {', '.join(ENGINES)} (default: auto, detected by probing "
                              "each replica once)")

@@ -6,15 +6,21 @@ snapshot, in the controller's shape (controller/store.py ``snapshot``: ``revisio
 ``assignments``), that the balancer applies once at start (Balancer.apply_membership); nothing is persisted and
 nothing is watched. Replicas are probed and ejected as always; a replica that is down stays a member and comes back
 when its probes succeed.
+
+A replica that publishes KV-cache events (vLLM ``--kv-events-config``) names its endpoints after ``#``:
+``http://10.0.0.5:8000#kv=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,block_size=16`` (``replay`` and
+``block_size`` optional). They become the entry's ``kv_events``, ``kv_events_replay`` and ``kv_block_size``, as
+`skylb-ctl replica add --kv-events` sets them (skylb/balancer/kv_routing.py).
 """
 
 from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from skylb.balancer.kv_routing import kv_endpoint
 from skylb.config import ConfigError
 
-__all__ = ["STATIC_REGION", "ENGINES", "static_membership", "parse_peers"]
+__all__ = ["STATIC_REGION", "ENGINES", "static_membership", "parse_peers", "parse_replica"]
 
 #: The region of a balancer started with --replica and no --region.
 STATIC_REGION = "local"
@@ -54,23 +60,60 @@ def parse_peers(items: list[str], *, region: str) -> dict[str, str]:
     return peers
 
 
+#: ``--replica URL#...`` keys -> membership entry keys.
+_KV_KEYS = {"kv": "kv_events", "replay": "kv_events_replay", "block_size": "kv_block_size"}
+
+
+def parse_replica(text: str) -> tuple[str, dict]:
+    """``--replica URL[#kv=ENDPOINT,replay=ENDPOINT,block_size=N]`` as (URL, {membership entry KV keys}).
+
+    Raises ConfigError for an unknown key, a key given twice, an endpoint that is not ``tcp://HOST:PORT`` (or
+    ``ipc://``), a block size that is not a positive integer, or ``replay``/``block_size`` without ``kv``.
+    """
+    url, _, extra = text.strip().partition("#")
+    kv: dict = {}
+    for item in filter(None, extra.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in _KV_KEYS:
+            raise ConfigError(f"--replica {url}: after '#' expected kv=tcp://HOST:PORT[,replay=tcp://HOST:PORT]"
+                              f"[,block_size=N], got {item!r}")
+        if _KV_KEYS[key] in kv:
+            raise ConfigError(f"--replica {url}: {key} is given twice")
+        if key == "block_size":
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--replica {url}: block_size must be a positive integer (tokens), got {value!r}")
+            kv["kv_block_size"] = int(value)
+        else:
+            kv[_KV_KEYS[key]] = value
+    if extra and "kv_events" not in kv:
+        raise ConfigError(f"--replica {url}: replay and block_size need kv=tcp://HOST:PORT (the event endpoint)")
+    try:
+        kv_endpoint(kv)
+    except ValueError as exc:
+        raise ConfigError(f"--replica {url}: {exc}") from None
+    return url, kv
+
+
 def static_membership(region: str, replicas: list[str], *, engine: str = "auto",
                       peers: dict[str, str] | None = None) -> dict:
-    """The membership snapshot of ``replicas`` (base URLs, served by ``region``'s balancer through the ``engine``
+    """The membership snapshot of ``replicas`` (base URLs, each with its optional KV-cache event endpoints:
+    ``parse_replica``; served by ``region``'s balancer through the ``engine``
     adapter) and ``peers`` ({region: balancer URL}). Replica ids are ``<region>-<n>``, n from 1 in flag order.
 
-    Raises ConfigError for a URL that is not http(s), a URL given twice, or an unknown engine.
+    Raises ConfigError for a URL that is not http(s), a URL given twice, an unknown engine, or bad KV-cache event
+    endpoints.
     """
     _region_name(region, "--region")
     if engine not in ENGINES:
         raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    urls = [_url(u.strip(), "--replica") for u in replicas]
+    parsed = [parse_replica(u) for u in replicas]
+    urls = [_url(url, "--replica") for url, _ in parsed]
     if len(set(urls)) != len(urls):
         raise ConfigError("--replica: the same URL is given twice")
     return {
         "revision": 0,
-        "replicas": [{"id": f"{region}-{i}", "region": region, "url": url, "engine": engine}
-                     for i, url in enumerate(urls, start=1)],
+        "replicas": [{"id": f"{region}-{i}", "region": region, "url": url, "engine": engine, **kv}
+                     for i, (url, (_, kv)) in enumerate(zip(urls, parsed), start=1)],
         "balancers": [{"region": name, "url": url} for name, url in (peers or {}).items()],
         "assignments": [],
     }

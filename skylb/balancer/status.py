@@ -28,7 +28,9 @@ def detailed_status(balancer: Balancer) -> dict:
     """A JSON-able view for operators: the peer status plus every replica and peer with its availability and the
     reason it is unavailable, the policy, and the controller's reachability and membership revision (None, and
     ``static_membership`` true, for a balancer started with --replica); ``time`` is when the view was taken (unix
-    s), ``kv_usage`` a replica's KV cache use at its latest probe (0-1, None when its engine does not say)."""
+    s), ``kv_usage`` a replica's KV cache use at its latest probe (0-1, None when its engine does not say),
+    ``kv_events`` the block index and, per replica with an event endpoint, whether its stream is live
+    (skylb/balancer/kv_routing.py ``KVRouting.status``; None when ``balancer.kv_events`` is off)."""
     now, router = balancer.now(), balancer.router
     membership = balancer.membership
     return {
@@ -46,6 +48,8 @@ def detailed_status(balancer: Balancer) -> dict:
         "ollama_fleet": balancer.fleet.status(),
         "quotas": quotas_in_force(balancer),
         "quota": quota_status(balancer.limits, balancer.quota_gate, now),
+        # Per replica with an event endpoint: whether its stream is live (exact matches) or the trie is used.
+        "kv_events": balancer.kv.status() if balancer.kv is not None else None,
         "replicas": [
             {"id": r.id, "url": r.url, "healthy": r.healthy, "pending": r.pending,
              # --engine auto: the engine detected (skylb/engines/auto.py), once known.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from skylb.core.fleet_rules import FleetRules, FleetSettings
+from skylb.core.kv_index import BlockIndex
 from skylb.core.outlier import OutlierDetector
 from skylb.core.policies import make_policy
 from skylb.core.profile import Profile
@@ -91,11 +92,17 @@ def build_rules(settings: RouterSettings) -> AvailabilityRules:
                              peer_stale_after_s=interval_s * settings.peer_stale_after_intervals)
 
 
-def build_router(region: str, settings: RouterSettings, *, max_queue: int | None = None) -> Router:
+def build_router(region: str, settings: RouterSettings, *, max_queue: int | None = None,
+                 kv_index: BlockIndex | None = None) -> Router:
     """A Router for ``region`` from ``settings``; ``max_queue`` overrides ``settings.max_queue`` (the simulator
-    never refuses a request, so it passes a bound no run reaches). Raises PolicyError on an invalid policy."""
+    never refuses a request, so it passes a bound no run reaches); ``kv_index``: the block index of the engines'
+    KV-cache events, given to the policy's plugins that price cache locality (None: the prefix trie alone).
+    Raises PolicyError on an invalid policy."""
     priorities = settings.priorities
-    return Router(region=region, policy=build_policy(settings), rules=build_rules(settings),
+    policy = build_policy(settings)
+    if kv_index is not None:
+        policy.attach_kv_index(kv_index)
+    return Router(region=region, policy=policy, rules=build_rules(settings),
                   max_queue=settings.max_queue if max_queue is None else max_queue,
                   outlier=OutlierDetector.from_settings(settings.outlier_detection),
                   fleet=FleetRules(settings.ollama_fleet),

@@ -89,6 +89,9 @@ class BlockIndex:
         self.replicas: dict[str, ReplicaEvents] = {}
         #: Blocks evicted by the bound since the index began.
         self.evicted = 0
+        #: Counts the changes a query could see (stores, removals, drops, a stream turning live or stale): a router
+        #: keeps an answer for one decision only while this is unchanged.
+        self.changes = 0
 
     def __len__(self) -> int:
         """Blocks in the index (those of dropped replicas included until touched or evicted)."""
@@ -111,6 +114,7 @@ class BlockIndex:
     def mark_live(self, replica: str) -> None:
         """The replica's stream is connected: its matches count from now on (it starts with nothing known)."""
         self.replica(replica).live = True
+        self.changes += 1
 
     def mark_stale(self, replica: str) -> None:
         """The replica's stream is gone: drop what was known of it and stop reporting it until ``mark_live``."""
@@ -122,6 +126,7 @@ class BlockIndex:
         O(holders of the replica), the blocks' bits are stripped lazily."""
         state = self.replica(replica)
         state.drops += 1
+        self.changes += 1
         for key in [k for k in self._slot_of if k[0] == replica]:
             slot = self._slot_of.pop(key)
             self._holder[slot] = None
@@ -162,6 +167,7 @@ class BlockIndex:
 
         Hashes are 64-bit ints. ``block_size`` (tokens per block) is remembered for :meth:`matched_tokens`."""
         state = self.replica(replica)
+        self.changes += 1
         if block_size is not None:
             state.block_size = block_size
         slot = self._slot(replica, medium, lora_id)
@@ -188,6 +194,7 @@ class BlockIndex:
                 bits |= 1 << slot
         if not bits:
             return
+        self.changes += 1
         blocks = self._blocks
         for h in block_hashes:
             mask = blocks.get(h)

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from skylb.core.candidates import Candidates
 from skylb.core.estimate import prompt_tokens
+from skylb.core.kv_index import BlockIndex
 from skylb.core.prefix_trie import PrefixTrie
 from skylb.core.rates import RateBook
 from skylb.core.request import Request
@@ -197,6 +198,13 @@ class Profile:
         for learner in self.learners:
             if hasattr(learner, "routed"):
                 learner.routed(request, replica=replica, peer=peer)
+
+    def attach_kv_index(self, index: BlockIndex) -> None:
+        """Give every learner that can use it (``attach_kv_index``) the block index of the engines' KV-cache events
+        (skylb/core/kv_index.py BlockIndex), so cache locality is exact where the engines publish events."""
+        for learner in self.learners:
+            if hasattr(learner, "attach_kv_index"):
+                learner.attach_kv_index(index)
 
     def set_members(self, replicas: Iterable[str], peers: Iterable[str]) -> None:
         """Tell every learner the current local replica ids and peer regions."""

@@ -1,10 +1,11 @@
 """The chain built from the settings, in one place (as Envoy builds its HTTP filter chain from configuration):
 
     parse -> classify -> [embedding_cache] -> translate -> resolve_model -> responses -> [num_ctx] -> [model_group]
-    -> [quota] -> route
+    -> [quota] -> [block_hashes] -> route
 
 A stage in brackets is present only when its feature is on: ``balancer.embedding_cache.enabled``,
-``balancer.ollama_fleet.num_ctx`` (any model pinned), ``balancer.quota.enabled`` (model groups and the quota gate).
+``balancer.ollama_fleet.num_ctx`` (any model pinned), ``balancer.quota.enabled`` (model groups and the quota gate),
+``balancer.kv_events`` (routing by the replicas' KV-cache events).
 A feature that is off is absent from the chain, not an ``if`` in the request's path.
 """
 
@@ -19,6 +20,8 @@ from skylb.balancer.ollama_fleet import Fleet
 from skylb.balancer.relay import Relay
 from skylb.balancer.responses import ResponseBook
 from skylb.balancer.retry import RetryBudget
+from skylb.balancer.kv_routing import KVRouting
+from skylb.balancer.stages.block_hashes import BlockHashStage
 from skylb.balancer.stages.chain import Chain, Stage
 from skylb.balancer.stages.classify import ClassifyStage
 from skylb.balancer.stages.embedding_cache import EmbeddingCacheStage
@@ -42,14 +45,15 @@ __all__ = ["build_chain", "STAGE_ORDER"]
 
 #: Every stage's name in chain order (optional ones included).
 STAGE_ORDER = ("parse", "classify", "embedding_cache", "translate", "resolve_model", "responses", "num_ctx",
-               "model_group", "quota", "route")
+               "model_group", "quota", "block_hashes", "route")
 
 
 def build_chain(cfg: BalancerConfig, *, region: str, router: Router, dispatcher: Dispatcher, relay: Relay,
                 fleet: Fleet, metrics: BalancerMetrics, budget: RetryBudget, now: Callable[[], float],
                 in_flight: Callable[[], int], quotas: Callable[[], Quotas], quota_gate: QuotaGate,
                 group_gate: ModelGate, leases: LeaseBook, embed_cache: EmbeddingCache | None, client_keys: bool,
-                recently_served: Callable[..., bool], request_log: RequestLog, responses: ResponseBook) -> Chain:
+                recently_served: Callable[..., bool], request_log: RequestLog, responses: ResponseBook,
+                kv: KVRouting | None = None) -> Chain:
     """The request chain of one balancer, its stages given only the parts each needs (module docstring)."""
     groups = cfg.quota.enabled
     stages: list[Stage] = [
@@ -71,6 +75,9 @@ def build_chain(cfg: BalancerConfig, *, region: str, router: Router, dispatcher:
         stages.append(ModelGroupStage(gate=group_gate, leases=leases, settings=cfg.quota, now=now,
                                       retry_after_s=cfg.retry_after_s))
         stages.append(QuotaStage(quota_gate))
+    if kv is not None:
+        stages.append(BlockHashStage(kv, router=router, session=lambda: relay.session,
+                                     authorization=relay.replica_authorization))
     stages.append(RouteStage(cfg, router=router, dispatcher=dispatcher, relay=relay, fleet=fleet, metrics=metrics,
                              budget=budget, now=now, in_flight=in_flight, region=region))
     return Chain(stages, request_log=request_log)

@@ -45,6 +45,8 @@ class RequestContext:
         trace: its spans (skylb/balancer/spans.py RequestTrace) when the balancer traces, else None.
         translation: set when an Ollama-API request goes to OpenAI-dialect replicas (translate stage,
         skylb/balancer/translate.py): the OpenAI path and the way back; None otherwise.
+        block_hashes, prompt_tokens: the prompt's KV-cache block hashes and token count from a replica's tokenizer
+            (block_hashes stage), or None.
     """
 
     http: web.Request
@@ -73,6 +75,8 @@ class RequestContext:
     on_answer_head: Callable[[Any, bytes], None] | None = None
     trace: Any = None
     translation: Any = None
+    block_hashes: tuple[int, ...] | None = None
+    prompt_tokens: int | None = None
     _end_hooks: list[EndHook] = field(default_factory=list)
 
     @property

@@ -5,12 +5,18 @@ Both are the core's chunked prefix tries (skylb/core/prefix_trie.py), bounded in
 and rules of the prefix-aware profiles read them; this Learner keeps them up to date. One decision asks for the
 prompt's replica-trie match several times (the pick, a peer comparison, the backlog accounting); the trie changes
 only in ``routed``, so the first answer is kept (``replica_match``) until then.
+
+With a block index attached (``attach_kv_index``: engines publishing KV-cache events), a request with block hashes
+is matched exactly on the replicas whose events are live, and by the trie on the others (kv_locality.py); the
+answer is kept while the index is unchanged. Without one, nothing differs from the tries alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
+from skylb.core.kv_index import BlockIndex
+from skylb.core.plugins.kv_locality import CachedMatch, KVLocality
 from skylb.core.plugins.scoring import trie_key
 from skylb.core.prefix_trie import Match, PrefixTrie
 from skylb.core.request import Request
@@ -35,6 +41,13 @@ class PrefixLocality:
         self.replicas: set[str] = set()
         self.peers: set[str] = set()
         self._memo: tuple[object, Match] | None = None
+        #: The block index's answers, or None (the tries alone) until ``attach_kv_index``.
+        self.kv: KVLocality | None = None
+        self._exact_memo: tuple[object, int, frozenset[str], CachedMatch] | None = None
+
+    def attach_kv_index(self, index: BlockIndex) -> None:
+        """Match requests with block hashes exactly on the replicas whose KV-cache events ``index`` follows."""
+        self.kv = KVLocality(index)
 
     def key(self, request: Request) -> tuple[str, ...]:
         """``request``'s prompt in the tries' chunks (computed once per request)."""
@@ -48,10 +61,27 @@ class PrefixLocality:
             return frozenset(), 0.0
         return m.targets, m.ratio
 
-    def replica_match(self, request: Request, members: Collection[str]) -> Match:
+    def match_among(self, request: Request, members: Collection[str]) -> Match | CachedMatch:
+        """``request``'s match among ``members`` now, not kept: exact where the index knows, else the replica
+        trie's (``Match`` or ``CachedMatch``: both have ``targets`` and ``ratio``)."""
+        exact = self.kv.fractions(request) if self.kv is not None else None
+        if exact is None:
+            return self.replica_trie.match(self.key(request), members)
+        return self.kv.combine(exact, frozenset(members), lambda ids: self.replica_trie.match(self.key(request), ids))
+
+    def replica_match(self, request: Request, members: Collection[str]) -> Match | CachedMatch:
         """``request``'s replica-trie match among ``members`` (replica ids), computed once per decision: the first
         call (the pick, over the available candidates) is reused until ``routed``. A request the queue's look-ahead
-        walked while it waited is answered from that walk while it holds (no second walk)."""
+        walked while it waited is answered from that walk while it holds (no second walk). With the block index
+        and block hashes, a CachedMatch, kept for the same request, members and index state."""
+        exact = self.kv.fractions(request) if self.kv is not None else None
+        if exact is not None:
+            members = frozenset(members)
+            memo = self._exact_memo
+            if memo is None or memo[0] is not request or memo[1] != self.kv.index.changes or memo[2] != members:
+                found = self.kv.combine(exact, members, lambda ids: self._trie_match(request, ids))
+                memo = self._exact_memo = (request, self.kv.index.changes, members, found)
+            return memo[3]
         if self._memo is None or self._memo[0] is not request:
             kept = request.kept_match
             found = (kept.match(members) if kept is not None and kept.holds(self.replica_trie)
@@ -59,17 +89,28 @@ class PrefixLocality:
             self._memo = (request, found)
         return self._memo[1]
 
+    def _trie_match(self, request: Request, members: Collection[str]) -> Match:
+        """The replica trie's match among ``members``, from the look-ahead's kept walk when it still holds."""
+        kept = request.kept_match
+        if kept is not None and kept.holds(self.replica_trie):
+            return kept.match(frozenset(members))
+        return self.replica_trie.match(self.key(request), members)
+
     def matched_fraction(self, request: Request, replica_id: str, members: Collection[str]) -> float:
         """The fraction of ``request``'s prompt expected cached at ``replica_id``: the (kept) match ratio when the
-        replica holds the deepest match among ``members`` and the ratio reaches ``threshold``, else 0."""
+        replica holds the deepest match among ``members`` and the ratio reaches ``threshold``, else 0. With the
+        block index, a live replica's own exact fraction (at least ``threshold``, else 0), whatever the others hold."""
         m = self.replica_match(request, members)
+        if isinstance(m, CachedMatch):
+            fraction = m.fraction(replica_id)
+            return fraction if fraction >= self.threshold else 0.0
         if replica_id not in m.targets or m.ratio < self.threshold:
             return 0.0
         return m.ratio
 
     def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
         """Record ``request``'s prompt for ``replica`` (replica trie) or ``peer`` (snapshot trie)."""
-        self._memo = None
+        self._memo = self._exact_memo = None
         if replica is not None:
             self.replica_trie.insert(self.key(request), replica)
         elif peer is not None:

@@ -37,7 +37,7 @@ class PushToPrefixHolder:
             return None
         everyone = [*c.local, *busy]
         # Not the decision's kept match: that one is over the replicas with room, which the rest of the rule prices.
-        m = self.locality.replica_trie.match(self.locality.key(c.request), {r.id for r in everyone})
+        m = self.locality.match_among(c.request, {r.id for r in everyone})
         if not m.targets or m.ratio < self.locality.threshold or any(r.id in m.targets for r in c.local):
             return None
         holders = [r for r in busy if r.id in m.targets and queue_shorter_than_batch(r)]

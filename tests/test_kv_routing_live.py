@@ -1,0 +1,86 @@
+"""Routing by KV-cache events with real processes on loopback: two `skylb emulator` vLLM replicas publishing events
+(vLLM's wire format, bench/emulator/kv_publisher.py) behind a static balancer given their endpoints
+(`--replica URL#kv=...`). A prompt cached on replica B behind the balancer's back (sent to B directly, so the
+balancer's trie never saw it) is routed to B by its events; once B's stream is gone, B is matched by the trie."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+
+from tests.procs import free_ports
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "m"
+
+
+def _emulator(procs, name: str) -> tuple[str, str]:
+    """Start one vLLM emulator publishing events; returns (its base URL, its --replica flag for the balancer)."""
+    http, pub, replay = free_ports(3)
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+              "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
+    base = f"http://127.0.0.1:{http}"
+    procs.skylb("emulator", "--port", str(http), "--time-scale", "0.01", "--kv-cache-tokens", "8192", "--model",
+                MODEL, "--fault-control", "--kv-events-config", json.dumps(config), name=name,
+                wait_url=f"{base}/health")
+    return base, f"{base}#kv=tcp://127.0.0.1:{pub},replay=tcp://127.0.0.1:{replay}"
+
+
+def _wait(predicate, what: str, timeout_s: float = 15.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def _complete(base: str, prompt: str) -> requests.Response:
+    resp = requests.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
+                         timeout=10)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def test_a_prefix_cached_behind_the_balancers_back_is_found_by_events_and_by_the_trie_once_they_stop(procs,
+                                                                                                      tmp_path):
+    """Three prompts sent straight to B, then extended through the balancer: each goes to B (its events say B
+    holds 96 of the prompt's tokens; by chance alone all three would reach B 1 time in 8). With B's stream stopped
+    (the engine serves on), status says B is not live, A still is, and B's prompts still reach B: by the trie,
+    which learned them from the balancer's own placements."""
+    (a_url, a_flag), (b_url, b_flag) = _emulator(procs, "emu-a"), _emulator(procs, "emu-b")
+    port, = free_ports(1)
+    lb = f"http://127.0.0.1:{port}"
+    config = tmp_path / "lb.yaml"
+    config.write_text(json.dumps({"balancer": {"probe_interval_ms": 50}}))
+    procs.skylb("balancer", "--replica", a_flag, "--replica", b_flag, "--engine", "vllm", "--config", str(config),
+                "--port", str(port), name="lb", wait_url=f"{lb}/healthz")
+
+    def status() -> dict:
+        return requests.get(f"{lb}/skylb/v1/status?format=json", timeout=5).json()
+
+    def kv(replica: str) -> dict:
+        return status()["kv_events"]["replicas"][replica]
+
+    _wait(lambda: all(r["healthy"] and MODEL in r["models"] for r in status()["replicas"]), "healthy replicas")
+    _wait(lambda: kv("local-1")["live"] and kv("local-2")["live"], "both event streams live")
+    prompts = [" ".join(f"{tag}{i}" for i in range(100)) for tag in ("alpha", "bravo", "charlie")]
+    for n, prompt in enumerate(prompts, start=1):
+        _complete(b_url, prompt)  # B caches 6 full blocks of 16; the balancer only hears of it by events
+        _wait(lambda: kv("local-2")["blocks"] >= 6 * n, "B's blocks in the index")
+        served = _complete(lb, prompt + " and one question").headers["X-SkyLB-Served-By"]
+        assert served == "local/local-2", f"prompt {n} went to {served}, not to B which holds its prefix"
+
+    metrics = requests.get(f"{lb}/metrics", timeout=5).text
+    assert 'skylb_kv_tokenize_seconds_count{outcome="ok",region="local"} 3.0' in metrics  # hashed before queueing
+
+    requests.put(f"{b_url}/emulator/kv-events", json={"stop": True}, timeout=5).raise_for_status()
+    _wait(lambda: not kv("local-2")["live"], "B's stream stale")
+    assert kv("local-1")["live"] and kv("local-2")["blocks"] == 0
+    for prompt in prompts:
+        served = _complete(lb, prompt + " and a second question").headers["X-SkyLB-Served-By"]
+        assert served == "local/local-2"  # the trie: the balancer sent this prefix to B above
+    assert _complete(a_url, "direct to A").status_code == 200  # A serves on, untouched
