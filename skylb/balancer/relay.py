@@ -84,6 +84,13 @@ def _failure_of(status: int) -> str | None:
     return "gateway" if status in GATEWAY_STATUSES else "5xx" if status >= 500 else None
 
 
+async def _unsupported(upstream: aiohttp.ClientResponse, decision: Decision) -> RelayOutcome:
+    """The outcome of a 501 before the first byte: retried elsewhere, the engine's message kept (first 4 KiB)."""
+    said = _error_message(await upstream.content.read(4096))
+    return RelayOutcome(None, UNSUPPORTED_STATUS, failure="unsupported",
+                        error=f"{decision.target} answered 501" + (f": {said}" if said else ""))
+
+
 def _error_message(body: bytes) -> str:
     """The ``error.message`` (OpenAI, llama.cpp) or ``error`` (Ollama) of an error body, at most 300 characters;
     "" when the body says none."""
@@ -172,10 +179,9 @@ class Relay:
                     arrived_at: float, retry_allowed: bool, api: str = "openai", stream: bool = True,
                     on_first_byte: Callable[[float], None] | None = None, client_request_id: str | None = None,
                     abandon: Callable[[], str | None] | None = None, check_s: float = 0.05,
-                    extra_headers: dict[str, str] | None = None,
-                    on_head: Callable[[bytes], None] | None = None,
-                    trace_headers: dict[str, str] | None = None,
-                    translation: Translation | None = None) -> RelayOutcome:
+                    extra_headers: dict[str, str] | None = None, on_head: Callable[[bytes], None] | None = None,
+                    trace_headers: dict[str, str] | None = None, translation: Translation | None = None,
+                    ) -> RelayOutcome:
         """Send ``body`` to the decision's target at the client's path and relay the answer. ``request_id`` is the
         balancer's own id (sent upstream as X-Request-Id, to the client as X-SkyLB-Request-Id); ``client_request_id``,
         the client's X-Request-Id label, is echoed back to the client.
@@ -218,12 +224,9 @@ class Relay:
                     if abandon is not None:
                         watchdog = asyncio.create_task(_watch(abandon, check_s, deadline, abandoned))
                     upstream = await upstream_cm.__aenter__()
-                    if upstream.status in RETRYABLE_STATUSES and retry_allowed:
-                        return failed(upstream.status, f"{decision.target} answered {upstream.status}")
-                    if upstream.status == UNSUPPORTED_STATUS and retry_allowed:
-                        said = _error_message(await upstream.content.read(4096))
-                        return RelayOutcome(None, UNSUPPORTED_STATUS, failure="unsupported",
-                                            error=f"{decision.target} answered 501" + (f": {said}" if said else ""))
+                    if retry_allowed and upstream.status in RETRYABLE_STATUSES | {UNSUPPORTED_STATUS}:
+                        return (await _unsupported(upstream, decision) if upstream.status == UNSUPPORTED_STATUS
+                                else failed(upstream.status, f"{decision.target} answered {upstream.status}"))
                     framer, first, data, eof = await _read_until_first_event(upstream)
             except TimeoutError:
                 return failed(504, f"{decision.route} {decision.target} " + (
