@@ -82,6 +82,8 @@ class Balancer:
         self.kv = (KVRouting(max_blocks=cfg.kv_index_max_blocks, region=region,
                              tokenize_timeout_s=cfg.kv_tokenize_timeout_ms / 1000) if cfg.kv_events else None)
         self.router = build_router(region, cfg, kv_index=self.kv.index if self.kv is not None else None)
+        #: The replica and peer probers, once started (``start``).
+        self.probers: Probers | None = None
         #: The tenants client API keys map to (set by the application that checks the keys).
         self.key_tenants: frozenset[str] = frozenset()
         self.metrics = BalancerMetrics(self.router, now=self.now, controller_reachable=self.controller_reachable,
@@ -215,6 +217,7 @@ class Balancer:
                           interval_s=cfg.probe_interval_ms / 1000, timeout_s=cfg.probe_timeout_ms / 1000,
                           peer_token=cfg.peer_token, models_refresh_s=cfg.models_refresh_s)
         self._tasks = [asyncio.create_task(self.dispatcher.run()), *probers.tasks()]
+        self.probers = probers
         if cfg.quota.enabled:  # off: no quota stage uses the limits, so nothing to keep up
             self._tasks.append(asyncio.create_task(quota_loop(cfg.quota, limits=self.limits, gate=self.quota_gate,
                                                               now=self.now, regions_share=self.regions_share)))
@@ -302,6 +305,8 @@ class Balancer:
         self.router.set_peers(peers)
         for name, peer in self.router.peers.items():
             peer.sibling = name.startswith(f"{self.region}@")
+        if self.probers is not None:  # a replica the view just gave this balancer serves after one probe, not a round
+            self.probers.probe_unprobed()
         self.dispatcher.wake()
 
     def peers_of(self, snapshot: dict, served: set[str]) -> list[tuple[str, str]]:

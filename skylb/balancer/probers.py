@@ -114,6 +114,19 @@ class Probers:
         for key in [k for k, t in self._probing.items() if t.done()]:
             del self._probing[key]
 
+    def probe_unprobed(self) -> None:
+        """Probe at once every local replica never probed yet (membership just added it), rather than at the next
+        round: with a long probe interval a new replica would otherwise sit unused for up to one interval. Each
+        answer wakes the dispatcher (``on_round``)."""
+        for state in list(self.router.replicas.values()):
+            key = ("replica", state.id)
+            task = self._probing.get(key)
+            if state.probed_at is None and (task is None or task.done()):
+                task = asyncio.create_task(self._probe_replica(state))
+                task.add_done_callback(self._log_failure)
+                task.add_done_callback(lambda _t: self.on_round())
+                self._probing[key] = task
+
     def _log_failure(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("probe_failed", exc_info=task.exception())
