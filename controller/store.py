@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StringConstraints, TypeAdapter,
                       ValidationError, model_validator)
 
-from skylb.engines.kv_subscriber import KVEventsEndpoint
+from skylb.core.kv_endpoint import KVEventsEndpoint
 from skylb.quota.limits import Quotas
 
 __all__ = [

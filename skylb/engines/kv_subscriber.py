@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import structlog
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from skylb.core.kv_endpoint import KVEventsEndpoint
 from skylb.core.kv_events import apply_events
 from skylb.core.kv_index import BlockIndex
 from skylb.engines.kv_wire import CorruptBatch, decode_batch
@@ -41,31 +41,6 @@ from skylb.engines.kv_wire import CorruptBatch, decode_batch
 __all__ = ["KVEventSubscriber", "KVEventSubscribers", "KVEventsEndpoint"]
 
 log = structlog.get_logger("skylb.kv_events")
-
-
-@dataclass(frozen=True)
-class KVEventsEndpoint:
-    """Where one replica publishes: ``endpoint`` (``tcp://host:port`` of its PUB socket), ``replay_endpoint`` (its
-    ROUTER socket, or None: gaps then drop the replica's blocks) and ``topic`` (vLLM's ``topic``; "" = all)."""
-
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-
-    def __post_init__(self) -> None:
-        """Raises ValueError for an endpoint that is not a ZMQ ``tcp://host:port`` (or ``ipc://``, ``inproc://``)."""
-        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
-            if value is None and name == "replay_endpoint":
-                continue
-            if not isinstance(value, str) or not _valid_endpoint(value):
-                raise ValueError(f"KV events {name} must be tcp://HOST:PORT (or ipc://, inproc://), got {value!r}")
-
-
-def _valid_endpoint(value: str) -> bool:
-    if value.startswith(("ipc://", "inproc://")):
-        return len(value.split("://", 1)[1]) > 0
-    host, _, port = value.removeprefix("tcp://").rpartition(":")
-    return value.startswith("tcp://") and bool(host) and "*" not in host and port.isdigit() and 0 < int(port) < 65536
 
 
 class KVEventSubscriber:
