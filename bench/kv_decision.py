@@ -3,7 +3,7 @@
 ``.venv/bin/python -m bench.kv_decision [--blocks 1000000] [--replicas 8] [--tokens 32768] [--n 300]`` prints, as
 JSON, p50/p99 in ms of:
 
-* ``hash_ms``: a request's block hashes from its token ids (skylb/engines/kv_hash.py, vLLM's pickle + SHA-256
+* ``hash_ms``: a request's block hashes from its token ids (skylb/core/kv_hash.py, vLLM's pickle + SHA-256
   chain, blocks of 16), the CPU part of the tokenize step; the /tokenize round trip to the engine comes on top and is
   the balancer's ``skylb_kv_tokenize_seconds`` histogram (tokenizing is the engine's work);
 * ``decision_ms``: one routing decision of the default policy (``Router.enqueue`` then ``Router.dispatch``, the
@@ -25,7 +25,7 @@ import time
 from skylb.config import BalancerConfig
 from skylb.core import Request, build_router
 from skylb.core.kv_index import BlockIndex
-from skylb.engines.kv_hash import request_block_hashes
+from skylb.core.kv_hash import request_block_hashes
 
 __all__ = ["measure", "main"]
 

@@ -18,7 +18,7 @@ from skylb.balancer.static import parse_replica, static_membership
 from skylb.config import BalancerConfig, ConfigError
 from skylb.core.kv_index import BlockIndex
 from skylb.core.state import ReplicaState
-from skylb.engines.kv_hash import request_block_hashes
+from skylb.core.kv_hash import request_block_hashes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
 

@@ -1,4 +1,4 @@
-"""Block hashes as vLLM computes them, for the emulator's word tokens (the chain itself is skylb/engines/kv_hash.py,
+"""Block hashes as vLLM computes them, for the emulator's word tokens (the chain itself is skylb/core/kv_hash.py,
 which the balancer uses too).
 
 Source: vLLM 0.33 ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``, ``init_none_hash``,
@@ -20,7 +20,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
-from skylb.engines.kv_hash import NONE_HASH, block_hashes, external
+from skylb.core.kv_hash import NONE_HASH, block_hashes, external
 
 __all__ = ["NONE_HASH", "block_hashes", "external", "token_ids"]
 

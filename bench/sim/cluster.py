@@ -51,7 +51,7 @@ from skylb.core.kv_events import apply_events
 from skylb.core.kv_index import BlockIndex
 from skylb.core.state import load_from_outstanding
 from skylb.balancer.usage import observe as observe_usage, usage_of
-from skylb.engines.kv_hash import request_block_hashes
+from skylb.core.kv_hash import request_block_hashes
 from bench.emulator import kv_hash
 from bench.emulator.model import EngineParams, FinishedRequest, make_engine
 
@@ -495,7 +495,7 @@ class Cluster:
     # -- running ------------------------------------------------------------------------------------------------
     def block_hashes(self, req) -> tuple[int, ...]:
         """``req``'s block hashes as its replicas' engines hash them (the emulator's token ids, the engine model's
-        block size; skylb/engines/kv_hash.py), computed once per request, as a live balancer does before queueing."""
+        block size; skylb/core/kv_hash.py), computed once per request, as a live balancer does before queueing."""
         hashes = self._block_hashes.get(req.id)
         if hashes is None:
             hashes = self._block_hashes[req.id] = request_block_hashes(kv_hash.token_ids(req.tokens),

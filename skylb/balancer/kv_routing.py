@@ -11,7 +11,7 @@ A request's block hashes are computed once, before it is queued and outside the 
 tokenized by one live event-publishing replica serving its model (vLLM ``POST /tokenize``, the chat template applied
 by the engine itself; ``vllm/entrypoints/openai/serving_tokenization.py``, request and response shapes in
 ``vllm/entrypoints/openai/protocol.py`` ``TokenizeCompletionRequest``, ``TokenizeChatRequest``,
-``TokenizeResponse``), then hashed as vLLM hashes blocks (skylb/engines/kv_hash.py). A tokenizer that fails or does
+``TokenizeResponse``), then hashed as vLLM hashes blocks (skylb/core/kv_hash.py). A tokenizer that fails or does
 not answer within ``balancer.kv_tokenize_timeout_ms`` leaves the request without hashes: it is routed by the prefix
 trie, as every request is when no replica publishes events. The tokenizing time is the histogram
 ``skylb_kv_tokenize_seconds`` (by outcome), apart from the routing decision's.
@@ -30,7 +30,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from skylb.core.kv_index import BlockIndex, ReplicaEvents
 from skylb.core.state import ReplicaState
-from skylb.engines.kv_hash import request_block_hashes
+from skylb.core.kv_hash import request_block_hashes
 from skylb.engines.kv_metrics import KVIndexCollector
 from skylb.engines.kv_subscriber import KVEventsEndpoint, KVEventSubscribers
 

@@ -75,7 +75,7 @@ class Request:
     #: trie nodes it depends on are unchanged; skylb/core/plugins/prefix_lookahead.py).
     kept_match: object | None = field(default=None, repr=False)
     #: The prompt's KV-cache block hashes as the engines publishing KV-cache events hash them (64-bit ints, prompt
-    #: order; skylb/engines/kv_hash.py), computed before the request is queued; None: not computed (no replica
+    #: order; skylb/core/kv_hash.py), computed before the request is queued; None: not computed (no replica
     #: publishes events, or the engine's tokenizer did not answer), and routing uses the prefix trie alone.
     block_hashes: tuple[int, ...] | None = field(default=None, repr=False)
 

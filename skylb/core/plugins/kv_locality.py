@@ -1,7 +1,7 @@
 """Exact cache locality from the engines' KV-cache events: how much of a prompt each replica holds, by the block index.
 
 Engines that publish KV-cache events (vLLM ``--kv-events-config``) feed the block index (skylb/core/kv_index.py);
-a request whose block hashes were computed before it was queued (``Request.block_hashes``, skylb/engines/kv_hash.py)
+a request whose block hashes were computed before it was queued (``Request.block_hashes``, skylb/core/kv_hash.py)
 is then matched exactly: replica r holds ``matched_tokens[r]`` of its prompt, a fraction of ``prompt_tokens``.
 Replicas whose event stream is not live (none configured, a lost stream, an engine without events) are absent from
 the index's answer and keep the prefix trie's guess (:class:`CachedMatch` combines both). The prefix locality
