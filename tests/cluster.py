@@ -179,6 +179,12 @@ class Cluster:
         headers = {"X-SkyLB-Token": self.peer_token} if self.peer_token else None
         return get_json(f"{self.balancers[region]}/skylb/v1/status?format=json", headers=headers)
 
+    def first_replica(self, region: str) -> dict:
+        """The first replica of ``region``'s balancer status, or {} while its membership view has none yet (a
+        balancer gets its view just after it registers)."""
+        replicas = self.status(region)["replicas"]
+        return replicas[0] if replicas else {}
+
     def wait_until(self, predicate, *, timeout_s: float = 10.0, what: str = "condition"):
         """Poll ``predicate()`` every 50 ms until it returns a truthy value; raise AssertionError after timeout."""
         deadline = time.monotonic() + timeout_s

@@ -553,7 +553,7 @@ def test_a_balancer_answering_garbage_status_is_an_unhealthy_peer(procs, tmp_pat
         cluster.wait_until(lambda: cluster.status("us")["peers"] and cluster.status("us")["peers"][0]["reason"],
                            what="eu probed")
         assert cluster.status("us")["peers"][0]["healthy"] is False
-        cluster.wait_until(lambda: cluster.status("us")["replicas"][0]["models"], what="us models")
+        cluster.wait_until(lambda: cluster.first_replica("us").get("models"), what="us models")
         status, body, _ = post_json(f"{us}/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
                                                                   "messages": [{"role": "user", "content": "x"}]})
         assert status == 200, body

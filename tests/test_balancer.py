@@ -356,7 +356,7 @@ def test_finished_request_slot_is_reused_before_the_next_probe(procs, tmp_path, 
     url = cluster.start_balancer("us", ["us"], policy=policy)
     cluster.add_replica("us", replica, engine="llamacpp")
     cluster.wait_replicas_healthy("us", 1, timeout_s=20)  # the next probe comes 8 s after this one
-    cluster.wait_until(lambda: cluster.status("us")["replicas"][0].get("models"), what="models learned")
+    cluster.wait_until(lambda: cluster.first_replica("us").get("models"), what="models learned")
     body = {"model": MODEL, "prompt": "first", "max_tokens": 60, "ignore_eos": True}
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(post_json, f"{url}/v1/completions", body, timeout=20)

@@ -30,7 +30,7 @@ def test_official_ollama_client_through_the_balancer(procs, tmp_path):
     for r in replicas:
         cluster.add_replica("us", r, engine="ollama")
     cluster.wait_replicas_healthy("us", 2)
-    cluster.wait_until(lambda: OLLAMA_MODEL in cluster.status("us")["replicas"][0]["models"], what="models")
+    cluster.wait_until(lambda: OLLAMA_MODEL in (cluster.first_replica("us").get("models") or ()), what="models")
     client = ollama.Client(host=url, timeout=30)
     gen = client.generate(model=OLLAMA_MODEL, prompt="why is the sky blue", options={"num_predict": 5})
     assert gen.done and gen.response and gen.eval_count >= 1
@@ -60,7 +60,7 @@ def test_ollama_api_stream_defaults_to_true_and_ends_with_done(procs, tmp_path):
                                        name="emu-ollama")
     url = cluster.start_balancer("us", ["us"])
     cluster.add_replica("us", replica, engine="ollama")
-    cluster.wait_until(lambda: cluster.status("us")["replicas"][0]["models"], what="models")
+    cluster.wait_until(lambda: cluster.first_replica("us").get("models"), what="models")
     with requests.post(f"{url}/api/generate", json={"model": OLLAMA_MODEL, "prompt": "hello",
                                                      "options": {"num_predict": 4}}, stream=True, timeout=30) as r:
         assert r.headers["Content-Type"].startswith("application/x-ndjson")
@@ -82,7 +82,7 @@ def test_model_served_only_in_another_region_is_forwarded_and_unknown_is_404(pro
     url = cluster.start_balancer("us", ["us", "eu"])
     cluster.add_replica("us", us_r)
     cluster.add_replica("eu", eu_r)
-    cluster.wait_until(lambda: cluster.status("us")["replicas"][0]["models"], what="us models")
+    cluster.wait_until(lambda: cluster.first_replica("us").get("models"), what="us models")
     cluster.wait_until(lambda: any(p["models"] for p in cluster.status("us")["peers"]), what="eu models")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
     raw = client.chat.completions.with_raw_response.create(
@@ -113,7 +113,7 @@ def test_stream_extras_and_mid_stream_errors_reach_the_client_unchanged(procs, t
     [replica] = cluster.start_emulator(1, "--engine", engine, "--time-scale", "0.5", *flags, name="emu")
     url = cluster.start_balancer("us", ["us"])
     cluster.add_replica("us", replica, engine=engine)
-    cluster.wait_until(lambda: cluster.status("us")["replicas"][0]["models"], what="models")
+    cluster.wait_until(lambda: cluster.first_replica("us").get("models"), what="models")
     body = {"model": MODEL, "prompt": "same prompt", "max_tokens": 6, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     direct_status, direct = _sse_lines(replica, "/v1/completions", body)

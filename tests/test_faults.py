@@ -406,7 +406,7 @@ def test_an_ollama_replica_killed_mid_stream_ends_with_an_error_line(procs, tmp_
     emulator = procs.procs[-1]
     cluster.add_replica("us", replica, engine="ollama")
     url = cluster.start_balancer("us", ["us"])
-    cluster.wait_until(lambda: cluster.status("us")["replicas"][0]["models"], what="models")
+    cluster.wait_until(lambda: cluster.first_replica("us").get("models"), what="models")
     lines = []
     with requests.post(f"{url}/api/generate", json={"model": "llama3.1:8b", "prompt": "hello",
                                                      "options": {"num_predict": 200}}, stream=True, timeout=30) as r:

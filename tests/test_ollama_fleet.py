@@ -150,7 +150,7 @@ def test_fallback_after_holding_when_the_primary_is_busy(procs, tmp_path):
     thread = threading.Thread(target=long)
     thread.start()
     try:
-        cluster.wait_until(lambda: cluster.status("us")["replicas"][0]["outstanding"] == 1, what="r0 busy")
+        cluster.wait_until(lambda: cluster.first_replica("us").get("outstanding") == 1, what="r0 busy")
         r = requests.post(f"{url}/api/generate", json={"model": "big:latest", "prompt": "short", "stream": False,
                                                         "options": {"num_predict": 2}}, timeout=60)
         results["short"] = (r.status_code, r.headers.get("X-SkyLB-Model"), r.json().get("model"))
@@ -224,7 +224,7 @@ def test_embedding_slot_runs_an_embedding_beside_a_generation(procs, tmp_path, s
     url = cluster.start_balancer("us", ["us"])
     cluster.ctl("replica", "add", "--region", "us", "--url", replica, "--engine", "ollama", "--id", "r0",
                 "--max-concurrency", "1")
-    cluster.wait_until(lambda: cluster.status("us")["replicas"] and cluster.status("us")["replicas"][0]["models"],
+    cluster.wait_until(lambda: cluster.status("us")["replicas"] and cluster.first_replica("us").get("models"),
                        what="models")
     order: list[str] = []
 
@@ -237,7 +237,7 @@ def test_embedding_slot_runs_an_embedding_beside_a_generation(procs, tmp_path, s
     thread = threading.Thread(target=generate)
     thread.start()
     try:
-        cluster.wait_until(lambda: cluster.status("us")["replicas"][0]["outstanding"] == 1, what="generation running")
+        cluster.wait_until(lambda: cluster.first_replica("us").get("outstanding") == 1, what="generation running")
         r = requests.post(f"{url}/api/embed", json={"model": MODEL, "input": "a short text"}, timeout=60)
         order.append(f"embed {r.status_code}")
     finally:
