@@ -19,6 +19,8 @@ module                    kind            what it does
 ``forward_queued``        rule (no room)  first come, first served across regions
 ``prefix_lookahead``      queue order     a free replica takes a queued request whose prefix it holds
 ``prefix_locality``       learner         the replica and regional snapshot tries
+``kv_locality``           locality        exact cached tokens from engines' KV-cache events (prefix_locality asks
+                                          it first for replicas whose event stream is live)
 ``scoring``               helpers         trie keys, the imbalance test, least load, most room
 ========================  ==============  ===================================================================
 """

@@ -15,7 +15,8 @@ then rule                   ``hold_for_faster.HoldForFaster``      wait for a fa
 peer picker                 ``prefix_match.SnapshotMatch``         the peer holding the prefix, else most room
 no-room rule                ``forward_queued.ForwardQueued``       first come, first served across regions
 queue order                 ``prefix_lookahead.PrefixLookahead``   a free replica takes a request it holds
-learner                     ``prefix_locality.PrefixLocality``     the replica and regional snapshot tries
+learner                     ``prefix_locality.PrefixLocality``     the replica and regional snapshot tries, and
+                                                                   ``kv_locality`` where KV-cache events are live
 ==========================  =====================================  ================================================
 
 With ``placement: predicted-ttft`` the first rule is ``predicted_ttft.PredictedTTFTPlacement`` instead, which prices
