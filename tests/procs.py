@@ -1,11 +1,12 @@
 """Test-side name for the process helpers (they live in bench.procs, shared with `skylb local`), and a check that
 nothing outlives them."""
 
+import time
 from pathlib import Path
 
 from bench.procs import Proc, ProcGroup, free_port, free_ports, wait_http
 
-__all__ = ["Proc", "ProcGroup", "free_port", "free_ports", "wait_http", "alive_in_groups"]
+__all__ = ["Proc", "ProcGroup", "free_port", "free_ports", "wait_http", "alive_in_groups", "wait_for"]
 
 
 def alive_in_groups(pgids: set[int]) -> list[int]:
@@ -21,3 +22,13 @@ def alive_in_groups(pgids: set[int]) -> list[int]:
             if fields[0] != "Z" and int(fields[2]) in pgids:
                 alive.append(int(entry.name))
     return alive
+
+
+def wait_for(predicate, what: str, timeout_s: float = 15.0):
+    """Poll ``predicate()`` every 50 ms until it returns a truthy value, and return that value; AssertionError
+    naming ``what`` after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value

@@ -6,12 +6,11 @@ balancer's trie never saw it) is routed to B by its events; once B's stream is g
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import requests
 
-from tests.procs import free_ports
+from tests.procs import free_ports, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,14 +27,6 @@ def _emulator(procs, name: str) -> tuple[str, str]:
                 MODEL, "--fault-control", "--kv-events-config", json.dumps(config), name=name,
                 wait_url=f"{base}/health")
     return base, f"{base}#kv=tcp://127.0.0.1:{pub},replay=tcp://127.0.0.1:{replay}"
-
-
-def _wait(predicate, what: str, timeout_s: float = 15.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def _complete(base: str, prompt: str) -> requests.Response:
@@ -65,12 +56,12 @@ def test_a_prefix_cached_behind_the_balancers_back_is_found_by_events_and_by_the
     def kv(replica: str) -> dict:
         return status()["kv_events"]["replicas"][replica]
 
-    _wait(lambda: all(r["healthy"] and MODEL in r["models"] for r in status()["replicas"]), "healthy replicas")
-    _wait(lambda: kv("local-1")["live"] and kv("local-2")["live"], "both event streams live")
+    wait_for(lambda: all(r["healthy"] and MODEL in r["models"] for r in status()["replicas"]), "healthy replicas")
+    wait_for(lambda: kv("local-1")["live"] and kv("local-2")["live"], "both event streams live")
     prompts = [" ".join(f"{tag}{i}" for i in range(100)) for tag in ("alpha", "bravo", "charlie")]
     for n, prompt in enumerate(prompts, start=1):
         _complete(b_url, prompt)  # B caches 6 full blocks of 16; the balancer only hears of it by events
-        _wait(lambda: kv("local-2")["blocks"] >= 6 * n, "B's blocks in the index")
+        wait_for(lambda: kv("local-2")["blocks"] >= 6 * n, "B's blocks in the index")
         served = _complete(lb, prompt + " and one question").headers["X-SkyLB-Served-By"]
         assert served == "local/local-2", f"prompt {n} went to {served}, not to B which holds its prefix"
 
@@ -78,7 +69,7 @@ def test_a_prefix_cached_behind_the_balancers_back_is_found_by_events_and_by_the
     assert 'skylb_kv_tokenize_seconds_count{outcome="ok",region="local"} 3.0' in metrics  # hashed before queueing
 
     requests.put(f"{b_url}/emulator/kv-events", json={"stop": True}, timeout=5).raise_for_status()
-    _wait(lambda: not kv("local-2")["live"], "B's stream stale")
+    wait_for(lambda: not kv("local-2")["live"], "B's stream stale")
     assert kv("local-1")["live"] and kv("local-2")["blocks"] == 0
     for prompt in prompts:
         served = _complete(lb, prompt + " and a second question").headers["X-SkyLB-Served-By"]

@@ -10,7 +10,7 @@ import time
 import requests
 
 from tests.cluster import MODEL
-from tests.procs import Proc, ProcGroup, free_ports
+from tests.procs import Proc, ProcGroup, free_ports, wait_for
 
 #: Every process starts from this environment: no token or key the test runner's own environment may hold.
 CLEAN = {"SKYLB_PEER_TOKEN": "", "SKYLB_API_KEYS": "", "SKYLB_API_KEYS_FILE": "", "SKYLB_METRICS_TOKEN": ""}
@@ -23,14 +23,6 @@ def _events(proc: Proc, event: str) -> list[dict]:
     return [line for line in lines if line.get("event") == event]
 
 
-def _wait(predicate, what: str, timeout_s: float = 15.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
-
-
 def test_a_replica_that_is_down_is_logged_answered_503_and_not_ready(procs: ProcGroup, tmp_path):
     """`skylb balancer --replica URL` with nothing at URL: a warning names the replica and "connection refused";
     a chat request (OpenAI and Ollama shapes) gets 503 with Retry-After saying no replica is reachable and why;
@@ -41,7 +33,7 @@ def test_a_replica_that_is_down_is_logged_answered_503_and_not_ready(procs: Proc
     config.write_text(json.dumps({"balancer": {"probe_interval_ms": 50}}))
     balancer = procs.skylb("balancer", "--replica", replica, "--port", str(port), "--config", str(config),
                            name="balancer", env=CLEAN, wait_url=f"{url}/healthz")
-    warning = _wait(lambda: _events(balancer, "replica_unhealthy"), "the replica_unhealthy warning")[0]
+    warning = wait_for(lambda: _events(balancer, "replica_unhealthy"), "the replica_unhealthy warning")[0]
     assert warning["level"] == "warning" and warning["url"] == replica and warning["replica"] == "local-1"
     assert "connection refused" in warning["reason"].lower()
 
@@ -60,8 +52,8 @@ def test_a_replica_that_is_down_is_logged_answered_503_and_not_ready(procs: Proc
 
     procs.skylb("emulator", "--engine", "vllm", "--model", MODEL, "--port", str(replica_port), name="emulator",
                 wait_url=f"{replica}/health")
-    healthy = _wait(lambda: _events(balancer, "replica_healthy"), "the replica_healthy line")[0]
+    healthy = wait_for(lambda: _events(balancer, "replica_healthy"), "the replica_healthy line")[0]
     assert healthy["url"] == replica and healthy["engine"] == "vllm"
-    _wait(lambda: requests.get(f"{url}/healthz", timeout=5).json()["ready"], "ready")
-    _wait(lambda: requests.post(f"{url}/v1/chat/completions", json=CHAT, timeout=10).status_code == 200,
+    wait_for(lambda: requests.get(f"{url}/healthz", timeout=5).json()["ready"], "ready")
+    wait_for(lambda: requests.post(f"{url}/v1/chat/completions", json=CHAT, timeout=10).status_code == 200,
           "the model served")
