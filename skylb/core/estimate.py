@@ -14,6 +14,7 @@ Units: tokens, tokens/s, seconds. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from skylb.core.request import Request
@@ -82,6 +83,23 @@ class WaitModel:
         ``prior_s_per_token`` as in :meth:`prefill_s`)."""
         return self.prefill_s(self.backlog_tokens(replica), replica, prior_s_per_token)
 
+    def ttft_s(self, replicas: Sequence[ReplicaState], uncached_tokens: Sequence[float],
+               prior_s_per_token: float | None = None) -> list[float]:
+        """For each replica and its uncached prompt tokens: ``wait_s(replica) + prefill_s(uncached, replica)``, s
+        (``prior_s_per_token`` as in :meth:`prefill_s`). The same arithmetic as those two, in one pass: it is the
+        routing decision's inner loop (200 replicas cost about 0.1 ms this way, several times that through calls)."""
+        measured, unknown_tokens = self.measured, self.default_prompt_tokens
+        fallback = prior_s_per_token if measured and prior_s_per_token else 1.0 / self.prefill_tokens_per_s
+        out = []
+        for r, tokens in zip(replicas, uncached_tokens):
+            per_token = r.rates.overall.prefill_s_per_token if measured else None
+            if per_token is None:
+                per_token = fallback
+            unknown = r.pending - len(r.unprefilled)
+            backlog = r.backlog_tokens + unknown * unknown_tokens if unknown > 0 else r.backlog_tokens
+            out.append(max(0.0, backlog) * per_token + max(0.0, tokens) * per_token)
+        return out
+
     def prior_s_per_token(self, replicas) -> float | None:
         """The fastest measured prefill rate among ``replicas`` (s/token), the estimate for an unmeasured one beside
         them; None when none is measured or ``measured`` is off. Optimistic on purpose, as OllamaRouter tries an
@@ -89,5 +107,5 @@ class WaitModel:
         failed-over replica lost every idle-time tie and stayed unmeasured until the others were busy."""
         if not self.measured:
             return None
-        rates = [r.rates.prefill_s_per_token for r in replicas if r.rates.prefill_s_per_token is not None]
+        rates = [rate for r in replicas if (rate := r.rates.overall.prefill_s_per_token) is not None]
         return min(rates) if rates else None

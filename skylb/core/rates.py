@@ -213,8 +213,10 @@ class RateBook:
         """W^ (OllamaRouter eq. 1): seconds until a new ``model`` request of ``chars`` prompt characters would be
         answered by the replica with ``rates``; None when the replica is unmeasured for ``model``."""
         measured = rates.for_model(model)
-        if measured is None:
-            return None
+        return None if measured is None else self.estimate_measured_s(rates, measured, chars)
+
+    def estimate_measured_s(self, rates: ReplicaRates, measured: ModelRates, chars: int) -> float:
+        """:meth:`estimate_s` with the model's EMAs ``measured`` (``rates.for_model(model)``, not None) at hand."""
         f = self.token_factor
         return (self.gamma(rates) * rates.queued_chars * f + chars * f) * measured.time_per_token_s
 

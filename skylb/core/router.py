@@ -625,9 +625,12 @@ class Router:
         """None when ``replica`` may take a request at ``now`` under selective pushing: the availability rules'
         reason first, then ejection by outlier detection, then the policy's own clause (for status and metrics)."""
         reason = self.rules.replica_unavailable_reason(replica, now)
-        if reason is None and self._ejected(replica, now):
+        if reason is not None:
+            return reason
+        # ``ejected_until`` first: this runs for every replica on every decision, and few are ever ejected.
+        if replica.ejected_until is not None and self._ejected(replica, now):
             return "ejected (outlier detection)"
-        return reason or self.fleet.eliminated(replica, "", now) or self.policy.replica_unavailable_reason(replica)
+        return self.fleet.eliminated(replica, "", now) or self.policy.replica_unavailable_reason(replica)
 
     def replica_available(self, replica: ReplicaState, now: float) -> bool:
         """True when ``replica`` may take a request at ``now`` under selective pushing."""

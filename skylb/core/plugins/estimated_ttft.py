@@ -36,27 +36,31 @@ class EstimatedTTFT:
 
     def local_costs(self, request: Request, candidates: Sequence[ReplicaState]) -> dict[str, float]:
         """Candidate id -> estimated seconds to its first token (wait + uncached prefill)."""
+        costs, _ = self._costs(request, candidates)
+        return {c.id: cost for c, cost in zip(candidates, costs)}
+
+    def _costs(self, request: Request, candidates: Sequence[ReplicaState]) -> tuple[list[float], list[float]]:
+        """Each candidate's estimated seconds to first token and matched prefix fraction, in order."""
+        fractions = self.locality.fractions(request, candidates, {c.id for c in candidates})
         tokens = prompt_tokens(request)
-        members = {c.id for c in candidates}
-        prior = self.wait.prior_s_per_token(candidates)
-        return {c.id: self.wait.wait_s(c, prior) + self.wait.prefill_s(
-                    tokens * (1.0 - self.locality.matched_fraction(request, c.id, members)), c, prior)
-                for c in candidates}
+        costs = self.wait.ttft_s(candidates, [tokens * (1.0 - f) for f in fractions],
+                                 self.wait.prior_s_per_token(candidates))
+        return costs, fractions
 
     def pick(self, request: Request, candidates: Sequence[ReplicaState]) -> ReplicaState:
         """The pick among ``candidates`` (non-empty)."""
         if len(candidates) > 1 and loads_imbalanced(candidates, self.abs_threshold, self.rel_threshold):
             return least_loaded(candidates, self.turns.next())
-        costs = self.local_costs(request, candidates)
-        best = min(costs.values())
-        # Within a millisecond is a tie: spread over the tied ones by load rather than by dict order.
-        tied = [c for c in candidates if costs[c.id] <= best + 1e-3]
+        costs, fractions = self._costs(request, candidates)
+        # Within a millisecond is a tie: spread over the tied ones by load rather than by list order.
+        limit = min(costs) + 1e-3
+        tied = [i for i, cost in enumerate(costs) if cost <= limit]
         if len(tied) > 1 and self.tie_break == "estimated-wait":
-            members = {c.id for c in candidates}
-            ratio = {c.id: self.locality.matched_fraction(request, c.id, members) for c in tied}
-            top = max(ratio.values())
-            tied = pick_by_estimated_wait(self.rates, request, [c for c in tied if ratio[c.id] == top])
-        return least_loaded(tied, self.turns.next())
+            top = max(fractions[i] for i in tied)
+            return least_loaded(pick_by_estimated_wait(self.rates, request,
+                                                       [candidates[i] for i in tied if fractions[i] == top]),
+                                self.turns.next())
+        return least_loaded([candidates[i] for i in tied], self.turns.next())
 
 
 class PrefillEstimate(Estimator):

@@ -33,13 +33,13 @@ def pick_by_estimated_wait(book: RateBook, request: Request,
     admitted only with nothing in flight when some candidate is measured), then the smallest queue. Returns a
     non-empty sub-list, in the candidates' order; the caller breaks what ties remain."""
     model = request.model
-    measured = [c for c in candidates if c.rates.for_model(model) is not None]
-    pool = ([c for c in candidates if c.rates.for_model(model) is not None or not c.rates.inflight]
-            if measured else list(candidates))
-    chars = request_chars(request)
+    with_rates = [(c, c.rates.for_model(model)) for c in candidates]
+    if any(m is not None for _, m in with_rates):
+        with_rates = [(c, m) for c, m in with_rates if m is not None or not c.rates.inflight]
+    chars, f, load_s = request_chars(request), book.token_factor, book.load_s
     # Total time = queue wait + inference (W^) + the time to load the model there (RateBook.load_s; 0 for now).
-    keyed = [((book.estimate_s(c.rates, model, chars) or 0.0) + book.load_s(c, model), book.queue_tokens(c.rates), c)
-             for c in pool]
+    keyed = [((0.0 if m is None else book.estimate_measured_s(c.rates, m, chars)) + load_s(c, model),
+              c.rates.queued_chars * f, c) for c, m in with_rates]
     best = min(k[:2] for k in keyed)
     # Within a microsecond of wait and a token of queue is a tie (float noise).
     return [c for w, q, c in keyed if w <= best[0] + 1e-6 and q <= best[1] + 1.0]

@@ -13,13 +13,14 @@ answer is kept while the index is unchanged. Without one, nothing differs from t
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from skylb.core.kv_index import BlockIndex
 from skylb.core.plugins.kv_locality import CachedMatch, KVLocality
 from skylb.core.plugins.scoring import trie_key
 from skylb.core.prefix_trie import Match, PrefixTrie
 from skylb.core.request import Request
+from skylb.core.state import ReplicaState
 
 __all__ = ["PrefixLocality"]
 
@@ -107,6 +108,17 @@ class PrefixLocality:
         if replica_id not in m.targets or m.ratio < self.threshold:
             return 0.0
         return m.ratio
+
+    def fractions(self, request: Request, candidates: Sequence[ReplicaState], members: Collection[str]) -> list[float]:
+        """:meth:`matched_fraction` of each of ``candidates``, in order, with one lookup of the match."""
+        m = self.replica_match(request, members)
+        threshold = self.threshold
+        if isinstance(m, CachedMatch):
+            return [f if (f := m.fraction(c.id)) >= threshold else 0.0 for c in candidates]
+        if not m.targets or m.ratio < threshold:
+            return [0.0] * len(candidates)
+        targets, ratio = m.targets, m.ratio
+        return [ratio if c.id in targets else 0.0 for c in candidates]
 
     def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
         """Record ``request``'s prompt for ``replica`` (replica trie) or ``peer`` (snapshot trie)."""
