@@ -220,8 +220,10 @@ def _balancer_drain(api: _Api, args: argparse.Namespace) -> None:
 def _serving_region(api: _Api, region: str, wait_s: float = 5.0) -> str | None:
     """The region whose balancer serves ``region`` now, waiting up to ``wait_s`` s for the controller to move it
     away from its drained balancer (the move follows the drain; a busy controller makes it a moment later). After
-    ``wait_s`` (no other region healthy) the assignment as it stands."""
-    deadline = time.monotonic() + wait_s
+    ``wait_s``, or at once when no other region has a healthy balancer to move to, the assignment as it stands."""
+    others = [b for b in api.call("GET", "/v1/balancers")["balancers"]
+              if b["region"] != region and b.get("healthy") and not b.get("draining")]
+    deadline = time.monotonic() + (wait_s if others else 0.0)
     while True:
         served = {a["region"]: a["balancer_region"] for a in api.call("GET", "/v1/assignments")["assignments"]}
         if served.get(region) != region or time.monotonic() >= deadline:

@@ -53,8 +53,6 @@ from aiohttp import web
 
 from skylb import aio
 from controller.auth import CREDENTIALS, ControllerCredentials, auth_middleware, is_admin, resolve_credentials
-from controller.dns import DnsUpdater
-from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
 from controller.metrics import CONTENT_TYPE, ControllerMetrics
@@ -521,7 +519,11 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
         _warn_open(credentials)  # once it serves: a controller that cannot start says only why (one line)
         if reloader is not None:
             reloader.start()
-        dns_sync = DnsSync(store, DnsUpdater(config.dns)) if config.dns else None
+        dns_sync = None
+        if config.dns:  # imported here: dnspython is a tenth of a second of every controller's start without DNS
+            from controller.dns import DnsUpdater
+            from controller.dns_sync import DnsSync
+            dns_sync = DnsSync(store, DnsUpdater(config.dns))
         if dns_sync is not None:
             app[DNS_WAKE].append(dns_sync.changed)
 

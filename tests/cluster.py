@@ -163,16 +163,30 @@ class Cluster:
                         timeout_s=20, what="every replica's models")
         return proc
 
-    def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        """Run `skylb-ctl --controller URL ARGS` as a real subprocess."""
+    def ctl(self, *args: str, check: bool = True, in_process: bool = False) -> subprocess.CompletedProcess:
+        """Run `skylb-ctl --controller URL ARGS` as a real subprocess, or with ``in_process`` by its ``main`` here
+        (ctl_in_process)."""
+        if in_process:
+            result = ctl_in_process(self.controller_url, *args, env=self.env)
+            if check:
+                result.check_returncode()
+            return result
         return subprocess.run([sys.executable, "-m", "controller.ctl", "--controller", self.controller_url, *args],
                               capture_output=True, text=True, timeout=30, check=check,
                               env={**os.environ, **self.env})
 
     def add_replica(self, region: str, url: str, *, replica_id: str | None = None, engine: str = "vllm") -> None:
-        """Register a replica through `skylb-ctl replica add` (``engine``: the adapter that probes it)."""
-        extra = ["--id", replica_id] if replica_id else []
-        self.ctl("replica", "add", "--region", region, "--url", url, "--engine", engine, *extra)
+        """Register a replica (``engine``: the adapter that probes it) with the REST call `skylb-ctl replica add`
+        makes. Not through the CLI: a Python process per replica cost the suite minutes, and the CLI itself is
+        tested in tests/test_controller.py."""
+        body = {"region": region, "url": url, "engine": engine, **({"id": replica_id} if replica_id else {})}
+        headers = {"Content-Type": "application/json"}
+        if self.admin_token:
+            headers["Authorization"] = f"Bearer {self.admin_token}"
+        request = urllib.request.Request(f"{self.controller_url}/v1/replicas", data=json.dumps(body).encode(),
+                                         headers=headers, method="POST")
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert resp.status in (200, 201), resp.status
 
     def status(self, region: str) -> dict:
         """The balancer's operator status (JSON)."""
@@ -226,3 +240,29 @@ class Cluster:
         """Wait until ``region``'s balancer has a fresh status from ``n`` peers."""
         self.wait_until(lambda: sum(p["healthy"] for p in self.status(region)["peers"]) >= n,
                         timeout_s=timeout_s, what=f"{n} peers probed by {region}")
+
+
+def ctl_in_process(controller_url: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`skylb-ctl --controller URL ARGS` run by its own ``main`` in this process, with ``env`` set meanwhile: the same
+    parser and code as the command without a Python start per call (about 0.5 s each, which tests of many commands
+    paid for every one); exit status, stdout and stderr as the command gives them (a usage error's exit 2
+    included). Tests that it starts as a command keep a subprocess call (tests/test_controller.py)."""
+    import contextlib
+    import io
+    from controller.ctl import main
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(["--controller", controller_url, *args])
+            except SystemExit as exc:  # argparse's usage errors
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["skylb-ctl", *args], code, out.getvalue(), err.getvalue())

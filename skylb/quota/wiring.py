@@ -6,6 +6,7 @@ request flow.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
 
 import structlog
@@ -13,7 +14,6 @@ import structlog
 from skylb.quota.buckets import LimitBackend, LocalLimits
 from skylb.quota.gate import QuotaGate
 from skylb.quota.metrics import QuotaMetrics
-from skylb.quota.redis_backend import RedisLimits
 from skylb.quota.settings import QuotaSettings
 from skylb.quota.limits import Quotas
 
@@ -31,8 +31,15 @@ def build_limits(settings: QuotaSettings, *, regions_share: Callable[[], float])
     fallback share: ``local_share``, else ``regions_share()``: 1 / the regions whose balancers this one knows), else
     LocalLimits at ``local_share`` (else 1 until the upkeep loop reads membership)."""
     if settings.redis_url:
+        from skylb.quota.redis_backend import RedisLimits  # here: redis-py's import is 0.2 s of a balancer's start
         return RedisLimits(settings, share=settings.local_share if settings.local_share is not None else regions_share)
     return LocalLimits(settings.local_share or 1.0)
+
+
+def _is_redis(limits: LimitBackend) -> bool:
+    """True for a RedisLimits, checked without importing redis-py (a balancer without Redis never loads it)."""
+    module = sys.modules.get("skylb.quota.redis_backend")
+    return module is not None and isinstance(limits, module.RedisLimits)
 
 
 def build_gate(settings: QuotaSettings, *, quotas: Callable[[], Quotas], limits: LimitBackend,
@@ -44,7 +51,7 @@ def build_gate(settings: QuotaSettings, *, quotas: Callable[[], Quotas], limits:
     gate: QuotaGate | None = None
 
     def fallback() -> bool | None:
-        return limits.falling_back if isinstance(limits, RedisLimits) else None
+        return limits.falling_back if _is_redis(limits) else None
 
     metrics = QuotaMetrics(registry, region=region, levels=limits.levels,
                            waiting=lambda: gate.waiting_now() if gate else {}, fallback=fallback,
@@ -63,14 +70,14 @@ async def quota_loop(settings: QuotaSettings, *, limits: LimitBackend, gate: Quo
     renew_every = min(UPKEEP_S, settings.slot_lease_s / 3)
     try:
         while True:
-            if isinstance(limits, RedisLimits):
+            if _is_redis(limits):
                 await limits.maintain(now())
             elif isinstance(limits, LocalLimits) and settings.local_share is None and limits.share == auto_share:
                 auto_share = regions_share()
                 limits.set_share(auto_share)
             await asyncio.sleep(renew_every)
     finally:
-        if isinstance(limits, RedisLimits):
+        if _is_redis(limits):
             await gate.flush()
             await asyncio.shield(limits.close())
 
@@ -79,7 +86,7 @@ def quota_status(limits: LimitBackend, gate: QuotaGate, now: float) -> dict:
     """The ``quota`` field of the operator status: backend ("redis" or "local"), whether Redis is unreachable
     (``redis_fallback``; None without Redis), since when (s ago, ``now`` on the balancer's clock), the in-process
     share, requests waiting by tenant, and the bucket levels."""
-    redis = isinstance(limits, RedisLimits)
+    redis = _is_redis(limits)
     local = limits.fallback if redis else limits
     since = limits.fallback_since if redis else None
     return {"backend": "redis" if redis else "local",
