@@ -10,6 +10,7 @@ import pytest
 import requests
 
 from tests.cluster import MODEL, Cluster, post_json
+from tests.procs import wait_http
 
 FAST = ("--time-scale", "0.1")
 OLLAMA_MODEL = "llama3.1:8b"
@@ -158,3 +159,32 @@ def test_health_and_models_answer_as_the_engines_do(procs, tmp_path):
     assert 0 < card["created"] <= engine_card["created"]
     listed = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10).models.list().data
     assert [(m.id, m.model_extra["max_model_len"]) for m in listed] == [(MODEL, 4096)]
+
+
+def test_models_served_only_by_a_peer_keep_their_engines_fields(procs, tmp_path):
+    """A model only the peer region's replicas serve is listed by `/v1/models` with what those engines say
+    (vLLM's ``owned_by``, ``root``, ``created``, ``max_model_len``, carried in the peer status), not as SkyLB's
+    own (``owned_by: skylb``, ``created: 0``)."""
+    cluster = _cluster(procs, tmp_path, ["us", "eu"])
+    [eu_replica] = cluster.start_emulator(1, "--max-model-len", "8192", *FAST, name="emu-eu", wait=False)
+    [us_replica] = cluster.start_emulator(1, "--model", "local-only/model", *FAST, name="emu-us")
+    cluster.add_replica("eu", eu_replica)
+    cluster.add_replica("us", us_replica)
+    urls = {region: cluster.start_balancer(region, ["us", "eu"], wait=False) for region in ("us", "eu")}
+    for url in urls.values():
+        wait_http(f"{url}/healthz", timeout_s=20)
+
+    def peer_listed() -> dict | None:
+        entries = {e["id"]: e for e in requests.get(f"{urls['us']}/v1/models", timeout=5).json()["data"]}
+        return entries if MODEL in entries and "local-only/model" in entries else None
+
+    entries = cluster.wait_until(peer_listed, timeout_s=20, what="us listing eu's model")
+    [engine_card] = requests.get(f"{eu_replica}/v1/models", timeout=5).json()["data"]
+    card = entries[MODEL]
+    assert {k: card.get(k) for k in ("object", "owned_by", "root", "created", "max_model_len")} == {
+        "object": "model", "owned_by": "vllm", "root": engine_card["root"], "created": engine_card["created"],
+        "max_model_len": 8192}
+    assert "permission" not in card  # only a card's scalar fields travel in the peer status
+    assert entries["local-only/model"]["owned_by"] == "vllm"
+    peer = cluster.status("us")["peers"][0]
+    assert peer["region"] == "eu" and MODEL in (peer["models"] or {}).get("openai", {})
