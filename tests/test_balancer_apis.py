@@ -74,10 +74,13 @@ def test_ollama_api_stream_defaults_to_true_and_ends_with_done(procs, tmp_path):
 
 
 def test_model_served_only_in_another_region_is_forwarded_and_unknown_is_404(procs, tmp_path):
-    """A model only eu serves is forwarded from us to eu; an unknown model gets 404 in OpenAI's shape."""
+    """A model only eu serves is forwarded from us to eu, and us's `/v1/models` lists it with what eu's engine says
+    (vLLM's ``owned_by``, ``root``, ``created``, ``max_model_len``, carried in eu's peer status), not as SkyLB's own
+    (``owned_by: skylb``, ``created: 0``); an unknown model gets 404 in OpenAI's shape."""
     cluster = _cluster(procs, tmp_path, ["us", "eu"])
     [us_r] = cluster.start_emulator(1, *FAST, name="emu-us")
-    [eu_r] = cluster.start_emulator(1, *FAST, "--model", "Qwen/Qwen2.5-7B-Instruct", name="emu-eu")
+    [eu_r] = cluster.start_emulator(1, *FAST, "--model", "Qwen/Qwen2.5-7B-Instruct", "--max-model-len", "8192",
+                                    name="emu-eu")
     cluster.start_balancer("eu", ["us", "eu"])
     url = cluster.start_balancer("us", ["us", "eu"])
     cluster.add_replica("us", us_r)
@@ -95,7 +98,13 @@ def test_model_served_only_in_another_region_is_forwarded_and_unknown_is_404(pro
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "x"}])
     assert "gpt-nope" in err.value.body["message"]
-    assert {m.id for m in client.models.list().data} == {MODEL, "Qwen/Qwen2.5-7B-Instruct"}
+    listed = {m.id: m for m in client.models.list().data}
+    assert set(listed) == {MODEL, "Qwen/Qwen2.5-7B-Instruct"}
+    [engine_card] = requests.get(f"{eu_r}/v1/models", timeout=5).json()["data"]
+    card = listed["Qwen/Qwen2.5-7B-Instruct"].model_dump()
+    assert {k: card.get(k) for k in ("owned_by", "root", "created", "max_model_len")} == {
+        "owned_by": "vllm", "root": engine_card["root"], "created": engine_card["created"], "max_model_len": 8192}
+    assert "permission" not in card  # only a card's scalar fields travel in the peer status
 
 
 def _sse_lines(url: str, path: str, body: dict) -> tuple[int, list[bytes]]:
@@ -158,3 +167,4 @@ def test_health_and_models_answer_as_the_engines_do(procs, tmp_path):
     assert 0 < card["created"] <= engine_card["created"]
     listed = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10).models.list().data
     assert [(m.id, m.model_extra["max_model_len"]) for m in listed] == [(MODEL, 4096)]
+

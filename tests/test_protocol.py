@@ -19,6 +19,35 @@ def test_status_round_trip():
     assert decode_status(encode_status(status)) == status
 
 
+def test_status_carries_the_engines_model_fields_and_keeps_only_scalars():
+    """``model_cards`` (what a peer's engines say of each model) round-trips; from a newer peer, a field that is a
+    list or map, or a non-finite number, is dropped rather than the whole status rejected; without it, None."""
+    cards = {"m": {"owned_by": "vllm", "created": 1700000000, "max_model_len": 4096, "root": "org/m", "parent": None}}
+    status = PeerStatus(region="eu", available_replicas=1, replicas=1, queue_len=0, model_cards=cards)
+    assert decode_status(encode_status(status)) == status
+    raw = {"v": 1, "region": "eu", "available_replicas": 1, "replicas": 1, "queue_len": 0}
+    newer = raw | {"model_cards": {"m": {"owned_by": "vllm", "permission": [{"id": "p"}], "meta": {"a": 1},
+                                         "ratio": float("nan")}}}
+    assert decode_status(msgpack.packb(newer)).model_cards == {"m": {"owned_by": "vllm"}}
+    assert decode_status(msgpack.packb(raw)).model_cards is None
+
+
+def test_router_status_tells_peers_what_its_engines_say_of_each_model():
+    """``Router.status`` carries, per model its live replicas serve, their merged scalar fields (the smallest
+    ``max_model_len``, the first ``owned_by``), and nothing for a model whose replicas gave no card."""
+    from skylb.config import BalancerConfig
+    from skylb.core.builder import build_router
+
+    router = build_router("us", BalancerConfig())
+    router.set_replicas([("a", "http://a", "vllm"), ("b", "http://b", "vllm")])
+    for rid, length in (("a", 8192), ("b", 4096)):
+        router.set_replica_models(rid, ["m", "bare"])
+        router.replicas[rid].model_cards = {"m": {"id": "m", "object": "model", "owned_by": "vllm",
+                                                  "created": 5, "max_model_len": length, "permission": [{}]},
+                                            "bare": {"id": "bare"}}
+    assert router.status(now=0.0).model_cards == {"m": {"owned_by": "vllm", "created": 5, "max_model_len": 4096}}
+
+
 def test_status_of_an_older_peer_has_no_queue_age():
     """A peer that predates the queue age and dispatch rate decodes with both None (it is never forwarded into a
     queue); a negative age is rejected."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -74,6 +74,10 @@ class _StatusMessage(BaseModel):
     backlog_tokens: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     prefill_fixed_ms: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     prefill_ms_per_token: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    # model -> its engines' fields (skylb/core/model_cards.py peer_card); added later, optional both ways. Any value
+    # is accepted and only scalars are kept (_scalar_cards): a richer card from a newer peer must not make its
+    # whole status, and so its routing, unreadable.
+    model_cards: dict[str, dict[str, Any]] | None = None
 
 
 def encode_status(status: PeerStatus) -> bytes:
@@ -85,7 +89,8 @@ def decode_status(data: bytes) -> PeerStatus:
     """Unpack and validate a peer status into a PeerStatus.
 
     Raises ProtocolError on more than MAX_STATUS_BYTES, bad msgpack, a non-map, another protocol version, or a
-    missing or mistyped field (counts must be non-negative integers; ``models`` maps API -> model -> count).
+    missing or mistyped field (counts must be non-negative integers; ``models`` maps API -> model -> count;
+    ``model_cards`` model -> a map of fields, of which only strings, numbers, bools and nulls are kept).
     """
     if len(data) > MAX_STATUS_BYTES:
         raise ProtocolError(f"peer status is {len(data)} bytes, more than {MAX_STATUS_BYTES}")
@@ -107,7 +112,16 @@ def decode_status(data: bytes) -> PeerStatus:
                       queue_len=msg.queue_len, models=msg.models, wait_ms=msg.wait_ms,
                       queue_age_ms=msg.queue_age_ms, dispatch_rate=msg.dispatch_rate,
                       backlog_tokens=msg.backlog_tokens, prefill_fixed_ms=msg.prefill_fixed_ms,
-                      prefill_ms_per_token=msg.prefill_ms_per_token)
+                      prefill_ms_per_token=msg.prefill_ms_per_token, model_cards=_scalar_cards(msg.model_cards))
+
+
+def _scalar_cards(cards: dict[str, dict] | None) -> dict[str, dict] | None:
+    """``cards`` with only the fields whose value is a string, number (finite), bool or null."""
+    if cards is None:
+        return None
+    return {m: {k: v for k, v in card.items()
+                if v is None or isinstance(v, (str, bool, int)) or (isinstance(v, float) and math.isfinite(v))}
+            for m, card in cards.items()}
 
 
 def queued_ms(value: str | None) -> float:

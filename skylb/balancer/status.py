@@ -14,6 +14,7 @@ from skylb.balancer.ollama_fleet import replica_thermal
 from skylb.balancer.metrics import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 from skylb.balancer.retry_after import retry_after_s
+from skylb.core.model_cards import model_entry
 from skylb.engines.auto import detected_engine
 from skylb.quota.buckets import LocalLimits
 from skylb.quota.wiring import quota_status
@@ -188,36 +189,17 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=balancer.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-#: The fields of OpenAI's model object, which every entry of ``GET /v1/models`` has.
-_OPENAI_MODEL_FIELDS = ("id", "object", "created", "owned_by")
-
-
-def model_entry(model: str, cards: list[dict]) -> dict:
-    """One entry of ``GET /v1/models`` for ``model`` from the entries its replicas list (``cards``, in replica
-    order; empty for a model only peers serve): OpenAI's fields (``created``: the earliest a replica says, unix s, 0
-    when none does; ``owned_by``: the first replica's, "skylb" when none says), then the engines' own fields
-    (``max_model_len``, ``root``, ``parent``, ...) as the first replica listing each says, except
-    ``max_model_len``: the smallest, since a request must fit whichever replica serves it."""
-    merged: dict = {}
-    for card in reversed(cards):
-        merged.update(card)
-    created = [c["created"] for c in cards if type(c.get("created")) is int]
-    lengths = [c["max_model_len"] for c in cards if type(c.get("max_model_len")) is int]
-    if lengths:
-        merged["max_model_len"] = min(lengths)
-    owned_by = merged.get("owned_by")
-    return {"id": model, "object": "model", "created": min(created, default=0),
-            "owned_by": owned_by if isinstance(owned_by, str) else "skylb",
-            **{k: v for k, v in merged.items() if k not in _OPENAI_MODEL_FIELDS}}
-
-
 async def handle_models(request: web.Request) -> web.Response:
     """``GET /v1/models``: the union of models the local replicas (and peers) serve, each with what its replicas
-    say of it (``model_entry``), then the model group aliases (with ``skylb_group``: their models), in OpenAI's
-    list shape."""
+    say of it, then what the healthy peers serving it report of theirs (``PeerStatus.model_cards``; merged by
+    skylb/core/model_cards.py ``model_entry``), then the model group aliases (with ``skylb_group``: their models),
+    in OpenAI's list shape."""
     balancer = request.app[BALANCER]
     replicas = sorted((r for r in balancer.router.replicas.values() if not r.draining), key=lambda r: r.id)
-    data = [model_entry(m, [r.model_cards[m] for r in replicas if m in r.model_cards])
+    peers = sorted((p for p in balancer.router.peers.values() if p.healthy and p.model_cards),
+                   key=lambda p: (not p.sibling, p.region))
+    data = [model_entry(m, [r.model_cards[m] for r in replicas if m in r.model_cards]
+                        + [p.model_cards[m] for p in peers if m in p.model_cards])
             for m in balancer.served_models()]
     # Model group aliases (skylb/balancer/model_groups.py), with the models that serve them.
     data += [{"id": alias, "object": "model", "created": 0, "owned_by": "skylb", "skylb_group": sorted(members)}

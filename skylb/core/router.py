@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from skylb.core.candidates import Candidates
 from skylb.core.fleet_rules import FleetRules
 from skylb.core.fleet_rules import load_s as fleet_load_s
+from skylb.core.model_cards import peer_card
 from skylb.core.queue import ClassQueue
 from skylb.core.outlier import OutlierDetector
 from skylb.core.profile import Profile
@@ -643,8 +644,9 @@ class Router:
     def status(self, now: float) -> PeerStatus:
         """What this balancer tells its peers: its available replicas, replicas and queue length, and per API
         dialect every model a local replica serves with how many of those replicas are available now (0 included,
-        so a peer knows the model is served here even when all are busy), and the policy's estimated wait on the
-        best available replica (ms; None without one or without an estimate)."""
+        so a peer knows the model is served here even when all are busy), what those replicas' engines say of each
+        model (``peer_card``), and the policy's estimated wait on the best available replica (ms; None without one
+        or without an estimate)."""
         available = self.available_replicas(now)
         available_ids = {r.id for r in available}
         models: dict[str, dict[str, int]] = {}
@@ -655,6 +657,9 @@ class Router:
                 per_api = models.setdefault(api, {})
                 for m in r.models:
                     per_api[m] = per_api.get(m, 0) + (r.id in available_ids)
+        serving = sorted((r for r in self.replicas.values() if not r.draining and r.models), key=lambda r: r.id)
+        cards = {m: peer_card(m, [r.model_cards[m] for r in serving if m in r.model_cards])
+                 for m in sorted({m for r in serving for m in r.models})}
         waits = [w for w in map(self.policy.estimated_wait_s, available) if w is not None]
         extra = self.policy.advertised(available, [r for r in self.replicas.values() if not r.draining])
         return PeerStatus(region=self.region, available_replicas=len(available),
@@ -662,4 +667,5 @@ class Router:
                           queue_len=len(self.queue), models=models,
                           wait_ms=round(min(waits) * 1000.0, 3) if waits else None,
                           queue_age_ms=round(self.queue_age_s(now) * 1000.0, 3),
-                          dispatch_rate=self.dispatch_rate(now), **extra)
+                          dispatch_rate=self.dispatch_rate(now),
+                          model_cards={m: c for m, c in cards.items() if c is not None}, **extra)

@@ -184,6 +184,9 @@ class PeerStatus:
             when it has any (skylb/core/cost.py), None when it does not say; prefill_fixed_ms, prefill_ms_per_token: its replicas'
             fitted prefill model (skylb/core/prefill_model.py), ms and ms per token, None when not said. With
             these a sender prices the peer on its own scale (design decision 10).
+        model_cards: model id -> what its replicas' engines say of it (``created``, ``owned_by``,
+            ``max_model_len``, ``root``, ``parent``, ...: skylb/core/model_cards.py ``peer_card``), for the models
+            whose replicas gave any; None when the peer did not say (an older one).
     """
 
     region: str
@@ -197,6 +200,7 @@ class PeerStatus:
     backlog_tokens: float | None = None
     prefill_fixed_ms: float | None = None
     prefill_ms_per_token: float | None = None
+    model_cards: dict[str, dict[str, str | int | float | bool | None]] | None = None
 
 
 @dataclass
@@ -210,6 +214,8 @@ class PeerState:
         sent_since_probe: requests forwarded there since the latest status.
         models: per API dialect, model -> the peer's available replicas serving it (every model it serves is a
             key, with 0 when none is available); None when the peer did not report models.
+        model_cards: model id -> what the peer's engines say of it (``PeerStatus.model_cards``), empty when it did
+            not say; ``GET /v1/models`` lists a model only peers serve with these fields.
         wait_s: the peer's estimated wait (s) from its latest status, None when it gave none.
         rtt_s: the round trip to the peer, s: a moving average of status probe round trips (None: not measured).
         queue_age_s: how long the oldest request in its queue had waited at its latest status, s (None: not said).
@@ -234,6 +240,7 @@ class PeerState:
     #: Forwards sent there: a request retried there before its first byte counts once per try.
     forwarded: int = 0
     models: dict[str, dict[str, int]] | None = None
+    model_cards: dict[str, dict] = field(default_factory=dict, repr=False)
     #: Consecutive gateway failures and 5xx answers, ejections so far and the end of the current or latest
     #: ejection, s (outlier detection: skylb/core/outlier.py).
     gateway_failures: int = 0
@@ -261,6 +268,7 @@ class PeerState:
             self.replicas = max(0, int(status.replicas))
             self.queue_len = max(0, int(status.queue_len))
             self.models = status.models
+            self.model_cards = dict(status.model_cards or {})
             self.wait_s = None if status.wait_ms is None else max(0.0, float(status.wait_ms)) / 1000.0
             self.queue_age_s = None if status.queue_age_ms is None else max(0.0, float(status.queue_age_ms)) / 1000.0
             self.dispatch_rate = None if status.dispatch_rate is None else max(0.0, float(status.dispatch_rate))
