@@ -28,7 +28,8 @@ run several balancers (siblings), told apart by their id; each replica is owned 
 URL is refused (409 ``balancer_id_taken``) unless the request carries the admin token and ``"replace": true``,
 which removes the live one.
 
-Errors are always {"error": {"message", "type", "code"}}. Each membership change logs one structlog JSON line.
+Errors are always {"error": {"message", "type", "code"}}. Clients get the balancer's deadlines on reading a request
+and a cap on open connections (``controller.client_connections``, skylb/listener.py). Each membership change logs one structlog JSON line.
 Unless ``controller.health.enabled`` is false, every replica and balancer is health-checked (controller/health.py); a
 change of verdict is a membership revision (the ``healthy`` field), and a region whose balancers are all down or
 draining is failed over to the closest live region (controller/failover.py; ``assignments`` in the membership).
@@ -69,6 +70,7 @@ from controller.store import (InvalidInput, StoreError, default_balancer_id, nor
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig
 from skylb import environment, logs
+from skylb.listener import GuardedAppRunner
 from skylb.logs import configure_logging
 from skylb.quota.gate import retry_after_s
 from skylb.reload import Reloader
@@ -504,7 +506,10 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
     store = open_store(config)
     leadership = leadership_for(config)
     app = create_app(store, leadership=leadership, credentials=credentials)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
+    # GuardedAppRunner: deadlines on reading requests, idle keep-alive and a connection cap, as the balancer's
+    # (skylb/listener.py): a client sending its head a byte a second would otherwise hold a connection for ever.
+    runner = GuardedAppRunner(app, limits=config.client_connections, setting="controller.client_connections",
+                              access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
     await runner.setup()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT) if stop is None else ()

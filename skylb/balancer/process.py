@@ -34,7 +34,7 @@ from skylb.balancer import handler, lease_api, model_management, ollama_api, sta
 from skylb.balancer.auth import Credentials, auth_middleware
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.handler import REQUEST_IDS, api_of
-from skylb.balancer.listener import ClientBodyTimeout, GuardedAppRunner
+from skylb.listener import ClientBodyTimeout, GuardedAppRunner
 from skylb.balancer.stages import RequestContext
 from skylb.balancer.stages.model_group import add_model_header
 from skylb.balancer.relay import STREAM_STARTED
@@ -268,9 +268,9 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, settin
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request leaves the queue
     # and an upstream request is aborted (aiohttp's default keeps running it; reliability.md).
     # shutdown_timeout: the drain below already waited for the requests held; what is left is idle connections.
-    # GuardedAppRunner: deadlines on reading requests, idle keep-alive and a connection cap (skylb/balancer/listener.py).
-    runner = GuardedAppRunner(app, limits=cfg.client_connections, handler_cancellation=True, access_log=None,
-                              shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    # GuardedAppRunner: deadlines on reading requests, idle keep-alive and a connection cap (skylb/listener.py).
+    runner = GuardedAppRunner(app, limits=cfg.client_connections, setting="balancer.client_connections",
+                              handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()
