@@ -29,7 +29,8 @@ URL is refused (409 ``balancer_id_taken``) unless the request carries the admin 
 which removes the live one.
 
 Errors are always {"error": {"message", "type", "code"}}. Clients get the balancer's deadlines on reading a request
-and a cap on open connections (``controller.client_connections``, skylb/listener.py). Each membership change logs one structlog JSON line.
+and a cap on open connections (``controller.client_connections``, skylb/listener.py). Each membership change logs
+one structlog JSON line.
 Unless ``controller.health.enabled`` is false, every replica and balancer is health-checked (controller/health.py); a
 change of verdict is a membership revision (the ``healthy`` field), and a region whose balancers are all down or
 draining is failed over to the closest live region (controller/failover.py; ``assignments`` in the membership).

@@ -53,8 +53,9 @@ def _bare(status: int, reason: str, message: str, headers: str = "") -> bytes:
 
 class GuardedRequestHandler(web.RequestHandler):
     """aiohttp's connection (one per client connection) with a head deadline, a body deadline and a connection
-    cap, per ``limits`` (named ``setting`` in answers and logs). Reads three of aiohttp's counters of its own base class (``_request_count``: heads parsed,
-    ``_messages``: heads waiting for the handler, ``_current_request``), since aiohttp exposes no hook for them."""
+    cap, per ``limits`` (named ``setting`` in answers and logs). Reads three of aiohttp's counters of its own base
+    class (``_request_count``: heads parsed, ``_messages``: heads waiting for the handler, ``_current_request``),
+    since aiohttp exposes no hook for them."""
 
     def __init__(self, manager: web.Server, *, limits: ClientConnections, setting: str, **kwargs: Any):
         super().__init__(manager, **kwargs)
@@ -141,7 +142,8 @@ class GuardedRequestHandler(web.RequestHandler):
         self._log.info("client_cut", reason="body_timeout", limit_s=limits.body_timeout_s,
                        body_bytes=payload.total_bytes, peer=_peer(self.transport))
         payload.set_exception(ClientBodyTimeout(
-            f"request body not complete within {self._setting}.body_timeout_s ({limits.body_timeout_s} s) plus 1 s per {limits.body_min_rate_bytes_s:g} bytes received ({payload.total_bytes} bytes)"))
+            f"request body not complete within {self._setting}.body_timeout_s ({limits.body_timeout_s} s) plus 1 s "
+            f"per {limits.body_min_rate_bytes_s:g} bytes received ({payload.total_bytes} bytes)"))
         self.close()  # after the handler's answer: no keep-alive
 
 
@@ -166,8 +168,9 @@ class _GuardedServer(web.Server):
 class GuardedAppRunner(web.AppRunner):
     """``web.AppRunner`` serving ``app`` through GuardedRequestHandlers with ``limits`` (its keep-alive timeout
     included), named ``setting`` (where they are configured: ``balancer.client_connections``,
-    ``controller.client_connections``) in answers and logs; other keyword arguments as AppRunner's. Overrides AppRunner's server factory (``_make_server``, the
-    one place aiohttp builds its server) to build the same server with that connection class."""
+    ``controller.client_connections``) in answers and logs; other keyword arguments as AppRunner's. Overrides
+    AppRunner's server factory (``_make_server``, the one place aiohttp builds its server) to build the same server
+    with that connection class."""
 
     def __init__(self, app: web.Application, *, limits: ClientConnections, setting: str, **kwargs: Any):
         super().__init__(app, keepalive_timeout=limits.keepalive_timeout_s, **kwargs)
