@@ -54,7 +54,8 @@ import structlog
 from aiohttp import web
 
 from skylb import aio
-from controller.auth import CREDENTIALS, ControllerCredentials, auth_middleware, is_admin, resolve_credentials
+from controller.auth import (CREDENTIALS, THROTTLE, ControllerCredentials, auth_middleware, is_admin,
+                             resolve_credentials)
 from controller.dns import DnsUpdater
 from controller.dns_sync import DnsSync
 from controller.health import HealthChecker
@@ -72,6 +73,7 @@ from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig
 from skylb import environment, logs
 from skylb.listener import GuardedAppRunner
+from skylb.tokens import GuessThrottle
 from skylb.logs import configure_logging
 from skylb.quota.gate import retry_after_s
 from skylb.reload import Reloader
@@ -457,6 +459,7 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     are checked on every change (controller/auth.py)."""
     app = web.Application(middlewares=[_errors, auth_middleware])
     app[CREDENTIALS] = credentials or ControllerCredentials()
+    app[THROTTLE] = GuessThrottle()
     app[DNS_WAKE] = []
     app[STORE] = store
     app[LEADERSHIP] = leadership or SoleLeader()
@@ -482,7 +485,7 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app.router.add_post("/v1/quotas", set_quota)
     app.router.add_delete("/v1/quotas", delete_quota)
     status_view.add_routes(app, lambda: store.snapshot().to_dict(), admin_token=app[CREDENTIALS].admin_token,
-                           peer_token=app[CREDENTIALS].peer_token)  # /, /skylb/v1/status: the status page
+                           peer_token=app[CREDENTIALS].peer_token, throttle=app[THROTTLE])  # the status page
     return app
 
 
