@@ -17,10 +17,10 @@ Who may see it, as the other operator endpoints (never a token in a URL):
   may instead send ``Authorization: Bearer <token>`` upstream.
 
 Guesses are throttled per client address (skylb.tokens.GuessThrottle, shared with the server's other credential
-checks): GUESS_FREE_FAILURES wrong tokens in a row are free; the next locks the address out for a second, each further
-one twice as long as the last (at most GUESS_LOCK_MAX_S); a login while locked out gets 429 with Retry-After and is
-not checked. Behind a reverse proxy every client shares the proxy's address, so one guesser locks the proxy's
-operators out for as long.
+checks): GUESS_FREE_FAILURES wrong tokens in a row are free; the next locks the address out for a second, each
+further one twice as long as the last (at most GUESS_LOCK_MAX_S); a login while locked out gets 429 with Retry-After
+and is not checked, nor is a proxy's ``Authorization: Bearer`` (the page answers as to no credential). Behind a
+reverse proxy every client shares the proxy's address, so one guesser locks the proxy's operators out for as long.
 
 Source: the cookie attributes from RFC 6265 §4.1.2 and the SameSite draft (draft-ietf-httpbis-rfc6265bis §4.1.2.7).
 """
@@ -93,12 +93,23 @@ class PageAccess:
 
     def allowed(self, request: web.Request) -> bool:
         """True when ``request`` may read the page's data: a valid session cookie, the token as ``Authorization:
-        Bearer`` (a reverse proxy), or, with no token configured, a loopback client."""
+        Bearer`` (a reverse proxy), or, with no token configured, a loopback client. A Bearer token is a guess as a
+        login is: counted on ``throttle`` when wrong, and not compared (False) while its address is locked out."""
         if self.token is None:
             return from_this_machine(request.remote)
+        if session_ok(request, self.token, self.cookie):
+            return True
         scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-        return session_ok(request, self.token, self.cookie) or (scheme.lower() == "bearer"
-                                                   and secret_matches(value.strip(), self.token))
+        if scheme.lower() != "bearer":
+            return False
+        address = request.remote or ""
+        if self.throttle.locked_for_s(address):
+            return False
+        if secret_matches(value.strip(), self.token):
+            self.throttle.succeeded(address)
+            return True
+        self.throttle.failed(address)
+        return False
 
 
 ACCESS = web.AppKey("status_page_access", PageAccess)
