@@ -13,20 +13,30 @@ A credential that is not configured narrows its check to this machine (protected
 registrations, are accepted from loopback addresses only) and the controller logs a warning at start; every
 deployment file and `skylb local` configure both. Refusals are 401 ``authentication_error`` in the
 controller's error shape. Secrets are compared in constant time and never logged.
+
+Guessing is throttled per client address with the status page's login (one skylb.tokens.GuessThrottle per
+controller, ``THROTTLE``): a wrong admin token (``Authorization: Bearer``) or peer token (``X-SkyLB-Token``) on a
+change counts as a failure; past GUESS_FREE_FAILURES in a row the address is locked out for a growing time, and a
+change presenting either from it gets 429 with Retry-After without being compared; a right one compared outside a
+lockout starts the count again. A missing credential is not counted.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import structlog
 from aiohttp import web
 
-from skylb.tokens import (ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, PEER_TOKEN_ENV, check_token, from_this_machine,
-                               read_token_file, secret_matches)
+from skylb.tokens import (ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV, PEER_TOKEN_ENV, GuessThrottle, check_token,
+                          from_this_machine, read_token_file, secret_matches)
 from skylb.environment import env
 from skylb.status_page import OPEN_PATHS as PAGE_PATHS
 
-__all__ = ["ControllerCredentials", "CREDENTIALS", "resolve_credentials", "is_admin", "auth_middleware"]
+__all__ = ["ControllerCredentials", "CREDENTIALS", "THROTTLE", "resolve_credentials", "is_admin", "auth_middleware"]
+
+log = structlog.get_logger("skylb.controller")
 
 _READS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -49,6 +59,8 @@ class ControllerCredentials:
 
 
 CREDENTIALS = web.AppKey("credentials", ControllerCredentials)
+#: The controller's wrong credentials per client address (the middleware's and the status page's login).
+THROTTLE = web.AppKey("guess_throttle", GuessThrottle)
 
 
 def resolve_credentials(admin_token: str | None, admin_token_file: str | None,
@@ -83,12 +95,43 @@ def _refuse(message: str) -> web.Response:
                               status=401, headers={"WWW-Authenticate": 'Bearer realm="skylb-controller"'})
 
 
+def _locked_out(locked_s: float) -> web.Response:
+    wait_s = max(1, math.ceil(locked_s))
+    return web.json_response({"error": {"message": f"too many wrong credentials from this address: try again in "
+                                        f"{wait_s} s", "type": "rate_limit_exceeded", "code": 429}},
+                             status=429, headers={"Retry-After": str(wait_s)})
+
+
+def _guess_refusal(request: web.Request, creds: ControllerCredentials) -> web.Response | None:
+    """429 when ``request`` presents a credential the controller compares (the admin token as Bearer, the peer
+    token as X-SkyLB-Token) from an address locked out; else count a presented credential that matches none (the
+    429 when that locks the address out) and return None, so the checks below answer as they would; a right one
+    starts the address's count again."""
+    bearer, token = _bearer(request), request.headers.get("X-SkyLB-Token")
+    presented = ((bearer is not None and creds.admin_token is not None)
+                 or (token is not None and creds.peer_token is not None))
+    if not presented:
+        return None
+    throttle, address = request.app[THROTTLE], request.remote or ""
+    if locked_s := throttle.locked_for_s(address):
+        return _locked_out(locked_s)
+    if secret_matches(bearer, creds.admin_token) or secret_matches(token, creds.peer_token):
+        throttle.succeeded(address)
+        return None
+    if locked_s := throttle.failed(address):
+        log.warning("client_locked_out", locked_s=locked_s, peer=request.remote)
+        return _locked_out(locked_s)
+    return None
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Refuse a change without its credential (this module's docstring); reads pass."""
     if request.method in _READS or request.path in PAGE_PATHS:  # the status page's login checks the token itself
         return await handler(request)
     creds = request.app[CREDENTIALS]
+    if (refusal := _guess_refusal(request, creds)) is not None:
+        return refusal
     if request.method == "POST" and request.path == "/v1/balancers":
         peer_ok = (from_this_machine(request.remote) if creds.peer_token is None
                    else secret_matches(request.headers.get("X-SkyLB-Token"), creds.peer_token))

@@ -28,7 +28,9 @@ run several balancers (siblings), told apart by their id; each replica is owned 
 URL is refused (409 ``balancer_id_taken``) unless the request carries the admin token and ``"replace": true``,
 which removes the live one.
 
-Errors are always {"error": {"message", "type", "code"}}. Each membership change logs one structlog JSON line.
+Errors are always {"error": {"message", "type", "code"}}. Clients get the balancer's deadlines on reading a request
+and a cap on open connections (``controller.client_connections``, skylb/listener.py). Each membership change logs
+one structlog JSON line.
 Unless ``controller.health.enabled`` is false, every replica and balancer is health-checked (controller/health.py); a
 change of verdict is a membership revision (the ``healthy`` field), and a region whose balancers are all down or
 draining is failed over to the closest live region (controller/failover.py; ``assignments`` in the membership).
@@ -52,7 +54,8 @@ import structlog
 from aiohttp import web
 
 from skylb import aio
-from controller.auth import CREDENTIALS, ControllerCredentials, auth_middleware, is_admin, resolve_credentials
+from controller.auth import (CREDENTIALS, THROTTLE, ControllerCredentials, auth_middleware, is_admin,
+                             resolve_credentials)
 from controller.health import HealthChecker
 from controller.leader import EtcdElection, SoleLeader, leadership_for
 from controller.metrics import CONTENT_TYPE, ControllerMetrics
@@ -67,6 +70,8 @@ from controller.store import (InvalidInput, StoreError, default_balancer_id, nor
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig
 from skylb import environment, logs
+from skylb.listener import GuardedAppRunner
+from skylb.tokens import GuessThrottle
 from skylb.logs import configure_logging
 from skylb.quota.gate import retry_after_s
 from skylb.reload import Reloader
@@ -452,6 +457,7 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     are checked on every change (controller/auth.py)."""
     app = web.Application(middlewares=[_errors, auth_middleware])
     app[CREDENTIALS] = credentials or ControllerCredentials()
+    app[THROTTLE] = GuessThrottle()
     app[DNS_WAKE] = []
     app[STORE] = store
     app[LEADERSHIP] = leadership or SoleLeader()
@@ -477,7 +483,7 @@ def create_app(store: Store, *, leadership: SoleLeader | EtcdElection | None = N
     app.router.add_post("/v1/quotas", set_quota)
     app.router.add_delete("/v1/quotas", delete_quota)
     status_view.add_routes(app, lambda: store.snapshot().to_dict(), admin_token=app[CREDENTIALS].admin_token,
-                           peer_token=app[CREDENTIALS].peer_token)  # /, /skylb/v1/status: the status page
+                           peer_token=app[CREDENTIALS].peer_token, throttle=app[THROTTLE])  # the status page
     return app
 
 
@@ -502,7 +508,10 @@ async def serve(config: ControllerConfig, *, stop: asyncio.Event | None = None,
     store = open_store(config)
     leadership = leadership_for(config)
     app = create_app(store, leadership=leadership, credentials=credentials)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
+    # GuardedAppRunner: deadlines on reading requests, idle keep-alive and a connection cap, as the balancer's
+    # (skylb/listener.py): a client sending its head a byte a second would otherwise hold a connection for ever.
+    runner = GuardedAppRunner(app, limits=config.client_connections, setting="controller.client_connections",
+                              access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
     await runner.setup()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT) if stop is None else ()

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from controller.ctl_views import system_status
 from skylb import status_page
-from skylb.tokens import from_this_machine
+from skylb.tokens import GuessThrottle, from_this_machine
 
 __all__ = ["STATUS_TIMEOUT_S", "balancer_statuses", "system_view", "handle_status", "add_routes"]
 
@@ -104,11 +104,12 @@ async def _client_session(app: web.Application) -> Any:
 
 
 def add_routes(app: web.Application, membership: Callable[[], dict], *, admin_token: str | None,
-               peer_token: str | None) -> None:
+               peer_token: str | None, throttle: GuessThrottle | None = None) -> None:
     """Serve the status page on ``app``: ``/`` (guarded by ``admin_token``), ``/skylb/v1/status`` over
     ``membership()`` (the store's snapshot as JSON), the login, logout and asset routes; the balancers' statuses are
-    asked with ``peer_token``."""
-    app[status_page.ACCESS] = status_page.PageAccess(admin_token, "the admin token", "controller")
+    asked with ``peer_token``; the login's wrong tokens count on ``throttle`` (the controller's; default: its own)."""
+    app[status_page.ACCESS] = status_page.PageAccess(admin_token, "the admin token", "controller",
+                                                     throttle=throttle or GuessThrottle())
     app[_SOURCE] = _Source(membership, peer_token)
     app.cleanup_ctx.append(_client_session)
     app.router.add_get("/", status_page.handle_page)

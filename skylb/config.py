@@ -111,6 +111,36 @@ class Failover(_Strict):
         return self.rtt_ms.get(f"{a}-{b}", self.rtt_ms.get(f"{b}-{a}", float("inf")))
 
 
+class ClientConnections(_Strict):
+    """Deadlines on clients and a cap on their connections, as well-known proxies set them (nginx's
+    ``client_header_timeout``, ``client_body_timeout`` and ``keepalive_timeout``, HAProxy's ``timeout http-request``
+    and ``maxconn``), so a client sending one byte a second cannot hold a connection for ever, nor many such clients
+    every file descriptor (skylb/listener.py). The balancer's (``balancer.client_connections``: peers and the
+    controller connect to it as clients too) and the controller's (``controller.client_connections``: balancers'
+    long polls and heartbeats, skylb-ctl) are apart."""
+
+    #: A request's head (request line and headers) must be complete within this many seconds of its first byte,
+    #: the first request's within this of the connection opening; else 408 and the connection is closed (closed
+    #: without an answer when no byte came) (nginx ``client_header_timeout``: 60 s).
+    header_timeout_s: float = Field(60.0, gt=0)
+    #: A request's body must be complete within this many seconds of its head, plus one second for every
+    #: ``body_min_rate_bytes_s`` bytes received (Apache's ``RequestReadTimeout body=60,MinRate=500``); else 408 in
+    #: the API's shape and the connection is closed. A deadline, not a gap between reads (nginx
+    #: ``client_body_timeout``), which a client sending a byte a second never reaches.
+    body_timeout_s: float = Field(60.0, gt=0)
+    #: The least body rate that keeps extending the body's deadline, bytes/s; 0: the deadline is ``body_timeout_s``
+    #: whatever the size (the largest body, ``max_body_bytes``, must then fit in it).
+    body_min_rate_bytes_s: float = Field(500.0, ge=0)
+    #: An idle keep-alive connection (no request since the last answer ended) is closed after this many seconds
+    #: (aiohttp's ``keepalive_timeout``; nginx ``keepalive_timeout``: 75 s).
+    keepalive_timeout_s: float = Field(75.0, gt=0)
+    #: Open client connections at most; one more is answered 503 with Retry-After and closed (nginx ``limit_conn``
+    #: answers 503). Every queued or streaming request holds one, so keep it above ``max_queue`` plus the requests
+    #: in flight, and below the process's file descriptor limit (LimitNOFILE=65536 in deploy/systemd) halved, since
+    #: a request in flight also holds a connection to its replica.
+    max_connections: int = Field(16_384, gt=0)
+
+
 class ControllerConfig(_Strict):
     """Where the controller listens and keeps its SQLite membership store, how it checks the health of replicas
     and balancers, and how it fails a region's replicas over to another region's balancer."""
@@ -133,6 +163,10 @@ class ControllerConfig(_Strict):
     #: The balancers' shared secret: their heartbeats (POST /v1/balancers) must carry it as ``X-SkyLB-Token``
     #: (or the admin token); $SKYLB_PEER_TOKEN overrides it.
     peer_token: str | None = None
+    #: Deadlines on reading requests, idle keep-alive and a cap on open connections, as the balancer's
+    #: (``ClientConnections``). Every balancer holds one long poll (``GET /v1/membership?wait=``, at most 60 s, well
+    #: inside the keep-alive) and heartbeats; the defaults leave room for thousands.
+    client_connections: ClientConnections = Field(default_factory=ClientConnections)
 
 
 class RetryPolicy(_Strict):
@@ -186,34 +220,6 @@ class OutlierDetection(_Strict):
     #: Panic threshold, percent: below this share of healthy, un-ejected targets ejection is ignored (Envoy's
     #: ``healthy_panic_threshold``: 50); 0 disables panic.
     healthy_panic_threshold: float = Field(50.0, ge=0, le=100)
-
-
-class ClientConnections(_Strict):
-    """Deadlines on clients and a cap on their connections, as well-known proxies set them (nginx's
-    ``client_header_timeout``, ``client_body_timeout`` and ``keepalive_timeout``, HAProxy's ``timeout http-request``
-    and ``maxconn``), so a client sending one byte a second cannot hold a connection for ever, nor many such clients
-    every file descriptor (skylb/balancer/listener.py). Peers and the controller connect as clients too."""
-
-    #: A request's head (request line and headers) must be complete within this many seconds of its first byte,
-    #: the first request's within this of the connection opening; else 408 and the connection is closed (closed
-    #: without an answer when no byte came) (nginx ``client_header_timeout``: 60 s).
-    header_timeout_s: float = Field(60.0, gt=0)
-    #: A request's body must be complete within this many seconds of its head, plus one second for every
-    #: ``body_min_rate_bytes_s`` bytes received (Apache's ``RequestReadTimeout body=60,MinRate=500``); else 408 in
-    #: the API's shape and the connection is closed. A deadline, not a gap between reads (nginx
-    #: ``client_body_timeout``), which a client sending a byte a second never reaches.
-    body_timeout_s: float = Field(60.0, gt=0)
-    #: The least body rate that keeps extending the body's deadline, bytes/s; 0: the deadline is ``body_timeout_s``
-    #: whatever the size (the largest body, ``max_body_bytes``, must then fit in it).
-    body_min_rate_bytes_s: float = Field(500.0, ge=0)
-    #: An idle keep-alive connection (no request since the last answer ended) is closed after this many seconds
-    #: (aiohttp's ``keepalive_timeout``; nginx ``keepalive_timeout``: 75 s).
-    keepalive_timeout_s: float = Field(75.0, gt=0)
-    #: Open client connections at most; one more is answered 503 with Retry-After and closed (nginx ``limit_conn``
-    #: answers 503). Every queued or streaming request holds one, so keep it above ``max_queue`` plus the requests
-    #: in flight, and below the process's file descriptor limit (LimitNOFILE=65536 in deploy/systemd) halved, since
-    #: a request in flight also holds a connection to its replica.
-    max_connections: int = Field(16_384, gt=0)
 
 
 class BalancerConfig(_Strict):

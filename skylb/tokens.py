@@ -1,5 +1,6 @@
 """Secrets shared by the controller, the balancers and skylb-ctl: their environment variables, reading a token file,
-and comparing a presented secret with the configured ones.
+comparing a presented secret with the configured ones, and throttling the client addresses that guess them
+(``GuessThrottle``).
 
 Kept free of heavy imports (no aiohttp, no pydantic) so `skylb-ctl` starts fast.
 """
@@ -8,11 +9,15 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["ADMIN_TOKEN_ENV", "ADMIN_TOKEN_FILE_ENV", "PEER_TOKEN_ENV", "PLACEHOLDER_PREFIX", "MIN_TOKEN_CHARS",
            "MIN_TOKEN_DISTINCT", "check_token",
-           "read_token_file", "secret_matches", "from_this_machine"]
+           "read_token_file", "secret_matches", "from_this_machine", "GuessThrottle", "GUESS_FREE_FAILURES",
+           "GUESS_LOCK_BASE_S", "GUESS_LOCK_MAX_S", "GUESS_FORGET_S", "GUESS_MAX_ADDRESSES"]
 
 #: The controller's admin token (every change of membership; skylb-ctl sends it).
 ADMIN_TOKEN_ENV = "SKYLB_ADMIN_TOKEN"
@@ -100,3 +105,54 @@ def from_this_machine(remote: str | None) -> bool:
         return ipaddress.ip_address(remote.split("%", 1)[0]).is_loopback
     except ValueError:
         return False
+
+
+#: Wrong credentials in a row from one address that are free; the next locks it out (OWASP's authentication cheat
+#: sheet: lock out after a few failures, with a growing delay).
+GUESS_FREE_FAILURES = 5
+#: The first lockout, s; each further wrong credential doubles it, up to GUESS_LOCK_MAX_S (reached at the 16th).
+GUESS_LOCK_BASE_S = 1.0
+GUESS_LOCK_MAX_S = 900.0
+#: An address with no wrong credential for this long starts again from zero failures, s.
+GUESS_FORGET_S = 3600.0
+#: Addresses tracked at most (the one with the oldest failure is forgotten first), so guesses from many addresses
+#: cannot grow memory without bound.
+GUESS_MAX_ADDRESSES = 10_000
+
+
+class GuessThrottle:
+    """Wrong credentials per client address, and how long each address is locked out: one per server (a balancer,
+    the controller), counting every credential it checks (the status page's login, the peer and admin tokens, client
+    API keys, the metrics token), so a guesser gains nothing by moving between them. A caller asks
+    ``locked_for_s`` before comparing a presented secret and answers 429 with Retry-After without comparing while it
+    is above 0; it calls ``failed`` after a wrong one.
+
+    ``clock``: seconds, monotonic (time.monotonic by default; a test passes its own).
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        # address -> (wrong credentials in a row, locked out until, last wrong credential), oldest failure first
+        self._failures: OrderedDict[str, tuple[int, float, float]] = OrderedDict()
+
+    def locked_for_s(self, address: str) -> float:
+        """Seconds ``address`` is still locked out (0.0: it may try)."""
+        entry = self._failures.get(address)
+        return max(0.0, entry[1] - self._clock()) if entry else 0.0
+
+    def failed(self, address: str) -> float:
+        """Record a wrong credential from ``address``; returns the seconds it is now locked out (0.0 for the first
+        GUESS_FREE_FAILURES in a row)."""
+        now = self._clock()
+        count, _, last = self._failures.pop(address, (0, 0.0, now))
+        count = 1 if now - last > GUESS_FORGET_S else count + 1
+        lock_s = (min(GUESS_LOCK_BASE_S * 2 ** (count - GUESS_FREE_FAILURES - 1), GUESS_LOCK_MAX_S)
+                  if count > GUESS_FREE_FAILURES else 0.0)
+        self._failures[address] = (count, now + lock_s, now)
+        while len(self._failures) > GUESS_MAX_ADDRESSES:
+            self._failures.popitem(last=False)
+        return lock_s
+
+    def succeeded(self, address: str) -> None:
+        """A right credential from ``address``: its failures are forgotten."""
+        self._failures.pop(address, None)

@@ -572,10 +572,12 @@ def _keyed_balancer(procs, tmp_path):
     return cluster, cluster.balancers["local"], proc
 
 
-def _raw_request(url: str, method: str, path: str, headers: list[tuple[str, bytes]], body: bytes = b""):
-    """Send one request whose header values are raw bytes (any bytes); (status, headers, body)."""
+def _raw_request(url: str, method: str, path: str, headers: list[tuple[str, bytes]], body: bytes = b"", *,
+                 source: str | None = None):
+    """Send one request whose header values are raw bytes (any bytes), from the loopback address ``source`` when
+    given; (status, headers, body)."""
     host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(source, 0) if source else None)
     try:
         conn.putrequest(method, path)
         for name, value in headers:
@@ -612,8 +614,9 @@ def test_malformed_credentials_are_401_or_403_in_the_apis_shape_never_500(procs,
         ("GET", "/skylb/v1/status?format=json", [("Cookie", cookie.encode() + b"1799999999.\xff\xfe")], b"", 403,
          "openai"),
     ]
-    for method, path, headers, body, status, api in cases:
-        got, answer_headers, answer = _raw_request(url, method, path, headers, body)
+    # Each case from its own address: more than 5 wrong credentials from one would be throttled (429).
+    for i, (method, path, headers, body, status, api) in enumerate(cases):
+        got, answer_headers, answer = _raw_request(url, method, path, headers, body, source=f"127.0.2.{i + 1}")
         assert got == status, (path, headers, got, answer[:300])
         error = json.loads(answer)["error"]
         assert isinstance(error, str) if api == "ollama" else isinstance(error["message"], str), (path, answer)

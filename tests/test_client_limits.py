@@ -1,21 +1,30 @@
-"""Slow and greedy clients against a real balancer (balancer.client_connections, skylb/balancer/listener.py): a head
+"""Slow and greedy clients against a real balancer (balancer.client_connections, skylb/listener.py): a head
 or a body sent a byte at a time is cut at its deadline with 408, an idle keep-alive connection is closed, and
-connections past the cap are refused with 503, while ordinary clients are served throughout."""
+connections past the cap are refused with 503, while ordinary clients are served throughout. The controller's server
+(controller.client_connections) is the same listener: a head dribbled to it is cut as well."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import threading
 import time
 
 import pytest
 import requests
 
+from controller.auth import ControllerCredentials
+from controller.server import serve
+from skylb.config import ControllerConfig
 from tests.cluster import MODEL, Cluster
-from tests.procs import ProcGroup
+from tests.procs import ProcGroup, wait_for
 
 LIMITS = {"header_timeout_s": 1.0, "body_timeout_s": 1.0, "body_min_rate_bytes_s": 500,
           "keepalive_timeout_s": 2.0, "max_connections": 6}
+#: The controller's: a head deadline between two bytes of a client sending one a second, and a keep-alive timeout
+#: past it (aiohttp's keep-alive timer also closes a connection whose head is incomplete).
+CONTROLLER_LIMITS = {"header_timeout_s": 2.5, "keepalive_timeout_s": 10.0}
 #: Longest a test waits for a cut that should come after about 1 s (the machine may be loaded).
 CUT_BY_S = 6.0
 
@@ -33,10 +42,39 @@ def balancer(tmp_path_factory):
         yield host, int(port)
 
 
+@pytest.fixture(scope="module")
+def controller(tmp_path_factory):
+    """A controller in this process (its own event loop in a thread) with LIMITS overridden by CONTROLLER_LIMITS,
+    and no health checks; yields its (host, port)."""
+    with socket.socket() as probe:  # a free port: serve() does not say which port 0 became
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = ControllerConfig(port=port, db=str(tmp_path_factory.mktemp("controller") / "c.sqlite"),
+                              health={"enabled": False}, client_connections=LIMITS | CONTROLLER_LIMITS)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete,
+                              args=(serve(config, stop=stop, credentials=ControllerCredentials()),), daemon=True)
+    thread.start()
+    wait_for(lambda: _connects(("127.0.0.1", port)), "the controller listening", timeout_s=10)
+    yield "127.0.0.1", port
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(timeout=10)
+    loop.close()
+
+
+def _connects(address) -> bool:
+    try:
+        socket.create_connection(address, timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def _dribble(address, head: bytes, body: bytes = b"", *, every_s: float = 0.2) -> tuple[float, bytes]:
-    """Send ``head`` at once when ``body`` is given (else a byte every ``every_s``), then ``body`` a byte every
-    ``every_s``, until the balancer answers or closes (at most CUT_BY_S); returns (seconds until then, what it
-    answered). Raises AssertionError when the connection is still open after CUT_BY_S."""
+    """Send ``head`` at once when ``body`` is given (else a byte every ``every_s``, the first at once), then ``body``
+    a byte every ``every_s``, until the server answers or closes (at most CUT_BY_S); returns (seconds until then,
+    what it answered). Raises AssertionError when the connection is still open after CUT_BY_S."""
     started = time.monotonic()
     with socket.create_connection(address, timeout=CUT_BY_S) as sock:
         sock.settimeout(every_s)
@@ -44,15 +82,15 @@ def _dribble(address, head: bytes, body: bytes = b"", *, every_s: float = 0.2) -
         if body:
             sock.sendall(head)
         for i in range(int(CUT_BY_S / every_s)):
+            try:  # the first byte at once: a deadline no longer than every_s still sees a byte before it
+                sock.sendall(slow[i % len(slow):i % len(slow) + 1])
+            except OSError:  # reset: closed without (or after) an answer we could read
+                return time.monotonic() - started, b""
             try:
                 answer = sock.recv(65536)
                 return time.monotonic() - started, answer + _rest(sock)
             except TimeoutError:
                 pass
-            try:
-                sock.sendall(slow[i % len(slow):i % len(slow) + 1])
-            except OSError:  # reset: closed without (or after) an answer we could read
-                return time.monotonic() - started, b""
     raise AssertionError(f"still connected after {CUT_BY_S} s")
 
 
@@ -137,3 +175,16 @@ def test_connections_past_the_cap_get_503_and_ordinary_clients_are_served_after(
         assert time.monotonic() < deadline, "still refused 5 s after the held connections closed"
         time.sleep(0.1)
     assert r.status_code == 200, r.text
+
+
+def test_the_controller_cuts_a_head_sent_a_byte_a_second_and_serves_others(controller):
+    """The controller's server has the balancer's head deadline (controller.client_connections): a client sending
+    its request line and headers at 1 byte/s gets 408 naming the setting, about header_timeout_s (2.5 s) after it
+    connected; an ordinary request is answered after."""
+    host, port = controller
+    head = b"GET /v1/membership HTTP/1.1\r\nHost: x\r\n\r\n"
+    took, answer = _dribble(controller, head, every_s=1.0)
+    assert 2.3 < took < CUT_BY_S
+    status, body = _status_and_json(answer)
+    assert status == 408 and "controller.client_connections.header_timeout_s" in body["error"]["message"]
+    assert requests.get(f"http://{host}:{port}/healthz", timeout=5).status_code == 200

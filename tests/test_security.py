@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from http.client import HTTPConnection
 from pathlib import Path
 
 import msgpack
@@ -47,6 +49,23 @@ def http(method: str, url: str, *, headers: dict | None = None, body: dict | Non
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def _from(address: str, method: str, url: str, headers: dict | None = None,
+          body: dict | None = None) -> tuple[int, dict, dict]:
+    """One request to ``url`` (with the JSON ``body``, if any) sent from the loopback ``address`` (any of
+    127.0.0.0/8, so that one test has several client addresses); returns (status, headers, JSON body)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = HTTPConnection(parts.hostname, parts.port, timeout=10, source_address=(address, 0))
+    try:
+        conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""),
+                     body=None if body is None else json.dumps(body).encode(),
+                     headers={**({"Content-Type": "application/json"} if body is not None else {}), **(headers or {})})
+        response = conn.getresponse()
+        body = response.read()
+        return response.status, dict(response.headers), json.loads(body) if body else {}
+    finally:
+        conn.close()
 
 
 def chat(text: str = "hi") -> dict:
@@ -189,11 +208,11 @@ def test_controller_changes_need_admin_token(secured):
                ("POST", "/v1/replicas/us-1/undrain", {}), ("POST", "/v1/regions/us/drain", {}),
                ("POST", "/v1/regions/us/undrain", {}), ("DELETE", f"/v1/balancers?url={secured.balancers['us']}", None),
                ("POST", "/v1/quotas", {"model": "m", "max_concurrent": 1}), ("DELETE", "/v1/quotas?all=true", None)]
-    for method, path, body in changes:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {PEER}"},
-                        {"X-SkyLB-Token": PEER}):
-            status, answer = http(method, c + path, headers=headers, body=body)
-            assert status == 401 and json.loads(answer)["error"]["type"] == "authentication_error", (path, headers)
+    for i, (method, path, body) in enumerate(changes):  # each change from its own address: 2 wrong tokens each,
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {PEER}"},  # under the
+                        {"X-SkyLB-Token": PEER}):  # throttle's 5 free ones
+            status, _, answer = _from(f"127.0.3.{i + 1}", method, c + path, headers, body)
+            assert status == 401 and answer["error"]["type"] == "authentication_error", (path, headers)
     for path in ("/v1/membership", "/v1/replicas", "/v1/balancers", "/v1/assignments", "/v1/quotas", "/healthz"):
         assert http("GET", c + path)[0] == 200
     assert len(requests.get(f"{c}/v1/replicas", timeout=5).json()["replicas"]) == 2  # nothing changed
@@ -570,30 +589,82 @@ def test_status_page_login_is_throttled_per_address_with_429_and_a_growing_retry
     assert again.status_code == 429 and again.headers["Retry-After"] == "2"
 
 
-def test_login_throttle_forgets_after_a_success_or_an_hour_and_stays_bounded():
+def test_wrong_api_keys_and_peer_tokens_are_throttled_per_address_as_the_login_is(procs, tmp_path, monkeypatch):
+    """Five wrong client keys from one address get 401; the sixth gets 429 with Retry-After 1 in the API's shape,
+    and while it is locked out a right key from it is not compared (429), while right keys and the peer token from
+    another address are served; a request with no credential is no guess (401, not counted); one count covers every
+    credential: a wrong peer token (X-SkyLB-Token) after the lockout doubles it (Retry-After 2), on Ollama's API in
+    Ollama's shape."""
+    monkeypatch.setenv("SKYLB_API_KEYS", KEY)
+    cluster = Cluster(procs, tmp_path, peer_token=PEER)
+    [replica] = cluster.start_emulator(1, "--time-scale", "0.01", name="emu")
+    cluster.start_static_balancer([replica], engine="vllm")
+    url = cluster.balancers["local"]
+    guesser, other = "127.0.0.2", "127.0.0.1"
+
+    def models(address: str, key: str) -> tuple[int, dict, dict]:
+        return _from(address, "GET", f"{url}/v1/models", {"Authorization": f"Bearer {key}"})
+
+    assert [models(guesser, f"wrong-{i}")[0] for i in range(5)] == [401] * 5
+    status, headers, body = models(guesser, "wrong-5")
+    assert status == 429 and headers["Retry-After"] == "1", body
+    assert body["error"]["type"] == "rate_limit_exceeded" and "try again" in body["error"]["message"]
+    assert models(guesser, KEY)[0] == 429  # locked out: not compared
+    assert models(other, KEY)[0] == 200
+    assert _from(other, "GET", f"{url}/skylb/v1/status?format=json", {"X-SkyLB-Token": PEER})[0] == 200
+    assert _from(guesser, "GET", f"{url}/v1/models")[0] == 401  # no credential: no guess, neither refused nor counted
+    time.sleep(1.1)
+    status, headers, body = _from(guesser, "GET", f"{url}/api/tags", {"X-SkyLB-Token": "wrong-peer"})
+    assert status == 429 and headers["Retry-After"] == "2" and "try again" in body["error"], body
+    assert models(other, KEY)[0] == 200
+
+
+def test_wrong_admin_and_peer_tokens_at_the_controller_are_throttled_per_address(procs, tmp_path):
+    """At the controller, five wrong admin tokens on a change from one address get 401, the sixth 429 with
+    Retry-After 1; while locked out the right admin token from it gets 429, and from another address it is
+    served; once the lockout ended, the right token from it is served and starts its count again (a wrong peer
+    token on a heartbeat is then a plain 401)."""
+    cluster = Cluster(procs, tmp_path, peer_token=PEER, admin_token=ADMIN, controller={"health": {"enabled": False}})
+    url = cluster.start_controller(["us"])
+    guesser, other = "127.0.0.2", "127.0.0.1"
+
+    def remove(address: str, token: str) -> tuple[int, dict, dict]:
+        return _from(address, "DELETE", f"{url}/v1/replicas/nothing-here", {"Authorization": f"Bearer {token}"})
+
+    assert [remove(guesser, f"wrong-{i}")[0] for i in range(5)] == [401] * 5
+    status, headers, body = remove(guesser, "wrong-5")
+    assert status == 429 and headers["Retry-After"] == "1" and "try again" in body["error"]["message"], body
+    assert remove(guesser, ADMIN)[0] == 429
+    assert remove(other, ADMIN)[0] == 404  # compared, right: the change runs (no such replica)
+    time.sleep(1.1)
+    assert remove(guesser, ADMIN)[0] == 404
+    assert _from(guesser, "POST", f"{url}/v1/balancers", {"X-SkyLB-Token": "wrong-peer"})[0] == 401
+
+
+def test_guess_throttle_forgets_after_a_success_or_an_hour_and_stays_bounded():
     """A right token forgets the address's failures; so does an hour without one; lockouts double up to 15 min;
-    at most LOGIN_MAX_ADDRESSES addresses are tracked, the oldest failure forgotten first."""
-    from skylb import status_page
-    from skylb.status_page import LOGIN_FREE_FAILURES, LOGIN_LOCK_MAX_S, LoginThrottle
+    at most GUESS_MAX_ADDRESSES addresses are tracked, the oldest failure forgotten first."""
+    from skylb import tokens
+    from skylb.tokens import GUESS_FREE_FAILURES, GUESS_LOCK_MAX_S, GuessThrottle
 
     now = [1000.0]
-    throttle = LoginThrottle(clock=lambda: now[0])
-    assert [throttle.failed("a") for _ in range(LOGIN_FREE_FAILURES)] == [0.0] * LOGIN_FREE_FAILURES
+    throttle = GuessThrottle(clock=lambda: now[0])
+    assert [throttle.failed("a") for _ in range(GUESS_FREE_FAILURES)] == [0.0] * GUESS_FREE_FAILURES
     locks = []
     for _ in range(12):
         locks.append(throttle.failed("a"))
         now[0] += locks[-1]
-    assert locks[:4] == [1.0, 2.0, 4.0, 8.0] and locks[-1] == LOGIN_LOCK_MAX_S
+    assert locks[:4] == [1.0, 2.0, 4.0, 8.0] and locks[-1] == GUESS_LOCK_MAX_S
     assert throttle.locked_for_s("b") == 0.0
     throttle.succeeded("a")
     assert throttle.locked_for_s("a") == 0.0 and throttle.failed("a") == 0.0
-    for _ in range(LOGIN_FREE_FAILURES):
+    for _ in range(GUESS_FREE_FAILURES):
         throttle.failed("c")
     now[0] += 3601
     assert throttle.failed("c") == 0.0  # an hour later: a first failure again
-    small = LoginThrottle(clock=lambda: now[0])
+    small = GuessThrottle(clock=lambda: now[0])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(status_page, "LOGIN_MAX_ADDRESSES", 3)
+        patch.setattr(tokens, "GUESS_MAX_ADDRESSES", 3)
         for address in ("1", "2", "3", "4"):
             small.failed(address)
     assert list(small._failures) == ["2", "3", "4"]

@@ -84,6 +84,25 @@ def test_session_cookie_is_bound_to_the_token_and_expires():
     assert not access.allowed(_request("10.0.0.5", headers={"Authorization": "Bearer wrong"}))
 
 
+def test_a_proxys_bearer_token_is_a_throttled_guess_as_a_login_is():
+    """A wrong ``Authorization: Bearer`` on the page counts on the server's throttle: after GUESS_FREE_FAILURES
+    wrong ones the address is locked out and even the right token from it is not compared (not allowed), while
+    another address is; once the lockout ends the right token is allowed and starts the count again."""
+    from skylb.tokens import GUESS_FREE_FAILURES, GuessThrottle
+
+    now = [0.0]
+    access = PageAccess(ADMIN, "the admin token", "controller", throttle=GuessThrottle(clock=lambda: now[0]))
+
+    def bearer(address: str, token: str) -> bool:
+        return access.allowed(_request(address, headers={"Authorization": f"Bearer {token}"}))
+
+    assert not any(bearer("10.0.0.5", "wrong") for _ in range(GUESS_FREE_FAILURES + 1))
+    assert access.throttle.locked_for_s("10.0.0.5") == 1.0
+    assert not bearer("10.0.0.5", ADMIN) and bearer("10.0.0.6", ADMIN)
+    now[0] += 1.0
+    assert bearer("10.0.0.5", ADMIN) and access.throttle.failed("10.0.0.5") == 0.0
+
+
 def test_protected_mode_opens_the_page_on_this_machine_only():
     """Without a configured token the page answers loopback clients and no one else, and no cookie opens it."""
     access = PageAccess(None, "the admin token", "controller")

@@ -17,6 +17,16 @@
   Without a peer token it is always refused, from this machine too: a balancer with peers needs a token (process.py
   refuses to start without one), so no peer can send it, and a local reverse proxy passes its clients' headers on.
 
+Guessing is throttled per client address with the status page's login (one skylb.tokens.GuessThrottle per balancer):
+a wrong peer token (``X-SkyLB-Token``), a wrong client key or metrics token (``Authorization: Bearer``) counts as a
+failure, as a wrong login does; past GUESS_FREE_FAILURES in a row the address is locked out for a growing time, and a
+request presenting one of these credentials from it gets 429 with Retry-After in the API's shape, without its
+credential being compared (right or wrong: a guesser learns nothing while locked out); a right one compared outside
+a lockout starts the address's count again, as a right login does. A missing credential is no guess and is not
+counted; requests that present none (an open client API, the health checks) are never refused for a lockout. Behind
+a reverse proxy or a NAT every client shares one address: a client retrying a wrong key in a loop locks them all out
+(for at most GUESS_LOCK_MAX_S, 15 min), and their right keys reset its count between lockouts.
+
 Without a peer token, peer endpoints and /metrics (without a metrics token) answer this machine only (protected
 mode, as Redis's: loopback addresses), so a single region that forgot its token is not open to the network; without
 keys the client APIs are open (a load balancer's usual default). The credentials may be replaced while
@@ -28,9 +38,12 @@ shapes (api.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import structlog
 
 from aiohttp import web
 
@@ -38,7 +51,7 @@ from skylb import environment, status_page
 from skylb.balancer.api import error_response, openai_error
 from skylb.balancer.protocol import FORWARDED_FROM, STATUS_PATH, TOKEN_HEADER
 from skylb.core.request import DEFAULT_TENANT
-from skylb.tokens import from_this_machine, secret_matches
+from skylb.tokens import GuessThrottle, from_this_machine, secret_matches
 
 __all__ = ["Credentials", "API_KEYS_ENV", "API_KEYS_FILE_ENV", "METRICS_TOKEN_ENV", "load_api_keys",
            "load_tenants", "auth_middleware", "tenant_of", "TENANT"]
@@ -52,6 +65,8 @@ API_KEYS_ENV = environment.API_KEYS.name
 API_KEYS_FILE_ENV = environment.API_KEYS_FILE.name
 #: The metrics token (overrides ``balancer.metrics_token``).
 METRICS_TOKEN_ENV = environment.METRICS_TOKEN.name
+
+log = structlog.get_logger("skylb.balancer")
 
 _OPEN_PATHS = frozenset({"/health", "/healthz", "/readyz", "/"}) | status_page.OPEN_PATHS
 _API_PREFIXES = ("/v1/", "/api/")
@@ -154,10 +169,30 @@ def _tenant_of_key(creds: Credentials, key: str | None) -> str | None:
     return found
 
 
-def auth_middleware(creds: Credentials | Callable[[], Credentials]):
+def _locked_out(api: str, locked_s: float) -> web.Response:
+    """429 in the API's shape with Retry-After: the whole seconds ``locked_s`` this address is still locked out."""
+    wait_s = max(1, math.ceil(locked_s))
+    response = error_response(api, 429, f"too many wrong credentials from this address: try again in {wait_s} s",
+                               type_="rate_limit_exceeded")
+    response.headers["Retry-After"] = str(wait_s)
+    return response
+
+
+def _wrong(throttle: GuessThrottle, request: web.Request, api: str, credential: str) -> web.Response | None:
+    """Count a wrong ``credential`` from ``request``'s address; the 429 when that locked it out, else None."""
+    locked_s = throttle.failed(request.remote or "")
+    if not locked_s:
+        return None
+    log.warning("client_locked_out", credential=credential, locked_s=locked_s, peer=request.remote)
+    return _locked_out(api, locked_s)
+
+
+def auth_middleware(creds: Credentials | Callable[[], Credentials], *, throttle: GuessThrottle | None = None):
     """The middleware enforcing the rules in this module's docstring with ``creds``: the Credentials, or a function
-    returning those in force at each request (so a reload replaces them without a restart)."""
+    returning those in force at each request (so a reload replaces them without a restart). ``throttle``: the
+    balancer's wrong credentials per address, shared with its status page's login (default: one of its own)."""
     current = creds if callable(creds) else (lambda: creds)
+    guesses = throttle or GuessThrottle()
 
     @web.middleware
     async def check_credentials(request: web.Request, handler):
@@ -165,9 +200,16 @@ def auth_middleware(creds: Credentials | Callable[[], Credentials]):
         path = request.path
         if path in _OPEN_PATHS:
             return await handler(request)
-        if secret_matches(request.headers.get(TOKEN_HEADER), creds.peer_token):
-            return await handler(request)  # a peer: trusted on every route
         api = "ollama" if path.startswith("/api/") else "openai"
+        token = request.headers.get(TOKEN_HEADER)
+        if token is not None and creds.peer_token:  # a peer token to compare: a guess, unless it is right
+            if locked_s := guesses.locked_for_s(request.remote or ""):
+                return _locked_out(api, locked_s)
+            if secret_matches(token, creds.peer_token):
+                guesses.succeeded(request.remote or "")
+                return await handler(request)  # a peer: trusted on every route
+            if locked := _wrong(guesses, request, api, "peer token"):
+                return locked
         # Only the status and /metrics ask where the caller is (parsing the address is most of this check's time
         # on a client's request).
         local = from_this_machine(request.remote) if path in (STATUS_PATH, "/metrics") else None
@@ -178,22 +220,32 @@ def auth_middleware(creds: Credentials | Callable[[], Credentials]):
                 return openai_error(403, _peer_refusal(creds, "the peer status"), type_="permission_error")
         elif path == "/metrics":
             if creds.peer_token or creds.metrics_token:
-                if not secret_matches(_bearer(request), creds.metrics_token, creds.peer_token):
+                bearer = _bearer(request)
+                if bearer is not None and (locked_s := guesses.locked_for_s(request.remote or "")):
+                    return _locked_out(api, locked_s)
+                if not secret_matches(bearer, creds.metrics_token, creds.peer_token):
+                    if bearer is not None and (locked := _wrong(guesses, request, api, "metrics token")):
+                        return locked
                     return openai_error(403, "missing or wrong metrics token", type_="permission_error")
+                guesses.succeeded(request.remote or "")
             elif not local:
                 return openai_error(403, _peer_refusal(creds, "/metrics"), type_="permission_error")
         elif FORWARDED_FROM in request.headers:
             return error_response(api, 403, _peer_refusal(creds, "a forwarded request"), type_="permission_error")
         elif creds.api_keys and (path.startswith(_API_PREFIXES) or path in _CLIENT_PATHS):
             key = _bearer(request)
+            if key is not None and (locked_s := guesses.locked_for_s(request.remote or "")):
+                return _locked_out(api, locked_s)
             if not secret_matches(key, *creds.api_keys):
-                message = ("missing API key: send Authorization: Bearer <key>" if _bearer(request) is None
-                           else "invalid API key")
+                if key is not None and (locked := _wrong(guesses, request, api, "client API key")):
+                    return locked
+                message = "missing API key: send Authorization: Bearer <key>" if key is None else "invalid API key"
                 if api == "ollama":
                     return error_response(api, 401, message)
                 return web.json_response({"error": {"message": message, "type": "authentication_error",
                                                     "param": None, "code": "invalid_api_key"}}, status=401,
                                          headers={"WWW-Authenticate": 'Bearer realm="skylb"'})
+            guesses.succeeded(request.remote or "")
             tenant = _tenant_of_key(creds, key)
             if tenant is not None:
                 request[TENANT] = tenant

@@ -34,7 +34,7 @@ from skylb.balancer import handler, lease_api, model_management, ollama_api, sta
 from skylb.balancer.auth import Credentials, auth_middleware
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.handler import REQUEST_IDS, api_of
-from skylb.balancer.listener import ClientBodyTimeout, GuardedAppRunner
+from skylb.listener import ClientBodyTimeout, GuardedAppRunner
 from skylb.balancer.stages import RequestContext
 from skylb.balancer.stages.model_group import add_model_header
 from skylb.balancer.relay import STREAM_STARTED
@@ -46,6 +46,7 @@ from skylb.config import BalancerConfig, ConfigError
 from skylb.core import policy_names
 from skylb import environment, logs
 from skylb.logs import configure_logging
+from skylb.tokens import GuessThrottle
 from skylb.reload import Reloader
 
 __all__ = ["build_app", "add_arguments", "main", "BALANCER", "PEER_TOKEN_ENV", "REPLICA_API_KEY_ENV",
@@ -119,15 +120,16 @@ def build_app(cfg: BalancerConfig, *, region: str, advertise_url: str,
     creds = _CredentialsInForce(Credentials(api_keys=api_keys, peer_token=cfg.peer_token,
                                             metrics_token=cfg.metrics_token, tenants=dict(tenants or {})))
     # Errors first, so a 404 or 405 for an unknown route is also behind the credential check.
+    guesses = GuessThrottle()  # wrong credentials per address: the middleware's checks and the page's login
     app = web.Application(client_max_size=cfg.max_body_bytes,
-                          middlewares=[_errors_in_api_shape, auth_middleware(creds.get)])
+                          middlewares=[_errors_in_api_shape, auth_middleware(creds.get, throttle=guesses)])
     app[CREDENTIALS] = creds
     balancer = Balancer(cfg, region=region, advertise_url=advertise_url, client_keys=bool(api_keys),
                         static_membership=static_membership)
     balancer.key_tenants = frozenset(creds.get().tenants.values())
     app[BALANCER] = balancer
     app[status_page.ACCESS] = status_page.PageAccess(cfg.peer_token, "the peer token", f"region {region}",
-                                                     status_page.PEER_SESSION)
+                                                     status_page.PEER_SESSION, throttle=guesses)
 
     async def lifecycle(app: web.Application):
         await balancer.start()
@@ -268,9 +270,9 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, settin
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request leaves the queue
     # and an upstream request is aborted (aiohttp's default keeps running it; reliability.md).
     # shutdown_timeout: the drain below already waited for the requests held; what is left is idle connections.
-    # GuardedAppRunner: deadlines on reading requests, idle keep-alive and a connection cap (skylb/balancer/listener.py).
-    runner = GuardedAppRunner(app, limits=cfg.client_connections, handler_cancellation=True, access_log=None,
-                              shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    # GuardedAppRunner: deadlines on reading requests, idle keep-alive and a connection cap (skylb/listener.py).
+    runner = GuardedAppRunner(app, limits=cfg.client_connections, setting="balancer.client_connections",
+                              handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()

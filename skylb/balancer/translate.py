@@ -191,7 +191,8 @@ class StreamTranslator:
         OpenAI API's shape."""
         try:
             return self._feed(events)
-        except (TypeError, AttributeError, KeyError, IndexError, ValueError) as exc:
+        except (TypeError, AttributeError, KeyError, IndexError, ValueError, RecursionError) as exc:
+            # RecursionError: JSON nested past Python's limit (json.loads raises it, not a ValueError)
             raise FramingError(f"a chunk not in the OpenAI API's shape ({type(exc).__name__}: {exc})") from None
 
     def _feed(self, events: bytes) -> bytes:

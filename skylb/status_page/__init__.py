@@ -16,10 +16,11 @@ Who may see it, as the other operator endpoints (never a token in a URL):
   sessions, and changing the token ends every session. A reverse proxy that authenticates operators its own way
   may instead send ``Authorization: Bearer <token>`` upstream.
 
-Guesses are throttled per client address (``LoginThrottle``): LOGIN_FREE_FAILURES wrong tokens in a row are free;
-the next locks the address out for a second, each further one twice as long as the last (at most LOGIN_LOCK_MAX_S); a
-login while locked out gets 429 with Retry-After and is not checked. Behind a reverse proxy every client shares the
-proxy's address, so one guesser locks the proxy's operators out for as long.
+Guesses are throttled per client address (skylb.tokens.GuessThrottle, shared with the server's other credential
+checks): GUESS_FREE_FAILURES wrong tokens in a row are free; the next locks the address out for a second, each
+further one twice as long as the last (at most GUESS_LOCK_MAX_S); a login while locked out gets 429 with Retry-After
+and is not checked, nor is a proxy's ``Authorization: Bearer`` (the page answers as to no credential). Behind a
+reverse proxy every client shares the proxy's address, so one guesser locks the proxy's operators out for as long.
 
 Source: the cookie attributes from RFC 6265 §4.1.2 and the SameSite draft (draft-ietf-httpbis-rfc6265bis §4.1.2.7).
 """
@@ -32,16 +33,14 @@ import hmac
 import html
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 
 from aiohttp import web
 
-from skylb.tokens import from_this_machine, secret_matches
+from skylb.tokens import GuessThrottle, from_this_machine, secret_matches
 
-__all__ = ["PageAccess", "LoginThrottle", "LOGIN_FREE_FAILURES", "LOGIN_LOCK_MAX_S", "ACCESS", "ADMIN_SESSION",
+__all__ = ["PageAccess", "ACCESS", "ADMIN_SESSION",
            "PEER_SESSION", "SESSION_TTL_S", "LOGIN_PATH", "LOGOUT_PATH", "STATIC_PREFIX", "FAVICON_PATH", "OPEN_PATHS",
            "session_value", "session_ok", "wants_html", "handle_page", "ROUTES"]
 
@@ -69,53 +68,6 @@ _HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'non
             "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
 
 
-#: Wrong tokens in a row from one address that are free; the next locks it out (OWASP's authentication cheat
-#: sheet: lock out after a few failures, with a growing delay).
-LOGIN_FREE_FAILURES = 5
-#: The first lockout, s; each further wrong token doubles it, up to LOGIN_LOCK_MAX_S (reached at the 16th).
-LOGIN_LOCK_BASE_S = 1.0
-LOGIN_LOCK_MAX_S = 900.0
-#: An address with no wrong token for this long starts again from zero failures, s.
-LOGIN_FORGET_S = 3600.0
-#: Addresses tracked at most (the one with the oldest failure is forgotten first), so guesses from many addresses
-#: cannot grow memory without bound.
-LOGIN_MAX_ADDRESSES = 10_000
-
-
-class LoginThrottle:
-    """Wrong logins per client address, and how long each address is locked out.
-
-    ``clock``: seconds, monotonic (time.monotonic by default; a test passes its own).
-    """
-
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic):
-        self._clock = clock
-        # address -> (wrong tokens in a row, locked out until, last wrong token), oldest failure first
-        self._failures: OrderedDict[str, tuple[int, float, float]] = OrderedDict()
-
-    def locked_for_s(self, address: str) -> float:
-        """Seconds ``address`` is still locked out (0.0: it may try)."""
-        entry = self._failures.get(address)
-        return max(0.0, entry[1] - self._clock()) if entry else 0.0
-
-    def failed(self, address: str) -> float:
-        """Record a wrong token from ``address``; returns the seconds it is now locked out (0.0 for the first
-        LOGIN_FREE_FAILURES in a row)."""
-        now = self._clock()
-        count, _, last = self._failures.pop(address, (0, 0.0, now))
-        count = 1 if now - last > LOGIN_FORGET_S else count + 1
-        lock_s = (min(LOGIN_LOCK_BASE_S * 2 ** (count - LOGIN_FREE_FAILURES - 1), LOGIN_LOCK_MAX_S)
-                  if count > LOGIN_FREE_FAILURES else 0.0)
-        self._failures[address] = (count, now + lock_s, now)
-        while len(self._failures) > LOGIN_MAX_ADDRESSES:
-            self._failures.popitem(last=False)
-        return lock_s
-
-    def succeeded(self, address: str) -> None:
-        """A right token from ``address``: its failures are forgotten."""
-        self._failures.pop(address, None)
-
-
 @dataclass(frozen=True)
 class PageAccess:
     """The credential guarding the page on one server.
@@ -126,26 +78,38 @@ class PageAccess:
         credential: its name for people ("the admin token"), shown on the login form and the 403 page.
         scope: what the page shows ("controller" or "region us"), shown in its title.
         cookie: the session cookie's name (ADMIN_SESSION or PEER_SESSION).
-        throttle: the wrong logins per client address (``LoginThrottle``).
+        throttle: the wrong credentials per client address (skylb.tokens.GuessThrottle), the server's one throttle
+            when it passes its own (its other credential checks count on it too).
     """
 
     token: str | None
     credential: str
     scope: str
     cookie: str = ADMIN_SESSION
-    throttle: LoginThrottle = field(default_factory=LoginThrottle, compare=False)
+    throttle: GuessThrottle = field(default_factory=GuessThrottle, compare=False)
 
     def __repr__(self) -> str:  # never print a secret by accident
         return f"PageAccess(token={'set' if self.token else None}, credential={self.credential!r})"
 
     def allowed(self, request: web.Request) -> bool:
         """True when ``request`` may read the page's data: a valid session cookie, the token as ``Authorization:
-        Bearer`` (a reverse proxy), or, with no token configured, a loopback client."""
+        Bearer`` (a reverse proxy), or, with no token configured, a loopback client. A Bearer token is a guess as a
+        login is: counted on ``throttle`` when wrong, and not compared (False) while its address is locked out."""
         if self.token is None:
             return from_this_machine(request.remote)
+        if session_ok(request, self.token, self.cookie):
+            return True
         scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-        return session_ok(request, self.token, self.cookie) or (scheme.lower() == "bearer"
-                                                   and secret_matches(value.strip(), self.token))
+        if scheme.lower() != "bearer":
+            return False
+        address = request.remote or ""
+        if self.throttle.locked_for_s(address):
+            return False
+        if secret_matches(value.strip(), self.token):
+            self.throttle.succeeded(address)
+            return True
+        self.throttle.failed(address)
+        return False
 
 
 ACCESS = web.AppKey("status_page_access", PageAccess)

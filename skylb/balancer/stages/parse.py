@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from skylb.balancer.api import BadRequest, parse_ollama, parse_openai
-from skylb.balancer.listener import ClientBodyTimeout
+from skylb.listener import ClientBodyTimeout
 from skylb.balancer.protocol import FORWARDED_FROM, TOKEN_HEADER, token_ok
 from skylb.balancer.stages.context import RequestContext
 
@@ -39,7 +39,7 @@ class ParseStage:
         except web.HTTPRequestEntityTooLarge:
             return ctx.reject(413, f"request body is larger than balancer.max_body_bytes ({self.max_body_bytes} "
                                    "bytes)", "body_too_large")
-        except ClientBodyTimeout as exc:  # the listener's body deadline (skylb/balancer/listener.py)
+        except ClientBodyTimeout as exc:  # the listener's body deadline (skylb/listener.py)
             return ctx.reject(408, str(exc), "body_timeout")
         parse = parse_ollama if ctx.api == "ollama" else parse_openai
         try:

@@ -1,5 +1,6 @@
-"""The balancer's listener: aiohttp's HTTP server with deadlines on reading clients' requests and a cap on open
-connections (settings: ``balancer.client_connections``, skylb.config.ClientConnections).
+"""The listener of the balancer and the controller: aiohttp's HTTP server with deadlines on reading clients' requests
+and a cap on open connections (settings: ``balancer.client_connections`` and ``controller.client_connections``,
+skylb.config.ClientConnections).
 
 aiohttp bounds the size of a request's head (8190-byte lines and fields, 128 headers) and closes idle keep-alive
 connections (``keepalive_timeout``, passed through here), but has no deadline on reading a request, and versions
@@ -15,6 +16,10 @@ aiohttp offers no hook for this, so ``GuardedRequestHandler`` is its connection 
   ``body_min_rate_bytes_s`` bytes received; else the handler reading it gets ``ClientBodyTimeout`` (it answers 408 in
   the API's shape) and the connection is closed after that answer;
 - connection cap: a connection beyond ``max_connections`` open gets a bare 503 with Retry-After and is closed.
+
+Every answer and log line names the setting that cut (``setting``, e.g. ``controller.client_connections``), so an
+operator knows which server's limit to raise; the lines go to the server's own logger (``skylb.balancer``,
+``skylb.controller``).
 """
 
 from __future__ import annotations
@@ -29,8 +34,6 @@ from aiohttp import web
 from skylb.config import ClientConnections
 
 __all__ = ["ClientBodyTimeout", "GuardedRequestHandler", "GuardedAppRunner"]
-
-log = structlog.get_logger("skylb.balancer")
 
 
 class ClientBodyTimeout(TimeoutError):
@@ -50,12 +53,16 @@ def _bare(status: int, reason: str, message: str, headers: str = "") -> bytes:
 
 class GuardedRequestHandler(web.RequestHandler):
     """aiohttp's connection (one per client connection) with a head deadline, a body deadline and a connection
-    cap, per ``limits``. Reads three of aiohttp's counters of its own base class (``_request_count``: heads parsed,
-    ``_messages``: heads waiting for the handler, ``_current_request``), since aiohttp exposes no hook for them."""
+    cap, per ``limits`` (named ``setting`` in answers and logs). Reads three of aiohttp's counters of its own base
+    class (``_request_count``: heads parsed, ``_messages``: heads waiting for the handler, ``_current_request``),
+    since aiohttp exposes no hook for them."""
 
-    def __init__(self, manager: web.Server, *, limits: ClientConnections, **kwargs: Any):
+    def __init__(self, manager: web.Server, *, limits: ClientConnections, setting: str, **kwargs: Any):
         super().__init__(manager, **kwargs)
         self._limits = limits
+        self._setting = setting
+        self._server = setting.partition(".")[0]  # "balancer", "controller"
+        self._log = structlog.get_logger(f"skylb.{self._server}")
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = False  # a byte of the awaited head arrived
         self._heads_at_arm = 0  # heads parsed when the head deadline was armed
@@ -67,10 +74,10 @@ class GuardedRequestHandler(web.RequestHandler):
         manager = self._manager
         if manager is not None and len(manager.connections) >= self._limits.max_connections:
             self._cut = self._refused = True
-            log.warning("client_connection_refused", reason="max_connections", limit=self._limits.max_connections,
-                        peer=_peer(transport))
-            transport.write(_bare(503, "Service Unavailable", "too many open connections to this balancer "
-                                  f"(balancer.client_connections.max_connections {self._limits.max_connections})",
+            self._log.warning("client_connection_refused", reason="max_connections",
+                              limit=self._limits.max_connections, peer=_peer(transport))
+            transport.write(_bare(503, "Service Unavailable", f"too many open connections to this {self._server} "
+                                  f"({self._setting}.max_connections {self._limits.max_connections})",
                                   "Retry-After: 1\r\n"))
             transport.close()
             return  # never registered with aiohttp's server: no task, nothing to clean up
@@ -112,11 +119,11 @@ class GuardedRequestHandler(web.RequestHandler):
         if self.transport is None or self._request_count > self._heads_at_arm:
             return
         self._cut = True
-        log.info("client_cut", reason="header_timeout", limit_s=self._limits.header_timeout_s,
+        self._log.info("client_cut", reason="header_timeout", limit_s=self._limits.header_timeout_s,
                  bytes_received=self._head_bytes, peer=_peer(self.transport))
         if self._head_bytes:  # nothing to answer to a connection that never sent a byte (nginx does the same)
-            self.transport.write(_bare(408, "Request Timeout", "request head not complete within balancer."
-                                       f"client_connections.header_timeout_s ({self._limits.header_timeout_s} s)"))
+            self.transport.write(_bare(408, "Request Timeout", f"request head not complete within {self._setting}."
+                                       f"header_timeout_s ({self._limits.header_timeout_s} s)"))
         self.force_close()  # as aiohttp's own keep-alive timeout does: the idle handler ends, the socket closes
 
     def _watch_body(self, payload, started: float) -> None:
@@ -132,11 +139,11 @@ class GuardedRequestHandler(web.RequestHandler):
             return
         self._body_timer = None
         self._cut = True
-        log.info("client_cut", reason="body_timeout", limit_s=limits.body_timeout_s,
-                 body_bytes=payload.total_bytes, peer=_peer(self.transport))
+        self._log.info("client_cut", reason="body_timeout", limit_s=limits.body_timeout_s,
+                       body_bytes=payload.total_bytes, peer=_peer(self.transport))
         payload.set_exception(ClientBodyTimeout(
-            f"request body not complete within balancer.client_connections.body_timeout_s ({limits.body_timeout_s} "
-            f"s) plus 1 s per {limits.body_min_rate_bytes_s:g} bytes received ({payload.total_bytes} bytes)"))
+            f"request body not complete within {self._setting}.body_timeout_s ({limits.body_timeout_s} s) plus 1 s "
+            f"per {limits.body_min_rate_bytes_s:g} bytes received ({payload.total_bytes} bytes)"))
         self.close()  # after the handler's answer: no keep-alive
 
 
@@ -148,25 +155,30 @@ def _peer(transport: asyncio.BaseTransport | None) -> str | None:
 class _GuardedServer(web.Server):
     """aiohttp's low-level server whose connections are GuardedRequestHandlers."""
 
-    def __init__(self, *args: Any, limits: ClientConnections, **kwargs: Any):
+    def __init__(self, *args: Any, limits: ClientConnections, setting: str, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.limits = limits
+        self.setting = setting
 
     def __call__(self) -> GuardedRequestHandler:
-        return GuardedRequestHandler(self, loop=self._loop, limits=self.limits, **self._kwargs)
+        return GuardedRequestHandler(self, loop=self._loop, limits=self.limits, setting=self.setting,
+                                     **self._kwargs)
 
 
 class GuardedAppRunner(web.AppRunner):
     """``web.AppRunner`` serving ``app`` through GuardedRequestHandlers with ``limits`` (its keep-alive timeout
-    included); other keyword arguments as AppRunner's. Overrides AppRunner's server factory (``_make_server``, the
-    one place aiohttp builds its server) to build the same server with that connection class."""
+    included), named ``setting`` (where they are configured: ``balancer.client_connections``,
+    ``controller.client_connections``) in answers and logs; other keyword arguments as AppRunner's. Overrides
+    AppRunner's server factory (``_make_server``, the one place aiohttp builds its server) to build the same server
+    with that connection class."""
 
-    def __init__(self, app: web.Application, *, limits: ClientConnections, **kwargs: Any):
+    def __init__(self, app: web.Application, *, limits: ClientConnections, setting: str, **kwargs: Any):
         super().__init__(app, keepalive_timeout=limits.keepalive_timeout_s, **kwargs)
         self._limits = limits
+        self._setting = setting
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()  # runs the app's start-up, as AppRunner does
         return _GuardedServer(server.request_handler, request_factory=server.request_factory,
                               handler_cancellation=server.handler_cancellation, loop=server._loop,
-                              limits=self._limits, **server._kwargs)
+                              limits=self._limits, setting=self._setting, **server._kwargs)
