@@ -97,7 +97,8 @@ class WaitModel:
                 per_token = fallback
             unknown = r.pending - len(r.unprefilled)
             backlog = r.backlog_tokens + unknown * unknown_tokens if unknown > 0 else r.backlog_tokens
-            out.append(max(0.0, backlog) * per_token + max(0.0, tokens) * per_token)
+            # max(0.0, x) as conditionals: the same values (0.0 at or below zero), without two calls per replica.
+            out.append((backlog if backlog > 0 else 0.0) * per_token + (tokens if tokens > 0 else 0.0) * per_token)
         return out
 
     def prior_s_per_token(self, replicas) -> float | None:

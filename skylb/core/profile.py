@@ -68,7 +68,9 @@ class Turns:
 
 
 class Filter(Protocol):
-    """An availability clause beyond the router's (AvailabilityRules)."""
+    """An availability clause beyond the router's (AvailabilityRules). Its verdict may depend only on the replica's
+    fields and on the filter's own attributes, kept as scalars: the router memoizes availability per replica and
+    compares those attributes at each decision (Router._availability_token)."""
 
     def unavailable_reason(self, replica: ReplicaState) -> str | None:
         """Why ``replica`` takes no request now, a short phrase; None: no objection."""

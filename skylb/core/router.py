@@ -94,6 +94,8 @@ class Router:
             default_load_s = self.fleet.settings.default_load_s
             self.policy.rates.load_s = lambda replica, model: fleet_load_s(replica, model, default_load_s)
         self.max_queue = max_queue
+        self._availability_key: tuple | None = None
+        self._availability_memo_token = object()
         self.replicas: dict[str, ReplicaState] = {}
         self.peers: dict[str, PeerState] = {}
         #: The queue: FCFS (a deque in ``queued_since`` order), or by class and tenant with ``priorities``.
@@ -356,8 +358,8 @@ class Router:
         if self._bypassed[0] == head.id and self._bypassed[1] >= policy.max_bypass:
             return 0
         window = list(itertools.islice(queue, k))
-        usable = self.replica_available if policy.selective else self._replica_usable
-        local = [r for r in self.replicas.values() if usable(r, now)]
+        local = (self.available_replicas(now) if policy.selective else
+                 [r for r in self.replicas.values() if self._replica_usable(r, now)])
         peers = [p for p in self.peers.values() if self.peer_available(p, now, head.model, head.api)]
         if not local and not peers:
             return 0
@@ -367,9 +369,7 @@ class Router:
         """Run the policy over ``request``'s candidates at ``now`` (skylb/core/candidates.py: the filters are
         here, the choice is the policy's ``choose``) and apply its choice; None: it stays queued."""
         model, api, kind = request.model, request.api, request.kind
-        usable = self.replica_available if self.policy.selective else self._replica_usable
-        local = [r for r in self.replicas.values()
-                 if r.serves(model, api) and r.supports(kind, now) and usable(r, now)]
+        local = self._local_candidates(model, api, kind, now)
         local = self.fleet.candidates(model, api, local, list(self.replicas.values()), now,
                                       self.policy.estimated_wait_s, embedding=request.embedding,
                                       usable=self._replica_usable)
@@ -391,6 +391,41 @@ class Router:
             return None
         return self._to_replica(request, choice, now) if isinstance(choice, ReplicaState) else \
             self._to_peer(request, choice, now)
+
+    def _local_candidates(self, model: str, api: str, kind: str, now: float) -> list[ReplicaState]:
+        """Local replicas serving ``model`` in ``api`` and requests of ``kind`` that may take one at ``now``: with
+        room under selective pushing (``replica_available``, memoized), usable under blind pushing."""
+        if not self.policy.selective:
+            return [r for r in self.replicas.values()
+                    if r.serves(model, api) and r.supports(kind, now) and self._replica_usable(r, now)]
+        token, available = self._availability_token(), self._available
+        return [r for r in self.replicas.values()
+                if r.serves(model, api) and r.supports(kind, now) and available(r, now, token)]
+
+    def _availability_token(self) -> object:
+        """An object that stays the same while every router-wide input of ``replica_unavailable_reason`` does (the
+        policy and its filters, the availability rules, the fleet's settings); a memo made under another token is
+        not used."""
+        fleet = self.fleet.settings
+        key = (id(self.policy), *(tuple(vars(f).values()) for f in self.policy.filters), id(self.rules),
+               tuple(vars(self.rules).values()), id(fleet), tuple(fleet.paused))
+        if key != self._availability_key:
+            self._availability_key, self._availability_memo_token = key, object()
+        return self._availability_memo_token
+
+    def _available(self, replica: ReplicaState, now: float, token: object) -> bool:
+        """``replica_available(replica, now)``, from the replica's memo while nothing it depends on changed: no
+        field of the replica was written since (ReplicaState clears the memo on any write), the router-wide inputs
+        are the same (``token``), its probe is as fresh by the same test as the rules', and it is not ejected
+        (ejection ends with time and with its population's panic, so it is always checked). A decision over 200
+        replicas then checks only those that changed since the previous one."""
+        memo = replica.availability_memo
+        if memo is not None and memo[0] is token and (memo[1] is None or now - memo[1] <= self.rules.stale_after_s):
+            return memo[2] is None
+        reason = self.replica_unavailable_reason(replica, now)
+        if replica.ejected_until is None:
+            replica.availability_memo = (token, replica.probed_at, reason)
+        return reason is None
 
     def _to_replica(self, request: Request, replica: ReplicaState, now: float) -> Decision:
         """Send ``request`` to local ``replica`` at ``now``: count it there (outstanding, prefill backlog, rates,
@@ -639,7 +674,8 @@ class Router:
 
     def available_replicas(self, now: float) -> list[ReplicaState]:
         """Local replicas available at ``now`` under selective pushing."""
-        return [r for r in self.replicas.values() if self.replica_available(r, now)]
+        token = self._availability_token()
+        return [r for r in self.replicas.values() if self._available(r, now, token)]
 
     def status(self, now: float) -> PeerStatus:
         """What this balancer tells its peers: its available replicas, replicas and queue length, and per API
@@ -668,4 +704,4 @@ class Router:
                           wait_ms=round(min(waits) * 1000.0, 3) if waits else None,
                           queue_age_ms=round(self.queue_age_s(now) * 1000.0, 3),
                           dispatch_rate=self.dispatch_rate(now),
-                          model_cards={m: c for m, c in cards.items() if c is not None}, **extra)
+                          model_cards={m: c for m, c in cards.items() if c is not None} or None, **extra)

@@ -100,6 +100,16 @@ class ReplicaState:
     fleet: FleetView | None = field(default=None, repr=False)
     capacity: AdmissionCapacity = field(default_factory=AdmissionCapacity, repr=False)
     unsupported: dict[str, float] = field(default_factory=dict, repr=False)
+    #: The router's memo of this replica's availability (skylb/core/router.py ``Router._available``): (the
+    #: router's settings token, ``probed_at``, the reason or None). Any write to another field clears it.
+    availability_memo: tuple | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        # Every field but the memo is an input of availability, or cheap to count as one: a write clears the memo,
+        # so that a routing decision re-checks only the replicas that changed since the last one.
+        object.__setattr__(self, name, value)
+        if name != "availability_memo":
+            object.__setattr__(self, "availability_memo", None)
 
     def supports(self, kind: str, now: float) -> bool:
         """False while this replica is known not to serve requests of ``kind`` (``unsupported``) at ``now``."""
@@ -154,6 +164,7 @@ class ReplicaState:
         with none pending, one more slot of its running batch is free. The next probe corrects any error."""
         try:
             self.dispatch_times.remove(dispatched_at)
+            self.availability_memo = None  # a change in place: __setattr__ does not see it
             return
         except ValueError:
             pass
@@ -186,7 +197,7 @@ class PeerStatus:
             these a sender prices the peer on its own scale (design decision 10).
         model_cards: model id -> what its replicas' engines say of it (``created``, ``owned_by``,
             ``max_model_len``, ``root``, ``parent``, ...: skylb/core/model_cards.py ``peer_card``), for the models
-            whose replicas gave any; None when the peer did not say (an older one).
+            whose replicas gave any; None when the peer did not say (an older one) or they gave none.
     """
 
     region: str
