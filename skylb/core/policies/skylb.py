@@ -89,6 +89,7 @@ from skylb.core.plugins.prefer_peer import PreferFasterPeer
 from skylb.core.plugins.prefix_lookahead import PrefixLookahead
 from skylb.core.plugins.prefix_match import SnapshotMatch
 from skylb.core.plugins.push_to_holder import PushToPrefixHolder
+from skylb.core.plugins.sibling_holder import ForwardToSiblingHolder
 from skylb.core.policies.base import OPTIONS_CONFIG, register
 from skylb.core.policies.skylb_paper import SkyLBPaperOptions, prefix_locality
 from skylb.core.predicted_ttft import LearningRateBook, PredictedTTFT
@@ -200,7 +201,8 @@ def skylb(options: SkyLBOptions) -> Profile:
                                   rel_threshold=o.holder_balance_rel_threshold)
         prefer = PreferFasterPeer(estimate=local, locality=loc, wait=wait, forward_margin_s=o.forward_margin_ms / 1000.0,
                                   default_prompt_tokens=o.default_prompt_tokens)
-        first = (push,) if o.push_to_prefix_holder else ()
+        sibling = ForwardToSiblingHolder(locality=loc, estimate=local, prefer=prefer)
+        first = (sibling, push) if o.push_to_prefix_holder else (sibling,)
         then = (prefer, hold) if hold is not None else (prefer,)
         no_room, learners = ForwardQueued(loc, wait, o.queue_forward_margin_ms / 1e3), (loc,)
     return Profile("skylb", o, local=local, peer=SnapshotMatch(loc), filters=(EnginePressure(
