@@ -32,6 +32,7 @@ from skylb.core.plugins.push_to_holder import PushToPrefixHolder
 from skylb.core.plugins.round_robin import RoundRobin
 from skylb.core.plugins.scoring import loads_imbalanced
 from skylb.core.plugins.sglang_tree import SGLangTree
+from skylb.core.plugins.sibling_holder import ForwardToSiblingHolder
 from skylb.core.predicted_ttft import PredictedTTFT
 from skylb.core.prefill_model import PrefillLine
 from skylb.core.profile import HOLD, Turns
@@ -299,6 +300,34 @@ def test_prefer_peer_forwards_only_to_a_peer_faster_by_the_margin():
     assert rule.decide(_candidates(request, [local], peers=[quick]), local) is quick
     assert rule.decide(_candidates(request, [local], peers=[_peer("eu", wait_s=2.0, rtt_s=0.1)]), local) is None
     assert rule.decide(_candidates(request, [local], peers=[_peer("eu", wait_s=0.0)]), local) is None  # no rtt
+
+
+def test_sibling_holder_forwards_a_prefix_only_a_sibling_holds_when_it_is_cheaper():
+    """A sibling that shared the prompt's prefix gets it over an idle local replica (the prefill saved beats the
+    round trip); not a peer of another region, nor when a local replica holds it as deep, nor at a long wait."""
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    estimate = EstimatedTTFT(wait=wait, locality=loc, rates=RateBook(), turns=Turns(), abs_threshold=8,
+                             rel_threshold=1.5)
+    prefer = PreferFasterPeer(estimate=estimate, locality=loc, wait=wait, forward_margin_s=0.05,
+                              default_prompt_tokens=512)
+    rule = ForwardToSiblingHolder(locality=loc, estimate=estimate, prefer=prefer)
+    sharer = PrefixLocality(max_chars=10 ** 6, max_bytes=2 ** 26, chunk_chars=64, double_every=0, threshold=0.5)
+    sharer.share_prefixes()
+    sharer.routed(_req("t1", A), replica="a1")
+    hashes, seq = sharer.share_prefixes()
+    sibling, abroad = _peer("us@a", wait_s=0.0, rtt_s=0.001, sibling=True), _peer("eu", wait_s=0.0, rtt_s=0.001)
+    sibling.prefixes.merge(hashes, seq)
+    abroad.prefixes.merge(hashes, seq)  # as if kept: the rule still asks only siblings
+    turn2, local = _req("t2", A + " and more"), _replica("r1")
+    assert rule.decide(_candidates(turn2, [local], peers=[sibling, abroad]), None) is sibling
+    assert rule.decide(_candidates(turn2, [local], peers=[abroad]), None) is None
+    assert rule.decide(_candidates(_req("b", B), [local], peers=[sibling]), None) is None  # not shared
+    assert rule.decide(_candidates(turn2, [], peers=[sibling]), None) is sibling  # no local room
+    slow = _peer("us@a", wait_s=5.0, rtt_s=0.001, sibling=True)
+    slow.prefixes.merge(hashes, seq)
+    assert rule.decide(_candidates(turn2, [local], peers=[slow]), None) is None
+    loc.routed(_req("t1", A), replica="r1")
+    assert rule.decide(_candidates(_req("t2b", A + " and more"), [local], peers=[sibling]), None) is None
 
 
 def test_forward_queued_sends_an_old_request_to_a_peer_serving_younger_ones():

@@ -167,3 +167,37 @@ def test_dns_answers_every_live_sibling(procs, tmp_path):
         assert asyncio.run(updater.current_all("eu")) == ["127.0.0.12"]
     finally:
         bind.stop()
+
+
+def test_a_sessions_next_turn_at_the_other_sibling_reaches_the_replica_that_served_its_first(procs, tmp_path):
+    """us runs us-a and us-b, two replicas each. A session's first turn goes to us-a; its second turn (the first
+    extended) goes to us-b, which forwards it to us-a (a sibling holds its prefix: skylb/core/held_prefixes.py), and
+    the replica that served the first serves it; an unrelated prompt at us-b stays on us-b's replicas."""
+    # One region: the cluster makes no peer token itself, and siblings forward only with one.
+    cluster = Cluster(procs, tmp_path, controller={"health": HEALTH}, peer_token=uuid.uuid4().hex)
+    cluster.start_controller(["us"])
+    for i, url in enumerate(cluster.start_emulator(4, "--time-scale", "0.05", name="emulator-us"), 1):
+        cluster.add_replica("us", url, replica_id=f"us-{i}")
+    for bid in ("us-a", "us-b"):
+        cluster.start_balancer("us", ["us"], balancer_id=bid, wait=False)
+    for bid in ("us-a", "us-b"):
+        wait_http(f"{cluster.balancers[bid]}/healthz", timeout_s=20)
+    cluster.wait_until(lambda: all(len(_healthy(cluster, b)) == 2 for b in ("us-a", "us-b"))
+                       and all(any(p["sibling"] and p["healthy"] for p in cluster.status(b)["peers"])
+                               for b in ("us-a", "us-b")),
+                       timeout_s=20, what="2 healthy replicas and a healthy sibling in each us balancer")
+    turn_1 = "".join(f"user: tell me about topic {i} in some detail please. " for i in range(120))
+
+    def send(balancer: str, prompt: str) -> tuple[str, str]:
+        resp = requests.post(f"{cluster.balancers[balancer]}/v1/completions", timeout=30,
+                             json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
+        return resp.headers["X-SkyLB-Route"], resp.headers["X-SkyLB-Served-By"]
+
+    route, first = send("us-a", turn_1)
+    assert route == "local" and first.split("/", 1)[1] in _owned(cluster, "us-a")
+    time.sleep(0.5)  # a few probe intervals: us-b reads us-a's status with the prefix
+    route, second = send("us-b", turn_1 + "assistant: a long answer. " * 20 + "user: one more thing? ")
+    assert (route, second) == ("peer:us@us-a", first)
+    route, other = send("us-b", "".join(f"user: something else entirely, number {i}. " for i in range(120)))
+    assert route == "local" and other.split("/", 1)[1] in _owned(cluster, "us-b")

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skylb import PROTOCOL_VERSION
 from skylb.core import PeerStatus
+from skylb.core.held_prefixes import MAX_STATUS_PREFIXES
 from skylb.tokens import secret_matches
 
 __all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SERVED_BY_HEADER", "MODEL_HEADER",
@@ -48,7 +49,8 @@ REQUEST_ID_HEADER = "X-Request-Id"
 BALANCER_REQUEST_ID_HEADER = "X-SkyLB-Request-Id"
 #: The longest client request id kept as a label (characters); longer or non-printable ones are dropped.
 MAX_CLIENT_ID_CHARS = 128
-#: A status is a few hundred bytes; anything much larger is not one.
+#: A status is a few hundred bytes (up to about 9.2 KiB more with a sibling's prefixes); anything much larger is not
+#: one.
 MAX_STATUS_BYTES = 1 << 20
 
 
@@ -78,6 +80,10 @@ class _StatusMessage(BaseModel):
     # is accepted and only scalars are kept (_scalar_cards): a richer card from a newer peer must not make its
     # whole status, and so its routing, unreadable.
     model_cards: dict[str, dict[str, Any]] | None = None
+    # A sibling's prefix hashes (skylb/core/held_prefixes.py); added later, optional both ways. Any list is accepted
+    # and only unsigned 64-bit ints are kept, the newest MAX_STATUS_PREFIXES (_prefix_hashes), for the same reason.
+    prefixes: list[Any] | None = None
+    prefix_seq: Annotated[int, Field(ge=0)] | None = None
 
 
 def encode_status(status: PeerStatus) -> bytes:
@@ -90,7 +96,8 @@ def decode_status(data: bytes) -> PeerStatus:
 
     Raises ProtocolError on more than MAX_STATUS_BYTES, bad msgpack, a non-map, another protocol version, or a
     missing or mistyped field (counts must be non-negative integers; ``models`` maps API -> model -> count;
-    ``model_cards`` model -> a map of fields, of which only strings, numbers, bools and nulls are kept).
+    ``model_cards`` model -> a map of fields, of which only strings, numbers, bools and nulls are kept; ``prefixes``
+    a list of which only unsigned 64-bit ints are kept, the newest MAX_STATUS_PREFIXES).
     """
     if len(data) > MAX_STATUS_BYTES:
         raise ProtocolError(f"peer status is {len(data)} bytes, more than {MAX_STATUS_BYTES}")
@@ -112,7 +119,15 @@ def decode_status(data: bytes) -> PeerStatus:
                       queue_len=msg.queue_len, models=msg.models, wait_ms=msg.wait_ms,
                       queue_age_ms=msg.queue_age_ms, dispatch_rate=msg.dispatch_rate,
                       backlog_tokens=msg.backlog_tokens, prefill_fixed_ms=msg.prefill_fixed_ms,
-                      prefill_ms_per_token=msg.prefill_ms_per_token, model_cards=_scalar_cards(msg.model_cards))
+                      prefill_ms_per_token=msg.prefill_ms_per_token, model_cards=_scalar_cards(msg.model_cards),
+                      prefixes=_prefix_hashes(msg.prefixes), prefix_seq=msg.prefix_seq)
+
+
+def _prefix_hashes(hashes: list | None) -> tuple[int, ...] | None:
+    """The newest MAX_STATUS_PREFIXES of ``hashes`` that are unsigned 64-bit ints (a bool is not one)."""
+    if hashes is None:
+        return None
+    return tuple(h for h in hashes[-MAX_STATUS_PREFIXES:] if type(h) is int and 0 <= h < 1 << 64)
 
 
 def _scalar_cards(cards: dict[str, dict] | None) -> dict[str, dict] | None:

@@ -14,6 +14,7 @@ from skylb.balancer.ollama_fleet import replica_thermal
 from skylb.balancer.metrics import CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE
 from skylb.balancer.protocol import TOKEN_HEADER, encode_status, token_ok
 from skylb.balancer.retry_after import retry_after_s
+from skylb.core import PeerStatus
 from skylb.core.model_cards import model_entry
 from skylb.engines.auto import detected_engine
 from skylb.quota.buckets import LocalLimits
@@ -35,7 +36,7 @@ def detailed_status(balancer: Balancer) -> dict:
     now, router = balancer.now(), balancer.router
     membership = balancer.membership
     return {
-        **dataclasses.asdict(router.status(now)),
+        **_peer_status(router.status(now)),
         "policy": balancer.cfg.policy,
         "controller_reachable": balancer.controller_reachable(),
         "membership_revision": membership.revision if membership else None,
@@ -106,6 +107,14 @@ def _tries(policy) -> dict:
 def _left(until: float | None, now: float) -> float | None:
     """Seconds until ``until`` from ``now`` (rounded to ms), None when it passed or is not set."""
     return None if until is None or until <= now else round(until - now, 3)
+
+
+def _peer_status(status: PeerStatus) -> dict:
+    """``status`` as a dict for operators: the prefix hashes shared with siblings (up to MAX_STATUS_PREFIXES)
+    counted, not listed."""
+    out = dataclasses.asdict(status)
+    out["prefixes"] = None if status.prefixes is None else len(status.prefixes)
+    return out
 
 
 def _ms(seconds: float | None) -> float | None:

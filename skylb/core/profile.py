@@ -215,6 +215,14 @@ class Profile:
             if hasattr(learner, "set_members"):
                 learner.set_members(replicas, peers)
 
+    def share_prefixes(self) -> tuple[tuple[int, ...], int] | None:
+        """The prefixes this balancer's replicas hold lately, for its siblings (the first learner that keeps them:
+        ``PrefixLocality.share_prefixes``, which starts recording them), or None for a profile without."""
+        for learner in self.learners:
+            if hasattr(learner, "share_prefixes"):
+                return learner.share_prefixes()
+        return None
+
     def replica_unavailable_reason(self, replica: ReplicaState) -> str | None:
         """The first filter's objection to ``replica``, or None."""
         for f in self.filters:

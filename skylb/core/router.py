@@ -682,7 +682,7 @@ class Router:
         dialect every model a local replica serves with how many of those replicas are available now (0 included,
         so a peer knows the model is served here even when all are busy), what those replicas' engines say of each
         model (``peer_card``), and the policy's estimated wait on the best available replica (ms; None without one
-        or without an estimate)."""
+        or without an estimate); with a sibling, the prefixes its replicas hold lately (``PeerStatus.prefixes``)."""
         available = self.available_replicas(now)
         available_ids = {r.id for r in available}
         models: dict[str, dict[str, int]] = {}
@@ -698,6 +698,10 @@ class Router:
                  for m in sorted({m for r in serving for m in r.models})}
         waits = [w for w in map(self.policy.estimated_wait_s, available) if w is not None]
         extra = self.policy.advertised(available, [r for r in self.replicas.values() if not r.draining])
+        # Prefixes only while a sibling listens (skylb/core/held_prefixes.py): without one, nothing is recorded.
+        shared = self.policy.share_prefixes() if any(p.sibling for p in self.peers.values()) else None
+        if shared is not None:
+            extra = {**extra, "prefixes": shared[0], "prefix_seq": shared[1]}
         return PeerStatus(region=self.region, available_replicas=len(available),
                           replicas=sum(1 for r in self.replicas.values() if not r.draining),
                           queue_len=len(self.queue), models=models,

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from skylb.core.capacity import AdmissionCapacity
+from skylb.core.held_prefixes import MAX_STATUS_PREFIXES, SiblingPrefixes
 from skylb.core.prefill_model import PrefillLine
 from skylb.core.rates import ReplicaRates
 from skylb.core.fleet_rules import FleetView
@@ -198,6 +199,9 @@ class PeerStatus:
         model_cards: model id -> what its replicas' engines say of it (``created``, ``owned_by``,
             ``max_model_len``, ``root``, ``parent``, ...: skylb/core/model_cards.py ``peer_card``), for the models
             whose replicas gave any; None when the peer did not say (an older one) or they gave none.
+        prefixes: 64-bit hashes of the prompt prefixes it placed on its own replicas lately, oldest first, at most
+            ``MAX_STATUS_PREFIXES``; prefix_seq: how many it added ever (skylb/core/held_prefixes.py). Said only by
+            a balancer that has a sibling, else None (an older peer says neither).
     """
 
     region: str
@@ -212,6 +216,8 @@ class PeerStatus:
     prefill_fixed_ms: float | None = None
     prefill_ms_per_token: float | None = None
     model_cards: dict[str, dict[str, str | int | float | bool | None]] | None = None
+    prefixes: tuple[int, ...] | None = None
+    prefix_seq: int | None = None
 
 
 @dataclass
@@ -236,6 +242,8 @@ class PeerState:
         sibling: True for a balancer of this balancer's own region (a sibling: it owns others of the region's
             replicas, at a local round trip), to be tried before any other region's; set by the balancer after
             ``Router.set_peers`` from its membership.
+        prefixes: for a sibling, the prompt prefixes its statuses said its own replicas hold (bounded:
+            skylb/core/held_prefixes.py); empty for another region's balancer, whose statuses' are not kept.
     """
 
     region: str
@@ -265,6 +273,7 @@ class PeerState:
     backlog_tokens: float | None = None
     prefill_line: PrefillLine | None = None
     sibling: bool = False
+    prefixes: SiblingPrefixes = field(default_factory=SiblingPrefixes, repr=False)
 
     #: Weight of the newest round trip in ``rtt_s`` (an exponential moving average, as TCP's SRTT uses 1/8).
     RTT_WEIGHT = 0.125
@@ -288,6 +297,8 @@ class PeerState:
                                              max(0.0, status.prefill_ms_per_token) / 1e3)
                                  if status.prefill_fixed_ms is not None and status.prefill_ms_per_token is not None
                                  else None)
+            if self.sibling and status.prefixes is not None:
+                self.prefixes.merge(status.prefixes[-MAX_STATUS_PREFIXES:], status.prefix_seq)
             if rtt_s is not None and rtt_s >= 0:
                 self.rtt_s = rtt_s if self.rtt_s is None else self.rtt_s + self.RTT_WEIGHT * (rtt_s - self.rtt_s)
         self.error = None if status is not None else (error or "status probe failed")

@@ -12,6 +12,7 @@ module                    kind            what it does
 ``estimated_ttft``        replica picker  least estimated time to first token (the default's)
 ``most_room``             peer picker     the peer with the most room
 ``engine_pressure``       filter          prefill backlog and KV usage
+``sibling_holder``        rule (first)    a prefix a sibling's replica holds goes to that sibling
 ``push_to_holder``        rule (first)    a cache hit goes into its holder's full batch
 ``predicted_ttft``        rule (first)    every candidate priced by one cost, predicted TTFT
 ``prefer_peer``           rule (then)     a faster peer over the local pick

@@ -9,18 +9,24 @@ only in ``routed``, so the first answer is kept (``replica_match``) until then.
 With a block index attached (``attach_kv_index``: engines publishing KV-cache events), a request with block hashes
 is matched exactly on the replicas whose events are live, and by the trie on the others (kv_locality.py); the
 answer is kept while the index is unchanged. Without one, nothing differs from the tries alone.
+
+Across siblings (balancers of one region; skylb/core/held_prefixes.py): once asked for its shared prefixes
+(``share_prefixes``, by a router that has a sibling) it also records the prefix hashes of each prompt placed on a
+local replica, for its status; ``sibling_match`` finds a request's deepest prefix among what siblings shared. A
+balancer with no sibling records and computes none of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from skylb.core.held_prefixes import HeldPrefixes, prefix_hashes
 from skylb.core.kv_index import BlockIndex
 from skylb.core.plugins.kv_locality import CachedMatch, KVLocality
 from skylb.core.plugins.scoring import trie_key
 from skylb.core.prefix_trie import Match, PrefixTrie
 from skylb.core.request import Request
-from skylb.core.state import ReplicaState
+from skylb.core.state import PeerState, ReplicaState
 
 __all__ = ["PrefixLocality"]
 
@@ -45,6 +51,9 @@ class PrefixLocality:
         #: The block index's answers, or None (the tries alone) until ``attach_kv_index``.
         self.kv: KVLocality | None = None
         self._exact_memo: tuple[object, int, frozenset[str], CachedMatch] | None = None
+        #: The prefixes placed on local replicas lately, for siblings; None until ``share_prefixes`` is first called.
+        self.held: HeldPrefixes | None = None
+        self._hash_memo: tuple[object, list[int]] | None = None
 
     def attach_kv_index(self, index: BlockIndex) -> None:
         """Match requests with block hashes exactly on the replicas whose KV-cache events ``index`` follows."""
@@ -120,11 +129,40 @@ class PrefixLocality:
         targets, ratio = m.targets, m.ratio
         return [ratio if c.id in targets else 0.0 for c in candidates]
 
+    def share_prefixes(self) -> tuple[tuple[int, ...], int]:
+        """(prefix hashes, count added ever) of the prompts lately placed on local replicas, for a status to
+        siblings (``HeldPrefixes.summary``); the first call starts recording them."""
+        if self.held is None:
+            self.held = HeldPrefixes()
+        return self.held.summary()
+
+    def sibling_match(self, request: Request, siblings: Sequence[PeerState]) -> tuple[list[PeerState], float]:
+        """(the ``siblings`` that shared ``request``'s deepest prefix, its fraction of the prompt), or ([], 0.0)
+        when none did or the fraction is below ``threshold``. The prompt's prefix hashes are computed once per
+        request."""
+        key = self.key(request)
+        if self._hash_memo is None or self._hash_memo[0] is not request:
+            self._hash_memo = (request, prefix_hashes(key))
+        hashes = self._hash_memo[1]
+        total = sum(map(len, key))
+        chars = total
+        for depth in range(len(key) - 1, -1, -1):
+            if not total or chars / total < self.threshold:
+                break
+            holders = [s for s in siblings if hashes[depth] in s.prefixes]
+            if holders:
+                return holders, chars / total
+            chars -= len(key[depth])
+        return [], 0.0
+
     def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
-        """Record ``request``'s prompt for ``replica`` (replica trie) or ``peer`` (snapshot trie)."""
+        """Record ``request``'s prompt for ``replica`` (replica trie; and for siblings once they are told) or
+        ``peer`` (snapshot trie)."""
         self._memo = self._exact_memo = None
         if replica is not None:
             self.replica_trie.insert(self.key(request), replica)
+            if self.held is not None:
+                self.held.add(self.key(request))
         elif peer is not None:
             self.snapshot_trie.insert(self.key(request), peer)
 

@@ -4,23 +4,25 @@ Builds on the paper's rule (``skylb-paper``, skylb_paper.py) with what measureme
 region's TTFT under the Mooncake trace). The profile, in the order it runs (``skylb`` below; each plugin's module
 under skylb/core/plugins/ gives its source and its measurements):
 
-==========================  =====================================  ================================================
-stage                       plugin                                 what it does
-==========================  =====================================  ================================================
-filter                      ``engine_pressure.EnginePressure``     no request to a prefill backlog or a full KV cache
-first rule                  ``push_to_holder.PushToPrefixHolder``  a cache hit goes into its holder's full batch
-local picker                ``estimated_ttft.EstimatedTTFT``       least estimated TTFT, load guard, tie-breaks
-then rule                   ``prefer_peer.PreferFasterPeer``       a peer with room that is faster by a margin
-then rule                   ``hold_for_faster.HoldForFaster``      wait for a faster busy replica (mixed hardware)
-peer picker                 ``prefix_match.SnapshotMatch``         the peer holding the prefix, else most room
-no-room rule                ``forward_queued.ForwardQueued``       first come, first served across regions
-queue order                 ``prefix_lookahead.PrefixLookahead``   a free replica takes a request it holds
-learner                     ``prefix_locality.PrefixLocality``     the replica and regional snapshot tries, and
-                                                                   ``kv_locality`` where KV-cache events are live
-==========================  =====================================  ================================================
+==========================  =========================================  ================================================
+stage                       plugin                                     what it does
+==========================  =========================================  ================================================
+filter                      ``engine_pressure.EnginePressure``         no request to a prefill backlog or a full KV cache
+first rule                  ``sibling_holder.ForwardToSiblingHolder``  a prefix a sibling's replica holds goes there
+first rule                  ``push_to_holder.PushToPrefixHolder``      a cache hit goes into its holder's full batch
+local picker                ``estimated_ttft.EstimatedTTFT``           least estimated TTFT, load guard, tie-breaks
+then rule                   ``prefer_peer.PreferFasterPeer``           a peer with room that is faster by a margin
+then rule                   ``hold_for_faster.HoldForFaster``          wait for a faster busy replica (mixed hardware)
+peer picker                 ``prefix_match.SnapshotMatch``             the peer holding the prefix, else most room
+no-room rule                ``forward_queued.ForwardQueued``           first come, first served across regions
+queue order                 ``prefix_lookahead.PrefixLookahead``       a free replica takes a request it holds
+learner                     ``prefix_locality.PrefixLocality``         the replica and regional snapshot tries, and
+                                                                       ``kv_locality`` where KV-cache events are live;
+                                                                       with a sibling, the prefixes it shares
+==========================  =========================================  ================================================
 
 With ``placement: predicted-ttft`` the first rule is ``predicted_ttft.PredictedTTFTPlacement`` instead, which prices
-every candidate by one cost and settles every placement. In words:
+every candidate by one cost and settles every placement (without the sibling rule). In words:
 
 * Availability sees prefill backlog and KV pressure. Besides 0 pending at the latest probe, a replica must have less
   than ``backlog_budget_tokens`` of this balancer's prompt tokens still waiting for their first token (about one
@@ -61,6 +63,18 @@ every candidate by one cost and settles every placement. In words:
   requests whose prefix that replica holds goes there before a head that has no match on it (SGLang's scheduler
   orders its waiting queue by longest prefix match for the same reason: under load, each cache hit is prefill
   saved). The head is passed over at most ``max_bypass`` times, so nobody starves.
+* Prefix locality across siblings (balancers of one region; skylb/core/held_prefixes.py, plugins/sibling_holder.py):
+  a balancer with a sibling puts in its status the 64-bit hashes of the last two chunk boundaries of each prompt it
+  placed on its own replicas lately (the newest 1,024: at most about 9.2 KiB per status), and keeps what each
+  sibling sent (only what is new since the status before; at most 16,384 hashes per sibling, least recently shared
+  evicted first). A request whose prefix (at least ``match_threshold``) a sibling holds deeper than any local
+  replica goes to that sibling when it has room and either no local replica has room or its status's wait plus the
+  round trip plus the prefill of the part it does not hold beats the cheapest local replica's estimate (no
+  ``forward_margin_ms``: the round trip is the region's own, and a second prefill is a second copy of the prefix in
+  the region's caches). The sibling routes it to the holding replica by its own trie (one hop). So a session whose
+  turns DNS or a Service spreads over the region's balancers stays on one replica; a prefix sessions share only in
+  part (a system prompt) is not shared and is cached once per sibling's replica. Without a sibling nothing is
+  recorded, sent or matched, and every other rule is unchanged.
 * Cache hits go to their replica (``push_to_prefix_holder``): a request whose prefix a local replica holds (replica
   trie, at least ``match_threshold``) while no replica with room holds it is pushed into the holder's full batch, as
   SGLang's cache-aware router (sgl-router ``cache_aware``) sends every matched request, unless a batch's worth
@@ -89,6 +103,7 @@ from skylb.core.plugins.prefer_peer import PreferFasterPeer
 from skylb.core.plugins.prefix_lookahead import PrefixLookahead
 from skylb.core.plugins.prefix_match import SnapshotMatch
 from skylb.core.plugins.push_to_holder import PushToPrefixHolder
+from skylb.core.plugins.sibling_holder import ForwardToSiblingHolder
 from skylb.core.policies.base import OPTIONS_CONFIG, register
 from skylb.core.policies.skylb_paper import SkyLBPaperOptions, prefix_locality
 from skylb.core.predicted_ttft import LearningRateBook, PredictedTTFT
@@ -200,7 +215,8 @@ def skylb(options: SkyLBOptions) -> Profile:
                                   rel_threshold=o.holder_balance_rel_threshold)
         prefer = PreferFasterPeer(estimate=local, locality=loc, wait=wait, forward_margin_s=o.forward_margin_ms / 1000.0,
                                   default_prompt_tokens=o.default_prompt_tokens)
-        first = (push,) if o.push_to_prefix_holder else ()
+        sibling = ForwardToSiblingHolder(locality=loc, estimate=local, prefer=prefer)
+        first = (sibling, push) if o.push_to_prefix_holder else (sibling,)
         then = (prefer, hold) if hold is not None else (prefer,)
         no_room, learners = ForwardQueued(loc, wait, o.queue_forward_margin_ms / 1e3), (loc,)
     return Profile("skylb", o, local=local, peer=SnapshotMatch(loc), filters=(EnginePressure(
