@@ -102,7 +102,8 @@ class ReplicaState:
     capacity: AdmissionCapacity = field(default_factory=AdmissionCapacity, repr=False)
     unsupported: dict[str, float] = field(default_factory=dict, repr=False)
     #: The router's memo of this replica's availability (skylb/core/router.py ``Router._available``): (the
-    #: router's settings token, ``probed_at``, the reason or None). Any write to another field clears it.
+    #: router's settings token, ``probed_at``, the capacity's limit, ``sent_since_probe``, the reason or None). Any
+    #: write to another field clears it.
     availability_memo: tuple | None = field(default=None, repr=False, compare=False)
 
     def __setattr__(self, name: str, value) -> None:

@@ -39,10 +39,11 @@ def pick_by_estimated_wait(book: RateBook, request: Request,
     chars, f, load_s = request_chars(request), book.token_factor, book.load_s
     # Total time = queue wait + inference (W^) + the time to load the model there (RateBook.load_s; 0 for now).
     keyed = [((0.0 if m is None else book.estimate_measured_s(c.rates, m, chars)) + load_s(c, model),
-              c.rates.queued_chars * f, c) for c, m in with_rates]
-    best = min(k[:2] for k in keyed)
+              c.rates.queued_chars * f) for c, m in with_rates]
+    best_w, best_q = min(keyed)
     # Within a microsecond of wait and a token of queue is a tie (float noise).
-    return [c for w, q, c in keyed if w <= best[0] + 1e-6 and q <= best[1] + 1.0]
+    w_limit, q_limit = best_w + 1e-6, best_q + 1.0
+    return [c for (w, q), (c, _) in zip(keyed, with_rates) if w <= w_limit and q <= q_limit]
 
 
 class EstimatedWait:

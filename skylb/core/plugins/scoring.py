@@ -35,8 +35,9 @@ def loads_imbalanced(candidates: Sequence[ReplicaState], abs_threshold: float, r
 def least_loaded(candidates: Sequence[ReplicaState], turn: int) -> ReplicaState:
     """Fewest requests in flight from this balancer (outstanding plus those the last probe has not seen yet);
     among equals the ``turn``-th modulo their number, so idle replicas share the load."""
-    low = min(c.outstanding + c.sent_since_probe for c in candidates)
-    tied = [c for c in candidates if c.outstanding + c.sent_since_probe == low]
+    loads = [c.outstanding + c.sent_since_probe for c in candidates]
+    low = min(loads)
+    tied = [c for c, load in zip(candidates, loads) if load == low]
     return tied[turn % len(tied)]
 
 
