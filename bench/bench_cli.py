@@ -450,6 +450,8 @@ LIVE_BENCHMARKS = {
                      "trace (bench/results/eight_regions.md)",
     "coordination": "the cost of coordination with 200 replicas and 8 peers: decision time, peer status size, probe "
                     "traffic (bench/results/coordination.md)",
+    "probe_cost": "what probing costs an idle balancer: CPU per replica, per second and per probe, at two probe "
+                  "intervals (bench/results/probe_cost.md)",
     "status_page": "a screenshot of the controller's status page on the local three-region deployment under load, "
                    "in headless Chromium (docs/status-page.png)",
 }

@@ -1,0 +1,19 @@
+"""The probing-cost measurement (bench/probe_cost.py) on real processes: its figures are consistent with each other
+and it is a `skylb bench` subcommand."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.timeout(60)
+def test_probe_cost_measures_an_idle_balancer_probing_its_replicas(tmp_path):
+    """Two replicas probed every 200 ms (10 probes a second) for 1.5 s: the balancer used CPU, and the per-replica
+    and per-probe figures are the whole divided by 2 replicas and by 10 probes a second."""
+    from bench.bench_cli import LIVE_BENCHMARKS
+    from bench.probe_cost import measure_once
+    assert "probe_cost" in LIVE_BENCHMARKS
+    got = measure_once(2, 200, 1.5, tmp_path)
+    assert got["balancer_ms_per_s"] > 0 and got["emulator_ms_per_s"] > 0
+    assert got["per_replica_ms_per_s"] == pytest.approx(got["balancer_ms_per_s"] / 2)
+    assert got["per_probe_ms"] == pytest.approx(got["balancer_ms_per_s"] / 10)
