@@ -4,12 +4,14 @@ status) and the tables of replicas, balancers and quotas."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import requests
 from tabulate import tabulate
 
 from skylb.environment import PEER_TOKEN, env
+
+if TYPE_CHECKING:  # requests loads where a balancer is asked (skylb-ctl), not in the controller that shows the page
+    import requests
 
 __all__ = ["balancer_status", "Refused", "PEER_TOKEN_HOW", "request_error",
            "system_status", "status_tables", "replica_table", "balancer_table",
@@ -18,6 +20,7 @@ __all__ = ["balancer_status", "Refused", "PEER_TOKEN_HOW", "request_error",
 
 def request_error(exc: requests.RequestException) -> str:
     """A one-line reason for a failed HTTP call ("connection refused", "timed out", or the first line)."""
+    import requests
     # requests nests the interesting part (e.g. "Connection refused") deep inside urllib3's wrapper messages.
     if isinstance(exc, requests.Timeout):
         return "timed out"
@@ -43,6 +46,7 @@ def balancer_status(url: str, timeout_s: float, token: str | None = None) -> tup
 
     ``token`` (default ``$SKYLB_PEER_TOKEN``) is sent as the peer token when set.
     """
+    import requests
     token = token or env(PEER_TOKEN)
     headers = {"X-SkyLB-Token": token} if token else {}
     try:

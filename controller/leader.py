@@ -30,15 +30,15 @@ import os
 import socket
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
-from etcd3gw.client import Etcd3Client
-from etcd3gw.lease import Lease
 
-from controller.etcd_store import EtcdConnection
 from controller.store import StoreUnavailable
 from skylb.config import ControllerConfig
+
+if TYPE_CHECKING:  # etcd3gw (and requests under it) loads only where an election runs: 0.2 s of every start else
+    from etcd3gw.client import Etcd3Client
 
 __all__ = ["LeaderTask", "SoleLeader", "EtcdElection", "POLL_S", "RESTART_S", "leadership_for"]
 
@@ -53,6 +53,12 @@ POLL_S = 0.25
 RESTART_S = 1.0
 
 T = TypeVar("T")
+
+
+def _lease(lease_id: int, client: Etcd3Client):
+    """etcd3gw's Lease ``lease_id`` on ``client`` (imported here: etcd3gw loads only where an election runs)."""
+    from etcd3gw.lease import Lease
+    return Lease(lease_id, client)
 
 
 class SoleLeader:
@@ -80,6 +86,7 @@ class EtcdElection:
         self._key = f"{prefix.rstrip('/')}/leader".encode()
         # One request may take a sixth of the lease: a renewal that fails still leaves time for two more.
         self._timeout_s = max(ttl_s / 6, 0.2)
+        from controller.etcd_store import EtcdConnection
         self._etcd = EtcdConnection(endpoints, timeout_s=self._timeout_s)
         self._lease_id: int | None = None
         self._holder: bytes | None = None
@@ -121,7 +128,7 @@ class EtcdElection:
                 if not holder:
                     sent = loop.time()
                     self._lease_id = (await self._call(lambda c: c.lease(self.ttl_s))).id
-                    if await self._call(lambda c: c.create(self._key, self.name.encode(), Lease(self._lease_id, c)),
+                    if await self._call(lambda c: c.create(self._key, self.name.encode(), _lease(self._lease_id, c)),
                                         retry=False):
                         return sent + self.ttl_s
                     await self._resign()  # another controller was faster: drop the unused lease
@@ -147,7 +154,7 @@ class EtcdElection:
             sent = loop.time()
             try:
                 async with asyncio.timeout_at(valid_until):
-                    ttl = await self._call(lambda c: Lease(self._lease_id, c).refresh(), retry=False)
+                    ttl = await self._call(lambda c: _lease(self._lease_id, c).refresh(), retry=False)
                     holder = await self._call(lambda c: c.get(self._key))
             except (StoreUnavailable, TimeoutError) as exc:
                 # A timed-out call may go on in its thread; requests' connection pool is thread-safe.
@@ -166,7 +173,7 @@ class EtcdElection:
         lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:
             try:
-                await self._call(lambda c: Lease(lease_id, c).revoke(), retry=False)
+                await self._call(lambda c: _lease(lease_id, c).revoke(), retry=False)
             except StoreUnavailable:
                 pass  # it expires by itself within ttl_s
 
