@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import aiohttp
 import structlog
@@ -32,7 +33,10 @@ from skylb.core.kv_index import BlockIndex, ReplicaEvents
 from skylb.core.state import ReplicaState
 from skylb.core.kv_hash import request_block_hashes
 from skylb.engines.kv_metrics import KVIndexCollector
-from skylb.engines.kv_subscriber import KVEventsEndpoint, KVEventSubscribers
+from skylb.core.kv_endpoint import KVEventsEndpoint
+
+if TYPE_CHECKING:
+    from skylb.engines.kv_subscriber import KVEventSubscribers
 
 __all__ = ["KVRouting", "kv_endpoint", "tokenize_body", "DEFAULT_BLOCK_SIZE"]
 
@@ -123,6 +127,7 @@ class KVRouting:
 
     def start(self) -> None:
         """Start following the streams applied so far (inside the event loop)."""
+        from skylb.engines.kv_subscriber import KVEventSubscribers  # here: pyzmq loads only where events are followed
         self._subscribers = KVEventSubscribers(self.index)
         self._subscribers.update(self.endpoints)
 
