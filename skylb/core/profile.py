@@ -108,7 +108,8 @@ class QueueOrder(Protocol):
 
 
 class Learner(Protocol):
-    """Plugin state that learns from placements and membership (both methods optional)."""
+    """Plugin state that learns from placements and membership (each method optional; ``prepare(request)``, also
+    optional, works out per-request state when the request is queued)."""
 
     def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
         """``request`` went to local replica ``replica`` or to peer region ``peer``."""
@@ -194,6 +195,13 @@ class Profile:
                       replicas: Sequence[ReplicaState]) -> int:
         """Index in ``window`` of the request to place next (QueueOrder; 0, the head, without one)."""
         return 0 if self.queue is None else self.queue.next_in_queue(window, local, peers, replicas)
+
+    def prepare(self, request: Request) -> None:
+        """Let every learner that keeps per-request state work it out as ``request`` is queued (``prepare``: its
+        prefix trie key), so the decisions do not."""
+        for learner in self.learners:
+            if hasattr(learner, "prepare"):
+                learner.prepare(request)
 
     def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
         """Tell every learner that ``request`` went to local ``replica`` or to peer region ``peer``."""

@@ -59,6 +59,10 @@ class PrefixLocality:
         """Match requests with block hashes exactly on the replicas whose KV-cache events ``index`` follows."""
         self.kv = KVLocality(index)
 
+    def prepare(self, request: Request) -> None:
+        """Cut ``request``'s prompt into the tries' chunks now (it is being queued), once."""
+        self.key(request)
+
     def key(self, request: Request) -> tuple[str, ...]:
         """``request``'s prompt in the tries' chunks (computed once per request)."""
         return trie_key(request, self.replica_trie)
