@@ -22,7 +22,7 @@ def _config(tmp_path: Path) -> Path:
     cfg = {
         "balancer": {"probe_interval_ms": 50},
         "regions": {"us": {"replicas": 1}, "eu": {"replicas": 2}},
-        "emulator": {"time_scale": 0.2, "extra_args": ["--max-num-seqs", "2"]},
+        "emulator": {"time_scale": 0.05, "extra_args": ["--max-num-seqs", "2"]},
         "latency": {"rtt_ms": {"us-eu": 80}},
         "workload": {"trace": None, "region_weights": {"us": 0.8, "eu": 0.2}, "synthetic_conversations": 8,
                      "synthetic_turns": 2, "request_timeout_s": 60},

@@ -488,7 +488,7 @@ def test_skylb_local_runs_secured_and_its_clients_send_the_api_key(tmp_path):
     cfg = {
         "balancer": {"probe_interval_ms": 50, "api_keys": [KEY]},
         "regions": {"us": {"replicas": 1}, "eu": {"replicas": 1}},
-        "emulator": {"time_scale": 0.2, "extra_args": ["--max-num-seqs", "2"]},
+        "emulator": {"time_scale": 0.05, "extra_args": ["--max-num-seqs", "2"]},
         "latency": {"rtt_ms": {"us-eu": 20}},
         "workload": {"trace": None, "region_weights": {"us": 0.9, "eu": 0.1}, "synthetic_conversations": 6,
                      "synthetic_turns": 2, "request_timeout_s": 60},
