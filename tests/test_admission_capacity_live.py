@@ -34,7 +34,7 @@ def test_a_burst_fills_the_large_batch_and_leaves_the_small_one_at_most_two_pend
 
     def call(i):
         # Streamed, as chat clients send: the balancer sees each prompt's first token (its prefill done) at once.
-        body = {"model": MODEL, "prompt": f"burst {i} " * 30, "max_tokens": 250, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL, "prompt": f"burst {i} " * 30, "max_tokens": 150, "ignore_eos": True, "stream": True}
         with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=120) as resp:
             done = any(line == b"data: [DONE]" for line in resp.iter_lines())
             return resp.status_code if done else -1
