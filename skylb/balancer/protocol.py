@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -23,6 +23,7 @@ __all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SER
            "LEASE_HEADER",
            "QUEUE_MS_HEADER",
            "REQUEST_ID_HEADER", "BALANCER_REQUEST_ID_HEADER", "MAX_CLIENT_ID_CHARS", "MAX_STATUS_BYTES",
+           "ANSWER_COMPLETE", "answer_complete",
            "client_request_id", "ProtocolError", "queued_ms", "encode_status", "decode_status", "token_ok",
            "MAX_MODEL_ID_CHARS", "header_value", "valid_model_ids"]
 
@@ -47,6 +48,17 @@ QUEUE_MS_HEADER = "X-SkyLB-Queue-Ms"
 REQUEST_ID_HEADER = "X-Request-Id"
 #: On responses: the balancer's own id of the request (the ``id`` of its log line).
 BALANCER_REQUEST_ID_HEADER = "X-SkyLB-Request-Id"
+#: Key of the client's aiohttp request under which the relay records that a stream's last event is being written to
+#: the client (its HTTP status): a client that closes then (as soon as it reads the last event, before the chunked
+#: stream's end marker or while the balancer releases what it held) has its whole answer, and is not logged as
+#: "client closed request".
+ANSWER_COMPLETE = "skylb_answer_complete"
+
+
+def answer_complete(http_request) -> int | None:
+    """The status of the stream whose last event went to the client of ``http_request`` (an aiohttp request), or
+    None when no stream was written to its end (or there is no such request: a request built in a test)."""
+    return http_request.get(ANSWER_COMPLETE) if isinstance(http_request, Mapping) else None
 #: The longest client request id kept as a label (characters); longer or non-printable ones are dropped.
 MAX_CLIENT_ID_CHARS = 128
 #: A status is a few hundred bytes (up to about 9.2 KiB more with a sibling's prefixes); anything much larger is not

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from skylb.balancer.api import error_response
 from skylb.balancer.framing import FramingError, StreamFramer, stream_kind
-from skylb.balancer.protocol import (BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER,
+from skylb.balancer.protocol import (ANSWER_COMPLETE, BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER,
                                      MODEL_HEADER, ROUTE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER, header_value)
 from skylb.balancer.translate import StreamTranslator, Translation
 from skylb.balancer.usage import UsageTap, usage_of, usage_of_body
@@ -321,6 +321,8 @@ class Relay:
         tap = UsageTap(framer.kind)  # the last event's token counts, for measured speed
         tap.feed(first)
         try:
+            if framer.done:  # the last event goes out now: a client that closes after it has its answer
+                request[ANSWER_COMPLETE] = upstream.status
             await response.write(out(first))
             if on_first_byte is not None:
                 on_first_byte(ttft)
@@ -340,6 +342,8 @@ class Relay:
                     eof, events = True, framer.finish()
                 if events:
                     tap.feed(events)
+                    if framer.done:
+                        request[ANSWER_COMPLETE] = upstream.status
                     await response.write(out(events))
             if error is None and not framer.done:
                 error = f"{decision.target} ended the stream before its last event"

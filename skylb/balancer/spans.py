@@ -38,6 +38,8 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from skylb.balancer.protocol import answer_complete
+
 __all__ = ["Tracing", "TracedChain", "RequestTrace", "operation_name", "SERVICE_NAME"]
 
 #: The ``service.name`` of a balancer's spans when $OTEL_SERVICE_NAME does not name one.
@@ -235,9 +237,14 @@ class RequestTrace:
 
     def end(self, ctx, response, *, error: BaseException | None = None) -> None:
         """End the SERVER span (and any child span an error or a cancellation left open) with the request's
-        outcome: its HTTP status, where it went, its TTFT (s), or the error that ended it."""
+        outcome: its HTTP status, where it went, its TTFT (s), or the error that ended it. A client that closed
+        after its stream's last event (``protocol.answer_complete``) got its answer: no error then."""
+        complete = isinstance(error, asyncio.CancelledError) and answer_complete(ctx.http) is not None
+        if complete:  # RequestLog.cancelled logs it with the stream's status too
+            error = None
         for kind in list(self._open):
-            self._end(kind, error="cancelled" if isinstance(error, asyncio.CancelledError) else "aborted")
+            self._end(kind, error=None if complete else
+                      "cancelled" if isinstance(error, asyncio.CancelledError) else "aborted")
         status = ctx.status if ctx.status is not None else (None if response is None else response.status)
         decision = ctx.decision
         self.span.set_attributes(_attributes(

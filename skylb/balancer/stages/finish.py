@@ -14,7 +14,7 @@ import structlog
 from aiohttp import web
 
 from skylb.balancer.metrics import BalancerMetrics, model_label
-from skylb.balancer.protocol import BALANCER_REQUEST_ID_HEADER, REQUEST_ID_HEADER
+from skylb.balancer.protocol import BALANCER_REQUEST_ID_HEADER, REQUEST_ID_HEADER, answer_complete
 
 __all__ = ["RequestLog"]
 
@@ -34,7 +34,14 @@ class RequestLog:
 
     def cancelled(self, ctx) -> None:
         """Count and log ``ctx``, whose handler was cancelled (its client went away), as status 499 ("client closed
-        request", nginx's), error "client disconnected", reason ``client_disconnected``."""
+        request", nginx's), error "client disconnected", reason ``client_disconnected``; but a client that closed
+        after its stream's last event (``protocol.answer_complete``) got its answer: logged with the stream's status.
+        """
+        complete = answer_complete(ctx.http)
+        if complete is not None:
+            ctx.status = ctx.status if ctx.status is not None else complete
+            self.finish(ctx, None)
+            return
         ctx.status, ctx.reason = CLIENT_CLOSED, ctx.reason or "client_disconnected"
         ctx.error = ctx.error or "client disconnected"
         self.finish(ctx, None)
