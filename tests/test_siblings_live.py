@@ -196,7 +196,9 @@ def test_a_sessions_next_turn_at_the_other_sibling_reaches_the_replica_that_serv
 
     route, first = send("us-a", turn_1)
     assert route == "local" and first.split("/", 1)[1] in _owned(cluster, "us-a")
-    time.sleep(0.5)  # a few probe intervals: us-b reads us-a's status with the prefix
+    # us-b has read a status of us-a's that holds the prefix (the count of hashes it keeps for its sibling).
+    cluster.wait_until(lambda: any(p["sibling"] and p["prefixes"] for p in cluster.status("us-b")["peers"]),
+                       timeout_s=5, what="us-a's prefixes at us-b")
     route, second = send("us-b", turn_1 + "assistant: a long answer. " * 20 + "user: one more thing? ")
     assert (route, second) == ("peer:us@us-a", first)
     route, other = send("us-b", "".join(f"user: something else entirely, number {i}. " for i in range(120)))

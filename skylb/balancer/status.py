@@ -72,7 +72,7 @@ def detailed_status(balancer: Balancer) -> dict:
              "available_replicas": p.available_replicas,
              "queue_len": p.queue_len, "forwarded": p.forwarded, "models": p.models, "outstanding": p.outstanding,
              "wait_ms": _ms(p.wait_s), "queue_age_ms": _ms(p.queue_age_s), "rtt_ms": _ms(p.rtt_s),
-             "dispatch_rate": p.dispatch_rate,
+             "dispatch_rate": p.dispatch_rate, "prefixes": len(p.prefixes),
              "ejections": p.ejections, "ejected_for_s": _left(p.ejected_until, now),
              "available": router.peer_available(p, now),
              "reason": router.peer_unavailable_reason(p, now)}
