@@ -240,6 +240,11 @@ class BalancerConfig(_Strict):
     #: policy declares its options and unknown ones are errors, e.g. ``{skylb: {match_threshold: 0.5}}``.
     policies: dict[str, dict[str, Any]] = Field(default_factory=dict)
     probe_interval_ms: float = Field(100.0, gt=0)
+    #: Adaptive probing (skylb/balancer/probe_backoff.py): a replica whose probes only show this balancer's own
+    #: requests, or a peer whose status did not change and got no request, is probed at twice its interval after
+    #: each such answer, up to this many probe intervals; any other answer brings it back to one. 1: every target
+    #: every interval (the SkyLB paper's prototype). Probing costs about 1 ms of CPU per probe.
+    probe_backoff_max_intervals: int = Field(8, ge=1, le=100)
     #: A probe older than this many intervals makes its replica or peer unavailable.
     stale_after_intervals: float = Field(5.0, gt=0)
     #: A peer's status older than this many intervals plus two round trips to it makes it unavailable (when sooner

@@ -142,6 +142,31 @@ def test_overflow_is_forwarded_to_a_peer_given_by_flag(static):
         t.join(timeout=30)
 
 
+def test_idle_targets_are_probed_less_and_foreign_load_brings_the_interval_back(static):
+    """Adaptive probing on us (probe interval 50 ms, up to 8 intervals): its idle replica and its peer, whose
+    answers it foresees, reach 400 ms and stay available (not "probe stale" at 5 intervals); requests sent to the
+    replica directly (not by us) bring it back to 50 ms."""
+    def intervals():
+        status = static.status(static.us)
+        replica = status["replicas"][0]
+        return replica, status["peers"][0]
+    def backed_off():
+        replica, peer = intervals()
+        return (replica, peer) if replica["probe_interval_ms"] == peer["probe_interval_ms"] == 400 else None
+
+    replica, peer = static.wait(backed_off, "us to back off its idle targets")
+    assert replica["available"] and peer["healthy"], (replica, peer)
+    # Past the 5 intervals (250 ms) a probe would be stale without backoff: sample its age while it is.
+    static.wait(lambda: (r := intervals()[0])["probe_age_ms"] > 300 and r["available"],
+                "a backed-off replica probed over 300 ms ago to stay available")
+    filler = threading.Thread(target=requests.post, daemon=True, args=(f"{static.replicas[0]}/v1/completions",),
+                              kwargs={"json": {"model": MODEL, "prompt": "foreign", "max_tokens": 150,
+                                               "ignore_eos": True}, "timeout": 60})
+    filler.start()
+    static.wait(lambda: intervals()[0]["probe_interval_ms"] == 50, "foreign load to bring the interval back")
+    filler.join(timeout=30)
+
+
 def test_sighup_and_a_configmap_swap_reload_keys_without_dropping_a_stream(static):
     """SIGHUP after the keys file changed admits the new key and refuses the removed one while a stream admitted
     with the old key runs on to its end; a ConfigMap-style swap (the ``..data`` symlink moved) is picked up with no

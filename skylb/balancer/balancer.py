@@ -215,7 +215,8 @@ class Balancer:
             self.kv.start()
         probers = Probers(self.router, self.session, now=self.now, on_round=self._probe_round_done,
                           interval_s=cfg.probe_interval_ms / 1000, timeout_s=cfg.probe_timeout_ms / 1000,
-                          peer_token=cfg.peer_token, models_refresh_s=cfg.models_refresh_s)
+                          peer_token=cfg.peer_token, models_refresh_s=cfg.models_refresh_s,
+                          max_backoff=cfg.probe_backoff_max_intervals)
         self._tasks = [asyncio.create_task(self.dispatcher.run()), *probers.tasks()]
         self.probers = probers
         if cfg.quota.enabled:  # off: no quota stage uses the limits, so nothing to keep up

@@ -6,6 +6,8 @@ round the dispatcher is woken, since a target may have become available. A probe
 is logged and the next one runs. A round waits for its probes at most one interval: a target that hangs (a
 partitioned peer) keeps its own probe running, bounded by the probe timeout, and gets no second one meanwhile, but
 never delays the next round of the others; its status simply ages until the availability rules call it stale.
+A target whose answers this balancer could foresee is probed less often (skylb/balancer/probe_backoff.py): each
+round probes only the targets due.
 A replica's health is logged when it changes (and so at its first probe): ``replica_unhealthy`` (a warning, with the
 reason, e.g. ``engine detection failed: GET /metrics: connection refused``) and ``replica_healthy``.
 """
@@ -19,6 +21,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import structlog
 
+from skylb.balancer.probe_backoff import ProbeBackoff, peer_summary, replica_foreseen
 from skylb.balancer.protocol import (MAX_STATUS_BYTES, STATUS_PATH, TOKEN_HEADER, ProtocolError, decode_status,
                                      valid_model_ids)
 from skylb.core import PeerState, ReplicaState, Router
@@ -62,11 +65,13 @@ class Probers:
         now: the balancer's clock (s); on_round: called after every probe round (wakes the dispatcher).
         interval_s: probe period (s); timeout_s: one probe's timeout (s); peer_token: sent to peers, if set.
         models_refresh_s: seconds between two reads of a replica's model list.
+        max_backoff: the longest interval of a target whose answers are foreseen, in probe intervals (1: every
+            target every interval).
     """
 
     def __init__(self, router: Router, session: aiohttp.ClientSession, *, now: Callable[[], float],
                  on_round: Callable[[], None], interval_s: float, timeout_s: float, peer_token: str | None,
-                 models_refresh_s: float = 30.0):
+                 models_refresh_s: float = 30.0, max_backoff: int = 8):
         self.router = router
         self.session = session
         self.now = now
@@ -79,6 +84,7 @@ class Probers:
         self._models_read_at: dict[str, float] = {}
         #: The probe in flight per target, ("replica", id) or ("peer", region).
         self._probing: dict[tuple[str, str], asyncio.Task] = {}
+        self.backoff = ProbeBackoff(interval_s, max_backoff)
 
     def tasks(self) -> list[asyncio.Task]:
         """Start both loops; the caller cancels the tasks to stop them."""
@@ -99,12 +105,17 @@ class Probers:
             for task in self._probing.values():
                 task.cancel()
 
-    async def _round(self, probes: list[tuple[tuple[str, str], Callable[[], Awaitable[None]]]]) -> None:
-        """Start a probe for every target without one in flight; wait for them at most one interval."""
+    async def _round(self, kind: str, probes: list[tuple[tuple[str, str], Callable[[], Awaitable[None]]]]) -> None:
+        """Start a probe for every target of ``kind`` ("replica", "peer") due without one in flight; wait for them
+        at most one interval."""
         running = []
+        now = self.now()
+        self.backoff.forget(kind, {key for key, _ in probes})
         for key, start in probes:
             task = self._probing.get(key)
             if task is None or task.done():
+                if not self.backoff.due(key, now):
+                    continue
                 task = asyncio.create_task(start())
                 task.add_done_callback(self._log_failure)
                 self._probing[key] = task
@@ -135,7 +146,7 @@ class Probers:
         """One round over the local replicas: load signal, health, and (every ``models_refresh_s``) the models."""
         for gone in set(self._models_read_at) - set(self.router.replicas):
             del self._models_read_at[gone]
-        await self._round([(("replica", r.id), lambda r=r: self._probe_replica(r))
+        await self._round("replica", [(("replica", r.id), lambda r=r: self._probe_replica(r))
                            for r in list(self.router.replicas.values())])
 
     async def _probe_replica(self, state: ReplicaState) -> None:
@@ -144,13 +155,19 @@ class Probers:
         except ValueError as exc:
             self.router.observe_replica(state.id, now=self.now(), healthy=False, error=str(exc))
             return
-        sent_at = self.now()
+        sent_at, outstanding = self.now(), state.outstanding
         result = await adapter.probe(self.session, state.url, timeout_s=self.timeout_s,
                                      outstanding=state.outstanding, max_concurrency=state.max_concurrency)
         before = (state.probed_at is not None, state.healthy, state.error)
+        limit_before = state.capacity.limit
         self.router.observe_replica(state.id, now=self.now(), healthy=result.healthy, pending=result.pending,
                                     running=result.running, error=result.error, slots=result.slots,
                                     probe_sent_at=sent_at, kv_usage=result.kv_usage)
+        if self.router.replicas.get(state.id) is state:
+            grace = self.backoff.answered(("replica", state.id), sent_at,
+                                          foreseen=replica_foreseen(state, outstanding, limit_before))
+            if grace != state.stale_grace_s:  # a write clears the availability memo: only when it changes
+                state.stale_grace_s = grace
         _log_health_change(state, before)
         read_at = self._models_read_at.get(state.id)
         due = state.models is None or read_at is None or self.now() - read_at >= self.models_refresh_s
@@ -187,23 +204,30 @@ class Probers:
         state.fleet = view
 
     async def probe_peers(self) -> None:
-        """One round over the peers: each one's msgpack status, or why it could not be read."""
-        await self._round([(("peer", p.region), lambda p=p: self._probe_peer(p))
+        """One round over the peers: each one's msgpack status, or why it could not be read. A peer that got a
+        request since its latest status is probed in this round, whatever its backoff."""
+        for peer in self.router.peers.values():
+            if peer.sent_since_probe:
+                self.backoff.reset(("peer", peer.region))
+        await self._round("peer", [(("peer", p.region), lambda p=p: self._probe_peer(p))
                            for p in list(self.router.peers.values())])
 
     async def _probe_peer(self, peer: PeerState) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        sent_at = self.now()
+        sent_at, before = self.now(), (peer_summary(peer) if not peer.sent_since_probe else None)
         try:
             async with self.session.get(peer.url + STATUS_PATH, timeout=timeout, headers=self.peer_headers) as resp:
                 if resp.status != 200:
                     raise ProtocolError(f"status answered HTTP {resp.status}")
                 status = decode_status(await _read_at_most(resp, MAX_STATUS_BYTES))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError) as exc:
+            peer.stale_grace_s = self.backoff.answered(("peer", peer.region), sent_at, foreseen=False)
             self.router.observe_peer(peer.region, now=self.now(), status=None, error=str(exc) or type(exc).__name__)
             return
         now = self.now()
         self.router.observe_peer(peer.region, now=now, status=status, rtt_s=now - sent_at)
+        peer.stale_grace_s = self.backoff.answered(("peer", peer.region), sent_at,
+                                                   foreseen=before is not None and peer_summary(peer) == before)
 
 
 def _log_health_change(state: ReplicaState, before: tuple[bool, bool, str | None]) -> None:

@@ -63,6 +63,8 @@ def detailed_status(balancer: Balancer) -> dict:
              "available": router.replica_available(r, now),
              "reason": router.replica_unavailable_reason(r, now),
              "probe_age_ms": None if r.probed_at is None else round((now - r.probed_at) * 1000, 1),
+             # Adaptive probing: this replica's probe interval now (skylb/balancer/probe_backoff.py).
+             "probe_interval_ms": _probe_interval_ms(balancer, "replica", r.id),
              "models": sorted(r.models or ()), "apis": sorted(r.apis),
              "measured": r.rates.summary(),
              "thermal": replica_thermal(r, now, balancer.cfg.ollama_fleet.recent_window_s)}
@@ -73,6 +75,7 @@ def detailed_status(balancer: Balancer) -> dict:
              "queue_len": p.queue_len, "forwarded": p.forwarded, "models": p.models, "outstanding": p.outstanding,
              "wait_ms": _ms(p.wait_s), "queue_age_ms": _ms(p.queue_age_s), "rtt_ms": _ms(p.rtt_s),
              "dispatch_rate": p.dispatch_rate, "prefixes": len(p.prefixes),
+             "probe_interval_ms": _probe_interval_ms(balancer, "peer", p.region),
              "ejections": p.ejections, "ejected_for_s": _left(p.ejected_until, now),
              "available": router.peer_available(p, now),
              "reason": router.peer_unavailable_reason(p, now)}
@@ -102,6 +105,14 @@ def _tries(policy) -> dict:
             tries[name] = {"bytes": trie.stored_bytes, "max_bytes": trie.max_bytes, "chars": trie.stored_chars,
                            "nodes": trie.nodes, "records": len(trie)}
     return tries
+
+
+def _probe_interval_ms(balancer: Balancer, kind: str, name: str) -> float | None:
+    """The probe interval of target (``kind``, ``name``) now, ms (None before the probers start)."""
+    probers = balancer.probers
+    if probers is None:
+        return None
+    return round(probers.backoff.factor((kind, name)) * probers.interval_s * 1000, 1)
 
 
 def _left(until: float | None, now: float) -> float | None:

@@ -427,7 +427,7 @@ class Router:
         memo = replica.availability_memo
         if (memo is not None and memo[0] is token and memo[2] == replica.capacity.limit
                 and memo[3] == len(replica.dispatch_times)
-                and (memo[1] is None or now - memo[1] <= self.rules.stale_after_s)):
+                and (memo[1] is None or now - memo[1] <= self.rules.stale_after_s + replica.stale_grace_s)):
             return memo[4] is None
         reason = self.replica_unavailable_reason(replica, now)
         if replica.ejected_until is None:

@@ -101,6 +101,9 @@ class ReplicaState:
     fleet: FleetView | None = field(default=None, repr=False)
     capacity: AdmissionCapacity = field(default_factory=AdmissionCapacity, repr=False)
     unsupported: dict[str, float] = field(default_factory=dict, repr=False)
+    #: Seconds its probe stays fresh beyond the rules' ``stale_after_s``: the time its probe interval is longer than
+    #: the base one while the balancer's adaptive probing backs off (skylb/balancer/probe_backoff.py); 0 otherwise.
+    stale_grace_s: float = 0.0
     #: The router's memo of this replica's availability (skylb/core/router.py ``Router._available``): (the
     #: router's settings token, ``probed_at``, the capacity's limit, ``sent_since_probe``, the reason or None). Any
     #: write to another field clears it.
@@ -275,6 +278,9 @@ class PeerState:
     prefill_line: PrefillLine | None = None
     sibling: bool = False
     prefixes: SiblingPrefixes = field(default_factory=SiblingPrefixes, repr=False)
+    #: Seconds its status stays fresh beyond the rules' staleness, while adaptive probing backs off (see
+    #: ``ReplicaState.stale_grace_s``).
+    stale_grace_s: float = 0.0
 
     #: Weight of the newest round trip in ``rtt_s`` (an exponential moving average, as TCP's SRTT uses 1/8).
     RTT_WEIGHT = 0.125
@@ -335,8 +341,8 @@ class AvailabilityRules:
     def peer_stale_s(self, p: PeerState) -> float:
         """How old peer ``p``'s latest status may be before it is stale, s."""
         if not self.peer_stale_after_s:
-            return self.stale_after_s
-        return min(self.stale_after_s, self.peer_stale_after_s + 2.0 * (p.rtt_s or 0.0))
+            return self.stale_after_s + p.stale_grace_s
+        return min(self.stale_after_s, self.peer_stale_after_s + 2.0 * (p.rtt_s or 0.0)) + p.stale_grace_s
 
     def replica_unavailable_reason(self, r: ReplicaState, now: float) -> str | None:
         """None when ``r`` is available at ``now``; otherwise why not (a short phrase for status and metrics)."""
@@ -344,7 +350,7 @@ class AvailabilityRules:
             return "draining"
         if r.probed_at is None:
             return "not probed yet"
-        if now - r.probed_at > self.stale_after_s:
+        if now - r.probed_at > self.stale_after_s + r.stale_grace_s:
             return "probe stale"
         if not r.healthy:
             return r.error or "unhealthy"
@@ -377,7 +383,7 @@ class AvailabilityRules:
     def replica_usable(self, r: ReplicaState, now: float) -> bool:
         """True when ``r`` may take a request under blind pushing: healthy, fresh, not draining; pending ignored."""
         return (not r.draining and r.healthy and r.probed_at is not None
-                and now - r.probed_at <= self.stale_after_s)
+                and now - r.probed_at <= self.stale_after_s + r.stale_grace_s)
 
     def peer_unreachable_reason(self, p: PeerState, now: float, model: str = "", api: str = "openai") -> str | None:
         """None when peer ``p`` is healthy at ``now`` with a fresh status and serves ``model`` in dialect ``api``
