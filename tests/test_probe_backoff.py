@@ -80,6 +80,10 @@ def test_a_peer_summary_changes_with_what_a_decision_reads():
     assert peer_summary(peer) == before
     peer.queue_len = 1
     assert peer_summary(peer) != before
+    sibling = PeerState(region="us", url="http://us-b", healthy=True, sibling=True)
+    before = peer_summary(sibling)
+    sibling.prefixes.merge([1, 2], seq=2)  # a sibling placed new prompts: what it holds changed
+    assert peer_summary(sibling) != before
 
 
 def test_a_backed_off_target_stays_fresh_for_its_grace_and_no_longer():

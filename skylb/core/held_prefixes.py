@@ -102,6 +102,11 @@ class SiblingPrefixes:
     def __contains__(self, h: int) -> bool:
         return h in self._held
 
+    @property
+    def seq(self) -> int | None:
+        """The sender's count of prefixes it ever added, at its latest status (None: not said yet)."""
+        return self._seq
+
     def merge(self, hashes: Sequence[int], seq: int | None) -> None:
         """Add a status's ``hashes`` (oldest first) with the sender's ``seq``: only the last ``seq`` minus the
         previous status's ``seq`` of them are new (all when the sender did not say, or restarted)."""
