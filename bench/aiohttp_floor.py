@@ -2,7 +2,7 @@
 
 `python -m bench.aiohttp_floor --port PORT --upstream URL` forwards every POST to ``URL`` + its path over one
 keep-alive session (uvloop, as the balancer runs), reads the whole answer, checks it is JSON (the balancer reads an
-answer's usage) and returns it. bench/overhead.py part (a) runs it beside SkyLB: the gap between this and the SGLang
+answer's usage) and returns it; an SSE answer is passed on chunk by chunk as it arrives, unchecked. bench/overhead.py part (a) runs it beside SkyLB: the gap between this and the SGLang
 router (Rust) is what Python and aiohttp cost by themselves; the gap between SkyLB and this is SkyLB's own work per
 request (parsing, placement, accounting, headers, metrics, its log line).
 """
@@ -25,11 +25,19 @@ def build_app(upstream: str) -> web.Application:
     """An aiohttp application forwarding every POST to ``upstream`` (a base URL) at the same path."""
     app = web.Application()
 
-    async def forward(request: web.Request) -> web.Response:
+    async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         json.loads(body)  # the balancer parses every request
         async with app["session"].post(upstream + request.rel_url.path_qs, data=body,
                                        headers={"Content-Type": "application/json"}) as answer:
+            if answer.headers.get("Content-Type", "").startswith("text/event-stream"):
+                # A stream: each chunk passed on as it arrives, nothing checked (the least any relay does).
+                response = web.StreamResponse(status=answer.status, headers={"Content-Type": "text/event-stream"})
+                await response.prepare(request)
+                while chunk := await answer.content.readany():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
             data = await answer.read()
             json.loads(data)
             return web.Response(status=answer.status, body=data, headers={"Content-Type": "application/json"})

@@ -64,6 +64,19 @@ class StreamFramer:
 
     def feed(self, chunk: bytes) -> bytes:
         """Add ``chunk``; return the whole events it completed (bytes unchanged). Raises FramingError."""
+        if self.kind == "sse" and not self._tail and b"\r" not in chunk:
+            # The usual chunk (vLLM, SGLang, llama.cpp): whole LF-terminated events, each one "data: {...}" line;
+            # split once instead of searching event by event (the relay frames every token of every stream).
+            *events, tail = chunk.split(b"\n\n")
+            for event in events:
+                if event.startswith(b"data: ") and b"\n" not in event:
+                    self._check_data(event[6:])
+                else:
+                    self._check_sse(event)
+            if len(tail) > self.max_event_bytes:
+                raise FramingError(f"an event is longer than {self.max_event_bytes} bytes")
+            self._tail = tail
+            return chunk[:len(chunk) - len(tail)]
         data = self._tail + chunk
         out_end = 0
         pos = 0
@@ -111,9 +124,11 @@ class StreamFramer:
                 self.done = True
             elif field == b"data":
                 data_lines.append(value)
-        if not data_lines:
-            return
-        payload = b"\n".join(data_lines)
+        if data_lines:
+            self._check_data(b"\n".join(data_lines))
+
+    def _check_data(self, payload: bytes) -> None:
+        """An SSE event's data: ``[DONE]`` or JSON (an error or a Responses API last event ends the stream)."""
         if payload.strip() == b"[DONE]":
             self.done = True
             return

@@ -320,6 +320,7 @@ class Relay:
         error = None
         tap = UsageTap(framer.kind)  # the last event's token counts, for measured speed
         tap.feed(first)
+        idle = _IdleDeadline(loop, self.idle_timeout_s)
         try:
             if framer.done:  # the last event goes out now: a client that closes after it has its answer
                 request[ANSWER_COMPLETE] = upstream.status
@@ -328,8 +329,7 @@ class Relay:
                 on_first_byte(ttft)
             while not eof:
                 try:
-                    async with asyncio.timeout(self.idle_timeout_s):
-                        chunk = await upstream.content.readany()
+                    chunk = await idle.read(upstream.content)
                 except TimeoutError:
                     error = f"{decision.target} sent nothing for {self.idle_timeout_s:g} s mid-stream"
                     break
@@ -351,6 +351,8 @@ class Relay:
             error = f"{decision.target} sent a malformed stream: {exc}"
         except ConnectionResetError:  # the client went away: the upstream request is closed by the caller
             return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure)
+        finally:
+            idle.close()
         try:
             if error is not None:  # bytes already reached the client: end the stream with an error event
                 failure = "gateway"
@@ -359,6 +361,55 @@ class Relay:
         except ConnectionResetError:
             return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure)
         return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error, failure=failure, usage=tap.usage)
+
+
+class _IdleDeadline:
+    """The idle timeout of a stream's reads: each read must end within ``timeout_s`` of its start.
+
+    ``asyncio.timeout`` around every read arms and cancels a timer per chunk, a tenth of the balancer's CPU on a
+    streamed answer (one chunk per token). Here one timer is armed per ``timeout_s``: when it fires during a read
+    that has lasted ``timeout_s`` the read is cancelled, else it is armed again for the current read's deadline.
+    Time spent writing to the client between reads never counts (a slow client is not the target's stall).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float):
+        self._loop, self._timeout_s = loop, timeout_s
+        self._read_started: float | None = None
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._expired = False
+
+    async def read(self, content: aiohttp.StreamReader) -> bytes:
+        """``content.readany()``; TimeoutError when it lasts ``timeout_s``."""
+        self._read_started = self._loop.time()
+        if self._timer is None:
+            self._task = asyncio.current_task()
+            self._timer = self._loop.call_at(self._read_started + self._timeout_s, self._check)
+        try:
+            return await content.readany()
+        except asyncio.CancelledError:
+            if self._expired:  # this deadline's cancellation, not the handler's: undo it, as asyncio.timeout does
+                self._expired = False
+                self._task.uncancel()
+                raise TimeoutError from None
+            raise
+        finally:
+            self._read_started = None
+
+    def _check(self) -> None:
+        started = self._read_started
+        if started is not None and self._loop.time() - started >= self._timeout_s:
+            self._timer, self._expired = None, True
+            self._task.cancel()
+            return
+        base = self._loop.time() if started is None else started
+        self._timer = self._loop.call_at(base + self._timeout_s, self._check)
+
+    def close(self) -> None:
+        """Disarm the timer (the stream ended)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 async def _watch(abandon: Callable[[], str | None], every_s: float, deadline: asyncio.Timeout,
