@@ -463,6 +463,9 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 #: The figures (keys of a row's figures) summarized over runs.
+#: The most CPU SkyLB's whole deployment may use per completed request, ms (acceptance line 4).
+CPU_MS_PER_REQUEST_TARGET = 5.0
+
 _SUMMARY_KEYS = ("throughput_rps", "ttft_p50_ms", "ttft_p90_ms", "cross_region_frac", "forwarded_frac",
                  "prefix_hit_rate", "cpu_ms_per_request", "cpu_busy_frac", "completed_in_window", "wall_s")
 
@@ -491,7 +494,9 @@ def acceptance(result: dict[str, Any]) -> list[dict[str, Any]]:
     1. its mean TTFT p90 is below every other system's, and lower than each other system's in at least 4 of 5
        paired runs (the same seed; ceil(0.8 x runs) in general);
     2. its mean throughput is at least every other system's;
-    3. its mean TTFT p90 is at most half the best (lowest) of the single balancers in us (:data:`SINGLE_BALANCERS`).
+    3. its mean TTFT p90 is at most half the best (lowest) of the single balancers in us (:data:`SINGLE_BALANCERS`);
+    4. the CPU its whole deployment (balancers and controller) uses per completed request is at most
+       :data:`CPU_MS_PER_REQUEST_TARGET` on average (what it takes from the machine its replicas share).
     A line whose systems did not all complete a run is NOT EVALUATED.
     """
     s = summary(result)
@@ -523,6 +528,12 @@ def acceptance(result: dict[str, Any]) -> list[dict[str, Any]]:
         lines.append({"status": "MET" if ratio <= 0.5 else "MISSED", "text": (
             f"SkyLB's mean TTFT p90 is <= 0.5x the best single balancer in us ({best}, "
             f"{mean[best]['ttft_p90_ms']:.0f} ms): {ratio:.2f}x")})
+    cpu = me.get("cpu_ms_per_request")
+    if cpu is not None:
+        lines.append({"status": "MET" if cpu <= CPU_MS_PER_REQUEST_TARGET else "MISSED", "text": (
+            f"SkyLB's deployment uses at most {CPU_MS_PER_REQUEST_TARGET:g} ms of CPU per request: {cpu:.1f} ms ("
+            + ", ".join(f"{n} {mean[n]['cpu_ms_per_request']:.1f}" for n in others
+                        if mean[n].get("cpu_ms_per_request") is not None) + ")")})
     return lines
 
 

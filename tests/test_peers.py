@@ -203,16 +203,18 @@ def _result(p90: dict[str, list[float]], rps: dict[str, list[float]]) -> dict:
 
 def test_acceptance_lines_are_met_or_missed_by_the_rules():
     """Lower mean P90 and 4 of 5 paired wins meet line 1; one system with more throughput misses line 2; line 3
-    compares with the best single balancer in us."""
+    compares with the best single balancer in us; line 4 is SkyLB's CPU per request (0.1 CPU-s over 2 requests
+    here: 50 ms, missed)."""
     result = _result({"skylb": [100, 100, 100, 100, 260], "sglang-cache_aware": [300, 300, 300, 300, 250],
                       "haproxy-us": [900] * 5}, {"skylb": [10] * 5, "sglang-cache_aware": [11] * 5,
                                                  "haproxy-us": [9] * 5})
     lines = acceptance(result)
-    assert [a["status"] for a in lines] == ["MET", "MISSED", "MET"]
+    assert [a["status"] for a in lines] == ["MET", "MISSED", "MET", "MISSED"]
     assert "sglang-cache_aware 4/5" in lines[0]["text"] and "0.46x" in lines[2]["text"]
+    assert ": 50.0 ms (sglang-cache_aware 50.0" in lines[3]["text"]
     worse = _result({"skylb": [100, 300, 300, 100, 100], "haproxy-us": [250] * 5}, {"skylb": [10] * 5,
                                                                                      "haproxy-us": [9] * 5})
-    assert [a["status"] for a in acceptance(worse)] == ["MISSED", "MET", "MISSED"]
+    assert [a["status"] for a in acceptance(worse)] == ["MISSED", "MET", "MISSED", "MISSED"]
     alone = _result({"skylb": [100]}, {"skylb": [10]})
     assert acceptance(alone)[0]["status"] == "NOT EVALUATED"
 
