@@ -144,6 +144,7 @@ class RequestTrace:
         self.trace_id = trace.format_trace_id(self.span.get_span_context().trace_id)
         self._open: dict[str, Any] = {}  # the child spans not ended yet, by kind: "queue", "relay", "retry"
         self._relay_started_at = 0.0
+        self._first_chunk_s: float | None = None  # the current relay's first chunk, s after it started
 
     def _start(self, kind: str, name: str, span_kind: SpanKind = SpanKind.INTERNAL, **attributes: Any):
         span = self.tracing.tracer.start_span(name, context=self.context, kind=span_kind,
@@ -190,7 +191,7 @@ class RequestTrace:
             server__address=target.hostname, server__port=target.port, skylb__route=decision.route,
             skylb__target=decision.target, skylb__attempt=attempt,
             http__request__resend_count=attempt or None)
-        self._relay_started_at = now
+        self._relay_started_at, self._first_chunk_s = now, None
         headers: dict[str, str] = {}
         self.tracing.propagator.inject(headers, context=trace.set_span_in_context(span, self.context))
         return headers
@@ -204,6 +205,11 @@ class RequestTrace:
         if not context.trace_flags.sampled:
             return None
         return {"trace_id": self.trace_id, "span_id": trace.format_span_id(context.span_id)}
+
+    def first_chunk(self, ttft_s: float, *, arrived_at: float) -> None:
+        """The relay's first chunk reached the client ``ttft_s`` s after the request's arrival (``arrived_at``, the
+        balancer's clock): kept for the relay span, which a client closing after its last event ends early."""
+        self._first_chunk_s = max(0.0, arrived_at + ttft_s - self._relay_started_at)
 
     def relay_ended(self, outcome, *, arrived_at: float) -> None:
         """The relay attempt ended with ``outcome`` (a RelayOutcome); ``arrived_at``: the request's arrival on the
@@ -242,6 +248,8 @@ class RequestTrace:
         complete = isinstance(error, asyncio.CancelledError) and answer_complete(ctx.http) is not None
         if complete:  # RequestLog.cancelled logs it with the stream's status too
             error = None
+            self._end("relay", http__response__status_code=answer_complete(ctx.http),
+                      gen_ai__response__time_to_first_chunk=self._first_chunk_s)
         for kind in list(self._open):
             self._end(kind, error=None if complete else
                       "cancelled" if isinstance(error, asyncio.CancelledError) else "aborted")

@@ -154,6 +154,8 @@ class RouteStage:
 
         def first_byte(ttft_s: float) -> None:
             ttft_histogram.observe(ttft_s, exemplar)
+            if trace is not None:
+                trace.first_chunk(ttft_s, arrived_at=ctx.arrived_at)
             self.router.first_token(decision)  # its prompt left the replica's prefill backlog
             self.fleet.first_byte(decision, ttft_s)
             self.dispatcher.wake()
