@@ -57,7 +57,8 @@ def test_a_replica_answer_is_foreseen_when_it_shows_only_this_balancers_requests
 def test_learning_the_capacity_failures_and_ill_health_keep_the_interval_short():
     assert not replica_foreseen(_replica(1, 0, 1, healthy=False), 1, 4)
     assert not replica_foreseen(_replica(1, 0, 1, consecutive_5xx=1), 1, 4)
-    assert not replica_foreseen(_replica(1, 0, 1, ejected_until=9.0), 1, 4)
+    assert not replica_foreseen(_replica(1, 0, 1, ejected_until=9.0), 1, 4)  # ejected until after this answer
+    assert replica_foreseen(_replica(1, 0, 1, ejected_until=0.5), 1, 4)  # an ejection that ended before it
     slow_start = _replica(2, 0, 2)
     slow_start.capacity.saturated = False
     assert not replica_foreseen(slow_start, 2, limit_before=2)  # a batch at the limit: each probe raises it

@@ -39,8 +39,9 @@ def replica_foreseen(state: ReplicaState, outstanding_at_send: int, limit_before
     in the engine whose last bytes are still on their way, or one sent that the engine has not parsed yet), and
     the probe cannot teach the admission capacity anything (see the module docstring); ``limit_before``: the
     learned capacity before the probe was recorded (slow start raises it as it records a batch at the limit)."""
-    if (not state.healthy or state.gateway_failures or state.consecutive_5xx or state.ejected_until is not None
-            or state.draining):
+    # ``ejected_until`` keeps the end of the latest ejection: only one still running (at this answer) counts.
+    ejected = state.ejected_until is not None and state.ejected_until > (state.probed_at or 0.0)
+    if not state.healthy or state.gateway_failures or state.consecutive_5xx or ejected or state.draining:
         return False
     capacity, running = state.capacity, state.running
     if running is not None:
