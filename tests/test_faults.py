@@ -473,3 +473,57 @@ def test_a_replica_answering_500_is_retried_before_the_first_byte_and_the_client
     good_id = next(r["id"] for r in cluster.status("local")["replicas"] if r["url"] == good)
     assert {r["served_by"] for r in results} == {f"local/{good_id}"}
     assert _counter(url, "skylb_retries_total") >= 2  # round robin: at least 2 of the 6 went to the 500 first
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["mid-stream", "not-streamed"])
+def test_a_client_disconnect_on_a_forwarded_request_frees_the_peer_replica(procs, tmp_path, streamed):
+    """us has no replica, so its request is forwarded to eu's only replica; the client leaves mid-stream or while
+    waiting for a whole answer. us closes its request to eu, eu closes its request to the replica, and the engine's
+    running count (its /metrics) drops to 0 long before the 500-token generation would have ended; both balancers'
+    counters go back to zero and each logs the request once, as closed by its client (499)."""
+    cluster = Cluster(procs, tmp_path, controller={"health": {"enabled": False}})
+    cluster.start_controller(["us", "eu"])
+    [replica] = cluster.start_emulator(1, "--prefill-ms-per-token", "20")
+    cluster.add_replica("eu", replica, replica_id="eu-0")
+    eu = cluster.start_balancer("eu", ["us", "eu"])
+    us = cluster.start_balancer("us", ["us", "eu"])
+    cluster.wait_replicas_healthy("eu", 1)
+    cluster.wait_until(lambda: any(p["region"] == "eu" and p["available"] for p in cluster.status("us")["peers"]),
+                       timeout_s=10, what="eu available at us")
+    body = {"model": MODEL, "prompt": "short", "max_tokens": 500, "ignore_eos": True, "stream": streamed}
+    if streamed:
+        with requests.post(f"{us}/v1/completions", json=body, stream=True, timeout=30) as resp:
+            assert resp.status_code == 200 and resp.headers.get("X-SkyLB-Served-By", "").startswith("eu")
+            lines = resp.iter_lines()
+            for _ in range(6):  # bounded: a few chunks, then the client goes away
+                next(lines)
+            assert emulator_gauge(replica, RUNNING) == 1
+    else:
+        outcome = {}
+
+        def impatient() -> None:
+            try:
+                requests.post(f"{us}/v1/completions", json=body, timeout=1.5)
+            except requests.exceptions.ReadTimeout as exc:
+                outcome["timeout"] = exc
+
+        client = threading.Thread(target=impatient)
+        client.start()
+        cluster.wait_until(lambda: emulator_gauge(replica, RUNNING) == 1, timeout_s=1.4, what="engine running 1")
+        client.join(timeout=10)
+        assert "timeout" in outcome
+    left = time.monotonic()
+    cluster.wait_until(lambda: emulator_gauge(replica, RUNNING) == 0, timeout_s=5, what="engine running 0")
+    dropped = time.monotonic() - left
+    assert dropped < 2.0
+    cluster.assert_counters_return_to_zero()
+    for region in ("us", "eu"):
+        log = next(p for p in procs.procs if p.name == f"balancer-{region}").log
+
+        def lines() -> list[dict]:
+            return [line for line in map(json.loads, log().splitlines()) if line["event"] == "request"]
+
+        cluster.wait_until(lambda: lines(), what=f"{region}'s request line")
+        assert [(line["status"], line["error"]) for line in lines()] == [(499, "client disconnected")], lines()
+    print(f"\nclient left a forwarded request {'mid-stream' if streamed else 'not streamed'}: eu's replica running "
+          f"0 {dropped:.3f} s later")
