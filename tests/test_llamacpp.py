@@ -430,3 +430,43 @@ def test_a_client_disconnect_frees_the_llama_server_slot(procs, tmp_path, llama,
                        what="slot freed")
     print(f"\nllama-server, client left {'mid-stream' if streamed else 'a non-streamed request'}: processing 0 "
           f"{time.monotonic() - left:.3f} s later")
+
+
+COLOUR_SCHEMA = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+                 "required": ["colour"], "additionalProperties": False}
+
+
+def test_a_json_schema_answer_through_a_forwarding_hop_from_both_clients(procs, tmp_path, llama):
+    """us has no replica, eu one real llama-server: the official openai client's ``response_format`` (a JSON
+    schema), streamed and not, and the ollama client's ``format`` (the same schema, translated to
+    ``response_format``) reach llama-server through us and eu unchanged, and the answers follow the schema (the
+    engine constrains its output by it: an unconstrained 270M model does not write this JSON by itself)."""
+    import ollama
+    cluster = Cluster(procs, tmp_path)
+    cluster.start_controller(["us", "eu"])
+    [replica] = start_llama_servers(procs, llama, ["llama-eu"])
+    cluster.add_replica("eu", replica, replica_id="eu-0", engine="llamacpp")
+    for region in ("us", "eu"):
+        cluster.start_balancer(region, ["us", "eu"])
+    cluster.wait_replicas_healthy("eu", 1, timeout_s=30)
+    cluster.wait_until(lambda: any(llama["id"] in ((p["models"] or {}).get("openai") or {})
+                                   for p in cluster.status("us")["peers"]), timeout_s=15, what="us sees eu's model")
+    us = cluster.balancers["us"]
+    messages = [{"role": "user", "content": "Pick a colour."}]
+    client = openai.OpenAI(base_url=f"{us}/v1", api_key="unused", max_retries=0, timeout=60)
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOUR_SCHEMA, "strict": True}}
+    raw = client.chat.completions.with_raw_response.create(model=llama["id"], messages=messages, max_tokens=40,
+                                                           temperature=0, response_format=fmt)
+    assert raw.headers["X-SkyLB-Route"] == "peer:eu" and raw.headers["X-SkyLB-Served-By"].startswith("eu/")
+    answer = raw.parse().choices[0]
+    assert answer.finish_reason == "stop" and json.loads(answer.message.content)["colour"] in ("red", "green", "blue")
+    chunks = list(client.chat.completions.create(model=llama["id"], messages=messages, max_tokens=40, temperature=0,
+                                                 response_format=fmt, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert json.loads(streamed)["colour"] in ("red", "green", "blue")
+    seen: list = []
+    native = ollama.Client(host=us, timeout=60, event_hooks={"response": [lambda r: seen.append(r.headers)]})
+    chat = native.chat(model=llama["id"], messages=messages, format=COLOUR_SCHEMA,
+                       options={"num_predict": 40, "temperature": 0})
+    assert seen[-1]["X-SkyLB-Route"] == "peer:eu"
+    assert chat.done and json.loads(chat.message.content)["colour"] in ("red", "green", "blue")
