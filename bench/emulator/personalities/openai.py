@@ -6,7 +6,16 @@ The defaults are vLLM's (``vllm/entrypoints/openai``: response fields, the "mode
 context-length messages, ``data: {"error": ...}`` then ``data: [DONE]`` for a failure after the stream started).
 Source for the wire format: shared/reference/engines.md, "OpenAI-compatible API, as a balancer sees it".
 
-Not emulated: ``n`` > 1 (400), ``stop`` sequences, ``logprobs`` (always null), ``echo``, tools, images.
+Tools (chat only): with ``tools`` and ``tool_choice`` "required" or a named function, the answer is one call of
+that function (the first tool for "required"); with ``tool_choice`` "auto" or absent, the emulated model calls the
+first tool unless the conversation's last message is a tool result, which it answers in text; "none" never calls.
+The call's ``arguments`` are a JSON object with each property of the function's ``parameters`` schema
+(:func:`example_arguments`). The shapes are vLLM's (``vllm/entrypoints/openai/serving_chat.py``): ``content`` null,
+``tool_calls`` ``[{"id": "chatcmpl-tool-...", "type": "function", "function": {"name", "arguments"}}]``,
+``finish_reason`` "tool_calls"; streamed, the first tool-call delta carries the id, type and name with empty
+arguments, and the arguments follow in pieces, one per generated token.
+
+Not emulated: ``n`` > 1 (400), ``stop`` sequences, ``logprobs`` (always null), ``echo``, images.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ class GenerateRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    #: The function this answer calls (a chat request's ``tools`` entry's ``function``), or None for text.
+    tool: dict | None = None
 
 
 class OpenAIServing(Personality):
@@ -189,8 +200,15 @@ class OpenAIServing(Personality):
             words.append(out.text)
         fin = out.finished
         text = " ".join(words)
-        choice = self.chat_choice(text, fin.finish_reason) if chat else self.completion_choice(text,
-                                                                                                fin.finish_reason)
+        if parsed.tool is not None:
+            choice = self.chat_choice("", "tool_calls")
+            call = _tool_call(gen.request_id, parsed.tool)
+            choice["message"].update(content=None, tool_calls=[{**call, "function": {
+                **call["function"], "arguments": "".join(_argument_pieces(parsed.tool, 1))}}])
+        elif chat:
+            choice = self.chat_choice(text, fin.finish_reason)
+        else:
+            choice = self.completion_choice(text, fin.finish_reason)
         body = {"id": gen.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": parsed.model, "choices": [choice], "usage": self.usage(fin),
                 **self.response_fields(), **self.final_fields(gen, fin)}
@@ -214,9 +232,13 @@ class OpenAIServing(Personality):
             # One write per chunk: aiohttp sends it at once (chunked transfer), so tokens stream as produced.
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
+        pieces = iter(_argument_pieces(parsed.tool, parsed.max_tokens)) if parsed.tool is not None else None
         try:
             if chat:
                 await send([self.delta_choice({"role": "assistant", "content": ""}, None)])
+            if pieces is not None:
+                await send([self.delta_choice({"tool_calls": [{"index": 0, **_tool_call(gen.request_id,
+                                                                                       parsed.tool)}]}, None)])
             while True:
                 out = await gen.next_token(idle_s=idle_s, on_idle=keepalive)
                 if self.should_fail(out.index):
@@ -229,8 +251,15 @@ class OpenAIServing(Personality):
                 fin = out.finished
                 reason = fin.finish_reason if fin is not None else None
                 extra = self.final_fields(gen, fin) if fin is not None and not parsed.include_usage else {}
-                choice = self.delta_choice({"content": text}, reason) if chat else self.completion_choice(text,
-                                                                                                          reason)
+                if pieces is not None:
+                    # The last token carries whatever of the arguments is left, so a short answer is still whole.
+                    piece = "".join(pieces) if fin is not None else next(pieces, "")
+                    delta = {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+                    choice = self.delta_choice(delta, None if fin is None else "tool_calls")
+                elif chat:
+                    choice = self.delta_choice({"content": text}, reason)
+                else:
+                    choice = self.completion_choice(text, reason)
                 await send([choice], **extra)
                 if fin is not None:
                     break
@@ -272,7 +301,67 @@ def parse_generate(raw: bytes, *, chat: bool, resolve_model: Callable[[str | Non
         raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     include_usage = optional_bool(options or {}, "include_usage")
     return GenerateRequest(model=model, prompt_tokens=tokens, max_tokens=max_tokens, stream=stream,
-                           include_usage=include_usage, ignore_eos=ignore_eos)
+                           include_usage=include_usage, ignore_eos=ignore_eos,
+                           tool=_called_tool(body) if chat else None)
+
+
+def _called_tool(body: dict) -> dict | None:
+    """The function a chat request's answer calls (module docstring), or None; ApiError 400 for malformed
+    ``tools`` or ``tool_choice`` (vLLM's messages where it has them)."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise ApiError(400, "`tools` must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                       param="tools")
+    functions = {t["function"]["name"]: t["function"] for t in tools}
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in functions:
+            raise ApiError(400, f"Tool choice {name!r} names no function of `tools`.", param="tool_choice")
+        return functions[name]
+    if choice not in ("auto", "required", "none"):
+        raise ApiError(400, "`tool_choice` must be 'none', 'auto', 'required' or a named function.",
+                       param="tool_choice")
+    if not functions or choice == "none":
+        return None
+    if choice == "required":
+        return next(iter(functions.values()))
+    messages = body.get("messages") or [{}]
+    last = messages[-1] if isinstance(messages[-1], dict) else {}
+    return None if last.get("role") == "tool" else next(iter(functions.values()))
+
+
+def example_arguments(schema: Any) -> Any:
+    """A value of JSON-schema ``schema``, deterministic: an enum's first value, "emulated" for a string, 0, false,
+    an empty list, and for an object every property in ``properties``."""
+    if not isinstance(schema, dict):
+        return {}
+    if schema.get("enum"):
+        return schema["enum"][0]
+    kind = schema.get("type", "object")
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    if kind == "object":
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        return {name: example_arguments(sub) for name, sub in props.items()}
+    return {"string": "emulated", "integer": 0, "number": 0, "boolean": False, "array": []}.get(kind)
+
+
+def _tool_call(request_id: str, function: dict) -> dict:
+    """The head of a tool call (vLLM's id prefix), with empty arguments."""
+    return {"id": f"chatcmpl-tool-{request_id.rsplit('-', 1)[-1]}", "type": "function",
+            "function": {"name": function["name"], "arguments": ""}}
+
+
+def _argument_pieces(function: dict, max_tokens: int | None) -> list[str]:
+    """The call's arguments (JSON text) cut into at most ``max_tokens`` pieces (one per streamed token)."""
+    text = json.dumps(example_arguments(function.get("parameters")))
+    n = max(1, min(len(text), max_tokens or len(text)))
+    size = -(-len(text) // n)
+    return [text[i:i + size] for i in range(0, len(text), size)]
 
 
 def parse_json_body(raw: bytes) -> dict:
