@@ -79,6 +79,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     # at most 1 request per replica between two probes instead of 4 (not SkyLB's default configuration).
     System("skylb-cap1", "skylb", "skylb", {"max_dispatch_per_probe": 1}),
     System("skylb-round-robin", "skylb", "round-robin"),
+    # Two balancers of the region (siblings) in front of the same replicas, each request to one of them by a hash
+    # of its id, so a conversation's turns land on both: the default configuration otherwise.
+    System("skylb-siblings", "skylb", "skylb", options={"balancers": 2}),
     # the router's defaults (thresholds 0.3, 64, 1.5), as in the earlier reports.
     System("sglang-cache_aware-defaults", "sglang", "cache_aware"),
     System("haproxy-roundrobin", "haproxy", "roundrobin"),
@@ -158,7 +161,7 @@ def configured(system: System, setup: BaselinesSetup) -> System:
     return dataclasses.replace(system, options={**system.options, **sized(setup)}) if sized else system
 
 
-async def _replay_with_sampler(requests, url: str, replica_urls: Sequence[str], setup: BaselinesSetup,
+async def _replay_with_sampler(requests, url: str | list[str], replica_urls: Sequence[str], setup: BaselinesSetup,
                                progress: bool | None):
     sampler = PendingSampler(replica_urls)
     sampler.start()
@@ -400,7 +403,11 @@ def _skylb_line(name: str, system: dict[str, Any]) -> str:
         what = f"policy `{system['policy']}`"
     config = ("with " + ", ".join(f"`{k}: {v}`" for k, v in overrides.items()) + " (not the default configuration)"
               if overrides else "the default configuration otherwise (no overrides)")
-    return (f"- `{name}`: SkyLB controller + one balancer (region `us`), {what}; {config}; replicas registered "
+    n = (system.get("options") or {}).get("balancers", 1)
+    balancers = ("one balancer" if n == 1 else
+                 f"{n} balancers (siblings, each owning a share of the replicas; each request sent to one of them by a "
+                 "hash of its id, so a conversation's turns land on several)")
+    return (f"- `{name}`: SkyLB controller + {balancers} (region `us`), {what}; {config}; replicas registered "
             "through the controller.")
 
 

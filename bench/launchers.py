@@ -13,6 +13,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -131,8 +132,10 @@ def start_emulator(procs: ProcGroup, ports: Sequence[int], *, time_scale: float,
 
 def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path, policy: str = "skylb",
                 overrides: dict | None = None, engine: str = "vllm", region: str = "us", name: str = "skylb",
-                profile_to: Path | None = None, checkout: Path | None = None) -> str:
+                profile_to: Path | None = None, checkout: Path | None = None, balancers: int = 1) -> str | list[str]:
     """Start a SkyLB controller and one balancer for ``region`` in front of ``replica_urls``; returns its URL.
+    With ``balancers`` > 1, that many siblings of the region (ids b1..bn, sharing a peer token made for the run;
+    the controller gives each a share of the replicas), and the list of their URLs.
 
     The replicas are registered through the controller's REST API (as `skylb-ctl replica add` does) and the call
     returns once the balancer has probed all of them healthy. ``overrides``: extra ``balancer`` settings.
@@ -143,7 +146,10 @@ def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path,
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    controller_port, balancer_port = free_ports(2)
+    controller_port, *balancer_ports = free_ports(1 + balancers)
+    # Siblings forward to each other: a peer token made for the run (a lone balancer needs none).
+    env = {"SKYLB_PEER_TOKEN": secrets.token_hex(16)} if balancers > 1 else None
+    headers = {"X-SkyLB-Token": env["SKYLB_PEER_TOKEN"]} if env else None
     config = {
         "controller": {"db": str(run_dir / f"{name}-controller.sqlite")},
         "balancer": {"state_dir": str(run_dir / f"{name}-state"), "policy": policy, **(overrides or {})},
@@ -153,24 +159,30 @@ def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path,
     config_path.write_text(yaml.safe_dump(config))
     controller = f"http://127.0.0.1:{controller_port}"
     procs.skylb("controller", "--config", str(config_path), "--port", str(controller_port),
-                name=f"{name}-controller", wait_url=f"{controller}/healthz")
-    url = f"http://127.0.0.1:{balancer_port}"
-    args = ["balancer", "--config", str(config_path), "--region", region, "--port", str(balancer_port),
-            "--controller", controller, "--policy", policy]
-    command = ([sys.executable, "-c", _PROFILED_MAIN, str(profile_to), *args] if profile_to else
-               [sys.executable, "-c", _CHECKOUT_MAIN, str(checkout), *args] if checkout else
-               [sys.executable, "-m", "skylb", *args])
-    procs.start(command, name=f"{name}-balancer", wait_url=f"{url}/healthz")
+                name=f"{name}-controller", wait_url=f"{controller}/healthz", env=env)
+    urls = []
+    for i, port in enumerate(balancer_ports, 1):
+        url = f"http://127.0.0.1:{port}"
+        args = ["balancer", "--config", str(config_path), "--region", region, "--port", str(port),
+                "--controller", controller, "--policy", policy,
+                *(("--balancer-id", f"b{i}") if balancers > 1 else ())]
+        command = ([sys.executable, "-c", _PROFILED_MAIN, str(profile_to), *args] if profile_to else
+                   [sys.executable, "-c", _CHECKOUT_MAIN, str(checkout), *args] if checkout else
+                   [sys.executable, "-m", "skylb", *args])
+        procs.start(command, name=f"{name}-balancer" + (f"-{i}" if balancers > 1 else ""), wait_url=f"{url}/healthz",
+                    env=env)
+        urls.append(url)
     for replica in replica_urls:
         _post_json(f"{controller}/v1/replicas", {"region": region, "url": replica, "engine": engine})
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        status = _get_json(f"{url}/skylb/v1/status?format=json")
-        if sum(1 for r in status["replicas"] if r["healthy"]) >= len(replica_urls):
-            return url
+        # Each sibling probes only the replicas it owns: together they must see every replica healthy.
+        seen = [_get_json(f"{u}/skylb/v1/status?format=json", headers=headers)["replicas"] for u in urls]
+        if sum(1 for replicas in seen for r in replicas if r["healthy"] and not r.get("draining")) >= len(replica_urls):
+            return urls if balancers > 1 else urls[0]
         if time.monotonic() > deadline:
             raise RuntimeError(f"SkyLB balancer did not see {len(replica_urls)} healthy replicas in "
-                               f"{START_TIMEOUT_S:g} s: {status['replicas']}")
+                               f"{START_TIMEOUT_S:g} s: {seen}")
         time.sleep(0.1)
 
 
@@ -293,14 +305,15 @@ def start_haproxy(procs: ProcGroup, replica_urls: Sequence[str], *, balance: str
     return url
 
 
-def start_system(procs: ProcGroup, system: System, replica_urls: Sequence[str], *, run_dir: Path) -> str:
-    """Start ``system`` in front of ``replica_urls``, wait until it serves a request; returns its base URL.
+def start_system(procs: ProcGroup, system: System, replica_urls: Sequence[str], *, run_dir: Path) -> str | list[str]:
+    """Start ``system`` in front of ``replica_urls``, wait until it serves a request; returns its base URL (the
+    list of them for SkyLB with ``options={"balancers": n}``, n > 1: siblings of one region).
 
     Raises Unavailable when its binary is missing, RuntimeError when it does not come up.
     """
     if system.kind == "skylb":
         url = start_skylb(procs, replica_urls, run_dir=run_dir, policy=system.policy,
-                          overrides=system.skylb_overrides, name=system.name)
+                          overrides=system.skylb_overrides, name=system.name, **system.options)
     elif system.kind == "sglang":
         url = start_sglang(procs, replica_urls, policy=system.policy, name=system.name, **system.options)
     elif system.kind == "haproxy":
@@ -308,7 +321,8 @@ def start_system(procs: ProcGroup, system: System, replica_urls: Sequence[str], 
                             **system.options)
     else:
         raise ValueError(f"unknown system kind {system.kind!r}")
-    warm_up(url)
+    for one in [url] if isinstance(url, str) else url:
+        warm_up(one)
     return url
 
 
@@ -333,6 +347,6 @@ def _post_json(url: str, body: dict, timeout: float = 10.0) -> dict:
         return json.loads(resp.read() or b"{}")
 
 
-def _get_json(url: str, timeout: float = 10.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+def _get_json(url: str, timeout: float = 10.0, headers: dict[str, str] | None = None) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
         return json.loads(resp.read())

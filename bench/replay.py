@@ -20,6 +20,7 @@ import json
 import math
 import sys
 import time
+import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,9 +264,14 @@ def default_deadline_s(requests: Iterable[Request], request_timeout_s: float) ->
     return last + longest * (request_timeout_s + max(THINK_S[1], max((r.think_s for r in requests), default=0))) + 30
 
 
+def _balancer_for(urls: list[str], request_id: str) -> str:
+    """One of a region's balancer URLs for a request, fixed by its id (CRC-32, the same in every run)."""
+    return urls[0] if len(urls) == 1 else urls[zlib.crc32(request_id.encode()) % len(urls)]
+
+
 async def replay(
     requests: Iterable[Request],
-    balancers: Mapping[str, str],
+    balancers: Mapping[str, str | Sequence[str]],
     *,
     model: str | None = None,
     request_timeout_s: float = 300.0,
@@ -274,7 +280,10 @@ async def replay(
     connector_for: Callable[[str], aiohttp.BaseConnector] | None = None,
     api_key: str | None = None,
 ) -> ReplayResult:
-    """Replay ``requests`` against ``balancers`` ({region: base URL}); returns one record per request.
+    """Replay ``requests`` against ``balancers`` ({region: base URL, or a list of the region's balancers' URLs});
+    returns one record per request. With several balancers in a region each request goes to one of them by a hash of
+    its id, so a conversation's turns land on different balancers, as when DNS answers with every balancer of the
+    region and clients resolve per connection (the hard case for prefix locality).
 
     Open loop: a request is sent at ``arrival_s`` s after the start; a closed-loop turn (``after`` set, and that
     request in the workload) ``think_s`` s after its predecessor ended, completed or failed. ``model``: the model
@@ -324,7 +333,8 @@ async def replay(
             sessions = {g: await stack.enter_async_context(
                 aiohttp.ClientSession(connector=connector_for(g), timeout=timeout, headers=headers))
                 for g in regions}
-        models = {g: model or await fetch_model(sessions[g], balancers[g]) for g in regions}
+        urls = {g: [balancers[g]] if isinstance(balancers[g], str) else list(balancers[g]) for g in regions}
+        models = {g: model or await fetch_model(sessions[g], urls[g][0]) for g in regions}
         bar = tqdm(total=len(requests), desc="replay", unit="req", disable=not progress, file=sys.stderr)
         t0 = loop.time()
 
@@ -345,7 +355,8 @@ async def replay(
                 await asyncio.sleep(delay)
             in_flight[request.id] = loop.time() - t0
             record = await send_request(
-                sessions[request.region], balancers[request.region], models[request.region], request,
+                sessions[request.region], _balancer_for(urls[request.region], request.id), models[request.region],
+                request,
                 timeout_s=request_timeout_s, clock_zero=t0,
             )  # fmt: skip
             in_flight.pop(request.id, None)

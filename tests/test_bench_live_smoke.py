@@ -17,6 +17,7 @@ from bench.launchers import unavailable_reason
 from bench.live import LIVE_SYSTEMS, REGIONS, LiveSetup, deployment_config, kendall_tau, ranking, simulate_setup
 from bench.overhead import added_latency, decision_time, fill_trie, max_rate, targets, trie_memory
 from bench.sampling import MachineLoad
+from bench.workload import synthetic_workload
 from skylb.core import PrefixTrie
 from tests.system import require_binary
 
@@ -102,10 +103,17 @@ def test_targets_judge_what_ran():
     assert targets({"a": a})[1]["measured"] == "1.20 x (0.60 ms / 0.50 ms)"
 
 
-def test_baselines_run_against_skylb(tmp_path):
-    """One baselines run against SkyLB alone completes every request and reports every figure."""
-    result = run_baselines(["skylb"], setup=TINY, run_dir=tmp_path, progress=False)
+def test_baselines_run_against_skylb_alone_and_with_two_siblings(tmp_path):
+    """One baselines run against SkyLB (one balancer) and against two balancers of the region (siblings) completes
+    every request and reports every figure; the workload's requests are spread over both siblings."""
+    from bench.replay import _balancer_for
+    result = run_baselines(["skylb", "skylb-siblings"], setup=TINY, run_dir=tmp_path, progress=False)
     _check_baseline_row(result, "skylb")
+    _check_baseline_row(result, "skylb-siblings")
+    assert "2 balancers (siblings" in format_markdown(result)
+    ids = [r.id for r in synthetic_workload(TINY.workload_config(), ["us"])]
+    assert {_balancer_for(["b1", "b2"], i) for i in ids} == {"b1", "b2"}
+    assert [_balancer_for(["b1", "b2"], i) for i in ids] == [_balancer_for(["b1", "b2"], i) for i in ids]
 
 
 def test_baselines_over_several_seeds_report_the_spread(tmp_path):
