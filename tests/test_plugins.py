@@ -330,6 +330,38 @@ def test_sibling_holder_forwards_a_prefix_only_a_sibling_holds_when_it_is_cheape
     assert rule.decide(_candidates(_req("t2b", A + " and more"), [local], peers=[sibling]), None) is None
 
 
+def test_sibling_holder_pushes_a_hit_to_a_full_sibling_with_nothing_queued():
+    """With ``push_when_busy``, a sibling without room that shared the prefix gets the request (it pushes it into
+    the holder's batch) while its queue was empty and fewer requests went there since its status than it has
+    replicas; not with a queue, past that count, when a local replica holds the prefix, or without the option."""
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    estimate = EstimatedTTFT(wait=wait, locality=loc, rates=RateBook(), turns=Turns(), abs_threshold=8,
+                             rel_threshold=1.5)
+    prefer = PreferFasterPeer(estimate=estimate, locality=loc, wait=wait, forward_margin_s=0.05,
+                              default_prompt_tokens=512)
+    sharer = _locality()
+    sharer.share_prefixes()
+    sharer.routed(_req("t1", A), replica="a1")
+    hashes, seq = sharer.share_prefixes()
+
+    def full_sibling(**fields) -> PeerState:
+        peer = _peer("us@a", free=0, rtt_s=0.001, sibling=True, **fields)
+        peer.prefixes.merge(hashes, seq)
+        return peer
+
+    rule = ForwardToSiblingHolder(locality=loc, estimate=estimate, prefer=prefer, push_when_busy=True)
+    turn2, local, busy = _req("t2", A + " and more"), _replica("r1"), full_sibling()
+    assert rule.decide(_candidates(turn2, [local], reachable=[busy]), None) is busy  # over an idle local replica
+    assert rule.decide(_candidates(turn2, [], reachable=[busy]), None) is busy
+    assert rule.decide(_candidates(turn2, [local], reachable=[full_sibling(queue_len=1)]), None) is None
+    assert rule.decide(_candidates(turn2, [local], reachable=[full_sibling(sent_since_probe=4)]), None) is None
+    assert rule.decide(_candidates(_req("b", B), [local], reachable=[busy]), None) is None  # not shared
+    off = ForwardToSiblingHolder(locality=loc, estimate=estimate, prefer=prefer)
+    assert off.decide(_candidates(turn2, [local], reachable=[busy]), None) is None
+    loc.routed(_req("t1", A), replica="r1")  # a local replica (full) holds it as deep: the holder rule's case
+    assert rule.decide(_candidates(_req("t2b", A + " and more"), [], busy=[local], reachable=[busy]), None) is None
+
+
 def test_forward_queued_sends_an_old_request_to_a_peer_serving_younger_ones():
     loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
     rule = ForwardQueued(loc, wait, margin_s=2.0)

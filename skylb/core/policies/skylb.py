@@ -215,7 +215,8 @@ def skylb(options: SkyLBOptions) -> Profile:
                                   rel_threshold=o.holder_balance_rel_threshold)
         prefer = PreferFasterPeer(estimate=local, locality=loc, wait=wait, forward_margin_s=o.forward_margin_ms / 1000.0,
                                   default_prompt_tokens=o.default_prompt_tokens)
-        sibling = ForwardToSiblingHolder(locality=loc, estimate=local, prefer=prefer)
+        sibling = ForwardToSiblingHolder(locality=loc, estimate=local, prefer=prefer,
+                                         push_when_busy=o.push_to_prefix_holder)
         first = (sibling, push) if o.push_to_prefix_holder else (sibling,)
         then = (prefer, hold) if hold is not None else (prefer,)
         no_room, learners = ForwardQueued(loc, wait, o.queue_forward_margin_ms / 1e3), (loc,)
