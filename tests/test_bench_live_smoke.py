@@ -338,3 +338,25 @@ def test_soak_classifies_streams():
     assert classify_stream(200, sse(a)) == "lost"
     assert classify_stream(503, b'{"error": {"message": "no replica had room"}}') == "http_503"
     assert classify_stream(502, b"<html>bad gateway</html>") == "lost"
+
+
+def test_concurrency_counts_requests_that_waited_in_an_engine_queue(tmp_path):
+    """bench.concurrency on a tiny load through SkyLB (2 clients, 2 replicas of batch 1): every request completes
+    and none waits in an engine queue (the replicas' own log has each one's queue time); a logged wait above the
+    threshold is counted, the warm-up's shorter prompts are not."""
+    from bench.concurrency import ConcurrencySetup, engine_queue_waits, format_markdown, run, workload
+    from bench import bench_cli
+    assert "concurrency" in bench_cli.LIVE_BENCHMARKS
+    setup = ConcurrencySetup(replicas=2, max_num_seqs=1, time_scale=0.05, clients=2, per_client=2, prompt_tokens=32,
+                             max_tokens=8, queued_ms=100.0)
+    assert [r.after for r in workload(setup, 0)] == [None, "conc-0-00-00", None, "conc-0-01-00"]
+    result = run(["skylb"], setup, [0], tmp_path, progress=False)
+    [row] = result["rows"]
+    assert row["status"] == "ok", row.get("reason")
+    f = row["figures"]
+    assert f["completed"] == 4 and f["engine_logged"] == 4 and f["engine_queued"] == 0
+    log = "\n".join(json.dumps({"event": "request_finished", "prompt_tokens": n, "queue_ms": q})
+                    for n, q in ((32, 5.0), (32, 900.0), (2, 3000.0)))
+    assert engine_queue_waits(log, 32) == [5.0, 900.0]
+    result["provenance"] = {"commit": "abc", "machine": {}}
+    assert "| skylb " in format_markdown(result) and "not judged" in format_markdown(result)
