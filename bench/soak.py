@@ -78,6 +78,18 @@ def classify_stream(status: int, body: bytes) -> str:
     return "ok" if done == 1 and finishes == 1 else "lost"
 
 
+def error_message(body: bytes) -> str | None:
+    """The message of an error answer (``{"error": {"message"}}``) or of a stream's error chunk, or None."""
+    for part in (body, *(line[6:] for line in body.split(b"\n") if line.startswith(b"data: {"))):
+        try:
+            error = json.loads(part).get("error")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+    return None
+
+
 def _rss_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -99,7 +111,7 @@ def _get(url: str) -> dict:
 
 
 async def _client(session: aiohttp.ClientSession, urls: list[str], rng: random.Random, until: float,
-                  outcomes: Counter, timeout_s: float) -> None:
+                  outcomes: Counter, timeout_s: float, errors: Counter) -> None:
     n = 0
     while time.monotonic() < until:
         n += 1
@@ -109,7 +121,11 @@ async def _client(session: aiohttp.ClientSession, urls: list[str], rng: random.R
         try:
             async with session.post(f"{rng.choice(urls)}/v1/chat/completions", json=body,
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                outcomes[classify_stream(resp.status, await resp.read())] += 1
+                raw = await resp.read()
+                outcome = classify_stream(resp.status, raw)
+                outcomes[outcome] += 1
+                if outcome != "ok":  # what the client was told, for the report (ids and addresses vary: cut short)
+                    errors[(outcome, (error_message(raw) or "")[:120])] += 1
         except (aiohttp.ClientError, asyncio.TimeoutError):
             outcomes["lost"] += 1
 
@@ -160,7 +176,7 @@ def run_soak(work: Path, *, duration_s: float, streams: int, replicas: int, kill
                 len(_get(f"{u}/skylb/v1/status?format=json")["replicas"]) == replicas for u, _ in balancers.values()):
             time.sleep(0.2)
 
-        samples, kills, outcomes = [], [], Counter()
+        samples, kills, outcomes, errors = [], [], Counter(), Counter()
         started = time.monotonic()
 
         def sample() -> None:
@@ -198,8 +214,8 @@ def run_soak(work: Path, *, duration_s: float, streams: int, replicas: int, kill
             urls = [u for u, _ in balancers.values()]
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector) as session:
-                clients = [_client(session, urls, random.Random(seed * 1000 + i), until, outcomes, request_timeout_s)
-                           for i in range(streams)]
+                clients = [_client(session, urls, random.Random(seed * 1000 + i), until, outcomes, request_timeout_s,
+                                   errors) for i in range(streams)]
                 await asyncio.gather(*clients, chaos(until), sampler(until))
 
         asyncio.run(load())
@@ -207,6 +223,7 @@ def run_soak(work: Path, *, duration_s: float, streams: int, replicas: int, kill
         leftover = {region: _get(f"{url}/skylb/v1/status?format=json").get("in_flight")
                     for region, (url, _) in balancers.items()}
         return {"outcomes": dict(outcomes), "samples": samples, "kills": kills, "in_flight_after": leftover,
+                "errors": [{"outcome": o, "message": m, "requests": n} for (o, m), n in errors.most_common()],
                 "settings": {"duration_s": duration_s, "streams": streams, "replicas_per_region": replicas,
                              "kill_every_s": kill_every_s, "down_s": down_s, "time_scale": time_scale,
                              "trie_max_bytes": trie_max_bytes, "seed": seed}, "generated": now_label()}
@@ -243,7 +260,17 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"at {s['trie_max_bytes'] / 2 ** 20:g} MiB) at the end of warm-up (the first fifth), at the end, and the "
         "largest sample:", "",
         markdown_table(["region", "RSS warm", "RSS end", "RSS max", "tries warm", "tries end", "tries max"], rows),
-        ""])
+        "", *_error_lines(result.get("errors"))])
+
+
+def _error_lines(errors: list[dict] | None) -> list[str]:
+    """What the clients of the outcomes other than ok were told (the error's message, cut at 120 characters)."""
+    if not errors:
+        return []
+    return ["What the clients were told, for each outcome other than ok:", "",
+            markdown_table(["outcome", "message", "requests"],
+                           [(e["outcome"], e["message"].replace("|", "\\|") or "-", e["requests"]) for e in errors]),
+            ""]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -322,7 +322,8 @@ def test_failover_report_marks_targets_from_the_runs():
 
 def test_soak_classifies_streams():
     """bench/soak.py's outcome of a stream: one id, one finish and one [DONE] is ok; an error chunk is an error
-    event; two generations spliced are duplicated; a cut stream or a non-API error body is lost."""
+    event; two generations spliced are duplicated; a cut stream or a non-API error body is lost. The message of an
+    error answer or error chunk is what the report lists."""
     from bench.soak import classify_stream
 
     def sse(*chunks) -> bytes:
@@ -338,6 +339,10 @@ def test_soak_classifies_streams():
     assert classify_stream(200, sse(a)) == "lost"
     assert classify_stream(503, b'{"error": {"message": "no replica had room"}}') == "http_503"
     assert classify_stream(502, b"<html>bad gateway</html>") == "lost"
+    from bench.soak import error_message
+    assert error_message(sse(a, {"error": {"message": "replica died"}}, b"[DONE]")) == "replica died"
+    assert error_message(b'{"error": {"message": "no replica had room"}}') == "no replica had room"
+    assert error_message(sse(a, a_end, b"[DONE]")) is None
 
 
 def test_concurrency_counts_requests_that_waited_in_an_engine_queue(tmp_path):
