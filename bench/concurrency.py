@@ -10,8 +10,10 @@ batch while another replica has a free slot makes it wait there for a whole gene
 Per system (SkyLB's default configuration, HAProxy ``leastconn`` with ``maxconn`` = the batch: bench/baselines.py
 ``SYSTEMS``) and run: TTFT p50 / p99 and throughput at the client, and from the replicas' own request log
 (``request_finished``: ``queue_ms``, the time from arrival to the engine step that first scheduled it) how many
-requests waited in a replica's queue longer than ``queued_ms`` (one decode step at time scale 1 is about 30 ms; a
-request that waited for a batch slot waits a whole generation, seconds) and the longest such wait. Runs are paired
+requests waited in a replica's queue longer than ``queued_ms`` (1 s: a request arriving during an engine step
+waits for that step to end, and a step holding 512-token prefills lasts a few hundred ms at time scale 1, HAProxy's
+requests waited up to 545 ms so; a request that waited for a batch slot waits for a whole generation, seconds)
+and the longest such wait. Runs are paired
 (every system runs each seed, seed by seed) and the report gives mean [min, max] over them.
 
     .venv/bin/python -m bench.concurrency [--runs 3] [--systems skylb haproxy-leastconn] [--out-md FILE]
@@ -59,7 +61,7 @@ class ConcurrencySetup:
     per_client: int = 10
     prompt_tokens: int = 512
     max_tokens: int = 64
-    queued_ms: float = 100.0
+    queued_ms: float = 1000.0
     request_timeout_s: float = 120.0
     deadline_s: float = 600.0
 

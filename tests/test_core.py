@@ -588,3 +588,36 @@ def test_trie_byte_bound_counts_repeated_prompts():
         t.insert(key, f"r{i % 2}")
     assert t.stored_bytes <= 100_000 and 0 < len(t) < 1000 and t.nodes == len(key)
     assert t.match(key, {"r0", "r1"}).ratio == 1.0
+
+
+def test_a_free_slot_goes_before_room_that_only_the_pending_allowance_or_a_retest_gives():
+    """Two replicas whose learned batch is 4 (pending allowance 1): one runs 4 (room for a 5th only by the
+    allowance, and its estimate is the lower: nothing to prefill), the other 3 with a prompt still in prefill. The
+    request goes to the free slot; with both batches at 4 it takes the allowance. A replica retesting its limit
+    (trial from 4 to 5) has no free slot at 4 either."""
+    from skylb.config import BalancerConfig
+    from skylb.core import build_router
+    from skylb.core.capacity import AdmissionCapacity
+    router = build_router("us", BalancerConfig(policy="skylb"))
+    router.set_replicas([("full", "http://a:1", "vllm"), ("free", "http://b:1", "vllm")])
+    for rid in router.replicas:
+        router.set_replica_models(rid, ["m"])
+
+    def probe(now: float, full_running: int, free_running: int) -> None:
+        for rid, running in (("full", full_running), ("free", free_running)):
+            router.observe_replica(rid, now=now, healthy=True, pending=0, running=running)
+            router.replicas[rid].capacity = AdmissionCapacity(limit=4, saturated=True, held_since=now)
+
+    probe(0.0, 4, 3)
+    router.replicas["free"].add_unprefilled("earlier", 1000)  # below the backlog budget (2048)
+    assert router.rules.has_free_slot(router.replicas["free"]) and not router.rules.has_free_slot(router.replicas["full"])
+    router.enqueue(Request(id="a", text="hello " * 50, arrived_at=0.0, model="m"))
+    [decision] = router.dispatch(0.0)
+    assert decision.target == "free"
+    probe(0.1, 4, 4)
+    router.replicas["free"].prefilled("earlier")
+    router.enqueue(Request(id="b", text="other " * 50, arrived_at=0.1, model="m"))
+    assert [d.target for d in router.dispatch(0.1)] in (["full"], ["free"])  # the allowance, as before
+    retesting = router.replicas["full"]
+    retesting.capacity = AdmissionCapacity(limit=5, saturated=True, trial_from=4, held_since=0.1)
+    assert not router.rules.has_free_slot(retesting)

@@ -381,6 +381,8 @@ class Router:
         peers = ([p for p in self.peers.values() if self.peer_available(p, now, model, api)]
                  if request.may_forward else [])
         peers = [p for p in peers if p.sibling] or peers  # a sibling with room first: the region's own replicas
+        if self.policy.selective and len(local) > 1:  # free slots first: allowance or retest room when none is free
+            local = [r for r in local if self.rules.has_free_slot(r)] or local
         if request.avoid:
             local, peers = self._elsewhere(request, local, peers, now)
         taken = {r.id for r in local}  # by id: a dataclass ``in`` compares every field of every replica
