@@ -47,6 +47,25 @@ def test_a_retest_is_undone_when_the_engine_keeps_its_batch_and_kept_when_it_run
     assert c.limit == 36
 
 
+def test_the_proven_limit_leaves_out_what_slow_start_or_a_retest_added_until_the_engine_runs_it():
+    """Slow start grows 4 -> 5 on a full batch of 4: 4 slots are proven until a probe shows 5 running; waiting
+    seen ends the growth's claim. A retest from 4 to 5 proves nothing either until the engine runs 5."""
+    c = AdmissionCapacity(limit=4)
+    c.observe(0.0, pending=0, running=4)
+    assert (c.limit, c.proven_limit) == (5, 4)
+    c.observe(0.1, pending=0, running=4)
+    assert (c.limit, c.proven_limit) == (5, 4)  # a batch of 4 below the limit: no growth, nothing proven
+    c.observe(0.2, pending=0, running=5)
+    assert (c.limit, c.proven_limit) == (6, 5)  # it ran 5: proven, and the batch at the limit grew it again
+    c.observe(0.3, pending=1, running=6)
+    assert c.grown_from is None and c.proven_limit == c.limit  # waiting: judged by the settle rule instead
+    c = AdmissionCapacity(limit=4, saturated=True, held_since=0.0, hold_s=1.0)
+    c.observe(1.0, pending=0, running=4)
+    assert (c.limit, c.proven_limit) == (5, 4)
+    c.observe(1.1, pending=0, running=5)
+    assert (c.limit, c.proven_limit) == (5, 5)
+
+
 def test_a_partly_filled_batch_does_not_grow_the_limit():
     c = AdmissionCapacity(limit=8)
     c.observe(0.0, pending=0, running=5)

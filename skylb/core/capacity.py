@@ -63,6 +63,8 @@ class AdmissionCapacity:
             grows again only ``hold_s`` after it.
         hold_s: see ``held_since``, s.
         trial_from: the limit before the retest under way (None: none is).
+        grown_from: during slow start, the limit before its latest growth, until a probe shows the engine running
+            more than that (None: the limit is proven, or no growth is under way).
     """
 
     limit: int = 2
@@ -73,9 +75,20 @@ class AdmissionCapacity:
     hold_s: float = 1.0
     settle_s: float = 0.5
     trial_from: int | None = None
+    grown_from: int | None = None
+
+    @property
+    def proven_limit(self) -> int:
+        """The limit less what a retest or slow start added and no probe has shown the engine running yet: the
+        slots known to exist (requests). Selective pushing fills these first (skylb/core/state.py
+        ``has_free_slot``); the rest are tried only when every replica's proven slots are taken."""
+        unproven = self.trial_from if self.trial_from is not None else self.grown_from
+        return self.limit if unproven is None else min(self.limit, unproven)
 
     def observe(self, now: float, pending: int, running: int) -> None:
         """Learn from one probe at ``now`` (s) showing ``pending`` requests waiting and ``running`` in the batch."""
+        if self.grown_from is not None and (running > self.grown_from or pending > 0):
+            self.grown_from = None  # proven by a larger batch, or the growth ends here (waiting is being judged)
         if self.trial_from is not None:
             if running > self.trial_from:
                 self.trial_from = None  # the engine ran more than before the retest: the raise holds
@@ -95,7 +108,8 @@ class AdmissionCapacity:
         if running < self.limit:
             return
         if not self.saturated:
-            self.limit = max(running, self.limit) + max(1, self.limit // 4)
+            self.grown_from = max(running, self.limit)
+            self.limit = self.grown_from + max(1, self.limit // 4)
         elif self.held_since is None or now - self.held_since >= self.hold_s:
             self.trial_from = max(running, self.limit)
             self.limit = self.trial_from + max(1, self.limit // 8)

@@ -379,12 +379,12 @@ class AvailabilityRules:
     def has_free_slot(self, r: ReplicaState) -> bool:
         """True when ``r``'s batch has a slot free by what is known of it: its load (the probe's running and waiting
         plus the requests sent since, or this balancer's in flight there) below the engine's reported slots or the
-        learned capacity the probes confirmed (the limit before a retest under way: the retest's extra slot is not
-        known to exist). Always True without a known bound. A replica available only through
-        ``pending_allowance`` or a retest has none: a request sent there waits in the engine's queue for a slot."""
+        learned capacity the probes proved (``AdmissionCapacity.proven_limit``: what a retest or slow start added
+        is not known to exist yet). Always True without a known bound. A replica available only through
+        ``pending_allowance``, a retest or slow start has none: a request sent there may wait in the engine's queue
+        for a whole turnover of its batch."""
         limit = (r.slots if r.slots is not None else
-                 (r.capacity.trial_from or r.capacity.limit) if self.learn_capacity and r.running is not None
-                 else None)
+                 r.capacity.proven_limit if self.learn_capacity and r.running is not None else None)
         return limit is None or max(r.running + r.pending + r.sent_since_probe, r.outstanding) < limit
 
     def replica_available(self, r: ReplicaState, now: float) -> bool:
