@@ -621,3 +621,26 @@ def test_a_free_slot_goes_before_room_that_only_the_pending_allowance_or_a_retes
     retesting = router.replicas["full"]
     retesting.capacity = AdmissionCapacity(limit=5, saturated=True, trial_from=4, held_since=0.1)
     assert not router.rules.has_free_slot(retesting)
+
+
+def test_a_stream_whose_engine_is_done_frees_its_slot_before_the_answer_ends():
+    """``engine_done`` (a stream's last event arrived) frees the replica's place at once; ``finished`` later does
+    the rest and frees nothing twice."""
+    from skylb.config import BalancerConfig
+    from skylb.core import build_router
+    router = build_router("us", BalancerConfig(policy="skylb"))
+    router.set_replicas([("r", "http://a:1", "vllm")])
+    router.set_replica_models("r", ["m"])
+    router.observe_replica("r", now=0.0, healthy=True, pending=0, running=0)
+    router.enqueue(Request(id="a", text="hello", arrived_at=0.0, model="m"))
+    router.enqueue(Request(id="b", text="other", arrived_at=0.0, model="m"))
+    a, b = router.dispatch(0.0)
+    replica = router.replicas["r"]
+    assert replica.outstanding == 2
+    router.engine_done(a)
+    router.engine_done(a)
+    assert replica.outstanding == 1
+    router.finished(a)
+    assert replica.outstanding == 1  # already freed
+    router.finished(b)
+    assert replica.outstanding == 0

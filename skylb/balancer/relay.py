@@ -181,7 +181,7 @@ class Relay:
                     abandon: Callable[[], str | None] | None = None, check_s: float = 0.05,
                     extra_headers: dict[str, str] | None = None, on_head: Callable[[bytes], None] | None = None,
                     trace_headers: dict[str, str] | None = None, translation: Translation | None = None,
-                    ) -> RelayOutcome:
+                    on_complete: Callable[[], None] | None = None) -> RelayOutcome:
         """Send ``body`` to the decision's target at the client's path and relay the answer. ``request_id`` is the
         balancer's own id (sent upstream as X-Request-Id, to the client as X-SkyLB-Request-Id); ``client_request_id``,
         the client's X-Request-Id label, is echoed back to the client.
@@ -198,7 +198,8 @@ class Relay:
         the balancer traces (skylb/balancer/spans.py). ``on_first_byte(ttft_s)`` is called when the first streamed
         byte has been written to the client (the TTFT histogram is current while a long stream still runs).
         ``on_head(bytes)`` gets the head of a successful (< 400) answer before the client does: the whole body, or a
-        stream's first whole event. ``extra_headers`` go to the client with the answer. ``translation``: ``body`` is
+        stream's first whole event. ``on_complete()`` is called once when a stream's last event has come from the
+        target, before the client gets it: the engine is done with the request. ``extra_headers`` go to the client with the answer. ``translation``: ``body`` is
         an Ollama-API request translated to the OpenAI API: it goes to the translation's path, and the answer comes
         back in Ollama's shape (NDJSON for a stream).
 
@@ -248,6 +249,7 @@ class Relay:
             if not first:  # the stream ended before its first event: nothing was generated
                 return failed(502, f"{decision.target} sent an empty stream")
             return await self._relay_stream(request, upstream, framer, first, eof, headers, decision,
+                                            on_complete=on_complete,
                                             arrived_at=arrived_at, on_first_byte=on_first_byte,
                                             translator=translation.stream() if translation is not None else None)
         finally:
@@ -304,7 +306,8 @@ class Relay:
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, framer: StreamFramer,
                             first: bytes, eof: bool, headers: dict, decision: Decision, *, arrived_at: float,
                             on_first_byte: Callable[[float], None] | None,
-                            translator: StreamTranslator | None = None) -> RelayOutcome:
+                            translator: StreamTranslator | None = None,
+                            on_complete: Callable[[], None] | None = None) -> RelayOutcome:
         """Relay an SSE / NDJSON answer from its ``first`` whole event on, event by event; each chunk must come
         within ``idle_timeout_s``. A stall, a cut, a truncated or malformed stream ends the client's stream with a
         well-formed error event (never a retry) and counts as the target's gateway failure. With a ``translator``,
@@ -324,6 +327,8 @@ class Relay:
         try:
             if framer.done:  # the last event goes out now: a client that closes after it has its answer
                 request[ANSWER_COMPLETE] = upstream.status
+                if on_complete is not None:
+                    on_complete()
             await response.write(out(first))
             if on_first_byte is not None:
                 on_first_byte(ttft)
@@ -342,8 +347,10 @@ class Relay:
                     eof, events = True, framer.finish()
                 if events:
                     tap.feed(events)
-                    if framer.done:
+                    if framer.done and ANSWER_COMPLETE not in request:
                         request[ANSWER_COMPLETE] = upstream.status
+                        if on_complete is not None:
+                            on_complete()
                     await response.write(out(events))
             if error is None and not framer.done:
                 error = f"{decision.target} ended the stream before its last event"

@@ -102,6 +102,8 @@ class Router:
         self.queue: deque[Request] | ClassQueue = ClassQueue(aging_s=aging_s) if priorities else deque()
         self._bypassed: tuple[str | None, int] = (None, 0)
         self._placed_at: deque[float] = deque(maxlen=32)
+        #: Decisions whose replica slot ``engine_done`` freed before ``finished``.
+        self._engine_done: set[Decision] = set()
         #: Queued requests' candidate sets (``candidate_set``) by request id, as they were when queued, and how many
         #: queued requests each set has: a dispatch pass stops once every set queued is blocked.
         self._queued_sets: dict[str, tuple] = {}
@@ -514,17 +516,33 @@ class Router:
             return False
         return self.policy.rates.observe(state.rates, decision.request.id, usage, ttft_s=ttft_s, e2e_s=e2e_s)
 
+    def engine_done(self, decision: Decision) -> None:
+        """``decision``'s replica finished it (a stream's last event arrived): free its place there now, before the
+        client reads the end of the answer and, closed-loop, sends its next request at once (it found every batch
+        full by this count, and the pending allowance sent it into a full batch). ``finished`` does the rest."""
+        state = self.replicas.get(decision.target) if decision.route == "local" else None
+        if state is None or decision in self._engine_done:
+            return
+        self._engine_done.add(decision)
+        self._free_slot(state, decision)
+
+    def _free_slot(self, state: ReplicaState, decision: Decision) -> None:
+        state.outstanding = max(0, state.outstanding - 1)
+        if self.policy.reuse_freed_slots and decision.dispatched_at is not None:
+            state.slot_freed(decision.dispatched_at)
+
     def finished(self, decision: Decision) -> None:
         """The response of ``decision`` ended (any outcome): release its outstanding count (never below 0)."""
         if decision.route == "local":
             state = self.replicas.get(decision.target)
             self.fleet.finished(decision.request, state)
+            early = decision in self._engine_done
+            self._engine_done.discard(decision)
             if state is not None:
-                state.outstanding = max(0, state.outstanding - 1)
+                if not early:
+                    self._free_slot(state, decision)
                 state.prefilled(decision.request.id)
                 self.policy.rates.released(state.rates, decision.request.id)
-                if self.policy.reuse_freed_slots and decision.dispatched_at is not None:
-                    state.slot_freed(decision.dispatched_at)
                 if state.draining and state.outstanding == 0:
                     del self.replicas[decision.target]
         else:

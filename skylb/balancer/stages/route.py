@@ -167,7 +167,8 @@ class RouteStage:
                 on_first_byte=first_byte, client_request_id=ctx.client_id, abandon=self._peer_gone(decision),
                 check_s=self.cfg.probe_interval_ms / 1000, extra_headers=ctx.response_headers,
                 trace_headers=trace_headers, translation=ctx.translation,
-                on_head=None if ctx.on_answer_head is None else (lambda head: ctx.on_answer_head(decision, head)))
+                on_head=None if ctx.on_answer_head is None else (lambda head: ctx.on_answer_head(decision, head)),
+                on_complete=lambda: self._engine_done(decision))
         except BaseException:
             self._attempt_ended(decision, None)
             raise
@@ -179,6 +180,11 @@ class RouteStage:
             self._attempt_ended(decision, outcome)
         ctx.answered = ctx.answered or outcome.response is not None
         return outcome
+
+    def _engine_done(self, decision: Decision) -> None:
+        """The target sent the stream's last event: its replica's slot is free before the client reads the end."""
+        self.router.engine_done(decision)
+        self.dispatcher.wake()
 
     def _attempt_ended(self, decision: Decision, outcome) -> None:
         """The measured speed (before the release), the target's slot, outlier detection; only the slot when the
