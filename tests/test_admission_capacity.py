@@ -136,7 +136,8 @@ def test_requests_waiting_in_a_learned_batch_count_in_it():
 
 def test_the_pending_allowance_lets_one_more_wait_in_the_engine_but_not_beyond_reported_slots():
     """By default one request more than the learned batch is sent, to wait in the engine's queue for the next freed
-    slot; an engine that reports its slots (llama.cpp) gets none beyond them."""
+    slot; an engine that reports its slots (llama.cpp) gets none beyond them, nor a limit slow start raised and no
+    probe proved."""
     router = _router()
     r = router.replicas["r0"]
     r.capacity = AdmissionCapacity(limit=4, saturated=True, held_since=0.0)
@@ -147,4 +148,10 @@ def test_the_pending_allowance_lets_one_more_wait_in_the_engine_but_not_beyond_r
     assert router.rules.replica_unavailable_reason(r, 0.1) == "batch full"
     router = _router()
     router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=3, slots=4)
+    assert len(_burst(router, 3, 0.0)) == 1
+    router = _router()  # slow start raised 4 to 5, unproven: the 5th is the guess, no allowance beyond it
+    r = router.replicas["r0"]
+    r.capacity = AdmissionCapacity(limit=5, grown_from=4, held_since=0.0)
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=4)
+    r.capacity = AdmissionCapacity(limit=5, grown_from=4, held_since=0.0)
     assert len(_burst(router, 3, 0.0)) == 1

@@ -328,7 +328,8 @@ class AvailabilityRules:
             than ``stale_after_s``: a partitioned peer is unavailable within a few probe intervals (0: not used).
         pending_allowance: with a learned capacity, requests that may wait in a replica's own queue beyond it
             (requests): one waiting there starts at the engine's next step after a slot frees, without a round trip
-            through this balancer (not added to slots an engine reports: llama.cpp queues nothing beyond them).
+            through this balancer (not added to slots an engine reports: llama.cpp queues nothing beyond them, nor
+            to a limit that slow start or a retest raised and no probe has proved yet).
     """
 
     tau: int = 2
@@ -365,7 +366,9 @@ class AvailabilityRules:
         if r.running is not None and limit is not None:
             # The probe may miss a request that raced it on another connection; this balancer's own in-flight count
             # never does (it only errs high, by responses still draining).
-            allowance = self.pending_allowance if r.slots is None else 0
+            # No allowance on top of slots a retest or slow start added and no probe proved: the guess is the
+            # one request beyond the batch already.
+            allowance = self.pending_allowance if r.slots is None and r.capacity.proven_limit >= limit else 0
             if max(r.running + r.pending + r.sent_since_probe, r.outstanding) >= limit + allowance:
                 return "batch full"
         # Engines without a pending metric: the balancer's own in-flight count is exact and live, no probe needed.
