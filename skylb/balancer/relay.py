@@ -198,10 +198,9 @@ class Relay:
         the balancer traces (skylb/balancer/spans.py). ``on_first_byte(ttft_s)`` is called when the first streamed
         byte has been written to the client (the TTFT histogram is current while a long stream still runs).
         ``on_head(bytes)`` gets the head of a successful (< 400) answer before the client does: the whole body, or a
-        stream's first whole event. ``on_complete()`` is called once when a stream's last event has come from the
-        target, before the client gets it: the engine is done with the request. ``extra_headers`` go to the client with the answer. ``translation``: ``body`` is
-        an Ollama-API request translated to the OpenAI API: it goes to the translation's path, and the answer comes
-        back in Ollama's shape (NDJSON for a stream).
+        stream's first whole event; ``on_complete()``, once, a stream's last event (its engine is done with it).
+        ``extra_headers`` go to the client with the answer. ``translation``: ``body`` is an Ollama-API request
+        translated to the OpenAI API (sent to its path; the answer comes back in Ollama's shape, NDJSON streamed).
 
         Returns RelayOutcome(response=None, ...) when the target failed before any byte went to the client and
         ``retry_allowed``; otherwise the response already sent (an error in the API's shape if the target failed).
@@ -249,8 +248,7 @@ class Relay:
             if not first:  # the stream ended before its first event: nothing was generated
                 return failed(502, f"{decision.target} sent an empty stream")
             return await self._relay_stream(request, upstream, framer, first, eof, headers, decision,
-                                            on_complete=on_complete,
-                                            arrived_at=arrived_at, on_first_byte=on_first_byte,
+                                            on_complete=on_complete, arrived_at=arrived_at, on_first_byte=on_first_byte,
                                             translator=translation.stream() if translation is not None else None)
         finally:
             if upstream is not None:
