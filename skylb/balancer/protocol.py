@@ -23,7 +23,7 @@ __all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SER
            "LEASE_HEADER",
            "QUEUE_MS_HEADER",
            "REQUEST_ID_HEADER", "BALANCER_REQUEST_ID_HEADER", "MAX_CLIENT_ID_CHARS", "MAX_STATUS_BYTES",
-           "ANSWER_COMPLETE", "answer_complete",
+           "ANSWER_COMPLETE", "ANSWER_USAGE", "answer_complete",
            "client_request_id", "ProtocolError", "queued_ms", "encode_status", "decode_status", "token_ok",
            "MAX_MODEL_ID_CHARS", "header_value", "valid_model_ids"]
 
@@ -53,6 +53,8 @@ BALANCER_REQUEST_ID_HEADER = "X-SkyLB-Request-Id"
 #: stream's end marker or while the balancer releases what it held) has its whole answer, and is not logged as
 #: "client closed request".
 ANSWER_COMPLETE = "skylb_answer_complete"
+#: Beside it: the usage (token counts) that stream's events carried, None when they carried none.
+ANSWER_USAGE = "skylb_answer_usage"
 
 
 def answer_complete(http_request) -> int | None:

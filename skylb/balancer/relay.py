@@ -22,7 +22,7 @@ from aiohttp import web
 
 from skylb.balancer.api import error_response
 from skylb.balancer.framing import FramingError, StreamFramer, stream_kind
-from skylb.balancer.protocol import (ANSWER_COMPLETE, BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER,
+from skylb.balancer.protocol import (ANSWER_COMPLETE, ANSWER_USAGE, BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER,
                                      MODEL_HEADER, ROUTE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER, header_value)
 from skylb.balancer.translate import StreamTranslator, Translation
 from skylb.balancer.usage import UsageTap, usage_of, usage_of_body
@@ -324,9 +324,7 @@ class Relay:
         idle = _IdleDeadline(loop, self.idle_timeout_s)
         try:
             if framer.done:  # the last event goes out now: a client that closes after it has its answer
-                request[ANSWER_COMPLETE] = upstream.status
-                if on_complete is not None:
-                    on_complete()
+                _answer_complete(request, upstream.status, tap.usage, on_complete)
             await response.write(out(first))
             if on_first_byte is not None:
                 on_first_byte(ttft)
@@ -345,17 +343,16 @@ class Relay:
                     eof, events = True, framer.finish()
                 if events:
                     tap.feed(events)
-                    if framer.done and ANSWER_COMPLETE not in request:
-                        request[ANSWER_COMPLETE] = upstream.status
-                        if on_complete is not None:
-                            on_complete()
+                    if framer.done:
+                        _answer_complete(request, upstream.status, tap.usage, on_complete)
                     await response.write(out(events))
             if error is None and not framer.done:
                 error = f"{decision.target} ended the stream before its last event"
         except FramingError as exc:
             error = f"{decision.target} sent a malformed stream: {exc}"
-        except ConnectionResetError:  # the client went away: the upstream request is closed by the caller
-            return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure)
+        except ConnectionResetError:  # the client went away (the usage it was sent, if any, stays the answer's)
+            return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure,
+                                usage=tap.usage)
         finally:
             idle.close()
         try:
@@ -364,7 +361,8 @@ class Relay:
                 await response.write(_stream_error_event(client_kind, error))
             await response.write_eof()
         except ConnectionResetError:
-            return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure)
+            return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure,
+                                usage=tap.usage)
         return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error, failure=failure, usage=tap.usage)
 
 
@@ -415,6 +413,16 @@ class _IdleDeadline:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _answer_complete(request: web.Request, status: int, usage, on_complete: Callable[[], None] | None) -> None:
+    """A stream's last event is about to go to the client: record its status and usage on the client's request (a
+    client that closes once it reads it has its answer: protocol.answer_complete, spans.py) and, the first time,
+    call ``on_complete``."""
+    first = ANSWER_COMPLETE not in request
+    request[ANSWER_COMPLETE], request[ANSWER_USAGE] = status, usage
+    if first and on_complete is not None:
+        on_complete()
 
 
 async def _watch(abandon: Callable[[], str | None], every_s: float, deadline: asyncio.Timeout,

@@ -38,7 +38,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from skylb.balancer.protocol import answer_complete
+from skylb.balancer.protocol import ANSWER_USAGE, answer_complete
 
 __all__ = ["Tracing", "TracedChain", "RequestTrace", "operation_name", "SERVICE_NAME"]
 
@@ -248,8 +248,11 @@ class RequestTrace:
         complete = isinstance(error, asyncio.CancelledError) and answer_complete(ctx.http) is not None
         if complete:  # RequestLog.cancelled logs it with the stream's status too
             error = None
+            usage = ctx.http.get(ANSWER_USAGE)
             self._end("relay", http__response__status_code=answer_complete(ctx.http),
-                      gen_ai__response__time_to_first_chunk=self._first_chunk_s)
+                      gen_ai__response__time_to_first_chunk=self._first_chunk_s,
+                      gen_ai__usage__input_tokens=None if usage is None else usage.prompt_tokens,
+                      gen_ai__usage__output_tokens=None if usage is None else usage.output_tokens)
         for kind in list(self._open):
             self._end(kind, error=None if complete else
                       "cancelled" if isinstance(error, asyncio.CancelledError) else "aborted")
