@@ -256,6 +256,24 @@ def test_sigterm_with_a_hung_upstream_ends_it_after_the_drain_timeout(procs, tmp
     print(f"\nSIGTERM with a hung upstream: client answered 503, exit 0 after {exited:.3f} s (drain_timeout_s 1)")
 
 
+def _leave_while_running(cluster: Cluster, url: str, body: dict, replica: str) -> None:
+    """A not-streamed completion to ``url`` whose client gives up after 1.5 s, once ``replica`` runs it; returns
+    when the client has left (its read timed out)."""
+    outcome = {}
+
+    def impatient() -> None:
+        try:
+            requests.post(f"{url}/v1/completions", json=body, timeout=1.5)
+        except requests.exceptions.ReadTimeout as exc:
+            outcome["timeout"] = exc
+
+    client = threading.Thread(target=impatient)
+    client.start()
+    cluster.wait_until(lambda: emulator_gauge(replica, RUNNING) == 1, timeout_s=1.4, what="engine running 1")
+    client.join(timeout=10)
+    assert "timeout" in outcome
+
+
 @pytest.mark.parametrize("phase", ["before-first-token", "mid-stream", "not-streamed"])
 def test_a_client_disconnect_cancels_the_upstream_request(procs, tmp_path, phase):
     """A client that leaves before its first token, mid-stream, or while waiting for a whole (not streamed) answer:
@@ -274,20 +292,8 @@ def test_a_client_disconnect_cancels_the_upstream_request(procs, tmp_path, phase
             assert emulator_gauge(replica, RUNNING) == 1
         left = time.monotonic()
     else:
-        outcome = {}
-
-        def impatient() -> None:
-            try:
-                requests.post(f"{url}/v1/completions", json=body, timeout=1.5)
-            except requests.exceptions.ReadTimeout as exc:
-                outcome["timeout"] = exc
-
-        client = threading.Thread(target=impatient)
-        client.start()
-        cluster.wait_until(lambda: emulator_gauge(replica, RUNNING) == 1, timeout_s=1.4, what="engine running 1")
-        client.join(timeout=10)
+        _leave_while_running(cluster, url, body, replica)
         left = time.monotonic()
-        assert "timeout" in outcome
     cluster.wait_until(lambda: emulator_gauge(replica, RUNNING) == 0, timeout_s=5, what="engine running 0")
     dropped = time.monotonic() - left
     assert dropped < 2.0
@@ -499,19 +505,7 @@ def test_a_client_disconnect_on_a_forwarded_request_frees_the_peer_replica(procs
                 next(lines)
             assert emulator_gauge(replica, RUNNING) == 1
     else:
-        outcome = {}
-
-        def impatient() -> None:
-            try:
-                requests.post(f"{us}/v1/completions", json=body, timeout=1.5)
-            except requests.exceptions.ReadTimeout as exc:
-                outcome["timeout"] = exc
-
-        client = threading.Thread(target=impatient)
-        client.start()
-        cluster.wait_until(lambda: emulator_gauge(replica, RUNNING) == 1, timeout_s=1.4, what="engine running 1")
-        client.join(timeout=10)
-        assert "timeout" in outcome
+        _leave_while_running(cluster, us, body, replica)
     left = time.monotonic()
     cluster.wait_until(lambda: emulator_gauge(replica, RUNNING) == 0, timeout_s=5, what="engine running 0")
     dropped = time.monotonic() - left
