@@ -12,10 +12,11 @@ Keys under ``prefix`` (default /skylb):
 Every write is a read-modify-write: read the document and its etcd ``mod_revision``, apply the change in memory,
 then commit it in one etcd transaction that succeeds only if the document's ``mod_revision`` is still the one read
 (compare-and-swap). When another controller wrote in between, the transaction answers the new state and the change
-is applied again to that (at most ``_CAS_ATTEMPTS`` times, then StoreUnavailable). So, as with SQLite's BEGIN
-IMMEDIATE, a write and its revision bump are one atomic step, writes through any controller are serialised, and a
-refused write (InvalidInput, Conflict, NotFound) changes nothing. Reads are etcd's linearizable reads: a write
-acknowledged by one controller is seen by the next read through any other.
+is applied again to that (at most ``_CAS_ATTEMPTS`` times, then StoreUnavailable; after a few, with a short
+jittered wait between tries). So, as with SQLite's BEGIN IMMEDIATE, a write and its revision bump are one atomic
+step, writes through any controller are serialised, and a refused write (InvalidInput, Conflict, NotFound) changes
+nothing. Reads are etcd's linearizable reads: a write acknowledged by one controller is seen by the next read
+through any other.
 
 Client library: etcd3gw (OpenStack's, maintained), which speaks etcd's JSON gateway (``/v3/...``, on by default
 since etcd 3.4) over ``requests``. It needs neither grpcio nor generated protobuf code, which is what breaks the
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -54,6 +56,11 @@ __all__ = ["EtcdConnection", "EtcdMembershipStore", "REQUEST_TIMEOUT_S"]
 REQUEST_TIMEOUT_S = 2.0
 #: Compare-and-swap tries of one write before it gives up (each retry follows a write by another controller).
 _CAS_ATTEMPTS = 20
+#: After this many lost compare-and-swaps in a row, each retry waits a jittered, doubling moment (2 ms, at most
+#: ``_CAS_BACKOFF_MAX_S``) first, as client-go's ``retry.RetryOnConflict`` backs off: four writers retrying at once
+#: without it starved one of them 20 times in a row on a loaded machine.
+_CAS_BACKOFF_AFTER = 3
+_CAS_BACKOFF_MAX_S = 0.05
 #: Version of the document's shape, for a later migration.
 _FORMAT = 1
 
@@ -450,7 +457,7 @@ class EtcdMembershipStore:
         """Apply ``change`` (which mutates the state it is given and returns the method's result) by
         compare-and-swap; bump the revision when the document changed; write changed heartbeats alongside."""
         state, mod_revision = self._read()
-        for _ in range(_CAS_ATTEMPTS):
+        for attempt in range(_CAS_ATTEMPTS):
             before, seen_before = state.encode(), {url: b.last_seen for url, b in state.balancers.items()}
             result = change(state)  # a refusal raises here, before anything is written
             ops = []
@@ -472,7 +479,12 @@ class EtcdMembershipStore:
             answer = self._etcd.call(lambda c: c.transaction(txn), retry=False)
             if answer.get("succeeded"):
                 return result
-            state, mod_revision = self._decode(answer["responses"])  # another controller wrote: apply to that
+            if attempt < _CAS_BACKOFF_AFTER:
+                state, mod_revision = self._decode(answer["responses"])  # another controller wrote: apply to that
+            else:  # still contended: wait a jittered, growing moment, then read afresh (the answer is stale by then)
+                backoff_s = min(_CAS_BACKOFF_MAX_S, 0.002 * 2 ** (attempt - _CAS_BACKOFF_AFTER))
+                time.sleep(random.uniform(0.5, 1.0) * backoff_s)
+                state, mod_revision = self._read()
         raise StoreUnavailable(f"membership in etcd changed under this write {_CAS_ATTEMPTS} times in a row; "
                                "try again")
 

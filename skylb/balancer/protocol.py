@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 import msgpack
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from skylb import PROTOCOL_VERSION
@@ -52,15 +53,19 @@ BALANCER_REQUEST_ID_HEADER = "X-SkyLB-Request-Id"
 #: the client (its HTTP status): a client that closes then (as soon as it reads the last event, before the chunked
 #: stream's end marker or while the balancer releases what it held) has its whole answer, and is not logged as
 #: "client closed request".
-ANSWER_COMPLETE = "skylb_answer_complete"
+ANSWER_COMPLETE = (web.RequestKey("skylb_answer_complete", int) if hasattr(web, "RequestKey")  # aiohttp >= 3.12
+                   else "skylb_answer_complete")
 #: Beside it: the usage (token counts) that stream's events carried, None when they carried none.
-ANSWER_USAGE = "skylb_answer_usage"
+ANSWER_USAGE = (web.RequestKey("skylb_answer_usage", object) if hasattr(web, "RequestKey")
+                else "skylb_answer_usage")
 
 
 def answer_complete(http_request) -> int | None:
     """The status of the stream whose last event went to the client of ``http_request`` (an aiohttp request), or
     None when no stream was written to its end (or there is no such request: a request built in a test)."""
     return http_request.get(ANSWER_COMPLETE) if isinstance(http_request, Mapping) else None
+
+
 #: The longest client request id kept as a label (characters); longer or non-printable ones are dropped.
 MAX_CLIENT_ID_CHARS = 128
 #: A status is a few hundred bytes (up to about 9.2 KiB more with a sibling's prefixes); anything much larger is not
