@@ -257,10 +257,13 @@ def write_report(saved: dict, out: Path) -> Path:
     except ModuleNotFoundError as exc:  # matplotlib comes with the bench extra
         print(f"skylb bench matrix: no heat map ({exc.name} is not installed; `pip install -e '.[bench]'`)")
     else:
-        loads = sorted({v.load for v in cells})
-        plot = plot_matrix({(v.workload, v.load): v.p90_ratio for v in cells}, workloads, loads,
-                           out / "matrix.png", title=f"{DEFAULT}'s P90 TTFT over the best other system's "
-                           f"(split {saved['split']}, seeds {','.join(map(str, saved['seeds']))})").name
+        if not cells:  # one system only (--systems SkyLB): no ratio to another system to draw
+            print("skylb bench matrix: no heat map (it needs the default and at least one other system)")
+        else:
+            loads = sorted({v.load for v in cells})
+            plot = plot_matrix({(v.workload, v.load): v.p90_ratio for v in cells}, workloads, loads,
+                               out / "matrix.png", title=f"{DEFAULT}'s P90 TTFT over the best other system's "
+                               f"(split {saved['split']}, seeds {','.join(map(str, saved['seeds']))})").name
     md = out / "matrix.md"
     md.write_text(with_provenance(render_markdown(saved, results, plot=plot), saved["provenance"]))
     return md
