@@ -140,6 +140,14 @@ class Proc:
             pass
         self.popen.wait(timeout=5)
 
+    def terminate(self) -> None:
+        """Send SIGTERM to the process and every child it started, without waiting (``stop`` waits)."""
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def stop(self) -> None:
         """Stop the process and every child it started; safe to call twice."""
         if self.popen.poll() is None:
@@ -199,9 +207,12 @@ class ProcGroup:
         return sum(p.cpu_seconds() for p in self.procs if p.name.startswith(prefix) and p.popen.poll() is None)
 
     def stop_all(self) -> None:
-        """Stop every process started through this group, newest first; a Ctrl-C or SIGTERM arriving meanwhile
-        takes effect once all are stopped (bench/interrupts.py)."""
+        """Stop every process started through this group: SIGTERM to all, newest first, then wait for each (a
+        shutdown that waits for in-flight work overlaps the others': one after another, a test's teardown took
+        seconds); a Ctrl-C or SIGTERM arriving meanwhile takes effect once all are stopped (bench/interrupts.py)."""
         with interrupts.held():
+            for proc in reversed(self.procs):
+                proc.terminate()
             for proc in reversed(self.procs):
                 proc.stop()
 

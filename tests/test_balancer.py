@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from tests.cluster import MODEL, Cluster, emulator_gauge, get_json, post_json
-from tests.procs import free_ports
+from tests.procs import ProcGroup, free_ports
 
 # Emulated durations x 0.2: a 60-token generation lasts about 0.7 s.
 FAST = ("--time-scale", "0.2")
@@ -178,9 +178,29 @@ def _saturate(replica_url: str, n: int, max_tokens: int) -> list[threading.Threa
     return threads
 
 
+@pytest.fixture(scope="module")
+def _three_regions_once(tmp_path_factory):
+    """us, eu, asia with one max-num-seqs=1 replica each in us and eu, two in asia; latency links from us. Started
+    once for the tests below (about 6 s of start-up each on an idle machine, 12 s under the full suite)."""
+    tmp = tmp_path_factory.mktemp("three-regions")
+    with ProcGroup(tmp / "logs") as procs:
+        yield from _start_three_regions(procs, tmp)
+
+
 @pytest.fixture
-def three_regions(procs, tmp_path):
-    """us, eu, asia with one max-num-seqs=1 replica each in us and eu, two in asia; latency links from us."""
+def three_regions(_three_regions_once):
+    """The three regions, idle: every replica free (a test's saturating requests, sent straight to the replicas,
+    ended) and no balancer queueing; after the test, every balancer's counters return to zero."""
+    cluster, replicas = _three_regions_once
+    counts = {region: len(urls) for region, urls in replicas.items()}
+    cluster.wait_until(lambda: all(cluster.status(region)["available_replicas"] == n and
+                                   cluster.status(region)["queue_len"] == 0 for region, n in counts.items()),
+                       timeout_s=20, what="every replica idle")
+    yield cluster, replicas
+    cluster.assert_counters_return_to_zero()
+
+
+def _start_three_regions(procs, tmp_path):
     cluster = Cluster(procs, tmp_path)
     regions = ["us", "eu", "asia"]
     cluster.start_controller(regions)

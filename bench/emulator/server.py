@@ -44,8 +44,10 @@ __all__ = [
 
 log = structlog.get_logger("bench.emulator")
 
-#: How long shutdown waits for in-flight requests before cancelling them (s).
-SHUTDOWN_TIMEOUT_S = 2.0
+#: How long shutdown waits for in-flight requests before cancelling them (s), for all replicas of the process at
+#: once. Short: a test's teardown stops replicas still serving the long requests that kept them busy, and 2 s per
+#: replica, one after another, added 2-4 s to such a test; an engine stopped under load ends its streams anyway.
+SHUTDOWN_TIMEOUT_S = 0.5
 
 
 class Replica:
@@ -191,8 +193,7 @@ async def serve(*, engine: str, host: str, ports: list[int], params: EngineParam
         status = 1
     finally:
         # Stop accepting and let in-flight requests finish (bounded) while the replicas still run.
-        for runner in runners:
-            await runner.cleanup()
+        await asyncio.gather(*(runner.cleanup() for runner in runners))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
