@@ -66,6 +66,44 @@ def test_the_proven_limit_leaves_out_what_slow_start_or_a_retest_added_until_the
     assert (c.limit, c.proven_limit) == (5, 5)
 
 
+def test_no_allowance_while_a_request_waits_beside_the_batch_slow_start_grew_from():
+    """Slow start grows 3 -> 4; a probe then shows 3 running and 1 waiting: the waiting one may be behind a full
+    batch of 3, so nothing more waits in the engine (no pending allowance) until a probe shows 4 running or nothing
+    waiting, or the waiting settles the limit."""
+    c = AdmissionCapacity(limit=3)
+    c.observe(0.0, pending=0, running=3)
+    assert (c.limit, c.proven_limit, c.allowance_ok) == (4, 3, False)  # unproven growth: no allowance
+    c.observe(0.1, pending=1, running=3)
+    assert (c.limit, c.proven_limit, c.allowance_ok) == (4, 4, False)  # counted, but nothing on top
+    c.observe(0.2, pending=0, running=3)
+    assert c.allowance_ok  # nothing waits: the fourth request ran or ended
+    c.observe(0.3, pending=0, running=4)
+    c.observe(0.4, pending=1, running=4)
+    assert not c.allowance_ok
+    c.observe(0.5, pending=1, running=5)
+    assert c.allowance_ok  # a larger batch than before the growth
+    c = AdmissionCapacity(limit=3)
+    c.observe(0.0, pending=0, running=3)
+    c.observe(0.1, pending=1, running=3)
+    c.observe(0.7, pending=1, running=3)
+    assert (c.limit, c.saturated, c.allowance_ok) == (3, True, True)  # waiting settled: the batch is 3
+
+
+def test_the_allowance_waits_for_the_batch_to_prove_itself_in_selective_pushing():
+    """A limit of 4 grown from 3 and a probe showing 3 running and 1 waiting: the replica is full, where
+    the allowance would have let a fifth wait behind a possibly full batch."""
+    router = _router()
+    state, rules = router.replicas["r0"], router.rules
+    state.capacity = AdmissionCapacity(limit=3)
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=3)
+    router.observe_replica("r0", now=0.1, healthy=True, pending=1, running=3)
+    assert state.capacity.limit == 4 and rules.replica_unavailable_reason(state, 0.1) == "batch full"
+    router.observe_replica("r0", now=0.2, healthy=True, pending=0, running=4)
+    assert state.capacity.limit == 5  # a full batch of 4, nothing waiting: slow start grows on
+    router.observe_replica("r0", now=0.3, healthy=True, pending=0, running=3)
+    assert rules.replica_unavailable_reason(state, 0.3) is None
+
+
 def test_a_partly_filled_batch_does_not_grow_the_limit():
     c = AdmissionCapacity(limit=8)
     c.observe(0.0, pending=0, running=5)

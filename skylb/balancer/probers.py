@@ -169,6 +169,10 @@ class Probers:
             if grace != state.stale_grace_s:  # a write clears the availability memo: only when it changes
                 state.stale_grace_s = grace
         _log_health_change(state, before)
+        if state.capacity.limit != limit_before:
+            log.debug("admission_capacity_changed", replica=state.id, limit=state.capacity.limit,
+                      limit_before=limit_before, proven=state.capacity.proven_limit, pending=state.pending,
+                      running=state.running)
         read_at = self._models_read_at.get(state.id)
         due = state.models is None or read_at is None or self.now() - read_at >= self.models_refresh_s
         engine = detected_engine(state.url) if state.engine == "auto" else state.engine

@@ -366,9 +366,10 @@ class AvailabilityRules:
         if r.running is not None and limit is not None:
             # The probe may miss a request that raced it on another connection; this balancer's own in-flight count
             # never does (it only errs high, by responses still draining).
-            # No allowance on top of slots a retest or slow start added and no probe proved: the guess is the
-            # one request beyond the batch already.
-            allowance = self.pending_allowance if r.slots is None and r.capacity.proven_limit >= limit else 0
+            # No allowance on top of slots a retest or slow start added and no probe proved (the guess is the
+            # one request beyond the batch already), nor while a request waits beside the batch before that growth
+            # (AdmissionCapacity.allowance_ok).
+            allowance = self.pending_allowance if r.slots is None and r.capacity.allowance_ok else 0
             if max(r.running + r.pending + r.sent_since_probe, r.outstanding) >= limit + allowance:
                 return "batch full"
         # Engines without a pending metric: the balancer's own in-flight count is exact and live, no probe needed.
