@@ -89,6 +89,12 @@ def held() -> Iterator[None]:
 
 
 def stopping() -> None:
-    """The run is ending (its final stop follows): every SIGINT and SIGTERM from now on is ignored."""
+    """The run is ending (its final stop follows): every SIGINT and SIGTERM from now on is ignored, also while the
+    interpreter exits (it puts Python-level handlers back to the default at exit, and the default ends the process
+    by the signal: an impatient second Ctrl-C after a fast stop made the launcher exit by SIGINT instead of with
+    status 130); the disposition is the operating system's ignore in the process that installed the handlers."""
     _owner["ending"] = True
     _local.pending = None
+    if os.getpid() == _owner["pid"] and threading.current_thread() is threading.main_thread():
+        for signum in SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)

@@ -71,3 +71,20 @@ def test_a_second_signal_during_the_stop_leaves_no_process_and_no_traceback(tmp_
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_once_stopping_the_signals_are_ignored_by_the_operating_system():
+    """After ``stopping()`` SIGINT and SIGTERM are ignored at the operating system's level, not only by the handler:
+    Python puts its own handlers back to the default while the interpreter exits, so a second Ctrl-C landing then
+    (after a stop of well under 0.3 s) ended `skylb local` by SIGINT instead of with status 130."""
+    from bench import interrupts
+    before = {signum: signal.getsignal(signum) for signum in interrupts.SIGNALS}
+    try:
+        interrupts.stop_on_signals()
+        assert all(signal.getsignal(signum) is not signal.SIG_IGN for signum in interrupts.SIGNALS)
+        interrupts.stopping()
+        assert all(signal.getsignal(signum) is signal.SIG_IGN for signum in interrupts.SIGNALS)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        interrupts._owner.update(pid=None, ending=False)
