@@ -39,7 +39,9 @@ and congestion avoidance), per replica:
 Between probes the balancer counts what it sent (skylb/core/state.py): a replica is full when the probe's running
 count plus the requests sent since that probe, or this balancer's own requests in flight there, reach the limit
 plus ``pending_allowance`` (one by default: a request waiting in the engine fills a freed slot at its next step, and
-the waiting it shows at each probe keeps the limit on the engine's true batch).
+the waiting it shows at each probe keeps the limit on the engine's true batch), but no allowance on room a retest or
+slow start added that no probe proved, nor while a request waits beside the batch slow start grew from
+(``AdmissionCapacity.allowance_ok``).
 """
 
 from __future__ import annotations
