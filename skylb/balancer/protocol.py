@@ -6,7 +6,6 @@ SkyLB paper Algorithm 1 line 10 (PROBELB returns the peer's available replicas a
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
@@ -107,7 +106,9 @@ class _StatusMessage(BaseModel):
 
 def encode_status(status: PeerStatus) -> bytes:
     """Pack ``status`` (``Router.status()``) with the protocol version as msgpack bytes."""
-    return msgpack.packb({"v": PROTOCOL_VERSION, **dataclasses.asdict(status)}, use_bin_type=True)
+    # Its fields as they are: msgpack packs tuples and dicts itself; ``dataclasses.asdict`` deep-copied every
+    # nested map and prefix for nothing (half the cost of answering a peer's probe).
+    return msgpack.packb({"v": PROTOCOL_VERSION, **vars(status)}, use_bin_type=True)
 
 
 def decode_status(data: bytes) -> PeerStatus:

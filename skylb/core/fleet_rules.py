@@ -257,7 +257,11 @@ class FleetRules:
             local = local + [r for r in replicas if r not in local and r.fleet is not None
                              and r.fleet.embeddings == 0 and (r.max_concurrency or 1) == 1
                              and r.serves(model, api) and usable(r, now)]
-        local = [r for r in local if self.eliminated(r, model, now) is None]
+        # A replica without a fleet view (not Ollama) is eliminated only when draining or paused: tested here
+        # rather than by a call per replica, on every decision.
+        paused = s.paused
+        local = [r for r in local if (r.fleet is None and not r.draining and r.id not in paused)
+                 or (r.fleet is not None and self.eliminated(r, model, now) is None)]
         if not s.hot_preference or not model:
             return local
 

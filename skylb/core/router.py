@@ -384,14 +384,11 @@ class Router:
                  if request.may_forward else [])
         peers = [p for p in peers if p.sibling] or peers  # a sibling with room first: the region's own replicas
         if self.policy.selective and len(local) > 1:  # free slots first: allowance or retest room when none is free
-            local = [r for r in local if self.rules.has_free_slot(r)] or local
+            local = self._with_free_slot(local) or local
         if request.avoid:
             local, peers = self._elsewhere(request, local, peers, now)
-        taken = {r.id for r in local}  # by id: a dataclass ``in`` compares every field of every replica
         c = Candidates(request, now, local, peers, len(self.queue), len(self.replicas), self.dispatch_rate(now),
-                       _busy=lambda: [r for r in self.replicas.values() if r.id not in taken and r.serves(model, api)
-                                      and r.supports(kind, now) and ("local", r.id) not in request.avoid
-                                      and self._replica_usable(r, now)],
+                       _busy=lambda: self._busy(request, local, now),
                        _reachable=lambda: [p for p in self.peers.values() if request.may_forward
                                            and self.rules.peer_unreachable_reason(p, now, model, api) is None
                                            and not self._ejected(p, now)])
@@ -401,15 +398,48 @@ class Router:
         return self._to_replica(request, choice, now) if isinstance(choice, ReplicaState) else \
             self._to_peer(request, choice, now)
 
+    def _busy(self, request: Request, local: list[ReplicaState], now: float) -> list[ReplicaState]:
+        """The usable local replicas serving ``request`` that are not among ``local`` (those with room) nor to be
+        avoided: the full ones (``Candidates.busy``, worked out only when a plugin asks)."""
+        taken = {r.id for r in local}  # by id: a dataclass ``in`` compares every field of every replica
+        model, api, kind = request.model, request.api, request.kind
+        return [r for r in self.replicas.values() if r.id not in taken and r.serves(model, api)
+                and r.supports(kind, now) and ("local", r.id) not in request.avoid and self._replica_usable(r, now)]
+
     def _local_candidates(self, model: str, api: str, kind: str, now: float) -> list[ReplicaState]:
         """Local replicas serving ``model`` in ``api`` and requests of ``kind`` that may take one at ``now``: with
         room under selective pushing (``replica_available``, memoized), usable under blind pushing."""
         if not self.policy.selective:
             return [r for r in self.replicas.values()
                     if r.serves(model, api) and r.supports(kind, now) and self._replica_usable(r, now)]
-        token, available = self._availability_token(), self._available
-        return [r for r in self.replicas.values()
-                if r.serves(model, api) and r.supports(kind, now) and available(r, now, token)]
+        # ``_available``'s memo test written out in the loop: this pass runs over every replica on every decision,
+        # and a call per replica was most of a decision's time at 200 replicas (bench/coordination.py).
+        token, stale_s, remember = self._availability_token(), self.rules.stale_after_s, self._remember
+        out = []
+        for r in self.replicas.values():
+            if not r.serves(model, api) or (r.unsupported and not r.supports(kind, now)):
+                continue
+            memo = r.availability_memo
+            if (memo is None or memo[0] is not token or memo[2] != r.capacity.limit
+                    or memo[3] != len(r.dispatch_times)
+                    or (memo[1] is not None and now - memo[1] > stale_s + r.stale_grace_s)):
+                memo = remember(r, now, token)
+            if memo[4] is None:
+                out.append(r)
+        return out
+
+    def _with_free_slot(self, replicas: list[ReplicaState]) -> list[ReplicaState]:
+        """Those of ``replicas`` with a free slot (``AvailabilityRules.has_free_slot``), from the availability memo
+        the same decision just checked when it still holds, else worked out."""
+        token, has_free_slot = self._availability_memo_token, self.rules.has_free_slot
+        out = []
+        for r in replicas:
+            memo = r.availability_memo
+            held = (memo is not None and memo[0] is token and memo[2] == r.capacity.limit
+                    and memo[3] == len(r.dispatch_times))
+            if memo[5] if held else has_free_slot(r):
+                out.append(r)
+        return out
 
     def _availability_token(self) -> object:
         """An object that stays the same while every router-wide input of ``replica_unavailable_reason`` does (the
@@ -433,13 +463,19 @@ class Router:
                 and memo[3] == len(replica.dispatch_times)
                 and (memo[1] is None or now - memo[1] <= self.rules.stale_after_s + replica.stale_grace_s)):
             return memo[4] is None
-        reason = self.replica_unavailable_reason(replica, now)
+        return self._remember(replica, now, token)[4] is None
+
+    def _remember(self, replica: ReplicaState, now: float, token: object) -> tuple:
+        """Work out ``replica``'s availability at ``now`` and keep it as its memo (not while an ejection is on
+        record): (``token``, ``probed_at``, the capacity's limit, ``sent_since_probe``, the reason or None, whether
+        it has a free slot). Returns the memo."""
+        memo = (token, replica.probed_at, replica.capacity.limit, len(replica.dispatch_times),
+                self.replica_unavailable_reason(replica, now), self.rules.has_free_slot(replica))
         if replica.ejected_until is None:
             # The learned capacity and the requests sent since the probe change in place, not by a write of a field:
             # the memo holds them to compare.
-            replica.availability_memo = (token, replica.probed_at, replica.capacity.limit,
-                                         len(replica.dispatch_times), reason)
-        return reason is None
+            replica.availability_memo = memo
+        return memo
 
     def _to_replica(self, request: Request, replica: ReplicaState, now: float) -> Decision:
         """Send ``request`` to local ``replica`` at ``now``: count it there (outstanding, prefill backlog, rates,

@@ -105,8 +105,8 @@ class ReplicaState:
     #: the base one while the balancer's adaptive probing backs off (skylb/balancer/probe_backoff.py); 0 otherwise.
     stale_grace_s: float = 0.0
     #: The router's memo of this replica's availability (skylb/core/router.py ``Router._available``): (the
-    #: router's settings token, ``probed_at``, the capacity's limit, ``sent_since_probe``, the reason or None). Any
-    #: write to another field clears it.
+    #: router's settings token, ``probed_at``, the capacity's limit, ``sent_since_probe``, the reason or None,
+    #: whether it has a free slot). Any write to another field clears it.
     availability_memo: tuple | None = field(default=None, repr=False, compare=False)
 
     def __setattr__(self, name: str, value) -> None:
