@@ -375,20 +375,23 @@ class Router:
     def _place(self, request: Request, now: float) -> Decision | None:
         """Run the policy over ``request``'s candidates at ``now`` (skylb/core/candidates.py: the filters are
         here, the choice is the policy's ``choose``) and apply its choice; None: it stays queued."""
-        model, api, kind = request.model, request.api, request.kind
-        local = self._local_candidates(model, api, kind, now)
-        local = self.fleet.candidates(model, api, local, list(self.replicas.values()), now,
-                                      self.policy.estimated_wait_s, embedding=request.embedding,
-                                      usable=self._replica_usable)
+        model, api = request.model, request.api
+        local, free, serving = self._local_candidates(request, now)
+        fleet_local = self.fleet.candidates(model, api, local, list(self.replicas.values()), now,
+                                            self.policy.estimated_wait_s, embedding=request.embedding,
+                                            usable=self._replica_usable)
+        if self.policy.selective and (len(fleet_local) != len(local) or request.embedding):
+            free = self._with_free_slot(fleet_local)  # the fleet's rules took some out (or added an embedding slot)
+        local = fleet_local
         peers = ([p for p in self.peers.values() if self.peer_available(p, now, model, api)]
                  if request.may_forward else [])
         peers = [p for p in peers if p.sibling] or peers  # a sibling with room first: the region's own replicas
         if self.policy.selective and len(local) > 1:  # free slots first: allowance or retest room when none is free
-            local = self._with_free_slot(local) or local
+            local = free or local
         if request.avoid:
             local, peers = self._elsewhere(request, local, peers, now)
         c = Candidates(request, now, local, peers, len(self.queue), len(self.replicas), self.dispatch_rate(now),
-                       _busy=lambda: self._busy(request, local, now),
+                       _busy=lambda: self._busy(request, local, serving, now),
                        _reachable=lambda: [p for p in self.peers.values() if request.may_forward
                                            and self.rules.peer_unreachable_reason(p, now, model, api) is None
                                            and not self._ejected(p, now)])
@@ -398,27 +401,30 @@ class Router:
         return self._to_replica(request, choice, now) if isinstance(choice, ReplicaState) else \
             self._to_peer(request, choice, now)
 
-    def _busy(self, request: Request, local: list[ReplicaState], now: float) -> list[ReplicaState]:
-        """The usable local replicas serving ``request`` that are not among ``local`` (those with room) nor to be
-        avoided: the full ones (``Candidates.busy``, worked out only when a plugin asks)."""
+    def _busy(self, request: Request, local: list[ReplicaState], serving: list[ReplicaState],
+              now: float) -> list[ReplicaState]:
+        """The usable replicas of ``serving`` (those serving ``request``) that are not among ``local`` (those with
+        room) nor to be avoided: the full ones (``Candidates.busy``, worked out only when a plugin asks)."""
         taken = {r.id for r in local}  # by id: a dataclass ``in`` compares every field of every replica
-        model, api, kind = request.model, request.api, request.kind
-        return [r for r in self.replicas.values() if r.id not in taken and r.serves(model, api)
-                and r.supports(kind, now) and ("local", r.id) not in request.avoid and self._replica_usable(r, now)]
+        return [r for r in serving if r.id not in taken and ("local", r.id) not in request.avoid
+                and self._replica_usable(r, now)]
 
-    def _local_candidates(self, model: str, api: str, kind: str, now: float) -> list[ReplicaState]:
-        """Local replicas serving ``model`` in ``api`` and requests of ``kind`` that may take one at ``now``: with
-        room under selective pushing (``replica_available``, memoized), usable under blind pushing."""
+    def _local_candidates(self, request: Request,
+                          now: float) -> tuple[list[ReplicaState], list[ReplicaState], list[ReplicaState]]:
+        """(candidates, those of them with a free slot, serving) at ``now``: the local replicas serving
+        ``request``'s model in its dialect and requests of its kind (serving), those that may take it (with room
+        under selective pushing: ``replica_available``, memoized; usable under blind pushing) and, under selective
+        pushing, those with a free slot (``AvailabilityRules.has_free_slot``; empty under blind pushing)."""
+        model, api, kind = request.model, request.api, request.kind
+        serving = [r for r in self.replicas.values()
+                   if r.serves(model, api) and (not r.unsupported or r.supports(kind, now))]
         if not self.policy.selective:
-            return [r for r in self.replicas.values()
-                    if r.serves(model, api) and r.supports(kind, now) and self._replica_usable(r, now)]
+            return [r for r in serving if self._replica_usable(r, now)], [], serving
         # ``_available``'s memo test written out in the loop: this pass runs over every replica on every decision,
         # and a call per replica was most of a decision's time at 200 replicas (bench/coordination.py).
         token, stale_s, remember = self._availability_token(), self.rules.stale_after_s, self._remember
-        out = []
-        for r in self.replicas.values():
-            if not r.serves(model, api) or (r.unsupported and not r.supports(kind, now)):
-                continue
+        out, free = [], []
+        for r in serving:
             memo = r.availability_memo
             if (memo is None or memo[0] is not token or memo[2] != r.capacity.limit
                     or memo[3] != len(r.dispatch_times)
@@ -426,7 +432,9 @@ class Router:
                 memo = remember(r, now, token)
             if memo[4] is None:
                 out.append(r)
-        return out
+                if memo[5]:
+                    free.append(r)
+        return out, free, serving
 
     def _with_free_slot(self, replicas: list[ReplicaState]) -> list[ReplicaState]:
         """Those of ``replicas`` with a free slot (``AvailabilityRules.has_free_slot``), from the availability memo
