@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench clean llama-server system-packages
+.PHONY: install demo test bench clean llama-server system-packages lint-tools
 
 install: $(STAMP)
 	@echo "installed: $(abspath $(VENV))/bin/skylb and skylb-ctl; put them on PATH with: . $(VENV)/bin/activate"
@@ -32,6 +32,19 @@ else
 	PYTHON=$(abspath $(PY)) deploy/llamacpp/build-llama-server.sh
 endif
 
+# import-linter, which tests/test_layout.py runs, in a venv of its own: it requires rich, and with rich installed
+# structlog imports it in every Python process that logs, about 0.2 s of CPU at each start of the hundreds of
+# balancers, controllers and emulators the tests run.
+LINT_VENV ?= .venv-lint
+LINT_STAMP := $(LINT_VENV)/.installed-stamp
+lint-tools: $(LINT_STAMP)
+
+$(LINT_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LINT_VENV)/bin/python -m pip install --quiet 'import-linter>=2.13'
+	touch $(LINT_STAMP)
+
 # The real components the tests start on loopback (BIND 9, etcd, HAProxy, Redis), from Debian's packages;
 # instant when present. Without apt-get or root it says what is missing and the tests that need them skip.
 system-packages:
@@ -43,7 +56,7 @@ system-packages:
 # 3, not 4: with the live suites of the chaos schedule, Prometheus, Chromium and three-region deployments, a fourth
 # worker on 2 cores starved timing-sensitive tests (2-5 different failures a run at 4 workers).
 TEST_WORKERS ?= 3
-test: install llama-server system-packages
+test: install lint-tools llama-server system-packages
 	@# Bytecode once for the hundreds of Python processes the tests start (none write it under PYTHONDONTWRITEBYTECODE).
 	@$(PY) -m compileall -q -j0 skylb controller bench tests
 	@start=$$(date +%s); $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15; rc=$$?; \
@@ -59,4 +72,4 @@ bench: install
 	$(VENV)/bin/skylb bench all $(if $(SEEDS),--seeds $(SEEDS))
 
 clean:
-	rm -rf $(VENV) .skylb-run .pytest_cache
+	rm -rf $(VENV) $(LINT_VENV) .skylb-run .pytest_cache
