@@ -26,11 +26,12 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import dns.name
-import dns.tsig
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    import dns.tsig
 
 __all__ = ["Algorithm", "TsigKey", "DnsConfig", "read_key_file"]
 
@@ -54,6 +55,7 @@ class TsigKey(_Strict):
 
     def tsig(self) -> dns.tsig.Key:
         """dnspython's key, for ``keyring=`` or ``Message.use_tsig``; ValueError when the secret is missing."""
+        import dns.tsig  # here, not at the top: every balancer imports this schema, few configure DNS
         if self.secret is None:
             raise ValueError(f"TSIG key {self.name} has no secret")
         return dns.tsig.Key(self.name, self.secret, self.algorithm)
@@ -90,6 +92,7 @@ class DnsConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "DnsConfig":
+        import dns.name  # only a configured DNS section needs dnspython (``tsig`` above)
         if not dns.name.from_text(self.name).is_subdomain(dns.name.from_text(self.zone)):
             raise ValueError(f"name {self.name} is not inside zone {self.zone}")
         unresolved = [region for region, key in self.keys.items() if key.secret is None]
