@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bench.procs import ProcGroup, free_port, free_ports, wait_http
 from bench.provenance import provenance, provenance_line
-from bench.report import markdown_table
+from bench.report import emit_markdown, markdown_table
 
 __all__ = ["measure_once", "run", "render", "main"]
 
@@ -179,11 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"provenance": prov, "settings": settings, "repeats": args.repeats,
               "cells": run(args.time_scales, repeats=args.repeats, **settings),
               "notes": Path(args.notes).read_text() if args.notes else ""}
-    text = render(result)
-    if args.out_md:
-        Path(args.out_md).write_text(text)
-        Path(args.out_md).with_suffix(".json").write_text(json.dumps(result, indent=1))
-    print(text)
+    emit_markdown(render(result), result, out_md=args.out_md or None,
+                  out_json=str(Path(args.out_md).with_suffix(".json")) if args.out_md else None)
     return 0
 
 
