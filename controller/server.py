@@ -4,7 +4,7 @@ controllers), with long-poll watches.
 Run it with ``skylb controller [--config FILE] [--host H] [--port P] [--db PATH | --store etcd --etcd-endpoints
 URLS]``. Endpoints:
 
-- ``GET /healthz`` -> {"status": "ok", "revision": N, "store": "sqlite" | "etcd", "leader": bool}
+- ``GET /healthz`` -> {"status": "ok", "revision": N, "store": "sqlite" | "etcd", "leader": bool, "watchers": N}
 - ``GET /metrics`` -> Prometheus text: membership size and revision, health checks, failovers, leadership
   (controller/metrics.py)
 - ``GET /`` the status page, ``GET /skylb/v1/status`` its data: the membership joined with every balancer's status
@@ -96,6 +96,8 @@ class RevisionWatch:
         self._revision = revision
         self._closed = False
         self._cond = asyncio.Condition()
+        #: Long polls waiting now (each balancer keeps one open while its membership is current).
+        self.watchers = 0
 
     async def publish(self, revision: int) -> None:
         """Record a new revision and wake every watcher waiting below it."""
@@ -112,11 +114,14 @@ class RevisionWatch:
     async def wait_beyond(self, revision: int, timeout_s: float) -> None:
         """Return when the revision is > ``revision``, after ``timeout_s`` seconds, or at shutdown."""
         async with self._cond:
+            self.watchers += 1
             try:
                 async with asyncio.timeout(timeout_s):
                     await self._cond.wait_for(lambda: self._closed or self._revision > revision)
             except TimeoutError:
                 pass
+            finally:
+                self.watchers -= 1
 
 
 STORE = web.AppKey("store", Store)
@@ -181,10 +186,11 @@ def _query_number(request: web.Request, name: str, cast: type, minimum: float) -
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """GET /healthz -> {"status": "ok", "revision": N, "store": kind, "leader": whether this controller leads}."""
+    """GET /healthz -> {"status": "ok", "revision": N, "store": kind, "leader": whether this controller leads,
+    "watchers": long polls on /v1/membership waiting now}."""
     store = request.app[STORE]
     return web.json_response({"status": "ok", "revision": store.revision, "store": store.kind,
-                              "leader": request.app[LEADERSHIP].is_leader})
+                              "leader": request.app[LEADERSHIP].is_leader, "watchers": request.app[WATCH].watchers})
 
 
 async def metrics(request: web.Request) -> web.Response:

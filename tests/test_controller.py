@@ -20,7 +20,7 @@ from aiohttp import web
 
 from skylb.balancer.controller_client import ControllerClient, ControllerError, ControllerUnavailable
 from tests.cluster import ctl_in_process
-from tests.procs import free_port
+from tests.procs import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent  # skylb-ctl runs from the repository root, like an operator's shell
 pytestmark = pytest.mark.timeout(30)
@@ -237,7 +237,9 @@ def test_sigterm_stops_promptly_during_a_watch(controller):
         "import sys, urllib.request; "
         f"urllib.request.urlopen('{controller.url}/v1/membership?revision=0&wait=60', timeout=30).read()")])
     try:
-        time.sleep(0.5)  # let the watcher connect and start waiting
+        # A Python start takes seconds on a loaded machine: wait until the long poll is in, not a fixed time.
+        wait_for(lambda: requests.get(f"{controller.url}/healthz", timeout=5).json()["watchers"] == 1,
+                 "the watcher's long poll waiting", timeout_s=20)
         start = time.monotonic()
         os.kill(controller.proc.popen.pid, signal.SIGTERM)
         assert controller.proc.popen.wait(timeout=10) == 0
