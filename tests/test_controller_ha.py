@@ -132,7 +132,7 @@ def test_three_controllers_on_etcd_survive_the_leader(procs, tmp_path, etcd):
     poll = threading.Thread(target=lambda: answer.update(
         get_json(f"{followers[0]}/v1/membership?revision={revision}&wait=20", timeout=30)))
     poll.start()
-    time.sleep(0.5)
+    _wait(lambda: get_json(f"{followers[0]}/healthz")["watchers"] == 1, timeout_s=5, what="the long poll waiting")
     assert not answer
     written = time.monotonic()
     requests.delete(f"{leader}/v1/replicas/us-dead", timeout=5).raise_for_status()
