@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench import interrupts
+from bench import forkstart, interrupts
 
 __all__ = ["free_port", "free_ports", "Proc", "ProcGroup", "wait_http"]
 
@@ -113,14 +113,20 @@ def group_cpu_seconds(pgid: int) -> float:
 class Proc:
     """One subprocess in its own process group; ``stop()`` kills the group (SIGTERM, then SIGKILL after 5 s)."""
 
-    def __init__(self, args: list[str], *, name: str, log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], *, name: str, log_dir: Path, env: dict[str, str] | None = None,
+                 skylb_args: list[str] | None = None):
+        """Start ``args``; with ``skylb_args`` (the arguments of a ``python -m skylb`` in ``args``) and
+        :func:`bench.forkstart.enable` called in this process, fork it from the preloaded server instead."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
+        full_env = {**os.environ, **(env or {})}
+        self.popen: subprocess.Popen | forkstart.ForkedPopen
+        if skylb_args is not None and forkstart.enabled():
+            self.popen = forkstart.ForkedPopen(skylb_args, env=full_env, log_path=str(self.log_path))
+        else:
+            self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                          env=full_env)
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system, all threads, s) used so far by the live processes of this process's group
@@ -181,17 +187,18 @@ class ProcGroup:
 
     def skylb(self, *args: str, name: str, wait_url: str | None = None, timeout_s: float = 20.0,
               env: dict[str, str] | None = None) -> Proc:
-        """Start ``python -m skylb ARGS`` and, when ``wait_url`` is given, wait until it answers."""
+        """Start ``python -m skylb ARGS`` (forked from a preloaded server once :func:`bench.forkstart.enable` was
+        called in this process) and, when ``wait_url`` is given, wait until it answers."""
         return self.start([sys.executable, "-m", "skylb", *args], name=name, wait_url=wait_url,
-                          timeout_s=timeout_s, env=env)
+                          timeout_s=timeout_s, env=env, skylb_args=list(args))
 
     def start(self, argv: list[str], *, name: str, wait_url: str | None = None, timeout_s: float = 20.0,
-              env: dict[str, str] | None = None) -> Proc:
+              env: dict[str, str] | None = None, skylb_args: list[str] | None = None) -> Proc:
         """Start any command; on a failed wait, raise with the process's log in the message. A Ctrl-C or SIGTERM
         arriving while the process starts takes effect once it is recorded here (bench/interrupts.py), so the
         group's stop reaches it."""
         with interrupts.held():
-            proc = Proc(argv, name=name, log_dir=self.log_dir, env=env)
+            proc = Proc(argv, name=name, log_dir=self.log_dir, env=env, skylb_args=skylb_args)
             self.procs.append(proc)
             if self.pid_file is not None:  # lets an outside observer check that nothing outlives the group
                 self.pid_file.write_text("".join(f"{p.popen.pid} {p.name}\n" for p in self.procs))
