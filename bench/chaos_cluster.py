@@ -148,11 +148,13 @@ class ChaosCluster:
         """Start (or restart) the part ``name`` with its original command line; waits until it answers."""
         import sys
         argv, wait_url, env = self._argv[name]
-        if argv[0] == "python":
-            argv = [sys.executable, *argv[1:]]
+        skylb_args = None
+        if argv[0] == "python":  # ["python", "-m", "skylb", ...]: forked when bench.forkstart is enabled (tests)
+            argv, skylb_args = [sys.executable, *argv[1:]], argv[3:]
         self.starts[name] = self.starts.get(name, 0) + 1
         proc = self.procs.start(argv, name=f"{name.replace(':', '-')}-{self.starts[name]}",
-                                wait_url=wait_url if wait else None, timeout_s=timeout_s, env=env)
+                                wait_url=wait_url if wait else None, timeout_s=timeout_s, env=env,
+                                skylb_args=skylb_args)
         self.running[name] = proc
         return proc
 
