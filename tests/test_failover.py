@@ -313,3 +313,27 @@ def test_dns_follows_the_failover_and_the_recovery(procs, tmp_path):
     cluster.wait_until(lambda: answer("us") == hosts["us"], timeout_s=10, what="us's clients back at us")
     print(f"DNS: back at us's balancer {time.monotonic() - restarted:.2f} s after the restart")
     cluster.wait_until(lambda: _replicas(cluster, "us") == ["us-1"], timeout_s=5, what="us-1 back at us")
+
+
+def test_peer_urls_name_a_balancer_by_id_before_its_region():
+    """``peer_urls`` keyed ``<region>@<id>`` reach that very balancer, also while it is its region's only live one
+    (then named by the region); a region-wide URL serves a region's only live balancer, never one of several."""
+    from skylb.balancer.balancer import Balancer
+    from skylb.config import BalancerConfig
+
+    def snapshot(eu_ids: list[str]) -> dict:
+        return {"balancers": [{"region": "us", "url": "http://lb-us:1", "id": "us-1"},
+                              *({"region": "eu", "url": f"http://lb-{i}:1", "id": i} for i in eu_ids)]}
+
+    us = Balancer(BalancerConfig(peer_token="t", peer_urls={"eu@eu-2": "http://proxy-eu-2:9"}), region="us",
+                  advertise_url="http://lb-us:1")
+    assert us.peers_of(snapshot(["eu-1", "eu-2"]), set()) == [("eu@eu-1", "http://lb-eu-1:1"),
+                                                             ("eu@eu-2", "http://proxy-eu-2:9")]
+    assert us.peers_of(snapshot(["eu-2"]), set()) == [("eu", "http://proxy-eu-2:9")]  # eu-1 died
+    assert us.peers_of(snapshot(["eu-1"]), set()) == [("eu", "http://lb-eu-1:1")]
+    regional = Balancer(BalancerConfig(peer_token="t", peer_urls={"eu": "http://proxy-eu:9/"}), region="us",
+                        advertise_url="http://lb-us:1")
+    assert regional.peers_of(snapshot(["eu-1"]), set()) == [("eu", "http://proxy-eu:9")]
+    assert regional.peers_of(snapshot(["eu-1", "eu-2"]), set()) == [("eu@eu-1", "http://lb-eu-1:1"),
+                                                                  ("eu@eu-2", "http://lb-eu-2:1")]
+    assert regional.peers_of(snapshot(["eu-1"]), {"eu"}) == []  # served here after a failover

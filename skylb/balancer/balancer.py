@@ -318,6 +318,8 @@ class Balancer:
         region when it is the region's only live one (``peer_urls`` may route it through a proxy), else
         ``<region>@<id>`` too, each sibling there a peer of its own (each owns part of its region's replicas, and a
         forwarded request is never forwarded again). Regions this balancer serves after a failover are left out.
+        The URL: ``peer_urls["<region>@<id>"]`` when given (the most specific: that very balancer), else for a
+        region's only live balancer ``peer_urls["<region>"]``, else the URL it registered.
         """
         # The view's URL: as the controller spells it (normalised), which the balancers list uses too.
         me = (snapshot.get("view") or {}).get("balancer") or self.advertise_url
@@ -332,12 +334,13 @@ class Balancer:
             region, url = b["region"], b["url"].rstrip("/")
             if region == self.region:
                 peers.append((f"{region}@{b.get('id') or url}", url))
-            elif region not in served and per_region[region] == 1:
-                peers.append((region, self.cfg.peer_urls.get(region, url).rstrip("/")))
             elif region not in served:
                 name = f"{region}@{b.get('id') or url}"
-                peers.append((name, self.cfg.peer_urls.get(name, url).rstrip("/")))
-        return peers
+                if per_region[region] == 1:  # named by its region; reached as that very balancer if configured so
+                    peers.append((region, self.cfg.peer_urls.get(name) or self.cfg.peer_urls.get(region, url)))
+                else:  # a region-wide URL (a proxy in front of one balancer) cannot tell its siblings apart
+                    peers.append((name, self.cfg.peer_urls.get(name, url)))
+        return [(name, url.rstrip("/")) for name, url in peers]
 
     def _probe_round_done(self) -> None:
         self.remember_models()
