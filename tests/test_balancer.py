@@ -441,17 +441,20 @@ async def test_model_lists_refresh_on_schedule():
     await web.TCPSite(runner, "127.0.0.1", port).start()
     router = build_router("us", BalancerConfig())
     router.set_replicas([("us-1", f"http://127.0.0.1:{port}", "openai")])
-    loop = asyncio.get_running_loop()
+    # The probers' clock moves by hand, so a loaded machine's slow probe cannot pass a refresh; a round waits for
+    # its probes up to one interval (10 s of real time), so each round's probe has answered when it returns.
+    clock = [1000.0]
     try:
         async with aiohttp.ClientSession() as session:
-            probers = Probers(router, session, now=loop.time, on_round=lambda: None, interval_s=0.05,
-                              timeout_s=1.0, peer_token=None, models_refresh_s=0.3)
+            probers = Probers(router, session, now=lambda: clock[0], on_round=lambda: None, interval_s=10.0,
+                              timeout_s=5.0, peer_token=None, models_refresh_s=30.0, max_backoff=1)
             await probers.probe_replicas()
             assert router.served_models() == {"model-a"}
             served[:] = ["model-b"]  # model-a deleted, model-b pulled
+            clock[0] += 6.0  # the next probe is due, the model list not yet
             await probers.probe_replicas()
-            assert router.served_models() == {"model-a"}  # not yet: the list is read every 0.3 s, not every probe
-            await asyncio.sleep(0.35)
+            assert router.served_models() == {"model-a"}  # not yet: the list is read every 30 s, not every probe
+            clock[0] += 25.0
             await probers.probe_replicas()
             assert router.served_models() == {"model-b"}
     finally:
