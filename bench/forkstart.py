@@ -93,7 +93,7 @@ class ForkedPopen:
     """The part of :class:`subprocess.Popen` that :class:`bench.procs.Proc` and the tests use (pid, poll, wait,
     send_signal, terminate, kill, returncode), for one ``skylb ARGS`` process forked from the server.
 
-    Raises RuntimeError if the child has not made its own process group within 10 s."""
+    Raises RuntimeError (the child killed) if it has not made its own process group within 10 s."""
 
     def __init__(self, args: list[str], *, env: dict[str, str], log_path: str):
         assert _context is not None, "bench.forkstart.enable() first"
@@ -106,6 +106,7 @@ class ForkedPopen:
         deadline = time.monotonic() + 10.0
         while self.poll() is None and _pgid(self.pid) != self.pid:
             if time.monotonic() > deadline:
+                self.kill()  # not in any group yet: nothing else would stop it
                 raise RuntimeError(f"forked {self.args} did not start its own process group within 10 s")
             time.sleep(0.001)
 
