@@ -226,23 +226,34 @@ def test_embedding_slot_runs_an_embedding_beside_a_generation(procs, tmp_path, s
                 "--max-concurrency", "1")
     cluster.wait_until(lambda: cluster.status("us")["replicas"] and cluster.first_replica("us").get("models"),
                        what="models")
-    order: list[str] = []
+    answers: dict[str, int] = {}
 
     def generate() -> None:
         r = requests.post(f"{url}/api/generate", json={"model": MODEL, "prompt": "long", "stream": False,
                                                         "options": {"num_predict": 60, "ignore_eos": True}},
-                          timeout=60)
-        order.append(f"generate {r.status_code}")
+                          headers={"X-Request-Id": "generate"}, timeout=60)
+        answers["generate"] = r.status_code
 
     thread = threading.Thread(target=generate)
     thread.start()
     try:
         cluster.wait_until(lambda: cluster.first_replica("us").get("outstanding") == 1, what="generation running")
-        r = requests.post(f"{url}/api/embed", json={"model": MODEL, "input": "a short text"}, timeout=60)
-        order.append(f"embed {r.status_code}")
+        r = requests.post(f"{url}/api/embed", json={"model": MODEL, "input": "a short text"},
+                          headers={"X-Request-Id": "embed"}, timeout=60)
+        answers["embed"] = r.status_code
     finally:
         thread.join(timeout=60)
-    assert order == (["embed 200", "generate 200"] if slot else ["generate 200", "embed 200"])
+    assert answers == {"generate": 200, "embed": 200}
+    # The order the balancer finished them in (its request lines), not the order two client threads woke up in:
+    # without the slot the embedding is placed only when the generation's answer has ended.
+    balancer = next(p for p in procs.procs if p.name == "balancer-us")
+
+    def finished() -> list[str]:
+        return [line["client_request_id"] for line in map(_json, balancer.log().splitlines())
+                if line.get("event") == "request" and line.get("client_request_id") in answers]
+
+    cluster.wait_until(lambda: len(finished()) == 2, what="both request lines")
+    assert finished() == (["embed", "generate"] if slot else ["generate", "embed"])
 
 
 def test_a_short_model_name_means_its_latest_tag(procs, tmp_path):
@@ -258,3 +269,11 @@ def test_a_short_model_name_means_its_latest_tag(procs, tmp_path):
     assert status == 200 and body["model"] == MODEL, body
     missing = requests.post(f"{url}/api/generate", json={"model": "m:7b", "prompt": "x", "stream": False}, timeout=30)
     assert missing.status_code == 404 and "m:7b" in missing.json()["error"]
+
+
+def _json(line: str) -> dict:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
