@@ -36,10 +36,10 @@ async def _until(condition, timeout_s: float = 5.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _stream(buffer_steps: int = 100, replay: bool = True, port: int = 0):
+async def _stream(buffer_steps: int = 100, replay: bool = True, port: int = 0, replay_port: int = 0):
     """A publisher bound on loopback and a subscriber of replica "r" into a fresh index; both closed at exit."""
     config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}",
-                            replay_endpoint="tcp://*:0" if replay else None, buffer_steps=buffer_steps,
+                            replay_endpoint=f"tcp://*:{replay_port}" if replay else None, buffer_steps=buffer_steps,
                             topic="kv-events")
     publisher = KVEventPublisher(config, host="127.0.0.1")
     publisher.start()
@@ -122,8 +122,11 @@ async def test_a_restarted_engine_is_dropped_then_followed_again():
     """The engine's stream goes away (its sockets close): the replica turns stale at once and leaves
     matched_tokens (the router uses the trie); an engine started again on the same port is live again, starting
     from nothing and catching up from its own replay buffer."""
-    (port,) = free_ports(1)
-    async with _stream(port=port) as (publisher, index):
+    # Both ports fixed: the engine started again binds the same two, as a restarted vLLM does with its config (with
+    # "tcp://*:0" the replay socket moved and the catch-up asked the old port, so a batch lost to the slow joiner
+    # stayed lost).
+    port, replay_port = free_ports(2)
+    async with _stream(port=port, replay_port=replay_port) as (publisher, index):
         await _settle(publisher, index, _stored(1, 2))
         assert index.matched_tokens([1, 2]) == {"r": 32}
         await publisher.close()
