@@ -135,9 +135,11 @@ class ForkedPopen:
                 pass
 
     def terminate(self) -> None:
+        """SIGTERM the process (not its group: :class:`bench.procs.Proc` signals the group)."""
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
+        """SIGKILL the process (not its group)."""
         self.send_signal(signal.SIGKILL)
 
 
