@@ -1,12 +1,13 @@
 """Test-side name for the process helpers (they live in bench.procs, shared with `skylb local`), and a check that
 nothing outlives them."""
 
+import json
 import time
 from pathlib import Path
 
 from bench.procs import Proc, ProcGroup, free_port, free_ports, wait_http
 
-__all__ = ["Proc", "ProcGroup", "free_port", "free_ports", "wait_http", "alive_in_groups", "wait_for"]
+__all__ = ["Proc", "ProcGroup", "free_port", "free_ports", "wait_http", "alive_in_groups", "wait_for", "log_events"]
 
 
 def alive_in_groups(pgids: set[int]) -> list[int]:
@@ -32,3 +33,17 @@ def wait_for(predicate, what: str, timeout_s: float = 15.0):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
     return value
+
+
+def log_events(log: str, event: str) -> list[dict]:
+    """The JSON log lines of ``log`` (a process's output, one JSON object per line) whose ``event`` is ``event``;
+    lines that are not JSON objects are passed over."""
+    found = []
+    for line in log.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict) and value.get("event") == event:
+            found.append(value)
+    return found

@@ -6,7 +6,6 @@ ControllerClient moving between controllers."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -26,7 +25,7 @@ from controller import leader
 from controller.leader import POLL_S, EtcdElection, SoleLeader
 from controller.store import StoreUnavailable
 from tests.cluster import MODEL, Cluster, get_json
-from tests.procs import free_port, free_ports
+from tests.procs import free_port, free_ports, log_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,18 +77,6 @@ def _add(url: str, replica_id: str, replica_url: str) -> dict:
     return resp.json()
 
 
-def _events(log: str, event: str) -> list[dict]:
-    return [line for line in map(_json_line, log.splitlines()) if line.get("event") == event]
-
-
-def _json_line(line: str) -> dict:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def test_three_controllers_on_etcd_survive_the_leader(procs, tmp_path, etcd):
     """Three `skylb controller --store etcd`: exactly one leads and only it health-checks; a write through one is
     read through another and wakes a long poll on a follower; kill -9 the leader: another leads within 10 s,
@@ -120,11 +107,11 @@ def test_three_controllers_on_etcd_survive_the_leader(procs, tmp_path, etcd):
     assert [r["id"] for r in replicas] == ["us-a", "us-dead"]
     _wait(lambda: not _replica(followers[1], "us-dead")["healthy"], timeout_s=5, what="us-dead marked unhealthy")
     # The leader logs the change just after its etcd write, which a follower may serve first.
-    _wait(lambda: _events(proc[leader].log(), "health_change"), timeout_s=5, what="the leader's health_change")
+    _wait(lambda: log_events(proc[leader].log(), "health_change"), timeout_s=5, what="the leader's health_change")
     for url in urls:
         log = proc[url].log()
-        assert bool(_events(log, "leader_elected")) == (url == leader), url
-        assert bool(_events(log, "health_change")) == (url == leader), url
+        assert bool(log_events(log, "leader_elected")) == (url == leader), url
+        assert bool(log_events(log, "health_change")) == (url == leader), url
 
     # A long poll on a follower answers as soon as the leader takes a write.
     revision = get_json(f"{followers[0]}/healthz")["revision"]
@@ -162,7 +149,7 @@ def test_three_controllers_on_etcd_survive_the_leader(procs, tmp_path, etcd):
     _add(new_leader, "us-dead-2", f"http://127.0.0.1:{free_port()}")
     _wait(lambda: not _replica(new_leader, "us-dead-2")["healthy"], timeout_s=5,
           what="us-dead-2 marked unhealthy by the new leader")
-    _wait(lambda: _events(proc[new_leader].log(), "health_change"), timeout_s=5, what="the new leader's health_change")
+    _wait(lambda: log_events(proc[new_leader].log(), "health_change"), timeout_s=5, what="the new leader's health_change")
     _wait(lambda: sorted(r["id"] for r in cluster.status("us")["replicas"]) == ["us-a", "us-b"], timeout_s=5,
           what="the balancer on us-a and us-b (us-dead-2 dropped as unhealthy)")
     cluster.wait_replicas_healthy("us", 2)

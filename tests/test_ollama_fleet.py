@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from tests.cluster import Cluster, post_json
+from tests.procs import log_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -249,8 +250,8 @@ def test_embedding_slot_runs_an_embedding_beside_a_generation(procs, tmp_path, s
     balancer = next(p for p in procs.procs if p.name == "balancer-us")
 
     def finished() -> list[str]:
-        return [line["client_request_id"] for line in map(_json, balancer.log().splitlines())
-                if line.get("event") == "request" and line.get("client_request_id") in answers]
+        return [line["client_request_id"] for line in log_events(balancer.log(), "request")
+                if line.get("client_request_id") in answers]
 
     cluster.wait_until(lambda: len(finished()) == 2, what="both request lines")
     assert finished() == (["embed", "generate"] if slot else ["generate", "embed"])
@@ -269,11 +270,3 @@ def test_a_short_model_name_means_its_latest_tag(procs, tmp_path):
     assert status == 200 and body["model"] == MODEL, body
     missing = requests.post(f"{url}/api/generate", json={"model": "m:7b", "prompt": "x", "stream": False}, timeout=30)
     assert missing.status_code == 404 and "m:7b" in missing.json()["error"]
-
-
-def _json(line: str) -> dict:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
