@@ -10,6 +10,9 @@ import json
 import pytest
 import requests
 
+from skylb.balancer.protocol import decode_status
+from skylb.core.kv_hash import request_block_hashes
+from skylb.core.kv_index import summary_sampled
 from tests.procs import free_ports, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,9 +71,19 @@ def test_a_prefix_cached_behind_the_balancers_back_is_found_by_events_and_by_the
     metrics = requests.get(f"{lb}/metrics", timeout=5).text
     assert 'skylb_kv_tokenize_seconds_count{outcome="ok",region="local"} 3.0' in metrics  # hashed before queueing
 
+    # What peers read (the msgpack status): the region summary is the sampled blocks B's engine holds, of 16 tokens.
+    held = set()
+    for prompt in prompts:
+        for text in (prompt, prompt + " and one question"):
+            ids = requests.post(f"{b_url}/tokenize", json={"model": MODEL, "prompt": text}, timeout=5).json()["tokens"]
+            held.update(h for h in request_block_hashes(ids, 16) if summary_sampled(h))
+    peer_view = decode_status(requests.get(f"{lb}/skylb/v1/status", timeout=5).content)
+    assert peer_view.block_size == 16 and held and set(peer_view.blocks) == held
+
     requests.put(f"{b_url}/emulator/kv-events", json={"stop": True}, timeout=5).raise_for_status()
     wait_for(lambda: not kv("local-2")["live"], "B's stream stale")
     assert kv("local-1")["live"] and kv("local-2")["blocks"] == 0
+    assert not decode_status(requests.get(f"{lb}/skylb/v1/status", timeout=5).content).blocks  # A holds none
     for prompt in prompts:
         served = _complete(lb, prompt + " and a second question").headers["X-SkyLB-Served-By"]
         assert served == "local/local-2"  # the trie: the balancer sent this prefix to B above

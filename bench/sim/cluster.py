@@ -27,8 +27,13 @@ time, so the decisions are made by the same ``skylb.core.Router`` and policy obj
 * Replicas: one ``bench.emulator.model.EngineModel`` each (continuous batching, KV capacity, block prefix cache
   with LRU; L4 / Llama-3.1-8B timings). One event per engine iteration, never one per token.
 * KV-cache events (``kv_index``): each replica's engine records vLLM's events and, at the end of every step, they go
-  through the live subscriber's own code (skylb/core/kv_events.py ``apply_events``) into the one block index given,
-  with no delay (vLLM publishes them within the step; the network's few ms are not modelled).
+  through the live subscriber's own code (skylb/core/kv_events.py ``apply_events``) into the block index given (the
+  whole deployment's) and into the own index of each balancer routing by them that owns the replica (as live, a
+  balancer follows its own replicas' events only, so its peer status summarises its region's blocks), with no
+  delay (vLLM publishes them within the step; the network's few ms are not modelled).
+* Forward audit (``audit_forwards``): for every request a balancer forwards, whether some peer's region held at
+  least ``audit_threshold`` of its prompt then (the engines' own caches), and whether it went to one that did
+  (``forward_audit``).
 * The oracle balancer (``fresh_view``) re-reads every replica's real state before each placement, with zero
   network latency: no staleness at all.
 * Not modelled: failures and membership changes (every replica and peer stays healthy), the balancer's queue
@@ -190,7 +195,10 @@ class SimReplica:
     def _complete(self, step) -> None:
         self.engine.complete_step(step)
         if self.cluster.kv_index is not None:
-            apply_events(self.cluster.kv_index, self.id, self.engine.take_kv_events())
+            events = self.engine.take_kv_events()
+            apply_events(self.cluster.kv_index, self.id, events)
+            for index in self.cluster.kv_owners.get(self.id, ()):
+                apply_events(index, self.id, events)
         for out in step.outputs:
             if out.index == 0:
                 self.cluster.first_token(self.flights[out.request_id], step.end)
@@ -216,9 +224,14 @@ class SimBalancer:
         # The queue bound is lifted: a simulated client is never refused, it waits (its latency is the figure).
         if setup.kv_routing and cluster.kv_index is None:
             raise ValueError(f"balancer {setup.region}: kv_routing needs the Cluster's kv_index")
-        self.router = build_router(setup.region, setup.settings, max_queue=10 ** 9,
-                                   kv_index=cluster.kv_index if setup.kv_routing else None)
         self.replicas = [cluster.replicas[r] for r in setup.replicas]
+        # Its own index of its own replicas' events, as a live balancer follows only those.
+        self.kv_index = BlockIndex() if setup.kv_routing else None
+        if self.kv_index is not None:
+            for r in self.replicas:
+                self.kv_index.mark_live(r.id)
+                cluster.kv_owners.setdefault(r.id, []).append(self.kv_index)
+        self.router = build_router(setup.region, setup.settings, max_queue=10 ** 9, kv_index=self.kv_index)
         limits = {r.id: setup.max_concurrency for r in self.replicas} if setup.max_concurrency else None
         engine = "openai" if setup.max_concurrency else "vllm"
         self.router.set_replicas([(r.id, f"sim://{r.id}", engine) for r in self.replicas], max_concurrency=limits)
@@ -262,6 +275,8 @@ class SimBalancer:
                 self.loop.at(now + net.one_way_s(self.region, replica.region), replica.submit, flight)
             else:
                 peer = cluster.balancers[d.target]
+                if cluster.audit_forwards:
+                    cluster.audit_forward(self, peer, flight)
                 self.loop.at(now + net.one_way_s(self.region, peer.region), peer.receive, flight, self.region)
 
     def _dispatch_fresh(self) -> None:
@@ -460,6 +475,14 @@ class Cluster:
                  replica_params: Mapping[str, EngineParams] | None = None, kv_index: BlockIndex | None = None):
         self.loop = EventLoop()
         self.kv_index = kv_index
+        #: replica id -> the block indexes of the balancers that follow its events (SimBalancer.kv_index).
+        self.kv_owners: dict[str, list[BlockIndex]] = {}
+        #: Whether to audit forwards (module docstring), the held fraction that counts, and the audit: one (time s,
+        #: held by some peer's region, sent to a region that held it, sent to the one that held most, some holding
+        #: region had room in the forwarding balancer's view) per forward.
+        self.audit_forwards = False
+        self.audit_threshold = 0.5
+        self.forward_audit: list[tuple[float, bool, bool, bool, bool]] = []
         self._block_hashes: dict[str, tuple[int, ...]] = {}
         self.workload = workload
         self.network = network or Network()
@@ -501,6 +524,23 @@ class Cluster:
             hashes = self._block_hashes[req.id] = request_block_hashes(kv_hash.token_ids(req.tokens),
                                                                        self.params.block_size)
         return hashes
+
+    def audit_forward(self, origin: "SimBalancer", peer: "SimBalancer", flight: "Flight") -> None:
+        """Record whether ``flight``'s request, forwarded by ``origin`` to ``peer`` now, went to a region whose
+        replicas held at least ``audit_threshold`` of its prompt (``forward_audit``)."""
+        tokens = flight.req.tokens
+        held = {}
+        for b in origin.peers:
+            best = max((r.engine.cached_prefix_tokens(tokens) for r in b.replicas), default=0)
+            held[b.region] = best / max(1, len(tokens))
+        holders = {region for region, f in held.items() if f >= self.audit_threshold}
+        deepest = max(held.values(), default=0.0)
+        router, now = origin.router, self.loop.now
+        # Checked after the decision, which counted this forward at its peer: a holder chosen counts as one with room.
+        room = peer.region in holders or any(router.peer_available(router.peers[region], now, "", "openai")
+                                             for region in holders)
+        self.forward_audit.append((now, bool(holders), peer.region in holders,
+                                   bool(holders) and held[peer.region] >= deepest, room))
 
     def run(self) -> "Cluster":
         """Run the workload to the end (every sent request completed); returns self."""

@@ -78,10 +78,13 @@ def _poisson_times(rng: random.Random, rate: float, duration_s: float) -> list[f
 
 
 def multi_tenant(*, seed: int = 0, rate_rps: float, duration_s: float, prompt_scale: float = 0.125,
-                 tenants: int = TENANTS, regions: Sequence[str] = ("us", "eu", "asia")) -> Workload:
+                 tenants: int = TENANTS, regions: Sequence[str] = ("us", "eu", "asia"),
+                 abroad: float = 0.0) -> Workload:
     """Tenants behind long shared prefixes (module docstring), open loop: Poisson arrivals at ``rate_rps`` for
     ``duration_s`` s. Every request of tenant i starts with the same prefix text (6,000 x ``prompt_scale`` tokens),
-    then its own question (1,200 x ``prompt_scale``); outputs 100-300 tokens."""
+    then its own question (1,200 x ``prompt_scale``); outputs 100-300 tokens. A tenant's requests come from its home
+    region, but for a share ``abroad`` (0-1) of them, each from one of the other regions drawn evenly (a tenant whose
+    users are on several continents); 0 draws nothing more, so the workload is the same as without it."""
     rng = random.Random(f"{seed}:multi_tenant")
     prefix_len, question_len = max(1, round(6000 * prompt_scale)), max(1, round(1200 * prompt_scale))
     homes = [_region(rng, regions) for _ in range(tenants)]
@@ -91,8 +94,11 @@ def multi_tenant(*, seed: int = 0, rate_rps: float, duration_s: float, prompt_sc
         i = rng.randrange(tenants)
         user = f"tenant{i:03d}-u{rng.randrange(USERS_PER_TENANT)}"
         question = [ROLE_MARKERS["user"], *_words(f"{seed}:mt{n}:question", question_len - 1)]
+        region = homes[i]
+        if abroad and rng.random() < abroad:
+            region = rng.choice([r for r in regions if r != region])
         arrivals.append(SimRequest(f"mt{n}", user, [*prefixes[i], *question], rng.randint(100, 300), arrival_s=t,
-                                   region=homes[i]))
+                                   region=region))
     return Workload("multi_tenant", f"{tenants} tenants, prefix {prefix_len} + question {question_len} tokens, "
                     f"Poisson {rate_rps:.2f} req/s for {duration_s:g} s: {len(arrivals)} requests", arrivals=arrivals)
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from skylb import PROTOCOL_VERSION
 from skylb.core import PeerStatus
 from skylb.core.held_prefixes import MAX_STATUS_PREFIXES
+from skylb.core.kv_index import MAX_SUMMARY_BLOCKS
 from skylb.tokens import secret_matches
 
 __all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SERVED_BY_HEADER", "MODEL_HEADER",
@@ -67,8 +68,8 @@ def answer_complete(http_request) -> int | None:
 
 #: The longest client request id kept as a label (characters); longer or non-printable ones are dropped.
 MAX_CLIENT_ID_CHARS = 128
-#: A status is a few hundred bytes (up to about 9.2 KiB more with a sibling's prefixes); anything much larger is not
-#: one.
+#: A status is a few hundred bytes (up to about 9.2 KiB more with a sibling's prefixes, as much with a region summary
+#: of KV-cache blocks); anything much larger is not one.
 MAX_STATUS_BYTES = 1 << 20
 
 
@@ -99,9 +100,13 @@ class _StatusMessage(BaseModel):
     # whole status, and so its routing, unreadable.
     model_cards: dict[str, dict[str, Any]] | None = None
     # A sibling's prefix hashes (skylb/core/held_prefixes.py); added later, optional both ways. Any list is accepted
-    # and only unsigned 64-bit ints are kept, the newest MAX_STATUS_PREFIXES (_prefix_hashes), for the same reason.
+    # and only unsigned 64-bit ints are kept, the newest MAX_STATUS_PREFIXES (_hashes), for the same reason.
     prefixes: list[Any] | None = None
     prefix_seq: Annotated[int, Field(ge=0)] | None = None
+    # The region summary of KV-cache blocks (skylb/core/kv_index.py BlockIndex.summary); added later, optional both
+    # ways, kept as the prefixes are (_hashes: unsigned 64-bit ints, at most MAX_SUMMARY_BLOCKS).
+    blocks: list[Any] | None = None
+    block_size: Annotated[int, Field(ge=1)] | None = None
 
 
 def encode_status(status: PeerStatus) -> bytes:
@@ -117,7 +122,8 @@ def decode_status(data: bytes) -> PeerStatus:
     Raises ProtocolError on more than MAX_STATUS_BYTES, bad msgpack, a non-map, another protocol version, or a
     missing or mistyped field (counts must be non-negative integers; ``models`` maps API -> model -> count;
     ``model_cards`` model -> a map of fields, of which only strings, numbers, bools and nulls are kept; ``prefixes``
-    a list of which only unsigned 64-bit ints are kept, the newest MAX_STATUS_PREFIXES).
+    a list of which only unsigned 64-bit ints are kept, the newest MAX_STATUS_PREFIXES; ``blocks`` the same, the
+    first MAX_SUMMARY_BLOCKS).
     """
     if len(data) > MAX_STATUS_BYTES:
         raise ProtocolError(f"peer status is {len(data)} bytes, more than {MAX_STATUS_BYTES}")
@@ -140,14 +146,18 @@ def decode_status(data: bytes) -> PeerStatus:
                       queue_age_ms=msg.queue_age_ms, dispatch_rate=msg.dispatch_rate,
                       backlog_tokens=msg.backlog_tokens, prefill_fixed_ms=msg.prefill_fixed_ms,
                       prefill_ms_per_token=msg.prefill_ms_per_token, model_cards=_scalar_cards(msg.model_cards),
-                      prefixes=_prefix_hashes(msg.prefixes), prefix_seq=msg.prefix_seq)
+                      prefixes=_hashes(msg.prefixes, MAX_STATUS_PREFIXES, newest_last=True),
+                      prefix_seq=msg.prefix_seq, blocks=_hashes(msg.blocks, MAX_SUMMARY_BLOCKS),
+                      block_size=msg.block_size)
 
 
-def _prefix_hashes(hashes: list | None) -> tuple[int, ...] | None:
-    """The newest MAX_STATUS_PREFIXES of ``hashes`` that are unsigned 64-bit ints (a bool is not one)."""
+def _hashes(hashes: list | None, limit: int, *, newest_last: bool = False) -> tuple[int, ...] | None:
+    """The ``limit`` newest of ``hashes`` (the last ones with ``newest_last``, else the first) that are unsigned
+    64-bit ints (a bool is not one)."""
     if hashes is None:
         return None
-    return tuple(h for h in hashes[-MAX_STATUS_PREFIXES:] if type(h) is int and 0 <= h < 1 << 64)
+    kept = hashes[-limit:] if newest_last else hashes[:limit]
+    return tuple(h for h in kept if type(h) is int and 0 <= h < 1 << 64)
 
 
 def _scalar_cards(cards: dict[str, dict] | None) -> dict[str, dict] | None:

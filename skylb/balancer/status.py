@@ -75,6 +75,7 @@ def detailed_status(balancer: Balancer) -> dict:
              "queue_len": p.queue_len, "forwarded": p.forwarded, "models": p.models, "outstanding": p.outstanding,
              "wait_ms": _ms(p.wait_s), "queue_age_ms": _ms(p.queue_age_s), "rtt_ms": _ms(p.rtt_s),
              "dispatch_rate": p.dispatch_rate, "prefixes": len(p.prefixes),
+             "kv_summary_blocks": None if p.blocks is None else len(p.blocks),
              "probe_interval_ms": _probe_interval_ms(balancer, "peer", p.region),
              "ejections": p.ejections, "ejected_for_s": _left(p.ejected_until, now),
              "available": router.peer_available(p, now),
@@ -121,10 +122,11 @@ def _left(until: float | None, now: float) -> float | None:
 
 
 def _peer_status(status: PeerStatus) -> dict:
-    """``status`` as a dict for operators: the prefix hashes shared with siblings (up to MAX_STATUS_PREFIXES)
-    counted, not listed."""
+    """``status`` as a dict for operators: the prefix hashes shared with siblings (up to MAX_STATUS_PREFIXES) and
+    the region summary's block hashes (up to MAX_SUMMARY_BLOCKS) counted, not listed."""
     out = dataclasses.asdict(status)
     out["prefixes"] = None if status.prefixes is None else len(status.prefixes)
+    out["blocks"] = None if status.blocks is None else len(status.blocks)
     return out
 
 

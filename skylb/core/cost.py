@@ -20,7 +20,7 @@ when it has any), ``slot_wait_r = (waiting_r
 past the batch's limit there, ``limit_r`` its slots or learned admission capacity, ``service_s_r`` its measured
 mean time from dispatch to the end of a response), ``ahead_p`` the requests queued at the peer that will go before
 this one (all of them, or none when this request is older than the peer's oldest: it keeps its age there), and
-``m`` the cached prefix: the replica trie's match locally, the regional snapshot's match for a peer.
+``m`` the cached prefix: the replica trie's match locally; for a peer, its region summary of KV-cache blocks, else the regional snapshot's match.
 
 Units: tokens, seconds. Pure: no clock, no I/O.
 """

@@ -18,17 +18,29 @@ Pure: no I/O, no clock, no thread; the subscriber (:mod:`skylb.engines.kv_subscr
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import NamedTuple
 
-__all__ = ["BlockIndex", "Holder", "ReplicaEvents", "DEFAULT_MAX_BLOCKS"]
+__all__ = ["BlockIndex", "Holder", "ReplicaEvents", "DEFAULT_MAX_BLOCKS", "SUMMARY_STRIDE", "MAX_SUMMARY_BLOCKS",
+           "summary_sampled"]
 
 #: Default bound of the index, in blocks: 10^6 blocks of 16 tokens are 16M tokens of KV cache, about 500 replicas
 #: of 32k-token Llama-3.1-8B caches; about 100 MiB of index, 145 MiB at the allocator's high-water mark once evicting
 #: (bench/results/kv_index.md).
 DEFAULT_MAX_BLOCKS = 1_000_000
+#: A block is in the region summary a balancer sends its peers (:meth:`BlockIndex.summary`) when its hash is a
+#: multiple of this: one block in 8 on average, wherever it sits in its prompt (the hashes are uniform).
+SUMMARY_STRIDE = 8
+#: The most block hashes one summary carries (the most recently stored; 9 bytes each in msgpack: about 9.2 KiB).
+MAX_SUMMARY_BLOCKS = 1024
+
+
+def summary_sampled(block_hash: int) -> bool:
+    """Whether a block with this hash is one a region summary carries (its hash a multiple of SUMMARY_STRIDE)."""
+    return block_hash % SUMMARY_STRIDE == 0
 
 
 class Holder(NamedTuple):
@@ -92,6 +104,9 @@ class BlockIndex:
         #: Counts the changes a query could see (stores, removals, drops, a stream turning live or stale): a router
         #: keeps an answer for one decision only while this is unchanged.
         self.changes = 0
+        #: The sampled hashes (``summary_sampled``) stored lately, oldest first, at most 2 x MAX_SUMMARY_BLOCKS;
+        #: those no longer held are dropped when :meth:`summary` meets them.
+        self._sampled: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
         """Blocks in the index (those of dropped replicas included until touched or evicted)."""
@@ -174,6 +189,7 @@ class BlockIndex:
         bit = 1 << slot
         blocks, live = self._blocks, self._live_mask
         added = 0
+        sampled, stride = self._sampled, SUMMARY_STRIDE
         for h in block_hashes:
             mask = blocks.pop(h, 0)  # pop and put back: the block becomes the most recent
             if mask & ~live:
@@ -182,9 +198,14 @@ class BlockIndex:
                 mask |= bit
                 added += 1
             blocks[h] = mask
+            if not h % stride:
+                sampled[h] = None
+                sampled.move_to_end(h)
         self._count[slot] += added
         if len(blocks) > self.max_blocks:
             self._evict()
+        while len(sampled) > 2 * MAX_SUMMARY_BLOCKS:
+            sampled.popitem(last=False)
 
     def remove(self, replica: str, block_hashes: Iterable[int], *, medium: str | None = None) -> None:
         """``replica`` evicted these blocks from ``medium`` (vLLM ``BlockRemoved``), whatever their LoRA id."""
@@ -249,6 +270,32 @@ class BlockIndex:
         for r in remaining:
             result[r] = len(block_hashes)
         return result
+
+    def summary(self, limit: int = MAX_SUMMARY_BLOCKS) -> tuple[int, ...]:
+        """The region summary a balancer sends its peers: up to ``limit`` hashes of the blocks its live replicas
+        hold now among the sampled ones (``summary_sampled``), the most recently stored first.
+
+        A prompt's block hashes are chained, so a peer that finds the request's i-th block hash here knows this
+        region holds (or held, until its next summary) the prompt's first i + 1 blocks; sampling one block in
+        SUMMARY_STRIDE keeps the summary small and places the deepest sampled block, on average, SUMMARY_STRIDE
+        blocks before the end of what is held. O(limit) dict lookups."""
+        live = 0
+        for replica, bits in self._replica_bits.items():
+            if self.is_live(replica):
+                live |= bits
+        blocks, out, gone = self._blocks, [], []
+        if not live:
+            return ()
+        for h in reversed(self._sampled):
+            if blocks.get(h, 0) & live:
+                out.append(h)
+                if len(out) >= limit:
+                    break
+            else:
+                gone.append(h)
+        for h in gone:
+            del self._sampled[h]
+        return tuple(out)
 
     def block_sizes(self) -> set[int]:
         """The block sizes (tokens) live replicas reported: a request's hashes are computed with one of them."""

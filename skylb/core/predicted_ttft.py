@@ -82,13 +82,16 @@ class PredictedTTFT:
             wait = max(wait, service / max(1, replica.outstanding or 1))
         return wait
 
-    def choose(self, c: Candidates, match: Callable[[Sequence[str]], Match], snapshot: Callable[[set[str]], Match],
+    def choose(self, c: Candidates, match: Callable[[Sequence[str]], Match],
+               peer_fractions: Callable[[Sequence[PeerState]], dict[str, float]],
                threshold: float, default_prompt_tokens: int,
                guard: Callable[[Sequence[ReplicaState]], ReplicaState | None] | None = None,
                ) -> tuple[str, ReplicaState | PeerState | None]:
         """The cheapest candidate of ``c``: ("local", replica), ("push", replica), ("peer", peer) or ("hold",
-        None). ``match(ids)``: the replica trie's match of the request among replica ids; ``snapshot(regions)``:
-        the regional snapshot's; a match below ``threshold`` of the prompt counts as none."""
+        None). ``match(ids)``: the replica trie's match of the request among replica ids, a match below
+        ``threshold`` of the prompt counting as none; ``peer_fractions(peers)``: {region: fraction of the prompt
+        cached there} for the peers that hold any (PrefixLocality.peer_fractions: the region summaries of
+        KV-cache blocks, else the regional snapshot)."""
         request = c.request
         tokens = prompt_tokens(request)
         busy = c.busy
@@ -129,13 +132,11 @@ class PredictedTTFT:
                     best_kind, best_target, best_s = "push", r, s + margin
         peers = c.reachable if request.may_forward else []
         if peers:
-            regions = {p.region for p in peers}
-            sm = snapshot(regions)
-            shit = sm.targets if sm.targets and sm.ratio >= threshold else frozenset()
+            held = peer_fractions(peers)
             age = c.now - request.queued_since
             fallback = self.line(c.local[0]) if c.local else (self.line(busy[0]) if busy else self.prefill.prior)
             for p in sorted(peers, key=lambda p: p.region):
-                un = tokens * (1.0 - sm.ratio) if p.region in shit else tokens
+                un = tokens * (1.0 - held.get(p.region, 0.0))
                 s = peer_ttft_s(p, uncached_tokens=un, age_s=age, default_prompt_tokens=default_prompt_tokens,
                                 fallback=fallback)
                 # A peer without room only takes a request whose turn comes sooner there by a wider margin: under

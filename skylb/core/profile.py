@@ -231,6 +231,14 @@ class Profile:
                 return learner.share_prefixes()
         return None
 
+    def held_blocks(self) -> tuple[tuple[int, ...], int] | None:
+        """The region summary of KV-cache blocks and their tokens per block, for peers (the first learner that keeps
+        one: ``PrefixLocality.held_blocks``), or None (no block index, or a profile without)."""
+        for learner in self.learners:
+            if hasattr(learner, "held_blocks"):
+                return learner.held_blocks()
+        return None
+
     def replica_unavailable_reason(self, replica: ReplicaState) -> str | None:
         """The first filter's objection to ``replica``, or None."""
         for f in self.filters:

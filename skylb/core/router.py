@@ -761,7 +761,8 @@ class Router:
         dialect every model a local replica serves with how many of those replicas are available now (0 included,
         so a peer knows the model is served here even when all are busy), what those replicas' engines say of each
         model (``peer_card``), and the policy's estimated wait on the best available replica (ms; None without one
-        or without an estimate); with a sibling, the prefixes its replicas hold lately (``PeerStatus.prefixes``)."""
+        or without an estimate); with a sibling, the prefixes its replicas hold lately (``PeerStatus.prefixes``);
+        following KV-cache events, the region summary of the blocks its replicas hold (``PeerStatus.blocks``)."""
         available = self.available_replicas(now)
         available_ids = {r.id for r in available}
         models: dict[str, dict[str, int]] = {}
@@ -781,6 +782,9 @@ class Router:
         shared = self.policy.share_prefixes() if any(p.sibling for p in self.peers.values()) else None
         if shared is not None:
             extra = {**extra, "prefixes": shared[0], "prefix_seq": shared[1]}
+        held = self.policy.held_blocks()  # with KV-cache events: what the region's engines hold (kv_index.py)
+        if held is not None:
+            extra = {**extra, "blocks": held[0], "block_size": held[1]}
         return PeerStatus(region=self.region, available_replicas=len(available),
                           replicas=sum(1 for r in self.replicas.values() if not r.draining),
                           queue_len=len(self.queue), models=models,

@@ -206,6 +206,10 @@ class PeerStatus:
         prefixes: 64-bit hashes of the prompt prefixes it placed on its own replicas lately, oldest first, at most
             ``MAX_STATUS_PREFIXES``; prefix_seq: how many it added ever (skylb/core/held_prefixes.py). Said only by
             a balancer that has a sibling, else None (an older peer says neither).
+        blocks: its region summary of KV-cache blocks (skylb/core/kv_index.py ``BlockIndex.summary``): hashes of
+            blocks its replicas hold now, one in ``SUMMARY_STRIDE`` of them, at most ``MAX_SUMMARY_BLOCKS``;
+            block_size: their tokens per block. Said only by a balancer following its engines' KV-cache events,
+            else None.
     """
 
     region: str
@@ -222,6 +226,8 @@ class PeerStatus:
     model_cards: dict[str, dict[str, str | int | float | bool | None]] | None = None
     prefixes: tuple[int, ...] | None = None
     prefix_seq: int | None = None
+    blocks: tuple[int, ...] | None = None
+    block_size: int | None = None
 
 
 @dataclass
@@ -248,6 +254,9 @@ class PeerState:
             ``Router.set_peers`` from its membership.
         prefixes: for a sibling, the prompt prefixes its statuses said its own replicas hold (bounded:
             skylb/core/held_prefixes.py); empty for another region's balancer, whose statuses' are not kept.
+        blocks, block_size: the region summary of KV-cache blocks of its latest status (``PeerStatus.blocks``,
+            replaced by each status, so blocks its engines evicted leave it), and their tokens per block; None when
+            its latest status had none (its engines publish no events, or an older peer).
     """
 
     region: str
@@ -278,6 +287,8 @@ class PeerState:
     prefill_line: PrefillLine | None = None
     sibling: bool = False
     prefixes: SiblingPrefixes = field(default_factory=SiblingPrefixes, repr=False)
+    blocks: frozenset[int] | None = field(default=None, repr=False)
+    block_size: int | None = None
     #: Seconds its status stays fresh beyond the rules' staleness, while adaptive probing backs off (see
     #: ``ReplicaState.stale_grace_s``).
     stale_grace_s: float = 0.0
@@ -304,6 +315,10 @@ class PeerState:
                                              max(0.0, status.prefill_ms_per_token) / 1e3)
                                  if status.prefill_fixed_ms is not None and status.prefill_ms_per_token is not None
                                  else None)
+            if status.blocks is not None and status.block_size:
+                self.blocks, self.block_size = frozenset(status.blocks), status.block_size
+            else:
+                self.blocks = self.block_size = None
             if self.sibling and status.prefixes is not None:
                 self.prefixes.merge(status.prefixes[-MAX_STATUS_PREFIXES:], status.prefix_seq)
             if rtt_s is not None and rtt_s >= 0:

@@ -20,7 +20,7 @@ __all__ = ["ForwardQueued"]
 
 class ForwardQueued:
     """Rule: the reachable peer whose queue head is youngest relative to the request's age, by more than the round
-    trip, the prefill lost (local match ratio less the peer's snapshot match, at the configured rate) and
+    trip, the prefill lost (local match ratio less the peer's, PrefixLocality.peer_fractions, at the configured rate) and
     ``margin_s``; None when none is (or none reports its queue age and dispatch rate)."""
 
     def __init__(self, locality: PrefixLocality, wait: WaitModel, margin_s: float):
@@ -34,13 +34,13 @@ class ForwardQueued:
         loc = self.locality
         local = loc.replica_match(request, loc.replicas)
         local_ratio = local.ratio if local.targets and local.ratio >= loc.threshold else 0.0
-        targets, ratio = loc.matched(request, loc.snapshot_trie, {p.region for p in peers})
+        held = loc.peer_fractions(request, peers)
         best, best_gain = None, 0.0
         for p in sorted(peers, key=lambda p: p.region):
             if p.queue_age_s is None or not p.dispatch_rate or p.rtt_s is None or p.probed_at is None:
                 continue
             ahead_s = p.queue_age_s + (now - p.probed_at) + p.sent_since_probe / p.dispatch_rate
-            lost = max(0.0, local_ratio - (ratio if p.region in targets else 0.0))
+            lost = max(0.0, local_ratio - held.get(p.region, 0.0))
             gain = age - ahead_s - p.rtt_s - self.wait.prefill_s(tokens * lost) - self.margin_s
             if gain > best_gain:
                 best, best_gain = p, gain

@@ -43,7 +43,7 @@ class PredictedTTFTPlacement:
         request, loc = c.request, self.locality
         kind, target = self.ttft.choose(
             c, match=lambda ids: loc.replica_match(request, ids),
-            snapshot=lambda regions: loc.snapshot_trie.match(loc.key(request), regions),
+            peer_fractions=lambda peers: loc.peer_fractions(request, peers),
             threshold=loc.threshold, default_prompt_tokens=self.default_prompt_tokens, guard=self._guard)
         if (kind == "local" and self.hold is not None and len(c.local) < c.replicas and c.busy
                 and self.hold.holds(request, target, c.busy, c.queued)):

@@ -1,6 +1,6 @@
 """Forwarding on the estimate (a then Rule of the default profile): a request goes to an available peer when that
-peer's estimated wait (from its status), plus the measured round trip, plus the prefill of the part its snapshot
-match does not cover, beats the local pick's estimate (estimated_ttft.py) by ``forward_margin_s``, even though a
+peer's estimated wait (from its status), plus the measured round trip, plus the prefill of the part it is not
+expected to hold (its region summary of KV-cache blocks, else the snapshot match), beats the local pick's estimate (estimated_ttft.py) by ``forward_margin_s``, even though a
 local replica has room. Both sides are priced at the local replica's rate: pricing the local prefill at its measured
 rate (TTFT / prompt tokens, which holds each step's fixed cost) and a peer's at the configured one sent short
 prompts abroad with every local queue empty (43% of Arena's requests forwarded under symmetric load).
@@ -23,7 +23,8 @@ class PreferFasterPeer:
 
     Args:
         estimate: the local picker, whose ``local_costs`` prices the local pick.
-        locality: the tries (the regional snapshot's match prices a peer's cached prefix).
+        locality: the tries and summaries (``peer_fractions``: a peer's region summary of KV-cache blocks, else
+            the regional snapshot's match, prices its cached prefix).
         wait: the wait model (prefill seconds of tokens). forward_margin_s: the margin, s.
         default_prompt_tokens: the length assumed for each request forwarded to a peer since its status, tokens.
     """
@@ -39,10 +40,10 @@ class PreferFasterPeer:
             return None
         request = c.request
         local_s = self.estimate.local_costs(request, [picked])[picked.id]
-        targets, ratio = self.locality.matched(request, self.locality.snapshot_trie, {p.region for p in c.peers})
+        held = self.locality.peer_fractions(request, c.peers)
         best, best_s = None, local_s - self.forward_margin_s
         for p in sorted(c.peers, key=lambda p: p.region):
-            cost = self.peer_cost_s(request, p, ratio if p.region in targets else 0.0, picked)
+            cost = self.peer_cost_s(request, p, held.get(p.region, 0.0), picked)
             if cost is not None and cost < best_s:
                 best, best_s = p, cost
         return best
@@ -51,7 +52,7 @@ class PreferFasterPeer:
                     replica: ReplicaState | None = None) -> float | None:
         """Estimated seconds to ``request``'s first token through ``peer`` (its status's wait, the round trip, the
         requests forwarded there since that status spread over its available replicas, and the prefill of the
-        part of the prompt not matched (``ratio``) in the regional snapshot); None when the peer gave no wait or
+        part of the prompt it is not expected to hold (``ratio`` held: PrefixLocality.peer_fractions)); None when the peer gave no wait or
         its round trip is not measured yet. Prefill is priced at ``replica``'s measured rate when given (the local
         replica it is compared with: the same model, so the same rate there), else at the configured rate."""
         if peer.wait_s is None or peer.rtt_s is None:

@@ -10,6 +10,14 @@ With a block index attached (``attach_kv_index``: engines publishing KV-cache ev
 is matched exactly on the replicas whose events are live, and by the trie on the others (kv_locality.py); the
 answer is kept while the index is unchanged. Without one, nothing differs from the tries alone.
 
+Across regions, exactly (``peer_fractions``): a balancer following its engines' KV-cache events tells its peers a
+bounded summary of the blocks its region holds (``held_blocks``: kv_index.py ``BlockIndex.summary``, one block in
+``SUMMARY_STRIDE``, the most recent ``MAX_SUMMARY_BLOCKS``). A request with block hashes is then matched on each
+peer that sent one by the deepest of its sampled block hashes that peer holds: the chain makes that block's whole
+prefix held there, ``(i + 1) x block_size`` tokens, which may be up to about ``SUMMARY_STRIDE`` blocks short of the
+truth, never longer (until the peer's next status). Peers without a summary, and requests without block hashes,
+keep the regional snapshot trie's guess. Every plugin that prices a peer's cached prefix reads ``peer_fractions``.
+
 Across siblings (balancers of one region; skylb/core/held_prefixes.py): once asked for its shared prefixes
 (``share_prefixes``, by a router that has a sibling) it also records the prefix hashes of each prompt placed on a
 local replica, for its status; ``sibling_match`` finds a request's deepest prefix among what siblings shared. A
@@ -21,7 +29,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from skylb.core.held_prefixes import HeldPrefixes, prefix_hashes
-from skylb.core.kv_index import BlockIndex
+from skylb.core.estimate import prompt_tokens
+from skylb.core.kv_index import BlockIndex, summary_sampled
 from skylb.core.plugins.kv_locality import CachedMatch, KVLocality
 from skylb.core.plugins.scoring import trie_key
 from skylb.core.prefix_trie import Match, PrefixTrie
@@ -54,6 +63,8 @@ class PrefixLocality:
         #: The prefixes placed on local replicas lately, for siblings; None until ``share_prefixes`` is first called.
         self.held: HeldPrefixes | None = None
         self._hash_memo: tuple[object, list[int]] | None = None
+        self._peer_memo: tuple[object, tuple, dict[str, float]] | None = None
+        self._sampled_memo: tuple[object, list[tuple[int, int]]] | None = None
 
     def attach_kv_index(self, index: BlockIndex) -> None:
         """Match requests with block hashes exactly on the replicas whose KV-cache events ``index`` follows."""
@@ -132,6 +143,49 @@ class PrefixLocality:
             return [0.0] * len(candidates)
         targets, ratio = m.targets, m.ratio
         return [ratio if c.id in targets else 0.0 for c in candidates]
+
+    def held_blocks(self) -> tuple[tuple[int, ...], int] | None:
+        """(the region summary of KV-cache blocks, tokens per block) for this balancer's status, or None without a
+        block index or a live replica that reported its block size (several sizes: the smallest, so a peer
+        under-counts rather than over-counts)."""
+        if self.kv is None:
+            return None
+        sizes = self.kv.index.block_sizes()
+        if not sizes:
+            return None
+        return self.kv.index.summary(), min(sizes)
+
+    def peer_fractions(self, request: Request, peers: Sequence[PeerState]) -> dict[str, float]:
+        """{peer region: fraction of ``request``'s prompt expected cached there, at least ``threshold``} for the
+        ``peers`` that hold any; others are absent (0).
+
+        A peer with a region summary of KV-cache blocks, for a request with block hashes: the deepest sampled
+        block hash of the request it holds, (i + 1) x its block size tokens (module docstring). The others: the
+        regional snapshot trie's deepest match among them, for its targets. Kept for the decision (the same request
+        and the same peers' summaries)."""
+        exact = [p for p in peers if p.blocks is not None] if request.block_hashes is not None else []
+        key = (frozenset(p.region for p in peers), tuple((p.region, id(p.blocks)) for p in exact))
+        memo = self._peer_memo
+        if memo is not None and memo[0] is request and memo[1] == key:
+            return memo[2]
+        out: dict[str, float] = {}
+        others = {p.region for p in peers if p.blocks is None or request.block_hashes is None}
+        if others:
+            targets, ratio = self.matched(request, self.snapshot_trie, others)
+            out.update((t, ratio) for t in targets)
+        if exact:
+            if self._sampled_memo is None or self._sampled_memo[0] is not request:
+                self._sampled_memo = (request, [(i, h) for i, h in enumerate(request.block_hashes)
+                                                if summary_sampled(h)][::-1])
+            sampled, tokens = self._sampled_memo[1], prompt_tokens(request)
+            for p in exact:
+                held = p.blocks
+                depth = next((i + 1 for i, h in sampled if h in held), 0)
+                fraction = min(1.0, depth * p.block_size / tokens)
+                if fraction >= self.threshold:
+                    out[p.region] = fraction
+        self._peer_memo = (request, key, out)
+        return out
 
     def share_prefixes(self) -> tuple[tuple[int, ...], int]:
         """(prefix hashes, count added ever) of the prompts lately placed on local replicas, for a status to

@@ -43,7 +43,8 @@ class PrefixMatch:
 
 
 class SnapshotMatch:
-    """PeerPicker: the peer with most room among those holding the deepest regional-snapshot match (at least
+    """PeerPicker: the peer with most room among those holding the largest fraction of the prompt
+    (PrefixLocality.peer_fractions: a region summary of KV-cache blocks, else the regional snapshot's match; at least
     ``locality.threshold``); else the peer with most room."""
 
     def __init__(self, locality: PrefixLocality):
@@ -51,8 +52,8 @@ class SnapshotMatch:
 
     def pick(self, request: Request, candidates: Sequence[PeerState]) -> PeerState:
         """The pick among ``candidates`` (non-empty, peers with room)."""
-        by_region = {c.region: c for c in candidates}
-        m = self.locality.snapshot_trie.match(self.locality.key(request), by_region)
-        if m.targets and m.ratio >= self.locality.threshold:
-            return most_room([by_region[t] for t in sorted(m.targets)])
+        held = self.locality.peer_fractions(request, candidates)
+        if held:
+            best = max(held.values())
+            return most_room([c for c in sorted(candidates, key=lambda c: c.region) if held.get(c.region) == best])
         return most_room(candidates)
