@@ -13,6 +13,10 @@ bit in a small integer per block, so a block held by up to 8 holders costs one d
 (``bench/kv_index_memory.py`` measures the RSS). Dropping a replica (stream lost, reconnect, ``AllBlocksCleared``)
 is O(1): its bits are retired and stripped from blocks lazily, when a block is next touched or evicted.
 
+For peers, :meth:`BlockIndex.summary` gives a bounded region summary: the hashes of the held blocks whose hash is a
+multiple of ``SUMMARY_STRIDE``, the most recently stored first (skylb/core/plugins/prefix_locality.py
+``peer_fractions`` reads a peer's).
+
 Pure: no I/O, no clock, no thread; the subscriber (:mod:`skylb.engines.kv_subscriber`) feeds it in the event loop.
 """
 
