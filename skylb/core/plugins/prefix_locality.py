@@ -161,8 +161,8 @@ class PrefixLocality:
 
         A peer with a region summary of KV-cache blocks, for a request with block hashes: the deepest sampled
         block hash of the request it holds, (i + 1) x its block size tokens (module docstring). The others: the
-        regional snapshot trie's deepest match among them, for its targets. Kept for the decision (the same request
-        and the same peers' summaries)."""
+        regional snapshot trie's deepest match among them, for its targets. Kept while the request, the peers and their
+        summaries are the same and nothing was routed (the snapshot trie changes only then)."""
         exact = [p for p in peers if p.blocks is not None] if request.block_hashes is not None else []
         key = (frozenset(p.region for p in peers), tuple((p.region, id(p.blocks)) for p in exact))
         memo = self._peer_memo
@@ -216,7 +216,7 @@ class PrefixLocality:
     def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
         """Record ``request``'s prompt for ``replica`` (replica trie; and for siblings once they are told) or
         ``peer`` (snapshot trie)."""
-        self._memo = self._exact_memo = None
+        self._memo = self._exact_memo = self._peer_memo = None
         if replica is not None:
             self.replica_trie.insert(self.key(request), replica)
             if self.held is not None:
