@@ -53,13 +53,15 @@ def llama() -> dict:
     return {"binary": binary, "model": model, "id": model_alias(model)}
 
 
-def start_llama_servers(procs, llama: dict, names: list[str]) -> list[str]:
-    """Start one llama-server per name (all loading at once), wait until each /health is 200; returns URLs."""
+def start_llama_servers(procs, llama: dict, names: list[str], extra_args: dict[str, list[str]] | None = None
+                        ) -> list[str]:
+    """Start one llama-server per name (all loading at once; ``extra_args``: name -> more flags), wait until each
+    /health is 200; returns URLs."""
     ports = free_ports(len(names))
     started = []
     for name, port in zip(names, ports):
         argv = llama_server_command(port, model_path=llama["model"], binary=llama["binary"], parallel=SLOTS,
-                                    ctx_size=4096, threads=1)
+                                    ctx_size=4096, threads=1, extra_args=(extra_args or {}).get(name, ()))
         started.append(procs.start(argv, name=name))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     for proc, url in zip(started, urls):
@@ -470,3 +472,39 @@ def test_a_json_schema_answer_through_a_forwarding_hop_from_both_clients(procs, 
                        options={"num_predict": 40, "temperature": 0})
     assert seen[-1]["X-SkyLB-Route"] == "peer:eu"
     assert chat.done and json.loads(chat.message.content)["colour"] in ("red", "green", "blue")
+
+
+def test_embeddings_on_a_mixed_fleet_of_real_llama_servers_all_succeed(procs, tmp_path, llama):
+    """Two real llama-servers, one started with ``--embeddings --pooling mean`` and one without (it answers 501
+    "This server does not support embeddings"), behind a static balancer: three openai and three Ollama embedding
+    calls all succeed, each from the one that embeds; the first went to the one without (listed first), whose 501
+    was retried before any byte reached the client and logged once, and it got no other. A balancer with only the one without answers 501
+    with the engine's own words; chat still works there."""
+    cluster = Cluster(procs, tmp_path)
+    no_embeds, embeds = start_llama_servers(procs, llama, ["llama-no-embeddings", "llama-embeddings"],
+                                            extra_args={"llama-embeddings": ["--embeddings", "--pooling", "mean"]})
+    balancer = cluster.start_static_balancer([no_embeds, embeds], engine="llamacpp", region="mixed")
+    url = cluster.balancers["mixed"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    served_by = []
+    for i in range(3):
+        raw = client.embeddings.with_raw_response.create(model=llama["id"], input=f"text number {i}")
+        assert len(raw.parse().data[0].embedding) > 100
+        served_by.append(raw.headers["X-SkyLB-Served-By"])
+        answer = requests.post(f"{url}/api/embed", json={"model": llama["id"], "input": f"ollama {i}"}, timeout=60)
+        assert answer.status_code == 200 and len(answer.json()["embeddings"][0]) > 100
+        served_by.append(answer.headers["X-SkyLB-Served-By"])
+    replicas = {r["url"]: r["id"] for r in cluster.status("mixed")["replicas"]}
+    assert set(served_by) == {f"mixed/{replicas[embeds]}"}
+    lines = [json.loads(line) for line in balancer.log().splitlines() if line.startswith("{")]
+    assert [line["kind"] for line in lines if line.get("event") == "unsupported"] == ["embeddings"]
+
+    cluster.start_static_balancer([no_embeds], engine="llamacpp", region="alone")
+    alone = cluster.balancers["alone"]
+    with pytest.raises(openai.APIStatusError) as err:
+        openai.OpenAI(base_url=f"{alone}/v1", api_key="unused", max_retries=0,
+                      timeout=60).embeddings.create(model=llama["id"], input="text")
+    assert err.value.status_code == 501 and "--embeddings" in err.value.body["message"]
+    chat = requests.post(f"{alone}/v1/chat/completions", timeout=60, json={
+        "model": llama["id"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    assert chat.status_code == 200
