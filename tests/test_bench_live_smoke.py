@@ -369,3 +369,17 @@ def test_concurrency_counts_requests_that_waited_in_an_engine_queue(tmp_path):
     assert engine_queue_waits(log, 32) == [5.0, 900.0]
     result["provenance"] = {"commit": "abc", "machine": {}}
     assert "| skylb " in format_markdown(result) and "not judged" in format_markdown(result)
+
+
+def test_kv_live_runs_the_balancer_routing_by_kv_cache_events(tmp_path):
+    """bench.kv_live end to end on tiny sizes: the balancer given the replicas' event endpoints serves every request
+    of a few seconds of the multi-tenant workload, and the report has its row."""
+    from bench import kv_live
+    out = tmp_path / "kv_live.md"
+    assert kv_live.main(["--systems", "skylb-kv", "--rates", "3", "--duration-s", "2", "--time-scale", "0.05",
+                         "--tenants", "3", "--run-dir", str(tmp_path / "runs"), "--out-md", str(out)]) == 0
+    [row] = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert row["status"] == "ok", row.get("reason")
+    f = row["figures"]
+    assert f["sent"] == row["requests"] > 0 and f["completed"] == f["sent"], f["errors"]
+    assert [r for r in _table_rows(out.read_text()) if r[2] == "skylb-kv"]
