@@ -28,6 +28,7 @@ import json
 import socket
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -76,8 +77,9 @@ def _start_replicas(procs: ProcGroup, *, time_scale: float, kv_cache_tokens: int
     """The emulator's replicas: (base URLs, ``--replica`` flags naming their event endpoints)."""
     ports = free_ports(REPLICAS)
     pub, replay_port = _port_block(REPLICAS), _port_block(REPLICAS)
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{pub}",
-              "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": "kv-events"}
+    # "*" binds the emulator's host, as vLLM binds a wildcard endpoint (another host name it would connect to).
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+              "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv-events"}
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs.skylb("emulator", "--engine", "vllm", "--model", MODEL, "--time-scale", repr(time_scale),
                 "--kv-cache-tokens", str(kv_cache_tokens), "--no-request-log", "--kv-events-config",
@@ -117,9 +119,23 @@ def run_system(name: str, requests: list[Request], *, run_dir: Path, time_scale:
             urls, flags = _start_replicas(procs, time_scale=time_scale, kv_cache_tokens=kv_cache_tokens)
             url = _start_system(procs, name, urls, flags, run_dir / name)
             result = asyncio.run(replay(requests, {"us": url}, model=MODEL, progress=False))
+            events = _events_followed(url) if name.startswith("skylb") else None
     except (RuntimeError, Unavailable, OSError) as exc:
         return {"system": name, "status": "failed", "reason": str(exc)[:2000]}
-    return {"system": name, "status": "ok", "figures": summarize(result.records, result.wall_s)}
+    return {"system": name, "status": "ok", "figures": summarize(result.records, result.wall_s), "kv_events": events}
+
+
+def _events_followed(url: str) -> dict[str, Any]:
+    """What a SkyLB balancer made of its replicas' KV-cache events by the end of a run: replicas whose stream is
+    live, blocks in its index, sequence gaps, and requests hashed before queueing (its /tokenize calls that
+    answered), so a report shows that the events were followed, or were not."""
+    status = json.loads(urllib.request.urlopen(f"{url}/skylb/v1/status?format=json", timeout=10).read())
+    kv = status.get("kv_events") or {"replicas": {}, "blocks": 0}
+    metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    hashed = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("skylb_kv_tokenize_seconds_count") and 'outcome="ok"' in line)
+    return {"live": sum(r["live"] for r in kv["replicas"].values()), "replicas": len(kv["replicas"]),
+            "blocks": kv["blocks"], "gaps": sum(r["gaps"] for r in kv["replicas"].values()), "hashed": int(hashed)}
 
 
 def run(*, systems: Sequence[str], rates: Sequence[float], seeds: Sequence[int], duration_s: float,
@@ -147,6 +163,13 @@ def _f(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _events(row: dict[str, Any]) -> str:
+    e = row.get("kv_events")
+    if not e:
+        return "-"
+    return f"{e['live']}/{e['replicas']} live, {e['blocks']} blocks, {e['hashed']} hashed"
+
+
 def format_markdown(result: dict[str, Any]) -> str:
     """The report: provenance, setup, one table row per run."""
     setup, prov = result["setup"], result["provenance"]
@@ -157,18 +180,21 @@ def format_markdown(result: dict[str, Any]) -> str:
              f"system; the multi-tenant workload ({setup['tenants']} tenants, 750-token prefixes, 150-token questions, Poisson "
              f"arrivals for {setup['duration_s']:g} s, open loop, streamed `/v1/completions`); paired runs (every "
              f"system replays the same requests at a rate and seed). Method: bench/kv_live.py.", "",
-             "| rate req/s | seed | system | ok/sent | TTFT p50 ms | TTFT p90 ms | req/s | out tok/s | prefix hit |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "KV events (SkyLB rows, at the end of the run): replicas whose event stream was live / given, blocks "
+             "in the balancer's index, requests hashed before queueing.", "",
+             "| rate req/s | seed | system | ok/sent | TTFT p50 ms | TTFT p90 ms | req/s | out tok/s | prefix hit "
+             "| KV events |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         f = row.get("figures")
         if not f:
             lines.append(f"| {row['rate_rps']:g} | {row['seed']} | {row['system']} | {row['status']}: "
-                         f"{row.get('reason', '')[:80]} | | | | | |")
+                         f"{row.get('reason', '')[:80]} | | | | | | |")
             continue
         lines.append(f"| {row['rate_rps']:g} | {row['seed']} | {row['system']} | {f['completed']}/{f['sent']} | "
                      f"{_f(f['ttft_p50_ms'], '{:.0f}')} | {_f(f['ttft_p90_ms'], '{:.0f}')} | "
                      f"{_f(f['throughput_rps'], '{:.2f}')} | {_f(f['output_tokens_per_s'], '{:.0f}')} | "
-                     f"{_f(f['prefix_hit_rate'] and 100 * f['prefix_hit_rate'], '{:.1f}%')} |")
+                     f"{_f(f['prefix_hit_rate'] and 100 * f['prefix_hit_rate'], '{:.1f}%')} | {_events(row)} |")
     return "\n".join(lines) + "\n"
 
 

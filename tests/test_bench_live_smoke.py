@@ -382,4 +382,6 @@ def test_kv_live_runs_the_balancer_routing_by_kv_cache_events(tmp_path):
     assert row["status"] == "ok", row.get("reason")
     f = row["figures"]
     assert f["sent"] == row["requests"] > 0 and f["completed"] == f["sent"], f["errors"]
+    events = row["kv_events"]
+    assert events["live"] == events["replicas"] == 4 and events["blocks"] > 0 and events["hashed"] >= f["sent"]
     assert [r for r in _table_rows(out.read_text()) if r[2] == "skylb-kv"]
