@@ -1,13 +1,16 @@
 """Test-side name for the process helpers (they live in bench.procs, shared with `skylb local`), and a check that
 nothing outlives them."""
 
+import contextlib
 import json
+import socket
 import time
 from pathlib import Path
 
 from bench.procs import Proc, ProcGroup, free_port, free_ports, wait_http
 
-__all__ = ["Proc", "ProcGroup", "free_port", "free_ports", "wait_http", "alive_in_groups", "wait_for", "log_events"]
+__all__ = ["Proc", "ProcGroup", "free_port", "free_ports", "wait_http", "alive_in_groups", "wait_for", "log_events",
+           "saturated"]
 
 
 def alive_in_groups(pgids: set[int]) -> list[int]:
@@ -47,3 +50,27 @@ def log_events(log: str, event: str) -> list[dict]:
         if isinstance(value, dict) and value.get("event") == event:
             found.append(value)
     return found
+
+
+@contextlib.contextmanager
+def saturated(replica_url: str, model: str, n: int, max_tokens: int):
+    """Hold n long streamed completions open straight on a replica (not through a balancer), over raw sockets.
+
+    Closing the sockets at the end makes llama-server cancel those requests at once; an unfinished request
+    would otherwise hold up its shutdown (on SIGTERM it waits for its in-flight HTTP requests).
+    """
+    host, port = replica_url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": model, "prompt": "Tell a long story.", "max_tokens": max_tokens,
+                       "ignore_eos": True, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            socks.append(sock)
+            sock.sendall(head + body)
+        yield
+    finally:
+        for sock in socks:
+            sock.close()

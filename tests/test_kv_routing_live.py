@@ -5,10 +5,8 @@ balancer's trie never saw it) is routed to B by its events; once B's stream is g
 
 from __future__ import annotations
 
-import contextlib
 import json
 import secrets
-import socket
 
 import pytest
 import requests
@@ -16,7 +14,7 @@ import requests
 from skylb.balancer.protocol import decode_status
 from skylb.core.kv_hash import request_block_hashes
 from skylb.core.kv_index import summary_sampled
-from tests.procs import free_ports, wait_for
+from tests.procs import free_ports, saturated, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,26 +92,6 @@ def test_a_prefix_cached_behind_the_balancers_back_is_found_by_events_and_by_the
     assert _complete(a_url, "direct to A").status_code == 200  # A serves on, untouched
 
 
-@contextlib.contextmanager
-def _held(base: str, n: int):
-    """Hold ``n`` long streamed completions open straight on a replica; closing the sockets cancels them."""
-    host, port = base.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps({"model": MODEL, "prompt": "a long story", "max_tokens": 4000, "ignore_eos": True,
-                       "stream": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    socks = []
-    try:
-        for _ in range(n):
-            sock = socket.create_connection((host, int(port)), timeout=10)
-            socks.append(sock)
-            sock.sendall(head + body)
-        yield
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def test_a_full_region_forwards_to_the_region_whose_engine_holds_the_prefix(procs, tmp_path):
     """Three static balancers, us, eu and asia, each in front of emulated vLLM replicas publishing events. A prompt
     is cached on eu's replica behind every balancer's back (sent to it directly); us's only replica is kept full
@@ -149,7 +127,7 @@ def test_a_full_region_forwards_to_the_region_whose_engine_holds_the_prefix(proc
     _complete(eu_replica, prompt)
     peer = lambda name: next(p for p in status("us")["peers"] if p["region"] == name)  # noqa: E731
     wait_for(lambda: (peer("eu")["kv_summary_blocks"] or 0) >= 1, "eu's region summary at us")
-    with _held(us_replica, 2):
+    with saturated(us_replica, MODEL, 2, max_tokens=4000):
         wait_for(lambda: status("us")["replicas"][0]["pending"] >= 1, "us's replica full, a request waiting")
         answer = requests.post(f"{urls['us']}/v1/completions", timeout=30, json={
             "model": MODEL, "prompt": prompt + " and one question", "max_tokens": 2})

@@ -8,10 +8,8 @@ builds llama-server first, so on CI it runs.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +25,7 @@ import yaml
 from bench.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
                             model_alias)
 from tests.cluster import Cluster, emulator_gauge, post_json
-from tests.procs import free_ports, wait_http
+from tests.procs import free_ports, saturated, wait_http
 from tests.system import skip_or_fail
 
 RUN_SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "llamacpp" / "run-llama-server.sh"
@@ -70,30 +68,6 @@ def start_llama_servers(procs, llama: dict, names: list[str], extra_args: dict[s
         except (TimeoutError, RuntimeError) as exc:
             raise RuntimeError(f"{proc.name}: {exc}\n--- log ---\n{proc.log()[-4000:]}") from exc
     return urls
-
-
-@contextlib.contextmanager
-def saturated(replica_url: str, model: str, n: int, max_tokens: int):
-    """Hold n long streamed completions open straight on a replica (not through a balancer), over raw sockets.
-
-    Closing the sockets at the end makes llama-server cancel those requests at once; an unfinished request
-    would otherwise hold up its shutdown (on SIGTERM it waits for its in-flight HTTP requests).
-    """
-    host, port = replica_url.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps({"model": model, "prompt": "Tell a long story.", "max_tokens": max_tokens,
-                       "ignore_eos": True, "stream": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    socks = []
-    try:
-        for _ in range(n):
-            sock = socket.create_connection((host, int(port)), timeout=10)
-            socks.append(sock)
-            sock.sendall(head + body)
-        yield
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def wait_model_served(cluster: Cluster, model: str, timeout_s: float = 10.0) -> None:
