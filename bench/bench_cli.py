@@ -454,6 +454,9 @@ LIVE_BENCHMARKS = {
                   "intervals (bench/results/probe_cost.md)",
     "hop_cost": "what one balancer hop costs per request: CPU of one static balancer relaying streamed and whole "
                 "answers at two emulated time scales, per request and per SSE event (bench/results/hop_cost.md)",
+    "kv_live": "routing by the prefix trie vs by the engines' KV-cache events, beside the SGLang router and "
+               "HAProxy: emulated vLLM replicas publishing events, the multi-tenant shared-prefix workload, paired "
+               "runs (bench/results/kv_live.md)",
     "concurrency": "fixed concurrency as inference-perf runs it (16 clients, 4 replicas of batch 4): requests waiting "
                    "behind a full batch, TTFT p99 and throughput beside HAProxy leastconn (bench/results/concurrency.md)",
     "status_page": "a screenshot of the controller's status page on the local three-region deployment under load, "

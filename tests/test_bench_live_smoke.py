@@ -374,7 +374,8 @@ def test_concurrency_counts_requests_that_waited_in_an_engine_queue(tmp_path):
 def test_kv_live_runs_the_balancer_routing_by_kv_cache_events(tmp_path):
     """bench.kv_live end to end on tiny sizes: the balancer given the replicas' event endpoints serves every request
     of a few seconds of the multi-tenant workload, and the report has its row."""
-    from bench import kv_live
+    from bench import bench_cli, kv_live
+    assert "kv_live" in bench_cli.LIVE_BENCHMARKS  # `skylb bench kv_live`
     out = tmp_path / "kv_live.md"
     assert kv_live.main(["--systems", "skylb-kv", "--rates", "3", "--duration-s", "2", "--time-scale", "0.05",
                          "--tenants", "3", "--run-dir", str(tmp_path / "runs"), "--out-md", str(out)]) == 0
