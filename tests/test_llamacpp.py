@@ -25,7 +25,7 @@ import yaml
 from bench.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
                             model_alias)
 from tests.cluster import Cluster, emulator_gauge, post_json
-from tests.procs import free_ports, saturated, wait_http
+from tests.procs import free_ports, log_events, saturated, wait_http
 from tests.system import skip_or_fail
 
 RUN_SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "llamacpp" / "run-llama-server.sh"
@@ -470,8 +470,7 @@ def test_embeddings_on_a_mixed_fleet_of_real_llama_servers_all_succeed(procs, tm
         served_by.append(answer.headers["X-SkyLB-Served-By"])
     replicas = {r["url"]: r["id"] for r in cluster.status("mixed")["replicas"]}
     assert set(served_by) == {f"mixed/{replicas[embeds]}"}
-    lines = [json.loads(line) for line in balancer.log().splitlines() if line.startswith("{")]
-    assert [line["kind"] for line in lines if line.get("event") == "unsupported"] == ["embeddings"]
+    assert [line["kind"] for line in log_events(balancer.log(), "unsupported")] == ["embeddings"]
 
     cluster.start_static_balancer([no_embeds], engine="llamacpp", region="alone")
     alone = cluster.balancers["alone"]

@@ -49,15 +49,7 @@ def _load_lines(procs, replica_url: str) -> list[dict]:
     """The emulator's model_load log lines of the replica at ``replica_url``."""
     text = (procs.log_dir / "emu-ollama.log").read_text(errors="replace")
     name = replica_url.removeprefix("http://")
-    lines = []
-    for line in text.splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if obj.get("event") == "model_load" and obj.get("replica") == name:
-            lines.append(obj)
-    return lines
+    return [obj for obj in log_events(text, "model_load") if obj.get("replica") == name]
 
 
 def test_request_goes_where_its_model_is_hot(procs, tmp_path):
