@@ -351,8 +351,8 @@ class Relay:
         except FramingError as exc:
             error = f"{decision.target} sent a malformed stream: {exc}"
         except ConnectionResetError:  # the client went away (the usage it was sent, if any, stays the answer's)
-            return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure,
-                                usage=tap.usage)
+            return RelayOutcome(response, upstream.status, ttft_s=ttft, error=_disconnected(request),
+                                failure=failure, usage=tap.usage)
         finally:
             idle.close()
         try:
@@ -361,8 +361,8 @@ class Relay:
                 await response.write(_stream_error_event(client_kind, error))
             await response.write_eof()
         except ConnectionResetError:
-            return RelayOutcome(response, upstream.status, ttft_s=ttft, error="client disconnected", failure=failure,
-                                usage=tap.usage)
+            return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error or _disconnected(request),
+                                failure=failure, usage=tap.usage)
         return RelayOutcome(response, upstream.status, ttft_s=ttft, error=error, failure=failure, usage=tap.usage)
 
 
@@ -413,6 +413,12 @@ class _IdleDeadline:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _disconnected(request: web.Request) -> str | None:
+    """The error of a stream whose client went away: none once its last event was on its way (the client has its
+    answer, as protocol.answer_complete says for logs and spans), else "client disconnected"."""
+    return None if ANSWER_COMPLETE in request else "client disconnected"
 
 
 def _answer_complete(request: web.Request, status: int, usage, on_complete: Callable[[], None] | None) -> None:
