@@ -28,8 +28,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from bench.provenance import provenance
-from bench.report import markdown_table, with_provenance
+from bench.reporting.provenance import provenance
+from bench.replay.report import markdown_table, with_provenance
 from tqdm import tqdm
 
 __all__ = ["add_arguments", "main", "run_specs", "render_report"]
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_matrix(sub)
     for name, help_text in LIVE_BENCHMARKS.items():
         live = sub.add_parser(name, help=help_text, add_help=False,
-                              description=f"{help_text}. Options are those of `python -m bench.{name} --help`.")
+                              description=f"{help_text}. Options are those of `python -m {live_module(name)} --help`.")
         live.set_defaults(passes_options=True, rest=[])  # skylb.cli hands the unknown options over in order
     for p in (sim, everything):
         seeds = p.add_mutually_exclusive_group()
@@ -281,7 +281,7 @@ def render_report(results: list, *, seeds: Sequence[int], wall_s: float, jobs: i
     lines += ["**Metrics.** req/s and tok/s: completions per second in the window. TTFT / E2E (s): from the "
               "client's send, over requests sent in the window. hit rate: cached / prompt tokens at the engine. "
               "ideal hit: the same requests through an infinite prefix cache on one replica (every 16-token block "
-              "seen in an earlier request of the run is a hit; bench/ideal.py), a limit no policy can pass. "
+              "seen in an earlier request of the run is a hit; bench/sim/ideal.py), a limit no policy can pass. "
               "ideal (KV): the same cache bounded by every replica's KV blocks pooled, least recently used evicted: "
               "what the deployment's memory allows with perfect routing (still generous: running requests need "
               "KV too). "
@@ -391,7 +391,7 @@ def _replicas_needed_table(rows) -> list[str]:
 
 def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
     try:
-        from bench.plots import plot_fig8, plot_fig9, plot_fig10
+        from bench.sim.plots import plot_fig8, plot_fig9, plot_fig10
     except ModuleNotFoundError as exc:  # matplotlib comes with the bench extra, not the core install
         print(f"skylb bench: no plots ({exc.name} is not installed; `pip install -e '.[bench]'` or `make bench`)",
               file=sys.stderr)
@@ -416,7 +416,7 @@ def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
                                             title=f"Simulated Fig. 9: {SCENARIOS[sc].title}").name
     if "skewed" in present:
         plots["skewed:fig10"] = plot_fig10(results, "skewed", out / f"{prefix}fig10.png").name
-    from bench.plots import plot_sweep
+    from bench.sim.plots import plot_sweep
     from bench.sim.scenarios import SWEEP_LOADS, SWEEP_SYSTEMS, SWEEP_WORKLOADS, sweep_name
     loads = sorted((1.0, *SWEEP_LOADS))
     for wl in SWEEP_WORKLOADS:
@@ -427,7 +427,7 @@ def _write_plots(results: list, out: Path, prefix: str = "") -> dict[str, str]:
     return plots
 
 
-#: Live benchmarks on real processes: `skylb bench NAME ARGS` runs `python -m bench.NAME ARGS`.
+#: Live benchmarks on real processes: `skylb bench NAME ARGS` runs `python -m MODULE ARGS` (``live_module``).
 LIVE_BENCHMARKS = {
     "baselines": "SkyLB beside the SGLang router and HAProxy, each tuned as operators deploy it, on the same "
                  "replicas and workload, in 5 paired runs (bench/results/baselines.md)",
@@ -464,14 +464,25 @@ LIVE_BENCHMARKS = {
 }
 
 
+#: The module of each live benchmark that is not ``bench.live.NAME``.
+_LIVE_ELSEWHERE = {"live": "bench.live.regions", "chaos": "bench.chaos.run",
+                   "eight_regions": "bench.sim.eight_regions_bench", "coordination": "bench.micro.coordination"}
+
+
+def live_module(name: str) -> str:
+    """The module that live benchmark ``name`` (a key of LIVE_BENCHMARKS) runs: ``bench.live.NAME`` unless
+    _LIVE_ELSEWHERE names another."""
+    return _LIVE_ELSEWHERE.get(name, f"bench.live.{name}")
+
+
 def _run_live(name: str, argv: list[str]) -> int:
     """Run live benchmark ``name``: the first Ctrl-C or SIGTERM ends it and every process it started is stopped,
-    whatever signals arrive meanwhile (bench/interrupts.py); then 130, without a traceback."""
+    whatever signals arrive meanwhile (bench/launch/interrupts.py); then 130, without a traceback."""
     import importlib
 
-    from bench import interrupts
+    from bench.launch import interrupts
 
-    module = importlib.import_module(f"bench.{name}")
+    module = importlib.import_module(live_module(name))
     try:
         interrupts.stop_on_signals()
         return int(module.main(argv) or 0)

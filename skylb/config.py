@@ -4,7 +4,7 @@ The same file drives every process: `skylb controller` reads ``controller``, `sk
 ``balancer`` (defaults for all regions) merged with ``regions.R.balancer``, and `skylb local` reads everything
 (regions, replicas per region, emulator, latency matrix, workload). Unknown keys are errors, so a typo never passes
 silently; the ``emulator``, ``latency`` and ``workload`` sections belong to the demo and the benchmarks, which
-validate them themselves (bench/settings.py, bench/workload.py). Units are in the key names (``_ms``, ``_s``,
+validate them themselves (bench/launch/settings.py, bench/replay/workload.py). Units are in the key names (``_ms``, ``_s``,
 ``_tokens``, ``_chars``).
 """
 
@@ -271,7 +271,7 @@ class BalancerConfig(_Strict):
     #: capacity settles on it. Measured in the simulator on the live three-region benchmark's workload
     #: (bench/sim/peers_twin.py, seeds 0-4): P90 TTFT 2429 -> 1829 ms, throughput 23.35 -> 24.13 req/s, learned
     #: limits 3-5 -> 4 on batches of 4, requests waiting at an engine 0.2 -> 0.7 on average; in one region
-    #: (bench/baselines.py's workload) P90 1070 -> 1063 ms, at most 2 waiting either way. 0: none.
+    #: (bench/live/baselines.py's workload) P90 1070 -> 1063 ms, at most 2 waiting either way. 0: none.
     pending_allowance: int = Field(1, ge=0)
     #: How often the dispatcher re-checks the head of the queue when nothing changed (ms).
     dispatch_tick_ms: float = Field(10.0, gt=0)
@@ -466,8 +466,8 @@ class DeploymentConfig(_Strict):
     )
     #: The demo's sections, read and validated, unknown keys included, by the demo and the benchmarks, never by the
     #: balancer or the controller: ``emulator`` (the replicas `skylb local` starts) and ``latency`` (the round trips
-    #: it injects between regions), bench/settings.py; ``workload`` (what `skylb local` and `skylb replay` replay),
-    #: bench/workload.py ``WorkloadConfig``.
+    #: it injects between regions), bench/launch/settings.py; ``workload`` (what `skylb local` and `skylb replay` replay),
+    #: bench/replay/workload.py ``WorkloadConfig``.
     emulator: dict[str, Any] = Field(default_factory=dict)
     latency: dict[str, Any] = Field(default_factory=dict)
     workload: dict[str, Any] = Field(default_factory=dict)

@@ -8,11 +8,11 @@ import uuid
 
 import pytest
 
-from bench import forkstart
+from bench.launch import forkstart
 from tests.procs import ProcGroup
 
 # The balancers, controllers and emulators the tests start (hundreds) are forked from a server that imported them
-# once (bench/forkstart.py): about 0.06 s of CPU each instead of 1 s. SKYLB_TEST_EXEC=1 exec's each one instead.
+# once (bench/launch/forkstart.py): about 0.06 s of CPU each instead of 1 s. SKYLB_TEST_EXEC=1 exec's each one instead.
 if not os.environ.get("SKYLB_TEST_EXEC"):
     forkstart.enable()
 

@@ -1,4 +1,4 @@
-"""Test-side name for the process helpers (they live in bench.procs, shared with `skylb local`), and a check that
+"""Test-side name for the process helpers (they live in bench.launch.procs, shared with `skylb local`), and a check that
 nothing outlives them."""
 
 import contextlib
@@ -7,7 +7,7 @@ import socket
 import time
 from pathlib import Path
 
-from bench.procs import Proc, ProcGroup, free_port, free_ports, wait_http
+from bench.launch.procs import Proc, ProcGroup, free_port, free_ports, wait_http
 
 __all__ = ["Proc", "ProcGroup", "free_port", "free_ports", "wait_http", "alive_in_groups", "wait_for", "log_events",
            "saturated"]

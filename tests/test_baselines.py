@@ -1,4 +1,4 @@
-"""bench/baselines.py without running anything: the systems of a default run and their configuration for the
+"""bench/live/baselines.py without running anything: the systems of a default run and their configuration for the
 cluster, the figures over paired runs, the targets and the report's tables (the live runs are in
 tests/test_bench_live_smoke.py)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench import baselines
-from bench.baselines import DEFAULT_SYSTEMS, SYSTEMS, BaselinesSetup, acceptance, configured, format_markdown
-from bench.replay import SESSION_HEADER
-from bench.sampling import MachineLoad
+from bench.live import baselines
+from bench.live.baselines import DEFAULT_SYSTEMS, SYSTEMS, BaselinesSetup, acceptance, configured, format_markdown
+from bench.replay.run import SESSION_HEADER
+from bench.replay.sampling import MachineLoad
 
 
 def _figures(rps: float, p90: float, peaks: list[int], cpu_ms: float | None = 1.0) -> dict:

@@ -1,6 +1,6 @@
-"""bench/admission.py's measures: what counts as a limit overrun (pure, no processes)."""
+"""bench/live/admission.py's measures: what counts as a limit overrun (pure, no processes)."""
 
-from bench.admission import ModelSpec, overruns, quotas, utilisation
+from bench.live.admission import ModelSpec, overruns, quotas, utilisation
 
 
 def test_concurrency_overruns_counted():

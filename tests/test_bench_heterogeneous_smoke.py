@@ -1,9 +1,9 @@
-"""Smoke test of bench/heterogeneous.py: one short run of the estimated-wait system on real processes renders the
+"""Smoke test of bench/live/heterogeneous.py: one short run of the estimated-wait system on real processes renders the
 report with the seed's Table 3 beside ours."""
 
 from __future__ import annotations
 
-from bench.heterogeneous import SEED_TABLE, HeteroSetup, format_markdown, run_all
+from bench.live.heterogeneous import SEED_TABLE, HeteroSetup, format_markdown, run_all
 
 
 def test_one_short_run_renders_both_tables(tmp_path):

@@ -1,4 +1,4 @@
-"""Smoke tests of the live benchmarks (bench/baselines.py, bench/overhead.py, bench/live.py): tiny sizes, seconds
+"""Smoke tests of the live benchmarks (bench/live/baselines.py, bench/live/overhead.py, bench/live/regions.py): tiny sizes, seconds
 each.
 
 They pin down that each benchmark runs end to end and reports every figure, not the figures themselves. The
@@ -11,13 +11,14 @@ import json
 
 import pytest
 
-from bench import baselines, harness, launchers, live
-from bench.baselines import BaselinesSetup, format_markdown, run_baselines
-from bench.launchers import unavailable_reason
-from bench.live import LIVE_SYSTEMS, REGIONS, LiveSetup, deployment_config, kendall_tau, ranking, simulate_setup
-from bench.overhead import added_latency, decision_time, fill_trie, max_rate, targets, trie_memory
-from bench.sampling import MachineLoad
-from bench.workload import synthetic_workload
+from bench.live import baselines, harness, regions as live
+from bench.launch import launchers
+from bench.live.baselines import BaselinesSetup, format_markdown, run_baselines
+from bench.launch.launchers import unavailable_reason
+from bench.live.regions import LIVE_SYSTEMS, REGIONS, LiveSetup, deployment_config, kendall_tau, ranking, simulate_setup
+from bench.live.overhead import added_latency, decision_time, fill_trie, max_rate, targets, trie_memory
+from bench.replay.sampling import MachineLoad
+from bench.replay.workload import synthetic_workload
 from skylb.core import PrefixTrie
 from tests.system import require_binary
 
@@ -93,7 +94,7 @@ def test_streamed_ramp_counts_whole_streams(tmp_path):
 
 
 def test_targets_judge_what_ran():
-    """The targets of bench/overhead.py: the SGLang ratio from part (a), the decisions from part (d); a target
+    """The targets of bench/live/overhead.py: the SGLang ratio from part (a), the decisions from part (d); a target
     whose part did not run is neither met nor missed."""
     a = {"systems": {"skylb": {"added_p50_ms": 0.6, "added_p50_vs_sglang": 1.2},
                      "sglang": {"added_p50_ms": 0.5}}}
@@ -106,7 +107,7 @@ def test_targets_judge_what_ran():
 def test_baselines_run_against_two_sibling_balancers(tmp_path):
     """One baselines run against two balancers of the region (siblings) completes every request and reports every
     figure; the workload's requests are spread over both siblings. (SkyLB with one balancer: test_baselines_run_skylb_with_one_balancer.)"""
-    from bench.replay import _balancer_for
+    from bench.replay.run import _balancer_for
     result = run_baselines(["skylb-siblings"], setup=TINY, run_dir=tmp_path, progress=False)
     _check_baseline_row(result, "skylb-siblings")
     assert "2 balancers (siblings" in format_markdown(result)
@@ -230,7 +231,7 @@ def test_report_sets_the_simulator_beside_live():
 
 
 def test_benchmark_clis_map_flags_to_their_setup():
-    """bench.baselines and bench.live share one flag set: each flag lands in its setup field, defaults included."""
+    """bench.live.baselines and bench.live.regions share one flag set: each flag lands in its setup field, defaults included."""
     args = live.build_parser().parse_args(["--replicas", "3", "--time-scale", "0.5", "--systems", "skylb"])
     setup = harness.setup_from_args(LiveSetup, args)
     assert (setup.replicas, setup.time_scale, setup.turns, args.systems) == (3, 0.5, LiveSetup().turns, ["skylb"])
@@ -283,7 +284,7 @@ def test_live_report_gives_the_ideal_hit_rate_beside_the_achieved():
 
 def test_demo_accepts_a_trace_window():
     """`skylb local --start-s --window-s --time-compression` set the replayed trace window."""
-    from bench.demo import apply_overrides
+    from bench.launch.demo import apply_overrides
     from skylb.cli import build_parser
     from skylb.config import load_config
     args = build_parser("local").parse_args(["local", "--start-s", "1500", "--window-s", "30",
@@ -309,9 +310,9 @@ def test_baselines_seeds_flag():
 
 
 def test_failover_report_marks_targets_from_the_runs():
-    """bench/failover.py's report: median [min, max] per event; the two-interval target met or MISSED by the
+    """bench/live/failover.py's report: median [min, max] per event; the two-interval target met or MISSED by the
     slowest run; the leader line against 10 s."""
-    from bench.failover import format_markdown
+    from bench.live.failover import format_markdown
 
     run = {"detected_s": 2.0, "failed_over_s": 2.1, "dns_moved_s": 2.1, "recovered_s": 2.5, "dns_back_s": 2.5}
     slow = dict(run, failed_over_s=4.5)
@@ -325,10 +326,10 @@ def test_failover_report_marks_targets_from_the_runs():
 
 
 def test_soak_classifies_streams():
-    """bench/soak.py's outcome of a stream: one id, one finish and one [DONE] is ok; an error chunk is an error
+    """bench/live/soak.py's outcome of a stream: one id, one finish and one [DONE] is ok; an error chunk is an error
     event; two generations spliced are duplicated; a cut stream or a non-API error body is lost. The message of an
     error answer or error chunk is what the report lists."""
-    from bench.soak import classify_stream
+    from bench.live.soak import classify_stream
 
     def sse(*chunks) -> bytes:
         return b"".join(b"data: " + (c if isinstance(c, bytes) else json.dumps(c).encode()) + b"\n\n" for c in chunks)
@@ -343,17 +344,17 @@ def test_soak_classifies_streams():
     assert classify_stream(200, sse(a)) == "lost"
     assert classify_stream(503, b'{"error": {"message": "no replica had room"}}') == "http_503"
     assert classify_stream(502, b"<html>bad gateway</html>") == "lost"
-    from bench.soak import error_message
+    from bench.live.soak import error_message
     assert error_message(sse(a, {"error": {"message": "replica died"}}, b"[DONE]")) == "replica died"
     assert error_message(b'{"error": {"message": "no replica had room"}}') == "no replica had room"
     assert error_message(sse(a, a_end, b"[DONE]")) is None
 
 
 def test_concurrency_counts_requests_that_waited_in_an_engine_queue(tmp_path):
-    """bench.concurrency on a tiny load through SkyLB (2 clients, 2 replicas of batch 1): every request completes
+    """bench.live.concurrency on a tiny load through SkyLB (2 clients, 2 replicas of batch 1): every request completes
     and none waits in an engine queue (the replicas' own log has each one's queue time); a logged wait above the
     threshold is counted, the warm-up's shorter prompts are not."""
-    from bench.concurrency import ConcurrencySetup, engine_queue_waits, format_markdown, run, workload
+    from bench.live.concurrency import ConcurrencySetup, engine_queue_waits, format_markdown, run, workload
     from bench import bench_cli
     assert "concurrency" in bench_cli.LIVE_BENCHMARKS
     setup = ConcurrencySetup(replicas=2, max_num_seqs=1, time_scale=0.05, clients=2, per_client=2, prompt_tokens=32,
@@ -372,9 +373,10 @@ def test_concurrency_counts_requests_that_waited_in_an_engine_queue(tmp_path):
 
 
 def test_kv_live_runs_the_balancer_routing_by_kv_cache_events(tmp_path):
-    """bench.kv_live end to end on tiny sizes: the balancer given the replicas' event endpoints serves every request
+    """bench.live.kv_live end to end on tiny sizes: the balancer given the replicas' event endpoints serves every request
     of a few seconds of the multi-tenant workload, and the report has its row."""
-    from bench import bench_cli, kv_live
+    from bench import bench_cli
+    from bench.live import kv_live
     assert "kv_live" in bench_cli.LIVE_BENCHMARKS  # `skylb bench kv_live`
     out = tmp_path / "kv_live.md"
     assert kv_live.main(["--systems", "skylb-kv", "--rates", "3", "--duration-s", "2", "--time-scale", "0.05",

@@ -1,4 +1,4 @@
-"""bench/calibrate.py: the engine model's fit to llama-server and the side-by-side replay.
+"""bench/live/calibrate.py: the engine model's fit to llama-server and the side-by-side replay.
 
 The pure tests fit the model to timings the model itself produced (the fit must give its parameters back) and
 replay small bursts; the last test runs the whole calibration on a small scale against a real llama-server (it
@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.calibrate import (MAX_REQUESTS, PAPER_PREFILL_512_MS, CalRequest, DecodePoint, FitPlan, PrefillPoint,
+from bench.live.calibrate import (MAX_REQUESTS, PAPER_PREFILL_512_MS, CalRequest, DecodePoint, FitPlan, PrefillPoint,
                              Scenario, SideRun, as_slots, build_parser, calibrate, chunk_probe, compare, decode_points,
                              default_scenarios, fit_decode, fit_prefill, fit_probes, fitted_params, format_markdown,
                              llama_server, paper_check, prefill_points, prompt_words, replay_model, stalls)
@@ -162,7 +162,7 @@ def test_replay_is_bounded_in_requests():
 
 
 def test_cli_is_registered_and_defaults_to_three_repetitions():
-    """`skylb bench calibrate` runs bench.calibrate; it repeats each scenario 3 times and writes calibration.md."""
+    """`skylb bench calibrate` runs bench.live.calibrate; it repeats each scenario 3 times and writes calibration.md."""
     from bench.bench_cli import LIVE_BENCHMARKS
     from skylb.cli import build_parser as skylb_parser
     assert "calibrate" in LIVE_BENCHMARKS
@@ -184,7 +184,7 @@ def test_report_without_llama_server_still_gives_the_paper_check():
 @pytest.fixture(scope="module")
 def llama_paths() -> dict:
     """The cached llama-server binary and the gemma model; skip without them, fail when CI=true."""
-    from bench.llamacpp import LlamaCppUnavailable, gemma_model_path, llama_server_binary
+    from bench.launch.llamacpp import LlamaCppUnavailable, gemma_model_path, llama_server_binary
     try:
         return {"binary": llama_server_binary(build=False), "model": gemma_model_path()}
     except LlamaCppUnavailable as exc:

@@ -10,8 +10,8 @@ import pydantic
 import pytest
 
 from bench.emulator.model import EngineParams, make_engine
-from bench.provenance import provenance, provenance_line
-from bench.report import emit_markdown, with_provenance
+from bench.reporting.provenance import provenance, provenance_line
+from bench.replay.report import emit_markdown, with_provenance
 from bench.sim.calibration import calibration_rows, sweep_rows
 from bench.sim.regime import engine_params, regime, shape
 from bench.sim.scenarios import SCENARIOS, SWEEP_LOADS, RunSpec, execute, sweep_name

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from bench.chaos_client import classify
-from bench.chaos_faults import Fault
-from bench.chaos_measure import split_brain
-from bench.chaos_observe import executions
+from bench.chaos.client import classify
+from bench.chaos.faults import Fault
+from bench.chaos.measure import split_brain
+from bench.chaos.observe import executions
 from bench.sim.workloads import DEFAULT_TRACE
 from tests.procs import free_port
 from tests.system import require_binary
@@ -22,7 +22,7 @@ from tests.system import require_binary
 
 def _trace(tmp_path: Path) -> Path:
     """The real Mooncake trace when this workspace has it, else a small one in its format: sessions whose turns
-    extend each other's hash ids (what bench/workload.py derives sessions from)."""
+    extend each other's hash ids (what bench/replay/workload.py derives sessions from)."""
     real = Path(os.environ.get("SKYLB_TRACE", DEFAULT_TRACE))
     if real.is_file():
         return real
@@ -48,7 +48,7 @@ def test_short_chaos_schedule_loses_and_duplicates_nothing(tmp_path):
     balancers held the region's replicas for a while and then only one did."""
     for binary in ("etcd", "redis-server", "named"):
         require_binary(binary)
-    from bench.chaos import run_once
+    from bench.chaos.run import run_once
     result = run_once(tmp_path / "run", 7, short=True, trace=_trace(tmp_path), clients=2, replicas=2)
     faults = {f["fault"]["kind"]: f for f in result["faults"]}
     assert set(faults) == {"replica_kill", "balancer_kill", "partition", "split_brain"}

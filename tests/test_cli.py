@@ -66,7 +66,7 @@ def test_a_balancer_without_config_runs_on_the_defaults_not_the_demo_file(monkey
 
 
 def test_live_benchmarks_receive_their_options_in_order():
-    """`skylb bench overhead ARGS` hands ARGS to `python -m bench.overhead` unchanged."""
+    """`skylb bench overhead ARGS` hands ARGS to `python -m bench.live.overhead` unchanged."""
     out = _run("bench", "overhead", "--help")
     assert out.returncode == 0 and "--parts" in out.stdout
 

@@ -1,10 +1,10 @@
-"""bench/compare_results.py: equal results agree whatever their wall times; any other field that differs is named."""
+"""bench/sim/compare_results.py: equal results agree whatever their wall times; any other field that differs is named."""
 
 from __future__ import annotations
 
 import json
 
-from bench.compare_results import compare, main
+from bench.sim.compare_results import compare, main
 
 
 def test_run_time_fields_are_skipped_and_figures_compared():

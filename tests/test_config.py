@@ -120,9 +120,9 @@ def test_help_lists_the_environment_variables(command, variables):
 
 
 def test_the_demos_sections_are_checked_by_the_demo_not_the_product(tmp_path):
-    """``emulator`` and ``latency`` belong to the demo: load_config keeps them as given, bench.settings refuses a
+    """``emulator`` and ``latency`` belong to the demo: load_config keeps them as given, bench.launch.settings refuses a
     typo in them naming the file and the key."""
-    from bench.settings import emulator_settings, latency_settings
+    from bench.launch.settings import emulator_settings, latency_settings
 
     path = write(tmp_path, "emulator: {engin: vllm}\nlatency: {rtt_ms: {us-eu: 9}}\n")
     cfg = load_config(path)

@@ -1,8 +1,8 @@
-"""The coordination measurement's plumbing (bench/coordination.py): real router state, status round trip, sizes."""
+"""The coordination measurement's plumbing (bench/micro/coordination.py): real router state, status round trip, sizes."""
 
 from __future__ import annotations
 
-from bench.coordination import build_router_state, decision_times, probe_traffic, status_message
+from bench.micro.coordination import build_router_state, decision_times, probe_traffic, status_message
 
 
 def test_router_state_has_the_replicas_and_peers_asked_for():

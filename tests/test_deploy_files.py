@@ -3,7 +3,7 @@
 systemd units: parsed (sections, continuation lines, Environment=, EnvironmentFile=, specifiers, $VAR and ${VAR}
 as systemd expands them); every ExecStart parses with the real argument parsers and names only flags that exist;
 the example config loads with skylb.config.load_config; the controller and balancer command lines start real
-processes on that config; the llama-server command line is bench.llamacpp's and every flag is in the built
+processes on that config; the llama-server command line is bench.launch.llamacpp's and every flag is in the built
 llama-server's --help. `systemd-analyze verify` / `security --offline` and `systemd-sysusers --root` run when
 systemd's tools are installed (no running systemd is needed); they are not one of the components `make test`
 installs, so without them those tests skip, under CI too.
@@ -38,7 +38,7 @@ import pytest
 import requests
 import yaml
 
-from bench import llamacpp
+from bench.launch import llamacpp
 from skylb.cli import SUBCOMMANDS, build_parser
 from skylb.config import DeploymentConfig, load_config
 from tests.procs import free_ports
@@ -345,7 +345,7 @@ def test_controller_reads_the_admin_and_peer_tokens_the_env_files_set():
 
 
 def test_llama_server_unit_runs_the_projects_command_line():
-    """With the unit's defaults, ExecStart is exactly bench.llamacpp.llama_server_command (the command line the
+    """With the unit's defaults, ExecStart is exactly bench.launch.llamacpp.llama_server_command (the command line the
     llama.cpp tests run), with the port from the instance name; the env example only names the unit's variables."""
     path = SYSTEMD / "llama-server@.service"
     argv, env = unit_argv(path)
@@ -952,7 +952,7 @@ def test_etcd_flags_exist_and_form_a_cluster(procs, tmp_path):
 # --- the llama.cpp example ----------------------------------------------------------------------------------------
 
 def test_llama_server_example_runs_the_projects_command_line():
-    """The example StatefulSet's args are bench.llamacpp.llama_server_command's (without the binary: the image's
+    """The example StatefulSet's args are bench.launch.llamacpp.llama_server_command's (without the binary: the image's
     entrypoint is llama-server) on the container's port, and each pod has its own DNS name (headless Service)."""
     sts = k8s_object("StatefulSet", "llama-us")
     c = container(sts)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.eight_regions import find_trace, run_one
+from bench.sim.eight_regions_bench import find_trace, run_one
 from bench.emulator.model import EngineParams
 from bench.sim.eight_regions import QUICK, SYSTEMS, fleet, scaled_mix
 from bench.sim.follow_the_sun import local_hour, rate, start_utc_h

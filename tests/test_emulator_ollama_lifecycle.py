@@ -14,7 +14,7 @@ import ollama
 import pytest
 
 from bench.emulator.ollama_lifecycle import FOREVER_S, ModelLifecycle, ModelSpec, OutOfMemory, parse_keep_alive
-from bench.procs import ProcGroup, free_ports, wait_http
+from bench.launch.procs import ProcGroup, free_ports, wait_http
 
 # One xdist worker runs the whole module (--dist loadgroup): it shares one Ollama emulator (module fixture emu),
 # started once, not once per worker.

@@ -12,7 +12,7 @@ import pytest
 
 from bench.emulator.personalities.base import EMBEDDING_DIM
 from bench.emulator.personalities.ollama import QUEUE_FULL
-from bench.procs import ProcGroup, free_ports, wait_http
+from bench.launch.procs import ProcGroup, free_ports, wait_http
 
 # One xdist worker runs the whole module (--dist loadgroup): it shares its emulator processes (module fixture emu),
 # started once, not once per worker.

@@ -12,7 +12,7 @@ from aiohttp import web
 from skylb.engines import ADAPTERS, adapter_for, detect_engine
 from skylb.core import AvailabilityRules, Router, make_policy
 from skylb.engines.openai import DEFAULT_SLOTS
-from bench.procs import ProcGroup, free_port, free_ports, wait_http
+from bench.launch.procs import ProcGroup, free_port, free_ports, wait_http
 
 # One xdist worker runs the whole module (--dist loadgroup): it shares its emulator processes (fixture emulators),
 # started once, not once per worker.

@@ -254,7 +254,7 @@ def test_failover_plan():
 def test_the_demos_latency_stays_out_of_the_controllers_failover(tmp_path):
     """The injected ``latency.rtt_ms`` is the demo's: the product's controller never reads it, while the demo's
     controller fails over by it unless the file sets ``controller.failover.rtt_ms``."""
-    from bench.settings import failover_rtt_ms
+    from bench.launch.settings import failover_rtt_ms
     from skylb.config import load_config
 
     path = tmp_path / "d.yaml"

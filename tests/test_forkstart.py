@@ -1,5 +1,5 @@
 """`ProcGroup.skylb` starts a process as `python -m skylb` would, whether it forks it from the preloaded server
-(bench/forkstart.py, the suite's default) or exec's it (SKYLB_TEST_EXEC=1): its own environment, working directory,
+(bench/launch/forkstart.py, the suite's default) or exec's it (SKYLB_TEST_EXEC=1): its own environment, working directory,
 log, process group and exit status."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import signal
 
 import requests
 
-from bench import forkstart
+from bench.launch import forkstart
 from tests.procs import free_port
 
 

@@ -1,4 +1,4 @@
-"""The README's "Results at a glance" is generated from the result files (bench/glance.py): they must agree."""
+"""The README's "Results at a glance" is generated from the result files (bench/reporting/glance.py): they must agree."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from bench import glance
+from bench.reporting import glance
 
 
 def test_the_readme_block_is_what_the_result_files_give():
-    """Fails when a result file was regenerated without `python -m bench.glance`, or a figure was edited by hand."""
-    assert glance.main(["--check"]) == 0, "README.md disagrees with bench/results/*.json: run python -m bench.glance"
+    """Fails when a result file was regenerated without `python -m bench.reporting.glance`, or a figure was edited by hand."""
+    assert glance.main(["--check"]) == 0, "README.md disagrees with bench/results/*.json: run python -m bench.reporting.glance"
 
 
 def test_a_changed_figure_or_a_missing_marker_is_caught(tmp_path):
@@ -61,7 +61,7 @@ def test_the_baselines_result_is_quoted_with_its_targets(tmp_path):
 
 
 def test_the_overhead_line_quotes_each_target_and_its_verdict(tmp_path):
-    """bench/results/overhead.json's targets (bench/overhead.py) give one line each, figure and verdict; a target
+    """bench/results/overhead.json's targets (bench/live/overhead.py) give one line each, figure and verdict; a target
     the run did not measure is left out."""
     data = {"provenance": {"commit": "abc123", "date": "2026-01-02T03:04:05Z", "machine": {"cores": 2}},
             "targets": [{"target": "p50 added latency through SkyLB <= 1 ms", "measured": "0.62 ms", "met": True},

@@ -1,12 +1,12 @@
-"""The ideal prefix hit rate (bench/ideal.py): an infinite prefix cache on one replica, a limit no policy passes."""
+"""The ideal prefix hit rate (bench/sim/ideal.py): an infinite prefix cache on one replica, a limit no policy passes."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.ideal import ideal_cached_tokens, ideal_hit_rate, replay_ideal_hit_rate
+from bench.sim.ideal import ideal_cached_tokens, ideal_hit_rate, replay_ideal_hit_rate
 from bench.sim.scenarios import execute, runs_of
-from bench.workload import Request
+from bench.replay.workload import Request
 from bench.emulator.model import EngineParams, make_engine
 
 A = "a b c d e f g h".split()
@@ -86,7 +86,7 @@ def test_a_one_token_block_is_the_longest_prefix_shared_with_an_earlier_prompt()
     """At block 1 (SGLang's token-granular cache) each prompt's ideal hit is its longest common prefix with any
     earlier prompt, less the last token: checked against a brute-force comparison of every pair."""
     import random
-    from bench.ideal import ideal_cached_tokens
+    from bench.sim.ideal import ideal_cached_tokens
     rng = random.Random(1)
     prompts = [[rng.choice("abcd") for _ in range(rng.randint(1, 12))] for _ in range(300)]
     expected = []

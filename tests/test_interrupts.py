@@ -1,4 +1,4 @@
-"""A command that starts processes (bench/procs.py's ProcGroup under bench/interrupts.py, as `skylb local` and the
+"""A command that starts processes (bench/launch/procs.py's ProcGroup under bench/launch/interrupts.py, as `skylb local` and the
 live `skylb bench` runs) stops all of them whatever signals arrive: a second Ctrl-C 0.3 s after the first, or SIGINT
 after SIGTERM, lands in the middle of the stop and neither prints a traceback nor leaves a process behind."""
 
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = """
 import sys, time
 from pathlib import Path
-from bench import interrupts
-from bench.procs import ProcGroup
+from bench.launch import interrupts
+from bench.launch.procs import ProcGroup
 
 CHILD = ["sh", "-c", "trap 'sleep 0.3; exit 0' TERM; while :; do sleep 0.05; done"]
 try:
@@ -77,7 +77,7 @@ def test_once_stopping_the_signals_are_ignored_by_the_operating_system():
     """After ``stopping()`` SIGINT and SIGTERM are ignored at the operating system's level, not only by the handler:
     Python puts its own handlers back to the default while the interpreter exits, so a second Ctrl-C landing then
     (after a stop of well under 0.3 s) ended `skylb local` by SIGINT instead of with status 130."""
-    from bench import interrupts
+    from bench.launch import interrupts
     before = {signum: signal.getsignal(signum) for signum in interrupts.SIGNALS}
     try:
         interrupts.stop_on_signals()

@@ -22,7 +22,7 @@ import pytest
 import requests
 import yaml
 
-from bench.llamacpp import (TOOLS_TEMPLATE, LlamaCppUnavailable, gemma_model_path, llama_server_binary,
+from bench.launch.llamacpp import (TOOLS_TEMPLATE, LlamaCppUnavailable, gemma_model_path, llama_server_binary,
                             llama_server_command, model_alias)
 from tests.cluster import Cluster, emulator_gauge, post_json
 from tests.procs import free_ports, log_events, saturated, wait_http
@@ -330,8 +330,8 @@ def test_local_flag_selects_llama_server_replicas_and_a_small_workload():
     """`skylb local --llamacpp` means llama-server replicas, one per region, and token_scale at most 0.01."""
     from skylb.cli import build_parser
     from skylb.config import load_config
-    from bench.demo import LLAMACPP_MAX_TOKEN_SCALE, apply_overrides
-    from bench.settings import emulator_settings
+    from bench.launch.demo import LLAMACPP_MAX_TOKEN_SCALE, apply_overrides
+    from bench.launch.settings import emulator_settings
 
     def overridden(*argv: str):
         return apply_overrides(load_config(None), build_parser("local").parse_args(["local", *argv]))

@@ -79,7 +79,7 @@ def test_local_deployment_replays_forwards_and_stops_everything(tmp_path):
 def test_what_local_prints_says_where_the_pages_are_and_its_ctl_line_runs_as_pasted(tmp_path):
     """The printed skylb-ctl line runs from a shell whose PATH lacks the venv (not activated); the page lines give
     the controller's and each balancer's page address and the token files whose content the login form wants."""
-    from bench.local import Deployment
+    from bench.launch.local import Deployment
     from skylb.config import load_config
 
     deployment = Deployment(load_config(_smallest_config(tmp_path)), tmp_path / "run")
@@ -147,7 +147,7 @@ def test_region_that_only_took_overflow_counts_as_serving():
     """"Every region served" counts where requests were served: asia sent nothing but served forwarded requests;
     a region whose replicas served nothing fails the check."""
     from skylb.config import load_config
-    from bench.demo import deployment_checks
+    from bench.launch.demo import deployment_checks
 
     cfg = load_config(None)
     records = [{"region": "us", "route": "local", "error": None, "ttft_ms": 50.0},

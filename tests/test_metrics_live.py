@@ -26,7 +26,7 @@ import pytest
 import requests
 import yaml
 
-from bench.procs import ProcGroup, free_port, free_ports, wait_http
+from bench.launch.procs import ProcGroup, free_port, free_ports, wait_http
 from tests.cluster import MODEL, Cluster
 from tests.system import require_binary
 

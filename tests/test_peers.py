@@ -1,5 +1,5 @@
-"""The cross-region comparison (bench/peers.py) and what it adds to the harness: trace sessions for closed-loop
-clients (bench/workload.py ``trace_sessions``), the closed-loop driver (bench/replay.py ``replay_sessions``), which
+"""The cross-region comparison (bench/live/peers.py) and what it adds to the harness: trace sessions for closed-loop
+clients (bench/replay/workload.py ``trace_sessions``), the closed-loop driver (bench/replay/run.py ``replay_sessions``), which
 replica served a response, the figures, the acceptance lines and the report. Seconds in all; one live smoke run of
 a balancer in us through the latency links (HAProxy: skipped without it, a failure under CI=true).
 """
@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from bench import bench_cli, peers
-from bench.peers import PeersSetup, SYSTEMS, acceptance, client_split, figures_of, format_markdown, launch_options
-from bench.replay import replay_sessions
-from bench.report import RequestRecord
-from bench.workload import THINK_S, Request, trace_sessions
+from bench import bench_cli
+from bench.live import peers
+from bench.live.peers import PeersSetup, SYSTEMS, acceptance, client_split, figures_of, format_markdown, launch_options
+from bench.replay.run import replay_sessions
+from bench.replay.report import RequestRecord
+from bench.replay.workload import THINK_S, Request, trace_sessions
 from tests.system import require_binary
 
 

@@ -1,7 +1,7 @@
 """bench/sim/peers_twin.py: the live comparisons replayed in the simulator (a small trace, a few clients)."""
 
-from bench.baselines import BaselinesSetup
-from bench.peers import PeersSetup
+from bench.live.baselines import BaselinesSetup
+from bench.live.peers import PeersSetup
 from bench.sim.peers_twin import simulate, simulate_one_region
 from tests.test_peers import _write_trace
 

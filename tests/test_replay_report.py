@@ -13,11 +13,11 @@ import json
 import pytest
 from aiohttp import web
 
-from bench import replay as replay_mod
-from bench.replay import ReplayError, parse_balancers, replay
-from bench.report import (RequestRecord, build_report, format_table, markdown_table, parse_route, percentile,
+from bench.replay import run as replay_mod
+from bench.replay.run import ReplayError, parse_balancers, replay
+from bench.replay.report import (RequestRecord, build_report, format_table, markdown_table, parse_route, percentile,
                           write_json)
-from bench.workload import Request
+from bench.replay.workload import Request
 
 pytestmark = pytest.mark.timeout(30)
 

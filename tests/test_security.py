@@ -396,7 +396,7 @@ def test_skylb_local_generates_tokens_per_run(tmp_path):
     """`skylb local` (Deployment) makes fresh random admin and peer tokens per run, one peer token for every region
     unless the config gives a region its own (the region-local benchmark), and keeps them in 0600 files."""
     from skylb.config import DeploymentConfig
-    from bench.local import Deployment
+    from bench.launch.local import Deployment
 
     a, b = Deployment(DeploymentConfig(), tmp_path / "a"), Deployment(DeploymentConfig(), tmp_path / "b")
     assert a.admin_token != b.admin_token and len(a.admin_token) >= 32

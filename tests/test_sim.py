@@ -14,7 +14,7 @@ from bench.sim.scenarios import (MOONCAKE_SCENARIOS, SCENARIOS, RunSpec, aggrega
                                  even_split, execute, runs_of)
 from bench.sim.systems import MOONCAKE_SYSTEMS, ORACLE_CANDIDATES, SYSTEMS, build
 from bench.sim.workloads import ARENA, TOT_2, TOT_2_LONG, SimRequest, Workload, conversations, replayed, trees
-from bench.workload import WorkloadConfig, synthetic_workload, trace_workload
+from bench.replay.workload import WorkloadConfig, synthetic_workload, trace_workload
 from skylb.config import BalancerConfig
 from skylb.core import Router
 

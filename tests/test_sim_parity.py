@@ -8,7 +8,7 @@ from bench.emulator.model import text_tokens as engine_tokens
 from bench.sim.cluster import Network
 from bench.sim.systems import SYSTEMS, build
 from bench.sim.workloads import ARENA, TOT_2, SimRequest, Workload, conversations, trees
-from bench.workload import WorkloadConfig, prompt_from_blocks, synthetic_workload
+from bench.replay.workload import WorkloadConfig, prompt_from_blocks, synthetic_workload
 from skylb.core import Router
 from skylb.core.estimate import prompt_tokens, text_tokens
 
@@ -106,7 +106,7 @@ def _live_row(system: str, rps: float, p90: float, fwd: float) -> dict:
 def test_parity_cells_use_the_widened_live_spread_and_orderings_only_where_spreads_do_not_overlap():
     """A simulated figure passes inside [0.9 min, 1.1 max] of the live runs and misses outside; two systems are
     ordered only when their live spreads are apart, and every seed must keep that order."""
-    from bench.live import parity
+    from bench.live.regions import parity
     rounds = [[_live_row("a", 5.0, 1000.0, 0.3), _live_row("b", 2.0, 900.0, 0.0)],
               [_live_row("a", 6.0, 1100.0, 0.4), _live_row("b", 2.2, 1050.0, 0.0)]]
     sims = {0: {"a": {"throughput_rps": 6.5, "ttft_p90_ms": 950.0, "forwarded_frac": 0.28},

@@ -1,5 +1,5 @@
 """Traces across regions (skylb/balancer/tracing.py, skylb/balancer/spans.py): a forwarded request is one trace with
-spans from both balancers, exported over OTLP/HTTP to a receiver that decodes the protobuf (bench/otlp_sink.py); the
+spans from both balancers, exported over OTLP/HTTP to a receiver that decodes the protobuf (bench/launch/otlp_sink.py); the
 client's W3C traceparent is honoured and reaches the replica; the TTFT histogram carries the trace as an exemplar;
 tracing off loads no SDK."""
 
@@ -21,7 +21,7 @@ from aiohttp import web
 from bench.emulator.model import EngineParams
 from bench.emulator.personalities import PersonalityOptions
 from bench.emulator.server import serve
-from bench.otlp_sink import OtlpSink
+from bench.launch.otlp_sink import OtlpSink
 from skylb.balancer.process import BALANCER, build_app
 from skylb.balancer.tracing import TracingSettings, traces_endpoint
 from skylb.config import BalancerConfig

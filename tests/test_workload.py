@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.workload import (
+from bench.replay.workload import (
     ROLE_MARKERS,
     TRACE_BLOCK_TOKENS,
     TraceError,

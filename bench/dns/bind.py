@@ -44,7 +44,7 @@ import dns.name
 import dns.query
 import dns.rcode
 
-from bench.procs import Proc, ProcGroup
+from bench.launch.procs import Proc, ProcGroup
 from skylb.dns_settings import DnsConfig, TsigKey
 
 __all__ = ["BindServer", "BindError", "balancer_address", "client_address", "client_prefix", "new_tsig_key",

@@ -6,7 +6,7 @@ caller likes), so the live emulator (bench/emulator/server.py) and a trace-drive
 drive this one class.
 
 Tokens: ONE TOKEN = ONE WHITESPACE-SEPARATED WORD (``text.split()``), the convention shared with the workload
-generator (bench/workload.py). A chat prompt is, for each message in order, the word ``<role>:`` followed by the
+generator (bench/replay/workload.py). A chat prompt is, for each message in order, the word ``<role>:`` followed by the
 content's words (:func:`chat_tokens`).
 
 How a request moves, as vLLM V1's scheduler moves it (vllm-project/vllm ``vllm/v1/core/sched/scheduler.py``:

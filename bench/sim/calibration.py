@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench.report import markdown_table
+from bench.replay.report import markdown_table
 from bench.sim.metrics import RunSummary
 
 __all__ = ["TOLERANCE", "Cell", "CELLS", "CalibrationRow", "calibration_rows", "calibration_markdown",

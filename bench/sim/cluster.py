@@ -23,7 +23,7 @@ time, so the decisions are made by the same ``skylb.core.Router`` and policy obj
 * Prompt length: the router's request is built as the live balancer builds it (skylb/balancer/stages/route.py),
   from the prompt text alone, so its token count is the balancer's estimate (skylb/core/estimate.py
   ``text_tokens``), which equals the engine's word count for the workloads' 3-character words
-  (bench/workload.py ``VOCABULARY``).
+  (bench/replay/workload.py ``VOCABULARY``).
 * Replicas: one ``bench.emulator.model.EngineModel`` each (continuous batching, KV capacity, block prefix cache
   with LRU; L4 / Llama-3.1-8B timings). One event per engine iteration, never one per token.
 * KV-cache events (``kv_index``): each replica's engine records vLLM's events and, at the end of every step, they go

@@ -3,7 +3,7 @@
 ``python -m bench.sim.fingerprint OUT.json [JOBS]`` runs each system of ``SYSTEMS`` below (every registered policy
 at least once, and the default's optional rules) on each cell of ``CELLS`` (robustness-matrix cells,
 bench/sim/matrix.py, development split) at seed 0, and writes every run's full RunSummary (bench/sim/metrics.py)
-as JSON. Compare two such files leaf by leaf with ``python -m bench.compare_results A.json B.json``: the simulated
+as JSON. Compare two such files leaf by leaf with ``python -m bench.sim.compare_results A.json B.json``: the simulated
 figures are deterministic for a seed with ``PYTHONHASHSEED`` fixed (set it, e.g. ``PYTHONHASHSEED=0``), so any
 difference is a change of routing. The cells exercise the rules that matter: cache hits pushed into full batches
 (multi_tenant), replicas of two speeds (heterogeneous: holding for a faster replica, estimated wait), forwarding

@@ -4,7 +4,7 @@ Source: SkyLB paper §2.2 (Fig. 2: each region's load follows its local day, so 
 and §5.2 ("Diurnal pattern"). Built in three steps:
 
 1. Requests: the first ``trace_s`` seconds of the Mooncake trace through ``bench.sim.workloads.mooncake`` (prompts
-   scaled by 1/8, outputs capped at 1,024, as every Mooncake scenario), sessions derived by bench/workload.py and
+   scaled by 1/8, outputs capped at 1,024, as every Mooncake scenario), sessions derived by bench/replay/workload.py and
    each session drawn into one region (equal weights over the regions, seeded), so a session's turns all come from
    one region and keep their order.
 2. Rate curve of a region, per hour of its local time h (local = UTC + the region's offset, bench/sim/geo.py):

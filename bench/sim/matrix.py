@@ -77,7 +77,7 @@ MATRIX_SYSTEMS = ("SkyLB", "SkyLB-paper", "SkyLB-CH", "RR", "LL", "CH", "SGL", "
 SINGLES = ("RR", "LL", "CH", "SGL")
 #: Simulated seconds (sending stops, measurement starts) by workload kind; "quick" for ``--quick``.
 TIMES = {"open": (90.0, 15.0), "trace": (90.0, 15.0), "closed": (120.0, 20.0), "quick": (30.0, 5.0)}
-#: How many times slower the slow replicas of ``heterogeneous`` are (bench/heterogeneous.py's slow_factor).
+#: How many times slower the slow replicas of ``heterogeneous`` are (bench/live/heterogeneous.py's slow_factor).
 SLOW_FACTOR = 4.0
 #: Where the validation split's trace windows start (trace seconds: minute 40), and its seeds.
 VAL_START_S = 2400.0

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.report import markdown_table, with_provenance
+from bench.replay.report import markdown_table, with_provenance
 from bench.sim.matrix import DEFAULT, SINGLES, WORKLOADS, parse_cell
 from bench.sim.metrics import RunSummary, spread_text
 
@@ -253,7 +253,7 @@ def write_report(saved: dict, out: Path) -> Path:
     (out / "matrix.json").write_text(json.dumps(saved, indent=1))
     plot = None
     try:
-        from bench.plots import plot_matrix
+        from bench.sim.plots import plot_matrix
     except ModuleNotFoundError as exc:  # matplotlib comes with the bench extra
         print(f"skylb bench matrix: no heat map ({exc.name} is not installed; `pip install -e '.[bench]'`)")
     else:

@@ -6,7 +6,7 @@
   token) the same, in seconds, over requests *sent* in the window (paper Fig. 8e-l: box = p25-p75, whiskers
   p10-p90, mean marked).
 * Prefix hit rate: cached prompt tokens / prompt tokens (the engine's prefix cache counters), same requests; and
-  beside it the ideal hit rate of the same requests (bench/ideal.py: an infinite cache on one replica, at the
+  beside it the ideal hit rate of the same requests (bench/sim/ideal.py: an infinite cache on one replica, at the
   engine's block size, fed with every request the run sent before), a limit no policy can pass; and the same
   with the cache bounded by the cluster's KV blocks pooled on one replica, least recently used evicted (what the
   deployment's memory allows with perfect routing).
@@ -32,8 +32,8 @@ import statistics
 from dataclasses import asdict, dataclass, field, fields, replace
 from collections.abc import Sequence
 
-from bench.ideal import ideal_hit_rate
-from bench.report import percentile
+from bench.sim.ideal import ideal_hit_rate
+from bench.replay.report import percentile
 
 __all__ = ["RunSummary", "summarize", "aggregate", "best_of", "replicas_needed", "HIGHER_IS_BETTER",
            "LOWER_IS_BETTER", "spread_text"]

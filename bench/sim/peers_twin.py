@@ -1,12 +1,12 @@
-"""The live comparisons (bench/peers.py across three regions, bench/baselines.py in one) replayed in the simulator:
+"""The live comparisons (bench/live/peers.py across three regions, bench/live/baselines.py in one) replayed in the simulator:
 the same sessions, clients, batch and round trips in simulated time, so a policy or setting can be ranked in seconds,
 free of the noise of a shared machine, before it is measured live.
 
-Three regions (bench/peers.py ``workload``: the trace's sessions assigned to regions us 0.6 / eu 0.2 / asia 0.2):
-closed-loop clients as bench/replay.py ``replay_sessions`` runs them, except that a region's n clients take its
+Three regions (bench/live/peers.py ``workload``: the trace's sessions assigned to regions us 0.6 / eu 0.2 / asia 0.2):
+closed-loop clients as bench/replay/run.py ``replay_sessions`` runs them, except that a region's n clients take its
 sessions in a fixed order (client i: sessions i, i + n, i + 2n, ...; live, a client takes the next one free, which
 depends on timing), each turn ``think_s`` after the previous one ended, for the send window. One region
-(``--one-region``): bench/baselines.py's synthetic conversations, one client each. Replicas: bench.emulator.model with
+(``--one-region``): bench/live/baselines.py's synthetic conversations, one client each. Replicas: bench.emulator.model with
 the live runs' batch and time scale. Systems:
 
 * ``skylb``, ``skylb-ch``: one balancer per region (bench/sim/systems.py SkyLB, SkyLB-CH), forwarding.
@@ -31,15 +31,15 @@ import json
 import sys
 from dataclasses import replace
 
-from bench.baselines import BaselinesSetup
+from bench.live.baselines import BaselinesSetup
 from bench.emulator.model import EngineParams
-from bench.peers import HOME, SYSTEMS as LIVE_SYSTEMS, PeersSetup, client_split, launch_options, workload
-from bench.report import percentile
+from bench.live.peers import HOME, SYSTEMS as LIVE_SYSTEMS, PeersSetup, client_split, launch_options, workload
+from bench.replay.report import percentile
 from bench.sim.cluster import Cluster, Network
 from bench.sim.systems import SYSTEMS, System, build, settings_for
 from bench.sim.twin import LOCAL_RTT_MS
 from bench.sim.workloads import ClientSpec, SimRequest, Workload, replayed
-from bench.workload import synthetic_workload
+from bench.replay.workload import synthetic_workload
 
 __all__ = ["TWIN_SYSTEMS", "sessions_workload", "simulate", "simulate_one_region", "main"]
 
@@ -57,7 +57,7 @@ RTT_MS = {("us", "eu"): 80.0, ("us", "asia"): 150.0, ("eu", "asia"): 200.0}
 
 
 def sessions_workload(sessions, clients: dict[str, int]) -> Workload:
-    """Closed-loop clients over ``sessions`` (lists of bench.workload.Request, one region each): ``clients[region]``
+    """Closed-loop clients over ``sessions`` (lists of bench.replay.workload.Request, one region each): ``clients[region]``
     clients per region, client i running that region's sessions i, i + n, ... one after another, client i of n
     starting at 2 i / n s (the live ramp)."""
     by_region: dict[str, list[list[SimRequest]]] = {}
@@ -72,7 +72,7 @@ def sessions_workload(sessions, clients: dict[str, int]) -> Workload:
             specs.append(ClientSpec(f"{region}-c{i}", region,
                                     lambda k, i=i, n=n, p=programs: p[i + k * n] if i + k * n < len(p) else None,
                                     start_s=2.0 * i / n))
-    return Workload("peers-twin", "bench/peers.py sessions, closed loop", clients=specs)
+    return Workload("peers-twin", "bench/live/peers.py sessions, closed loop", clients=specs)
 
 
 def _settings(name: str, system: System, sglang: dict, overrides: dict | None, config: dict | None):
@@ -86,7 +86,7 @@ def _settings(name: str, system: System, sglang: dict, overrides: dict | None, c
 
 def simulate(setup: PeersSetup, seed: int, systems, *, overrides: dict | None = None,
              config: dict | None = None) -> dict[str, dict]:
-    """Run each of ``systems`` (keys of TWIN_SYSTEMS) on bench/peers.py run ``seed``'s sessions; name -> figures.
+    """Run each of ``systems`` (keys of TWIN_SYSTEMS) on bench/live/peers.py run ``seed``'s sessions; name -> figures.
     ``overrides``: options of SkyLB's policy; ``config``: BalancerConfig fields of SkyLB's balancers."""
     sessions = workload(setup, seed)
     opts = launch_options(LIVE_SYSTEMS["sglang-cache_aware"], setup)
@@ -106,12 +106,12 @@ def simulate(setup: PeersSetup, seed: int, systems, *, overrides: dict | None = 
 
 def simulate_one_region(setup: BaselinesSetup, seed: int, systems, *, overrides: dict | None = None,
                         config: dict | None = None) -> dict[str, dict]:
-    """bench/baselines.py's regime (one region, ``setup``'s synthetic conversations with workload seed ``seed``,
+    """bench/live/baselines.py's regime (one region, ``setup``'s synthetic conversations with workload seed ``seed``,
     one client each, run to the end) for ``systems``; throughput over the whole run."""
     setup = replace(setup, seed=seed)
     requests = synthetic_workload(setup.workload_config(), ["us"])
     params = EngineParams(max_num_seqs=setup.max_num_seqs, time_scale=setup.time_scale)
-    # bench/baselines.py sizes cache_aware for the cluster: half a batch, the bounded loads' headroom.
+    # bench/live/baselines.py sizes cache_aware for the cluster: half a batch, the bounded loads' headroom.
     sglang = {"balance_abs_threshold": max(1, setup.max_num_seqs // 2), "balance_rel_threshold": 1.25}
     out = {}
     for name in systems:
@@ -152,7 +152,7 @@ def report(rows: dict[str, list[dict]], *, title: str, seeds: list[int], prov: d
     """Markdown: the means over ``seeds`` (with min and max) of each system in ``rows`` (name -> figures per seed),
     SkyLB's paired wins against each other system, and the provenance line of ``prov``."""
     from tabulate import tabulate
-    from bench.provenance import provenance_line
+    from bench.reporting.provenance import provenance_line
     table = []
     for name, figs in rows.items():
         spread = lambda k, fmt: f"{fmt.format(_mean(figs, k))} [{fmt.format(min(f[k] for f in figs))}, " \
@@ -182,13 +182,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", nargs="+", default=["skylb", "sglang-cache_aware"], choices=list(TWIN_SYSTEMS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    p.add_argument("--trace", default=None, help="Mooncake-format trace (default: bench/peers.py's)")
-    p.add_argument("--one-region", action="store_true", help="bench/baselines.py's regime instead")
+    p.add_argument("--trace", default=None, help="Mooncake-format trace (default: bench/live/peers.py's)")
+    p.add_argument("--one-region", action="store_true", help="bench/live/baselines.py's regime instead")
     p.add_argument("--set", default="{}", help="JSON options of SkyLB's policy (what-if)")
     p.add_argument("--config", default="{}", help="JSON BalancerConfig fields of SkyLB's balancers (what-if)")
     p.add_argument("--out-md", default="", help="write a Markdown report here (and its JSON beside it)")
     a = p.parse_args(argv)
-    from bench.provenance import provenance
+    from bench.reporting.provenance import provenance
     # Taken before anything is written: a rewritten tracked report would mark the checkout dirty.
     prov = provenance("python -m bench.sim.peers_twin " + " ".join(sys.argv[1:] if argv is None else argv))
     rows: dict[str, list[dict]] = {}
@@ -211,8 +211,8 @@ def main(argv=None) -> None:
               f"TTFT p50 {sum(f['p50'] for f in figs) / k:5.0f} p90 {sum(f['p90'] for f in figs) / k:5.0f}")
     if a.out_md:
         from pathlib import Path
-        title = ("One region (bench/baselines.py's regime) in the simulator" if a.one_region else
-                 "Three regions (bench/peers.py's regime) in the simulator")
+        title = ("One region (bench/live/baselines.py's regime) in the simulator" if a.one_region else
+                 "Three regions (bench/live/peers.py's regime) in the simulator")
         Path(a.out_md).write_text(report(rows, title=title, seeds=a.seeds, prov=prov))
         Path(a.out_md).with_suffix(".json").write_text(json.dumps(
             {"provenance": prov, "title": title, "seeds": a.seeds, "systems": rows}, indent=1))

@@ -140,7 +140,7 @@ WARM_LEAD_S = 600.0
 _MOONCAKE_NOTES = ("Open loop: every system is sent the same requests (seed by seed), so while a system keeps "
                    "up its throughput equals the offered load; TTFT and E2E are what tell the systems apart "
                    "there. ideal hit: the same requests through an infinite cache on one replica "
-                   "(bench/ideal.py), a limit no policy can pass.")
+                   "(bench/sim/ideal.py), a limit no policy can pass.")
 
 
 #: The load sweep's systems: SkyLB, every single-balancer baseline and the per-region gateway (GKE-like).
@@ -628,7 +628,7 @@ def observations(results: list[RunSummary]) -> list[str]:
              for sc in MOONCAKE_SCENARIOS if (sc, "SkyLB") in rows]
     if ideal:
         out.append("Prefix hit rate against the ideal of the same requests (an infinite cache on one replica, "
-                   "bench/ideal.py; a limit no policy can pass): " + "; ".join(
+                   "bench/sim/ideal.py; a limit no policy can pass): " + "; ".join(
                        f"{sc} SkyLB {sky.hit_rate:.1%}, best {best.system} {best.hit_rate:.1%}, ideal "
                        f"{sky.ideal_hit_rate:.1%}" for sc, sky, best in ideal) + ".")
     orc = [(sc, r) for (sc, name), r in rows.items() if name == "Oracle" and r.best_of]

@@ -153,7 +153,7 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
 )}
 
 #: Systems whose replicas publish KV-cache events: kept out of SYSTEMS (every one of which the smoke test runs) and
-#: run by the KV-routing benchmark (bench/kv_routing.py).
+#: run by the KV-routing benchmark (bench/sim/kv_routing.py).
 KV_SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("SkyLB-KV", "per-region balancers, exact cache locality from the replicas' KV-cache events (the trie for "
            "replicas without) + selective pushing on estimated wait + forwarding", "per_region", "skylb",

@@ -1,6 +1,6 @@
-"""The live multi-region benchmark (bench/live.py) replayed in the simulator, so both rankings can be set side by side.
+"""The live multi-region benchmark (bench/live/regions.py) replayed in the simulator, so both rankings can be set side by side.
 
-Same workload (the very requests bench/replay.py sends: sessions, prompts, output lengths, start times, think
+Same workload (the very requests bench/replay/run.py sends: sessions, prompts, output lengths, start times, think
 times), same replicas per region and batch size (``EngineParams(max_num_seqs=...)``, the emulator's model and
 speeds), same round trips between regions, and the live balancer's defaults (bench/sim/systems.py). Each live
 system maps to a simulated one:
@@ -10,7 +10,7 @@ system maps to a simulated one:
   balancer always finds a healthy local replica, so it never forwards; GKE (per-region round robin) is that
   system for round robin, and ``LL-region`` below for least load.
 
-Figures are computed the way bench/harness.py ``summarize`` computes the live ones: throughput = completed requests /
+Figures are computed the way bench/live/harness.py ``summarize`` computes the live ones: throughput = completed requests /
 time of the last completion (the replay's wall time), TTFT and E2E percentiles in ms over every request, prefix hit
 = cached / prompt tokens at the engines, forwarded = requests placed by a peer balancer.
 """
@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench.report import percentile
+from bench.replay.report import percentile
 from bench.sim.cluster import Network
 from bench.sim.systems import SYSTEMS, System, build
 from bench.sim.workloads import replayed
-from bench.workload import Request
+from bench.replay.workload import Request
 from bench.emulator.model import EngineParams
 
 __all__ = ["TWIN_SYSTEMS", "simulate"]

@@ -1,6 +1,6 @@
 """The paper's workloads, generated deterministically, plus the Mooncake trace (SkyLB paper §5.1-§5.2).
 
-Token convention (shared with the engine model, the balancer and bench/workload.py): ONE TOKEN = ONE WORD of 3
+Token convention (shared with the engine model, the balancer and bench/replay/workload.py): ONE TOKEN = ONE WORD of 3
 characters (the vocabulary's words and every marker: roles ``ROLE_MARKERS``, ``cx:`` context, ``qu:`` question,
 ``b0:`` branch, ``s1:`` step). A prompt is a list of words; the balancer sees the same words joined by single spaces
 (``SimRequest.text``), so equal token prefixes are equal text prefixes for the prefix trie, and the balancer's
@@ -53,7 +53,7 @@ sigma^2 = ln(1 + s^2 / m^2) and median m / exp(sigma^2 / 2)); what no source giv
 * Mooncake (Kimi conversation trace, 12,031 requests in one hour, average input 12,035 and output 343 tokens):
   prompts scaled by 1/8 (blocks of 64 instead of 512 tokens, so the trace's prefix sharing survives) because an
   L4's 32,768-token KV cache cannot batch 12k-token prompts; outputs kept, capped at 1,024. Sessions and regions
-  are derived by bench/workload.py (sessions are chains of requests that extend each other's blocks; regions
+  are derived by bench/replay/workload.py (sessions are chains of requests that extend each other's blocks; regions
   us/eu/asia drawn 0.5/0.25/0.25 per session). The session id is the hash key.
 """
 
@@ -65,7 +65,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.workload import ROLE_MARKERS, VOCABULARY, Request, WorkloadConfig, read_trace, trace_workload
+from bench.replay.workload import ROLE_MARKERS, VOCABULARY, Request, WorkloadConfig, read_trace, trace_workload
 
 __all__ = [
     "SimRequest", "Program", "ClientSpec", "Workload", "ConversationShape", "TreeShape", "ARENA", "WILDCHAT", "TOT_2",
@@ -379,10 +379,10 @@ def mooncake(*, seed: int = 0, path: str | Path = DEFAULT_TRACE, window_s: float
 
 
 def replayed(requests: Sequence[Request], *, name: str = "replayed", description: str = "") -> Workload:
-    """The workload the live replayer (bench/replay.py) sends, for the simulator.
+    """The workload the live replayer (bench/replay/run.py) sends, for the simulator.
 
     Open loop (no request waits for another: a trace window): every request is sent at its ``arrival_s`` from its
-    region, as bench/replay.py does. Closed loop: one client per session; each session's turns form one program,
+    region, as bench/replay/run.py does. Closed loop: one client per session; each session's turns form one program,
     sent once: turn 0 at its ``arrival_s``, each later turn ``think_s`` after the turn it follows (``after``)
     completed. Prompts are the same words (one word per token) and the same text the live client sends. Raises
     ValueError for a closed-loop workload with a multi-turn session whose turns do not chain (more than one turn

@@ -5,7 +5,7 @@ in any process.
 Token convention as in bench/sim/workloads.py: one token is one 3-character word, so equal token prefixes are equal
 text prefixes for the balancer's prefix trie. Lengths in tokens, times in seconds, rates in requests (or sessions)
 per second. Clients are spread over regions us/eu/asia 0.5/0.25/0.25, the skew the Mooncake replayer uses
-(bench/workload.py ``WorkloadConfig.region_weights``), so the US is the busy region in every workload of the
+(bench/replay/workload.py ``WorkloadConfig.region_weights``), so the US is the busy region in every workload of the
 matrix. Where no source gives a figure it is marked "chosen".
 
 * :func:`multi_tenant`, after llm-d's precise-prefix-cache benchmark (llm-d blog "KV-Cache Wins You Can See",
@@ -29,7 +29,7 @@ matrix. Where no source gives a figure it is marked "chosen".
   (uniform 0.2-2 s, chosen), as an agent must; turns per session are geometric with mean 12 (chosen), at most 30
   (τ-bench's cap of 30 agent actions per task), and a session ends early before its context passes 16,384 tokens
   (:data:`MAX_CONTEXT`). The session id is the hash key.
-* :func:`reviews`: the workload of bench/heterogeneous.py (a stand-in for OllamaRouter's review analysis,
+* :func:`reviews`: the workload of bench/live/heterogeneous.py (a stand-in for OllamaRouter's review analysis,
   ../shared/seeds/000_b071411eabc9df88.txt §5.5-§5.7, which is not public): a review of 200-1,200 characters
   (40-240 tokens at 5 characters per token, uniform) followed by a 12-token instruction, outputs uniform 100-300
   tokens, at a constant arrival rate (k6's constant-arrival-rate executor, as in the seed). No shared prefix: what
@@ -42,12 +42,12 @@ import random
 from collections.abc import Sequence
 
 from bench.sim.workloads import ClientSpec, SimRequest, Workload, _lognormal, _words
-from bench.workload import ROLE_MARKERS
+from bench.replay.workload import ROLE_MARKERS
 
 __all__ = ["REGION_WEIGHTS", "TENANTS", "USERS_PER_TENANT", "multi_tenant", "tool_agents", "reviews",
            "mean_turns"]
 
-#: Clients per region (the Mooncake replayer's default skew, bench/workload.py).
+#: Clients per region (the Mooncake replayer's default skew, bench/replay/workload.py).
 REGION_WEIGHTS = {"us": 0.5, "eu": 0.25, "asia": 0.25}
 #: llm-d's benchmark: 150 customers, 5 concurrent users each.
 TENANTS = 150

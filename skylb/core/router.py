@@ -421,7 +421,7 @@ class Router:
         if not self.policy.selective:
             return [r for r in serving if self._replica_usable(r, now)], [], serving
         # ``_available``'s memo test written out in the loop: this pass runs over every replica on every decision,
-        # and a call per replica was most of a decision's time at 200 replicas (bench/coordination.py).
+        # and a call per replica was most of a decision's time at 200 replicas (bench/micro/coordination.py).
         token, stale_s, remember = self._availability_token(), self.rules.stale_after_s, self._remember
         out, free = [], []
         for r in serving:

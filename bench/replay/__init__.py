@@ -1,0 +1,1 @@
+"""Workloads, their replay against running balancers, and what a replay measured."""
