@@ -41,15 +41,19 @@ def _trace(tmp_path: Path) -> Path:
 
 @pytest.mark.timeout(300)
 @pytest.mark.xdist_group("cpu_heavy")  # one CPU-heavy test at a time (tests/test_llamacpp.py)
-def test_short_chaos_schedule_loses_and_duplicates_nothing(tmp_path):
+@pytest.mark.parametrize("siblings", [1, 2], ids=["one-balancer-per-region", "two-balancers-per-region"])
+def test_short_chaos_schedule_loses_and_duplicates_nothing(tmp_path, siblings):
     """Under the short schedule (a replica SIGKILLed mid-stream, a balancer SIGKILLed and restarted, a region
     partitioned and healed, a split brain), with closed-loop clients resolving through BIND: every fault is
     detected and recovered from, no request is lost, no attempt runs on two replicas, and in the split brain both
-    balancers held the region's replicas for a while and then only one did."""
+    balancers held the region's replicas for a while and then only one did. With two balancers per region the
+    balancer faults hit one sibling: a killed sibling's replicas serve through the other one with no cross-region
+    failover."""
     for binary in ("etcd", "redis-server", "named"):
         require_binary(binary)
     from bench.chaos.run import run_once
-    result = run_once(tmp_path / "run", 7, short=True, trace=_trace(tmp_path), clients=2, replicas=2)
+    result = run_once(tmp_path / "run", 7, short=True, trace=_trace(tmp_path), clients=2, replicas=2,
+                      siblings=siblings)
     faults = {f["fault"]["kind"]: f for f in result["faults"]}
     assert set(faults) == {"replica_kill", "balancer_kill", "partition", "split_brain"}
     for kind, f in faults.items():
@@ -63,6 +67,11 @@ def test_short_chaos_schedule_loses_and_duplicates_nothing(tmp_path):
     brain = faults["split_brain"]["split_brain"]
     assert brain["overlap_s"] > 0 and brain["shared"] >= 1
     assert brain["overlap_after_heal_s"] < 10  # the stale balancer gave the replicas back after the heal
+    if siblings > 1:
+        kill = faults["balancer_kill"]
+        assert kill["fault"]["target"] in ("us-a", "us-b", "eu-a", "eu-b", "asia-a", "asia-b")
+        assert kill["sibling_takeover"]["served_by_siblings_s"] is not None
+        assert kill["sibling_takeover"]["cross_region_s"] == 0  # the region stayed its own while a sibling lived
 
 
 def test_outcomes_of_a_response():
@@ -132,7 +141,30 @@ def test_split_brain_overlap_is_the_span_both_balancers_list_the_replicas():
     samples = [sample(0.0, False), sample(0.3, False), sample(0.6, True, 3), sample(0.9, True, 5),
                sample(1.2, False)]
     fault = Fault("split_brain", "us", 0.0, 1.0, started_s=0.1, ended_s=0.8)
-    got = split_brain(samples, fault)
+    got = split_brain(samples, fault, "us")
     assert got["overlap_s"] == pytest.approx(0.6) and got["shared"] == 1
     assert got["peak_pending"] == 5 and got["peak_outstanding"] == 3
     assert got["overlap_after_heal_s"] == pytest.approx(0.4)
+    # two siblings of one region listing one replica at once share it too
+    siblings = [{"t": t, "b": {"us-a": {"replicas": {"us-1": {"p": 1, "o": 1}}},
+                               "us-b": {"replicas": {"us-2": {"p": 0, "o": 0}, **({"us-1": {"p": 2, "o": 1}} if both
+                                                                                    else {})}}}}
+                for t, both in ((0.0, False), (0.3, True), (0.6, False))]
+    got = split_brain(siblings, Fault("split_brain", "us-a", 0.0, 1.0, started_s=0.0, ended_s=0.5), "us")
+    assert got["overlap_s"] == pytest.approx(0.3) and got["peak_pending"] == 2 and got["peak_outstanding"] == 2
+
+
+def test_a_killed_sibling_is_taken_over_by_its_sibling_within_the_region():
+    """A sibling's kill: the takeover time is from the kill to the first sample where the live sibling lists all
+    of the region's replicas healthy; time assigned to another region counts only samples that say so."""
+    from bench.chaos.measure import sibling_takeover
+    of = {"us-a": "us", "us-b": "us", "eu": "eu"}
+
+    def sample(t, b_lists, assigned="us"):
+        healthy = {rid: {"h": True} for rid in b_lists}
+        return {"t": t, "assign": {"us": [assigned, 1], "eu": ["eu", 1]},
+                "b": {"us-a": None, "us-b": {"replicas": healthy}, "eu": {"replicas": {}}}}
+    samples = [sample(0.0, ["us-2"]), sample(0.3, ["us-2"]), sample(0.6, ["us-1", "us-2"]),
+               sample(0.9, ["us-1", "us-2"], assigned="eu"), sample(1.2, ["us-1", "us-2"])]
+    got = sibling_takeover(samples, Fault("balancer_kill", "us-a", 0.0, 2.0, started_s=0.1, ended_s=1.5), of, 2)
+    assert got == {"served_by_siblings_s": 0.5, "cross_region_s": pytest.approx(0.3)}

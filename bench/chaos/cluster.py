@@ -9,15 +9,18 @@
 - BIND 9 with a view per region (bench/dns/bind.py), updated by the controllers (RFC 2136);
 - one emulated vLLM replica per process (``--fault-control``, so a replica can be slowed down or made to answer
   500s), ``replicas`` per region;
-- one balancer per region, reaching each peer through a link per direction (with the configured round trip) and
-  each controller through a link of its own.
+- one balancer per region (or ``siblings`` per region, each with its ``--balancer-id``: ``us-a``, ``us-b``, ...;
+  the controllers give each replica to one of them), reaching each other balancer through a link per direction (with
+  the configured round trip between regions; none between siblings) and each controller through a link of its own.
 
-The controllers reach a balancer through one more link, ``ctl-to-<region>``, listening on the balancer's
-*advertised* address 127.0.0.(21+i) on the balancers' shared port, which is what the balancer registers and what the
-controllers health-check. The controllers write that address into DNS, so a client of region i resolves
-127.0.0.(21+i); the chaos clients (bench/chaos/client.py) dial the balancer itself at 127.0.0.(11+i) for that answer
-(:meth:`ChaosCluster.client_address_for`): the controllers' path and the clients' path to one balancer are two
-paths, as in production, and cutting the first leaves the second.
+A balancer's name here is its region with one balancer per region, and its id with siblings; :attr:`balancers` maps
+each name to its region. The controllers reach a balancer through one more link, ``ctl-to-<name>``, listening on the
+balancer's *advertised* address 127.0.k.(21+i) (region i, sibling k, 0-based) on the balancers' shared port, which
+is what the balancer registers and what the controllers health-check. The controllers write that address into DNS
+(every live sibling's), so a client of region i resolves 127.0.k.(21+i); the chaos clients (bench/chaos/client.py)
+dial the balancer itself at 127.0.k.(11+i) for that answer (:meth:`ChaosCluster.client_address_for`): the
+controllers' path and the clients' path to one balancer are two paths, as in production, and cutting the first
+leaves the second.
 
 What cannot be cut here: a controller's health checks of the replicas (a replica's one URL is used by the
 controllers and its balancer alike, so a link in front of it would cut both) and etcd's member-to-member traffic.
@@ -45,16 +48,22 @@ from bench.dns.bind import BindServer, balancer_address, client_address
 from bench.latency.links import LatencyLinks
 from bench.launch.procs import Proc, ProcGroup, free_ports, wait_http
 
-__all__ = ["ClusterSettings", "ChaosCluster", "MODEL", "REGIONS", "advertised_address"]
+__all__ = ["ClusterSettings", "ChaosCluster", "MODEL", "REGIONS", "advertised_address", "balancer_name"]
 
 REGIONS = ("us", "eu", "asia")
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 RTT_MS = {"us-eu": 80.0, "us-asia": 150.0, "eu-asia": 200.0}
 
 
-def advertised_address(index: int) -> str:
-    """The address the ``index``-th region's balancer registers (the controllers' link to it): 127.0.0.(21+i)."""
-    return f"127.0.0.{21 + index}"
+def advertised_address(index: int, sibling: int = 0) -> str:
+    """The address the ``index``-th region's balancer (its ``sibling``-th, 0-based) registers (the controllers' link
+    to it): 127.0.(sibling).(21+i)."""
+    return f"127.0.{sibling}.{21 + index}"
+
+
+def balancer_name(region: str, sibling: int, siblings: int) -> str:
+    """A balancer's name in the cluster: its region alone, or ``<region>-a``, ``-b``, ... with siblings."""
+    return region if siblings == 1 else f"{region}-{'abcdefghij'[sibling]}"
 
 
 @dataclass
@@ -66,6 +75,8 @@ class ClusterSettings:
     max_num_seqs: int = 4
     #: The model's concurrency cap in the quota (requests in flight over all balancers).
     quota_max_concurrent: int = 8
+    #: Balancers per region (siblings, 1-10); each replica is owned by one of them at a time.
+    siblings: int = 1
     rtt_ms: dict[str, float] = field(default_factory=lambda: dict(RTT_MS))
     dns_ttl_s: int = 1
     balancer: dict[str, Any] = field(default_factory=lambda: {
@@ -102,7 +113,9 @@ class ChaosCluster:
         self.links: LatencyLinks | None = None
         self.ctl_links: dict[str, LatencyLinks] = {}
         self.replica_urls: dict[str, str] = {}  # replica id -> URL
-        self.balancer_urls: dict[str, str] = {}  # region -> the balancer's own URL (clients, the bench)
+        #: balancer name -> its region (see the module docstring), in region order, siblings together.
+        self.balancers = {balancer_name(r, k, self.s.siblings): r for r in regions for k in range(self.s.siblings)}
+        self.balancer_urls: dict[str, str] = {}  # balancer name -> its own URL (clients, the bench)
         self.controller_urls: list[str] = []
         self.etcd_client_urls: list[str] = []
         self.bind: BindServer | None = None
@@ -113,16 +126,22 @@ class ChaosCluster:
     def start(self) -> None:
         """Start everything and wait until every balancer serves its replicas and sees its peers; RuntimeError
         naming the part that failed."""
-        n = len(self.regions)
+        n = len(self.balancers)
         replicas = [f"{r}-{k + 1}" for r in self.regions for k in range(self.s.replicas_per_region)]
-        ports = iter(free_ports(16 + len(replicas) + 6 * n + 2 * n * n))
-        self._proxy(next(ports))
+        ports = iter(free_ports(32 + len(replicas) + n * (n + 4)))
+        hosts, advertised = {}, {}
+        for i, r in enumerate(self.regions):
+            for k in range(self.s.siblings):
+                name = balancer_name(r, k, self.s.siblings)
+                hosts[name], advertised[name] = balancer_address(i, k), advertised_address(i, k)
+        self._dial = {advertised[b]: hosts[b] for b in self.balancers}
+        self._proxy(next(ports), advertised)
         self._etcd(ports)
         self._redis(next(ports), ports)
-        hosts = {r: balancer_address(i) for i, r in enumerate(self.regions)}
-        advertised = {r: advertised_address(i) for i, r in enumerate(self.regions)}
         self.balancer_port = _free_port_on([*hosts.values(), *advertised.values()])
-        self.bind = BindServer(self.work / "dns", advertised, port=next(ports), ttl_s=self.s.dns_ttl_s)
+        self.bind = BindServer(self.work / "dns", {r: [advertised[b] for b, br in self.balancers.items() if br == r]
+                                                   for r in self.regions},
+                               port=next(ports), ttl_s=self.s.dns_ttl_s)
         self.bind.start(procs=self.procs)
         self._controllers(ports)
         for rid in replicas:
@@ -164,12 +183,11 @@ class ChaosCluster:
         if proc is not None:
             proc.kill()
 
-    def _proxy(self, port: int) -> None:
+    def _proxy(self, port: int, advertised: dict[str, str]) -> None:
         api = f"http://127.0.0.1:{port}"
         self.procs.skylb("toxiproxy", "--port", str(port), name="toxiproxy", wait_url=f"{api}/version")
         self.links = LatencyLinks(api)
-        self.ctl_links = {r: LatencyLinks(api, listen_host=advertised_address(i))
-                          for i, r in enumerate(self.regions)}
+        self.ctl_links = {b: LatencyLinks(api, listen_host=advertised[b]) for b in self.balancers}
 
     def _etcd(self, ports) -> None:
         etcd = _binary("etcd")
@@ -193,9 +211,9 @@ class ChaosCluster:
         self.launch("redis")
         _wait_redis(port)
         self.redis_urls = {}
-        for r in self.regions:
-            listen = self.links.link(f"{r}-to-redis", f"127.0.0.1:{port}", rtt_ms=0, listen_port=next(ports))
-            self.redis_urls[r] = f"redis://{listen}/0"
+        for b in self.balancers:
+            listen = self.links.link(f"{b}-to-redis", f"127.0.0.1:{port}", rtt_ms=0, listen_port=next(ports))
+            self.redis_urls[b] = f"redis://{listen}/0"
 
     def _controllers(self, ports) -> None:
         env = {"SKYLB_ADMIN_TOKEN": self.admin_token, "SKYLB_ADMIN_TOKEN_FILE": "",
@@ -227,16 +245,19 @@ class ChaosCluster:
                   "regions": {r: {"replicas": 0} for r in self.regions}}
         path = self.work / "balancers.yaml"
         path.write_text(yaml.safe_dump(config))
-        for a in self.regions:
+        for a in self.balancers:
             self.ctl_links[a].link(f"ctl-to-{a}", f"{hosts[a]}:{port}", rtt_ms=0, listen_port=port)
-        for a in self.regions:
-            args = ["balancer", "--config", str(path), "--region", a, "--host", hosts[a], "--port", str(port),
+        for a, region in self.balancers.items():
+            args = ["balancer", "--config", str(path), "--region", region, "--host", hosts[a], "--port", str(port),
                     "--advertise-url", f"http://{advertised[a]}:{port}"]
-            for b in self.regions:
-                if b != a:
-                    listen = self.links.link(f"{a}-to-{b}", f"{hosts[b]}:{port}", rtt_ms=self.s.rtt(a, b),
-                                             listen_port=next(ports))
-                    args += ["--peer-url", f"{b}=http://{listen}"]
+            if self.s.siblings > 1:
+                args += ["--balancer-id", a]
+            for b, other in self.balancers.items():
+                if b != a:  # siblings reach each other at no added round trip
+                    listen = self.links.link(f"{a}-to-{b}", f"{hosts[b]}:{port}", listen_port=next(ports),
+                                             rtt_ms=self.s.rtt(region, other) if other != region else 0)
+                    args += ["--peer-url", f"{other}=http://{listen}" if self.s.siblings == 1
+                             else f"{other}@{b}=http://{listen}"]
             controllers = [f"http://{self.links.link(f'{a}-to-ctl{i}', url.removeprefix('http://'), rtt_ms=0, listen_port=next(ports))}"
                            for i, url in enumerate(self.controller_urls)]
             args += ["--controller", ",".join(controllers)]
@@ -262,9 +283,17 @@ class ChaosCluster:
                 last = exc
         raise RuntimeError(f"no controller answered {method} {path}: {last}")
 
-    def status(self, region: str, timeout_s: float = 2.0) -> dict:
-        """The balancer's detailed status (JSON); raises requests' exceptions when it does not answer."""
-        resp = requests.get(f"{self.balancer_urls[region]}/skylb/v1/status?format=json", timeout=timeout_s,
+    def siblings_of(self, region: str) -> list[str]:
+        """The names of ``region``'s balancers."""
+        return [b for b, r in self.balancers.items() if r == region]
+
+    def name_of(self, entry: dict) -> str:
+        """The balancer name of an entry of the controllers' ``GET /v1/balancers`` (``region``, ``id``)."""
+        return entry["region"] if self.s.siblings == 1 else entry["id"]
+
+    def status(self, balancer: str, timeout_s: float = 2.0) -> dict:
+        """A balancer's detailed status (JSON); raises requests' exceptions when it does not answer."""
+        resp = requests.get(f"{self.balancer_urls[balancer]}/skylb/v1/status?format=json", timeout=timeout_s,
                             headers={"X-SkyLB-Token": self.peer_token})
         resp.raise_for_status()
         return resp.json()
@@ -283,30 +312,31 @@ class ChaosCluster:
 
     def client_address_for(self, answer: str) -> str:
         """The address a client dials for a DNS answer: a balancer's advertised address maps to the balancer."""
-        for i in range(len(self.regions)):
-            if answer == advertised_address(i):
-                return balancer_address(i)
-        return answer
+        return self._dial.get(answer, answer)
 
     def client_source(self, region: str) -> str:
         """The source address a region's clients resolve and connect from (their BIND view)."""
         return client_address(self.regions.index(region))
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Wait until each balancer has all its replicas healthy and every peer healthy; RuntimeError after."""
+        """Wait until each region's replicas are healthy at its balancers (each at one of its siblings) and every
+        balancer sees every other one healthy; RuntimeError after."""
         deadline = time.monotonic() + timeout_s
         waiting: list[str] = []
         while time.monotonic() < deadline:
             waiting = []
             for r in self.regions:
-                try:
-                    st = self.status(r)
-                except requests.RequestException:
-                    waiting.append(r)
-                    continue
-                own = [x for x in st["replicas"] if x["id"].startswith(f"{r}-") and x["healthy"]]
-                peers = [p for p in st["peers"] if p["healthy"]]
-                if len(own) < self.s.replicas_per_region or len(peers) < len(self.regions) - 1:
+                own: set[str] = set()
+                for b in self.siblings_of(r):
+                    try:
+                        st = self.status(b)
+                    except requests.RequestException:
+                        waiting.append(b)
+                        continue
+                    own |= {x["id"] for x in st["replicas"] if x["id"].startswith(f"{r}-") and x["healthy"]}
+                    if sum(1 for p in st["peers"] if p["healthy"]) < len(self.balancers) - 1:
+                        waiting.append(b)
+                if len(own) < self.s.replicas_per_region:
                     waiting.append(r)
             if not waiting and self.leader() is not None:
                 return

@@ -7,18 +7,23 @@ restarted with its original command line on its original port; a cut link is res
 - ``replica_kill``: SIGKILL one replica's process while it streams (the region's replica with most running
   requests by its own metrics, waiting up to 5 s for one to run any), restart it at the end;
 - ``balancer_kill``: SIGKILL a region's balancer (the controllers fail its region over to the closest live one and
-  point its DNS name there), restart it at the end (and the region moves back);
+  point its DNS name there), restart it at the end (and the region moves back); with siblings, one of them (its
+  replicas move to the live siblings; the region stays its own);
 - ``leader_kill``: SIGKILL the controller that leads, restart it at the end;
 - ``etcd_kill``: SIGKILL one etcd member (two of three keep the quorum), restart it at the end;
 - ``redis_kill``: SIGKILL redis-server (the balancers fall back to their shares of the quota), restart it at the end;
-- ``partition``: cut one region from the other regions (both directions), from every controller (both directions)
-  and from Redis; heal at the end;
-- ``asymmetric``: cut only the region's balancer -> controllers links (the controllers still reach the balancer);
+- ``partition``: cut one region (all its balancers) from the other regions (both directions), from every controller
+  (both directions) and from Redis; heal at the end;
+- ``asymmetric``: cut only one balancer's -> controllers links (the controllers still reach the balancer);
 - ``latency_spike``: both directions of one inter-region link at 10x their round trip;
 - ``slow_replica``: one replica's engine steps 5x longer; ``replica_500``: one replica answers every generation
   with HTTP 500 while its /health stays 200;
 - ``split_brain``: cut one balancer from the controllers both ways while it keeps serving its region and its peers:
-  the controllers fail its region over to another balancer, which then pushes to the same replicas.
+  the controllers fail its region over to another balancer (with siblings: give its replicas to a sibling), which then
+pushes to the same replicas.
+
+A balancer's fault targets a balancer by its cluster name (``ChaosCluster.balancers``: its region, or with siblings
+``<region>-a``, ...), a partition a region.
 
 A cut is a blackhole, not a refusal: Toxiproxy's ``timeout`` toxic (timeout 0) on both streams of every link of the
 cut holds the data of open and new connections until the toxic is removed, as a partitioned network does.
@@ -34,7 +39,7 @@ from typing import Any
 
 import requests
 
-from bench.chaos.cluster import ChaosCluster, _wait_redis
+from bench.chaos.cluster import ChaosCluster, _wait_redis, balancer_name
 
 __all__ = ["Fault", "KINDS", "FULL_SCHEDULE", "SHORT_SCHEDULE", "schedule", "inject", "heal"]
 
@@ -76,9 +81,11 @@ class Fault:
         return {**asdict(self), "name": self.name}
 
 
-def schedule(plan: tuple, regions: tuple[str, ...], replicas_per_region: int, seed: int) -> list[Fault]:
-    """The faults of ``plan`` with targets drawn from ``seed`` (regions, replicas, links, members; never the region
-    of the fault just before) and each start moved by up to +/- 1 s."""
+def schedule(plan: tuple, regions: tuple[str, ...], replicas_per_region: int, seed: int,
+             siblings: int = 1) -> list[Fault]:
+    """The faults of ``plan`` with targets drawn from ``seed`` (regions, balancers, replicas, links, members; never
+    the region of the fault just before) and each start moved by up to +/- 1 s. With ``siblings`` balancers per
+    region a balancer's fault picks one of them (one more draw; with one, the draws are as they always were)."""
     rng = random.Random(seed)
     faults: list[Fault] = []
     previous = None
@@ -91,6 +98,8 @@ def schedule(plan: tuple, regions: tuple[str, ...], replicas_per_region: int, se
                   "replica_500": f"{region}-{rng.randint(1, replicas_per_region)}",
                   "latency_spike": f"{region}-{rng.choice(others)}", "etcd_kill": str(rng.randrange(3)),
                   "leader_kill": "leader", "redis_kill": "redis"}.get(kind, region)
+        if kind in ("balancer_kill", "asymmetric", "split_brain") and siblings > 1:
+            target = balancer_name(region, rng.randrange(siblings), siblings)
         faults.append(Fault(kind, target, max(0.0, start + rng.uniform(-1, 1)), duration))
     return faults
 
@@ -125,15 +134,18 @@ def _to_controllers(cluster: ChaosCluster, region: str) -> list[str]:
 
 
 def links_of(cluster: ChaosCluster, fault: Fault) -> list[str]:
-    """The links a partition-like fault cuts."""
-    r = fault.target
+    """The links a partition-like fault cuts: one balancer's to and from the controllers (asymmetric: only to), or
+    for a partition every link between the region's balancers and the rest (other regions' balancers, the
+    controllers, Redis); siblings of the partitioned region still reach each other."""
+    t = fault.target
     if fault.kind == "asymmetric":
-        return _to_controllers(cluster, r)
+        return _to_controllers(cluster, t)
     if fault.kind == "split_brain":
-        return [*_to_controllers(cluster, r), f"ctl-to-{r}"]
-    peers = [x for x in cluster.regions if x != r]
-    return [*(f"{r}-to-{x}" for x in peers), *(f"{x}-to-{r}" for x in peers), *_to_controllers(cluster, r),
-            f"ctl-to-{r}", f"{r}-to-redis"]
+        return [*_to_controllers(cluster, t), f"ctl-to-{t}"]
+    cut_off = cluster.siblings_of(t)
+    others = [b for b, region in cluster.balancers.items() if region != t]
+    return [*(f"{b}-to-{x}" for b in cut_off for x in others), *(f"{x}-to-{b}" for b in cut_off for x in others),
+            *(link for b in cut_off for link in (*_to_controllers(cluster, b), f"ctl-to-{b}", f"{b}-to-redis"))]
 
 
 def _spike(cluster: ChaosCluster, pair: str, factor: float) -> None:

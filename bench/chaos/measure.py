@@ -42,35 +42,56 @@ def _first(samples: list[dict], after: float, pred) -> float | None:
     return None
 
 
-def _replica(s: dict, region: str, rid: str) -> dict | None:
-    b = s["b"].get(region)
-    return None if b is None else b["replicas"].get(rid)
+def _names(of: dict[str, str], region: str) -> list[str]:
+    """The names of ``region``'s balancers (``of``: balancer name -> region, ``ChaosCluster.balancers``)."""
+    return [b for b, r in of.items() if r == region]
 
 
-def _home(s: dict, region: str) -> bool:
-    """``region`` served by its own balancer, healthy, seen by its peers and reaching the controllers."""
-    b = s["b"][region]
-    return (s["ctl"][region] and s["assign"][region][0] == region and b is not None and b["ctl"]
-            and all(s["b"][o] is None or s["b"][o]["peers"].get(region) for o in s["b"] if o != region))
+def _replica(s: dict, of: dict[str, str], region: str, rid: str) -> dict | None:
+    """Replica ``rid`` as ``region``'s balancers see it: a healthy listing first, else any (None: unlisted)."""
+    seen = [b["replicas"][rid] for n in _names(of, region) if (b := s["b"].get(n)) is not None and rid in b["replicas"]]
+    return next((r for r in seen if r["h"]), seen[0] if seen else None)
 
 
-def _signs(f: Fault, leader_before: int | None):
-    """(detected predicate or None, recovered predicate) of a fault's kind."""
+def _home(s: dict, of: dict[str, str], region: str) -> bool:
+    """``region`` served by its own balancers, each healthy at the controllers, reaching them, and seen available by
+    every other region's balancers."""
+    names = _names(of, region)
+    return (s["assign"][region][0] == region
+            and all(s["ctl"].get(n) and s["b"][n] is not None and s["b"][n]["ctl"] for n in names)
+            and all(b is None or sum(1 for p, up in b["peers"].items() if up and p.split("@")[0] == region)
+                    >= len(names) for o, b in s["b"].items() if of[o] != region))
+
+
+def _served_by_siblings(s: dict, of: dict[str, str], name: str, replicas: int) -> bool:
+    """Every replica of ``name``'s region listed healthy by one of its live siblings (not ``name``)."""
+    region = of[name]
+    listed = {rid for n in _names(of, region) if n != name and (b := s["b"].get(n)) is not None
+              for rid, r in b["replicas"].items() if rid.startswith(f"{region}-") and r["h"]}
+    return len(listed) >= replicas
+
+
+def _signs(f: Fault, leader_before: int | None, of: dict[str, str]):
+    """(detected predicate or None, recovered predicate) of a fault's kind. A balancer's fault (kill, split brain,
+    asymmetric) targets a balancer name, a partition a region (all its balancers)."""
     k, t = f.kind, f.target
+    region = of.get(t, t.rsplit("-", 1)[0])
     if k == "replica_kill":
         rid = f.notes.get("replica", "")
-        return ((lambda s: not (_replica(s, t, rid) or {}).get("h", False)),
-                (lambda s: (_replica(s, t, rid) or {}).get("h") is True))
+        return ((lambda s: not (_replica(s, of, t, rid) or {}).get("h", False)),
+                (lambda s: (_replica(s, of, t, rid) or {}).get("h") is True))
     if k == "replica_500":
-        region = t.rsplit("-", 1)[0]
-        return ((lambda s: (_replica(s, region, t) or {}).get("ej") or not (_replica(s, region, t) or {}).get("h")),
-                (lambda s: (r := _replica(s, region, t)) is not None and r["h"] and not r["ej"]))
+        return ((lambda s: (_replica(s, of, region, t) or {}).get("ej") or not (_replica(s, of, region, t) or {}).get("h")),
+                (lambda s: (r := _replica(s, of, region, t)) is not None and r["h"] and not r["ej"]))
     if k == "balancer_kill":
-        return (lambda s: s["ctl"][t] is False), (lambda s: _home(s, t))
-    if k in ("partition", "split_brain"):
-        return (lambda s: s["ctl"][t] is False), (lambda s: _home(s, t) and not _shared(s, t))
+        return (lambda s: s["ctl"][t] is False), (lambda s: _home(s, of, region))
+    if k == "partition":
+        return ((lambda s: all(s["ctl"][n] is False for n in _names(of, t))),
+                (lambda s: _home(s, of, t) and not _shared(s, t)))
+    if k == "split_brain":
+        return (lambda s: s["ctl"][t] is False), (lambda s: _home(s, of, region) and not _shared(s, region))
     if k == "asymmetric":
-        return (lambda s: s["b"][t]["ctl"] is False), (lambda s: _home(s, t))
+        return (lambda s: s["b"][t]["ctl"] is False), (lambda s: _home(s, of, region))
     if k == "leader_kill":
         return ((lambda s: s["leader"] is not None and s["leader"] != leader_before),
                 (lambda s: s["leader"] is not None and s["ctl"] is not None))
@@ -84,27 +105,25 @@ def _signs(f: Fault, leader_before: int | None):
 
 
 def _shared(s: dict, region: str) -> list[str]:
-    """``region``'s replicas that another region's balancer also lists while its own does too."""
-    own = s["b"].get(region)
-    if own is None:
-        return []
-    mine = [rid for rid in own["replicas"] if rid.startswith(f"{region}-")]
-    return [rid for rid in mine if any(o != region and s["b"][o] is not None and rid in s["b"][o]["replicas"]
-                                       for o in s["b"])]
+    """``region``'s replicas that two balancers list at once (two regions' after a failover, or two siblings')."""
+    listed: Counter = Counter(rid for b in s["b"].values() if b is not None
+                              for rid in b["replicas"] if rid.startswith(f"{region}-"))
+    return [rid for rid, n in listed.items() if n > 1]
 
 
-def split_brain(samples: list[dict], f: Fault) -> dict[str, Any]:
+def split_brain(samples: list[dict], f: Fault, region: str) -> dict[str, Any]:
     """Overlap duration (s) and peak pending/outstanding on the shared replicas during a split brain of
-    ``f.target``; ``overlap_s`` counts the sampled span (first to last sample with a shared replica, plus one
-    sampling interval)."""
-    region, rows = f.target, []
+    ``f.target`` (a balancer of ``region``); ``overlap_s`` counts the sampled span (first to last sample with a
+    shared replica, plus one sampling interval)."""
+    rows = []
     for s in samples:
         if s["t"] < f.started_s:
             continue
         shared = _shared(s, region)
         if shared:
-            pending = [(_replica(s, o, rid) or {}).get("p") or 0 for rid in shared for o in s["b"]]
-            outstanding = [sum((_replica(s, o, rid) or {}).get("o") or 0 for o in s["b"]) for rid in shared]
+            views = [b["replicas"] for b in s["b"].values() if b is not None]
+            pending = [v[rid].get("p") or 0 for rid in shared for v in views if rid in v]
+            outstanding = [sum(v[rid].get("o") or 0 for v in views if rid in v) for rid in shared]
             rows.append((s["t"], max(pending), max(outstanding), len(shared)))
     if not rows:
         return {"overlap_s": 0.0, "overlap_from_s": None, "peak_pending": 0, "peak_outstanding": 0, "shared": 0}
@@ -113,6 +132,20 @@ def split_brain(samples: list[dict], f: Fault) -> dict[str, Any]:
             "overlap_after_heal_s": round(max(0.0, rows[-1][0] + tick - f.ended_s), 2),
             "peak_pending": max(r[1] for r in rows), "peak_outstanding": max(r[2] for r in rows),
             "shared": max(r[3] for r in rows)}
+
+
+def sibling_takeover(samples: list[dict], f: Fault, of: dict[str, str], replicas: int) -> dict[str, Any]:
+    """A sibling's kill: ``served_by_siblings_s``, from the kill to the first sample where the region's live
+    siblings list every replica of the region healthy (its replicas serving again through them), and
+    ``cross_region_s``, how long (sampled) the region was assigned to another region's balancer meanwhile (to its
+    recovery; none is expected while a sibling lives)."""
+    region = of[f.target]
+    moved = _first(samples, f.started_s, lambda s: _served_by_siblings(s, of, f.target, replicas))
+    window = [s for s in samples if f.started_s <= s["t"] and s["assign"] is not None
+              and (f.ended_s is None or s["t"] <= f.ended_s)]
+    tick = samples[1]["t"] - samples[0]["t"] if len(samples) > 1 else 0.3
+    return {"served_by_siblings_s": None if moved is None else round(moved - f.started_s, 2),
+            "cross_region_s": round(tick * sum(1 for s in window if s["assign"][region][0] != region), 2)}
 
 
 def _admitted_peak(records: list[Record], start: float, end: float) -> int:
@@ -128,9 +161,11 @@ def _admitted_peak(records: list[Record], start: float, end: float) -> int:
 
 
 def measure_fault(f: Fault, samples: list[dict], records: list[Record], dup_attempts: set[str],
-                  executed: set[str], *, leader_before: int | None, quota_cap: int) -> dict[str, Any]:
-    """The figures of one fault (see the module docstring)."""
-    detect, recover = _signs(f, leader_before)
+                  executed: set[str], *, leader_before: int | None, quota_cap: int, balancers: dict[str, str],
+                  replicas: int) -> dict[str, Any]:
+    """The figures of one fault (see the module docstring); ``balancers``: name -> region
+    (``ChaosCluster.balancers``), ``replicas``: per region."""
+    detect, recover = _signs(f, leader_before, balancers)
     detected = _first(samples, f.started_s, detect) if detect else None
     recovered = _first(samples, f.ended_s, recover) if f.ended_s is not None else None
     until = (recovered if recovered is not None else (f.ended_s or f.started_s)) + 1.0
@@ -147,8 +182,13 @@ def measure_fault(f: Fault, samples: list[dict], records: list[Record], dup_atte
            "retries_executed_twice": sum(1 for r in window if len(r.attempts) > 1 and all(
                a.request_id in executed for a in r.attempts)),
            "ttft_p90_during_ms": percentile(during, 90) if during else None}
-    if f.kind == "split_brain":
-        out["split_brain"] = split_brain(samples, f)
+    if f.kind in ("split_brain", "partition"):
+        region = balancers.get(f.target, f.target)
+        if f.kind == "split_brain":
+            out["split_brain"] = split_brain(samples, f, region)
+    siblings = sum(1 for r in balancers.values() if r == balancers.get(f.target))
+    if f.kind == "balancer_kill" and siblings > 1:
+        out["sibling_takeover"] = sibling_takeover(samples, f, balancers, replicas)
     if f.kind == "redis_kill":
         out["admitted_peak_during"] = _admitted_peak(records, f.started_s, f.ended_s or f.started_s)
         out["quota_cap"] = quota_cap
@@ -156,8 +196,10 @@ def measure_fault(f: Fault, samples: list[dict], records: list[Record], dup_atte
 
 
 def measure_run(faults: list[Fault], samples: list[dict], records: list[Record],
-                executions: dict[str, list[str]], *, leader_before: int | None, quota_cap: int) -> dict[str, Any]:
-    """Every fault's figures, and the run's totals (outcomes, TTFT p90 outside every fault, executions)."""
+                executions: dict[str, list[str]], *, leader_before: int | None, quota_cap: int,
+                balancers: dict[str, str], replicas: int) -> dict[str, Any]:
+    """Every fault's figures, and the run's totals (outcomes, TTFT p90 outside every fault, executions);
+    ``balancers``: name -> region (``ChaosCluster.balancers``), ``replicas``: per region."""
     dup_attempts = {a for a, replicas in executions.items() if not a.startswith("?") and len(replicas) > 1}
     windows = [(f.started_s, (f.ended_s or f.started_s) + 1.0) for f in faults if f.started_s is not None]
     quiet = [r.ttft_s * 1000 for r in records if r.ttft_s is not None
@@ -166,7 +208,8 @@ def measure_run(faults: list[Fault], samples: list[dict], records: list[Record],
     quiet_spans = [(0.0, windows[0][0])] if windows else [(0.0, end)]
     executed = {a for a in executions if not a.startswith("?")}
     return {"faults": [measure_fault(f, samples, records, dup_attempts, executed, leader_before=leader_before,
-                                     quota_cap=quota_cap) for f in faults if f.started_s is not None],
+                                     quota_cap=quota_cap, balancers=balancers, replicas=replicas)
+                       for f in faults if f.started_s is not None],
             "outcomes": dict(Counter(r.outcome for r in records)), "requests": len(records),
             "duplicated_attempts": sorted(dup_attempts),
             "unattributed_executions": sum(len(v) for k, v in executions.items() if k.startswith("?")),

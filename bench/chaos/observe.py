@@ -1,8 +1,8 @@
 """What a chaos run watches while faults run: a timeline of the deployment's own view of itself, and the logs.
 
 :class:`Observer` samples, every ``interval_s`` from a thread: which controller leads; the controllers' verdict on
-each balancer and each region's assignment (the region whose balancer serves it, and its epoch); each balancer's
-status (reachable, whether it reaches the controller, whether its quota fell back from Redis, and for every replica
+each balancer (by its name in the cluster: ``ChaosCluster.balancers``) and each region's assignment (the region
+whose balancer serves it, and its epoch); each balancer's status (reachable, whether it reaches the controller, whether its quota fell back from Redis, and for every replica
 it serves: healthy, ejected, pending and running at its last probe, its own requests outstanding there; and its
 peers' availability); and each etcd member's health. bench/chaos/measure.py reads detection and recovery times, the
 split brain's overlap and the pending requests on shared replicas from this timeline.
@@ -59,13 +59,13 @@ class Observer:
         row: dict[str, Any] = {"t": round(self.clock(), 3), "leader": c.leader(), "ctl": None, "assign": None,
                                "b": {}, "etcd": []}
         try:
-            row["ctl"] = {b["region"]: bool(b["healthy"]) for b in c.admin("GET", "/v1/balancers")["balancers"]}
+            row["ctl"] = {c.name_of(b): bool(b["healthy"]) for b in c.admin("GET", "/v1/balancers")["balancers"]}
             row["assign"] = {a["region"]: [a["balancer_region"], a["epoch"]]
                              for a in c.admin("GET", "/v1/assignments")["assignments"]}
         except RuntimeError:
             pass
-        for region in c.regions:
-            row["b"][region] = self._balancer(region)
+        for name in c.balancers:
+            row["b"][name] = self._balancer(name)
         for url in c.etcd_client_urls:
             try:
                 row["etcd"].append(requests.get(f"{url}/health", timeout=0.5).json().get("health") == "true")
@@ -73,9 +73,10 @@ class Observer:
                 row["etcd"].append(False)
         return row
 
-    def _balancer(self, region: str) -> dict[str, Any] | None:
+    def _balancer(self, name: str) -> dict[str, Any] | None:
+        """A balancer's view: its replicas, and its peers by peer name (``<region>`` or ``<region>@<id>``)."""
         try:
-            st = self.cluster.status(region, timeout_s=1.0)
+            st = self.cluster.status(name, timeout_s=1.0)
         except (requests.RequestException, ValueError):
             return None
         quota = st.get("quota") or {}

@@ -133,6 +133,29 @@ def _schedule(run: dict) -> str:
                                       "duplicated", "notes"], rows), ""])
 
 
+def _balancers_text(n: int) -> str:
+    return ("one balancer" if n == 1 else
+            f"{n} balancers (siblings; each replica owned by one of them; a balancer's faults hit one of them)")
+
+
+def _sibling_takeover(runs: list[dict]) -> str:
+    """A sibling's kill: how soon its replicas served through its live siblings, and any cross-region failover."""
+    kills = [(r["seed"], f) for r in runs for f in r["faults"] if "sibling_takeover" in f]
+    if not kills:
+        return ""
+    rows = [[str(seed), f["fault"]["target"], str(f["sibling_takeover"]["served_by_siblings_s"]),
+             str(f["sibling_takeover"]["cross_region_s"]), str(f["lost"]), str(f["duplicated"])] for seed, f in kills]
+    moved = [f["sibling_takeover"]["served_by_siblings_s"] for _, f in kills]
+    return "\n".join([
+        "## A sibling killed", "",
+        "One of a region's balancers SIGKILLed under load: its replicas move to its live siblings (the controllers "
+        "give them new owners; no cross-region failover while a sibling lives). Served by siblings: from the kill "
+        "to the first sample where the live siblings list every replica of the region healthy; cross-region: "
+        "sampled time the region was assigned to another region's balancer meanwhile.", "",
+        markdown_table(["seed", "balancer", "served by siblings s", "cross-region s", "lost", "duplicated"], rows),
+        "", f"Served by siblings {spread(moved, ' s')} (target: within 3 s).", ""])
+
+
 def format_markdown(result: dict[str, Any]) -> str:
     """The report of ``run_chaos``'s result."""
     runs = result["runs"]
@@ -145,7 +168,7 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"{len(runs)} run{'s' if len(runs) != 1 else ''} (seeds {', '.join(str(r['seed']) for r in runs)}), "
         f"{'the short schedule' if runs[0]['short'] else 'the full schedule'}: three regions, each with "
         f"{s['replicas_per_region']} emulated vLLM replicas (time scale {s['time_scale']}, batch "
-        f"{s['max_num_seqs']}) and one balancer; three controllers on a three-member etcd; Redis for the quota; "
+        f"{s['max_num_seqs']}) and {_balancers_text(s.get('balancers_per_region', 1))}; three controllers on a three-member etcd; Redis for the quota; "
         f"BIND for DNS; every balancer-balancer, balancer-controller, controller-balancer, balancer-Redis and "
         f"controller-etcd path through its own latency link (bench/chaos/cluster.py; a cut is a blackhole: data "
         f"held, not refused). Not cuttable here: the controllers' health checks of the replicas (a replica's one "
@@ -171,5 +194,5 @@ def format_markdown(result: dict[str, Any]) -> str:
         markdown_table(["fault", "runs", "requests", "lost", "duplicated", "errors", "retries", "detected s",
                         "recovered s", "TTFT p90 during ms"], _fault_rows(runs)), "",
         markdown_table(["fault", "detected when", "recovered when"], kinds_rows), "",
-        _split_brain(runs), _redis(runs),
+        _split_brain(runs), _sibling_takeover(runs), _redis(runs),
         "## Schedules", "", *(_schedule(r) for r in runs)])

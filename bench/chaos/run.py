@@ -2,7 +2,8 @@
 runs, counting per fault what was lost or duplicated, how long detection and recovery took, and what TTFT did.
 
 The deployment (bench/chaos/cluster.py): three controllers on a three-member etcd, Redis for quotas, BIND for DNS,
-``--replicas`` emulated replicas per region, one balancer per region, every cuttable path through a latency link.
+``--replicas`` emulated replicas per region, one balancer per region (``--siblings N``: N, each replica owned by one
+of them), every cuttable path through a latency link.
 The load (bench/chaos/client.py): ``--clients`` closed-loop clients per region running the trace's sessions
 (``--trace``, bench/replay/workload.py ``trace_sessions``), resolving through BIND and retrying once on a connection
 error. The faults (bench/chaos/faults.py): the full schedule (SIGKILLs of a replica mid-stream, a balancer, the
@@ -48,13 +49,15 @@ def _load() -> dict[str, float]:
 
 
 def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 6, replicas: int = 4,
-             token_scale: float = 0.05, settings: ClusterSettings | None = None) -> dict[str, Any]:
+             token_scale: float = 0.05, settings: ClusterSettings | None = None,
+             siblings: int = 1) -> dict[str, Any]:
     """One chaos run: start the deployment, load it, run the schedule, stop everything; returns the figures
-    (bench/chaos/measure.py ``measure_run``) with the faults, the settings and the machine's load."""
-    settings = settings or ClusterSettings(replicas_per_region=replicas)
+    (bench/chaos/measure.py ``measure_run``) with the faults, the settings and the machine's load. ``siblings``:
+    balancers per region when ``settings`` is not given."""
+    settings = settings or ClusterSettings(replicas_per_region=replicas, siblings=siblings)
     cluster = ChaosCluster(work, settings)
     plan = SHORT_SCHEDULE if short else FULL_SCHEDULE
-    faults = schedule(plan, cluster.regions, settings.replicas_per_region, seed)
+    faults = schedule(plan, cluster.regions, settings.replicas_per_region, seed, siblings=settings.siblings)
     stop_s = max(f.start_s + f.duration_s for f in faults) + (6.0 if short else TAIL_S)
     load_before = _load()
     abort, thread = threading.Event(), None
@@ -94,11 +97,13 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
                 f.notes["stale_epoch_refusals"] = stale_epoch_refusals(
                     cluster, f.target, wall0 + f.started_s, wall0 + f.ended_s + 20.0)
         figures = measure_run(faults, observer.samples, records, executions(cluster),
-                              leader_before=leader_before, quota_cap=settings.quota_max_concurrent)
+                              leader_before=leader_before, quota_cap=settings.quota_max_concurrent,
+                              balancers=cluster.balancers, replicas=settings.replicas_per_region)
         figures["duplicate_evidence"] = evidence(cluster, figures["duplicated_attempts"])
         return {**figures, "seed": seed, "short": short, "startup_s": round(startup_s, 1),
                 "load_s": round(stop_s, 1), "machine_load_before": load_before, "machine_load_after": _load(),
                 "settings": {"clients_per_region": clients, "replicas_per_region": settings.replicas_per_region,
+                             "balancers_per_region": settings.siblings,
                              "time_scale": settings.time_scale, "max_num_seqs": settings.max_num_seqs,
                              "quota_max_concurrent": settings.quota_max_concurrent, "token_scale": token_scale,
                              "rtt_ms": settings.rtt_ms, "balancer": settings.balancer,
@@ -134,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "workspace's shared/traces/mooncake_conversation_trace.jsonl)")
     p.add_argument("--clients", type=int, default=6, help="closed-loop clients per region (default: 6)")
     p.add_argument("--replicas", type=int, default=4, help="emulated replicas per region (default: 4)")
+    p.add_argument("--siblings", type=int, default=1, help="balancers per region (1-10; default: 1); each replica "
+                   "is owned by one of them, and a balancer's faults hit one of them")
     p.add_argument("--batch", type=int, default=4,
                    help="each replica's running batch, vLLM --max-num-seqs (requests; default: 4)")
     p.add_argument("--quota-cap", type=int, default=8,
@@ -162,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     if not trace.is_file():
         print(f"trace {trace} not found (--trace PATH)", file=sys.stderr)
         return 2
-    if not seeds or min(args.clients, args.replicas, args.batch, args.quota_cap) < 1 or args.token_scale <= 0:
-        print("need at least one seed, --clients, --replicas, --batch and --quota-cap >= 1 and --token-scale > 0",
-              file=sys.stderr)
+    if (not seeds or min(args.clients, args.replicas, args.batch, args.quota_cap) < 1 or args.token_scale <= 0
+            or not 1 <= args.siblings <= 10):
+        print("need at least one seed, --clients, --replicas, --batch and --quota-cap >= 1, --siblings 1-10 and "
+              "--token-scale > 0", file=sys.stderr)
         return 2
     from bench.reporting.provenance import provenance
     prov = provenance()  # at the start: the code that ran, even if the checkout changes during the runs
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_chaos(seeds, short=args.short, trace=trace, clients=args.clients, replicas=args.replicas,
                            token_scale=args.token_scale,
                            settings=ClusterSettings(replicas_per_region=args.replicas, max_num_seqs=args.batch,
-                                                    quota_max_concurrent=args.quota_cap))
+                                                    quota_max_concurrent=args.quota_cap, siblings=args.siblings))
     except RuntimeError as exc:
         print(f"chaos benchmark failed: {exc}", file=sys.stderr)
         return 1

@@ -56,10 +56,13 @@ START_TIMEOUT_S = 10.0
 MAX_REGIONS = 244
 
 
-def balancer_address(index: int) -> str:
-    """The loopback address of the ``index``-th region's balancer (0-based): 127.0.0.(11+index)."""
+def balancer_address(index: int, sibling: int = 0) -> str:
+    """The loopback address of the ``index``-th region's balancer (0-based): 127.0.0.(11+index); its ``sibling``-th
+    (0-based) when the region runs several: 127.0.(sibling).(11+index)."""
     _check_index(index)
-    return f"127.0.0.{11 + index}"
+    if not 0 <= sibling < 11:  # 127.0.11.0/24 and up are the clients' prefixes
+        raise ValueError(f"sibling index {sibling} outside 0..10")
+    return f"127.0.{sibling}.{11 + index}"
 
 
 def client_prefix(index: int) -> str:
@@ -93,8 +96,9 @@ class BindServer:
 
     Args:
         directory: where named.conf, keys.conf, the zone files, journals, pid file and session key go (created).
-        balancers: region -> the address its view answers for the service name (config order is view order; the
-            first region also answers the default view).
+        balancers: region -> the address its view answers for the service name, or several (a region served by
+            several balancers: one A record each); config order is view order; the first region also answers the
+            default view.
         host, port: where named listens (UDP and TCP); port 0 is an error, pick a free one.
         zone, name, ttl_s: the zone, the service name inside it, the service record's TTL (s).
         keys: region -> TSIG key of its view; default: a new hmac-sha256 key ``skylb-<region>`` per region.
@@ -102,7 +106,7 @@ class BindServer:
         named: the named binary; default ``named`` on PATH or /usr/sbin/named.
     """
 
-    def __init__(self, directory: str | Path, balancers: Mapping[str, str], *, host: str = "127.0.0.1",
+    def __init__(self, directory: str | Path, balancers: Mapping[str, str | Sequence[str]], *, host: str = "127.0.0.1",
                  port: int, zone: str = "skylb.test.", name: str = "llm.skylb.test.", ttl_s: int = 5,
                  keys: Mapping[str, TsigKey] | None = None, client_prefixes: Mapping[str, str] | None = None,
                  named: str | None = None):
@@ -111,7 +115,9 @@ class BindServer:
         if not 0 < port < 65536:
             raise ValueError(f"port {port} must be 1..65535")
         self.directory = Path(directory).resolve()
-        self.balancers = dict(balancers)
+        self.balancers = {r: [a] if isinstance(a, str) else list(a) for r, a in balancers.items()}
+        if not all(self.balancers.values()):
+            raise ValueError("every region needs at least one address")
         self.regions: Sequence[str] = list(balancers)
         self.host, self.port, self.ttl_s = host, port, ttl_s
         self.zone = zone if zone.endswith(".") else zone + "."
@@ -162,13 +168,14 @@ class BindServer:
     def _zone_text(self, region: str) -> str:
         zone, ns = self.zone, f"ns.{self.zone}"
         ns_type = "A" if ipaddress.ip_address(self.host).version == 4 else "AAAA"
-        svc_type = "A" if ipaddress.ip_address(self.balancers[region]).version == 4 else "AAAA"
+        records = "".join(f"{self.name} {self.ttl_s} IN {'A' if ipaddress.ip_address(a).version == 4 else 'AAAA'} "
+                          f"{a}\n" for a in self.balancers[region])
         # SOA minimum (negative-caching TTL) = ttl_s too: a resolver must not remember "no such record" longer
         return (f"$ORIGIN {zone}\n$TTL {self.ttl_s}\n"
                 f"@ IN SOA {ns} hostmaster.{zone} 1 3600 600 86400 {self.ttl_s}\n"
                 f"@ IN NS {ns}\n"
                 f"{ns} IN {ns_type} {self.host}\n"
-                f"{self.name} {self.ttl_s} IN {svc_type} {self.balancers[region]}\n")
+                + records)
 
     def _conf_text(self) -> str:
         d = self.directory
