@@ -41,6 +41,9 @@ __all__ = ["run_once", "run_chaos", "main", "DEFAULT_TRACE"]
 
 #: Seconds of load after the last planned fault ends, so its recovery is seen.
 TAIL_S = 12.0
+#: Requests in the sessions the clients run: more than a full run sends (about 4,000 with one balancer per region),
+#: so the load lasts to the end of the schedule.
+SESSION_REQUESTS = 8000
 
 
 def _load() -> dict[str, float]:
@@ -66,7 +69,7 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
         cluster.start()
         startup_s = time.monotonic() - started
         sessions = trace_sessions(trace, cluster.regions, weights={r: 1.0 for r in cluster.regions}, seed=seed,
-                                  token_scale=token_scale, requests=4000, max_turns=8)
+                                  token_scale=token_scale, requests=SESSION_REQUESTS, max_turns=8)
         plan_c = ClientPlan(dns_server=cluster.bind.host, dns_port=cluster.bind.port, name=cluster.bind.name,
                             port=cluster.balancer_port, dial=cluster.client_address_for,
                             sources={r: cluster.client_source(r) for r in cluster.regions}, model=MODEL)
@@ -89,6 +92,10 @@ def run_once(work: Path, seed: int, *, short: bool, trace: Path, clients: int = 
                                           run_id=f"s{seed}", t0=t0, stop_s=stop_s))
         thread.join(timeout=120)
         time.sleep(1.0)  # the last request lines reach the logs
+        # The recovery of the last fault is watched to the planned end even when the clients ran out of sessions
+        # first (the tail after the last heal is what the recovery figures read).
+        while clock() < stop_s and not abort.is_set():
+            time.sleep(0.1)
         observer.stop()
         if errors:
             raise RuntimeError(f"fault schedule failed: {errors[0]!r}") from errors[0]
