@@ -459,6 +459,9 @@ LIVE_BENCHMARKS = {
                "runs (bench/results/kv_live.md)",
     "concurrency": "fixed concurrency as inference-perf runs it (16 clients, 4 replicas of batch 4): requests waiting "
                    "behind a full batch, TTFT p99 and throughput beside HAProxy leastconn (bench/results/concurrency.md)",
+    "load_generators": "the README's recipe for the field's load generators, run with AIPerf (installed apart: "
+                       "--aiperf PATH) against a static balancer of two emulated vLLM replicas: AIPerf's errors and "
+                       "the balancer's statuses (bench/results/load_generators.md)",
     "status_page": "a screenshot of the controller's status page on the local three-region deployment under load, "
                    "in headless Chromium (docs/status-page.png)",
 }
