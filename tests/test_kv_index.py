@@ -26,6 +26,39 @@ def test_matched_tokens_is_the_longest_held_prefix_times_the_block_size():
     assert index.matched_tokens([]) == {"a": 0, "b": 0, "c": 0}
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_matched_blocks_equals_the_block_by_block_definition(seed):
+    """Random stores and removals (holes, several media on some replicas, a replica not live): each live replica's
+    count is the number of leading blocks of the request that it holds in any medium."""
+    import random
+    rng = random.Random(seed)
+    prompt = [rng.getrandbits(64) for _ in range(300)]
+    index = BlockIndex(100_000)
+    media = {"r0": [None], "r1": [None], "r2": [None, "cpu"] if seed % 2 else [None], "r3": [None]}
+    for replica, kinds in media.items():
+        index.mark_live(replica)
+        for medium in kinds:
+            held = rng.randrange(len(prompt) + 1)
+            index.store(replica, prompt[:held] + [rng.getrandbits(64) for _ in range(50)], block_size=16,
+                        medium=medium)
+            if rng.random() < 0.5 and held > 10:  # a hole: an evicted block inside the held prefix
+                index.remove(replica, [prompt[rng.randrange(held)]], medium=medium)
+    if seed % 3 == 0:
+        index.drop("r3")
+
+    def holds(replica, h):
+        return any(holder.replica == replica for holder in index.holders(h))
+    expected = {}
+    for replica in index.replicas:
+        if index.is_live(replica):
+            n = 0
+            while n < len(prompt) and holds(replica, prompt[n]):
+                n += 1
+            expected[replica] = n
+    assert index.matched_blocks(prompt) == expected
+    assert index.matched_blocks(prompt[:0]) == dict.fromkeys(expected, 0)
+
+
 @pytest.mark.parametrize("events, expected", [
     ([("store", "GPU", [1, 2])], 2),
     ([("store", "GPU", [1, 2]), ("remove", "GPU", [2])], 1),
