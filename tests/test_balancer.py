@@ -242,6 +242,8 @@ def test_forwarding_to_the_only_available_peer_pays_the_round_trip(three_regions
         assert status == 200 and done
         assert route == "peer:asia" and served_by.startswith("asia/")
         assert ttft >= 0.150
+    # the status counts each forward once, where it was answered
+    assert {p["region"]: p["forwarded"] for p in cluster.status("us")["peers"]} == {"eu": 0, "asia": 3}
     local = _complete(cluster.balancers["asia"], "served in asia", max_tokens=4)
     assert local[1] == "local" and local[3] < 0.150
 

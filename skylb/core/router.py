@@ -502,9 +502,16 @@ class Router:
         """Forward ``request`` to ``peer`` at ``now``: count it there and return the decision."""
         peer.outstanding += 1
         peer.sent_since_probe += 1
-        peer.forwarded += 1
         self.policy.routed(request, peer=peer.region)
         return Decision(request, "peer", peer.region, peer.url, now - request.arrived_at, now)
+
+    def forward_answered(self, decision: Decision) -> None:
+        """The forward ``decision`` gave the client its answer: count it at its peer (``PeerState.forwarded``, the
+        status' per-peer count). An attempt retried before its first byte is not counted, so a retried forward
+        counts once, where it was answered, as a client's report counts it (by ``X-SkyLB-Route``)."""
+        peer = self.peers.get(decision.target) if decision.route == "peer" else None
+        if peer is not None:
+            peer.forwarded += 1
 
     def pinned_unavailable_reason(self, pin: tuple[str, str], now: float, *, may_forward: bool = True,
                                   model: str = "", api: str = "openai") -> tuple[str, str] | None:

@@ -269,7 +269,8 @@ class PeerState:
     sent_since_probe: int = 0
     outstanding: int = 0
     error: str | None = None
-    #: Forwards sent there: a request retried there before its first byte counts once per try.
+    #: Forwards answered from there (``Router.forward_answered``): a forward retried before its first byte counts only
+    #: where it was answered, once.
     forwarded: int = 0
     models: dict[str, dict[str, int]] | None = None
     model_cards: dict[str, dict] = field(default_factory=dict, repr=False)
