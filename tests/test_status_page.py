@@ -319,6 +319,25 @@ def test_status_page_in_chromium_matches_the_status_of_its_revision(procs, tmp_p
     _no_token_in_any_url(browser)
 
 
+def test_a_static_balancers_page_names_its_region_on_each_replica(procs, tmp_path, browser):
+    """A balancer started with --replica serves its one region: its page shows that region on every replica row
+    (it showed "-": a balancer's status does not name a replica's region)."""
+    cluster = Cluster(procs, tmp_path, peer_token=PEER)
+    replicas = cluster.start_emulator(2, "--time-scale", "0.1")
+    cluster.start_static_balancer(replicas)
+    status = cluster.status("local")
+    _login(browser, f"{cluster.balancers['local']}/", PEER)
+    read = """const out = {};
+for (const row of document.querySelectorAll("#replicas tbody tr[data-key]"))
+  out[row.dataset.key] = row.querySelector('td[data-field="region"]')?.textContent;
+return out;"""
+    deadline = time.monotonic() + 15
+    while len(rows := browser.execute_script(read)) < 2:
+        assert time.monotonic() < deadline, f"the page never drew both replicas: {rows}"
+        time.sleep(0.2)
+    assert rows == {r["id"]: status["region"] for r in status["replicas"]}
+
+
 def test_a_static_balancers_page_offers_log_out_to_a_session_only_and_answers_the_favicon(procs, tmp_path):
     """A balancer started with --replica: /favicon.ico is 204 with no request log line; the page has no Log out for
     a reverse proxy's Bearer token (no session) and has one after a login; its status says the membership is static

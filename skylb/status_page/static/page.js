@@ -9,13 +9,15 @@ let previous = null;  // the last snapshot's forwarded counts and time, for the 
 function fromBalancer(d) {
   // A balancer's own status, in the controller view's shape: its region, the regions it serves, its replicas.
   const served = d.served_regions && Object.keys(d.served_regions).length ? d.served_regions : {[d.region]: 0};
+  // A balancer's status does not name a replica's region; when it serves one region, every replica is of it.
+  const regions = Object.keys(served), onlyRegion = regions.length === 1 ? regions[0] : null;
   return {
     revision: d.membership_revision, static_membership: d.static_membership, time: d.time,
     regions: Object.entries(served).map(([region, epoch]) => ({region, balancer_region: d.region, epoch})),
     balancers: [{region: d.region, url: location.origin, healthy: true, draining: d.draining, reachable: true,
                  error: null, queue_len: d.queue_len, in_flight: d.in_flight,
                  available_replicas: d.available_replicas, peers: d.peers, quota: d.quota}],
-    replicas: d.replicas.map((r) => ({...r, region: null, balancer: location.origin})),
+    replicas: d.replicas.map((r) => ({...r, region: r.region ?? onlyRegion, balancer: location.origin})),
   };
 }
 
