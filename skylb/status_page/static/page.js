@@ -17,7 +17,7 @@ function fromBalancer(d) {
     balancers: [{region: d.region, url: location.origin, healthy: true, draining: d.draining, reachable: true,
                  error: null, queue_len: d.queue_len, in_flight: d.in_flight,
                  available_replicas: d.available_replicas, peers: d.peers, quota: d.quota}],
-    replicas: d.replicas.map((r) => ({...r, region: r.region ?? onlyRegion, balancer: location.origin})),
+    replicas: d.replicas.map((r) => ({...r, region: onlyRegion, balancer: location.origin})),
   };
 }
 
