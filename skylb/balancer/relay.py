@@ -78,6 +78,12 @@ class RelayOutcome:
     failure: str | None = None
     usage: Usage | None = None
 
+    @property
+    def relayed(self) -> bool:
+        """The response sent is the target's own answer passed on (it carries ``X-SkyLB-Route``), not an error the
+        balancer wrote after the target failed."""
+        return self.response is not None and ROUTE_HEADER in self.response.headers
+
 
 def _failure_of(status: int) -> str | None:
     """Outlier detection's name for an answer with HTTP ``status``."""

@@ -175,7 +175,8 @@ class RouteStage:
         if trace is not None:
             trace.relay_ended(outcome, arrived_at=ctx.arrived_at)
         if outcome.response is not None:
-            self.router.forward_answered(decision)  # a forward counts where it was answered (no-op if local)
+            if outcome.relayed:  # a forward counts where it was answered (no-op if local), not a balancer's error
+                self.router.forward_answered(decision)
             asyncio.get_running_loop().call_soon(self._attempt_ended, decision, outcome)
         else:  # a retry follows: the slot and the failure count first
             self._attempt_ended(decision, outcome)
