@@ -19,8 +19,8 @@ restarted with its original command line on its original port; a cut link is res
 - ``slow_replica``: one replica's engine steps 5x longer; ``replica_500``: one replica answers every generation
   with HTTP 500 while its /health stays 200;
 - ``split_brain``: cut one balancer from the controllers both ways while it keeps serving its region and its peers:
-  the controllers fail its region over to another balancer (with siblings: give its replicas to a sibling), which then
-pushes to the same replicas.
+  the controllers fail its region over to another balancer (with siblings: give its replicas to a sibling), which
+  then pushes to the same replicas.
 
 A balancer's fault targets a balancer by its cluster name (``ChaosCluster.balancers``: its region, or with siblings
 ``<region>-a``, ...), a partition a region.

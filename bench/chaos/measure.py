@@ -13,10 +13,15 @@ Per fault (times in s):
   completions in one stream), client retries (counted apart, and whether both attempts ran);
 - TTFT p90 of the requests sent during the fault, beside that of requests sent outside every fault.
 
-Split brain: ``overlap_s``, how long the region's replicas were in both its own balancer's and another's status,
-and the peak pending requests (engine queue at the last probe) and outstanding requests (both balancers' together)
-on those shared replicas meanwhile. Redis: ``admitted_peak`` (requests streaming at once, all regions) during the
-outage against the cap and against the peak outside it.
+Split brain: ``overlap_s``, how long some replica of the region was listed by two balancers at once (its own and
+another region's after a failover, or two siblings'), and the peak pending requests (engine queue at the last probe)
+and outstanding requests (both balancers' together) on those shared replicas meanwhile. A sibling's kill (two or
+more balancers per region): ``sibling_takeover`` (see :func:`sibling_takeover`). Redis: ``admitted_peak`` (requests
+streaming at once, all regions) during the outage against the cap and against the peak outside it.
+
+Samples key balancers by their cluster name; ``balancers`` (``ChaosCluster.balancers``) maps each to its region. A
+balancer's fault (kill, split brain, asymmetric) targets a balancer name, a partition a region, a replica's fault a
+replica id (``<region>-<k>``).
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ def _names(of: dict[str, str], region: str) -> list[str]:
 
 def _replica(s: dict, of: dict[str, str], region: str, rid: str) -> dict | None:
     """Replica ``rid`` as ``region``'s balancers see it: a healthy listing first, else any (None: unlisted)."""
-    seen = [b["replicas"][rid] for n in _names(of, region) if (b := s["b"].get(n)) is not None and rid in b["replicas"]]
+    seen = [b["replicas"][rid] for n in _names(of, region)
+            if (b := s["b"].get(n)) is not None and rid in b["replicas"]]
     return next((r for r in seen if r["h"]), seen[0] if seen else None)
 
 
@@ -72,16 +78,15 @@ def _served_by_siblings(s: dict, of: dict[str, str], name: str, replicas: int) -
 
 
 def _signs(f: Fault, leader_before: int | None, of: dict[str, str]):
-    """(detected predicate or None, recovered predicate) of a fault's kind. A balancer's fault (kill, split brain,
-    asymmetric) targets a balancer name, a partition a region (all its balancers)."""
+    """(detected predicate or None, recovered predicate) of a fault's kind (targets: see the module docstring)."""
     k, t = f.kind, f.target
-    region = of.get(t, t.rsplit("-", 1)[0])
+    region = of.get(t, t.rsplit("-", 1)[0])  # a balancer's region, or a replica id's (``us-2`` -> ``us``)
     if k == "replica_kill":
         rid = f.notes.get("replica", "")
         return ((lambda s: not (_replica(s, of, t, rid) or {}).get("h", False)),
                 (lambda s: (_replica(s, of, t, rid) or {}).get("h") is True))
     if k == "replica_500":
-        return ((lambda s: (_replica(s, of, region, t) or {}).get("ej") or not (_replica(s, of, region, t) or {}).get("h")),
+        return ((lambda s: (r := _replica(s, of, region, t) or {}).get("ej") or not r.get("h")),
                 (lambda s: (r := _replica(s, of, region, t)) is not None and r["h"] and not r["ej"]))
     if k == "balancer_kill":
         return (lambda s: s["ctl"][t] is False), (lambda s: _home(s, of, region))
@@ -137,8 +142,8 @@ def split_brain(samples: list[dict], f: Fault, region: str) -> dict[str, Any]:
 def sibling_takeover(samples: list[dict], f: Fault, of: dict[str, str], replicas: int) -> dict[str, Any]:
     """A sibling's kill: ``served_by_siblings_s``, from the kill to the first sample where the region's live
     siblings list every replica of the region healthy (its replicas serving again through them), and
-    ``cross_region_s``, how long (sampled) the region was assigned to another region's balancer meanwhile (to its
-    recovery; none is expected while a sibling lives)."""
+    ``cross_region_s``, how long (sampled) the region was assigned to another region's balancer between the kill and
+    the restart (none is expected while a sibling lives)."""
     region = of[f.target]
     moved = _first(samples, f.started_s, lambda s: _served_by_siblings(s, of, f.target, replicas))
     window = [s for s in samples if f.started_s <= s["t"] and s["assign"] is not None
@@ -182,10 +187,8 @@ def measure_fault(f: Fault, samples: list[dict], records: list[Record], dup_atte
            "retries_executed_twice": sum(1 for r in window if len(r.attempts) > 1 and all(
                a.request_id in executed for a in r.attempts)),
            "ttft_p90_during_ms": percentile(during, 90) if during else None}
-    if f.kind in ("split_brain", "partition"):
-        region = balancers.get(f.target, f.target)
-        if f.kind == "split_brain":
-            out["split_brain"] = split_brain(samples, f, region)
+    if f.kind == "split_brain":
+        out["split_brain"] = split_brain(samples, f, balancers.get(f.target, f.target))
     siblings = sum(1 for r in balancers.values() if r == balancers.get(f.target))
     if f.kind == "balancer_kill" and siblings > 1:
         out["sibling_takeover"] = sibling_takeover(samples, f, balancers, replicas)

@@ -2,9 +2,10 @@
 
 :class:`Observer` samples, every ``interval_s`` from a thread: which controller leads; the controllers' verdict on
 each balancer (by its name in the cluster: ``ChaosCluster.balancers``) and each region's assignment (the region
-whose balancer serves it, and its epoch); each balancer's status (reachable, whether it reaches the controller, whether its quota fell back from Redis, and for every replica
-it serves: healthy, ejected, pending and running at its last probe, its own requests outstanding there; and its
-peers' availability); and each etcd member's health. bench/chaos/measure.py reads detection and recovery times, the
+whose balancer serves it, and its epoch); each balancer's status (reachable, whether it reaches the controller,
+whether its quota fell back from Redis, and for every replica it serves: healthy, ejected, pending and running at
+its last probe, its own requests outstanding there; and its peers' availability, by peer name); and each etcd
+member's health. bench/chaos/measure.py reads detection and recovery times, the
 split brain's overlap and the pending requests on shared replicas from this timeline.
 
 :func:`executions` reads the replicas' and balancers' logs: every request a replica finished (``request_finished``

@@ -134,6 +134,7 @@ def _schedule(run: dict) -> str:
 
 
 def _balancers_text(n: int) -> str:
+    """How the report names ``n`` balancers per region."""
     return ("one balancer" if n == 1 else
             f"{n} balancers (siblings; each replica owned by one of them; a balancer's faults hit one of them)")
 
@@ -168,7 +169,8 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"{len(runs)} run{'s' if len(runs) != 1 else ''} (seeds {', '.join(str(r['seed']) for r in runs)}), "
         f"{'the short schedule' if runs[0]['short'] else 'the full schedule'}: three regions, each with "
         f"{s['replicas_per_region']} emulated vLLM replicas (time scale {s['time_scale']}, batch "
-        f"{s['max_num_seqs']}) and {_balancers_text(s.get('balancers_per_region', 1))}; three controllers on a three-member etcd; Redis for the quota; "
+        f"{s['max_num_seqs']}) and {_balancers_text(s.get('balancers_per_region', 1))}; three controllers on a "
+        f"three-member etcd; Redis for the quota; "
         f"BIND for DNS; every balancer-balancer, balancer-controller, controller-balancer, balancer-Redis and "
         f"controller-etcd path through its own latency link (bench/chaos/cluster.py; a cut is a blackhole: data "
         f"held, not refused). Not cuttable here: the controllers' health checks of the replicas (a replica's one "
