@@ -4,8 +4,8 @@
 and runs ``named -g`` (foreground, as the current user; pid file, session key, managed keys and journals all in
 that directory) on a loopback address and port.
 
-Views. The service name (``llm.skylb.test.`` in zone ``skylb.test.`` by default) has one A record per view, each
-pointing at its region's balancer, with a short TTL (5 s). View R matches::
+Views. The service name (``llm.skylb.test.`` in zone ``skylb.test.`` by default) has, in each view, an A record per
+balancer of that region (one, unless the region runs several), with a short TTL (5 s). View R matches::
 
     match-clients { key "skylb-R"; !key "skylb-<other>"; ...; <R's client prefix>; };
 
