@@ -243,7 +243,12 @@ def test_busy_llama_server_sends_requests_to_the_peer_region(two_regions, llama)
         cluster.wait_until(lambda: cluster.status("us")["available_replicas"] == 0, timeout_s=15, what="us full")
         cluster.wait_until(lambda: all(p["available"] for p in cluster.status("us")["peers"]), timeout_s=10,
                            what="eu available to us")
-        assert emulator_gauge(replicas["us"], DEFERRED) >= 1 and emulator_gauge(replicas["us"], PROCESSING) == SLOTS
+        # The third request counts as deferred (llama.cpp's server: queue_tasks_deferred) only once an HTTP thread
+        # has posted it and the main loop has deferred it, which on a loaded machine can come after the balancer saw
+        # both slots busy (one CI run read 0): wait for it rather than read it once.
+        cluster.wait_until(lambda: emulator_gauge(replicas["us"], DEFERRED) >= 1
+                           and emulator_gauge(replicas["us"], PROCESSING) == SLOTS, timeout_s=15,
+                           what="us's llama-server with both slots busy and a request deferred")
         resp = requests.post(f"{cluster.balancers['us']}/v1/completions", timeout=60,
                              json={"model": llama["id"], "prompt": "Overflow:", "max_tokens": 4, "ignore_eos": True})
     assert resp.status_code == 200, resp.text
