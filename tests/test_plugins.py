@@ -276,6 +276,7 @@ def test_hold_for_faster_holds_only_for_a_replica_faster_in_decode_too():
     slow = ModelRates(time_per_token_s=0.04, decode_s_per_token=0.04, samples=3)
     assert faster(fast, slow, 1.5) and not faster(slow, fast, 1.5)
     assert not faster(ModelRates(time_per_token_s=0.01, decode_s_per_token=0.04), slow, 1.5)
+    assert not faster(ModelRates(time_per_token_s=0.01), ModelRates(time_per_token_s=0.04), 1.5)  # decode unmeasured
     rates = RateBook()
     rule = HoldForFaster(rates, 1.5)
     r_fast, r_slow = _replica("fast", 1), _replica("slow")

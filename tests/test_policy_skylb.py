@@ -345,7 +345,7 @@ def test_a_request_waits_for_a_faster_busy_replica_unless_the_queue_is_long():
     fast, slow = router.replicas["r0"], router.replicas["r1"]
     for state, per_token in ((fast, 0.01), (slow, 0.04)):
         state.max_concurrency = 1
-        state.rates.models[""] = ModelRates(time_per_token_s=per_token, samples=3)
+        state.rates.models[""] = ModelRates(time_per_token_s=per_token, decode_s_per_token=per_token, samples=3)
     fast.outstanding = 1
     router.policy.rates.dispatched(fast.rates, "running", "", "x" * 400)
     router.enqueue(Request("q0", "y" * 400, arrived_at=0.0))
@@ -362,11 +362,11 @@ def test_a_request_waits_for_a_faster_busy_replica_unless_the_queue_is_long():
 @pytest.mark.parametrize("decode_ms, holds", [
     ((10, 40), True),  # r0 4x faster in decode too: a faster replica
     ((20, 20), False),  # equal decode per output token: the t^ gap is the mix of requests each served, not speed
-    (None, True),  # decode not measured: t^ alone decides, as before
+    (None, False),  # decode not measured on both: no evidence of speed beyond the mix, nothing held
 ])
 def test_a_replica_is_faster_only_when_its_decode_rate_agrees(decode_ms, holds):
-    """``hold_for_faster`` takes r0 as faster than r1 only when its decode seconds per output token agree with its
-    4x lower time per token (where both are measured)."""
+    """``hold_for_faster`` takes r0 as faster than r1 only when its decode seconds per output token, measured on
+    both, agree with its 4x lower time per token."""
     router = _router(n=2, peers=())
     fast, slow = router.replicas["r0"], router.replicas["r1"]
     for i, (state, per_token) in enumerate(((fast, 0.01), (slow, 0.04))):

@@ -58,13 +58,16 @@ class HoldForFaster:
 
 def faster(theirs: ModelRates, mine: ModelRates, ratio: float) -> bool:
     """True when rates ``theirs`` are at least ``ratio`` x faster than ``mine`` (skylb/core/rates.py ModelRates):
-    in time per token (prompt and output together), and in decode time per output token where both measured it.
-    The first alone follows the mix of requests each replica happened to serve (a long prompt makes a replica look
-    fast per token, a long answer slow): identical replicas serving the conversation trace at real prompt lengths
-    differed by more than 1.5x, and requests waited for the "faster" one while a replica had room (simulated, P90
-    TTFT 26.4 s against 17.9 s without holding). Decode per output token does not depend on the mix."""
+    in time per token (prompt and output together), and in decode time per output token, which both must have
+    measured. The first alone follows the mix of requests each replica happened to serve (a long prompt makes a
+    replica look fast per token, a long answer slow): identical replicas serving the conversation trace at real
+    prompt lengths differed by more than 1.5x, and requests waited for the "faster" one while a replica had room
+    (simulated, P90 TTFT 26.4 s against 17.9 s without holding). Decode per output token does not depend on the
+    mix. Without it on both sides nothing is held: at prompts x1/8 an OpenAI engine's decode is measured only from
+    a response that ran alone, rare under load, and identical replicas judged by time per token alone held requests
+    for seconds with every replica free (the trace at half its rate: P90 TTFT 2.9 s, 1.9 s without holding)."""
     if theirs.time_per_token_s * ratio > mine.time_per_token_s:
         return False
-    if theirs.decode_s_per_token is not None and mine.decode_s_per_token is not None:
-        return theirs.decode_s_per_token * ratio <= mine.decode_s_per_token
-    return True
+    if theirs.decode_s_per_token is None or mine.decode_s_per_token is None:
+        return False
+    return theirs.decode_s_per_token * ratio <= mine.decode_s_per_token
