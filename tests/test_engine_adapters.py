@@ -12,6 +12,7 @@ from aiohttp import web
 from skylb.engines import ADAPTERS, adapter_for, detect_engine
 from skylb.core import AvailabilityRules, Router, make_policy
 from skylb.engines.openai import DEFAULT_SLOTS
+from bench.emulator.model import EngineParams
 from bench.launch.procs import ProcGroup, free_port, free_ports, wait_http
 
 # One xdist worker runs the whole module (--dist loadgroup): it shares its emulator processes (fixture emulators),
@@ -119,6 +120,30 @@ async def test_idle_replica_is_healthy_with_zero_pending(emulators, session, emu
     result = await probe(session, engine, emulators[emulator])
     assert result.healthy, result.error
     assert result.pending == 0 and result.running == 0
+
+
+@pytest.mark.parametrize(("emulator", "engine"), [("vllm", "vllm"), ("sglang", "sglang")])
+async def test_kv_capacity_in_tokens_from_the_emulated_engines_metrics(emulators, session, emulator, engine):
+    """vLLM's ``cache_config_info`` (num_gpu_blocks x block_size) and SGLang's ``max_total_num_tokens``, as the
+    emulator serves them, give the KV cache's size in tokens (the emulator's default cache)."""
+    result = await probe(session, engine, emulators[emulator])
+    assert result.healthy and result.kv_capacity_tokens == EngineParams().num_blocks * EngineParams().block_size
+
+
+@pytest.mark.parametrize(("engine", "text", "tokens"), [
+    ("vllm", 'vllm:num_requests_waiting 0\nvllm:cache_config_info{block_size="16",cache_dtype="auto",'
+             'num_gpu_blocks="27921"} 1.0\n', 446736),
+    ("vllm", 'vllm:num_requests_waiting 0\nvllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n',
+     None),  # before the engine has profiled its memory
+    ("vllm", "vllm:num_requests_waiting 0\n", None),
+    ("sglang", "sglang:num_queue_reqs 0\nsglang:max_total_num_tokens 471258\n", 471258),
+    ("sglang", "sglang:num_queue_reqs 0\n", None),
+])
+async def test_kv_capacity_from_each_engines_metrics(session, canned, engine, text, tokens):
+    """The KV cache's size in tokens where the engine exports it, None where it does not."""
+    canned.answers["/metrics"] = (200, text)
+    result = await probe(session, engine, canned.url)
+    assert result.healthy and result.kv_capacity_tokens == tokens
 
 
 @pytest.mark.parametrize(("emulator", "engine"), METRIC_ENGINES)

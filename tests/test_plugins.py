@@ -241,6 +241,27 @@ def test_estimated_ttft_weighs_a_cached_prefix_against_a_backlog():
     assert estimate.uncached_tokens(_req("q3", A), "r1") < estimate.uncached_tokens(_req("q4", A), "r2")
 
 
+def test_estimated_ttft_prices_a_prompt_that_does_not_fit_in_the_free_kv_cache_as_a_wait():
+    """A replica whose free KV cache (capacity x (1 - usage), less the backlog ahead) cannot take the prompt's
+    uncached tokens is priced its measured service time more: the request goes where it fits, even past a cache hit;
+    unmeasured, or without a capacity, nothing is added."""
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    loc.set_members({"r1", "r2"}, set())
+    loc.routed(_req("h", A), replica="r1")
+    picker = EstimatedTTFT(wait=wait, locality=loc, rates=RateBook(), turns=Turns(), abs_threshold=8,
+                           rel_threshold=1.5)
+    full = _replica("r1", 1, kv_usage=0.9, kv_capacity_tokens=1000)  # 100 tokens free
+    roomy = _replica("r2", 1, kv_usage=0.1, kv_capacity_tokens=1000)
+    q = _req("q", A + "x" * 1600)  # about 670 tokens, half of them held on r1
+    assert picker.pick(q, [full, roomy]).id == "r1"  # unmeasured: no wait known, the hit wins
+    full.rates.overall.service_s = 20.0
+    costs = picker.local_costs(q, [full, roomy])
+    assert costs["r1"] > 20.0 > costs["r2"]
+    assert picker.pick(_req("q2", A + "x" * 1600), [full, roomy]).id == "r2"
+    full.kv_capacity_tokens = None
+    assert picker.local_costs(_req("q3", A + "x" * 1600), [full])["r1"] < 1.0
+
+
 def test_most_room_counts_queues_and_what_was_sent_since():
     peers = [_peer("eu", free=3, queue_len=2), _peer("asia", free=2), _peer("us", free=4, sent_since_probe=3)]
     assert MostRoom().pick(_req("q", "x"), peers).region == "asia"

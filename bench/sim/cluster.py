@@ -330,16 +330,18 @@ class SimBalancer:
         self.loop.at(now + self.cluster.probe_interval_s, self._probe_round)
 
     def _sample_replicas(self, replicas: list[SimReplica], back_s: float) -> None:
-        snapshot = [(r.id, r.engine.num_waiting, r.engine.num_running, r.engine.kv_usage) for r in replicas]
+        snapshot = [(r.id, r.engine.num_waiting, r.engine.num_running, r.engine.kv_usage,
+                     r.engine.params.num_blocks * r.engine.params.block_size) for r in replicas]
         self.loop.at(self.loop.now + back_s, self._observe_replicas, snapshot)
 
-    def _observe_replicas(self, snapshot: list[tuple[str, int, int, float]]) -> None:
+    def _observe_replicas(self, snapshot: list[tuple[str, int, int, float, int]]) -> None:
         now, router, cap = self.loop.now, self.router, self.setup.max_concurrency
-        for rid, pending, running, kv_usage in snapshot:
+        for rid, pending, running, kv_usage, kv_tokens in snapshot:
             if cap:  # no pending metric: derive it from this balancer's own in-flight count, as live
                 pending, running = load_from_outstanding(router.replicas[rid].outstanding, cap)
-                kv_usage = None
-            router.observe_replica(rid, now=now, healthy=True, pending=pending, running=running, kv_usage=kv_usage)
+                kv_usage = kv_tokens = None
+            router.observe_replica(rid, now=now, healthy=True, pending=pending, running=running, kv_usage=kv_usage,
+                                   kv_capacity_tokens=kv_tokens)
         self.dispatch()
 
     def _sample_peer(self, peer: "SimBalancer", back_s: float) -> None:

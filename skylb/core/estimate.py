@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from skylb.core.request import Request
 from skylb.core.state import ReplicaState
 
-__all__ = ["WaitModel", "prompt_tokens", "text_tokens", "CHARS_PER_TOKEN"]
+__all__ = ["WaitModel", "prompt_tokens", "text_tokens", "kv_wait_s", "CHARS_PER_TOKEN"]
 
 #: Characters per token when a request's length is known only as text: about 4 for English BPE vocabularies
 #: (OpenAI's rule of thumb; Llama 3 and Gemma tokenizers are within 10% on chat text).
@@ -44,6 +44,27 @@ def prompt_tokens(request: Request) -> int:
     if request.prompt_tokens is not None:
         return max(1, request.prompt_tokens)
     return text_tokens(request.text)
+
+
+def kv_wait_s(replica: ReplicaState, tokens: float, backlog_tokens: float) -> float:
+    """Seconds a request needing ``tokens`` new KV-cache tokens waits on ``replica`` for room in its KV cache: 0
+    while they fit in what is free (its capacity x (1 - usage) at the latest probe, less the ``backlog_tokens``
+    queued ahead of it, which will take their share first), else the replica's measured service time (a running
+    request must finish and free its blocks; 0 while unmeasured).
+
+    Source: the engines' admission. vLLM V1's scheduler admits a waiting request only when its KV blocks can be
+    allocated (``KVCacheManager.allocate_slots`` returning None leaves it waiting) and SGLang's only when its prompt
+    plus reserved output tokens fit in the pool (``PrefillAdder``); a request larger than what is free waits in the
+    engine's queue however few requests run. With prompts near a replica's whole KV cache (the conversation trace
+    at its real lengths: 35,000-token prompts in a 36,000-token cache) the batch's request count says nothing of
+    this, and a replica with one running request had no room for a second.
+    """
+    cap, usage = replica.kv_capacity_tokens, replica.kv_usage
+    if cap is None or usage is None:
+        return 0.0
+    if tokens <= cap * (1.0 - usage) - backlog_tokens:
+        return 0.0
+    return replica.rates.overall.service_s or 0.0
 
 
 @dataclass(frozen=True)
@@ -98,7 +119,10 @@ class WaitModel:
             unknown = r.pending - len(r.unprefilled)
             backlog = r.backlog_tokens + unknown * unknown_tokens if unknown > 0 else r.backlog_tokens
             # max(0.0, x) as conditionals: the same values (0.0 at or below zero), without two calls per replica.
-            out.append((backlog if backlog > 0 else 0.0) * per_token + (tokens if tokens > 0 else 0.0) * per_token)
+            cost = (backlog if backlog > 0 else 0.0) * per_token + (tokens if tokens > 0 else 0.0) * per_token
+            if r.kv_capacity_tokens is not None and r.kv_usage is not None:
+                cost += kv_wait_s(r, tokens, backlog)
+            out.append(cost)
         return out
 
     def prior_s_per_token(self, replicas) -> float | None:

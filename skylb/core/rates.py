@@ -106,12 +106,15 @@ class ModelRates:
     Attributes:
         time_per_token_s: the paper's t^: service seconds per token, prompt and output together.
         prefill_s_per_token: seconds per prefilled prompt token; decode_s_per_token: seconds per output token.
+        service_s: seconds from dispatch to the end of a response (how long a request holds its place in the
+            batch, its wait in the engine's queue included).
         samples: responses learned from.
     """
 
     time_per_token_s: float | None = None
     prefill_s_per_token: float | None = None
     decode_s_per_token: float | None = None
+    service_s: float | None = None
     samples: int = 0
 
 
@@ -279,6 +282,7 @@ class RateBook:
             decode = max(0.0, e2e_s - ttft_s) / (out - 1)
         for m in (rates.models.setdefault(flight.model, ModelRates()), rates.overall):
             m.time_per_token_s = _ema(m.time_per_token_s, per_token, a)
+            m.service_s = _ema(m.service_s, e2e_s, a)
             if prefill is not None:
                 m.prefill_s_per_token = _ema(m.prefill_s_per_token, prefill, a)
             if decode is not None:

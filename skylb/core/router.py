@@ -691,7 +691,8 @@ class Router:
     # -- probes and status --------------------------------------------------------------------------------------
     def observe_replica(self, replica_id: str, *, now: float, healthy: bool, pending: int = 0,
                         running: int | None = None, error: str | None = None, slots: int | None = None,
-                        probe_sent_at: float | None = None, kv_usage: float | None = None) -> None:
+                        probe_sent_at: float | None = None, kv_usage: float | None = None,
+                        kv_capacity_tokens: int | None = None) -> None:
         """Record a probe answer for a local replica (ignored if the replica left); see ReplicaState.observe_probe.
         Its availability is worked out now, when the answer arrives, rather than by the next decision: a probe
         round answers for every replica within a few ms, and the decision after it would otherwise check them
@@ -699,7 +700,8 @@ class Router:
         state = self.replicas.get(replica_id)
         if state is not None:
             state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error,
-                                slots=slots, probe_sent_at=probe_sent_at, kv_usage=kv_usage)
+                                slots=slots, probe_sent_at=probe_sent_at, kv_usage=kv_usage,
+                                kv_capacity_tokens=kv_capacity_tokens)
             if self.policy.selective:
                 self._available(state, now, self._availability_token())
 

@@ -9,7 +9,8 @@ from typing import ClassVar
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["EngineAdapter", "ProbeResult", "ADAPTERS", "adapter_for", "sum_gauges", "max_gauges", "gauges"]
+__all__ = ["EngineAdapter", "ProbeResult", "ADAPTERS", "adapter_for", "sum_gauges", "max_gauges", "gauges",
+           "info_labels"]
 
 #: engine name -> adapter class, filled by ``EngineAdapter.__init_subclass__``.
 ADAPTERS: dict[str, type["EngineAdapter"]] = {}
@@ -28,6 +29,8 @@ class ProbeResult:
             ``total_slots``), else None.
         kv_usage: the fraction of the KV cache in use, 0-1, when the engine says (vLLM ``kv_cache_usage_perc``,
             SGLang ``token_usage``), else None.
+        kv_capacity_tokens: the tokens the KV cache holds in all, when the engine says (vLLM
+            ``cache_config_info``'s ``num_gpu_blocks`` x ``block_size``, SGLang ``max_total_num_tokens``), else None.
     """
 
     healthy: bool
@@ -37,6 +40,7 @@ class ProbeResult:
     models: list[str] = field(default_factory=list)
     slots: int | None = None
     kv_usage: float | None = None
+    kv_capacity_tokens: int | None = None
 
 
 class EngineAdapter:
@@ -130,3 +134,22 @@ def max_gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     for name, value in _samples(text, names):
         highest[name] = max(value, highest.get(name, value))
     return highest
+
+
+def info_labels(text: str, name: str) -> dict[str, str] | None:
+    """The labels of the first sample of info metric ``name`` (a gauge of value 1 whose labels carry a
+    configuration, as vLLM's ``vllm:cache_config_info``) in Prometheus exposition ``text``; None when it is absent
+    or does not parse. Only that sample's line is parsed (found by a substring search: the exposition is read on
+    every probe)."""
+    start = text.find(name + "{")
+    if start < 0 or (start > 0 and text[start - 1] != "\n"):
+        return None
+    end = text.find("\n", start)
+    line = text[start:] if end < 0 else text[start:end]
+    try:
+        for family in text_string_to_metric_families(line + "\n"):
+            for sample in family.samples:
+                return dict(sample.labels)
+    except ValueError:
+        return None
+    return None

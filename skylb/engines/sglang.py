@@ -23,6 +23,8 @@ WAITING = "sglang:num_queue_reqs"
 RUNNING = "sglang:num_running_reqs"
 #: KV pool usage, 0-1 (collector.py: "sglang:token_usage: The token usage"); the fullest rank is taken.
 KV_USAGE = "sglang:token_usage"
+#: The KV pool's size in tokens (collector.py: "sglang:max_total_num_tokens"), per rank: the largest is taken.
+KV_CAPACITY = "sglang:max_total_num_tokens"
 #: HTTP statuses meaning "this server has no such endpoint" (FastAPI's 404 and 405).
 _ABSENT = (404, 405)
 
@@ -42,14 +44,15 @@ async def _from_metrics(session, url: str, timeout_s: float) -> ProbeResult | st
     if answer.status != 200:
         return f"/metrics answered HTTP {answer.status}"
     try:
-        values, kv = gauges(answer.text, (WAITING, RUNNING), (KV_USAGE,))
+        values, kv = gauges(answer.text, (WAITING, RUNNING), (KV_USAGE, KV_CAPACITY))
     except ValueError as exc:
         return f"malformed /metrics: {exc}"[:200]
     if WAITING not in values:
         return None  # metrics on, but this gauge not (yet) exported: the JSON endpoints may still say
     running = values.get(RUNNING)
+    capacity = kv.get(KV_CAPACITY)
     return ProbeResult(True, pending=int(values[WAITING]), running=None if running is None else int(running),
-                       kv_usage=kv.get(KV_USAGE))
+                       kv_usage=kv.get(KV_USAGE), kv_capacity_tokens=int(capacity) if capacity else None)
 
 
 def _sum_ranks(ranks: Any, path: str, *, running_of: Callable[[dict], int | None]) -> ProbeResult | str:

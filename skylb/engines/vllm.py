@@ -11,15 +11,29 @@ import asyncio
 
 import aiohttp
 
-from skylb.engines.base import EngineAdapter, ProbeResult, gauges
+from skylb.engines.base import EngineAdapter, ProbeResult, gauges, info_labels
 
-__all__ = ["VLLMAdapter"]
+__all__ = ["VLLMAdapter", "kv_capacity_tokens"]
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 #: KV cache usage, 0-1 (vllm/v1/metrics/loggers.py): ``kv_cache_usage_perc`` since 0.10, ``gpu_cache_usage_perc``
 #: before (removed in 0.12). With data parallelism each engine reports its own: the fullest one is taken.
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+#: The KV cache's configuration as labels of a gauge of value 1 (vllm/v1/metrics/loggers.py ``log_metrics_info``
+#: of CacheConfig): ``num_gpu_blocks`` x ``block_size`` is the cache's size in tokens.
+CACHE_CONFIG = "vllm:cache_config_info"
+
+
+def kv_capacity_tokens(text: str) -> int | None:
+    """The KV cache's size in tokens from ``vllm:cache_config_info`` in ``text``; None when absent or not numbers
+    (``num_gpu_blocks`` is "None" before the engine has profiled its memory)."""
+    labels = info_labels(text, CACHE_CONFIG)
+    try:
+        tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"]) if labels else 0
+    except (KeyError, ValueError):
+        return None
+    return tokens if tokens > 0 else None
 
 
 class VLLMAdapter(EngineAdapter, engine="vllm"):
@@ -42,4 +56,4 @@ class VLLMAdapter(EngineAdapter, engine="vllm"):
         running = values.get(RUNNING)
         kv_usage = next((kv[name] for name in KV_USAGE if name in kv), None)
         return ProbeResult(True, pending=int(values[WAITING]), running=None if running is None else int(running),
-                           kv_usage=kv_usage)
+                           kv_usage=kv_usage, kv_capacity_tokens=kv_capacity_tokens(text))

@@ -66,6 +66,8 @@ class _SglangCollector:
                         load["running"])
         yield self._one(GaugeMetricFamily, "sglang:num_used_tokens", "The number of used tokens.", load["used"])
         yield self._one(GaugeMetricFamily, "sglang:token_usage", "The token usage.", load["token_usage"])
+        yield self._one(GaugeMetricFamily, "sglang:max_total_num_tokens", "Maximum total number of tokens.",
+                        load["capacity"])
         yield self._one(GaugeMetricFamily, "sglang:num_queue_reqs",
                         "The number of requests in the waiting queue.", load["waiting"])
         yield self._one(GaugeMetricFamily, "sglang:cache_hit_rate", "The prefix cache hit rate.",

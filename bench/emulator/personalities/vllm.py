@@ -49,6 +49,11 @@ class _VllmCollector:
                         "Number of requests waiting to be processed.", m.num_waiting)
         yield self._one(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
                         "KV-cache usage. 1 means 100 percent usage.", m.kv_usage)
+        # vLLM's log_metrics_info: the CacheConfig as labels of a gauge of 1 (two of its fields here).
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(m.params.block_size), str(m.params.num_blocks)], 1.0)
+        yield info
         yield self._one(CounterMetricFamily, "vllm:prefix_cache_queries",
                         "Prefix cache queries, in terms of number of queried tokens.", m.prefix_cache_queries)
         yield self._one(CounterMetricFamily, "vllm:prefix_cache_hits",
