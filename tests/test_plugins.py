@@ -292,6 +292,35 @@ def test_push_to_holder_pushes_a_hit_into_its_full_holder_unless_it_is_bounded_o
     assert rule.decide(_candidates(_req("q", A), [free], busy=[holder]), None) is None  # a free replica holds it
 
 
+def test_push_to_holder_priced_goes_to_a_peer_holding_the_prefix_when_the_full_batch_is_slower():
+    """With the escape, a push into a full batch whose wait (requests past the limit x service time / limit)
+    exceeds a peer's round trip and prefill goes to that peer, if its region holds the prefix; a peer without it,
+    a short wait, or an unmeasured holder keeps the push."""
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    estimate = EstimatedTTFT(wait=wait, locality=loc, rates=RateBook(), turns=Turns(), abs_threshold=8,
+                             rel_threshold=1.5)
+    prefer = PreferFasterPeer(estimate=estimate, locality=loc, wait=wait, forward_margin_s=0.05,
+                              default_prompt_tokens=512)
+    rule = PushToPrefixHolder(loc, Turns(), abs_threshold=64, rel_threshold=1.5, escape=prefer, estimate=estimate)
+    loc.routed(_req("h", A), replica="busy")
+    loc.routed(_req("h2", A), peer="eu")
+    holder = _replica("busy", 12, running=8, pending=4)  # 4 past a batch of 8
+    holder.capacity.limit = 8
+    free = _replica("free")
+    eu, asia = _peer("eu", wait_s=0.0, rtt_s=0.1), _peer("asia", wait_s=0.0, rtt_s=0.01)
+    q = _req("q", A)
+    assert rule.decide(_candidates(q, [free], busy=[holder], peers=[eu, asia]), None) is holder  # unmeasured
+    holder.rates.overall.service_s = 4.0  # (4 + 1) x 4 s / 8 = 2.5 s for a place in the batch
+    assert rule.decide(_candidates(q, [free], busy=[holder], peers=[eu, asia]), None) is eu
+    assert rule.decide(_candidates(q, [free], busy=[holder], peers=[asia]), None) is holder  # asia lacks it
+    assert rule.decide(_candidates(q, [free], busy=[holder], peers=[_peer("eu", wait_s=5.0, rtt_s=0.1)]),
+                       None) is holder  # slower there
+    holder.pending = 0
+    holder.outstanding = 8
+    holder.rates.overall.service_s = 0.2  # 0.025 s: the push wins
+    assert rule.decide(_candidates(q, [free], busy=[holder], peers=[eu]), None) is holder
+
+
 def test_hold_for_faster_holds_only_for_a_replica_faster_in_decode_too():
     fast = ModelRates(time_per_token_s=0.01, decode_s_per_token=0.01, samples=3)
     slow = ModelRates(time_per_token_s=0.04, decode_s_per_token=0.04, samples=3)

@@ -38,12 +38,21 @@ class PreferFasterPeer:
         """The peer to forward ``c.request`` to instead of ``picked``, or None."""
         if not c.peers or picked is None:
             return None
+        return self.cheaper_peer(c, self.estimate.local_costs(c.request, [picked])[picked.id], picked)
+
+    def cheaper_peer(self, c: Candidates, local_s: float, replica: ReplicaState, *,
+                     holders_only: bool = False) -> PeerState | None:
+        """The cheapest peer with room (``c.peers``) whose estimated seconds to first token (``peer_cost_s``,
+        prefill priced at ``replica``'s rate) beat ``local_s`` (s) by ``forward_margin_s``; None when none does."""
+        if not c.peers:
+            return None
         request = c.request
-        local_s = self.estimate.local_costs(request, [picked])[picked.id]
         held = self.locality.peer_fractions(request, c.peers)
         best, best_s = None, local_s - self.forward_margin_s
         for p in sorted(c.peers, key=lambda p: p.region):
-            cost = self.peer_cost_s(request, p, held.get(p.region, 0.0), picked)
+            if holders_only and p.region not in held:
+                continue
+            cost = self.peer_cost_s(request, p, held.get(p.region, 0.0), replica)
             if cost is not None and cost < best_s:
                 best, best_s = p, cost
         return best

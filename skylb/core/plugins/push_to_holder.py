@@ -9,29 +9,50 @@ room, which prefilled the whole prefix and kept a second copy of it; under load 
 prefixes, misses grew the load, and the load made more misses (150 tenants behind 6,000-token prefixes at 2x: each
 tenant's requests spread over 3.3 replicas and 67% hits, where one SGLang router kept each tenant on one replica for
 83%). Requests without a match keep selective pushing.
+
+A push is priced (``escape``): its predicted time to first token is the wait for a place in the holder's batch
+(skylb/core/cost.py ``slot_wait_s``: the requests past the batch's limit, plus this one, times the holder's measured
+service time over its limit) plus the holder's estimate (wait + uncached prefill; estimated_ttft.py). A peer with
+room that beats it by the forward margin (prefer_peer.py ``cheaper_peer``, its cached share priced from its region
+summary or snapshot) gets the request instead. The copy of the prefix then lives in another region, where the
+regional snapshot keeps that prefix's later forwards, so an overloaded region sheds whole prefixes to its peers
+rather than queueing behind its own full batches (150 tenants at 2x, half of them homed in one region: the pushed
+requests waited 2.1 s in the holders' queues and made the slowest tenth of all requests).
 """
 
 from __future__ import annotations
 
 from skylb.core.candidates import Candidates
+from skylb.core.cost import slot_wait_s
+from skylb.core.plugins.estimated_ttft import EstimatedTTFT
+from skylb.core.plugins.prefer_peer import PreferFasterPeer
 from skylb.core.plugins.prefix_locality import PrefixLocality
 from skylb.core.plugins.scoring import least_loaded, loads_imbalanced
 from skylb.core.profile import Turns
-from skylb.core.state import ReplicaState
+from skylb.core.state import PeerState, ReplicaState
 
 __all__ = ["PushToPrefixHolder", "queue_shorter_than_batch"]
 
 
 class PushToPrefixHolder:
     """Rule: the least loaded full local replica holding the request's prefix, when no replica with room holds it
-    and the local loads are not imbalanced; else no opinion."""
+    and the local loads are not imbalanced, or a peer with room predicted faster than that push (``escape``); else
+    no opinion.
 
-    def __init__(self, locality: PrefixLocality, turns: Turns, *, abs_threshold: int, rel_threshold: float):
+    Args:
+        locality: the replica trie. turns: the shared tie-break counter.
+        abs_threshold, rel_threshold: the load guard (no push while outstanding requests are imbalanced).
+        escape: the peer pricing (None: the push is not priced); estimate: the local picker pricing the holder.
+    """
+
+    def __init__(self, locality: PrefixLocality, turns: Turns, *, abs_threshold: int, rel_threshold: float,
+                 escape: PreferFasterPeer | None = None, estimate: EstimatedTTFT | None = None):
         self.locality, self.turns = locality, turns
         self.abs_threshold, self.rel_threshold = abs_threshold, rel_threshold
+        self.escape, self.estimate = escape, estimate
 
-    def decide(self, c: Candidates, picked: ReplicaState | None) -> ReplicaState | None:
-        """The holder to push ``c.request`` into, or None."""
+    def decide(self, c: Candidates, picked: ReplicaState | None) -> ReplicaState | PeerState | None:
+        """The holder to push ``c.request`` into, a peer faster than that push, or None."""
         busy = c.busy
         if not busy:
             return None
@@ -44,7 +65,20 @@ class PushToPrefixHolder:
         if not holders:
             return None
         holder = least_loaded(holders, self.turns.next())
-        return None if loads_imbalanced(everyone, self.abs_threshold, self.rel_threshold) else holder
+        if loads_imbalanced(everyone, self.abs_threshold, self.rel_threshold):
+            return None
+        return self._cheaper_peer(c, holder) or holder
+
+    def _cheaper_peer(self, c: Candidates, holder: ReplicaState) -> PeerState | None:
+        """A peer with room predicted faster than pushing into ``holder`` (module docstring), or None (no
+        pricing, no peer with room, or the holder's service time not measured yet)."""
+        if self.escape is None or self.estimate is None or not c.peers or not c.request.may_forward:
+            return None
+        service_s = holder.rates.overall.service_s
+        if service_s is None:
+            return None
+        push_s = slot_wait_s(holder, service_s) + self.estimate.local_costs(c.request, [holder])[holder.id]
+        return self.escape.cheaper_peer(c, push_s, holder, holders_only=True)
 
 
 def queue_shorter_than_batch(replica: ReplicaState) -> bool:

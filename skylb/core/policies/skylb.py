@@ -84,6 +84,12 @@ every candidate by one cost and settles every placement (without the sibling rul
   copy of it; under load those copies evicted other prefixes, misses grew the load, and the load made more misses
   (150 tenants behind 6,000-token prefixes at 2x: each tenant's requests spread over 3.3 replicas and 67% hits,
   where one SGLang router kept each tenant on one replica for 83%). Requests without a match keep selective pushing.
+  The push is priced (``price_push``): when a peer whose region holds the prefix is predicted faster than the wait
+  for a place in the holder's batch, the request goes there instead (a peer without the prefix is not asked: its
+  copy of the prefix would cost the prefill that the push saves, and under load those copies spread as above).
+* A prompt that does not fit in a replica's free KV cache (skylb/core/estimate.py ``kv_wait_s``: its uncached
+  tokens against capacity x (1 - usage), where the engine reports both) is priced the replica's measured service
+  time more: the engine would keep it waiting however few requests run.
 """
 
 from __future__ import annotations
@@ -149,6 +155,9 @@ class SkyLBOptions(SkyLBPaperOptions):
             prior every replica's fitted line starts from; default 50: about one engine step's weight read, 53.5
             ms for Llama-3.1-8B on an L4).
         push_to_prefix_holder: push a cache hit into its holder's full batch (above).
+        price_push: price that push (the wait for a place in the holder's batch, from its measured service time,
+            plus its estimate) against the peers whose region holds the prefix, and forward to one that beats it by
+            ``forward_margin_ms`` (skylb/core/plugins/push_to_holder.py).
         holder_balance_abs_threshold, holder_balance_rel_threshold: no push while the local replicas' outstanding
             requests differ by more than abs and the most loaded has more than rel x the least (SGLang's test and
             defaults, 64 and 1.5: chosen on the development split, where the ``balance_*`` pair below (8) kept the
@@ -184,6 +193,7 @@ class SkyLBOptions(SkyLBPaperOptions):
     measured_prefill: bool = True
     placement: Literal["estimate", "predicted-ttft"] = "estimate"
     push_to_prefix_holder: bool = True
+    price_push: bool = True
     holder_balance_abs_threshold: int = Field(64, ge=0)
     holder_balance_rel_threshold: float = Field(1.5, ge=1)
     prefill_fixed_ms: float = Field(50.0, ge=0)
@@ -211,10 +221,11 @@ def skylb(options: SkyLBOptions) -> Profile:
                                            default_prompt_tokens=o.default_prompt_tokens)
         first, then, no_room, learners = (placement,), (), None, (placement, loc)
     else:
-        push = PushToPrefixHolder(loc, turns, abs_threshold=o.holder_balance_abs_threshold,
-                                  rel_threshold=o.holder_balance_rel_threshold)
         prefer = PreferFasterPeer(estimate=local, locality=loc, wait=wait, forward_margin_s=o.forward_margin_ms / 1000.0,
                                   default_prompt_tokens=o.default_prompt_tokens)
+        push = PushToPrefixHolder(loc, turns, abs_threshold=o.holder_balance_abs_threshold,
+                                  rel_threshold=o.holder_balance_rel_threshold,
+                                  escape=prefer if o.price_push else None, estimate=local)
         sibling = ForwardToSiblingHolder(locality=loc, estimate=local, prefer=prefer,
                                          push_when_busy=o.push_to_prefix_holder)
         first = (sibling, push) if o.push_to_prefix_holder else (sibling,)
