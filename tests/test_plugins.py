@@ -241,6 +241,28 @@ def test_estimated_ttft_weighs_a_cached_prefix_against_a_backlog():
     assert estimate.uncached_tokens(_req("q3", A), "r1") < estimate.uncached_tokens(_req("q4", A), "r2")
 
 
+def test_estimated_ttft_guards_a_cache_hit_by_the_hit_thresholds():
+    """With hit thresholds (the default profile gives the push's, 64 and 1.5), a cache hit stays with its holder
+    while the loads are imbalanced only by the load guard's (8 and 1.5); a request without a hit goes to the least
+    loaded, and so does a hit once the loads pass the hit thresholds. Without them the guard takes the hit away."""
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    loc.set_members({"r1", "r2"}, set())
+    loc.routed(_req("h", A), replica="r1")
+
+    def picker(**hit) -> EstimatedTTFT:
+        return EstimatedTTFT(wait=wait, locality=loc, rates=RateBook(), turns=Turns(), abs_threshold=8,
+                             rel_threshold=1.5, **hit)
+    holder, idle = _replica("r1", 12), _replica("r2", 2)  # 10 apart: past the load guard, not past 64
+    guarded = picker(hit_abs_threshold=64, hit_rel_threshold=1.5)
+    assert guarded.pick(_req("q1", A + "x"), [holder, idle]).id == "r1"
+    assert guarded.pick(_req("q2", "unrelated " * 80), [holder, idle]).id == "r2"
+    assert picker().pick(_req("q3", A + "x"), [holder, idle]).id == "r2"
+    holder.outstanding = 80  # 78 apart and more than 1.5x: imbalanced for a hit too
+    assert guarded.pick(_req("q4", A + "x"), [holder, idle]).id == "r2"
+    balanced = [_replica("r1", 3), _replica("r2", 2)]  # no guard at all: the estimate, the holder prefills least
+    assert guarded.pick(_req("q5", A + "x"), balanced).id == picker().pick(_req("q6", A + "x"), balanced).id == "r1"
+
+
 def test_estimated_ttft_prices_a_prompt_that_does_not_fit_in_the_free_kv_cache_as_a_wait():
     """A replica whose free KV cache (capacity x (1 - usage), less the backlog ahead) cannot take the prompt's
     uncached tokens is priced its measured service time more: the request goes where it fits, even past a cache hit;

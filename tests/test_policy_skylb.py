@@ -320,6 +320,24 @@ def test_a_cache_hit_is_not_pushed_where_its_holder_cannot_take_it(setup, expect
     assert [(d.request.id, d.target) for d in router.dispatch(0.03)] == expected, why
 
 
+@pytest.mark.parametrize("guard, goes_to", [("balance", "other"), ("holder", "holder")])
+def test_cache_hit_guard_keeps_a_hit_on_its_holder_past_the_load_guard(guard, goes_to):
+    """Both replicas have room and the holder of the prompt's prefix has 10 more requests in flight (past the load
+    guard's 8 and 1.5x, within the push's 64): by default the least loaded takes the hit; with ``cache_hit_guard``
+    "holder" its holder does."""
+    router = _router(cache_hit_guard=guard)
+    for replica in router.replicas.values():
+        replica.slots = 64  # a free slot on both at 12 in flight (the engine's own count, as llama.cpp reports)
+    router.enqueue(Request("first", B, arrived_at=0.0))
+    (first,) = router.dispatch(0.0)
+    router.finished(first)
+    holder, other = first.target, ({"r0", "r1"} - {first.target}).pop()
+    router.replicas[holder].outstanding, router.replicas[other].outstanding = 12, 2
+    router.enqueue(Request("hit", B + "more", arrived_at=0.1))
+    (hit,) = router.dispatch(0.1)
+    assert hit.target == (holder if goes_to == "holder" else other)
+
+
 def test_fcfs_without_lookahead():
     """``queue_lookahead`` 0 keeps strict first come, first served."""
     router = _router(queue_lookahead=0, push_to_prefix_holder=False)  # the queue's order alone

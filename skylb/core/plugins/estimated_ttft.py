@@ -5,7 +5,13 @@ measured prefill rate once measured, else the configured one) plus the prefill o
 expected to have cached. A prefix match of ratio m (at least the locality's threshold; the replica trie's match at
 the deepest node) saves m x prompt tokens of prefill; that is how locality is weighed against queueing. The load
 guard (``abs_threshold``, ``rel_threshold``: SGLang's imbalance test, scoring.loads_imbalanced) wins when outstanding
-requests are imbalanced. Among candidates left tied (estimates within a millisecond), those with the best prefix
+requests are imbalanced; for a cache hit (some candidate holds at least the locality's threshold of the prompt) only
+past ``hit_abs_threshold`` and ``hit_rel_threshold`` when those are given (the default profile's option
+``cache_hit_guard``). With the tight guard for every request, a tenant's next request went to the least loaded
+replica whenever its holder had 8 more in flight, which prefilled the whole prefix again there and kept a second
+copy (150 tenants behind 6,000-token prefixes at 1x: each tenant on 1-4 replicas, 68% hits, where one SGLang router
+kept every tenant on one replica); a loose guard for hits piles a tree's branches onto one replica instead
+(bench/results/cache_hit_guard.md). Among candidates left tied (estimates within a millisecond), those with the best prefix
 match, then, with ``tie_break`` "estimated-wait", OllamaRouter's least estimated wait from measured time per token
 (estimated_wait.py), then least load: a slower replica gets less of the work than a faster one.
 """
@@ -27,12 +33,21 @@ __all__ = ["EstimatedTTFT", "PrefillEstimate"]
 
 
 class EstimatedTTFT:
-    """ReplicaPicker: least estimated seconds to first token (module docstring)."""
+    """ReplicaPicker: least estimated seconds to first token (module docstring).
+
+    Args:
+        abs_threshold, rel_threshold: the load guard (outstanding requests; scoring.loads_imbalanced).
+        hit_abs_threshold, hit_rel_threshold: the guard of a cache hit (None: the load guard's).
+        tie_break: "estimated-wait" or "least-load" (module docstring).
+    """
 
     def __init__(self, *, wait: WaitModel, locality: PrefixLocality, rates: RateBook, turns: Turns,
-                 abs_threshold: int, rel_threshold: float, tie_break: str = "estimated-wait"):
+                 abs_threshold: int, rel_threshold: float, tie_break: str = "estimated-wait",
+                 hit_abs_threshold: int | None = None, hit_rel_threshold: float | None = None):
         self.wait, self.locality, self.rates, self.turns = wait, locality, rates, turns
         self.abs_threshold, self.rel_threshold, self.tie_break = abs_threshold, rel_threshold, tie_break
+        self.hit_abs_threshold = hit_abs_threshold
+        self.hit_rel_threshold = rel_threshold if hit_rel_threshold is None else hit_rel_threshold
 
     def local_costs(self, request: Request, candidates: Sequence[ReplicaState]) -> dict[str, float]:
         """Candidate id -> estimated seconds to its first token (wait + uncached prefill)."""
@@ -50,8 +65,13 @@ class EstimatedTTFT:
     def pick(self, request: Request, candidates: Sequence[ReplicaState]) -> ReplicaState:
         """The pick among ``candidates`` (non-empty)."""
         if len(candidates) > 1 and loads_imbalanced(candidates, self.abs_threshold, self.rel_threshold):
-            return least_loaded(candidates, self.turns.next())
-        costs, fractions = self._costs(request, candidates)
+            if self.hit_abs_threshold is None:
+                return least_loaded(candidates, self.turns.next())
+            costs, fractions = self._costs(request, candidates)
+            if max(fractions) <= 0.0 or loads_imbalanced(candidates, self.hit_abs_threshold, self.hit_rel_threshold):
+                return least_loaded(candidates, self.turns.next())
+        else:
+            costs, fractions = self._costs(request, candidates)
         # Within a millisecond is a tie: spread over the tied ones by load rather than by list order.
         limit = min(costs) + 1e-3
         tied = [i for i, cost in enumerate(costs) if cost <= limit]

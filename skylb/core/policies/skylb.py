@@ -34,7 +34,8 @@ every candidate by one cost and settles every placement (without the sibling rul
   the prefill of the part of the prompt it is not expected to have cached. A prefix match of ratio m (at least
   ``match_threshold``; the trie's match at the deepest node) saves m x prompt tokens of prefill, converted to
   seconds at ``prefill_tokens_per_s``; that is how locality is weighed against queueing. The load guard
-  (``balance_*_threshold``) still wins when outstanding requests are imbalanced.
+  (``balance_*_threshold``) still wins when outstanding requests are imbalanced (for a cache hit, with
+  ``cache_hit_guard`` "holder", only past the push's thresholds).
 * Measured speed (OllamaRouter; skylb/core/rates.py): once a replica's responses have been measured, its own prefill
   seconds per token replace ``prefill_tokens_per_s`` in its wait and prefill estimates (``measured_prefill``), and
   among candidates left tied (estimates within a millisecond, equal prefix matches) the one with the least
@@ -162,6 +163,14 @@ class SkyLBOptions(SkyLBPaperOptions):
             requests differ by more than abs and the most loaded has more than rel x the least (SGLang's test and
             defaults, 64 and 1.5: chosen on the development split, where the ``balance_*`` pair below (8) kept the
             150-tenant workload at 2x at 4.1 s P90 instead of 0.5 s).
+        cache_hit_guard: the load guard of a cache hit (some local replica with room holds at least
+            ``match_threshold`` of the prompt): "balance" (default): the ``balance_*`` pair, as for every request;
+            "holder": the push's thresholds (``holder_balance_*``, SGLang's 64 and 1.5), so a tenant's requests stay
+            on the replica holding its prefix until the loads are imbalanced as SGLang's router judges it. For many
+            tenants or agents behind long shared prompts, open loop (simulated, both splits: P90 TTFT 0.76-0.84x on
+            150 tenants at 1x-2x, 0.40-0.71x on tool agents at 2x-4x); not the default because it piles a tree's
+            branches onto one replica (closed-loop Tree of Thoughts and Mixed Tree at 0.5x-2x: throughput
+            -4% to -17%; bench/results/cache_hit_guard.md).
         ttft_balance_abs_threshold: with ``predicted-ttft``, the load guard's absolute threshold (outstanding
             requests; the relative one is ``balance_rel_threshold``): past it only the least loaded local replica is
             priced. The cost is the time to first token, which does not see that a larger batch decodes slower for
@@ -198,6 +207,7 @@ class SkyLBOptions(SkyLBPaperOptions):
     holder_balance_rel_threshold: float = Field(1.5, ge=1)
     prefill_fixed_ms: float = Field(50.0, ge=0)
     ttft_balance_abs_threshold: int = Field(16, ge=0)
+    cache_hit_guard: Literal["balance", "holder"] = "balance"
 
 
 def skylb(options: SkyLBOptions) -> Profile:
@@ -213,7 +223,9 @@ def skylb(options: SkyLBOptions) -> Profile:
     rates = LearningRateBook(ttft) if predicted else RateBook()
     hold = HoldForFaster(rates, o.faster_ratio) if o.hold_for_faster else None
     local = EstimatedTTFT(wait=wait, locality=loc, rates=rates, turns=turns, abs_threshold=o.balance_abs_threshold,
-                          rel_threshold=o.balance_rel_threshold, tie_break=o.tie_break)
+                          rel_threshold=o.balance_rel_threshold, tie_break=o.tie_break,
+                          hit_abs_threshold=o.holder_balance_abs_threshold if o.cache_hit_guard == "holder" else None,
+                          hit_rel_threshold=o.holder_balance_rel_threshold)
     if predicted:
         placement = PredictedTTFTPlacement(ttft=ttft, locality=loc, turns=turns, hold=hold,
                                            abs_threshold=o.ttft_balance_abs_threshold,
