@@ -170,7 +170,7 @@ class SkyLBOptions(SkyLBPaperOptions):
             tenants or agents behind long shared prompts, open loop (simulated, both splits: P90 TTFT 0.76-0.84x on
             150 tenants at 1x-2x, 0.40-0.71x on tool agents at 2x-4x); not the default because it piles a tree's
             branches onto one replica (closed-loop Tree of Thoughts and Mixed Tree at 0.5x-2x: throughput
-            -4% to -17%; bench/results/cache_hit_guard.md).
+            -3% to -17%; bench/results/cache_hit_guard.md).
         ttft_balance_abs_threshold: with ``predicted-ttft``, the load guard's absolute threshold (outstanding
             requests; the relative one is ``balance_rel_threshold``): past it only the least loaded local replica is
             priced. The cost is the time to first token, which does not see that a larger batch decodes slower for
