@@ -242,7 +242,7 @@ def test_estimated_ttft_weighs_a_cached_prefix_against_a_backlog():
 
 
 def test_estimated_ttft_guards_a_cache_hit_by_the_hit_thresholds():
-    """With hit thresholds (the default profile gives the push's, 64 and 1.5), a cache hit stays with its holder
+    """With hit thresholds (``cache_hit_guard`` "holder" gives the push's, 64 and 1.5), a cache hit stays on its holder
     while the loads are imbalanced only by the load guard's (8 and 1.5); a request without a hit goes to the least
     loaded, and so does a hit once the loads pass the hit thresholds. Without them the guard takes the hit away."""
     loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)

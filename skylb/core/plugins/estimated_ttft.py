@@ -11,9 +11,9 @@ past ``hit_abs_threshold`` and ``hit_rel_threshold`` when those are given (the d
 replica whenever its holder had 8 more in flight, which prefilled the whole prefix again there and kept a second
 copy (150 tenants behind 6,000-token prefixes at 1x: each tenant on 1-4 replicas, 68% hits, where one SGLang router
 kept every tenant on one replica); a loose guard for hits piles a tree's branches onto one replica instead
-(bench/results/cache_hit_guard.md). Among candidates left tied (estimates within a millisecond), those with the best prefix
-match, then, with ``tie_break`` "estimated-wait", OllamaRouter's least estimated wait from measured time per token
-(estimated_wait.py), then least load: a slower replica gets less of the work than a faster one.
+(bench/results/cache_hit_guard.md). Among candidates left tied (estimates within a millisecond), those with the best
+prefix match, then, with ``tie_break`` "estimated-wait", OllamaRouter's least estimated wait from measured time per
+token (estimated_wait.py), then least load: a slower replica gets less of the work than a faster one.
 """
 
 from __future__ import annotations
