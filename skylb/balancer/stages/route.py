@@ -160,6 +160,7 @@ class RouteStage:
             self.fleet.first_byte(decision, ttft_s)
             self.dispatcher.wake()
 
+        counted: list[bool] = []  # the forward was counted where it was answered (at its stream's last event)
         try:
             ctx.outcome = outcome = await self.relay.relay(
                 ctx.http, ctx.body, decision, request_id=ctx.request_id, arrived_at=ctx.arrived_at,
@@ -168,24 +169,28 @@ class RouteStage:
                 check_s=self.cfg.probe_interval_ms / 1000, extra_headers=ctx.response_headers,
                 trace_headers=trace_headers, translation=ctx.translation,
                 on_head=None if ctx.on_answer_head is None else (lambda head: ctx.on_answer_head(decision, head)),
-                on_complete=lambda: self._engine_done(decision))
+                on_complete=lambda: self._engine_done(decision, counted))
         except BaseException:
             self._attempt_ended(decision, None)
             raise
         if trace is not None:
             trace.relay_ended(outcome, arrived_at=ctx.arrived_at)
         if outcome.response is not None:
-            if outcome.relayed:  # a forward counts where it was answered (no-op if local), not a balancer's error
-                self.router.forward_answered(decision)
+            if outcome.relayed and not counted:  # a forward counts where it was answered (no-op if local), not a
+                self.router.forward_answered(decision)  # balancer's error
             asyncio.get_running_loop().call_soon(self._attempt_ended, decision, outcome)
         else:  # a retry follows: the slot and the failure count first
             self._attempt_ended(decision, outcome)
         ctx.answered = ctx.answered or outcome.response is not None
         return outcome
 
-    def _engine_done(self, decision: Decision) -> None:
-        """The target sent the stream's last event: its replica's slot is free before the client reads the end."""
+    def _engine_done(self, decision: Decision, counted: list[bool]) -> None:
+        """The target sent the stream's last event: its replica's slot is free before the client reads the end, and
+        a forward is answered (counted now, into ``counted``: a client that closes once it reads the last event
+        cancels the handler before the relay returns, and still had its answer)."""
         self.router.engine_done(decision)
+        self.router.forward_answered(decision)
+        counted.append(True)
         self.dispatcher.wake()
 
     def _attempt_ended(self, decision: Decision, outcome) -> None:
