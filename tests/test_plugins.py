@@ -263,6 +263,26 @@ def test_estimated_ttft_guards_a_cache_hit_by_the_hit_thresholds():
     assert guarded.pick(_req("q5", A + "x"), balanced).id == picker().pick(_req("q6", A + "x"), balanced).id == "r1"
 
 
+def test_estimated_ttft_serial_guard_spreads_a_burst_and_keeps_a_stream_on_its_holder():
+    """With ``burst_aware`` (``cache_hit_guard`` "serial"), past the load guard a cache hit stays on its holder unless
+    the holder is still prefilling another request that shares the matched prefix (a burst: a tree's branches), which
+    goes to the least loaded; once that one's first token is back (``prefilled``), the next hit stays again."""
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    loc.set_members({"r1", "r2"}, set())
+    loc.routed(_req("h", A), replica="r1")
+    picker = EstimatedTTFT(wait=wait, locality=loc, rates=RateBook(), turns=Turns(), abs_threshold=8,
+                           rel_threshold=1.5, hit_abs_threshold=64, hit_rel_threshold=1.5, burst_aware=True)
+    holder, idle = _replica("r1", 12), _replica("r2", 2)  # past the load guard, not past 64
+    first = _req("b1", A + "branch one")
+    assert picker.pick(first, [holder, idle]).id == "r1"
+    picker.routed(first, replica="r1")
+    holder.add_unprefilled("b1", 10)  # the router's record: b1 waits for its prefill on r1
+    assert picker.pick(_req("b2", A + "branch two"), [holder, idle]).id == "r2"  # a burst: spread
+    assert picker.pick(_req("u", "unrelated " * 80), [holder, idle]).id == "r2"  # no hit: the guard, as always
+    holder.prefilled("b1")
+    assert picker.pick(_req("b3", A + "next turn"), [holder, idle]).id == "r1"  # no burst any more: a stream
+
+
 def test_estimated_ttft_prices_a_prompt_that_does_not_fit_in_the_free_kv_cache_as_a_wait():
     """A replica whose free KV cache (capacity x (1 - usage), less the backlog ahead) cannot take the prompt's
     uncached tokens is priced its measured service time more: the request goes where it fits, even past a cache hit;

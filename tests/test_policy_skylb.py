@@ -320,11 +320,11 @@ def test_a_cache_hit_is_not_pushed_where_its_holder_cannot_take_it(setup, expect
     assert [(d.request.id, d.target) for d in router.dispatch(0.03)] == expected, why
 
 
-@pytest.mark.parametrize("guard, goes_to", [("balance", "other"), ("holder", "holder")])
+@pytest.mark.parametrize("guard, goes_to", [("balance", "other"), ("holder", "holder"), ("serial", "holder")])
 def test_cache_hit_guard_keeps_a_hit_on_its_holder_past_the_load_guard(guard, goes_to):
     """Both replicas have room and the holder of the prompt's prefix has 10 more requests in flight (past the load
-    guard's 8 and 1.5x, within the push's 64): by default the least loaded takes the hit; with ``cache_hit_guard``
-    "holder" its holder does."""
+    guard's 8 and 1.5x, within the push's 64): with ``cache_hit_guard`` "balance" the least loaded takes the hit;
+    with "holder" its holder does, and with "serial" (the default) too: the first request is done, so no burst."""
     router = _router(cache_hit_guard=guard)
     for replica in router.replicas.values():
         replica.slots = 64  # a free slot on both at 12 in flight (the engine's own count, as llama.cpp reports)
@@ -336,6 +336,22 @@ def test_cache_hit_guard_keeps_a_hit_on_its_holder_past_the_load_guard(guard, go
     router.enqueue(Request("hit", B + "more", arrived_at=0.1))
     (hit,) = router.dispatch(0.1)
     assert hit.target == (holder if goes_to == "holder" else other)
+
+
+def test_serial_cache_hit_guard_spreads_a_hit_while_its_holder_prefills_the_same_prefix():
+    """With ``cache_hit_guard`` "serial", a hit that arrives while the holder still prefills an earlier request of the
+    same prefix (a tree's branches arriving together) goes to the least loaded past the load guard, as by default."""
+    router = _router(cache_hit_guard="serial")
+    for replica in router.replicas.values():
+        replica.slots = 64
+    router.enqueue(Request("first", B, arrived_at=0.0))
+    (first,) = router.dispatch(0.0)  # not finished, no first token: still in its holder's prefill backlog
+    holder, other = first.target, ({"r0", "r1"} - {first.target}).pop()
+    assert "first" in router.replicas[holder].unprefilled
+    router.replicas[holder].outstanding, router.replicas[other].outstanding = 12, 2
+    router.enqueue(Request("branch", B + "more", arrived_at=0.1))
+    (branch,) = router.dispatch(0.1)
+    assert branch.target == other
 
 
 def test_fcfs_without_lookahead():

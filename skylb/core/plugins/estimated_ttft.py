@@ -7,10 +7,13 @@ the deepest node) saves m x prompt tokens of prefill; that is how locality is we
 guard (``abs_threshold``, ``rel_threshold``: SGLang's imbalance test, scoring.loads_imbalanced) wins when outstanding
 requests are imbalanced; for a cache hit (some candidate holds at least the locality's threshold of the prompt) only
 past ``hit_abs_threshold`` and ``hit_rel_threshold`` when those are given (the default profile's option
-``cache_hit_guard``). With the tight guard for every request, a tenant's next request went to the least loaded
+``cache_hit_guard``), unless, with ``burst_aware``, a holder is still prefilling another request that shares the
+matched prefix (then the load guard's). With the tight guard for every request, a tenant's next request went to the least loaded
 replica whenever its holder had 8 more in flight, which prefilled the whole prefix again there and kept a second
 copy (150 tenants behind 6,000-token prefixes at 1x: each tenant on 1-4 replicas, 68% hits, where one SGLang router
-kept every tenant on one replica); a loose guard for hits piles a tree's branches onto one replica instead
+kept every tenant on one replica); a loose guard for every hit piles a tree's branches onto one replica instead,
+whose batch then decodes slowest. A burst (requests behind one prefix that arrive together, which the holder is
+still prefilling) is the tree's case; a prefix reused one request after another is the tenant's
 (bench/results/cache_hit_guard.md). Among candidates left tied (estimates within a millisecond), those with the best
 prefix match, then, with ``tie_break`` "estimated-wait", OllamaRouter's least estimated wait from measured time per
 token (estimated_wait.py), then least load: a slower replica gets less of the work than a faster one.
@@ -31,6 +34,9 @@ from skylb.core.state import ReplicaState
 
 __all__ = ["EstimatedTTFT", "PrefillEstimate"]
 
+#: Placements remembered per replica for ``burst_aware`` (a replica prefills far fewer at once).
+_PLACED_KEPT = 256
+
 
 class EstimatedTTFT:
     """ReplicaPicker: least estimated seconds to first token (module docstring).
@@ -38,16 +44,43 @@ class EstimatedTTFT:
     Args:
         abs_threshold, rel_threshold: the load guard (outstanding requests; scoring.loads_imbalanced).
         hit_abs_threshold, hit_rel_threshold: the guard of a cache hit (None: the load guard's).
+        burst_aware: a cache hit whose holder still prefills another request of the same prefix (the router's
+            ``ReplicaState.unprefilled`` record) is guarded by the load guard's thresholds, not the hit's.
         tie_break: "estimated-wait" or "least-load" (module docstring).
     """
 
     def __init__(self, *, wait: WaitModel, locality: PrefixLocality, rates: RateBook, turns: Turns,
                  abs_threshold: int, rel_threshold: float, tie_break: str = "estimated-wait",
-                 hit_abs_threshold: int | None = None, hit_rel_threshold: float | None = None):
+                 hit_abs_threshold: int | None = None, hit_rel_threshold: float | None = None,
+                 burst_aware: bool = False):
         self.wait, self.locality, self.rates, self.turns = wait, locality, rates, turns
         self.abs_threshold, self.rel_threshold, self.tie_break = abs_threshold, rel_threshold, tie_break
         self.hit_abs_threshold = hit_abs_threshold
         self.hit_rel_threshold = rel_threshold if hit_rel_threshold is None else hit_rel_threshold
+        self.burst_aware = burst_aware
+        self._placed: dict[str, dict[str, Request]] = {}  # replica id -> its latest placements (id -> request)
+
+    def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
+        """Learner: remember ``request`` on ``replica`` while it may still wait for its prefill (``burst_aware``;
+        the latest ``_PLACED_KEPT`` per replica: a request still prefilling is among a replica's latest)."""
+        if self.burst_aware and replica is not None:
+            placed = self._placed.setdefault(replica, {})
+            placed[request.id] = request
+            if len(placed) > _PLACED_KEPT:
+                del placed[next(iter(placed))]
+
+    def _burst(self, request: Request, holder: ReplicaState, fraction: float) -> bool:
+        """True when ``holder`` is still prefilling another request that shares ``request``'s matched prefix."""
+        placed = self._placed.get(holder.id)
+        if not placed or not holder.unprefilled:
+            return False
+        n = int(fraction * len(request.text))
+        head = request.text[:n]
+        for rid in holder.unprefilled:
+            other = placed.get(rid)
+            if other is not None and other is not request and other.text[:n] == head:
+                return True
+        return False
 
     def local_costs(self, request: Request, candidates: Sequence[ReplicaState]) -> dict[str, float]:
         """Candidate id -> estimated seconds to its first token (wait + uncached prefill)."""
@@ -68,7 +101,11 @@ class EstimatedTTFT:
             if self.hit_abs_threshold is None:
                 return least_loaded(candidates, self.turns.next())
             costs, fractions = self._costs(request, candidates)
-            if max(fractions) <= 0.0 or loads_imbalanced(candidates, self.hit_abs_threshold, self.hit_rel_threshold):
+            top = max(fractions)
+            if top <= 0.0 or loads_imbalanced(candidates, self.hit_abs_threshold, self.hit_rel_threshold):
+                return least_loaded(candidates, self.turns.next())
+            if self.burst_aware and any(self._burst(request, c, top) for c, f in zip(candidates, fractions)
+                                        if f == top):
                 return least_loaded(candidates, self.turns.next())
         else:
             costs, fractions = self._costs(request, candidates)

@@ -34,8 +34,9 @@ every candidate by one cost and settles every placement (without the sibling rul
   the prefill of the part of the prompt it is not expected to have cached. A prefix match of ratio m (at least
   ``match_threshold``; the trie's match at the deepest node) saves m x prompt tokens of prefill, converted to
   seconds at ``prefill_tokens_per_s``; that is how locality is weighed against queueing. The load guard
-  (``balance_*_threshold``) still wins when outstanding requests are imbalanced (for a cache hit, with
-  ``cache_hit_guard`` "holder", only past the push's thresholds).
+  (``balance_*_threshold``) still wins when outstanding requests are imbalanced; for a cache hit only past the push's
+  thresholds, unless its holder is still prefilling another request of the same prefix (``cache_hit_guard``
+  "serial": a prefix reused one request after another stays on its replica, a burst behind one prefix is spread).
 * Measured speed (OllamaRouter; skylb/core/rates.py): once a replica's responses have been measured, its own prefill
   seconds per token replace ``prefill_tokens_per_s`` in its wait and prefill estimates (``measured_prefill``), and
   among candidates left tied (estimates within a millisecond, equal prefix matches) the one with the least
@@ -164,13 +165,17 @@ class SkyLBOptions(SkyLBPaperOptions):
             defaults, 64 and 1.5: chosen on the development split, where the ``balance_*`` pair below (8) kept the
             150-tenant workload at 2x at 4.1 s P90 instead of 0.5 s).
         cache_hit_guard: the load guard of a cache hit (some local replica with room holds at least
-            ``match_threshold`` of the prompt): "balance" (default): the ``balance_*`` pair, as for every request;
-            "holder": the push's thresholds (``holder_balance_*``, SGLang's 64 and 1.5), so a tenant's requests stay
-            on the replica holding its prefix until the loads are imbalanced as SGLang's router judges it. For many
-            tenants or agents behind long shared prompts, open loop (simulated, both splits: P90 TTFT 0.76-0.84x on
-            150 tenants at 1x-2x, 0.40-0.71x on tool agents at 2x-4x); not the default because it piles a tree's
-            branches onto one replica (closed-loop Tree of Thoughts and Mixed Tree at 0.5x-2x: throughput
-            -3% to -17%; bench/results/cache_hit_guard.md).
+            ``match_threshold`` of the prompt). "serial" (default): the push's thresholds (``holder_balance_*``,
+            SGLang's 64 and 1.5) unless a holder is still prefilling another request of the same prefix, then the
+            ``balance_*`` pair: a prefix reused one request after another (a tenant's or an agent's long shared
+            prompt) stays on the replica holding it, while requests that arrive together behind one prefix (a tree's
+            branches) are spread as any request is. "holder": the push's thresholds always (piles a tree's branches
+            onto one replica: closed-loop trees at 0.5x-2x lost 3-17% of their throughput). "balance": the
+            ``balance_*`` pair, as for every request (the rule before: a tenant's next request went to the least
+            loaded whenever its holder had 8 more in flight, and prefilled the whole prefix again there). Every
+            matrix cell, "serial" against "balance" (bench/results/cache_hit_guard.md): P90 TTFT geometric mean
+            0.947 (development split) and 0.965 (validation), throughput 0.997 and 0.997; 150 tenants at 1x-2x
+            0.79-0.88x, tool agents at 2x-4x 0.44-0.82x; closed-loop trees -1% to -5% throughput.
         ttft_balance_abs_threshold: with ``predicted-ttft``, the load guard's absolute threshold (outstanding
             requests; the relative one is ``balance_rel_threshold``): past it only the least loaded local replica is
             priced. The cost is the time to first token, which does not see that a larger batch decodes slower for
@@ -207,7 +212,7 @@ class SkyLBOptions(SkyLBPaperOptions):
     holder_balance_rel_threshold: float = Field(1.5, ge=1)
     prefill_fixed_ms: float = Field(50.0, ge=0)
     ttft_balance_abs_threshold: int = Field(16, ge=0)
-    cache_hit_guard: Literal["balance", "holder"] = "balance"
+    cache_hit_guard: Literal["serial", "holder", "balance"] = "serial"
 
 
 def skylb(options: SkyLBOptions) -> Profile:
@@ -224,8 +229,8 @@ def skylb(options: SkyLBOptions) -> Profile:
     hold = HoldForFaster(rates, o.faster_ratio) if o.hold_for_faster else None
     local = EstimatedTTFT(wait=wait, locality=loc, rates=rates, turns=turns, abs_threshold=o.balance_abs_threshold,
                           rel_threshold=o.balance_rel_threshold, tie_break=o.tie_break,
-                          hit_abs_threshold=o.holder_balance_abs_threshold if o.cache_hit_guard == "holder" else None,
-                          hit_rel_threshold=o.holder_balance_rel_threshold)
+                          hit_abs_threshold=o.holder_balance_abs_threshold if o.cache_hit_guard != "balance" else None,
+                          hit_rel_threshold=o.holder_balance_rel_threshold, burst_aware=o.cache_hit_guard == "serial")
     if predicted:
         placement = PredictedTTFTPlacement(ttft=ttft, locality=loc, turns=turns, hold=hold,
                                            abs_threshold=o.ttft_balance_abs_threshold,
@@ -242,7 +247,7 @@ def skylb(options: SkyLBOptions) -> Profile:
                                          push_when_busy=o.push_to_prefix_holder)
         first = (sibling, push) if o.push_to_prefix_holder else (sibling,)
         then = (prefer, hold) if hold is not None else (prefer,)
-        no_room, learners = ForwardQueued(loc, wait, o.queue_forward_margin_ms / 1e3), (loc,)
+        no_room, learners = ForwardQueued(loc, wait, o.queue_forward_margin_ms / 1e3), (loc, local)
     return Profile("skylb", o, local=local, peer=SnapshotMatch(loc), filters=(EnginePressure(
                        backlog_budget_tokens=o.backlog_budget_tokens, kv_high_watermark=o.kv_high_watermark),),
                    first=first, then=then, no_room=no_room,
