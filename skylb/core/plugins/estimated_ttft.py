@@ -21,6 +21,7 @@ token (estimated_wait.py), then least load: a slower replica gets less of the wo
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 from skylb.core.estimate import WaitModel, prompt_tokens
@@ -58,13 +59,17 @@ class EstimatedTTFT:
         self.hit_abs_threshold = hit_abs_threshold
         self.hit_rel_threshold = rel_threshold if hit_rel_threshold is None else hit_rel_threshold
         self.burst_aware = burst_aware
-        self._placed: dict[str, dict[str, Request]] = {}  # replica id -> its latest placements (id -> request)
+        # replica id -> its latest placements (request id -> request), weakly held: a request still prefilling is
+        # in flight and alive, and a finished one (a prompt may be hundreds of KB) is not kept alive by this
+        self._placed: dict[str, weakref.WeakValueDictionary[str, Request]] = {}
 
     def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
         """Learner: remember ``request`` on ``replica`` while it may still wait for its prefill (``burst_aware``;
         the latest ``_PLACED_KEPT`` per replica: a request still prefilling is among a replica's latest)."""
         if self.burst_aware and replica is not None:
-            placed = self._placed.setdefault(replica, {})
+            placed = self._placed.get(replica)
+            if placed is None:
+                placed = self._placed[replica] = weakref.WeakValueDictionary()
             placed[request.id] = request
             if len(placed) > _PLACED_KEPT:
                 del placed[next(iter(placed))]
