@@ -8,12 +8,12 @@ guard (``abs_threshold``, ``rel_threshold``: SGLang's imbalance test, scoring.lo
 requests are imbalanced; for a cache hit (some candidate holds at least the locality's threshold of the prompt) only
 past ``hit_abs_threshold`` and ``hit_rel_threshold`` when those are given (the default profile's option
 ``cache_hit_guard``), unless, with ``burst_aware``, a holder is still prefilling another request that shares the
-matched prefix (then the load guard's). With the tight guard for every request, a tenant's next request went to the least loaded
-replica whenever its holder had 8 more in flight, which prefilled the whole prefix again there and kept a second
-copy (150 tenants behind 6,000-token prefixes at 1x: each tenant on 1-4 replicas, 68% hits, where one SGLang router
-kept every tenant on one replica); a loose guard for every hit piles a tree's branches onto one replica instead,
-whose batch then decodes slowest. A burst (requests behind one prefix that arrive together, which the holder is
-still prefilling) is the tree's case; a prefix reused one request after another is the tenant's
+matched prefix (then the load guard's). With the tight guard for every request, a tenant's next request went to the
+least loaded replica whenever its holder had 8 more in flight, which prefilled the whole prefix again there and kept
+a second copy (150 tenants behind 6,000-token prefixes at 1x: each tenant on 1-4 replicas, 68% hits, where one
+SGLang router kept every tenant on one replica); a loose guard for every hit piles a tree's branches onto one
+replica instead, whose batch then decodes slowest. A burst (requests behind one prefix that arrive together, which
+the holder is still prefilling) is the tree's case; a prefix reused one request after another is the tenant's
 (bench/results/cache_hit_guard.md). Among candidates left tied (estimates within a millisecond), those with the best
 prefix match, then, with ``tie_break`` "estimated-wait", OllamaRouter's least estimated wait from measured time per
 token (estimated_wait.py), then least load: a slower replica gets less of the work than a faster one.
