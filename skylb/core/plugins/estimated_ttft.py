@@ -79,11 +79,10 @@ class EstimatedTTFT:
         placed = self._placed.get(holder.id)
         if not placed or not holder.unprefilled:
             return False
-        n = int(fraction * len(request.text))
-        head = request.text[:n]
+        head = request.text[:int(fraction * len(request.text))]  # the matched prefix (the match's ratio of the text)
         for rid in holder.unprefilled:
             other = placed.get(rid)
-            if other is not None and other is not request and other.text[:n] == head:
+            if other is not None and other is not request and other.text.startswith(head):
                 return True
         return False
 
