@@ -395,6 +395,26 @@ def test_prefer_peer_forwards_only_to_a_peer_faster_by_the_margin():
     assert rule.decide(_candidates(request, [local], peers=[_peer("eu", wait_s=0.0)]), local) is None  # no rtt
 
 
+def test_prefer_peer_compares_a_peer_with_the_cheapest_local_replica_not_only_the_pick():
+    """The load guard may pick a replica that is not the cheapest (the least loaded, with a burst's backlog): a
+    peer faster than that pick but not than another local replica with room gets nothing (``against_cheapest``;
+    the rule before compared the pick alone)."""
+    loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+    estimate = EstimatedTTFT(wait=wait, locality=loc, rates=RateBook(), turns=Turns(), abs_threshold=8,
+                             rel_threshold=1.5)
+
+    def rule(against_cheapest: bool) -> PreferFasterPeer:
+        return PreferFasterPeer(estimate=estimate, locality=loc, wait=wait, forward_margin_s=0.05,
+                                default_prompt_tokens=512, against_cheapest=against_cheapest)
+
+    picked, idle = _replica("r1", 1), _replica("r2", 9)
+    picked.add_unprefilled("sibling", 1000)  # 0.5 s ahead on the pick; none on r2
+    request, quick = _req("q", "z" * 400), _peer("eu", wait_s=0.0, rtt_s=0.1)  # 100 tokens: 0.05 s to prefill
+    assert rule(True).decide(_candidates(request, [picked, idle], peers=[quick]), picked) is None
+    assert rule(True).decide(_candidates(request, [picked], peers=[quick]), picked) is quick  # no cheaper one
+    assert rule(False).decide(_candidates(request, [picked, idle], peers=[quick]), picked) is quick
+
+
 def test_sibling_holder_forwards_a_prefix_only_a_sibling_holds_when_it_is_cheaper():
     """A sibling that shared the prompt's prefix gets it over an idle local replica (the prefill saved beats the
     round trip); not a peer of another region, nor when a local replica holds it as deep, nor at a long wait."""

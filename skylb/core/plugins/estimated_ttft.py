@@ -62,6 +62,8 @@ class EstimatedTTFT:
         # replica id -> its latest placements (request id -> request), weakly held: a request still prefilling is
         # in flight and alive, and a finished one (a prompt may be hundreds of KB) is not kept alive by this
         self._placed: dict[str, weakref.WeakValueDictionary[str, Request]] = {}
+        # (request, candidate list, least cost) of the latest pricing: the forwarding rule compares a peer with it
+        self._priced: tuple[Request, Sequence[ReplicaState], float] | None = None
 
     def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
         """Learner: remember ``request`` on ``replica`` while it may still wait for its prefill (``burst_aware``;
@@ -86,17 +88,27 @@ class EstimatedTTFT:
                 return True
         return False
 
+    def cheapest_s(self, request: Request, candidates: Sequence[ReplicaState]) -> float:
+        """The least estimated seconds to first token among ``candidates`` (non-empty), the costs of the latest
+        ``pick`` when it priced the same request over the same list (the profile passes one list to both)."""
+        last = self._priced
+        if last is not None and last[0] is request and last[1] is candidates:
+            return last[2]
+        return min(self._costs(request, candidates)[0])
+
     def local_costs(self, request: Request, candidates: Sequence[ReplicaState]) -> dict[str, float]:
         """Candidate id -> estimated seconds to its first token (wait + uncached prefill)."""
         costs, _ = self._costs(request, candidates)
         return {c.id: cost for c, cost in zip(candidates, costs)}
 
     def _costs(self, request: Request, candidates: Sequence[ReplicaState]) -> tuple[list[float], list[float]]:
-        """Each candidate's estimated seconds to first token and matched prefix fraction, in order."""
+        """Each candidate's estimated seconds to first token and matched prefix fraction, in order (the least of
+        them kept for ``cheapest_s``)."""
         fractions = self.locality.fractions(request, candidates, {c.id for c in candidates})
         tokens = prompt_tokens(request)
         costs = self.wait.ttft_s(candidates, [tokens * (1.0 - f) for f in fractions],
                                  self.wait.prior_s_per_token(candidates))
+        self._priced = (request, candidates, min(costs))
         return costs, fractions
 
     def pick(self, request: Request, candidates: Sequence[ReplicaState]) -> ReplicaState:

@@ -1,11 +1,17 @@
 """Forwarding on the estimate (a then Rule of the default profile): a request goes to an available peer when that
 peer's estimated wait (from its status), plus the measured round trip, plus the prefill of the part it is not
-expected to hold (its region summary of KV-cache blocks, else the snapshot match), beats the local pick's estimate (estimated_ttft.py) by ``forward_margin_s``, even though a
-local replica has room. Both sides are priced at the local replica's rate: pricing the local prefill at its measured
-rate (TTFT / prompt tokens, which holds each step's fixed cost) and a peer's at the configured one sent short
-prompts abroad with every local queue empty (43% of Arena's requests forwarded under symmetric load).
-"""
+expected to hold (its region summary of KV-cache blocks, else the snapshot match), beats the local estimate
+(estimated_ttft.py) by ``forward_margin_s``, even though a local replica has room. Both sides are priced at the
+local replica's rate: pricing the local prefill at its measured rate (TTFT / prompt tokens, which holds each step's
+fixed cost) and a peer's at the configured one sent short prompts abroad with every local queue empty (43% of
+Arena's requests forwarded under symmetric load).
 
+The local estimate is the cheapest of the local replicas with room, the pick among them (``against_cheapest``), not
+the pick alone: past the load guard the picker takes the least loaded replica whatever its estimate, and one
+holding a burst's other requests then looked slower than a peer although another local replica was as fast (a tree's
+branches, sent together: 12-20% of closed-loop Tree of Thoughts' requests went abroad at 0.5x-2x, each paying a
+round trip and prefilling its prefix again there; bench/results/forward_against.md).
+"""
 from __future__ import annotations
 
 from skylb.core.candidates import Candidates
@@ -19,26 +25,34 @@ __all__ = ["PreferFasterPeer"]
 
 
 class PreferFasterPeer:
-    """Rule: the peer with room that is cheapest by more than the margin, over the local pick; else no opinion.
+    """Rule: the peer with room that is cheapest by more than the margin, over the local estimate; else no opinion.
 
     Args:
-        estimate: the local picker, whose ``local_costs`` prices the local pick.
+        estimate: the local picker, whose ``local_costs`` prices the local pick and ``cheapest_s`` the cheapest
+            local replica with room.
         locality: the tries and summaries (``peer_fractions``: a peer's region summary of KV-cache blocks, else
             the regional snapshot's match, prices its cached prefix).
         wait: the wait model (prefill seconds of tokens). forward_margin_s: the margin, s.
         default_prompt_tokens: the length assumed for each request forwarded to a peer since its status, tokens.
+        against_cheapest: compare a peer with the cheaper of the pick and the cheapest local replica with room
+            (module docstring); False: with the pick alone (the rule before).
     """
 
     def __init__(self, *, estimate: EstimatedTTFT, locality: PrefixLocality, wait: WaitModel,
-                 forward_margin_s: float, default_prompt_tokens: int):
+                 forward_margin_s: float, default_prompt_tokens: int, against_cheapest: bool = True):
         self.estimate, self.locality, self.wait = estimate, locality, wait
         self.forward_margin_s, self.default_prompt_tokens = forward_margin_s, default_prompt_tokens
+        self.against_cheapest = against_cheapest
 
     def decide(self, c: Candidates, picked: ReplicaState | None) -> PeerState | None:
         """The peer to forward ``c.request`` to instead of ``picked``, or None."""
         if not c.peers or picked is None:
             return None
-        return self.cheaper_peer(c, self.estimate.local_costs(c.request, [picked])[picked.id], picked)
+        # cheapest_s first: it reads the pick's own pricing of c.local, which pricing the pick alone replaces
+        cheapest = (self.estimate.cheapest_s(c.request, c.local) if self.against_cheapest and len(c.local) > 1
+                    else float("inf"))
+        local_s = min(cheapest, self.estimate.local_costs(c.request, [picked])[picked.id])
+        return self.cheaper_peer(c, local_s, picked)
 
     def cheaper_peer(self, c: Candidates, local_s: float, replica: ReplicaState, *,
                      holders_only: bool = False) -> PeerState | None:
