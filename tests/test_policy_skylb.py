@@ -125,6 +125,21 @@ def test_request_stays_local_unless_the_peer_is_clearly_faster(status, rtt_s, wh
     assert d.route == "local", why
 
 
+@pytest.mark.parametrize("against, route", [("cheapest", "local"), ("pick", "peer")])
+def test_a_peer_must_beat_the_cheapest_local_replica_not_only_the_load_guards_pick(against, route):
+    """Past the load guard the pick is the least loaded replica (r0, 1.5 s of backlog); r1 has room and no backlog.
+    An idle peer 150 ms away beats the pick but not r1: with ``forward_against`` "cheapest" (the default) the request
+    stays here, on the guard's pick; compared with the pick alone it went abroad."""
+    router = _router(n=2, backlog_budget_tokens=8000, forward_against=against)
+    router.replicas["r0"].add_unprefilled("earlier", 3000)
+    router.replicas["r1"].capacity.limit = 64
+    router.replicas["r1"].outstanding = 12  # imbalanced by more than 8 and 1.5x: the guard picks r0
+    router.observe_peer("eu", now=0.0, status=_peer_status(wait_ms=0.0), rtt_s=0.15)
+    router.enqueue(Request("q", "hello " * 100, arrived_at=0.0))
+    [d] = router.dispatch(0.01)
+    assert d.route == route and (route == "peer" or d.target == "r0")
+
+
 def test_status_carries_the_best_available_wait():
     """The peer status reports the smallest estimated wait among available replicas, in ms."""
     router = _router(n=2)
