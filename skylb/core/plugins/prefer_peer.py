@@ -12,6 +12,7 @@ holding a burst's other requests then looked slower than a peer although another
 branches, sent together: 12-20% of closed-loop Tree of Thoughts' requests went abroad at 0.5x-2x, each paying a
 round trip and prefilling its prefix again there; bench/results/forward_against.md).
 """
+
 from __future__ import annotations
 
 from skylb.core.candidates import Candidates
