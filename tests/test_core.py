@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -419,6 +420,32 @@ def test_requests_go_only_to_replicas_serving_their_model():
     assert {d.target for d in router.dispatch(0.01)} == {"r1"}
     router.enqueue(Request("m", "x", arrived_at=0.0, model="mistral"))
     assert router.dispatch(0.02) == [] and len(router.queue) == 1
+
+
+def test_the_replicas_serving_a_model_are_listed_anew_after_any_change():
+    """The router's table keeps the list of replicas serving each model (ReplicaTable.serving) and drops it when a
+    replica's models or dialects change or a replica joins, leaves or is replaced, by any dict operation."""
+    router = _router(replicas=2, peers=(), max_dispatch_per_probe=0)
+    table = router.replicas
+    router.set_replica_models("r0", ["llama"])
+    router.set_replica_models("r1", ["qwen"])
+    assert [r.id for r in table.serving("llama", "openai")] == ["r0"]
+    assert table.serving("llama", "openai") is table.serving("llama", "openai")  # kept while nothing changes
+    router.set_replica_models("r1", ["qwen", "llama"])
+    assert [r.id for r in table.serving("llama", "openai")] == ["r0", "r1"]
+    table["r1"].apis = frozenset({"ollama"})
+    assert [r.id for r in table.serving("llama", "openai")] == ["r0"]
+    router.set_replicas([("r0", "http://r0", "vllm"), ("r2", "http://r2", "vllm")])  # r1 leaves, r2 joins
+    router.set_replica_models("r2", ["llama"])
+    assert [r.id for r in table.serving("llama", "openai")] == ["r0", "r2"]
+    replaced = dataclasses.replace(table["r2"], models=frozenset({"qwen"}))
+    table.update({"r2": replaced})
+    assert [r.id for r in table.serving("llama", "openai")] == ["r0"]
+    del table["r0"]
+    assert table.serving("llama", "openai") == []
+    for i in range(table.MAX_KEPT + 5):  # unknown models asked for do not grow it past its bound
+        assert table.serving(f"model-{i}", "openai") == []
+    assert len(table._serving) <= table.MAX_KEPT
 
 
 def test_model_served_only_by_a_peer_is_forwarded_there():

@@ -68,6 +68,19 @@ def test_elimination_paused_draining_absent_and_memory_fit():
     assert rules.eliminated(_replica("big", size=8 * GIB), "m", 0.0) is None  # 64 GiB default
 
 
+def test_without_any_fleet_view_only_paused_replicas_are_tested(monkeypatch):
+    """Before any Ollama replica is seen (no FleetView made) and with none paused, the candidates pass untested
+    (the router's never drain); a pause, or any fleet view, brings the test back."""
+    plain = [ReplicaState(id=rid, url=f"http://{rid}") for rid in ("a", "b")]
+    monkeypatch.setattr(FleetView, "made", False)
+    assert FleetRules(FleetSettings()).candidates("m", "openai", plain, plain, 0.0) == plain
+    assert [r.id for r in FleetRules(FleetSettings(paused=["a"])).candidates("m", "openai", plain, plain, 0.0)] == ["b"]
+    view = FleetView()
+    assert FleetView.made
+    mixed = [*plain, ReplicaState(id="o", url="http://o", fleet=view)]  # an Ollama replica without the model
+    assert [r.id for r in FleetRules(FleetSettings()).candidates("m", "openai", mixed, mixed, 0.0)] == ["a", "b"]
+
+
 def _router(settings: FleetSettings, replicas: list[ReplicaState], policy: str = "round-robin") -> Router:
     router = Router(region="r", policy=make_policy(policy), fleet=FleetRules(settings))
     for r in replicas:

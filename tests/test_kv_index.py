@@ -32,7 +32,7 @@ def test_matched_blocks_equals_the_block_by_block_definition(seed):
     count is the number of leading blocks of the request that it holds in any medium."""
     import random
     rng = random.Random(seed)
-    prompt = [rng.getrandbits(64) for _ in range(300)]
+    prompt = [rng.getrandbits(64) for _ in range(1500)]  # past the first runs read at once
     index = BlockIndex(100_000)
     media = {"r0": [None], "r1": [None], "r2": [None, "cpu"] if seed % 2 else [None], "r3": [None]}
     for replica, kinds in media.items():

@@ -334,6 +334,28 @@ def test_push_to_holder_pushes_a_hit_into_its_full_holder_unless_it_is_bounded_o
     assert rule.decide(_candidates(_req("q", A), [free], busy=[holder]), None) is None  # a free replica holds it
 
 
+def test_push_to_holder_finds_a_full_holder_below_a_deeper_match_on_a_replica_in_neither_list():
+    """The rule settles most requests from the match among every replica the trie holds (``deepest``); a request
+    whose deepest holder is neither free nor full (unhealthy, say) still goes to the full replica holding a shorter
+    match, and a free replica holding only a shorter match than a full one does not stop the push."""
+    loc = _locality()
+    deeper = A + "and the tools it may call " * 20
+    loc.routed(_req("h1", A), replica="busy")
+    loc.routed(_req("h2", deeper), replica="gone")
+    rule = PushToPrefixHolder(loc, Turns(), abs_threshold=64, rel_threshold=1.5)
+    holder = _replica("busy", 8, running=8)
+    holder.capacity.limit = 8
+    free = _replica("free")
+    assert loc.deepest(_req("q", deeper)).targets == {"gone"}
+    assert rule.decide(_candidates(_req("q", deeper), [free], busy=[holder]), None) is holder
+    loc.routed(_req("h3", A), replica="free")  # now a free replica holds as much as the full one
+    assert rule.decide(_candidates(_req("q", deeper), [free], busy=[holder]), None) is None
+    loc.routed(_req("h4", deeper), replica="busy")  # the full one holds more: pushed
+    assert rule.decide(_candidates(_req("q", deeper), [free], busy=[holder]), None) is holder
+    loc.attach_kv_index(BlockIndex(10))
+    assert loc.deepest(_req("q", deeper)) is None  # exact matches: no bound from the trie
+
+
 def test_push_to_holder_priced_goes_to_a_peer_holding_the_prefix_when_the_full_batch_is_slower():
     """With the escape, a push into a full batch whose wait (requests past the limit x service time / limit)
     exceeds a peer's round trip and prefill goes to that peer, if its region holds the prefix; a peer without it,

@@ -217,6 +217,10 @@ def test_default_policy_explores_an_unmeasured_replica_beside_a_measured_one():
         router.enqueue(Request("a", "a fresh prompt " * 40, 0.0, model="m"))
         (d,) = router.dispatch(0.0)
         assert d.target == expected
+        wait, replicas = router.policy.estimator.wait, list(router.replicas.values())
+        # the decision's one pass (each rate read once) gives the same figures as the two calls
+        assert wait.ttft_among_s(replicas, [300.0, 0.0]) == wait.ttft_s(replicas, [300.0, 0.0],
+                                                                          wait.prior_s_per_token(replicas))
     unmeasured = router.replicas["r1"]
     assert WaitModel().prefill_s(2000, unmeasured, 0.0001) == pytest.approx(0.2)
     assert WaitModel(measured=False).prefill_s(2000, unmeasured, 0.0001) == pytest.approx(1.0)

@@ -14,6 +14,8 @@ Units: tokens, tokens/s, seconds. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import itertools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,11 +111,26 @@ class WaitModel:
         """For each replica and its uncached prompt tokens: ``wait_s(replica) + prefill_s(uncached, replica)``, s
         (``prior_s_per_token`` as in :meth:`prefill_s`). The same arithmetic as those two, in one pass: it is the
         routing decision's inner loop (200 replicas cost about 0.1 ms this way, several times that through calls)."""
+        rates = [r.rates.overall.prefill_s_per_token for r in replicas] if self.measured else None
+        return self._ttft(replicas, uncached_tokens, rates, prior_s_per_token)
+
+    def ttft_among_s(self, replicas: Sequence[ReplicaState], uncached_tokens: Sequence[float]) -> list[float]:
+        """``ttft_s(replicas, uncached_tokens, prior_s_per_token(replicas))``, each replica's measured rate read
+        once for both."""
+        if not self.measured:
+            return self._ttft(replicas, uncached_tokens, None, None)
+        rates = [r.rates.overall.prefill_s_per_token for r in replicas]
+        known = [rate for rate in rates if rate is not None]
+        return self._ttft(replicas, uncached_tokens, rates, min(known) if known else None)
+
+    def _ttft(self, replicas: Sequence[ReplicaState], uncached_tokens: Sequence[float],
+              rates: list[float | None] | None, prior_s_per_token: float | None) -> list[float]:
+        """:meth:`ttft_s`'s loop; ``rates``: each replica's measured prefill s/token (None: unmeasured), or None
+        when ``measured`` is off."""
         measured, unknown_tokens = self.measured, self.default_prompt_tokens
         fallback = prior_s_per_token if measured and prior_s_per_token else 1.0 / self.prefill_tokens_per_s
         out = []
-        for r, tokens in zip(replicas, uncached_tokens):
-            per_token = r.rates.overall.prefill_s_per_token if measured else None
+        for r, tokens, per_token in zip(replicas, uncached_tokens, rates or itertools.repeat(None)):
             if per_token is None:
                 per_token = fallback
             unknown = r.pending - len(r.unprefilled)

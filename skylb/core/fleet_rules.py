@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar
+from typing import ClassVar, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -123,6 +123,11 @@ class FleetView:
     last_loaded: dict[str, float] = field(default_factory=dict)
     load_times: dict[str, deque] = field(default_factory=dict)
     embeddings: int = 0
+    #: Whether any FleetView was made in this process: until one is, no replica has a fleet view to test.
+    made: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        FleetView.made = True
 
     def observe_ps(self, models: dict[str, ModelSlot], now: float) -> None:
         """Record /api/ps's loaded models (canonical names) read at ``now``."""
@@ -242,9 +247,10 @@ class FleetRules:
 
     def candidates(self, model: str, api: str, local: list[_R], replicas: list[_R],
                    now: float, wait_s=None, *, embedding: bool = False, usable=None) -> list[_R]:
-        """The local replicas (of ``local``, those with room) the request may go to now: eliminated ones removed;
-        with ``hot_preference``, only the cheapest by queue wait + load time, and none (the request waits) when a
-        busy replica among ``replicas`` where the model is hot would serve it sooner than loading it would.
+        """The local replicas (of ``local``, those with room, none draining) the request may go to now: eliminated
+        ones removed; with ``hot_preference``, only the cheapest by queue wait + load time, and none (the request
+        waits) when a busy replica among ``replicas`` where the model is hot would serve it sooner than loading it
+        would.
 
         ``wait_s(replica)``: a policy's estimated wait (s) or None; without one, a busy replica's wait is its
         requests beyond its slots times ``service_s``. ``embedding`` with ``embedding_slot`` on: an Ollama replica
@@ -260,8 +266,9 @@ class FleetRules:
         # A replica without a fleet view (not Ollama) is eliminated only when draining or paused: tested here
         # rather than by a call per replica, on every decision.
         paused = s.paused
-        local = [r for r in local if (r.fleet is None and not r.draining and r.id not in paused)
-                 or (r.fleet is not None and self.eliminated(r, model, now) is None)]
+        if paused or FleetView.made:  # else each is kept: no fleet view, none paused, and ``local`` never drains
+            local = [r for r in local if (r.fleet is None and not r.draining and r.id not in paused)
+                     or (r.fleet is not None and self.eliminated(r, model, now) is None)]
         if not s.hot_preference or not model:
             return local
 

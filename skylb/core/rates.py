@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Usage", "ModelRates", "InFlight", "ReplicaRates", "RateBook", "prompt_chars", "request_chars",
+__all__ = ["Usage", "ModelRates", "InFlight", "ReplicaRates", "RateBook", "prompt_chars", "request_chars", "no_load",
            "DEFAULT_TOKEN_FACTOR"]
 
 #: Tokens per prompt character before any response was measured: about 4 characters per token for English BPE
@@ -69,7 +69,7 @@ def request_chars(request: Any) -> int:
     return request.chars
 
 
-def _no_load(replica: Any, model: str) -> float:
+def no_load(replica: Any, model: str) -> float:
     """No load time known: every model counts as loaded (0 s)."""
     return 0.0
 
@@ -194,7 +194,7 @@ class RateBook:
         #: ReplicaState) because it must be loaded first; added to W^ by policies/measured_wait.py
         #: ``pick_by_estimated_wait``. With ``ollama_fleet.hot_preference`` on, the Router sets it to
         #: skylb/core/fleet_rules.py ``load_s`` (0 where hot); else it stays 0.
-        self.load_s: Callable[[Any, str], float] = _no_load
+        self.load_s: Callable[[Any, str], float] = no_load
 
     # -- the estimate ---------------------------------------------------------------------------------------------
     @property

@@ -36,7 +36,7 @@ from skylb.core.outlier import OutlierDetector
 from skylb.core.profile import Profile
 from skylb.core.rates import Usage, request_chars
 from skylb.core.request import Request
-from skylb.core.state import AvailabilityRules, PeerState, PeerStatus, ReplicaState
+from skylb.core.state import AvailabilityRules, PeerState, PeerStatus, ReplicaState, ReplicaTable
 
 __all__ = ["Router", "Decision", "QueueFull"]
 
@@ -96,7 +96,7 @@ class Router:
         self.max_queue = max_queue
         self._availability_key: tuple | None = None
         self._availability_memo_token = object()
-        self.replicas: dict[str, ReplicaState] = {}
+        self.replicas = ReplicaTable()
         self.peers: dict[str, PeerState] = {}
         #: The queue: FCFS (a deque in ``queued_since`` order), or by class and tenant with ``priorities``.
         self.queue: deque[Request] | ClassQueue = ClassQueue(aging_s=aging_s) if priorities else deque()
@@ -416,8 +416,9 @@ class Router:
         under selective pushing: ``replica_available``, memoized; usable under blind pushing) and, under selective
         pushing, those with a free slot (``AvailabilityRules.has_free_slot``; empty under blind pushing)."""
         model, api, kind = request.model, request.api, request.kind
-        serving = [r for r in self.replicas.values()
-                   if r.serves(model, api) and (not r.unsupported or r.supports(kind, now))]
+        serving = self.replicas.serving(model, api)
+        if any(r.unsupported for r in serving):  # some replica answered 501 for a kind lately
+            serving = [r for r in serving if not r.unsupported or r.supports(kind, now)]
         if not self.policy.selective:
             return [r for r in serving if self._replica_usable(r, now)], [], serving
         # ``_available``'s memo test written out in the loop: this pass runs over every replica on every decision,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from skylb.core.capacity import AdmissionCapacity
 from skylb.core.held_prefixes import MAX_STATUS_PREFIXES, SiblingPrefixes
@@ -29,7 +30,8 @@ from skylb.core.prefill_model import PrefillLine
 from skylb.core.rates import ReplicaRates
 from skylb.core.fleet_rules import FleetView
 
-__all__ = ["ReplicaState", "PeerState", "PeerStatus", "AvailabilityRules", "load_from_outstanding"]
+__all__ = ["ReplicaState", "ReplicaTable", "PeerState", "PeerStatus", "AvailabilityRules",
+           "load_from_outstanding"]
 
 
 def load_from_outstanding(outstanding: int, slots: int) -> tuple[int, int]:
@@ -112,12 +114,17 @@ class ReplicaState:
     #: whether it has a free slot). Any write to another field clears it.
     availability_memo: tuple | None = field(default=None, repr=False, compare=False)
 
+    #: Writes of ``models`` or ``apis`` to any replica so far: what it serves changed (``ReplicaTable.serving``).
+    serves_changes: ClassVar[int] = 0
+
     def __setattr__(self, name: str, value) -> None:
         # Every field but the memo is an input of availability, or cheap to count as one: a write clears the memo,
         # so that a routing decision re-checks only the replicas that changed since the last one.
         object.__setattr__(self, name, value)
         if name != "availability_memo":
             object.__setattr__(self, "availability_memo", None)
+            if name == "models" or name == "apis":
+                ReplicaState.serves_changes += 1
 
     def supports(self, kind: str, now: float) -> bool:
         """False while this replica is known not to serve requests of ``kind`` (``unsupported``) at ``now``."""
@@ -183,6 +190,63 @@ class ReplicaState:
             self.pending -= 1
         elif self.running:
             self.running -= 1
+
+
+class ReplicaTable(dict):
+    """A balancer's local replicas by id (a dict of ReplicaState) that keeps the list of those serving each model in
+    each dialect (``serving``) until membership or what a replica serves changes: a routing decision starts from
+    that list, and building it from 200 replicas was a fifth of a decision's time."""
+
+    #: (model, dialect) pairs kept at most: requests name models, and an unknown one must not grow this.
+    MAX_KEPT = 64
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._serving: dict[tuple[str, str], tuple[int, list[ReplicaState]]] = {}
+
+    def serving(self, model: str, api: str) -> list[ReplicaState]:
+        """The replicas with ``serves(model, api)``, in the table's order; the same list object until a change
+        (callers must not modify it)."""
+        key, changes = (model, api), ReplicaState.serves_changes
+        kept = self._serving.get(key)
+        if kept is None or kept[0] != changes:
+            if len(self._serving) >= self.MAX_KEPT:
+                self._serving.clear()
+            kept = self._serving[key] = (changes, [r for r in self.values() if r.serves(model, api)])
+        return kept[1]
+
+    # Every way a dict changes its members forgets the lists.
+    def __setitem__(self, key, value):
+        self._serving.clear()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._serving.clear()
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self._serving.clear()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._serving.clear()
+        return super().popitem()
+
+    def clear(self):
+        self._serving.clear()
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self._serving.clear()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self._serving.clear()
+        return super().setdefault(key, default)
+
+    def __ior__(self, other):
+        self._serving.clear()
+        return super().__ior__(other)
 
 
 @dataclass(frozen=True)

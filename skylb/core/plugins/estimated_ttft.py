@@ -106,8 +106,7 @@ class EstimatedTTFT:
         them kept for ``cheapest_s``)."""
         fractions = self.locality.fractions(request, candidates, {c.id for c in candidates})
         tokens = prompt_tokens(request)
-        costs = self.wait.ttft_s(candidates, [tokens * (1.0 - f) for f in fractions],
-                                 self.wait.prior_s_per_token(candidates))
+        costs = self.wait.ttft_among_s(candidates, [tokens * (1.0 - f) for f in fractions])
         self._priced = (request, candidates, min(costs))
         return costs, fractions
 
@@ -127,13 +126,12 @@ class EstimatedTTFT:
             costs, fractions = self._costs(request, candidates)
         # Within a millisecond is a tie: spread over the tied ones by load rather than by list order.
         limit = min(costs) + 1e-3
-        tied = [i for i, cost in enumerate(costs) if cost <= limit]
+        tied = [(c, f) for c, cost, f in zip(candidates, costs, fractions) if cost <= limit]
         if len(tied) > 1 and self.tie_break == "estimated-wait":
-            top = max(fractions[i] for i in tied)
-            return least_loaded(pick_by_estimated_wait(self.rates, request,
-                                                       [candidates[i] for i in tied if fractions[i] == top]),
+            top = max(f for _, f in tied)
+            return least_loaded(pick_by_estimated_wait(self.rates, request, [c for c, f in tied if f == top]),
                                 self.turns.next())
-        return least_loaded([candidates[i] for i in tied], self.turns.next())
+        return least_loaded([c for c, _ in tied], self.turns.next())
 
 
 class PrefillEstimate(Estimator):

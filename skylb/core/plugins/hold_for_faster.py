@@ -32,8 +32,9 @@ class HoldForFaster:
 
     def decide(self, c: Candidates, picked: ReplicaState | None):
         """HOLD or None for ``c.request`` and the local pick ``picked``."""
-        if picked is not None and len(c.local) < c.replicas and c.busy and self.holds(c.request, picked, c.busy,
-                                                                                      c.queued):
+        # Cheapest tests first: the full replicas are listed only for a measured pick (``holds`` needs one).
+        if (picked is not None and len(c.local) < c.replicas and picked.rates.for_model(c.request.model) is not None
+                and c.busy and self.holds(c.request, picked, c.busy, c.queued)):
             return HOLD
         return None
 

@@ -40,6 +40,19 @@ from skylb.core.state import PeerState, ReplicaState
 __all__ = ["PrefixLocality"]
 
 
+class _AnyTarget:
+    """A collection that contains every target: a trie match among all of them."""
+
+    def __contains__(self, target: object) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return 1
+
+
+_ANY_TARGET = _AnyTarget()
+
+
 class PrefixLocality:
     """The replica and snapshot tries of one balancer (Learner).
 
@@ -65,6 +78,7 @@ class PrefixLocality:
         self._hash_memo: tuple[object, list[int]] | None = None
         self._peer_memo: tuple[object, tuple, dict[str, float]] | None = None
         self._sampled_memo: tuple[object, list[tuple[int, int]]] | None = None
+        self._deepest_memo: tuple[object, Match] | None = None
 
     def attach_kv_index(self, index: BlockIndex) -> None:
         """Match requests with block hashes exactly on the replicas whose KV-cache events ``index`` follows."""
@@ -113,6 +127,20 @@ class PrefixLocality:
                      else self.replica_trie.match(self.key(request), members))
             self._memo = (request, found)
         return self._memo[1]
+
+    def deepest(self, request: Request) -> Match | None:
+        """``request``'s replica-trie match among every target the trie holds, kept until ``routed``;
+        None with a block index attached (then matches are exact where it knows, and this bound does not hold).
+
+        A node's targets include its children's (prefix_trie.py), so a match among any subset of the replicas is
+        at most this deep, and reaches this node whenever the subset holds one of its targets: a rule can settle
+        most requests from it without building the subset."""
+        if self.kv is not None:
+            return None
+        memo = self._deepest_memo
+        if memo is None or memo[0] is not request:
+            memo = self._deepest_memo = (request, self.replica_trie.match(self.key(request), _ANY_TARGET))
+        return memo[1]
 
     def _trie_match(self, request: Request, members: Collection[str]) -> Match:
         """The replica trie's match among ``members``, from the look-ahead's kept walk when it still holds."""
@@ -216,7 +244,7 @@ class PrefixLocality:
     def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
         """Record ``request``'s prompt for ``replica`` (replica trie; and for siblings once they are told) or
         ``peer`` (snapshot trie)."""
-        self._memo = self._exact_memo = self._peer_memo = None
+        self._memo = self._exact_memo = self._peer_memo = self._deepest_memo = None
         if replica is not None:
             self.replica_trie.insert(self.key(request), replica)
             if self.held is not None:
@@ -226,6 +254,7 @@ class PrefixLocality:
 
     def set_members(self, replicas: set[str], peers: set[str]) -> None:
         """Forget the prefixes of replicas and peers that left."""
+        self._deepest_memo = None
         for gone in self.replicas - replicas:
             self.replica_trie.remove_target(gone)
         for gone in self.peers - peers:

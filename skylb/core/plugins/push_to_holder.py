@@ -54,6 +54,14 @@ class PushToPrefixHolder:
 
     def decide(self, c: Candidates, picked: ReplicaState | None) -> ReplicaState | PeerState | None:
         """The holder to push ``c.request`` into, a peer faster than that push, or None."""
+        deepest = self.locality.deepest(c.request)
+        if deepest is not None:
+            # Settled without listing the full replicas (most requests): no replica holds the prefix deep enough, or
+            # one with room holds the deepest match, which the match among the full ones and those with room reaches.
+            if not deepest.targets or deepest.ratio < self.locality.threshold:
+                return None
+            if any(r.id in deepest.targets for r in c.local):
+                return None
         busy = c.busy
         if not busy:
             return None

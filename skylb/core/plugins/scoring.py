@@ -35,7 +35,7 @@ def loads_imbalanced(candidates: Sequence[ReplicaState], abs_threshold: float, r
 def least_loaded(candidates: Sequence[ReplicaState], turn: int) -> ReplicaState:
     """Fewest requests in flight from this balancer (outstanding plus those the last probe has not seen yet);
     among equals the ``turn``-th modulo their number, so idle replicas share the load."""
-    loads = [c.outstanding + c.sent_since_probe for c in candidates]
+    loads = [c.outstanding + len(c.dispatch_times) for c in candidates]  # sent_since_probe, without a call each
     low = min(loads)
     tied = [c for c, load in zip(candidates, loads) if load == low]
     return tied[turn % len(tied)]
