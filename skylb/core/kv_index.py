@@ -25,8 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice, repeat
-from operator import and_
+from itertools import islice
 from typing import NamedTuple
 
 __all__ = ["BlockIndex", "Holder", "ReplicaEvents", "DEFAULT_MAX_BLOCKS", "SUMMARY_STRIDE", "MAX_SUMMARY_BLOCKS",
@@ -262,32 +261,18 @@ class BlockIndex:
         running = 0
         for bits in remaining.values():
             running |= bits
-        get, n, start, step = self._blocks.get, len(block_hashes), 0, 64
-        while start < n:
-            # A run of blocks at a time, tested by map() in C (a 32k-token prompt is 2,048 blocks): ``ok[k]`` says
-            # every replica still matching holds block start + k in all its slots, the common case; a block where
-            # that fails is looked at in Python, and drops the replicas holding it in none of their slots.
-            masks = list(map(get, block_hashes[start:start + step], repeat(0)))
-            ok = list(map(running.__eq__, map(and_, masks, repeat(running))))
-            k = -1
-            while True:
-                try:
-                    k = ok.index(False, k + 1)
-                except ValueError:
-                    break
-                mask = masks[k]
-                dropped = [r for r, bits in remaining.items() if not mask & bits]
-                for r in dropped:
-                    result[r] = start + k
-                    running &= ~remaining.pop(r)
-                if not remaining:
-                    return result
-                if dropped:
-                    ok[k + 1:] = map(running.__eq__, map(and_, masks[k + 1:], repeat(running)))
-            start += len(masks)
-            step = min(4 * step, 4096)
+        blocks = self._blocks
+        for i, h in enumerate(block_hashes):
+            mask = blocks.get(h, 0)
+            if mask & running == running:
+                continue  # every replica still matching holds this block in all its slots: the common case
+            for r in [r for r, bits in remaining.items() if not mask & bits]:
+                result[r] = i
+                running &= ~remaining.pop(r)
+            if not remaining:
+                return result
         for r in remaining:
-            result[r] = n
+            result[r] = len(block_hashes)
         return result
 
     def summary(self, limit: int = MAX_SUMMARY_BLOCKS) -> tuple[int, ...]:
