@@ -160,6 +160,24 @@ def test_prefix_locality_forgets_members_that_left_and_keeps_one_match_per_decis
     assert loc.matched(q, loc.replica_trie, {"r1", "r2"}) == (frozenset(), 0.0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_locality_match_among_members_from_the_deepest_equals_a_walk(seed):
+    """Once a decision asked for the match among every target (``deepest``), the match among its candidates is
+    derived from it when it can be; either way it equals the trie's own walk among them."""
+    import random
+    rng = random.Random(seed)
+    loc = _locality(threshold=0.0)
+    stems = [A, B, A + B, "x" * 200]
+    for i in range(60):
+        loc.routed(_req(f"h{i}", rng.choice(stems) + "y" * rng.randrange(0, 300, 64)), replica=f"r{rng.randrange(6)}")
+    for i in range(40):
+        q = _req(f"q{i}", rng.choice(stems) + "y" * rng.randrange(0, 400, 32))
+        members = {f"r{k}" for k in range(6) if rng.random() < 0.4}
+        if i % 2:
+            loc.deepest(q)
+        assert loc.replica_match(q, members) == loc.replica_trie.match(loc.key(q), members)
+
+
 def _indexed(blocks: dict[str, int], live: tuple[str, ...] | None = None) -> BlockIndex:
     """An index where each replica holds the first n blocks (16 tokens each) of the chain 1, 2, 3, ..."""
     index = BlockIndex(1000)

@@ -99,7 +99,7 @@ class _Node(dict):
     __slots__ = ("changed", "grew", "children", "step", "size")
 
     def __init__(self, step: int = 0, size: int = 0) -> None:
-        super().__init__()
+        # No dict.__init__ call: the node starts empty either way, and inserts make one per new chunk.
         self.changed = self.grew = 0
         self.children: dict[int, _Node] = {}
         self.step, self.size = step, size
@@ -273,31 +273,34 @@ class PrefixTrie:
         """
         if not key:
             return
-        total = 0
-        for i, chunk in enumerate(key):
-            total += len(chunk)
-            if total > self.max_chars:
-                key = key[:i]
-                break
+        if sum(map(len, key)) > self.max_chars:
+            total = 0
+            for i, chunk in enumerate(key):
+                total += len(chunk)
+                if total > self.max_chars:
+                    key = key[:i]
+                    break
         if not key:
             return
         self._changes += 1
-        stamp, parent, path = self._changes, self._root, []
+        stamp, parent, path, nodes, chars = self._changes, self._root, [], 0, 0
         for chunk in key:
             step = hash(chunk)
             counts = parent.children.get(step)
             if counts is None:
                 counts = parent.children[step] = _Node(step, len(chunk))
                 parent.grew = stamp  # a child added under it
-                self._nodes += 1
-                self._chars += len(chunk)
-                self._bytes += NODE_BYTES
+                nodes += 1
+                chars += len(chunk)
             n = counts.get(target, 0)
             if not n:
                 counts.changed = stamp  # a target added here
             counts[target] = n + 1
             path.append(counts)
             parent = counts
+        self._nodes += nodes
+        self._chars += chars
+        self._bytes += NODE_BYTES * nodes
         self._records.append((tuple(path), target))
         self._bytes += RECORD_BYTES + _POINTER_BYTES * len(path)
         while (self._chars > self.max_chars or self._bytes > self.max_bytes) and self._records:

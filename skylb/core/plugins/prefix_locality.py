@@ -122,9 +122,17 @@ class PrefixLocality:
                 memo = self._exact_memo = (request, self.kv.index.changes, members, found)
             return memo[3]
         if self._memo is None or self._memo[0] is not request:
-            kept = request.kept_match
-            found = (kept.match(members) if kept is not None and kept.holds(self.replica_trie)
-                     else self.replica_trie.match(self.key(request), members))
+            deep = self._deepest_memo
+            if deep is not None and deep[0] is request and (not deep[1].targets
+                                                            or not deep[1].targets.isdisjoint(members)):
+                # The decision's match among every target (``deepest``) answers without a walk: nothing held, or
+                # some member holds its node, which the walk among members reaches and stops at.
+                d = deep[1]
+                found = Match(d.targets.intersection(members), d.matched_chars, d.prompt_chars)
+            else:
+                kept = request.kept_match
+                found = (kept.match(members) if kept is not None and kept.holds(self.replica_trie)
+                         else self.replica_trie.match(self.key(request), members))
             self._memo = (request, found)
         return self._memo[1]
 
