@@ -321,16 +321,21 @@ class PrefixTrie:
         path, target = self._records.popleft()
         self._bytes -= RECORD_BYTES + _POINTER_BYTES * len(path)
         self._changes += 1
-        cut = None  # depth of the first node that no live record passes through any more
+        cut, stamp = None, self._changes  # cut: depth of the first node no live record passes through any more
         for i, counts in enumerate(path):
             n = counts[target] - 1
             if n:
                 counts[target] = n
-            else:
-                del counts[target]
-                counts.changed = self._changes  # a target gone from here
-                if not counts and cut is None:
-                    cut = i
+                continue
+            del counts[target]
+            counts.changed = stamp  # a target gone from here
+            if not counts:
+                cut = i
+                # Below an emptied node every node held this record alone (a node's targets include its children's):
+                # they leave the trie with it, so only their stamps matter (a kept walk may still hold them).
+                for node in path[i + 1:]:
+                    node.changed = stamp
+                break
         if cut is not None:
             # Nodes below a node with no records carry none either (children's targets are a subset), and every
             # node has a record through it: the branch cut is this path's nodes from ``cut`` down.
