@@ -61,9 +61,13 @@ class PreferFasterPeer:
         prefill priced at ``replica``'s rate) beat ``local_s`` (s) by ``forward_margin_s``; None when none does."""
         if not c.peers:
             return None
+        best, best_s = None, local_s - self.forward_margin_s
+        # A peer's cost is at least its round trip plus its wait (the prefill terms are not negative): when that
+        # alone loses for every peer, the usual case with room here, no peer's cached prefix needs looking up.
+        if all(p.wait_s is None or p.rtt_s is None or p.rtt_s + p.wait_s >= best_s for p in c.peers):
+            return None
         request = c.request
         held = self.locality.peer_fractions(request, c.peers)
-        best, best_s = None, local_s - self.forward_margin_s
         for p in sorted(c.peers, key=lambda p: p.region):
             if holders_only and p.region not in held:
                 continue
