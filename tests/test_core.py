@@ -103,6 +103,14 @@ def test_kept_matches_agree_with_fresh_matches(seed):
                 assert now.match(avail) == t.match(probes[i], avail)
     assert reused > 100  # most probes' nodes are left alone by an insert elsewhere
 
+    def stored(node, end=0):  # (characters, nodes) under ``node``, counted from the nodes themselves
+        chars = nodes = 0
+        for child in node.children.values():
+            c, n = stored(child, child.end)
+            chars, nodes = chars + c + child.end - end, nodes + n + 1
+        return chars, nodes
+    assert stored(t._root) == (t.stored_chars, t.nodes)  # the bound's accounting matches what the trie holds
+
 
 def test_a_kept_match_is_walked_again_only_when_its_nodes_change():
     """A kept walk survives an insert that leaves its key's path alone, and one that only counts again; a target

@@ -92,17 +92,18 @@ class Match:
 
 class _Node(dict):
     """A trie node: its ``{target: count}``; its ``children`` (a chunk's ``hash()`` -> ``_Node``); ``step``, its key
-    in its parent's children; ``size``, its chunk's characters; and the trie's change count when its set of targets
-    last changed (``changed``) and when a child was last added under it (``grew``): what a kept walk
-    (``KeptMatch``) checks to know it still holds."""
+    in its parent's children; ``end``, the characters of a prompt from its start through this node's chunk (so a
+    branch's characters are the difference of two ends); and the trie's change count when its set of targets last
+    changed (``changed``) and when a child was last added under it (``grew``): what a kept walk (``KeptMatch``)
+    checks to know it still holds."""
 
-    __slots__ = ("changed", "grew", "children", "step", "size")
+    __slots__ = ("changed", "grew", "children", "step", "end")
 
-    def __init__(self, step: int = 0, size: int = 0) -> None:
+    def __init__(self, step: int = 0, end: int = 0) -> None:
         # No dict.__init__ call: the node starts empty either way, and inserts make one per new chunk.
         self.changed = self.grew = 0
         self.children: dict[int, _Node] = {}
-        self.step, self.size = step, size
+        self.step, self.end = step, end
 
 
 @dataclass(frozen=True, eq=False)
@@ -283,12 +284,13 @@ class PrefixTrie:
         if not key:
             return
         self._changes += 1
-        stamp, parent, path, nodes, chars = self._changes, self._root, [], 0, 0
+        stamp, parent, path, nodes, chars, end = self._changes, self._root, [], 0, 0, 0
         for chunk in key:
             step = hash(chunk)
+            end += len(chunk)
             counts = parent.children.get(step)
             if counts is None:
-                counts = parent.children[step] = _Node(step, len(chunk))
+                counts = parent.children[step] = _Node(step, end)
                 parent.grew = stamp  # a child added under it
                 nodes += 1
                 chars += len(chunk)
@@ -343,5 +345,5 @@ class PrefixTrie:
             del parent.children[path[cut].step]
             removed = path[cut:]
             self._nodes -= len(removed)
-            self._chars -= sum(node.size for node in removed)
+            self._chars -= removed[-1].end - parent.end  # the root ends at 0
             self._bytes -= NODE_BYTES * len(removed)
