@@ -76,6 +76,7 @@ def test_trie_matches_brute_force_model(seed):
         got = t.match(probe, avail)
         assert got.matched_chars == want_chars
         assert set(got.targets) == (want_targets if want_chars else set())
+        assert t.match_any(probe) == t.match(probe, {f"r{i}" for i in range(4)})  # every target available
 
 
 

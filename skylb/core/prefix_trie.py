@@ -235,6 +235,19 @@ class PrefixTrie:
             best = here
         return Match(frozenset(best), matched, prompt_chars)
 
+    def match_any(self, key: tuple[str, ...]) -> Match:
+        """``match(key, available)`` with every target available: the walk tests no target, only that a node holds
+        some (O(matched chunks))."""
+        prompt_chars = sum(map(len, key))
+        node, last, matched = self._root, None, 0
+        for chunk in key:
+            node = node.children.get(hash(chunk))
+            if not node:  # the prompt leaves the trie here (or, never kept, a node without targets)
+                break
+            matched += len(chunk)
+            last = node
+        return Match(frozenset(last) if last is not None else frozenset(), matched, prompt_chars)
+
     def kept_match(self, key: tuple[str, ...], kept: KeptMatch | None) -> KeptMatch:
         """A KeptMatch of ``key``: ``kept`` itself (an earlier one for the same ``key``) while it holds, else the key
         walked anew, as deep as the trie goes along it. O(1) while it holds, so a request waiting in the queue is

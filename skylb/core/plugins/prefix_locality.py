@@ -40,19 +40,6 @@ from skylb.core.state import PeerState, ReplicaState
 __all__ = ["PrefixLocality"]
 
 
-class _AnyTarget:
-    """A collection that contains every target: a trie match among all of them."""
-
-    def __contains__(self, target: object) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return 1
-
-
-_ANY_TARGET = _AnyTarget()
-
-
 class PrefixLocality:
     """The replica and snapshot tries of one balancer (Learner).
 
@@ -147,7 +134,7 @@ class PrefixLocality:
             return None
         memo = self._deepest_memo
         if memo is None or memo[0] is not request:
-            memo = self._deepest_memo = (request, self.replica_trie.match(self.key(request), _ANY_TARGET))
+            memo = self._deepest_memo = (request, self.replica_trie.match_any(self.key(request)))
         return memo[1]
 
     def _trie_match(self, request: Request, members: Collection[str]) -> Match:
