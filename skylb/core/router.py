@@ -110,6 +110,8 @@ class Router:
         self._set_counts: dict[tuple, int] = {}
         #: Candidate set -> when ``unserved`` first found no usable target for it, s.
         self._unserved_since: dict[tuple, float] = {}
+        #: Whether ``unsupported`` ever held a kind off a replica (until then a decision need not look).
+        self._kinds_held = False
 
     # -- membership ---------------------------------------------------------------------------------------------
     def set_replicas(self, replicas: Iterable[tuple[str, str, str]], *,
@@ -417,7 +419,7 @@ class Router:
         pushing, those with a free slot (``AvailabilityRules.has_free_slot``; empty under blind pushing)."""
         model, api, kind = request.model, request.api, request.kind
         serving = self.replicas.serving(model, api)
-        if any(r.unsupported for r in serving):  # some replica answered 501 for a kind lately
+        if self._kinds_held and any(r.unsupported for r in serving):  # a replica answered 501 for a kind lately
             serving = [r for r in serving if not r.unsupported or r.supports(kind, now)]
         if not self.policy.selective:
             return [r for r in serving if self._replica_usable(r, now)], [], serving
@@ -656,6 +658,7 @@ class Router:
         replica = self.replicas.get(decision.target) if decision.route == "local" else None
         if replica is not None:
             replica.unsupported[decision.request.kind] = now + hold_s
+            self._kinds_held = True
 
     def _replica_usable(self, replica: ReplicaState, now: float) -> bool:
         """Blind pushing's rule: healthy, fresh, not draining (pending ignored), and not ejected."""

@@ -106,7 +106,8 @@ class EstimatedTTFT:
         them kept for ``cheapest_s``)."""
         fractions = self.locality.fractions(request, candidates, {c.id for c in candidates})
         tokens = prompt_tokens(request)
-        costs = self.wait.ttft_among_s(candidates, [tokens * (1.0 - f) for f in fractions])
+        uncached = [tokens * (1.0 - f) for f in fractions] if any(fractions) else [tokens * 1.0] * len(fractions)
+        costs = self.wait.ttft_among_s(candidates, uncached)
         self._priced = (request, candidates, min(costs))
         return costs, fractions
 
@@ -126,12 +127,14 @@ class EstimatedTTFT:
             costs, fractions = self._costs(request, candidates)
         # Within a millisecond is a tie: spread over the tied ones by load rather than by list order.
         limit = min(costs) + 1e-3
-        tied = [(c, f) for c, cost, f in zip(candidates, costs, fractions) if cost <= limit]
+        tied = [c for c, cost in zip(candidates, costs) if cost <= limit]
         if len(tied) > 1 and self.tie_break == "estimated-wait":
-            top = max(f for _, f in tied)
-            return least_loaded(pick_by_estimated_wait(self.rates, request, [c for c, f in tied if f == top]),
-                                self.turns.next())
-        return least_loaded([c for c, _ in tied], self.turns.next())
+            if any(fractions):  # some candidate holds a prefix of it: of the tied, those holding the most
+                held = [f for f, cost in zip(fractions, costs) if cost <= limit]
+                top = max(held)
+                tied = [c for c, f in zip(tied, held) if f == top]
+            return least_loaded(pick_by_estimated_wait(self.rates, request, tied), self.turns.next())
+        return least_loaded(tied, self.turns.next())
 
 
 class PrefillEstimate(Estimator):
