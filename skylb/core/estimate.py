@@ -15,7 +15,6 @@ Units: tokens, tokens/s, seconds. Pure: no clock, no I/O.
 from __future__ import annotations
 
 import itertools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 

@@ -195,7 +195,7 @@ class ReplicaState:
 class ReplicaTable(dict):
     """A balancer's local replicas by id (a dict of ReplicaState) that keeps the list of those serving each model in
     each dialect (``serving``) until membership or what a replica serves changes: a routing decision starts from
-    that list, and building it from 200 replicas was a fifth of a decision's time."""
+    that list, and building it anew from 200 replicas took about a tenth of each decision (cProfile)."""
 
     #: (model, dialect) pairs kept at most: requests name models, and an unknown one must not grow this.
     MAX_KEPT = 64

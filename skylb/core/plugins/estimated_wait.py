@@ -55,6 +55,7 @@ def pick_by_estimated_wait(book: RateBook, request: Request,
     w_limit, q_limit = best_w + 1e-6, best_q + 1.0
     return [c for w, q, c, _ in keyed if w <= w_limit and q <= q_limit]
 
+
 class EstimatedWait:
     """ReplicaPicker: least W^ over ``rates`` (the profile's RateBook), then the smaller queue, then turns."""
 
