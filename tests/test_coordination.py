@@ -26,3 +26,16 @@ def test_decisions_are_timed_and_probe_traffic_is_positive():
     small, big = probe_traffic(10, 2, 100), probe_traffic(200, 2, 100)
     assert 0 < small["total"]["bytes_per_s"] < big["total"]["bytes_per_s"]
     assert big["replica /metrics"]["requests_per_s"] == 2000.0  # 200 replicas every 100 ms
+
+
+def test_decision_ab_times_both_checkouts_in_turns():
+    """bench/micro/decision_ab.py runs a worker per checkout (here the same one twice) and gathers each one's
+    timed decisions, round by round."""
+    from pathlib import Path
+
+    from bench.micro.decision_ab import measure
+    root = str(Path(__file__).resolve().parents[1])
+    got = measure(root, root, replicas=4, peers=1, rounds=2, batch=5, warm=5, trace="/nonexistent")  # generated prompts
+    assert set(got["checkouts"]) == {"base", "new"}
+    assert all(0 < c["p50_us"] <= c["p99_us"] for c in got["checkouts"].values())
+    assert got["round_p50_ratio"]["min"] <= got["round_p50_ratio"]["median"] <= got["round_p50_ratio"]["max"]

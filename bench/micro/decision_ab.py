@@ -7,7 +7,7 @@ instance ``git worktree add /tmp/base <commit>``); its own code is measured, wit
 Why: this machine's speed drifts by 1.5x between minutes (bench/results/coordination-notes.md), so two runs of
 bench/micro/coordination.py a few minutes apart compare the minutes more than the code. Here one worker process per
 checkout builds the state of coordination.py (``build_router_state``: ``--replicas`` replicas, ``--peers`` peers,
-the Mooncake trace's prompts, 2,000 warm decisions), then the two workers take turns: each round, each times
+the Mooncake trace's prompts, 2,000 untimed decisions), then the two workers take turns: each round, each times
 ``--batch`` decisions (``Router.dispatch``, one request each, a probe round every 100 as in coordination.py), the
 order alternating between rounds. Printed: per checkout, p50 / p90 / p99 / mean over all its timed decisions (us),
 and the median over rounds of the ratio of the two checkouts' round p50 (new / base) with its range.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,7 @@ import json, random, sys, time
 sys.path.insert(0, ".")
 from bench.micro.coordination import MODEL, _observe, _prompts, build_router_state
 from skylb.core import Request
-replicas, peers = int(sys.argv[1]), int(sys.argv[2])
+replicas, peers, warm = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 prompts = _prompts(2000, 0)
 router, names = build_router_state(replicas, peers, seed=0)
 rng, k, now = random.Random(0), 0, 0.0
@@ -55,7 +56,7 @@ def run(count):
         k += 1
     return times
 
-run(2000)
+run(warm)
 print("ready", flush=True)
 for line in sys.stdin:
     print(json.dumps(run(int(line))), flush=True)
@@ -67,11 +68,15 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[int(q * (len(ordered) - 1))]
 
 
-def measure(base: str, new: str, *, replicas: int, peers: int, rounds: int, batch: int) -> dict:
-    """Both checkouts' decision times, interleaved (module docstring); returns the figures printed."""
+def measure(base: str, new: str, *, replicas: int, peers: int, rounds: int, batch: int, warm: int = 2000,
+            trace: str | None = None) -> dict:
+    """Both checkouts' decision times, interleaved (module docstring); ``warm`` untimed decisions first; ``trace``:
+    the Mooncake-format trace whose prompts are routed (None: coordination.py's, the workspace's real trace, or
+    generated prompts where it is absent). Returns the figures printed."""
     roots = [base, new]
-    workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(replicas), str(peers)], cwd=root,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for root in roots]
+    env = dict(os.environ, **({"SKYLB_TRACE": trace} if trace is not None else {}))
+    workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(replicas), str(peers), str(warm)], cwd=root,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for root in roots]
     try:
         for w in workers:
             if w.stdout.readline().strip() != "ready":
