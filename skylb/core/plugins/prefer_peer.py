@@ -15,6 +15,8 @@ round trip and prefilling its prefix again there; bench/results/forward_against.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from skylb.core.candidates import Candidates
 from skylb.core.estimate import WaitModel, prompt_tokens
 from skylb.core.plugins.estimated_ttft import EstimatedTTFT
@@ -52,8 +54,16 @@ class PreferFasterPeer:
         # cheapest_s first: it reads the pick's own pricing of c.local, which pricing the pick alone replaces
         cheapest = (self.estimate.cheapest_s(c.request, c.local) if self.against_cheapest and len(c.local) > 1
                     else float("inf"))
+        if not self._may_beat(c.peers, cheapest - self.forward_margin_s):
+            return None  # no peer beats the cheapest local replica: pricing the pick alone cannot change that
         local_s = min(cheapest, self.estimate.local_costs(c.request, [picked])[picked.id])
         return self.cheaper_peer(c, local_s, picked)
+
+    @staticmethod
+    def _may_beat(peers: Sequence[PeerState], best_s: float) -> bool:
+        """Whether some peer's round trip plus wait is below ``best_s`` (s): its cost (``peer_cost_s``) is at least
+        that, the prefill terms being never negative, so otherwise no peer can cost less than ``best_s``."""
+        return not all(p.wait_s is None or p.rtt_s is None or p.rtt_s + p.wait_s >= best_s for p in peers)
 
     def cheaper_peer(self, c: Candidates, local_s: float, replica: ReplicaState, *,
                      holders_only: bool = False) -> PeerState | None:
@@ -62,9 +72,7 @@ class PreferFasterPeer:
         if not c.peers:
             return None
         best, best_s = None, local_s - self.forward_margin_s
-        # A peer's cost is at least its round trip plus its wait (the prefill terms are not negative): when that
-        # alone loses for every peer, the usual case with room here, no peer's cached prefix needs looking up.
-        if all(p.wait_s is None or p.rtt_s is None or p.rtt_s + p.wait_s >= best_s for p in c.peers):
+        if not self._may_beat(c.peers, best_s):  # the usual case with room here: no peer's cached prefix looked up
             return None
         request = c.request
         held = self.locality.peer_fractions(request, c.peers)
