@@ -16,7 +16,7 @@ from skylb.core.estimate import WaitModel
 from skylb.core.kv_index import BlockIndex
 from skylb.core.plugins.engine_pressure import EnginePressure
 from skylb.core.plugins.estimated_ttft import EstimatedTTFT, PrefillEstimate
-from skylb.core.plugins.estimated_wait import EstimatedWait, QueueWait
+from skylb.core.plugins.estimated_wait import EstimatedWait, QueueWait, pick_by_estimated_wait
 from skylb.core.plugins.forward_queued import ForwardQueued
 from skylb.core.plugins.hash_ring import PeerRing, ReplicaRing, SessionKey
 from skylb.core.plugins.hold_for_faster import HoldForFaster, faster
@@ -131,6 +131,41 @@ def test_estimated_wait_prefers_the_measured_faster_replica_and_explores_idle_on
     assert picker.pick(request, [fast, slow, _replica("new")]).id == "new"  # unmeasured and idle: W^ 0
     fast.rates.overall = ModelRates(time_per_token_s=0.01, samples=3)
     assert QueueWait(rates).estimated_wait_s(fast) > 0 and QueueWait(rates).estimated_wait_s(slow) is None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_estimated_wait_tie_set_equals_the_rate_books_own_estimate(seed):
+    """pick_by_estimated_wait writes RateBook's estimate out in one pass (its inner loop runs over every idle
+    replica): differential test against ReplicaRates.for_model and RateBook.estimate_measured_s / load_s,
+    with measured and unmeasured replicas, requests in flight, a fixed or learned gamma and a model load time."""
+    import random
+    rng = random.Random(seed)
+    book = RateBook(gamma=rng.choice([None, 0.5]))
+    if seed % 2:
+        book.load_s = lambda replica, model: 2.0 if replica.id in ("r1", "r3", "r5", "r7") else 0.0
+    replicas = []
+    for i in range(12):
+        r = _replica(f"r{i}")
+        if rng.random() < (1.0 if seed % 3 == 2 else 0.6):  # all measured in a third of the seeds: W^ decides
+            r.rates.models["m"] = ModelRates(time_per_token_s=rng.choice([0.010, 0.011, 0.012]), samples=3)
+            r.rates.gamma = rng.choice([0.0, 0.5, 2.0])  # the queue weight can reorder replicas
+        # every replica busy in two thirds of the seeds: the queue term (gamma x queued characters) decides, and an
+        # unmeasured replica with requests in flight must be left out
+        for k in range(rng.randrange(3) if seed % 3 == 0 else rng.randrange(1, 4)):
+            book.dispatched(r.rates, f"f{i}-{k}", "m", "x" * rng.choice([100, 400, 2000]))
+        replicas.append(r)
+    request = _req("q", "y" * 300, model="m")
+
+    def reference():
+        with_rates = [(c, c.rates.for_model("m")) for c in replicas]
+        if any(m is not None for _, m in with_rates):
+            with_rates = [(c, m) for c, m in with_rates if m is not None or not c.rates.inflight]
+        chars, f = 300, book.token_factor
+        keyed = [((0.0 if m is None else book.estimate_measured_s(c.rates, m, chars)) + book.load_s(c, "m"),
+                  c.rates.queued_chars * f) for c, m in with_rates]
+        best_w, best_q = min(keyed)
+        return [c.id for (w, q), (c, _) in zip(keyed, with_rates) if w <= best_w + 1e-6 and q <= best_q + 1.0]
+    assert [c.id for c in pick_by_estimated_wait(book, request, replicas)] == reference()
 
 
 def test_prefix_match_routes_hits_to_their_holder_and_snapshot_hits_to_their_region():
