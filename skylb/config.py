@@ -279,7 +279,9 @@ class BalancerConfig(_Strict):
     queue_timeout_s: float = Field(600.0, gt=0)
     #: A queued request whose model no usable replica here or peer serves (all unhealthy, stale, ejected or
     #: draining) gets 503 with Retry-After once that has lasted this long (s): it waits at most this plus one
-    #: dispatch tick past the moment its model's last usable target went, not ``queue_timeout_s``.
+    #: dispatch tick past the moment its model's last usable target went, not ``queue_timeout_s``. A request that
+    #: arrives within this long of its model leaving the membership (its last replica removed or failed a health
+    #: check) waits in the queue the same way rather than getting that 503 at once.
     no_target_timeout_s: float = Field(5.0, gt=0)
     max_queue: int = Field(10_000, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)

@@ -56,7 +56,8 @@ def test_every_503_and_429_carries_a_jittered_retry_after(procs, tmp_path):
     quotas = {"models": {LIMITED: {"requests_per_minute": 1}},
               "groups": {"grp-limited": {LIMITED: 1.0}, "grp-none": {"absent-model": 1.0}}}
     cluster = Cluster(procs, tmp_path, balancer={
-        "retry_after_s": RETRY_AFTER_S, "queue_timeout_s": 0.5, "drain_timeout_s": 20, "quotas": quotas,
+        "retry_after_s": RETRY_AFTER_S, "queue_timeout_s": 0.5, "no_target_timeout_s": 0.5, "drain_timeout_s": 20,
+        "quotas": quotas,
         "quota": {"wait_s": 0}})
     cluster.start_controller(["us"])
     [held] = cluster.start_emulator(1, "--max-num-seqs", "1", name="emu-held")
@@ -91,6 +92,7 @@ def test_every_503_and_429_carries_a_jittered_retry_after(procs, tmp_path):
     cluster.ctl("replica", "remove", "limited")
     cluster.wait_until(lambda: all(r["id"] != "limited" for r in cluster.status("us")["replicas"]),
                        what="the limited replica removed")
+    time.sleep(0.6)  # past no_target_timeout_s: a request no longer waits in the queue for it to come back
     answers = _post_many(f"{url}/v1/chat/completions", _chat(LIMITED))
     assert all("served by no replica" in r.json()["error"]["message"] for r in answers), answers[0].text
     _check("unavailable model 503", _retry_afters(answers, 503), RETRY_AFTER_S, RETRY_AFTER_S)

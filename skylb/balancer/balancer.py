@@ -357,14 +357,16 @@ class Balancer:
                 last_local = now if model in local else self._models_seen.get((api, model), (None, now))[0]
                 self._models_seen[(api, model)] = (last_local, now)
 
-    def model_recently_served(self, api: str, model: str, *, with_peers: bool = True) -> bool:
+    def model_recently_served(self, api: str, model: str, *, with_peers: bool = True,
+                              within_s: float | None = None) -> bool:
         """True when a local replica (or, ``with_peers``, a peer) served ``model`` in dialect ``api`` within the
-        last ``model_memory_s`` seconds: a request for it gets 503 + Retry-After rather than 404."""
+        last ``within_s`` seconds (default ``model_memory_s``): a request for it gets 503 + Retry-After rather
+        than 404, or, within ``no_target_timeout_s``, waits in the queue for it to come back."""
         seen = self._models_seen.get((api, model))
         if seen is None:
             return False
         at = seen[1] if with_peers else seen[0]
-        return at is not None and self.now() - at <= self.cfg.model_memory_s
+        return at is not None and self.now() - at <= (self.cfg.model_memory_s if within_s is None else within_s)
 
     def target_url(self, route: str, target: str) -> str | None:
         """The base URL of a local replica (route "local") or a peer (route "peer"), None when it is not there."""

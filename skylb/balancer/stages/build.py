@@ -67,7 +67,8 @@ def build_chain(cfg: BalancerConfig, *, region: str, router: Router, dispatcher:
     stages.append(ResolveModelStage(
         served_models=router.served_models, models_known=router.models_known,
         is_group=is_group, any_served=fleet.any_served,
-        recently_served=recently_served, retry_after_s=cfg.retry_after_s, unreachable=router.unreachable_unlisted))
+        recently_served=recently_served, retry_after_s=cfg.retry_after_s, unreachable=router.unreachable_unlisted,
+        wait_s=cfg.no_target_timeout_s))
     stages.append(ResponsesStage(responses, pinned_reason=router.pinned_unavailable_reason, now=now))
     if cfg.ollama_fleet.num_ctx:
         stages.append(NumCtxStage(cfg.ollama_fleet))

@@ -5,7 +5,9 @@ Names resolve as Ollama resolves them (``gemma3`` means ``gemma3:latest``, any c
 gets 404 in the API's shape, listing what is served (and saying so when the model is served in the other dialect
 only: an Ollama client asking for a model of vLLM or llama.cpp replicas); one served within the last
 ``model_memory_s`` seconds (its replicas or region went away) gets 503 with Retry-After instead, since it is likely
-back soon; so does a model nobody reachable serves while some replica or peer has been unreachable since it joined
+back soon, and one served less than ``no_target_timeout_s`` ago waits in the queue as the requests queued when it
+went did (the dispatcher answers 503 if it is not back within that time): a replica that a probe or a health check
+lost for a moment, and the controller's membership with it, costs its clients a wait, not an error. So does a model nobody reachable serves while some replica or peer has been unreachable since it joined
 (its models are unknown, it may serve this one): the 503 names each with the reason (``connection refused``), so a
 balancer in front of replicas that are down says so rather than "does not exist". A model group alias
 or a model with a fallback chain (Ollama fleet router "Routing Engine" guide, fallback chain) counts as served when
@@ -37,7 +39,9 @@ class ResolveModelStage:
         served_models(api, with_peers): the models served in a dialect, locally and (``with_peers``) by peers.
         models_known(): True once model lists were read. is_group(name): a model group alias.
         any_served(model, served): the model or one of its fallbacks is in ``served``.
-        recently_served(api, model, with_peers): served within ``model_memory_s``. retry_after_s: Retry-After, s.
+        recently_served(api, model, with_peers, within_s): served within ``within_s`` (default ``model_memory_s``).
+        retry_after_s: Retry-After, s. wait_s: a model served within this many seconds is let through to the queue
+            (``no_target_timeout_s``; 0: never).
         unreachable(with_peers): (url, why) of the replicas (and peers) that may serve any model but cannot be
             reached (Router.unreachable_unlisted).
     """
@@ -47,7 +51,7 @@ class ResolveModelStage:
     def __init__(self, *, served_models: Callable[..., Collection[str]], models_known: Callable[[], bool],
                  is_group: Callable[[str], bool], any_served: Callable[[str, Collection[str]], bool],
                  recently_served: Callable[..., bool], retry_after_s: int,
-                 unreachable: Callable[..., list[tuple[str, str]]]):
+                 unreachable: Callable[..., list[tuple[str, str]]], wait_s: float = 0.0):
         self.served_models = served_models
         self.models_known = models_known
         self.is_group = is_group
@@ -55,6 +59,7 @@ class ResolveModelStage:
         self.recently_served = recently_served
         self.retry_after_s = retry_after_s
         self.unreachable = unreachable
+        self.wait_s = wait_s
 
     async def handle(self, ctx: RequestContext) -> web.StreamResponse | None:
         parsed, with_peers = ctx.parsed, not ctx.forwarded
@@ -66,6 +71,9 @@ class ResolveModelStage:
                 parsed.model, ctx.body = resolved, with_model(ctx.body, resolved)
         if group or self.any_served(parsed.model, served) or not self.models_known():
             return None
+        if self.wait_s and self.recently_served(ctx.route_api, parsed.model, with_peers=with_peers,
+                                                within_s=self.wait_s):
+            return None  # it went a moment ago: queued, the request waits for it as those queued before did
         if self.recently_served(ctx.route_api, parsed.model, with_peers=with_peers):
             return ctx.reject(503, f"model '{parsed.model}' is served by no replica or peer reachable now; retry "
                                    "later", "model_unavailable", type_="service_unavailable",
