@@ -148,6 +148,19 @@ def test_client_split_and_launch_options_follow_the_setup():
     assert "peers" in bench_cli.LIVE_BENCHMARKS
 
 
+def test_balancer_options_reach_the_skylb_config_and_a_misspelt_one_is_refused(capsys):
+    """``--balancer-option KEY=VALUE`` (VALUE as YAML) sets a balancer field of SkyLB's deployment; an unknown field
+    is a usage error before anything starts."""
+    setup = PeersSetup(balancer_options=dict([peers._balancer_option("probe_interval_ms=500"),
+                                              peers._balancer_option("pending_allowance=0")]))
+    cfg = peers.skylb_config(setup, "skylb")
+    assert (cfg.balancer.probe_interval_ms, cfg.balancer.pending_allowance) == (500.0, 0)
+    assert peers.skylb_config(PeersSetup(), "skylb").balancer.probe_interval_ms == 100.0
+    with pytest.raises(SystemExit) as exc:
+        peers.main(["--balancer-option", "probe_intervl_ms=5", "--systems", "skylb", "--out-md", ""])
+    assert exc.value.code == 2 and "probe_intervl_ms" in capsys.readouterr().err
+
+
 def test_served_regions_reads_the_emulators_request_log(tmp_path):
     """A request_finished line names the replica by host:port; other lines and unknown ports are ignored."""
     urls = {"us": ["http://127.0.0.1:9001"], "eu": ["http://127.0.0.1:9002", "http://127.0.0.1:9003"]}

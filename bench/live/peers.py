@@ -48,6 +48,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import yaml
+from pydantic import ValidationError
+
 from bench.live.harness import now_label, report_tail, summarize
 from bench.latency.links import LatencyLinks
 from bench.launch.launchers import MODEL, System, Unavailable, start_emulator, start_system, unavailable_reason, versions
@@ -122,7 +125,9 @@ class PeersSetup:
         seed: the first run's workload seed; run k uses seed + k - 1: its sessions start at session (seed + k - 1)
             x session_stride of the trace (disjoint stretches for seeds 0-4), and the seed draws regions and think
             times. request_timeout_s: bound of one request, s. ramp_s: the clients' start is spread over this, s.
-            rtt_ms: round trips between regions (None: the config's).
+            rtt_ms: round trips between regions (None: the config's). balancer_options: SkyLB balancer settings
+            over the defaults (``skylb.config.BalancerConfig`` fields, e.g. ``{"probe_interval_ms": 500}``), to
+            measure what one setting costs or buys; validated with the rest of the deployment config.
     """
 
     replicas: int = 4
@@ -139,6 +144,7 @@ class PeersSetup:
     request_timeout_s: float = 120.0
     ramp_s: float = 2.0
     rtt_ms: dict | None = None
+    balancer_options: dict | None = None
 
 
 # ----------------------------------------------------------------------------------------------- configuration
@@ -192,6 +198,7 @@ def skylb_config(setup: PeersSetup, policy: str) -> DeploymentConfig:
                      rtt_ms=setup.rtt_ms)
     data = deployment_config(live, policy=policy, region_local=False).model_dump()
     data["emulator"]["extra_args"] = [a for a in data["emulator"]["extra_args"] if a != "--no-request-log"]
+    data["balancer"].update(setup.balancer_options or {})
     return DeploymentConfig.model_validate(data)
 
 
@@ -716,18 +723,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-json", default=None, help="the raw result (default: beside --out-md, .json)")
     p.add_argument("--notes", default=None, help="a Markdown file appended to the report (analysis)")
     p.add_argument("--run-dir", default=None, help="logs and state (default: a new temporary directory)")
+    p.add_argument("--balancer-option", action="append", default=[], metavar="KEY=VALUE", type=_balancer_option,
+                   help="a SkyLB balancer setting over the defaults (a BalancerConfig field; VALUE read as YAML), "
+                        "e.g. probe_interval_ms=500; repeat for several")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def _balancer_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--balancer-option``: (key, VALUE parsed as YAML: 500 is a number, true a boolean)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), yaml.safe_load(value)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison and write the report; 0 when every system that could run completed every request."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     setup = PeersSetup(replicas=args.replicas, max_num_seqs=args.max_num_seqs, time_scale=args.time_scale,
                        clients=args.clients, duration_s=args.duration_s, pool_requests=args.pool_requests,
                        token_scale=args.token_scale,
-                       max_turns=args.max_turns, trace=args.trace, seed=args.seed)
+                       max_turns=args.max_turns, trace=args.trace, seed=args.seed,
+                       balancer_options=dict(args.balancer_option) or None)
+    try:  # a misspelt or invalid --balancer-option fails here, before anything starts
+        skylb_config(setup, "skylb")
+    except ValidationError as exc:
+        parser.error(f"--balancer-option: {exc}")
     prov = provenance(shlex.join(["python", "-m", "bench.live.peers", *argv]))  # the commit the run starts from
     result = run_peers(args.systems, setup=setup, runs=args.runs,
                        run_dir=Path(args.run_dir) if args.run_dir else None,
