@@ -162,6 +162,67 @@ def test_trie_remove_target_forgets_its_records():
     assert t.match(t.chunks("hello world"), {"r1", "r2"}).targets == {"r2"}
 
 
+def _held_chars(trie: PrefixTrie) -> dict[str, int]:
+    """Per target, the characters of the whole-chunk nodes holding it, by walking every node (the reference the
+    trie's per-target accounting must equal)."""
+    held, stack = {}, [(trie._root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        for child in node.children.values():
+            if child.end - node.end >= trie._chunk_size(depth):
+                for target in child:
+                    held[target] = held.get(target, 0) + child.end - node.end
+            stack.append((child, depth + 1))
+    return held
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_trie_per_target_bounds_agree_with_a_walk_and_hold(seed):
+    """Random inserts (shared heads, partial last chunks), removals and bounds set part-way: each target's tracked
+    characters equal a walk of the nodes, stay within its bound, and its live records are the trie's."""
+    rng = random.Random(seed)
+    t = PrefixTrie(max_chars=rng.choice([3000, 100_000]), chunk_chars=8, double_every=rng.choice([0, 2]))
+    bound_at = rng.randrange(0, 60)
+    for k in range(150):
+        if k == bound_at:
+            for target in "abc":
+                t.set_target_bound(target, rng.choice([30, 100, 400]))
+        head = rng.choice(["sys" * rng.randint(1, 6), "x" * rng.randint(1, 10), ""])
+        t.insert(t.chunks(head + "".join(rng.choice("abcd") for _ in range(rng.randint(1, 80)))), rng.choice("abc"))
+        if rng.random() < 0.03:
+            t.remove_target(rng.choice("abc"))
+        if k >= bound_at:
+            held = _held_chars(t)
+            assert {x: t.target_chars(x) for x in "abc"} == {x: held.get(x, 0) for x in "abc"}
+            assert all(t.target_chars(x) <= t._bounds[x] for x in t._bounds)
+            assert sum(len(d) for d in t._by_target.values()) == len(t)
+        assert t.stored_chars <= t.max_chars
+
+
+def test_trie_per_target_bound_evicts_that_targets_oldest_only():
+    """A replica bounded to two prompts' worth keeps its two newest; another replica's records are untouched;
+    unbinding stops the evictions; a bound must be positive."""
+    t = PrefixTrie(max_chars=10_000, chunk_chars=4)
+    assert t.target_chars("r1") is None  # nothing tracked before a first bound
+    for n in range(3):
+        t.insert(t.chunks(f"s{n}:hello"), "r2")
+    t.set_target_bound("r1", 16)
+    for n in range(4):
+        t.insert(t.chunks(f"p{n}:abcde"), "r1")  # two whole chunks of 4 characters each
+    assert t.target_chars("r1") == 16
+    assert [t.match(t.chunks(f"p{n}:abcde"), {"r1"}).matched_chars for n in range(4)] == [0, 0, 8, 8]
+    assert all(t.match(t.chunks(f"s{n}:hello"), {"r2"}).matched_chars == 8 for n in range(3))
+    t.set_target_bound("r1", None)
+    t.insert(t.chunks("p9:abcde"), "r1")
+    assert t.target_chars("r1") == 24 and len(t) == 6
+    t.set_target_bound("r1", 16)
+    for n in range(1000):  # far below max_chars: the records its bound evicted leave the log too
+        t.insert(t.chunks(f"q{n:03d}:abcd"), "r1")
+    assert len(t) == 3 + 2 and len(t._records) < 3 + 2 * 64 + 3
+    with pytest.raises(ValueError):
+        t.set_target_bound("r1", 0)
+
+
 def test_chunking_is_by_characters():
     """Prompts are keyed in fixed-size chunks (one node per chunk, not per character)."""
     assert chunk_text("abcdefg", 3) == ("abc", "def", "g")

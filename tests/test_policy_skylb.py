@@ -287,6 +287,24 @@ def test_a_later_request_with_its_prefix_on_the_free_replica_goes_first():
         assert got == (["q2"] if n == 0 else ["q0"]), "the head was passed over twice: it goes next"
 
 
+@pytest.mark.parametrize("policy, bounded", [("skylb", True), ("skylb-paper", False)])
+def test_a_replicas_trie_records_are_bounded_by_its_kv_capacity(policy, bounded):
+    """The KV capacity a probe reports (tokens) bounds that replica's records in the replica trie at 4 characters a
+    token, its oldest going first; the other replica and the prototype's trie (``skylb-paper``) keep theirs."""
+    router = _router(policy)
+    trie = next(learner for learner in router.policy.learners if hasattr(learner, "replica_trie")).replica_trie
+    router.observe_replica("r0", now=0.1, healthy=True, pending=0, running=0, kv_capacity_tokens=1024)
+    prompts = [(f"tenant {n}: " + "shared context " * 70)[:1024] for n in range(8)]  # 4 whole 256-char chunks
+    for n, text in enumerate(prompts):
+        router.policy.routed(Request(f"a{n}", text, 0.0), replica="r0")
+        router.policy.routed(Request(f"b{n}", text, 0.0), replica="r1")
+    held = [trie.match(trie.chunks(text), {"r0"}).matched_chars > 0 for text in prompts]
+    assert held == ([False] * 4 + [True] * 4 if bounded else [True] * 8)
+    assert all(trie.match(trie.chunks(text), {"r1"}).matched_chars for text in prompts)
+    if bounded:
+        assert trie.target_chars("r0") <= 4096 < trie.target_chars("r1")
+
+
 def _full_router(**options):
     """Two replicas of a learned batch of 4, each running 5 (the batch and one allowed to wait) with nothing
     waiting, probed at 0; r0 served B's conversation."""

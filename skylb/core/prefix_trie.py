@@ -22,6 +22,15 @@ per node (``NODE_BYTES``: its ``{target: count}`` dict, its children dict and it
 record (``RECORD_BYTES`` plus a pointer per node of its path), constants measured with tracemalloc on CPython 3.11
 (tests/test_core.py checks the accounting against tracemalloc).
 
+Per-target bound (``set_target_bound``): a target may also be bounded in the characters of prompt it is recorded
+for (the nodes holding it, a prompt's shorter last chunk not counted: the next, longer prompt of a conversation
+holds the same characters in a full chunk beside it, and an engine caches only whole KV blocks), as a replica's KV
+cache holds only so many tokens. Past its bound the target's own
+oldest records are evicted (what an engine's LRU prefix cache drops first: vLLM's free-block queue, SGLang's radix
+cache; SGLang's router bounds each worker's share of its approximate tree the same way, ``max_tree_size``), so the
+trie does not send a prompt to a replica for a prefix the replica's cache had to give up. Targets without a bound
+are bounded by ``max_chars`` alone.
+
 Nodes are plain dicts (``_Node``: ``{target: count}`` with a ``children`` dict) rather than pygtrie's, and a child is
 keyed by its chunk's ``hash()``, not by the chunk: the trie stores no prompt text at all. A walk is then a dict lookup
 per chunk on an int (a chunk's hash is computed once per string and cached in it) with no comparison of the prompt
@@ -183,6 +192,16 @@ class PrefixTrie:
         #: The root stands for the empty prefix and holds no targets; its ``grew`` stamps a first chunk no prompt
         #: had before.
         self._root = _Node()
+        #: Per-target bounds in characters (``set_target_bound``); while none was ever set, the three below stay
+        #: None and nothing is tracked per target.
+        self._bounds: dict[str, int] = {}
+        #: Target -> characters of the nodes holding it.
+        self._target_chars: dict[str, int] | None = None
+        #: Target -> its live records, oldest first (the same tuples as ``_records``).
+        self._by_target: dict[str, deque] | None = None
+        #: ids of records evicted by their target's bound, still in ``_records`` until the global eviction reaches
+        #: them (a record stays referenced there, so its id is not reused meanwhile).
+        self._dead: set[int] = set()
 
     @property
     def stored_chars(self) -> int:
@@ -201,7 +220,62 @@ class PrefixTrie:
 
     def __len__(self) -> int:
         """Live records (inserts not yet evicted)."""
-        return len(self._records)
+        return len(self._records) - len(self._dead)
+
+    def set_target_bound(self, target: str, max_chars: int | None) -> None:
+        """Bound ``target`` to ``max_chars`` characters of prompt (the nodes holding it; > 0), or unbound it (None).
+        From the first bound on, the trie tracks each target's characters and records; a target over its bound
+        loses its oldest records now and after each insert for it. Raises ValueError for ``max_chars`` <= 0."""
+        if max_chars is None:
+            self._bounds.pop(target, None)
+            return
+        if max_chars <= 0:
+            raise ValueError(f"max_chars must be positive, got {max_chars}")
+        if self._by_target is None:
+            self._track_targets()
+        self._bounds[target] = int(max_chars)
+        self._fit_target(target)
+
+    def target_chars(self, target: str) -> int | None:
+        """Characters of prompt recorded for ``target`` (None while no target bound was ever set)."""
+        return None if self._target_chars is None else self._target_chars.get(target, 0)
+
+    def _track_targets(self) -> None:
+        """Start tracking each target's characters and records (once, at the first bound): O(nodes + records)."""
+        chars: dict[str, int] = {}
+        stack = [(self._root, 0)]
+        while stack:
+            node, depth = stack.pop()
+            for child in node.children.values():
+                size = child.end - node.end
+                if size >= self._chunk_size(depth):  # a whole chunk (a prompt's shorter last one is not counted)
+                    for target in child:
+                        chars[target] = chars.get(target, 0) + size
+                stack.append((child, depth + 1))
+        by_target: dict[str, deque] = {}
+        for record in self._records:
+            if id(record) not in self._dead:
+                by_target.setdefault(record[1], deque()).append(record)
+        self._target_chars, self._by_target = chars, by_target
+        self._bytes += _POINTER_BYTES * len(self)
+
+    def _chunk_size(self, index: int) -> int:
+        """The characters of a whole chunk at position ``index`` of a key (``chunk_text``)."""
+        return self.chunk_chars << (index // self.double_every) if self.double_every else self.chunk_chars
+
+    def _fit_target(self, target: str) -> None:
+        """Evict ``target``'s oldest records while it is over its bound."""
+        bound, records = self._bounds.get(target), self._by_target.get(target)
+        while bound is not None and records and self._target_chars.get(target, 0) > bound:
+            record = records.popleft()
+            self._dead.add(id(record))
+            self._drop(*record)
+        if len(self._dead) > 64 and 2 * len(self._dead) > len(self._records):
+            # The log would otherwise keep dead records (and the nodes of their cut branches) until the global
+            # eviction reached them, which below ``max_chars`` may be never: drop them, O(log) amortized.
+            dead = self._dead
+            self._records = deque(r for r in self._records if id(r) not in dead)
+            dead.clear()
 
     @property
     def chunking(self) -> tuple[int, int]:
@@ -297,7 +371,7 @@ class PrefixTrie:
         if not key:
             return
         self._changes += 1
-        stamp, parent, path, nodes, chars, end = self._changes, self._root, [], 0, 0, 0
+        stamp, parent, path, nodes, chars, end, gained = self._changes, self._root, [], 0, 0, 0, 0
         for chunk in key:
             step = hash(chunk)
             end += len(chunk)
@@ -310,14 +384,24 @@ class PrefixTrie:
             n = counts.get(target, 0)
             if not n:
                 counts.changed = stamp  # a target added here
+                gained += len(chunk)
             counts[target] = n + 1
             path.append(counts)
             parent = counts
         self._nodes += nodes
         self._chars += chars
         self._bytes += NODE_BYTES * nodes
-        self._records.append((tuple(path), target))
+        record = (tuple(path), target)
+        self._records.append(record)
         self._bytes += RECORD_BYTES + _POINTER_BYTES * len(path)
+        if self._by_target is not None:
+            if not n and len(key[-1]) < self._chunk_size(len(key) - 1):
+                gained -= len(key[-1])  # a shorter last chunk, newly held: not counted (module docstring)
+            self._by_target.setdefault(target, deque()).append(record)
+            self._bytes += _POINTER_BYTES
+            self._target_chars[target] = self._target_chars.get(target, 0) + gained
+            if target in self._bounds:
+                self._fit_target(target)
         while (self._chars > self.max_chars or self._bytes > self.max_bytes) and self._records:
             self._evict_oldest()
 
@@ -325,18 +409,32 @@ class PrefixTrie:
         """Forget every record of ``target`` (a replica or peer that left membership)."""
         keep = deque()
         while self._records:
-            key, t = self._records[0]
-            if t == target:
+            record = self._records[0]
+            if record[1] == target or id(record) in self._dead:
                 self._evict_oldest()
             else:
                 keep.append(self._records.popleft())
         self._records = keep
+        if self._by_target is not None:
+            self._by_target.pop(target, None)
+            self._target_chars.pop(target, None)
 
     def _evict_oldest(self) -> None:
-        path, target = self._records.popleft()
-        self._bytes -= RECORD_BYTES + _POINTER_BYTES * len(path)
+        record = self._records.popleft()
+        if self._dead and id(record) in self._dead:  # evicted already by its target's bound
+            self._dead.discard(id(record))
+            return
+        if self._by_target is not None:
+            self._by_target[record[1]].popleft()  # a target's records are in ``_records`` order: its oldest
+        self._drop(*record)
+
+    def _drop(self, path: tuple[_Node, ...], target: str) -> None:
+        """Undo one record: decrement ``target`` along ``path``, cut the branch no record passes through any more."""
+        self._bytes -= RECORD_BYTES + _POINTER_BYTES * len(path) + (_POINTER_BYTES if self._by_target is not None
+                                                                   else 0)
         self._changes += 1
         cut, stamp = None, self._changes  # cut: depth of the first node no live record passes through any more
+        gone = None  # depth of the first node the target leaves: it leaves every node below it on the path too
         for i, counts in enumerate(path):
             n = counts[target] - 1
             if n:
@@ -344,6 +442,12 @@ class PrefixTrie:
                 continue
             del counts[target]
             counts.changed = stamp  # a target gone from here
+            if gone is None:
+                gone = i
+                if self._target_chars is not None:
+                    last = path[-1].end - (path[-2].end if len(path) > 1 else 0)
+                    partial = last if last < self._chunk_size(len(path) - 1) else 0
+                    self._target_chars[target] -= path[-1].end - (path[i - 1].end if i else 0) - partial
             if not counts:
                 cut = i
                 # Below an emptied node every node held this record alone (a node's targets include its children's):

@@ -216,6 +216,13 @@ class Profile:
             if hasattr(learner, "attach_kv_index"):
                 learner.attach_kv_index(index)
 
+    def kv_capacity(self, replica: str, tokens: int | None) -> None:
+        """Tell every learner that keeps per-replica prefixes (``kv_capacity``) the KV-cache capacity local
+        ``replica``'s engine reports, tokens (None: unknown)."""
+        for learner in self.learners:
+            if hasattr(learner, "kv_capacity"):
+                learner.kv_capacity(replica, tokens)
+
     def set_members(self, replicas: Iterable[str], peers: Iterable[str]) -> None:
         """Tell every learner the current local replica ids and peer regions."""
         replicas, peers = set(replicas), set(peers)

@@ -703,9 +703,12 @@ class Router:
         all (the decision's p99 at 200 replicas)."""
         state = self.replicas.get(replica_id)
         if state is not None:
+            capacity = state.kv_capacity_tokens
             state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error,
                                 slots=slots, probe_sent_at=probe_sent_at, kv_usage=kv_usage,
                                 kv_capacity_tokens=kv_capacity_tokens)
+            if state.kv_capacity_tokens != capacity:  # the prefixes it can hold (PrefixLocality.kv_capacity)
+                self.policy.kv_capacity(replica_id, state.kv_capacity_tokens)
             if self.policy.selective:
                 self._available(state, now, self._availability_token())
 

@@ -6,6 +6,12 @@ and rules of the prefix-aware profiles read them; this Learner keeps them up to 
 prompt's replica-trie match several times (the pick, a peer comparison, the backlog accounting); the trie changes
 only in ``routed``, so the first answer is kept (``replica_match``) until then.
 
+Each local replica's record in the replica trie is bounded by what its KV cache can hold (``kv_bound``: the
+engine's KV capacity in tokens from its probe, x ``CHARS_PER_TOKEN``; prefix_trie.py ``set_target_bound``): past
+it the replica's oldest records go, as its engine's LRU prefix cache drops them, so a prefix it has had to give up
+no longer draws requests to it. A replica whose engine does not report a capacity is bounded by the trie's
+``max_chars`` alone.
+
 With a block index attached (``attach_kv_index``: engines publishing KV-cache events), a request with block hashes
 is matched exactly on the replicas whose events are live, and by the trie on the others (kv_locality.py); the
 answer is kept while the index is unchanged. Without one, nothing differs from the tries alone.
@@ -29,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from skylb.core.held_prefixes import HeldPrefixes, prefix_hashes
-from skylb.core.estimate import prompt_tokens
+from skylb.core.estimate import CHARS_PER_TOKEN, prompt_tokens
 from skylb.core.kv_index import BlockIndex, summary_sampled
 from skylb.core.plugins.kv_locality import CachedMatch, KVLocality
 from skylb.core.plugins.scoring import trie_key
@@ -46,14 +52,17 @@ class PrefixLocality:
     Args:
         max_chars, max_bytes, chunk_chars, double_every: each trie's bounds and chunking (prefix_trie.py).
         threshold: the smallest matched fraction of a prompt (0-1) that counts as a cache hit.
+        kv_bound: bound each replica's records by its KV capacity (``kv_capacity``).
     """
 
-    def __init__(self, *, max_chars: int, max_bytes: int, chunk_chars: int, double_every: int, threshold: float):
+    def __init__(self, *, max_chars: int, max_bytes: int, chunk_chars: int, double_every: int, threshold: float,
+                 kv_bound: bool = False):
         self.replica_trie = PrefixTrie(max_chars=max_chars, max_bytes=max_bytes, chunk_chars=chunk_chars,
                                        double_every=double_every)
         self.snapshot_trie = PrefixTrie(max_chars=max_chars, max_bytes=max_bytes, chunk_chars=chunk_chars,
                                         double_every=double_every)
         self.threshold = threshold
+        self.kv_bound = kv_bound
         self.replicas: set[str] = set()
         self.peers: set[str] = set()
         self._memo: tuple[object, Match] | None = None
@@ -247,11 +256,19 @@ class PrefixLocality:
         elif peer is not None:
             self.snapshot_trie.insert(self.key(request), peer)
 
+    def kv_capacity(self, replica: str, tokens: int | None) -> None:
+        """``replica``'s engine holds ``tokens`` tokens of KV cache (None: unknown): with ``kv_bound``, its records
+        in the replica trie are bounded by that many characters' worth (``tokens`` x ``CHARS_PER_TOKEN``)."""
+        if self.kv_bound:
+            self._memo = self._deepest_memo = None  # evictions may follow
+            self.replica_trie.set_target_bound(replica, tokens * CHARS_PER_TOKEN if tokens else None)
+
     def set_members(self, replicas: set[str], peers: set[str]) -> None:
         """Forget the prefixes of replicas and peers that left."""
         self._deepest_memo = None
         for gone in self.replicas - replicas:
             self.replica_trie.remove_target(gone)
+            self.replica_trie.set_target_bound(gone, None)
         for gone in self.peers - peers:
             self.snapshot_trie.remove_target(gone)
         self.replicas, self.peers = set(replicas), set(peers)

@@ -190,6 +190,14 @@ class SkyLBOptions(SkyLBPaperOptions):
             all in it, so without a guard replicas holding popular prefixes took ever more (closed-loop Tree of
             Thoughts: throughput -17%). 16 was chosen on the development split (seeds 0-1; 8 lost the low-reuse
             cell's gain, 32 lost 3-8% throughput on the closed-loop workloads): bench/results/predicted_ttft.md.
+        trie_kv_bound: bound each local replica's records in the replica trie by its engine's KV-cache capacity
+            (the tokens its probe reports, x 4 characters per token: skylb/core/estimate.py CHARS_PER_TOKEN), its
+            oldest records evicted past it (prefix_trie.py ``set_target_bound``), so the trie forgets what the
+            replica's cache must have dropped (SGLang's router bounds each worker's tree the same way). Where the
+            prefixes in play exceed the replicas' KV memory (150 tenants behind 750-token prefixes, KV caches of
+            8,192 tokens: bench/sim/kv_routing.py) the unbounded trie kept steering tenants to replicas that had
+            evicted them (P90 TTFT 5.1 s at 1x); where they fit, nothing is evicted and nothing changes. Off in
+            ``skylb-paper`` (the prototype's trie).
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
             piled sessions and popular prompts onto one replica (simulated Arena and WildChat, seeds 0-1: variance
@@ -222,6 +230,7 @@ class SkyLBOptions(SkyLBPaperOptions):
     ttft_balance_abs_threshold: int = Field(16, ge=0)
     cache_hit_guard: Literal["serial", "holder", "balance"] = "serial"
     forward_against: Literal["cheapest", "pick"] = "cheapest"
+    trie_kv_bound: bool = True
 
 
 def skylb(options: SkyLBOptions) -> Profile:

@@ -54,7 +54,8 @@ def prefix_locality(options: SkyLBPaperOptions) -> PrefixLocality:
     """The replica and snapshot tries configured by ``options``."""
     o = options
     return PrefixLocality(max_chars=o.trie_max_chars, max_bytes=o.trie_max_bytes, chunk_chars=o.trie_chunk_chars,
-                          double_every=o.trie_chunk_doubling, threshold=o.match_threshold)
+                          double_every=o.trie_chunk_doubling, threshold=o.match_threshold,
+                          kv_bound=getattr(o, "trie_kv_bound", False))
 
 
 def skylb_paper(options: SkyLBPaperOptions) -> Profile:
