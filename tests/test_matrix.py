@@ -208,3 +208,28 @@ def test_quick_matrix_end_to_end(tmp_path):
         assert cell["oracle_ratio"] == pytest.approx(rows[DEFAULT]["ttft_p90"] / rows["Oracle"]["ttft_p90"])
     pytest.importorskip("matplotlib")
     assert (tmp_path / "matrix.png").stat().st_size > 1000 and "![" in report
+
+
+def test_matrix_diff_compares_one_systems_seed_means_cell_by_cell(tmp_path, capsys):
+    """bench.sim.matrix_diff: per cell the seed means of one system before and after, ratios, and a summary that
+    counts the cells the change did not reach; 2 when the files share no cell of the system."""
+    from bench.sim import matrix_diff
+
+    def run(cell, system, seed, p90, thr, hit):
+        return {"scenario": cell, "system": system, "seed": seed, "ttft_p90": p90, "throughput_rps": thr,
+                "hit_rate": hit}
+
+    before, after = tmp_path / "before.json", tmp_path / "after.json"
+    before.write_text(json.dumps({"runs": [
+        run("a@2x", "SkyLB", 0, 1.0, 10.0, 0.5), run("a@2x", "SkyLB", 1, 3.0, 10.0, 0.5),
+        run("a@0.5x", "SkyLB", 0, 1.0, 4.0, 0.2), run("a@2x", "LL", 0, 9.0, 1.0, 0.0),
+        {**run("a@2x", "SkyLB", 0, 99.0, 1.0, 0.0), "seed": [0, 1]}]}))  # a mean row of the report: not a run
+    after.write_text(json.dumps({"runs": [
+        run("a@2x", "SkyLB", 0, 1.0, 11.0, 0.5), run("a@2x", "SkyLB", 1, 2.0, 11.0, 0.5),
+        run("a@0.5x", "SkyLB", 0, 1.0, 4.0, 0.2)]}))
+    assert matrix_diff.main([str(before), str(after)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("a@0.5x") < out.index("a@2x")  # by workload, then load
+    assert "| a@2x | 2.00 -> 1.50 | 0.750 | 10.00 -> 11.00 | 1.100 |" in out
+    assert "P90 lower by more than 3% in 1" in out and "unchanged (same figures) in 1" in out
+    assert matrix_diff.main([str(before), str(after), "--system", "SGL"]) == 2

@@ -7,9 +7,10 @@ only: an Ollama client asking for a model of vLLM or llama.cpp replicas); one se
 ``model_memory_s`` seconds (its replicas or region went away) gets 503 with Retry-After instead, since it is likely
 back soon, and one served less than ``no_target_timeout_s`` ago waits in the queue as the requests queued when it
 went did (the dispatcher answers 503 if it is not back within that time): a replica that a probe or a health check
-lost for a moment, and the controller's membership with it, costs its clients a wait, not an error. So does a model nobody reachable serves while some replica or peer has been unreachable since it joined
-(its models are unknown, it may serve this one): the 503 names each with the reason (``connection refused``), so a
-balancer in front of replicas that are down says so rather than "does not exist". A model group alias
+lost for a moment, and the controller's membership with it, costs its clients a wait, not an error. A model
+nobody reachable serves while some replica or peer has been unreachable since it joined (its models are unknown, it
+may serve this one) gets 503 too: it names each with the reason (``connection refused``), so a balancer in front
+of replicas that are down says so rather than "does not exist". A model group alias
 or a model with a fallback chain (Ollama fleet router "Routing Engine" guide, fallback chain) counts as served when
 one of its models is. Until the first model lists are read, every name passes (nothing is known yet).
 """
