@@ -233,3 +233,5 @@ def test_matrix_diff_compares_one_systems_seed_means_cell_by_cell(tmp_path, caps
     assert "| a@2x | 2.00 -> 1.50 | 0.750 | 10.00 -> 11.00 | 1.100 |" in out
     assert "P90 lower by more than 3% in 1" in out and "unchanged (same figures) in 1" in out
     assert matrix_diff.main([str(before), str(after), "--system", "SGL"]) == 2
+    assert matrix_diff.main([str(before), str(after), "--seeds", "1"]) == 0
+    assert "| a@2x | 3.00 -> 2.00 |" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """One system's robustness-matrix figures in two runs, cell by cell: what a change of the default did.
 
-``python -m bench.sim.matrix_diff BEFORE.json AFTER.json [--system SkyLB]``: two ``matrix.json`` files written by
-``skylb bench matrix`` (bench/sim/matrix.py), e.g. the committed one and a run of a changed checkout. Prints a
+``python -m bench.sim.matrix_diff BEFORE.json AFTER.json [--system SkyLB] [--seeds 3,4]``: two ``matrix.json`` files
+written by ``skylb bench matrix`` (bench/sim/matrix.py), e.g. the committed one and a run of a changed checkout;
+``--seeds`` keeps those seeds' runs only (the seeds both files ran). Prints a
 Markdown table, one row per cell both hold: the mean over the seeds of P90 TTFT (s), throughput (req/s) and prefix
 hit rate (%) before and after, and the after/before ratios; then the geometric means of the ratios and how many
 cells moved by more than 3% (P90) or 1% (throughput). Cells whose figures are equal to the last digit are those the
@@ -20,12 +21,12 @@ from pathlib import Path
 __all__ = ["cell_means", "diff_rows", "render", "main"]
 
 
-def cell_means(path: Path, system: str) -> dict[str, tuple[float, float, float, int]]:
+def cell_means(path: Path, system: str, seeds: set[int] | None = None) -> dict[str, tuple[float, float, float, int]]:
     """Cell -> (mean P90 TTFT s, mean throughput req/s, mean hit rate 0-1, seeds) of ``system``'s per-seed runs in
-    the matrix.json at ``path`` (the per-seed rows, not the report's means)."""
+    the matrix.json at ``path`` (the per-seed rows, not the report's means), of ``seeds`` only when given."""
     runs: dict[str, list[dict]] = {}
     for run in json.loads(Path(path).read_text())["runs"]:
-        if run["system"] == system and isinstance(run.get("seed"), int):
+        if run["system"] == system and isinstance(run.get("seed"), int) and (seeds is None or run["seed"] in seeds):
             runs.setdefault(run["scenario"], []).append(run)
     return {cell: (statistics.fmean(r["ttft_p90"] for r in rs), statistics.fmean(r["throughput_rps"] for r in rs),
                    statistics.fmean(r["hit_rate"] for r in rs), len(rs)) for cell, rs in runs.items()}
@@ -69,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--system", default="SkyLB", help="the system compared (default: %(default)s)")
+    parser.add_argument("--seeds", type=lambda text: {int(x) for x in text.split(",")}, default=None,
+                        help="comma-separated seeds to keep (default: every seed of each file)")
     args = parser.parse_args(argv)
-    rows = diff_rows(cell_means(args.before, args.system), cell_means(args.after, args.system))
+    rows = diff_rows(cell_means(args.before, args.system, args.seeds), cell_means(args.after, args.system, args.seeds))
     if not rows:
         print(f"no cell of {args.system} in both files", file=sys.stderr)
         return 2
