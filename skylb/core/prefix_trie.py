@@ -400,7 +400,10 @@ class PrefixTrie:
         if self._by_target is not None:
             if not n and len(key[-1]) < self._chunk_size(len(key) - 1):
                 gained -= len(key[-1])  # a shorter last chunk, newly held: not counted (module docstring)
-            self._by_target.setdefault(target, deque()).append(record)
+            records = self._by_target.get(target)
+            if records is None:
+                records = self._by_target[target] = deque()
+            records.append(record)
             self._bytes += _POINTER_BYTES
             self._target_chars[target] = self._target_chars.get(target, 0) + gained
             if target in self._bounds:
