@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from controller.store import Membership
+from skylb import gc_pauses
 
 __all__ = ["ControllerMetrics", "CONTENT_TYPE", "STATES"]
 
@@ -79,6 +80,7 @@ class ControllerMetrics:
 
     def __init__(self, snapshot: Callable[[], Membership], *, is_leader: Callable[[], bool]):
         self.registry = CollectorRegistry()
+        self.registry.register(gc_pauses.PAUSES)  # the process's own (skylb/gc_pauses.py)
         self.registry.register(_MembershipCollector(snapshot, is_leader))
         self.health_checks = Counter("skylb_controller_health_checks", "Active health checks the controller ran, "
                                      "by target kind (replica, balancer), the target's region and result (success, "

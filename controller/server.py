@@ -53,7 +53,7 @@ from typing import Any, Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from skylb import aio
+from skylb import aio, gc_pauses
 from controller.auth import (CREDENTIALS, THROTTLE, ControllerCredentials, auth_middleware, is_admin,
                              resolve_credentials)
 from controller.health import HealthChecker
@@ -606,6 +606,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"skylb controller: {exc}", file=sys.stderr)
         return 2
     reload = Reload(args, config, credentials)
+    gc_pauses.watch()
+    gc_pauses.freeze_startup_heap()  # what is imported by now lives as long as the process (skylb/gc_pauses.py)
     try:
         aio.run(serve(config, credentials=credentials, reloader=Reloader(reload, reload.files)))
     except (OSError, sqlite3.Error, StoreError) as exc:  # address in use, db not writable, etcd unreachable, ...

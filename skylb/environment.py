@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 __all__ = [
     "EnvVar", "env", "epilog",
-    "LOG_LEVEL", "EVENT_LOOP", "PEER_TOKEN", "METRICS_TOKEN", "REPLICA_API_KEY", "API_KEYS", "API_KEYS_FILE",
+    "LOG_LEVEL", "EVENT_LOOP", "GC_FREEZE", "PEER_TOKEN", "METRICS_TOKEN", "REPLICA_API_KEY", "API_KEYS", "API_KEYS_FILE",
     "REDIS_URL", "ADMIN_TOKEN", "ADMIN_TOKEN_FILE", "CONTROLLER_URL",
     "OTEL_ENDPOINT", "OTEL_TRACES_ENDPOINT", "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER",
     "BALANCER_VARIABLES", "CONTROLLER_VARIABLES",
@@ -33,6 +33,8 @@ class EnvVar(NamedTuple):
 LOG_LEVEL = EnvVar("SKYLB_LOG_LEVEL", "the lowest log level written: debug, info (the default), warning, error "
                                       "(--log-level wins)")
 EVENT_LOOP = EnvVar("SKYLB_EVENT_LOOP", "'asyncio' runs the standard event loop instead of uvloop")
+GC_FREEZE = EnvVar("SKYLB_GC_FREEZE", "'0' leaves the startup heap to the garbage collector's full collections "
+                                      "(frozen by default: shorter pauses; skylb/gc_pauses.py)")
 PEER_TOKEN = EnvVar("SKYLB_PEER_TOKEN", "the shared secret between balancers and of their heartbeats to the "
                                         "controller (overrides balancer.peer_token and controller.peer_token)")
 METRICS_TOKEN = EnvVar("SKYLB_METRICS_TOKEN", "accepted on /metrics besides the peer token "
@@ -60,9 +62,10 @@ OTEL_TRACES_EXPORTER = EnvVar("OTEL_TRACES_EXPORTER", "'none' turns tracing off 
 #: What `skylb balancer` reads, in the order ``--help`` lists it.
 BALANCER_VARIABLES: tuple[EnvVar, ...] = (PEER_TOKEN, API_KEYS, API_KEYS_FILE, METRICS_TOKEN, REPLICA_API_KEY,
                                           REDIS_URL, OTEL_ENDPOINT, OTEL_TRACES_ENDPOINT, OTEL_SDK_DISABLED,
-                                          OTEL_TRACES_EXPORTER, LOG_LEVEL, EVENT_LOOP)
+                                          OTEL_TRACES_EXPORTER, LOG_LEVEL, EVENT_LOOP, GC_FREEZE)
 #: What `skylb controller` reads, in the order ``--help`` lists it.
-CONTROLLER_VARIABLES: tuple[EnvVar, ...] = (ADMIN_TOKEN, ADMIN_TOKEN_FILE, PEER_TOKEN, LOG_LEVEL, EVENT_LOOP)
+CONTROLLER_VARIABLES: tuple[EnvVar, ...] = (ADMIN_TOKEN, ADMIN_TOKEN_FILE, PEER_TOKEN, LOG_LEVEL, EVENT_LOOP,
+                                            GC_FREEZE)
 
 
 def env(var: EnvVar | str, environ: Mapping[str, str] | None = None) -> str | None:

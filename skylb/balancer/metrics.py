@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.core import GaugeMetricFamily
 
+from skylb import gc_pauses
 from skylb.core import Router
 
 __all__ = ["BalancerMetrics", "CONTENT_TYPE", "OPENMETRICS_CONTENT_TYPE", "OTHER", "TenantLabels", "model_label"]
@@ -154,6 +155,7 @@ class BalancerMetrics:
         #: The bounded tenant label (for every metric with a ``tenant`` label, the quota gate's too).
         self.tenant_label = TenantLabels(tenant_configured)
         self.registry.register(_StateCollector(router, now, controller_reachable, self.tenant_label))
+        self.registry.register(gc_pauses.PAUSES)  # the process's own (skylb/gc_pauses.py)
         self.routed = Counter("skylb_requests_routed", "Requests routed, by route (local or peer) and target "
                               "(replica id or peer region).", ["region", "route", "target"], registry=self.registry)
         self.responses = Counter("skylb_responses", "Responses sent to clients, by HTTP status.",

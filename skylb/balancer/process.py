@@ -29,7 +29,7 @@ import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
-from skylb import aio, status_page
+from skylb import aio, gc_pauses, status_page
 from skylb.balancer import handler, lease_api, model_management, ollama_api, status, tracing
 from skylb.balancer.auth import Credentials, auth_middleware
 from skylb.balancer.balancer import Balancer
@@ -276,10 +276,13 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, settin
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()
+    # Built and listening: what exists now lives as long as the process; full collections skip it from here on.
+    gc_pauses.watch()
+    frozen = gc_pauses.freeze_startup_heap()
     static = settings.static_membership
     log.info("balancer_started", listen=f"{cfg.host}:{cfg.port}", tls=ssl_context is not None,
              policy=cfg.policy, controller=cfg.controller_url, client_api_keys=len(api_keys),
-             peer_token=bool(cfg.peer_token), event_loop=aio.loop_name(),
+             peer_token=bool(cfg.peer_token), event_loop=aio.loop_name(), gc_frozen_objects=frozen,
              **({"static_replicas": len(static["replicas"]), "static_peers": len(static["balancers"])}
                 if static is not None else {}))
     _warn_open(cfg, api_keys)
