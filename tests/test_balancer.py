@@ -113,9 +113,17 @@ def test_metrics_and_status_describe_replicas(one_region):
     assert status["controller_reachable"] is True
 
 
-def _peak_waiting_under_load(cluster, url, replicas, n_requests=16):
-    """Send n concurrent long requests; sample replicas' vllm:num_requests_waiting and the balancer queue."""
+def _peak_waiting_under_load(cluster, url, replicas, n_requests=16, max_tokens=40):
+    """Send n concurrent long requests; sample replicas' vllm:num_requests_waiting and the balancer queue.
+
+    The requests leave together (a barrier): on a loaded machine, threads that each start their request when they
+    get to run spread 16 short requests over as long as the first ones last, and less piles up."""
     peak_waiting, peak_queue, stop = [0.0], [0], threading.Event()
+    together = threading.Barrier(n_requests)
+
+    def one(i: int):
+        together.wait(timeout=30)
+        return _complete(url, f"request {i} " * 20, max_tokens=max_tokens)
 
     def sample():
         while not stop.is_set():
@@ -128,8 +136,7 @@ def _peak_waiting_under_load(cluster, url, replicas, n_requests=16):
     sampler.start()
     try:
         with ThreadPoolExecutor(n_requests) as pool:
-            results = list(pool.map(lambda i: _complete(url, f"request {i} " * 20, max_tokens=40),
-                                    range(n_requests)))
+            results = list(pool.map(one, range(n_requests)))
     finally:
         stop.set()
         sampler.join(timeout=10)
@@ -160,7 +167,9 @@ def test_blind_pushing_builds_pending_in_engines(procs, tmp_path):
     for r in replicas:
         cluster.add_replica("us", r)
     cluster.wait_replicas_healthy("us", 2)
-    peak_waiting, _ = _peak_waiting_under_load(cluster, url, replicas)
+    # Longer answers than the selective test's: all 16 are in the engines at once even when the machine is slow
+    # (4 running, 6 waiting per replica).
+    peak_waiting, _ = _peak_waiting_under_load(cluster, url, replicas, max_tokens=120)
     assert peak_waiting >= 4
 
 
