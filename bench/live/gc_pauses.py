@@ -1,16 +1,18 @@
 """How long the garbage collector stops a balancer, with its startup heap frozen (the default) and not.
 
-Entry point: ``.venv/bin/python -m bench.live.gc_pauses [--requests 2000] [--clients 8] [--prompt-words 600]
-[--repeats 3] [--out-md bench/results/gc_pauses.md]``; :func:`main` ``(argv) -> int``.
+Entry point: ``.venv/bin/python -m bench.live.gc_pauses [--requests 6000] [--clients 8] [--prompt-words 600]
+[--repeats 2] [--out-md bench/results/gc_pauses.md]``; :func:`main` ``(argv) -> int``.
 
 Method: per run, one emulator process serving 4 emulated vLLM replicas (batch 4, time scale 0.05) and one static
-balancer (the default configuration) with ``SKYLB_GC_FREEZE`` unset (frozen) or ``0``; ``clients`` closed-loop
-threads send ``requests`` chat completions (whole answers of 8 tokens), each prompt ``prompt_words`` words of its
-own, so the balancer's prefix trie grows as a busy one's does (2,000 x 600 words: about 7 M characters, near the
-trie's 8 M bound). The balancer's ``skylb_gc_pause_seconds`` histogram (skylb/gc_pauses.py) is read before and after
-the load; the difference is the load's collections: per generation, how many, their total, and how many lasted
-10 ms or more and 25 ms or more (bucket bounds). Also the balancer's CPU per request (/proc). The two settings take
-turns within each repetition. mean [min, max] over repetitions.
+balancer (the default configuration, or with ``trie_kv_bound: false``: :data:`SETTINGS`) with ``SKYLB_GC_FREEZE``
+unset (frozen) or ``0``; ``clients`` closed-loop threads send ``requests`` chat completions (whole answers of 8
+tokens), each prompt ``prompt_words`` words of its own, so the balancer's prefix trie grows as a busy one's does: by
+default to the replicas' KV caches (4 x 36k tokens x 4 characters), else to its own 8 M-character bound (6,000 x 600
+words fill it), then it evicts as it inserts (its nodes at the end are reported). The balancer's
+``skylb_gc_pause_seconds`` histogram (skylb/gc_pauses.py) is read before and after the load; the difference is the
+load's collections: per generation, how many, their total, and how many lasted 10 ms or more and 25 ms or more
+(bucket bounds). Also the balancer's CPU per request (/proc). The settings take turns within each repetition.
+mean [min, max] over repetitions.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ __all__ = ["measure_once", "run", "render", "main"]
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 REPLICAS = 4
-SETTINGS = (("frozen (default)", None), ("not frozen (SKYLB_GC_FREEZE=0)", "0"))
+#: (label, SKYLB_GC_FREEZE, the replica trie bounded by the replicas' KV caches): the default, unfrozen, and both
+#: with the trie kept to its own 8 M-character bound (``trie_kv_bound: false``; a fleet of large KV caches).
+SETTINGS = (("frozen, trie bounded by KV (default)", None, True), ("not frozen, trie bounded by KV", "0", True),
+            ("frozen, trie of 8 M characters", None, False), ("not frozen, trie of 8 M characters", "0", False))
 
 
 def _pauses(url: str) -> dict[str, dict[str, float]]:
@@ -68,7 +73,7 @@ def _send(url: str, text: str) -> None:
         json.loads(resp.read())["choices"][0]  # a whole answer: ValueError / KeyError otherwise
 
 
-def measure_once(*, freeze: str | None, requests: int, clients: int, prompt_words: int, seed: int,
+def measure_once(*, freeze: str | None, kv_bound: bool, requests: int, clients: int, prompt_words: int, seed: int,
                  work: Path) -> dict:
     """One run: per generation {"count", "total_ms", "over_10ms", "over_25ms"} of the load's collections, and
     "cpu_ms_per_request", "requests_per_s". Raises RuntimeError when a request fails."""
@@ -83,9 +88,11 @@ def measure_once(*, freeze: str | None, requests: int, clients: int, prompt_word
         for url in urls[1:]:
             wait_http(f"{url}/health", timeout_s=10)
         url = f"http://127.0.0.1:{free_port()}"
-        procs.skylb("balancer", "--region", "local", "--port", url.rsplit(":", 1)[1], "--engine", "vllm",
-                    *(a for u in urls for a in ("--replica", u)), name="balancer", wait_url=f"{url}/healthz",
-                    env={"SKYLB_GC_FREEZE": freeze or ""})
+        config = work / "balancer.yaml"
+        config.write_text(json.dumps({"balancer": {"policies": {"skylb": {"trie_kv_bound": kv_bound}}}}))
+        procs.skylb("balancer", "--config", str(config), "--region", "local", "--port", url.rsplit(":", 1)[1],
+                    "--engine", "vllm", *(a for u in urls for a in ("--replica", u)), name="balancer",
+                    wait_url=f"{url}/healthz", env={"SKYLB_GC_FREEZE": freeze or ""})
         deadline = time.monotonic() + 30
         while True:  # the first request waits for the replicas' first probes
             try:
@@ -117,9 +124,12 @@ def measure_once(*, freeze: str | None, requests: int, clients: int, prompt_word
         for t in threads:
             t.join()
         after, c1, t1 = _pauses(url), procs.cpu_seconds("balancer"), time.monotonic()
+        status = json.loads(urllib.request.urlopen(url + "/skylb/v1/status?format=json", timeout=10).read())
+        trie = status.get("tries", {}).get("replica_trie", {})
     if errors:
         raise RuntimeError(f"{len(errors)} of {requests} requests failed, e.g. {errors[0]}")
-    out = {"cpu_ms_per_request": 1000.0 * (c1 - c0) / requests, "requests_per_s": requests / (t1 - t0)}
+    out = {"cpu_ms_per_request": 1000.0 * (c1 - c0) / requests, "requests_per_s": requests / (t1 - t0),
+           "trie_nodes": trie.get("nodes"), "trie_chars": trie.get("chars")}
     for g in ("0", "1", "2"):
         a, b = after[g], before[g]
         count = a.get("count", 0) - b.get("count", 0)
@@ -131,11 +141,11 @@ def measure_once(*, freeze: str | None, requests: int, clients: int, prompt_word
 
 def run(*, requests: int, clients: int, prompt_words: int, repeats: int) -> dict[str, list[dict]]:
     """Every setting ``repeats`` times, taking turns; setting label -> its runs."""
-    runs: dict[str, list[dict]] = {label: [] for label, _ in SETTINGS}
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in SETTINGS}
     with tempfile.TemporaryDirectory(prefix="skylb-gc-pauses-") as tmp:
         for rep in range(repeats):
-            for i, (label, freeze) in enumerate(SETTINGS):
-                runs[label].append(measure_once(freeze=freeze, requests=requests, clients=clients,
+            for i, (label, freeze, kv_bound) in enumerate(SETTINGS):
+                runs[label].append(measure_once(freeze=freeze, kv_bound=kv_bound, requests=requests, clients=clients,
                                                 prompt_words=prompt_words, seed=rep,
                                                 work=Path(tmp) / f"{i}-{rep}"))
                 print(f"{label} run {rep}: {json.dumps(runs[label][-1])}", file=sys.stderr, flush=True)
@@ -159,7 +169,8 @@ def render(result: dict) -> str:
                          _spread([r[f"gen{g}"]["over_10ms"] for r in runs], "{:.0f}"),
                          _spread([r[f"gen{g}"]["over_25ms"] for r in runs], "{:.0f}"),
                          _spread([r["cpu_ms_per_request"] for r in runs], "{:.2f}") if g == "0" else "",
-                         _spread([r["requests_per_s"] for r in runs]) if g == "0" else ""])
+                         _spread([r["requests_per_s"] for r in runs]) if g == "0" else "",
+                         _spread([r["trie_nodes"] for r in runs], "{:.0f}") if g == "0" else ""])
     lines = ["# Garbage-collector pauses of a balancer: startup heap frozen or not (real processes)", "",
              provenance_line(result["provenance"]), "",
              f"{s['requests']} requests per run from {s['clients']} closed-loop clients, each prompt "
@@ -168,7 +179,7 @@ def render(result: dict) -> str:
              "replicas in one emulator process; the balancer's `skylb_gc_pause_seconds` read before and after the "
              "load).", "",
              markdown_table(["Setting", "Generation", "Collections", "Total ms", "Mean ms", ">= 10 ms", ">= 25 ms",
-                             "Balancer CPU ms/request", "Requests/s"], rows), ""]
+                             "Balancer CPU ms/request", "Requests/s", "Trie nodes at the end"], rows), ""]
     if result.get("notes"):
         lines += [result["notes"].rstrip(), ""]
     return "\n".join(lines)
@@ -176,10 +187,10 @@ def render(result: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.live.gc_pauses", description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=2000, help="requests per run")
+    p.add_argument("--requests", type=int, default=6000, help="requests per run")
     p.add_argument("--clients", type=int, default=8, help="closed-loop clients")
     p.add_argument("--prompt-words", type=int, default=600, help="words in every prompt (each its own)")
-    p.add_argument("--repeats", type=int, default=3, help="repetitions of each setting")
+    p.add_argument("--repeats", type=int, default=2, help="repetitions of each setting")
     p.add_argument("--out-md", default=str(RESULTS / "gc_pauses.md"), help="report ('' for none; JSON beside it)")
     p.add_argument("--notes", default=None, help="a Markdown file appended to the report")
     return p
