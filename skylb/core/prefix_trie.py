@@ -54,8 +54,8 @@ __all__ = ["PrefixTrie", "Match", "KeptMatch", "chunk_text", "NODE_BYTES", "RECO
 #: rounded up).
 NODE_BYTES = 480
 #: Bytes a record of the eviction log holds besides a pointer per node of its path: the path tuple's header, the
-#: (path, target) pair and the deque slot (~100 measured; rounded up).
-RECORD_BYTES = 120
+#: [path, target] list and the deque slot (~125 measured; rounded up).
+RECORD_BYTES = 144
 #: Bytes per node of a record's path (one pointer in its tuple; the node is the trie's).
 _POINTER_BYTES = 8
 
@@ -182,8 +182,10 @@ class PrefixTrie:
         self.max_bytes = max_bytes
         self.chunk_chars = chunk_chars
         self.double_every = double_every
-        #: (the nodes a record's key went through, root excluded; target), oldest first.
-        self._records: deque[tuple[tuple[_Node, ...], str]] = deque()
+        #: [the nodes a record's key went through (root excluded), target], oldest first. A list: a record evicted by
+        #: its target's bound drops its path at once (``_fit_target``), so the nodes of the branch it cut are freed
+        #: then, one eviction at a time, not all together when the log lets go of many dead records.
+        self._records: deque[list] = deque()
         self._chars = 0
         self._nodes = 0
         self._bytes = 0
@@ -197,7 +199,7 @@ class PrefixTrie:
         self._bounds: dict[str, int] = {}
         #: Target -> characters of the nodes holding it.
         self._target_chars: dict[str, int] | None = None
-        #: Target -> its live records, oldest first (the same tuples as ``_records``).
+        #: Target -> its live records, oldest first (the same lists as ``_records``).
         self._by_target: dict[str, deque] | None = None
         #: ids of records evicted by their target's bound, still in ``_records`` until the global eviction reaches
         #: them (a record stays referenced there, so its id is not reused meanwhile).
@@ -270,6 +272,7 @@ class PrefixTrie:
             record = records.popleft()
             self._dead.add(id(record))
             self._drop(*record)
+            record[0] = ()  # its cut branch's nodes are freed now (the log keeps the record, dead, for a while)
         log, dead = self._records, self._dead
         while log and dead and id(log[0]) in dead:  # a target's oldest is often the log's oldest: drop it now
             dead.discard(id(log.popleft()))
@@ -394,7 +397,7 @@ class PrefixTrie:
         self._nodes += nodes
         self._chars += chars
         self._bytes += NODE_BYTES * nodes
-        record = (tuple(path), target)
+        record = [tuple(path), target]
         self._records.append(record)
         self._bytes += RECORD_BYTES + _POINTER_BYTES * len(path)
         if self._by_target is not None:
