@@ -196,7 +196,27 @@ def test_trie_per_target_bounds_agree_with_a_walk_and_hold(seed):
             assert {x: t.target_chars(x) for x in "abc"} == {x: held.get(x, 0) for x in "abc"}
             assert all(t.target_chars(x) <= t._bounds[x] for x in t._bounds)
             assert sum(len(d) for d in t._by_target.values()) == len(t)
+            _assert_counts_are_the_live_records(t)
         assert t.stored_chars <= t.max_chars
+
+
+def _assert_counts_are_the_live_records(trie: PrefixTrie) -> None:
+    """Every node's {target: count} is the live records through it, and the trie's node and character totals are a
+    walk's."""
+    expected: dict[int, dict[str, int]] = {}
+    for records in trie._by_target.values():
+        for path, target in records:
+            for node in path:
+                counts = expected.setdefault(id(node), {})
+                counts[target] = counts.get(target, 0) + 1
+    nodes, chars, stack = 0, 0, [trie._root]
+    while stack:
+        node = stack.pop()
+        for child in node.children.values():
+            assert dict(child) == expected.get(id(child), {})
+            nodes, chars = nodes + 1, chars + child.end - node.end
+            stack.append(child)
+    assert (trie.nodes, trie.stored_chars) == (nodes, chars)
 
 
 def test_trie_per_target_bound_evicts_that_targets_oldest_only():
@@ -211,6 +231,7 @@ def test_trie_per_target_bound_evicts_that_targets_oldest_only():
         t.insert(t.chunks(f"p{n}:abcde"), "r1")  # two whole chunks of 4 characters each
     assert t.target_chars("r1") == 16
     assert [t.match(t.chunks(f"p{n}:abcde"), {"r1"}).matched_chars for n in range(4)] == [0, 0, 8, 8]
+
     assert all(t.match(t.chunks(f"s{n}:hello"), {"r2"}).matched_chars == 8 for n in range(3))
     t.set_target_bound("r1", None)
     t.insert(t.chunks("p9:abcde"), "r1")
