@@ -38,6 +38,9 @@ PAUSES = Histogram("skylb_gc_pause_seconds", "Pauses of this process's cyclic ga
                    buckets=_BUCKETS_S, registry=None)
 
 _started: list[float] = []
+# Made now, not in the callback: a collection can start inside ``labels()``, which holds the metric's lock. The
+# callback then takes only these children's value locks, and no code allocates a container while holding one (the
+# only way a collection, and so the callback, could start there).
 _children = {generation: PAUSES.labels(str(generation)) for generation in (0, 1, 2)}
 
 
