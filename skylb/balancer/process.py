@@ -273,12 +273,15 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, settin
     # GuardedAppRunner: deadlines on reading requests, idle keep-alive and a connection cap (skylb/listener.py).
     runner = GuardedAppRunner(app, limits=cfg.client_connections, setting="balancer.client_connections",
                               handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    # Built: what exists now lives as long as the process, and full collections skip it from here on. Before the
+    # probers start (runner.setup) and the listener opens: the collection before the freeze stops the loop for
+    # about 0.1 s, which a peer's status probes, ours or its, would measure as round-trip time (it lengthens how
+    # long a partitioned peer takes to go stale: 2 x its RTT).
+    gc_pauses.watch()
+    frozen = gc_pauses.freeze_startup_heap()
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
     await site.start()
-    # Built and listening: what exists now lives as long as the process; full collections skip it from here on.
-    gc_pauses.watch()
-    frozen = gc_pauses.freeze_startup_heap()
     static = settings.static_membership
     log.info("balancer_started", listen=f"{cfg.host}:{cfg.port}", tls=ssl_context is not None,
              policy=cfg.policy, controller=cfg.controller_url, client_api_keys=len(api_keys),
