@@ -12,7 +12,7 @@ which is why only the startup heap is frozen, once.
 
 Measured on one balancer serving 6,000 requests of distinct prompts (bench/results/gc_pauses.md): with its trie
 bounded by the replicas' KV caches no full collection came; with a trie of 8 M characters (33k nodes) one came, and
-stopped the balancer for 130 ms unfrozen, 68 ms frozen (what is left is the trie's own nodes).
+stopped the balancer for 120 ms unfrozen, 64 ms frozen (what is left is the trie's own nodes).
 
 :data:`PAUSES` is the ``skylb_gc_pause_seconds`` histogram (by ``generation``, 0-2), one per process, which
 :func:`watch` feeds; ``SKYLB_GC_FREEZE=0`` (skylb/environment.py) leaves the heap unfrozen, for comparison.
