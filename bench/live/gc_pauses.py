@@ -28,6 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.launch.procs import ProcGroup, free_port, free_ports, wait_http
 from bench.reporting.provenance import provenance, provenance_line
 from bench.replay.report import emit_markdown, markdown_table
@@ -46,21 +48,20 @@ SETTINGS = (("frozen, trie bounded by KV (default)", None, True), ("not frozen, 
 
 def _pauses(url: str) -> dict[str, dict[str, float]]:
     """The balancer's ``skylb_gc_pause_seconds``: generation -> {"count", "sum", "le_0.01", "le_0.025"} (the
-    cumulative bucket counts at 10 and 25 ms)."""
+    cumulative bucket counts at 10 and 25 ms), parsed with prometheus_client's exposition parser."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     out: dict[str, dict[str, float]] = {g: {} for g in ("0", "1", "2")}
-    for line in text.splitlines():
-        if not line.startswith("skylb_gc_pause_seconds"):
+    for family in text_string_to_metric_families(text):
+        if family.name != "skylb_gc_pause_seconds":
             continue
-        name_labels, value = line.rsplit(" ", 1)
-        labels = dict(part.split("=", 1) for part in name_labels[name_labels.index("{") + 1:-1].split(","))
-        generation = labels['generation'].strip('"')
-        if name_labels.startswith("skylb_gc_pause_seconds_count"):
-            out[generation]["count"] = float(value)
-        elif name_labels.startswith("skylb_gc_pause_seconds_sum"):
-            out[generation]["sum"] = float(value)
-        elif labels.get("le") in ('"0.01"', '"0.025"'):
-            out[generation]["le_" + labels["le"].strip('"')] = float(value)
+        for sample in family.samples:
+            kept = out[sample.labels["generation"]]
+            if sample.name.endswith("_count"):
+                kept["count"] = sample.value
+            elif sample.name.endswith("_sum"):
+                kept["sum"] = sample.value
+            elif sample.name.endswith("_bucket") and float(sample.labels["le"]) in (0.01, 0.025):
+                kept[f"le_{float(sample.labels['le']):g}"] = sample.value
     return out
 
 
