@@ -277,8 +277,8 @@ class PrefixTrie:
         while log and dead and id(log[0]) in dead:  # a target's oldest is often the log's oldest: drop it now
             dead.discard(id(log.popleft()))
         if len(self._dead) > 64 and 2 * len(self._dead) > len(self._records):
-            # The log would otherwise keep dead records (and the nodes of their cut branches) until the global
-            # eviction reached them, which below ``max_chars`` may be never: drop them, O(log) amortized.
+            # The log would otherwise keep dead records (their paths already dropped) until the global eviction
+            # reached them, which below ``max_chars`` may be never: drop them, O(log) amortized.
             dead = self._dead
             self._records = deque(r for r in self._records if id(r) not in dead)
             dead.clear()
