@@ -123,8 +123,12 @@ def test_a_kept_match_is_walked_again_only_when_its_nodes_change():
     assert first.match({"r1", "r2"}) == t.match(key, {"r1", "r2"}) and first.match({"r1"}).matched_chars == 8
     t.insert(t.chunks("zzzzyyyy"), "r2")  # another prompt
     assert t.kept_match(key, first) is first
-    t.insert(t.chunks("abcdefgh"), "r1")  # the same path, the same target: only counts change
-    assert t.kept_match(key, first) is first
+    t.insert(t.chunks("abcdefgh"), "r1")  # the same path again: its tail becomes a node per chunk, walked anew
+    second = t.kept_match(key, first)
+    assert second is not first and second.match({"r1", "r2"}) == first.match({"r1", "r2"})
+    t.insert(t.chunks("abcdefgh"), "r1")  # and again: only counts change
+    assert t.kept_match(key, second) is second
+    first = second
     t.insert(t.chunks("abcdefghijkl"), "r1")  # r1 goes further along the key
     again = t.kept_match(key, first)
     assert again is not first and again.match({"r1", "r2"}).matched_chars == 12
@@ -152,6 +156,26 @@ def test_trie_bound_holds_for_long_prompts_and_evicts_oldest_first():
     assert t.match(t.chunks("session0 " + " ".join(words)), {"r0"}).matched_chars == 0
 
 
+def test_a_prompts_own_chunks_are_one_tail_node_until_another_prompt_shares_them():
+    """The unshared rest of a key is one node (a tail) that matches chunk by chunk; the next turn of the conversation
+    turns the part it shares into a node per chunk and adds its own tail; evicting frees every node and byte."""
+    t = PrefixTrie(max_chars=10_000, chunk_chars=4)
+    turn1 = "sys:" + "abcdefgh" * 5
+    t.insert(t.chunks(turn1), "r1")
+    assert t.nodes == 1 and t.stored_chars == len(turn1)
+    assert t.match(t.chunks(turn1 + "zz"), {"r1"}).matched_chars == len(turn1)
+    assert t.match(t.chunks(turn1[:18] + "zzzzzz"), {"r1"}).matched_chars == 16  # the tail's first 4 chunks
+    assert t.match_any(t.chunks(turn1[:18] + "zzzzzz")).matched_chars == 16
+    turn2 = turn1 + "answer and a new question"
+    t.insert(t.chunks(turn2), "r2")
+    assert t.nodes == len(t.chunks(turn1)) + 1 and t.stored_chars == len(turn2)
+    assert t.match(t.chunks(turn2), {"r1"}).matched_chars == len(turn1)
+    assert t.match(t.chunks(turn2), {"r1", "r2"}).targets == {"r2"}
+    t.remove_target("r2")
+    t.remove_target("r1")
+    assert (t.nodes, t.stored_chars, t.stored_bytes, len(t)) == (0, 0, 0, 0)
+
+
 def test_trie_remove_target_forgets_its_records():
     """A target that leaves membership is forgotten; others keep their records."""
     t = PrefixTrie(max_chars=10_000, chunk_chars=4)
@@ -163,15 +187,17 @@ def test_trie_remove_target_forgets_its_records():
 
 
 def _held_chars(trie: PrefixTrie) -> dict[str, int]:
-    """Per target, the characters of the whole-chunk nodes holding it, by walking every node (the reference the
-    trie's per-target accounting must equal)."""
+    """Per target, the characters of the whole chunks of the nodes holding it, by walking every node (the reference
+    the trie's per-target accounting must equal); a tail's chunks are whole but perhaps its last."""
     held, stack = {}, [(trie._root, 0)]
     while stack:
         node, depth = stack.pop()
         for child in node.children.values():
-            if child.end - node.end >= trie._chunk_size(depth):
-                for target in child:
-                    held[target] = held.get(target, 0) + child.end - node.end
+            sizes = [trie._chunk_size(depth + j) for j in range(1 + len(child.rest))]
+            whole = sum(sizes) if child.end - node.end == sum(sizes) else sum(sizes[:-1])
+            assert child.end - node.end > sum(sizes[:-1])  # only the last chunk may be short
+            for target in child:
+                held[target] = held.get(target, 0) + whole
             stack.append((child, depth + 1))
     return held
 

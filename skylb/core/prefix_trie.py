@@ -39,6 +39,15 @@ against text stored long ago, out of the CPU's caches: at the full trie that com
 hash would share a node: a wrong cache-affinity guess for one request, never a wrong answer (the trie only steers
 placement), at odds of about 2**-64 per pair. Each record keeps the path of nodes it went through, so an eviction
 walks no dict at all.
+
+Tails: where an insert leaves the trie, the rest of its key is one node, a tail, that keeps the hashes of its further
+chunks (``_Node.rest``) and the one record through it (``_Node.owner``), rather than a node per chunk: most of a long
+prompt is its own (the question after a shared system prompt, a conversation's latest turn), and a node per chunk
+cost about 2 us each on every routing decision, the most of a decision on 12 replicas for a 15,000-token prompt, plus
+their eviction (bench/results/coordination.md). A match follows a tail's hashes as it would its nodes; an insert
+that goes through a tail first turns the part its key shares into a node per chunk (``_split``), so that every node
+still counts the records through it. A tail is one node in ``nodes`` and in the bounds; matches, evictions and the
+per-target accounting are those of the trie without tails.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from dataclasses import dataclass
 __all__ = ["PrefixTrie", "Match", "KeptMatch", "chunk_text", "NODE_BYTES", "RECORD_BYTES"]
 
 #: Bytes a trie node holds: the ``_Node`` (a ``{target: count}`` dict with its slots, its children dict and its
-#: step, an int) and its entry in its parent's children (~479 measured with tracemalloc for one or two targets;
+#: step, an int, and a tail's two fields) and its entry in its parent's children (~405-479 measured with tracemalloc;
 #: rounded up).
 NODE_BYTES = 480
 #: Bytes a record of the eviction log holds besides a pointer per node of its path: the path tuple's header, the
@@ -58,6 +67,9 @@ NODE_BYTES = 480
 RECORD_BYTES = 144
 #: Bytes per node of a record's path (one pointer in its tuple; the node is the trie's).
 _POINTER_BYTES = 8
+#: Bytes per further chunk of a tail: its hash (an int of up to 64 bits) and its pointer in ``rest`` (~45 measured
+#: with tracemalloc; rounded up).
+_REST_BYTES = 48
 
 
 def chunk_text(text: str, chunk_chars: int, double_every: int = 0) -> tuple[str, ...]:
@@ -77,6 +89,17 @@ def chunk_text(text: str, chunk_chars: int, double_every: int = 0) -> tuple[str,
             pos += size
         size *= 2
     return tuple(chunks)
+
+
+def _follow(rest: tuple[int, ...], key: tuple[str, ...], start: int) -> tuple[int, int]:
+    """How far ``key`` from its chunk ``start`` on follows a tail's further chunks (their hashes, ``rest``):
+    (chunks, characters)."""
+    chunks = chars = 0
+    for step, chunk in zip(rest, key[start:]):
+        if hash(chunk) != step:
+            break
+        chunks, chars = chunks + 1, chars + len(chunk)
+    return chunks, chars
 
 
 @dataclass(frozen=True)
@@ -104,15 +127,21 @@ class _Node(dict):
     in its parent's children; ``end``, the characters of a prompt from its start through this node's chunk (so a
     branch's characters are the difference of two ends); and the trie's change count when its set of targets last
     changed (``changed``) and when a child was last added under it (``grew``): what a kept walk (``KeptMatch``)
-    checks to know it still holds."""
+    checks to know it still holds. A tail (``rest`` not empty) stands for several chunks of one record's key
+    (``owner``): it has no children and one target, counted once."""
 
-    __slots__ = ("changed", "grew", "children", "step", "end")
+    __slots__ = ("changed", "grew", "children", "step", "end", "rest", "owner")
 
     def __init__(self, step: int = 0, end: int = 0) -> None:
         # No dict.__init__ call: the node starts empty either way, and inserts make one per new chunk.
         self.changed = self.grew = 0
         self.children: dict[int, _Node] = {}
         self.step, self.end = step, end
+        #: A tail's further chunks (their hashes) after its own; ``end`` is then the last one's end (module
+        #: docstring, "Tails"). Empty for a node of one chunk.
+        self.rest: tuple[int, ...] = ()
+        #: A tail's one record (the [path, target] list that ends at it), None otherwise.
+        self.owner: list | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -217,7 +246,7 @@ class PrefixTrie:
 
     @property
     def nodes(self) -> int:
-        """Trie nodes now, not counting the root."""
+        """Trie nodes now, not counting the root (a tail is one node)."""
         return self._nodes
 
     def __len__(self) -> int:
@@ -249,10 +278,10 @@ class PrefixTrie:
         while stack:
             node, depth = stack.pop()
             for child in node.children.values():
-                size = child.end - node.end
-                if size >= self._chunk_size(depth):  # a whole chunk (a prompt's shorter last one is not counted)
+                whole = self._whole_chars(node.end, child, depth)  # a prompt's shorter last chunk is not counted
+                if whole:
                     for target in child:
-                        chars[target] = chars.get(target, 0) + size
+                        chars[target] = chars.get(target, 0) + whole
                 stack.append((child, depth + 1))
         by_target: dict[str, deque] = {}
         for record in self._records:
@@ -264,6 +293,26 @@ class PrefixTrie:
     def _chunk_size(self, index: int) -> int:
         """The characters of a whole chunk at position ``index`` of a key (``chunk_text``)."""
         return self.chunk_chars << (index // self.double_every) if self.double_every else self.chunk_chars
+
+    def _span(self, depth: int, count: int) -> int:
+        """The characters of ``count`` whole chunks from position ``depth`` of a key on (O(doublings), not
+        O(count))."""
+        if not self.double_every:
+            return self.chunk_chars * count
+        total, end, every = 0, depth + count, self.double_every
+        while depth < end:
+            doubled = depth // every
+            upto = min(end, (doubled + 1) * every)
+            total += (upto - depth) * (self.chunk_chars << doubled)
+            depth = upto
+        return total
+
+    def _whole_chars(self, start: int, node: _Node, depth: int) -> int:
+        """Characters of ``node``'s whole chunks (its first at position ``depth`` of a key, from character
+        ``start``): all of its chunks but a key's last when that one is shorter."""
+        full = self._span(depth, 1 + len(node.rest))
+        size = node.end - start
+        return size if size >= full else full - self._chunk_size(depth + len(node.rest))
 
     def _fit_target(self, target: str) -> None:
         """Evict ``target``'s oldest records while it is over its bound."""
@@ -304,7 +353,7 @@ class PrefixTrie:
         if not available or not key:
             return Match(frozenset(), 0, prompt_chars)
         node = self._root
-        for chunk in key:
+        for i, chunk in enumerate(key):
             node = node.children.get(hash(chunk))
             if node is None:  # the prompt leaves the trie here
                 break
@@ -313,6 +362,9 @@ class PrefixTrie:
                 break
             matched += len(chunk)
             best = here
+            if node.rest:  # a tail: its record's further chunks, as far as the prompt follows them
+                matched += _follow(node.rest, key, i + 1)[1]
+                break
         return Match(frozenset(best), matched, prompt_chars)
 
     def match_any(self, key: tuple[str, ...]) -> Match:
@@ -320,12 +372,15 @@ class PrefixTrie:
         some (O(matched chunks))."""
         prompt_chars = sum(map(len, key))
         node, last, matched = self._root, None, 0
-        for chunk in key:
+        for i, chunk in enumerate(key):
             node = node.children.get(hash(chunk))
             if not node:  # the prompt leaves the trie here (or, never kept, a node without targets)
                 break
             matched += len(chunk)
             last = node
+            if node.rest:
+                matched += _follow(node.rest, key, i + 1)[1]
+                break
         return Match(frozenset(last) if last is not None else frozenset(), matched, prompt_chars)
 
     def kept_match(self, key: tuple[str, ...], kept: KeptMatch | None) -> KeptMatch:
@@ -346,6 +401,8 @@ class PrefixTrie:
                 break
             nodes.append(node)
             depth_chars += len(chunk)
+            if node.rest:  # a tail (the key's last node here: it has no children)
+                depth_chars += _follow(node.rest, key, i + 1)[1]
             for target in node:
                 reach[target], last[target] = depth_chars, i + 1
         targets_of: dict[int, _Node] = {}
@@ -377,16 +434,26 @@ class PrefixTrie:
         if not key:
             return
         self._changes += 1
-        stamp, parent, path, nodes, chars, end, gained = self._changes, self._root, [], 0, 0, 0, 0
-        for chunk in key:
+        stamp, parent, path, end, gained, n, tail = self._changes, self._root, [], 0, 0, 0, None
+        for i, chunk in enumerate(key):
             step = hash(chunk)
-            end += len(chunk)
             counts = parent.children.get(step)
             if counts is None:
-                counts = parent.children[step] = _Node(step, end)
-                parent.grew = stamp  # a child added under it
-                nodes += 1
-                chars += len(chunk)
+                # The rest of the key is new: one node for all of it, a tail when it is more than one chunk.
+                tail = parent.children[step] = _Node(step, end + sum(map(len, key[i:])))
+                if i + 1 < len(key):
+                    tail.rest = tuple(map(hash, key[i + 1:]))
+                parent.grew = tail.changed = stamp  # a child added under it; a target added here
+                tail[target], n = 1, 0
+                gained += tail.end - end
+                self._chars += tail.end - end
+                self._nodes += 1
+                self._bytes += NODE_BYTES + _REST_BYTES * len(tail.rest)
+                path.append(tail)
+                break
+            if counts.rest:  # a tail this key goes through: its chunks become nodes as far as the key follows
+                self._split(counts, key, i, end)
+            end += len(chunk)
             n = counts.get(target, 0)
             if not n:
                 counts.changed = stamp  # a target added here
@@ -394,10 +461,9 @@ class PrefixTrie:
             counts[target] = n + 1
             path.append(counts)
             parent = counts
-        self._nodes += nodes
-        self._chars += chars
-        self._bytes += NODE_BYTES * nodes
         record = [tuple(path), target]
+        if tail is not None and tail.rest:
+            tail.owner = record
         self._records.append(record)
         self._bytes += RECORD_BYTES + _POINTER_BYTES * len(path)
         if self._by_target is not None:
@@ -413,6 +479,31 @@ class PrefixTrie:
                 self._fit_target(target)
         while (self._chars > self.max_chars or self._bytes > self.max_bytes) and self._records:
             self._evict_oldest()
+
+    def _split(self, tail: _Node, key: tuple[str, ...], depth: int, start: int) -> None:
+        """Make ``tail`` (its first chunk at position ``depth`` of ``key``, from character ``start``) a node of one
+        chunk, followed by a node per further chunk as far as ``key`` follows it and a tail of what is left: an
+        insert of ``key`` is about to go through it, and a tail has one record (module docstring, "Tails")."""
+        rest, record, stamp = tail.rest, tail.owner, self._changes
+        follows = _follow(rest, key, depth + 1)[0]
+        (target,) = tail
+        final, pos = tail.end, start + self._chunk_size(depth)  # a tail's chunks but its last are whole
+        tail.end, tail.rest, tail.owner, tail.grew = pos, (), None, stamp
+        parent, made = tail, []
+        for j, step in enumerate(rest):
+            node = _Node(step, final if j in (follows, len(rest) - 1) else pos + self._chunk_size(depth + 1 + j))
+            if j == follows and j + 1 < len(rest):  # the part the key leaves: one tail again
+                node.rest, node.owner = rest[j + 1:], record
+            node[target], node.changed = 1, stamp
+            parent.children[step], parent.grew = node, stamp
+            made.append(node)
+            if j == follows:
+                break
+            parent, pos = node, node.end
+        record[0] += tuple(made)  # the tail was its record's last node
+        self._nodes += len(made)
+        self._bytes += ((NODE_BYTES + _POINTER_BYTES) * len(made)
+                        - _REST_BYTES * (len(rest) - len(made[-1].rest)))
 
     def remove_target(self, target: str) -> None:
         """Forget every record of ``target`` (a replica or peer that left membership)."""
@@ -454,8 +545,8 @@ class PrefixTrie:
             if gone is None:
                 gone = i
                 if self._target_chars is not None:
-                    last = path[-1].end - (path[-2].end if len(path) > 1 else 0)
-                    partial = last if last < self._chunk_size(len(path) - 1) else 0
+                    start = path[-2].end if len(path) > 1 else 0
+                    partial = path[-1].end - start - self._whole_chars(start, path[-1], len(path) - 1)
                     self._target_chars[target] -= path[-1].end - (path[i - 1].end if i else 0) - partial
             if not counts:
                 cut = i
@@ -472,4 +563,5 @@ class PrefixTrie:
             removed = path[cut:]
             self._nodes -= len(removed)
             self._chars -= removed[-1].end - parent.end  # the root ends at 0
-            self._bytes -= NODE_BYTES * len(removed)
+            self._bytes -= NODE_BYTES * len(removed) + _REST_BYTES * len(removed[-1].rest)
+            removed[-1].owner = None  # a tail's record and the tail no longer hold each other
