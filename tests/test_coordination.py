@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.micro.coordination import build_router_state, decision_times, probe_traffic, status_message
+from bench.micro.coordination import MODEL, build_router_state, decision_times, probe_traffic, status_message
 
 
 def test_router_state_has_the_replicas_and_peers_asked_for():
@@ -26,6 +26,22 @@ def test_decisions_are_timed_and_probe_traffic_is_positive():
     small, big = probe_traffic(10, 2, 100), probe_traffic(200, 2, 100)
     assert 0 < small["total"]["bytes_per_s"] < big["total"]["bytes_per_s"]
     assert big["replica /metrics"]["requests_per_s"] == 2000.0  # 200 replicas every 100 ms
+
+
+def test_replicas_reporting_kv_capacity_bound_the_measured_trie():
+    """With a KV capacity per replica (the bounded-trie shape), each replica's records in the trie stay within it
+    (4 characters per token: 60 prompts of 500 characters do not all fit) while decisions are timed."""
+    from skylb.core import Request
+    router, _ = build_router_state(3, 1, kv_capacity_tokens=1000)
+    for k in range(60):
+        router.enqueue(Request(id=f"q{k}", text=f"prompt {k} " + "word " * 100, arrived_at=0.0, model=MODEL))
+        for d in router.dispatch(0.0):
+            router.finished(d)
+    trie = router.policy.replica_trie
+    held = [trie.target_chars(r) for r in router.replicas]
+    assert max(held) > 0 and all(chars <= 4000 for chars in held) and len(trie) < 60
+    d = decision_times(3, 1, decisions=20, prompts=["word " * 300], seed=0, warm=5, kv_capacity_tokens=100)
+    assert sum(d["routes"].values()) == 20
 
 
 def test_decision_ab_times_both_checkouts_in_turns():

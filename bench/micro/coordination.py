@@ -4,9 +4,12 @@ Entry point: ``.venv/bin/python -m bench.micro.coordination [--replicas 200] [--
 [--repeats 3] [--out-md PATH] [--out-json PATH]`` (also ``skylb bench coordination ...``); :func:`main`
 ``(argv) -> int``.
 
-What is measured, for two shapes of one balancer's state: the worst case asked for (200 local replicas and 8
-peers: one balancer in front of the whole fleet, still with peers) and SkyLB's shape in the eight-region scenario
-(25 local replicas, 7 peers; bench/sim/eight_regions.py):
+What is measured, for shapes of one balancer's state: the worst case asked for (200 local replicas and 8 peers: one
+balancer in front of the whole fleet, still with peers), SkyLB's shape in the eight-region scenario (25 local
+replicas, 7 peers; bench/sim/eight_regions.py) and one region of the paper's deployment (12 replicas, 2 peers), that
+one also with every replica reporting a KV cache of :data:`KV_CAPACITY_TOKENS` (as vLLM and SGLang replicas do: the
+replica trie is then bounded per replica by it and evicts as it goes, skylb/core/prefix_trie.py
+``set_target_bound``):
 
 * Routing decision: a real ``skylb.core.Router`` built by ``skylb.core.build_router`` from the live defaults
   (policy ``skylb``), its replicas and peers filled through ``observe_replica`` / ``observe_peer`` with values
@@ -53,6 +56,9 @@ WARM_REQUESTS = 2000
 REQUEST_HEADERS_B = 190
 RESPONSE_HEADERS_B = 170
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+#: KV-cache tokens per replica of the bounded-trie shape: the emulator's Llama-3.1-8B on an L4 (2,048 blocks of 16;
+#: bench/emulator/model.py ``kv_cache_tokens``).
+KV_CAPACITY_TOKENS = 32768
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
@@ -70,12 +76,14 @@ def _prompts(n: int, seed: int) -> list[str]:
     return [texts[i % len(texts)] for i in range(n)]
 
 
-def _observe(router, rng: random.Random, now: float, peers: list[str]) -> None:
-    """One probe round: every replica and peer observed with loaded-fleet values (module docstring)."""
+def _observe(router, rng: random.Random, now: float, peers: list[str], kv_capacity_tokens: int | None = None) -> None:
+    """One probe round: every replica and peer observed with loaded-fleet values (module docstring), the replicas'
+    KV-cache capacity (tokens) ``kv_capacity_tokens`` when given."""
     from skylb.core import PeerStatus
     for rid in router.replicas:
         router.observe_replica(rid, now=now, healthy=True, pending=rng.choice((0, 0, 0, 1, 2)),
-                               running=rng.randint(4, 48), kv_usage=rng.uniform(0.2, 0.95))
+                               running=rng.randint(4, 48), kv_usage=rng.uniform(0.2, 0.95),
+                               kv_capacity_tokens=kv_capacity_tokens)
     for region in peers:
         status = PeerStatus(region=region, available_replicas=rng.randint(0, 25), replicas=25,
                             queue_len=rng.randint(0, 3), models={"openai": {MODEL: rng.randint(0, 25)}},
@@ -84,9 +92,10 @@ def _observe(router, rng: random.Random, now: float, peers: list[str]) -> None:
         router.observe_peer(region, now=now, status=status, rtt_s=rng.uniform(0.05, 0.28))
 
 
-def build_router_state(replicas: int, peers: int, *, seed: int = 0, placement: str = "estimate"):
-    """A Router with ``replicas`` local replicas and ``peers`` peers, observed once, its ``skylb`` policy with
-    ``placement`` (skylb/core/policies/skylb.py); returns (router, peer names)."""
+def build_router_state(replicas: int, peers: int, *, seed: int = 0, placement: str = "estimate",
+                       kv_capacity_tokens: int | None = None):
+    """A Router with ``replicas`` local replicas and ``peers`` peers, observed once (with ``kv_capacity_tokens``),
+    its ``skylb`` policy with ``placement`` (skylb/core/policies/skylb.py); returns (router, peer names)."""
     from skylb.config import BalancerConfig
     from skylb.core import build_router
     router = build_router("r0", BalancerConfig(policy="skylb", policies={"skylb": {"placement": placement}}),
@@ -96,22 +105,29 @@ def build_router_state(replicas: int, peers: int, *, seed: int = 0, placement: s
         router.set_replica_models(rid, [MODEL])
     names = [f"r{k + 1}" for k in range(peers)]
     router.set_peers([(n, f"http://{n}.lb:8080") for n in names])
-    _observe(router, random.Random(seed), 0.0, names)
+    _observe(router, random.Random(seed), 0.0, names, kv_capacity_tokens)
     return router, names
 
 
 def decision_times(replicas: int, peers: int, *, decisions: int, prompts: list[str], seed: int,
-                   warm: int = WARM_REQUESTS, placement: str = "estimate") -> dict:
+                   warm: int = WARM_REQUESTS, placement: str = "estimate", kv_capacity_tokens: int | None = None) -> dict:
     """One repetition: the trie warmed with ``warm`` prompts (routed, untimed), then ``decisions`` timed ``Router.dispatch``
-    calls (one request each); returns p50 / p99 / mean in microseconds and the routes taken."""
+    calls (one request each); returns p50 / p99 / mean in microseconds and the routes taken. With
+    ``kv_capacity_tokens`` every replica reports that KV-cache capacity, and the trie is bounded per replica by it.
+    The heap built so far is frozen as the balancer freezes its own before serving (skylb/gc_pauses.py; unless
+    ``SKYLB_GC_FREEZE=0``), and unfrozen at the end."""
+    import gc
     from skylb.core import Request
-    router, names = build_router_state(replicas, peers, seed=seed, placement=placement)
+    from skylb.gc_pauses import freeze_startup_heap
+    router, names = build_router_state(replicas, peers, seed=seed, placement=placement,
+                                       kv_capacity_tokens=kv_capacity_tokens)
+    freeze_startup_heap()
     rng = random.Random(seed)
     now, times, routes = 0.0, [], {"local": 0, "peer": 0, "none": 0}
     for k in range(warm + decisions):
         if k % 100 == 0:
             now += 0.1
-            _observe(router, rng, now, names)
+            _observe(router, rng, now, names, kv_capacity_tokens)
         text = prompts[(k * 7 + seed) % len(prompts)]
         router.enqueue(Request(id=f"q{k}", text=text, arrived_at=now, model=MODEL, session_key=f"s{k % 500}"))
         t0 = time.perf_counter_ns()
@@ -125,6 +141,7 @@ def decision_times(replicas: int, peers: int, *, decisions: int, prompts: list[s
         if not out:
             for request in list(router.queue):  # cancel, so the router forgets them too
                 router.cancel(request.id)
+    gc.unfreeze()
     times.sort()
     return {"p50_us": times[len(times) // 2], "p99_us": times[int(0.99 * (len(times) - 1))],
             "mean_us": statistics.fmean(times), "routes": routes}
@@ -190,18 +207,25 @@ def _spread(values: list[float], fmt: str = "{:.1f}") -> str:
     return text if len(values) == 1 else f"{text} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
 
 
-def measure(shapes: list[tuple[int, int]], *, decisions: int, repeats: int, placement: str = "estimate") -> list[dict]:
-    """Every figure for each (replicas, peers) shape; decision times once per repetition (seeds 0..repeats-1), with
-    the ``skylb`` policy's ``placement``."""
+def measure(shapes: list[tuple[int, int, int | None]], *, decisions: int, repeats: int,
+            placement: str = "estimate") -> list[dict]:
+    """Every figure for each (replicas, peers, KV-cache tokens per replica or None) shape; decision times once per
+    repetition (seeds 0..repeats-1), with the ``skylb`` policy's ``placement``."""
     prompts = _prompts(WARM_REQUESTS + decisions, 0)
     out = []
-    for replicas, peers in shapes:
-        reps = [decision_times(replicas, peers, decisions=decisions, prompts=prompts, seed=s, placement=placement)
-                for s in range(repeats)]
+    for replicas, peers, kv in shapes:
+        reps = [decision_times(replicas, peers, decisions=decisions, prompts=prompts, seed=s, placement=placement,
+                               kv_capacity_tokens=kv) for s in range(repeats)]
         status = status_message(replicas, peers)
-        out.append({"replicas": replicas, "peers": peers, "repetitions": reps, "status": status,
-                    "probes": probe_traffic(replicas, peers, status["bytes"])})
+        out.append({"replicas": replicas, "peers": peers, "kv_capacity_tokens": kv, "repetitions": reps,
+                    "status": status, "probes": probe_traffic(replicas, peers, status["bytes"])})
     return out
+
+
+def _shape(s: dict) -> str:
+    """A shape's label in the report."""
+    kv = s.get("kv_capacity_tokens")
+    return f"{s['replicas']} replicas, {s['peers']} peers" + (f", KV caches of {kv:,} tokens" if kv else "")
 
 
 def target_us(replicas: int) -> float:
@@ -222,7 +246,7 @@ def render(result: dict) -> str:
     for s in result["shapes"]:
         reps = s["repetitions"]
         routes = {k: sum(r["routes"][k] for r in reps) for k in reps[0]["routes"]}
-        rows.append([f"{s['replicas']} replicas, {s['peers']} peers", _spread([r["p50_us"] for r in reps]),
+        rows.append([_shape(s), _spread([r["p50_us"] for r in reps]),
                      _spread([r["p99_us"] for r in reps]), _spread([r["mean_us"] for r in reps]),
                      ", ".join(f"{k} {v}" for k, v in routes.items()),
                      f"{target_us(s['replicas']) / 1000:g} ms: "
@@ -230,11 +254,14 @@ def render(result: dict) -> str:
     lines += [markdown_table(["State", "p50 us", "p99 us", "mean us", "Routes taken", "p99 target"], rows), "",
               "## Peer status message (msgpack, GET /skylb/v1/status)", ""]
     lines += [markdown_table(["State", "Bytes", "Encode us (median)", "Decode us (median)", "Decodes to the same"],
-                             [[f"{s['replicas']} replicas, {s['peers']} peers", str(s["status"]["bytes"]),
+                             [[_shape(s), str(s["status"]["bytes"]),
                                f"{s['status']['encode_us']:.1f}", f"{s['status']['decode_us']:.1f}",
-                               str(s["status"]["round_trip_ok"])] for s in result["shapes"]]), "",
+                               str(s["status"]["round_trip_ok"])] for s in result["shapes"]
+                              if not s.get("kv_capacity_tokens")]), "",
               "## Probe traffic per balancer (default intervals, HTTP/1.1 headers included)", ""]
     for s in result["shapes"]:
+        if s.get("kv_capacity_tokens"):  # the same probes as the shape without
+            continue
         p = s["probes"]
         lines += [f"{s['replicas']} replicas, {s['peers']} peers (emulator vLLM /metrics body: "
                   f"{p['metrics_body_bytes']} B):", "",
@@ -265,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure and write the report and JSON; returns the exit status."""
     from bench.sim.eight_regions_bench import _commit
     args = build_parser().parse_args(argv)
-    shapes = [(args.replicas, args.peers), (25, 7), (12, 2)]
+    shapes = [(args.replicas, args.peers, None), (25, 7, None), (12, 2, None), (12, 2, KV_CAPACITY_TOKENS)]
     result = {"shapes": measure(shapes, decisions=args.decisions, repeats=args.repeats, placement=args.placement)}
     command = "python -m bench.micro.coordination " + " ".join(argv if argv is not None else sys.argv[1:])
     result["meta"] = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": command.strip(),

@@ -1,7 +1,7 @@
 """Routing decision time of two checkouts, measured interleaved so that both see the same machine.
 
 Entry point: ``.venv/bin/python -m bench.micro.decision_ab BASE_DIR NEW_DIR [--replicas 200] [--peers 8]
-[--rounds 30] [--batch 300]``; :func:`main` ``(argv) -> int``. Each directory is a checkout of this repository (for
+[--rounds 30] [--batch 300] [--kv-capacity TOKENS]``; :func:`main` ``(argv) -> int``. Each directory is a checkout of this repository (for
 instance ``git worktree add /tmp/base <commit>``); its own code is measured, with this interpreter.
 
 Why: this machine's speed drifts by 1.5x between minutes (bench/results/coordination-notes.md), so two runs of
@@ -33,8 +33,9 @@ sys.path.insert(0, ".")
 from bench.micro.coordination import MODEL, _observe, _prompts, build_router_state
 from skylb.core import Request
 replicas, peers, warm = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+kv = {"kv_capacity_tokens": int(sys.argv[4])} if len(sys.argv) > 4 else {}
 prompts = _prompts(2000, 0)
-router, names = build_router_state(replicas, peers, seed=0)
+router, names = build_router_state(replicas, peers, seed=0, **kv)
 rng, k, now = random.Random(0), 0, 0.0
 
 def run(count):
@@ -43,7 +44,7 @@ def run(count):
     for _ in range(count):
         if k % 100 == 0:
             now += 0.1
-            _observe(router, rng, now, names)
+            _observe(router, rng, now, names, **kv)
         router.enqueue(Request(id=f"q{k}", text=prompts[(k * 7) % len(prompts)], arrived_at=now, model=MODEL,
                                session_key=f"s{k % 500}"))
         t0 = time.perf_counter_ns()
@@ -69,13 +70,16 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def measure(base: str, new: str, *, replicas: int, peers: int, rounds: int, batch: int, warm: int = 2000,
-            trace: str | None = None) -> dict:
+            trace: str | None = None, kv_capacity_tokens: int | None = None) -> dict:
     """Both checkouts' decision times, interleaved (module docstring); ``warm`` untimed decisions first; ``trace``:
     the Mooncake-format trace whose prompts are routed (None: coordination.py's, the workspace's real trace, or
-    generated prompts where it is absent). Returns the figures printed."""
+    generated prompts where it is absent); ``kv_capacity_tokens``: the KV-cache capacity every replica reports
+    (coordination.py ``build_router_state``; both checkouts' coordination.py must take it). Returns the figures
+    printed."""
     roots = [base, new]
     env = dict(os.environ, **({"SKYLB_TRACE": trace} if trace is not None else {}))
-    workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(replicas), str(peers), str(warm)], cwd=root,
+    extra = [str(kv_capacity_tokens)] if kv_capacity_tokens is not None else []
+    workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(replicas), str(peers), str(warm), *extra], cwd=root,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for root in roots]
     try:
         for w in workers:
@@ -111,16 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", type=int, default=8, help="peers (default 8)")
     p.add_argument("--rounds", type=int, default=30, help="rounds of turns (default 30)")
     p.add_argument("--batch", type=int, default=300, help="timed decisions per checkout per round (default 300)")
+    p.add_argument("--kv-capacity", type=int, default=None, metavar="TOKENS",
+                   help="every replica reports this KV-cache capacity (the trie then bounded per replica by it)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     result = measure(args.base, args.new, replicas=args.replicas, peers=args.peers, rounds=args.rounds,
-                     batch=args.batch)
+                     batch=args.batch, kv_capacity_tokens=args.kv_capacity)
     result["date"] = started
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(f"{args.replicas} replicas, {args.peers} peers, {args.rounds} rounds x {args.batch} decisions ({started})")
+    kv = f", KV capacity {args.kv_capacity} tokens" if args.kv_capacity is not None else ""
+    print(f"{args.replicas} replicas, {args.peers} peers{kv}, {args.rounds} rounds x {args.batch} decisions "
+          f"({started})")
     for name, root in (("base", args.base), ("new", args.new)):
         f = result["checkouts"][name]
         print(f"  {name} {root}: p50 {f['p50_us']:.1f} us, p90 {f['p90_us']:.1f}, p99 {f['p99_us']:.1f}, "
