@@ -10,9 +10,10 @@ scheduler freeze their startup heap the same way. An object frozen is still free
 as nothing refers to it; only a reference cycle among frozen objects would outlive its last outside reference,
 which is why only the startup heap is frozen, once.
 
-Measured on one balancer serving 6,000 requests of distinct prompts (bench/results/gc_pauses.md): with its trie
-bounded by the replicas' KV caches no full collection came; with a trie of 8 M characters (33k nodes) one came, and
-stopped the balancer for 120 ms unfrozen, 64 ms frozen (what is left is the trie's own nodes).
+Measured on one balancer serving 6,000 requests of distinct prompts (bench/results/gc_pauses.md): when its trie
+kept a node per prompt chunk, a trie of 8 M characters (33k nodes) brought one full collection, which stopped the
+balancer for 120 ms unfrozen, 64 ms frozen (the rest was the trie's nodes); with the unshared rest of each prompt
+one node (skylb/core/prefix_trie.py, "Tails": 3k nodes) none came, nor with the default KV-bounded trie.
 
 :data:`PAUSES` is the ``skylb_gc_pause_seconds`` histogram (by ``generation``, 0-2), one per process, which
 :func:`watch` feeds; ``SKYLB_GC_FREEZE=0`` (skylb/environment.py) leaves the heap unfrozen, for comparison.
