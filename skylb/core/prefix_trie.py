@@ -40,14 +40,14 @@ hash would share a node: a wrong cache-affinity guess for one request, never a w
 placement), at odds of about 2**-64 per pair. Each record keeps the path of nodes it went through, so an eviction
 walks no dict at all.
 
-Tails: where an insert leaves the trie, the rest of its key is one node, a tail, that keeps the hashes of its further
-chunks (``_Node.rest``) and the one record through it (``_Node.owner``), rather than a node per chunk: most of a long
-prompt is its own (the question after a shared system prompt, a conversation's latest turn), and a node per chunk
-cost about 2 us each on every routing decision, the most of a decision on 12 replicas for a 15,000-token prompt, plus
-their eviction (bench/results/coordination.md). A match follows a tail's hashes as it would its nodes; an insert
-that goes through a tail first turns the part its key shares into a node per chunk (``_split``), so that every node
-still counts the records through it. A tail is one node in ``nodes`` and in the bounds; matches, evictions and the
-per-target accounting are those of the trie without tails.
+Tails: where an insert leaves the trie, the rest of its key is one node, a tail, that keeps the hashes of its
+further chunks (``_Node.rest``; its one record is kept beside it, ``PrefixTrie._owners``), rather than a node per
+chunk: most of a long prompt is its own (the question after a shared system prompt, a conversation's latest turn),
+and a node per chunk cost about 2 us each on every routing decision, the most of a decision on 12 replicas for a
+15,000-token prompt, plus their eviction (bench/results/coordination.md). A match follows a tail's hashes as it
+would its nodes; an insert that goes through a tail first turns the part its key shares into a node per chunk
+(``_split``), so that every node still counts the records through it. A tail is one node in ``nodes`` and in the
+bounds; matches, evictions and the per-target accounting are those of the trie without tails.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 __all__ = ["PrefixTrie", "Match", "KeptMatch", "chunk_text", "NODE_BYTES", "RECORD_BYTES"]
 
 #: Bytes a trie node holds: the ``_Node`` (a ``{target: count}`` dict with its slots, its children dict and its
-#: step, an int, and a tail's two fields) and its entry in its parent's children (~405-479 measured with tracemalloc;
+#: step, an int, and a tail's ``rest``) and its entry in its parent's children (~405-479 measured with tracemalloc;
 #: rounded up).
 NODE_BYTES = 480
 #: Bytes a record of the eviction log holds besides a pointer per node of its path: the path tuple's header, the
@@ -128,9 +128,9 @@ class _Node(dict):
     branch's characters are the difference of two ends); and the trie's change count when its set of targets last
     changed (``changed``) and when a child was last added under it (``grew``): what a kept walk (``KeptMatch``)
     checks to know it still holds. A tail (``rest`` not empty) stands for several chunks of one record's key
-    (``owner``): it has no children and one target, counted once."""
+    (``PrefixTrie._owners``): it has no children and one target, counted once."""
 
-    __slots__ = ("changed", "grew", "children", "step", "end", "rest", "owner")
+    __slots__ = ("changed", "grew", "children", "step", "end", "rest")
 
     def __init__(self, step: int = 0, end: int = 0) -> None:
         # No dict.__init__ call: the node starts empty either way, and inserts make one per new chunk.
@@ -140,8 +140,6 @@ class _Node(dict):
         #: A tail's further chunks (their hashes) after its own; ``end`` is then the last one's end (module
         #: docstring, "Tails"). Empty for a node of one chunk.
         self.rest: tuple[int, ...] = ()
-        #: A tail's one record (the [path, target] list that ends at it), None otherwise.
-        self.owner: list | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,6 +231,10 @@ class PrefixTrie:
         #: ids of records evicted by their target's bound, still in ``_records`` until the global eviction reaches
         #: them (a record stays referenced there, so its id is not reused meanwhile).
         self._dead: set[int] = set()
+        #: id of a tail -> its one record (``_split`` extends that record's path). Kept here rather than in the node,
+        #: so that a tail and its record do not refer to each other (no cycle for the collector); an entry leaves
+        #: when its tail is split or cut, so an id here is always a live tail's.
+        self._owners: dict[int, list] = {}
 
     @property
     def stored_chars(self) -> int:
@@ -435,11 +437,12 @@ class PrefixTrie:
             return
         self._changes += 1
         stamp, parent, path, end, gained, n, tail = self._changes, self._root, [], 0, 0, 0, None
-        for i, chunk in enumerate(key):
+        for chunk in key:
             step = hash(chunk)
             counts = parent.children.get(step)
             if counts is None:
                 # The rest of the key is new: one node for all of it, a tail when it is more than one chunk.
+                i = len(path)  # the chunk's position: one node of the path per chunk so far
                 tail = parent.children[step] = _Node(step, end + sum(map(len, key[i:])))
                 if i + 1 < len(key):
                     tail.rest = tuple(map(hash, key[i + 1:]))
@@ -452,7 +455,7 @@ class PrefixTrie:
                 path.append(tail)
                 break
             if counts.rest:  # a tail this key goes through: its chunks become nodes as far as the key follows
-                self._split(counts, key, i, end)
+                self._split(counts, key, len(path), end)
             end += len(chunk)
             n = counts.get(target, 0)
             if not n:
@@ -463,7 +466,7 @@ class PrefixTrie:
             parent = counts
         record = [tuple(path), target]
         if tail is not None and tail.rest:
-            tail.owner = record
+            self._owners[id(tail)] = record
         self._records.append(record)
         self._bytes += RECORD_BYTES + _POINTER_BYTES * len(path)
         if self._by_target is not None:
@@ -484,16 +487,16 @@ class PrefixTrie:
         """Make ``tail`` (its first chunk at position ``depth`` of ``key``, from character ``start``) a node of one
         chunk, followed by a node per further chunk as far as ``key`` follows it and a tail of what is left: an
         insert of ``key`` is about to go through it, and a tail has one record (module docstring, "Tails")."""
-        rest, record, stamp = tail.rest, tail.owner, self._changes
+        rest, record, stamp = tail.rest, self._owners.pop(id(tail)), self._changes
         follows = _follow(rest, key, depth + 1)[0]
         (target,) = tail
         final, pos = tail.end, start + self._chunk_size(depth)  # a tail's chunks but its last are whole
-        tail.end, tail.rest, tail.owner, tail.grew = pos, (), None, stamp
+        tail.end, tail.rest, tail.grew = pos, (), stamp
         parent, made = tail, []
         for j, step in enumerate(rest):
             node = _Node(step, final if j in (follows, len(rest) - 1) else pos + self._chunk_size(depth + 1 + j))
             if j == follows and j + 1 < len(rest):  # the part the key leaves: one tail again
-                node.rest, node.owner = rest[j + 1:], record
+                node.rest, self._owners[id(node)] = rest[j + 1:], record
             node[target], node.changed = 1, stamp
             parent.children[step], parent.grew = node, stamp
             made.append(node)
@@ -564,4 +567,5 @@ class PrefixTrie:
             self._nodes -= len(removed)
             self._chars -= removed[-1].end - parent.end  # the root ends at 0
             self._bytes -= NODE_BYTES * len(removed) + _REST_BYTES * len(removed[-1].rest)
-            removed[-1].owner = None  # a tail's record and the tail no longer hold each other
+            if removed[-1].rest:
+                del self._owners[id(removed[-1])]
