@@ -110,7 +110,8 @@ def build_router_state(replicas: int, peers: int, *, seed: int = 0, placement: s
 
 
 def decision_times(replicas: int, peers: int, *, decisions: int, prompts: list[str], seed: int,
-                   warm: int = WARM_REQUESTS, placement: str = "estimate", kv_capacity_tokens: int | None = None) -> dict:
+                   warm: int = WARM_REQUESTS, placement: str = "estimate",
+                   kv_capacity_tokens: int | None = None) -> dict:
     """One repetition: the trie warmed with ``warm`` prompts (routed, untimed), then ``decisions`` timed ``Router.dispatch``
     calls (one request each); returns p50 / p99 / mean in microseconds and the routes taken. With
     ``kv_capacity_tokens`` every replica reports that KV-cache capacity, and the trie is bounded per replica by it.

@@ -1,8 +1,11 @@
 """Routing decision time of two checkouts, measured interleaved so that both see the same machine.
 
 Entry point: ``.venv/bin/python -m bench.micro.decision_ab BASE_DIR NEW_DIR [--replicas 200] [--peers 8]
-[--rounds 30] [--batch 300] [--kv-capacity TOKENS]``; :func:`main` ``(argv) -> int``. Each directory is a checkout of this repository (for
-instance ``git worktree add /tmp/base <commit>``); its own code is measured, with this interpreter.
+[--rounds 30] [--batch 300] [--trace PATH] [--kv-capacity TOKENS]``; :func:`main` ``(argv) -> int``. Each
+directory is a checkout of this repository (for instance ``git worktree add /tmp/base <commit>``); its own code is
+measured, with this interpreter. Each worker finds the trace where bench/sim/workloads.py ``DEFAULT_TRACE`` points from its own
+checkout: a checkout elsewhere needs the trace there too (or both the same ``--trace``), else its worker routes
+generated prompts and the two sides no longer compare.
 
 Why: this machine's speed drifts by 1.5x between minutes (bench/results/coordination-notes.md), so two runs of
 bench/micro/coordination.py a few minutes apart compare the minutes more than the code. Here one worker process per
@@ -115,13 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", type=int, default=8, help="peers (default 8)")
     p.add_argument("--rounds", type=int, default=30, help="rounds of turns (default 30)")
     p.add_argument("--batch", type=int, default=300, help="timed decisions per checkout per round (default 300)")
+    p.add_argument("--trace", default=None, help="a Mooncake-format trace whose prompts both workers route (default: "
+                   "the workspace's, found from each checkout)")
     p.add_argument("--kv-capacity", type=int, default=None, metavar="TOKENS",
                    help="every replica reports this KV-cache capacity (the trie then bounded per replica by it)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     result = measure(args.base, args.new, replicas=args.replicas, peers=args.peers, rounds=args.rounds,
-                     batch=args.batch, kv_capacity_tokens=args.kv_capacity)
+                     batch=args.batch, kv_capacity_tokens=args.kv_capacity, trace=args.trace)
     result["date"] = started
     if args.json:
         print(json.dumps(result, indent=1))
