@@ -3,9 +3,9 @@
 Entry point: ``.venv/bin/python -m bench.micro.decision_ab BASE_DIR NEW_DIR [--replicas 200] [--peers 8]
 [--rounds 30] [--batch 300] [--trace PATH] [--kv-capacity TOKENS]``; :func:`main` ``(argv) -> int``. Each
 directory is a checkout of this repository (for instance ``git worktree add /tmp/base <commit>``); its own code is
-measured, with this interpreter. Each worker finds the trace where bench/sim/workloads.py ``DEFAULT_TRACE`` points from its own
-checkout: a checkout elsewhere needs the trace there too (or both the same ``--trace``), else its worker routes
-generated prompts and the two sides no longer compare.
+measured, with this interpreter. Each worker finds the trace where bench/sim/workloads.py ``DEFAULT_TRACE``
+points from its own checkout: a checkout elsewhere needs the trace there too (or both the same ``--trace``), else
+its worker routes generated prompts and the two sides no longer compare.
 
 Why: this machine's speed drifts by 1.5x between minutes (bench/results/coordination-notes.md), so two runs of
 bench/micro/coordination.py a few minutes apart compare the minutes more than the code. Here one worker process per
