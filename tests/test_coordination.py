@@ -44,6 +44,29 @@ def test_replicas_reporting_kv_capacity_bound_the_measured_trie():
     assert sum(d["routes"].values()) == 20
 
 
+def test_measured_replicas_learn_their_speeds_from_the_answers():
+    """With answers reported (the "replicas measured" shape), each replica that served is measured (OllamaRouter's
+    time per token, in proportion to its speed); timed decisions still count every route."""
+    from bench.micro.coordination import _answer
+    from skylb.core import Request
+    router, _ = build_router_state(12, 1)
+    speed = {rid: (0.8 if i % 2 else 1.25) for i, rid in enumerate(router.replicas)}
+    served = set()
+    for k in range(40):
+        router.enqueue(Request(id=f"q{k}", text="word " * 400, arrived_at=0.0, model=MODEL))
+        for d in router.dispatch(0.0):
+            if d.route == "local":
+                _answer(router, d, speed)
+                served.add(d.target)
+            router.finished(d)
+    per_token = {rid: router.replicas[rid].rates.overall.time_per_token_s for rid in served}
+    assert served and None not in per_token.values()
+    per_unit = [v / speed[rid] for rid, v in per_token.items()]  # the same prompts: time per token x its speed
+    assert max(per_unit) - min(per_unit) < 1e-9 * max(per_unit)
+    d = decision_times(3, 1, decisions=20, prompts=["word " * 300], seed=0, warm=5, measured=True)
+    assert sum(d["routes"].values()) == 20
+
+
 def test_decision_ab_times_both_checkouts_in_turns():
     """bench/micro/decision_ab.py runs a worker per checkout (here the same one twice) and gathers each one's
     timed decisions, round by round."""

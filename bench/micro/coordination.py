@@ -109,13 +109,26 @@ def build_router_state(replicas: int, peers: int, *, seed: int = 0, placement: s
     return router, names
 
 
+def _answer(router, decision, speed: dict[str, float]) -> None:
+    """Report ``decision``'s response as an OpenAI server would (token counts, no engine timings), timed at its
+    replica's speed (``speed``: replica -> factor on an L4's 0.48 ms per prompt token and 54 ms per output token,
+    bench/emulator/model.py), so that the router measures each replica's rates (skylb/core/rates.py)."""
+    from skylb.core.rates import Usage
+    prompt, out, factor = max(1, len(decision.request.text) // 4), 100, speed[decision.target]
+    ttft = factor * 0.00048 * prompt
+    router.observe_response(decision, Usage(prompt_tokens=prompt, output_tokens=out), ttft_s=ttft,
+                            e2e_s=ttft + factor * 0.054 * (out - 1))
+
+
 def decision_times(replicas: int, peers: int, *, decisions: int, prompts: list[str], seed: int,
                    warm: int = WARM_REQUESTS, placement: str = "estimate",
-                   kv_capacity_tokens: int | None = None) -> dict:
+                   kv_capacity_tokens: int | None = None, measured: bool = False) -> dict:
     """One repetition: the trie warmed with ``warm`` prompts (routed, untimed), then ``decisions`` timed ``Router.dispatch``
     calls (one request each); returns p50 / p99 / mean in microseconds and the routes taken. With
     ``kv_capacity_tokens`` every replica reports that KV-cache capacity, and the trie is bounded per replica by it.
-    The heap built so far is frozen as the balancer freezes its own before serving (skylb/gc_pauses.py; unless
+    With ``measured`` every response is reported (``_answer``) at a speed of the replica's own, 0.8-1.25x an L4's,
+    so replicas are measured as in a fleet that has served for a while; without, no replica is ever measured and
+    every idle one ties on the estimate. The heap built so far is frozen as the balancer freezes its own before serving (skylb/gc_pauses.py; unless
     ``SKYLB_GC_FREEZE=0``), and unfrozen at the end."""
     import gc
     from skylb.core import Request
@@ -124,6 +137,7 @@ def decision_times(replicas: int, peers: int, *, decisions: int, prompts: list[s
                                        kv_capacity_tokens=kv_capacity_tokens)
     freeze_startup_heap()
     rng = random.Random(seed)
+    speed = {rid: random.Random(f"{seed}:{rid}").uniform(0.8, 1.25) for rid in router.replicas}
     now, times, routes = 0.0, [], {"local": 0, "peer": 0, "none": 0}
     for k in range(warm + decisions):
         if k % 100 == 0:
@@ -135,6 +149,8 @@ def decision_times(replicas: int, peers: int, *, decisions: int, prompts: list[s
         out = router.dispatch(now)
         elapsed = time.perf_counter_ns() - t0
         for d in out:
+            if measured and d.route == "local":
+                _answer(router, d, speed)
             router.finished(d)
         if k >= warm:
             times.append(elapsed / 1000.0)
@@ -208,25 +224,31 @@ def _spread(values: list[float], fmt: str = "{:.1f}") -> str:
     return text if len(values) == 1 else f"{text} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
 
 
-def measure(shapes: list[tuple[int, int, int | None]], *, decisions: int, repeats: int,
+def measure(shapes: list[tuple[int, int, int | None, bool]], *, decisions: int, repeats: int,
             placement: str = "estimate") -> list[dict]:
-    """Every figure for each (replicas, peers, KV-cache tokens per replica or None) shape; decision times once per
-    repetition (seeds 0..repeats-1), with the ``skylb`` policy's ``placement``."""
+    """Every figure for each (replicas, peers, KV-cache tokens per replica or None, replicas measured) shape;
+    decision times once per repetition (seeds 0..repeats-1), with the ``skylb`` policy's ``placement``."""
     prompts = _prompts(WARM_REQUESTS + decisions, 0)
     out = []
-    for replicas, peers, kv in shapes:
+    for replicas, peers, kv, measured in shapes:
         reps = [decision_times(replicas, peers, decisions=decisions, prompts=prompts, seed=s, placement=placement,
-                               kv_capacity_tokens=kv) for s in range(repeats)]
+                               kv_capacity_tokens=kv, measured=measured) for s in range(repeats)]
         status = status_message(replicas, peers)
-        out.append({"replicas": replicas, "peers": peers, "kv_capacity_tokens": kv, "repetitions": reps,
-                    "status": status, "probes": probe_traffic(replicas, peers, status["bytes"])})
+        out.append({"replicas": replicas, "peers": peers, "kv_capacity_tokens": kv, "measured": measured,
+                    "repetitions": reps, "status": status, "probes": probe_traffic(replicas, peers, status["bytes"])})
     return out
+
+
+def _variant(s: dict) -> bool:
+    """Whether a shape repeats another's replicas and peers (its status and probes are the same)."""
+    return bool(s.get("kv_capacity_tokens") or s.get("measured"))
 
 
 def _shape(s: dict) -> str:
     """A shape's label in the report."""
     kv = s.get("kv_capacity_tokens")
-    return f"{s['replicas']} replicas, {s['peers']} peers" + (f", KV caches of {kv:,} tokens" if kv else "")
+    return (f"{s['replicas']} replicas, {s['peers']} peers" + (f", KV caches of {kv:,} tokens" if kv else "")
+            + (", replicas measured" if s.get("measured") else ""))
 
 
 def target_us(replicas: int) -> float:
@@ -258,10 +280,10 @@ def render(result: dict) -> str:
                              [[_shape(s), str(s["status"]["bytes"]),
                                f"{s['status']['encode_us']:.1f}", f"{s['status']['decode_us']:.1f}",
                                str(s["status"]["round_trip_ok"])] for s in result["shapes"]
-                              if not s.get("kv_capacity_tokens")]), "",
+                              if not _variant(s)]), "",
               "## Probe traffic per balancer (default intervals, HTTP/1.1 headers included)", ""]
     for s in result["shapes"]:
-        if s.get("kv_capacity_tokens"):  # the same probes as the shape without
+        if _variant(s):  # the same probes as the shape without
             continue
         p = s["probes"]
         lines += [f"{s['replicas']} replicas, {s['peers']} peers (emulator vLLM /metrics body: "
@@ -293,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     """Measure and write the report and JSON; returns the exit status."""
     from bench.sim.eight_regions_bench import _commit
     args = build_parser().parse_args(argv)
-    shapes = [(args.replicas, args.peers, None), (25, 7, None), (12, 2, None), (12, 2, KV_CAPACITY_TOKENS)]
+    shapes = [(args.replicas, args.peers, None, False), (args.replicas, args.peers, None, True), (25, 7, None, False),
+              (12, 2, None, False), (12, 2, KV_CAPACITY_TOKENS, False)]
     result = {"shapes": measure(shapes, decisions=args.decisions, repeats=args.repeats, placement=args.placement)}
     command = "python -m bench.micro.coordination " + " ".join(argv if argv is not None else sys.argv[1:])
     result["meta"] = {"commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": command.strip(),
