@@ -123,13 +123,14 @@ def _answer(router, decision, speed: dict[str, float]) -> None:
 def decision_times(replicas: int, peers: int, *, decisions: int, prompts: list[str], seed: int,
                    warm: int = WARM_REQUESTS, placement: str = "estimate",
                    kv_capacity_tokens: int | None = None, measured: bool = False) -> dict:
-    """One repetition: the trie warmed with ``warm`` prompts (routed, untimed), then ``decisions`` timed ``Router.dispatch``
-    calls (one request each); returns p50 / p99 / mean in microseconds and the routes taken. With
+    """One repetition: the trie warmed with ``warm`` prompts (routed, untimed), then ``decisions`` timed
+    ``Router.dispatch`` calls (one request each); returns p50 / p99 / mean in microseconds and the routes taken. With
     ``kv_capacity_tokens`` every replica reports that KV-cache capacity, and the trie is bounded per replica by it.
     With ``measured`` every response is reported (``_answer``) at a speed of the replica's own, 0.8-1.25x an L4's,
-    so replicas are measured as in a fleet that has served for a while; without, no replica is ever measured and
-    every idle one ties on the estimate. The heap built so far is frozen as the balancer freezes its own before serving (skylb/gc_pauses.py; unless
-    ``SKYLB_GC_FREEZE=0``), and unfrozen at the end."""
+    so replicas are measured as in a fleet that has served for a while (OllamaRouter's time per token; prefill
+    rates only from lone responses, which these loaded replicas never give); without, no replica is ever measured
+    and every idle one ties on the estimate. The heap built so far is frozen as the balancer freezes its own before
+    serving (skylb/gc_pauses.py; unless ``SKYLB_GC_FREEZE=0``), and unfrozen at the end."""
     import gc
     from skylb.core import Request
     from skylb.gc_pauses import freeze_startup_heap
