@@ -9,7 +9,8 @@ balancer in front of the whole fleet, still with peers), SkyLB's shape in the ei
 replicas, 7 peers; bench/sim/eight_regions.py) and one region of the paper's deployment (12 replicas, 2 peers), that
 one also with every replica reporting a KV cache of :data:`KV_CAPACITY_TOKENS` (as vLLM and SGLang replicas do: the
 replica trie is then bounded per replica by it and evicts as it goes, skylb/core/prefix_trie.py
-``set_target_bound``):
+``set_target_bound``), and the worst case again with its replicas measured (each answer reported at the replica's
+own speed, ``decision_times`` ``measured``):
 
 * Routing decision: a real ``skylb.core.Router`` built by ``skylb.core.build_router`` from the live defaults
   (policy ``skylb``), its replicas and peers filled through ``observe_replica`` / ``observe_peer`` with values
