@@ -28,8 +28,10 @@ def test_matched_tokens_is_the_longest_held_prefix_times_the_block_size():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_matched_blocks_equals_the_block_by_block_definition(seed):
-    """Random stores and removals (holes, several media on some replicas, a replica not live): each live replica's
-    count is the number of leading blocks of the request that it holds in any medium."""
+    """Random stores and tail removals (several media on some replicas, a replica not live): each live replica's
+    count is the number of leading blocks of the request that it holds in any medium, as an engine's prefix cache
+    keeps them (a chain's later blocks evicted before their parents). With a hole (one block of the held prefix
+    evicted alone), the count ends a run of held blocks: block n - 1 held and block n not."""
     import random
     rng = random.Random(seed)
     prompt = [rng.getrandbits(64) for _ in range(1500)]  # past the first runs read at once
@@ -41,22 +43,52 @@ def test_matched_blocks_equals_the_block_by_block_definition(seed):
             held = rng.randrange(len(prompt) + 1)
             index.store(replica, prompt[:held] + [rng.getrandbits(64) for _ in range(50)], block_size=16,
                         medium=medium)
-            if rng.random() < 0.5 and held > 10:  # a hole: an evicted block inside the held prefix
-                index.remove(replica, [prompt[rng.randrange(held)]], medium=medium)
+            if rng.random() < 0.5 and held > 10:  # the tail evicted, as the engines evict
+                index.remove(replica, prompt[rng.randrange(held):held], medium=medium)
     if seed % 3 == 0:
         index.drop("r3")
 
     def holds(replica, h):
         return any(holder.replica == replica for holder in index.holders(h))
-    expected = {}
-    for replica in index.replicas:
-        if index.is_live(replica):
-            n = 0
-            while n < len(prompt) and holds(replica, prompt[n]):
-                n += 1
-            expected[replica] = n
+
+    def leading(replica):
+        n = 0
+        while n < len(prompt) and holds(replica, prompt[n]):
+            n += 1
+        return n
+    expected = {replica: leading(replica) for replica in index.replicas if index.is_live(replica)}
     assert index.matched_blocks(prompt) == expected
     assert index.matched_blocks(prompt[:0]) == dict.fromkeys(expected, 0)
+    for replica, n in expected.items():
+        if n > 10:  # a hole inside the held prefix, in every medium
+            for medium in media[replica]:
+                index.remove(replica, [prompt[rng.randrange(n - 1)]], medium=medium)
+    for replica, n in index.matched_blocks(prompt).items():
+        if n == 0:
+            assert not holds(replica, prompt[0])
+        else:
+            assert holds(replica, prompt[n - 1]) and (n == len(prompt) or not holds(replica, prompt[n]))
+
+
+def test_matched_blocks_reads_a_long_held_prefix_in_logarithmic_lookups():
+    """Half of a 2,048-block prompt held by one of 8 replicas, 300 blocks by another: the answer is exact and reads
+    at most 2 log2(n) + 1 blocks per holding replica, not one per held block."""
+    import random
+    rng = random.Random(1)
+    prompt = [rng.getrandbits(64) for _ in range(2048)]
+    index = _live(*(f"r{i}" for i in range(8)), max_blocks=10_000)
+    index.store("r3", prompt[:1024], block_size=16)
+    index.store("r5", prompt[:300], block_size=16)
+
+    class CountingDict(dict):
+        reads = 0
+
+        def get(self, *args):
+            CountingDict.reads += 1
+            return super().get(*args)
+    index._blocks = CountingDict(index._blocks)
+    assert index.matched_blocks(prompt) == {**{f"r{i}": 0 for i in range(8)}, "r3": 1024, "r5": 300}
+    assert CountingDict.reads <= 2 * (2 * 11 + 1)
 
 
 @pytest.mark.parametrize("events, expected", [

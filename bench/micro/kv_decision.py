@@ -6,10 +6,13 @@ JSON, p50/p99 in ms of:
 * ``hash_ms``: a request's block hashes from its token ids (skylb/core/kv_hash.py, vLLM's pickle + SHA-256
   chain, blocks of 16), the CPU part of the tokenize step; the /tokenize round trip to the engine comes on top and is
   the balancer's ``skylb_kv_tokenize_seconds`` histogram (tokenizing is the engine's work);
-* ``decision_ms``: one routing decision of the default policy (``Router.enqueue`` then ``Router.dispatch``, the
-  request placed) with the block index at ``--blocks`` blocks and ``--replicas`` live replicas, for a prompt of
-  ``--tokens`` tokens whose prefix one replica holds; and ``decision_trie_ms``: the same request without block
-  hashes (the prefix trie alone).
+* ``prepare_ms``: ``Router.enqueue``, the rest of the per-request work done once as the request is queued (its
+  character count, its prompt cut into the prefix trie's chunks), outside the decision every queued request waits
+  on, as hashing is;
+* ``decision_ms``: one routing decision of the default policy (``Router.dispatch``, the request placed), as
+  bench/micro/coordination.py times it, with the block index at ``--blocks`` blocks and ``--replicas`` live
+  replicas, for a prompt of ``--tokens`` tokens whose prefix one replica holds; ``decision_trie_ms``: the same
+  request without block hashes (the prefix trie alone). Until 2026-11-30 ``decision_ms`` included ``prepare_ms``.
 
 Run it alone on a quiet machine: the figures are wall-clock.
 """
@@ -59,7 +62,7 @@ def measure(*, blocks: int, replicas: int, tokens: int, n: int, seed: int = 0) -
     index.store("r3", hashes[: len(hashes) // 2], block_size=16)  # half the prompt cached on one replica
     router = _router(index, replicas)
     text = " ".join(f"w{t}" for t in ids)[: tokens * 4]
-    timings: dict[str, list[float]] = {"decision_ms": [], "decision_trie_ms": []}
+    timings: dict[str, list[float]] = {"prepare_ms": [], "decision_ms": [], "decision_trie_ms": []}
     held = {}
     for k in range(n):
         now = k * 1e-4  # probes stay fresh (stale after 5 intervals of 100 ms)
@@ -68,8 +71,11 @@ def measure(*, blocks: int, replicas: int, tokens: int, n: int, seed: int = 0) -
                               prompt_tokens=tokens, block_hashes=block_hashes)
             started = time.perf_counter()
             router.enqueue(request)
+            queued = time.perf_counter()
             decisions = router.dispatch(now)
-            timings[name].append((time.perf_counter() - started) * 1000)
+            timings[name].append((time.perf_counter() - queued) * 1000)
+            if block_hashes is not None:
+                timings["prepare_ms"].append((queued - started) * 1000)
             if len(decisions) != 1:
                 raise RuntimeError(f"request {k} was not placed at once: {decisions}")
             router.finished(decisions[0])

@@ -247,32 +247,55 @@ class BlockIndex:
         ``block_hashes``: the request's chained 64-bit block hashes, in prompt order, computed with the replicas'
         block size (see :meth:`block_sizes`). Returns {replica: matched blocks x its block size} for every live
         replica, 0 included; a replica absent from the answer is not live (use the prefix trie for it).
-        O(len(block_hashes)) dict lookups, stopping when no replica still matches.
+        O(log len(block_hashes)) dict lookups per replica holding its first block (see :meth:`matched_blocks`).
         """
         blocks = self.matched_blocks(block_hashes)
         return {r: n * (self.replicas[r].block_size or 0) for r, n in blocks.items()}
 
     def matched_blocks(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Per live replica, how many leading blocks of ``block_hashes`` it holds (see :meth:`matched_tokens`)."""
+        """Per live replica, how many leading blocks of ``block_hashes`` it holds (see :meth:`matched_tokens`).
+
+        A replica's cached blocks of one chain form a prefix of it: vLLM frees a finished request's blocks tail
+        first, so its LRU free queue evicts a chain's later blocks before their parents, and a prefix hit touches
+        every block of the prefix (``KVCacheManager.free``, ``vllm/v1/core/kv_cache_manager.py``); SGLang's radix
+        cache evicts leaves only. So the held blocks' count is found by galloping then bisecting per replica
+        (blocks 1, 2, 4, ... then halving): O(log n) lookups per holding replica instead of one per held block (a
+        32k-token prompt, 2,048 blocks, half held: 20 lookups instead of 1,024, each a likely cache miss in a
+        million-entry dict). Where a replica's blocks of the chain have a hole (an engine evicting single blocks,
+        or this index's own bound forgetting an old block), the answer is the end of one of its runs of held
+        blocks: block ``n - 1`` held and block ``n`` not, 0 when block 0 is not held.
+        """
         result = {r: 0 for r, s in self.replicas.items() if s.live}
-        remaining = {r: bits for r, bits in self._replica_bits.items() if r in result}
-        if not remaining:
-            return result  # no live replica holds anything
-        running = 0
-        for bits in remaining.values():
-            running |= bits
-        blocks = self._blocks
-        for i, h in enumerate(block_hashes):
-            mask = blocks.get(h, 0)
-            if mask & running == running:
-                continue  # every replica still matching holds this block in all its slots: the common case
-            for r in [r for r, bits in remaining.items() if not mask & bits]:
-                result[r] = i
-                running &= ~remaining.pop(r)
-            if not remaining:
-                return result
-        for r in remaining:
-            result[r] = len(block_hashes)
+        n = len(block_hashes)
+        if not n:
+            return result
+        get = self._blocks.get
+        masks = {0: get(block_hashes[0], 0)}  # block position -> holder mask, each read once per call
+        first = masks[0]
+        for replica in result:
+            bits = self._replica_bits.get(replica, 0)
+            if not first & bits:
+                continue
+            held, step, missing = 0, 1, n  # block ``held`` is held; ``missing`` is not (or is the end)
+            while held + step < n:
+                i = held + step
+                mask = masks.get(i)
+                if mask is None:
+                    mask = masks[i] = get(block_hashes[i], 0)
+                if not mask & bits:
+                    missing = i
+                    break
+                held, step = i, step * 2
+            while missing - held > 1:
+                i = (held + missing) // 2
+                mask = masks.get(i)
+                if mask is None:
+                    mask = masks[i] = get(block_hashes[i], 0)
+                if mask & bits:
+                    held = i
+                else:
+                    missing = i
+            result[replica] = held + 1
         return result
 
     def summary(self, limit: int = MAX_SUMMARY_BLOCKS) -> tuple[int, ...]:
