@@ -457,6 +457,9 @@ LIVE_BENCHMARKS = {
     "kv_live": "routing by the prefix trie vs by the engines' KV-cache events, beside the SGLang router and "
                "HAProxy: emulated vLLM replicas publishing events, the multi-tenant shared-prefix workload, paired "
                "runs (bench/results/kv_live.md)",
+    "kv_regions": "exact cache locality across three regions: emulated vLLM replicas publishing KV-cache events, "
+                  "tenants' requests from several regions; forwards to the region holding the prompt's prefix, by "
+                  "the replicas' own events, with and without routing by them (bench/results/kv_regions.md)",
     "concurrency": "fixed concurrency as inference-perf runs it (16 clients, 4 replicas of batch 4): requests waiting "
                    "behind a full batch, TTFT p99 and throughput beside HAProxy leastconn (bench/results/concurrency.md)",
     "load_generators": "the README's recipe for the field's load generators, run with AIPerf (installed apart: "

@@ -43,7 +43,7 @@ from bench.dns.bind import BindServer, balancer_address, client_address
 from bench.launch.llamacpp import (LlamaCppUnavailable, gemma_model_path, llama_server_binary, llama_server_command,
                             model_alias)
 from bench.latency.links import LatencyLinks
-from bench.launch.procs import ProcGroup, free_ports, wait_http
+from bench.launch.procs import ProcGroup, free_port_block, free_ports, wait_http
 from bench.launch.settings import emulator_settings, failover_rtt_ms, latency_settings
 
 __all__ = ["Deployment", "LLAMACPP_START_TIMEOUT_S", "ctl_program"]
@@ -73,12 +73,15 @@ class Deployment:
     Args:
         cfg: the deployment config; run_dir: where logs, the controller's DB and balancer state go.
         dns: run BIND 9 with a view per region and put each region's balancer on its own loopback address.
+        kv_events: the emulated replicas publish their KV-cache events in vLLM's wire format (``--kv-events-config``,
+            a PUB and a replay socket per replica) and are registered with those endpoints, so the balancers route
+            by them (README "KV-cache events"); ``kv_endpoints`` then lists them per region. Emulated vLLM only.
     """
 
     #: Wait, before the replay, until every balancer has a status from every peer (False: region-local runs).
     expects_peers = True
 
-    def __init__(self, cfg: DeploymentConfig, run_dir: Path, *, dns: bool = False):
+    def __init__(self, cfg: DeploymentConfig, run_dir: Path, *, dns: bool = False, kv_events: bool = False):
         self.cfg = cfg
         #: The demo's own sections, checked before anything starts (ConfigError naming a bad key).
         self.emulator = emulator_settings(cfg)
@@ -90,6 +93,11 @@ class Deployment:
         self.balancer_urls: dict[str, str] = {}
         self.replica_urls: dict[str, list[str]] = {}
         self.dns = dns
+        if kv_events and self.emulator.engine != "vllm":
+            raise ValueError(f"kv_events needs emulated vLLM replicas, not {self.emulator.engine!r}")
+        self.kv_events = kv_events
+        #: With kv_events: region -> each replica's (event endpoint, replay endpoint), in ``replica_urls`` order.
+        self.kv_endpoints: dict[str, list[tuple[str, str]]] = {}
         #: With dns: the running BIND server, the one URL every region's clients call (the service name and the
         #: balancers' port), and region -> the source address its clients resolve and connect from.
         self.bind: BindServer | None = None
@@ -151,6 +159,8 @@ class Deployment:
             port_args = [a for u in urls for a in ("--port", u.rsplit(":", 1)[1])]
             _say(f"{region}: {len(urls)} emulated {self.emulator.engine} replicas on ports "
                  f"{', '.join(u.rsplit(':', 1)[1] for u in urls)}")
+            if self.kv_events:
+                port_args += self._kv_events_args(region, len(urls))
             self.procs.skylb("emulator", "--engine", self.emulator.engine, "--model", self.emulator.model,
                              "--time-scale", str(self.emulator.time_scale), *port_args, *self.emulator.extra_args,
                              name=f"emulator-{region}", wait_url=f"{urls[0]}/health")
@@ -187,15 +197,27 @@ class Deployment:
             _say(f"{region}: balancer on {url}")
 
         for region, urls in self.replica_urls.items():
-            for url in urls:
-                _post_json(f"{self.controller_url}/v1/replicas",
-                           {"region": region, "url": url, "engine": self.emulator.engine},
+            for i, url in enumerate(urls):
+                entry = {"region": region, "url": url, "engine": self.emulator.engine}
+                if self.kv_events:
+                    entry["kv_events"], entry["kv_events_replay"] = self.kv_endpoints[region][i]
+                _post_json(f"{self.controller_url}/v1/replicas", entry,
                            headers={"Authorization": f"Bearer {self.admin_token}"})
         _say(f"registered {n_replicas} replicas through the controller")
         self._wait_ready()
         for line in self.page_lines():
             _say(line)
         _say(f"skylb-ctl for this deployment (paste it): {self.ctl_command()}")
+
+    def _kv_events_args(self, region: str, n: int) -> list[str]:
+        """The emulator's ``--kv-events-config`` for ``n`` replicas of ``region`` (it offsets each replica's ports
+        from the configured ones), their endpoints kept in ``kv_endpoints``."""
+        pub, replay = free_port_block(n), free_port_block(n)
+        self.kv_endpoints[region] = [(f"tcp://127.0.0.1:{pub + i}", f"tcp://127.0.0.1:{replay + i}") for i in range(n)]
+        # "*" binds the emulator's host, as vLLM binds a wildcard endpoint.
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                  "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"}
+        return ["--kv-events-config", json.dumps(config)]
 
     def page_lines(self) -> list[str]:
         """Where each status page is and what its login form wants: the controller's (the admin token) and each

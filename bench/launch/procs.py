@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.launch import forkstart, interrupts
 
-__all__ = ["free_port", "free_ports", "Proc", "ProcGroup", "wait_http"]
+__all__ = ["free_port", "free_port_block", "free_ports", "Proc", "ProcGroup", "wait_http"]
 
 
 
@@ -35,6 +35,26 @@ def free_port() -> int:
 #: closed for a while between free_ports() and its server's bind (or between a server's stop and its restart).
 RESERVED_PORTS_FILE = Path(tempfile.gettempdir()) / "skylb-reserved-ports"
 RESERVE_S = 300.0
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p + n - 1 all free on 127.0.0.1 now (the emulator offsets each replica's KV-event ports
+    from one: ``tcp://*:p`` for its first replica, p + 1 for the second, ...); RuntimeError when none is found."""
+    for _ in range(50):
+        base = free_ports(1)[0]
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
 
 
 def free_ports(n: int) -> list[int]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 import time
 import urllib.request
@@ -34,7 +33,7 @@ from typing import Any, Sequence
 
 from bench.live.harness import summarize
 from bench.launch.launchers import MODEL, Unavailable, start_haproxy, start_sglang, unavailable_reason, warm_up
-from bench.launch.procs import ProcGroup, free_ports
+from bench.launch.procs import ProcGroup, free_port_block, free_ports
 from bench.reporting.provenance import provenance, provenance_line
 from bench.replay.run import replay
 from bench.sim.workloads_extra import multi_tenant
@@ -54,29 +53,10 @@ def workload(*, seed: int, rate_rps: float, duration_s: float, tenants: int) -> 
             for r in sim.arrivals]
 
 
-def _port_block(n: int) -> int:
-    """A port p with p .. p + n - 1 all free on 127.0.0.1 now (the emulator offsets each replica's event ports)."""
-    for _ in range(50):
-        base = free_ports(1)[0]
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports found")
-
-
 def _start_replicas(procs: ProcGroup, *, time_scale: float, kv_cache_tokens: int) -> tuple[list[str], list[str]]:
     """The emulator's replicas: (base URLs, ``--replica`` flags naming their event endpoints)."""
     ports = free_ports(REPLICAS)
-    pub, replay_port = _port_block(REPLICAS), _port_block(REPLICAS)
+    pub, replay_port = free_port_block(REPLICAS), free_port_block(REPLICAS)
     # "*" binds the emulator's host, as vLLM binds a wildcard endpoint (another host name it would connect to).
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
               "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv-events"}
