@@ -9,14 +9,16 @@ from bench.live import kv_regions
 from bench.replay.report import RequestRecord
 
 
-def _record(rid: str, region: str, route: str | None) -> RequestRecord:
-    return RequestRecord(id=rid, region=region, route=route)
+def _record(rid: str, region: str, route: str | None, sent_s: float = 1.0) -> RequestRecord:
+    return RequestRecord(id=rid, region=region, route=route, sent_s=sent_s)
 
 
 def test_a_forward_counts_as_held_only_when_a_region_other_than_the_clients_held_half_the_prompt():
     """Local answers are not forwards; a forward whose prompt no peer region held (the client's own region does not
     count) is not judged; one a peer held counts as to a holding region when it went to any holder, and as to the
-    deepest only when it went to the one holding the most."""
+    deepest only when it went to the one holding the most. With the balancers' readings of open peers, a forward
+    counts as "held, a holder open" when a holder was open in the client's balancer's latest reading before it was
+    sent."""
     held = {
         "local": {"us": 0.9, "eu": 0.9, "asia": 0.0},
         "own-only": {"us": 0.9, "eu": 0.4, "asia": 0.0},
@@ -25,10 +27,15 @@ def test_a_forward_counts_as_held_only_when_a_region_other_than_the_clients_held
         "elsewhere": {"us": 0.0, "eu": 0.8, "asia": 0.1},
     }
     records = [_record("local", "us", "local"), _record("own-only", "us", "peer:eu"),
-               _record("to-deepest", "us", "peer:eu"), _record("to-holder", "us", "peer:asia"),
-               _record("elsewhere", "us", "peer:asia")]
+               _record("to-deepest", "us", "peer:eu", 1.0), _record("to-holder", "us", "peer:asia", 3.0),
+               _record("elsewhere", "us", "peer:asia", 3.0)]
     assert kv_regions.forward_audit(records, held) == {"forwarded": 4, "held_by_peer": 3, "to_holder": 2,
-                                                       "to_deepest": 1}
+                                                       "to_deepest": 1, "held_with_room": 0,
+                                                       "to_holder_with_room": 0}
+    # us could forward to eu and asia until 2 s, then to asia only: "elsewhere" (eu held it) had no open holder.
+    open_peers = {"us": [(0.5, frozenset({"eu", "asia"})), (2.0, frozenset({"asia"}))], "eu": [], "asia": []}
+    audit = kv_regions.forward_audit(records, held, open_peers)
+    assert (audit["held_with_room"], audit["to_holder_with_room"]) == (2, 2)
 
 
 def test_kv_regions_runs_three_regions_routing_by_their_replicas_kv_cache_events(tmp_path):
@@ -50,5 +57,6 @@ def test_kv_regions_runs_three_regions_routing_by_their_replicas_kv_cache_events
     streams = row["audit_streams"]
     assert sorted(streams) == ["asia/0", "eu/0", "us/0"] and all(s["live"] for s in streams.values())
     assert sum(s["batches"] for s in streams.values()) > 0
-    assert row["forwards"]["forwarded"] >= row["forwards"]["held_by_peer"] >= row["forwards"]["to_holder"]
+    fw = row["forwards"]
+    assert fw["forwarded"] >= fw["held_by_peer"] >= fw["to_holder"] >= fw["to_holder_with_room"]
     assert "| 3 | 0 | skylb-kv | " in out.read_text()

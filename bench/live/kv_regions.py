@@ -138,6 +138,26 @@ class Audit:
                 shares[region] = max(shares[region], n / len(block_hashes))
         return shares
 
+    async def watch_peers(self, balancers: dict[str, tuple[str, str]], started: float, until_s: float,
+                          every_s: float = 0.25) -> dict[str, list[tuple[float, frozenset[str]]]]:
+        """Every ``every_s`` until ``until_s`` after ``started`` (loop time): per region, the peers its balancer
+        would forward to now (its status page: ``peers[].available``), as (seconds after ``started``, regions).
+        ``balancers``: region -> (base URL, peer token)."""
+        loop, out = asyncio.get_running_loop(), {region: [] for region in balancers}
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while (now := loop.time() - started) < until_s:
+                for region, (url, token) in balancers.items():
+                    try:
+                        async with session.get(f"{url}/skylb/v1/status?format=json",
+                                               headers={"X-SkyLB-Token": token}) as resp:
+                            peers = (await resp.json())["peers"]
+                    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError):
+                        continue  # a missed reading: the previous one stands
+                    out[region].append((now, frozenset(p["region"] for p in peers if p["available"])))
+                await asyncio.sleep(every_s)
+        return out
+
     async def follow(self, requests: Sequence[Request], hashes: dict[str, tuple[int, ...]],
                      started: float) -> dict[str, dict[str, float]]:
         """At each request's arrival (``arrival_s`` after ``started``, loop time), :meth:`held` of its prompt."""
@@ -148,11 +168,15 @@ class Audit:
         return out
 
 
-def forward_audit(records: Sequence[RequestRecord], held: dict[str, dict[str, float]]) -> dict[str, int]:
+def forward_audit(records: Sequence[RequestRecord], held: dict[str, dict[str, float]],
+                  open_peers: dict[str, list[tuple[float, frozenset[str]]]] | None = None) -> dict[str, int]:
     """Forwarded requests (``X-SkyLB-Route: peer:<region>``), those a peer's region held at arrival (at least
     :data:`HELD_SHARE` of the prompt in one replica), of those the ones sent to a holding region, and to the region
-    holding the largest share."""
-    out = {"forwarded": 0, "held_by_peer": 0, "to_holder": 0, "to_deepest": 0}
+    holding the largest share; with ``open_peers`` (:meth:`Audit.watch_peers`), also those where a holding region
+    was one the client's balancer could forward to at the request's send time (its latest reading before), and of
+    those the ones sent to a holding region."""
+    out = {"forwarded": 0, "held_by_peer": 0, "to_holder": 0, "to_deepest": 0, "held_with_room": 0,
+           "to_holder_with_room": 0}
     for r in records:
         if not (r.route or "").startswith("peer:"):
             continue
@@ -163,25 +187,32 @@ def forward_audit(records: Sequence[RequestRecord], held: dict[str, dict[str, fl
         if best < HELD_SHARE:
             continue
         out["held_by_peer"] += 1
-        out["to_holder"] += peers.get(target, 0.0) >= HELD_SHARE
+        to_holder = peers.get(target, 0.0) >= HELD_SHARE
+        out["to_holder"] += to_holder
         out["to_deepest"] += peers.get(target, 0.0) == best
+        readings = [regions for at, regions in (open_peers or {}).get(r.region, ()) if at <= (r.sent_s or 0.0)]
+        if readings and any(peers[p] >= HELD_SHARE for p in readings[-1]):
+            out["held_with_room"] += 1
+            out["to_holder_with_room"] += to_holder
     return out
 
 
-async def _replay_audited(deployment: Deployment, requests: list[Request]) -> tuple[Any, dict, dict]:
+async def _replay_audited(deployment: Deployment, requests: list[Request]) -> tuple[Any, dict, dict, dict]:
     audit = Audit(deployment.kv_endpoints)
     try:
         await audit.start()
         hashes = await audit.hashes(deployment.replica_urls[REGIONS[0]][0], requests)
         started = asyncio.get_running_loop().time()
-        result, held = await asyncio.gather(
+        balancers = {r: (url, deployment.peer_tokens[r]) for r, url in deployment.balancer_urls.items()}
+        until_s = max(r.arrival_s for r in requests) + 1.0
+        result, held, open_peers = await asyncio.gather(
             replay(requests, deployment.balancer_urls, model=MODEL, progress=False),
-            audit.follow(requests, hashes, started))
+            audit.follow(requests, hashes, started), audit.watch_peers(balancers, started, until_s))
         streams = {r: {"live": audit.index.is_live(r), "gaps": s.gaps, "batches": s.batches}
                    for r, s in audit.index.replicas.items()}
     finally:
         await audit.close()
-    return result, held, streams
+    return result, held, open_peers, streams
 
 
 def run_system(name: str, requests: list[Request], *, run_dir: Path, replicas: int, time_scale: float,
@@ -192,7 +223,7 @@ def run_system(name: str, requests: list[Request], *, run_dir: Path, replicas: i
     deployment = Deployment(cfg, run_dir / name, kv_events=True)
     try:
         deployment.start()
-        result, held, streams = asyncio.run(_replay_audited(deployment, requests))
+        result, held, open_peers, streams = asyncio.run(_replay_audited(deployment, requests))
         followed = {region: _events_followed(url, deployment.peer_tokens[region])
                     for region, url in deployment.balancer_urls.items()}
     except (RuntimeError, OSError) as exc:
@@ -200,7 +231,8 @@ def run_system(name: str, requests: list[Request], *, run_dir: Path, replicas: i
     finally:
         deployment.stop()
     return {"system": name, "status": "ok", "figures": summarize(result.records, result.wall_s),
-            "forwards": forward_audit(result.records, held), "audit_streams": streams, "kv_events": followed}
+            "forwards": forward_audit(result.records, held, open_peers), "audit_streams": streams,
+            "kv_events": followed}
 
 
 def _events_followed(url: str, peer_token: str) -> dict[str, int]:
@@ -249,24 +281,29 @@ def format_markdown(result: dict[str, Any]) -> str:
              f"s, open loop, streamed `/v1/completions`); paired runs. Method: bench/live/kv_regions.py.", "",
              f"Forwards: requests forwarded to a peer; of those, held by a peer's region (one of its replicas held "
              f"at least {HELD_SHARE:.0%} of the prompt at the request's arrival, by the bench's own reading of every "
-             f"replica's events); of those, sent to a holding region, and to the one holding the most.", "",
+             f"replica's events); of those, sent to a holding region, and to the one holding the most; then the "
+             f"forwards where a holding region was open (the client's balancer listed it as available to forward "
+             f"to in its status, read every 0.25 s, at the latest reading before the request was sent), and of "
+             f"those the ones sent to a holding region.", "",
              "KV events: the balancers' own streams at the end of the run (live / with an endpoint, summed over the "
              "regions; 0/0 when routing by the trie).", "",
              "| rate req/s | seed | system | ok/sent | TTFT p50 ms | TTFT p90 ms | req/s | prefix hit | KV events "
-             "| forwarded | held by a peer's region | to a holding region | to the deepest |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| forwarded | held by a peer's region | to a holding region | to the deepest | held, a holder open "
+             "| to a holding region |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         head = f"| {row['rate_rps']:g} | {row['seed']} | {row['system']} |"
         f = row.get("figures")
         if not f:
-            lines.append(f"{head} {row['status']}: {row.get('reason', '')[:80]} | | | | | | | | | |")
+            lines.append(f"{head} {row['status']}: {row.get('reason', '')[:80]} | | | | | | | | | | | |")
             continue
         fw, kv = row["forwards"], row["kv_events"].values()
         events = f"{sum(e['live'] for e in kv)}/{sum(e['replicas'] for e in kv)}"
         hit = f"{100 * f['prefix_hit_rate']:.1f}%" if f.get("prefix_hit_rate") is not None else "-"
         lines.append(f"{head} {f['completed']}/{f['sent']} | {f['ttft_p50_ms']:.0f} | {f['ttft_p90_ms']:.0f} | "
                      f"{f['throughput_rps']:.2f} | {hit} | {events} | {fw['forwarded']} | {fw['held_by_peer']} | "
-                     f"{_pct(fw['to_holder'], fw['held_by_peer'])} | {_pct(fw['to_deepest'], fw['held_by_peer'])} |")
+                     f"{_pct(fw['to_holder'], fw['held_by_peer'])} | {_pct(fw['to_deepest'], fw['held_by_peer'])} | "
+                     f"{fw['held_with_room']} | {_pct(fw['to_holder_with_room'], fw['held_with_room'])} |")
     return "\n".join(lines) + "\n"
 
 
