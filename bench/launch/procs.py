@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench.launch import forkstart, interrupts
@@ -37,28 +38,10 @@ RESERVED_PORTS_FILE = Path(tempfile.gettempdir()) / "skylb-reserved-ports"
 RESERVE_S = 300.0
 
 
-def free_port_block(n: int) -> int:
-    """A port p with p .. p + n - 1 all free on 127.0.0.1 now (the emulator offsets each replica's KV-event ports
-    from one: ``tcp://*:p`` for its first replica, p + 1 for the second, ...); RuntimeError when none is found."""
-    for _ in range(50):
-        base = free_ports(1)[0]
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports found")
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports on 127.0.0.1, chosen by the OS and none handed out on this machine recently."""
+@contextlib.contextmanager
+def _reservations() -> Iterator[dict[int, float]]:
+    """The ports handed out on this machine in the last RESERVE_S seconds ({port: when}), under the reservation
+    file's lock; what the block adds to the dict is written back at its end."""
     with open(RESERVED_PORTS_FILE, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         f.seek(0)
@@ -69,6 +52,44 @@ def free_ports(n: int) -> list[int]:
                 port, at = line.split("@")
                 if now - float(at) < RESERVE_S:
                     reserved[int(port)] = float(at)
+        yield reserved
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{p}@{at:.1f}\n" for p, at in reserved.items()))
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p + n - 1 all free on 127.0.0.1 now and none handed out recently, reserved as
+    :func:`free_ports` reserves (the emulator offsets each replica's KV-event ports from one: ``tcp://*:p`` for its
+    first replica, p + 1 for the second, ...); RuntimeError when none is found."""
+    with _reservations() as reserved:
+        for _ in range(50):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = s.getsockname()[1]
+            block = range(base, base + n)
+            if any(p in reserved for p in block):
+                continue
+            socks = []
+            try:
+                for port in block:
+                    sock = socket.socket()
+                    socks.append(sock)
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            finally:
+                for sock in socks:
+                    sock.close()
+            now = time.time()
+            reserved.update((p, now) for p in block)
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports on 127.0.0.1, chosen by the OS and none handed out on this machine recently."""
+    with _reservations() as reserved:
         ports: list[int] = []
         socks = []
         try:
@@ -82,10 +103,8 @@ def free_ports(n: int) -> list[int]:
         finally:
             for s in socks:
                 s.close()
+        now = time.time()
         reserved.update((p, now) for p in ports)
-        f.seek(0)
-        f.truncate()
-        f.write("".join(f"{p}@{at:.1f}\n" for p, at in reserved.items()))
     return ports
 
 

@@ -34,7 +34,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -220,6 +222,7 @@ def run_system(name: str, requests: list[Request], *, run_dir: Path, replicas: i
     """One replay of ``requests`` through a fresh deployment of system ``name``; its row (every process stopped)."""
     cfg = deployment_config(replicas=replicas, time_scale=time_scale, kv_cache_tokens=kv_cache_tokens,
                             kv_routing=SYSTEMS[name])
+    shutil.rmtree(run_dir / name, ignore_errors=True)  # a controller database left by an earlier run refuses these
     deployment = Deployment(cfg, run_dir / name, kv_events=True)
     try:
         deployment.start()
@@ -319,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=4, help="emulated replicas per region")
     p.add_argument("--time-scale", type=float, default=0.5, help="the emulator's time scale (1: an L4)")
     p.add_argument("--kv-cache-tokens", type=int, default=8192, help="each replica's KV cache, tokens")
-    p.add_argument("--run-dir", type=Path, default=Path("/tmp/skylb-kv-regions"), help="logs of every process")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="logs of every process (default: a new temporary directory)")
     p.add_argument("--out-md", type=Path, default=Path("bench/results/kv_regions.md"))
     args = p.parse_args(argv)
     if not 0.0 <= args.abroad <= 1.0:
@@ -328,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(systems=args.systems, rates=[float(x) for x in args.rates.split(",")],
                  seeds=[int(x) for x in args.seeds.split(",")], duration_s=args.duration_s, abroad=args.abroad,
                  tenants=args.tenants, replicas=args.replicas, time_scale=args.time_scale,
-                 kv_cache_tokens=args.kv_cache_tokens, run_dir=args.run_dir)
+                 kv_cache_tokens=args.kv_cache_tokens,
+                 run_dir=args.run_dir or Path(tempfile.mkdtemp(prefix="skylb-kv-regions-")))
     command = "python -m bench.live.kv_regions " + " ".join(argv if argv is not None else sys.argv[1:])
     result["provenance"] = provenance(command.strip())
     result["wall_s"] = round(time.time() - started, 1)
