@@ -18,7 +18,7 @@ from skylb.balancer.static import parse_replica, static_membership
 from skylb.config import BalancerConfig, ConfigError
 from skylb.core.kv_index import BlockIndex
 from skylb.core.state import ReplicaState
-from skylb.core.kv_hash import request_block_hashes
+from skylb.core.kv_hash import BlockHashCache, request_block_hashes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
 
@@ -41,6 +41,42 @@ def test_request_hashes_equal_vllms_chains_with_a_cache_salt_and_a_lora_key():
     assert len(plain) == 2 and request_block_hashes(list(range(40)), 16, cache_salt="t")[1] != plain[1]
     with pytest.raises(ValueError, match="block_size"):
         request_block_hashes([1], 0)
+
+
+def test_the_block_hash_cache_gives_vllms_chains_and_hashes_only_new_blocks_in_full():
+    """Through a BlockHashCache the fixture's chains (plain, salted, LoRA) come out the same; a next turn that extends
+    a prompt finds its old blocks there and hashes only its new ones; a salt or a LoRA key never reuses another
+    key's blocks; token ids beyond 4 bytes bypass the cache; the bound drops the oldest blocks first."""
+    cache = BlockHashCache(max_blocks=1000)
+    for case in [c for c in json.loads((FIXTURES / "hashes.json").read_text())["cases"] if c["algo"] == "sha256"]:
+        extra = case["extra_keys_first_block"]
+        kind = extra[0][0] if extra else None
+        salt = extra[0][1] if kind == "cache_salt" else None
+        lora = tuple(extra[0]) if kind == "lora" else None
+        for _ in range(2):  # the second time from the cache
+            got = request_block_hashes(case["token_ids"], case["block_size"], cache_salt=salt, lora_key=lora,
+                                       cache=cache)
+            assert list(got) == [b["external"] for b in case["chain"]], kind
+    import random
+    rng = random.Random(0)
+    turn = [rng.randrange(150_000) for _ in range(16 * 40 + 5)]
+    cache = BlockHashCache(max_blocks=1000)
+    assert request_block_hashes(turn, 16, cache=cache) == request_block_hashes(turn, 16)
+    assert (cache.hits, cache.misses) == (0, 40)
+    follow_up = turn + [rng.randrange(150_000) for _ in range(16 * 10)]
+    assert request_block_hashes(follow_up, 16, cache=cache) == request_block_hashes(follow_up, 16)
+    assert (cache.hits, cache.misses) == (40, 50)  # the 40 blocks seen, then 10 new ones (the 5 tokens now fill one)
+    salted = request_block_hashes(turn, 16, cache_salt="tenant-b", cache=cache)
+    assert salted == request_block_hashes(turn, 16, cache_salt="tenant-b") and salted[0] != request_block_hashes(
+        turn, 16)[0] and cache.hits == 40
+    assert request_block_hashes([2 ** 40] * 32, 16, cache=cache) == request_block_hashes([2 ** 40] * 32, 16)
+    small = BlockHashCache(max_blocks=30)
+    request_block_hashes(turn, 16, cache=small)
+    assert len(small) == 30
+    request_block_hashes(turn[:16 * 5], 16, cache=small)  # its first blocks were the oldest: gone
+    assert small.hits == 0
+    with pytest.raises(ValueError, match="max_blocks"):
+        BlockHashCache(0)
 
 
 @pytest.mark.parametrize("path, body, expected", [

@@ -6,6 +6,9 @@ JSON, p50/p99 in ms of:
 * ``hash_ms``: a request's block hashes from its token ids (skylb/core/kv_hash.py, vLLM's pickle + SHA-256
   chain, blocks of 16), the CPU part of the tokenize step; the /tokenize round trip to the engine comes on top and is
   the balancer's ``skylb_kv_tokenize_seconds`` histogram (tokenizing is the engine's work);
+* ``hash_new_ms`` and ``hash_turn_ms``: the same through the balancer's block hash cache (skylb/core/kv_hash.py
+  ``BlockHashCache``, as skylb/balancer/kv_routing.py keeps one): a prompt none of whose blocks it holds, and a
+  conversation's next turn whose first three quarters (the previous turn) it holds;
 * ``prepare_ms``: ``Router.enqueue``, the rest of the per-request work done once as the request is queued (its
   character count, its prompt cut into the prefix trie's chunks), outside the decision every queued request waits
   on, as hashing is;
@@ -28,7 +31,7 @@ import time
 from skylb.config import BalancerConfig
 from skylb.core import Request, build_router
 from skylb.core.kv_index import BlockIndex
-from skylb.core.kv_hash import request_block_hashes
+from skylb.core.kv_hash import BlockHashCache, request_block_hashes
 
 __all__ = ["measure", "main"]
 
@@ -54,11 +57,19 @@ def measure(*, blocks: int, replicas: int, tokens: int, n: int, seed: int = 0) -
         index.mark_live(f"r{i}")
         index.store(f"r{i}", (rng.getrandbits(64) for _ in range(blocks // replicas)), block_size=16)
     ids = [rng.randrange(32000) for _ in range(tokens)]
-    hash_ms = []
+    hash_ms, new_ms, turn_ms = [], [], []
+    previous = len(ids) * 3 // 4
     for _ in range(max(3, n // 30)):
         started = time.perf_counter()
         hashes = request_block_hashes(ids, 16)
         hash_ms.append((time.perf_counter() - started) * 1000)
+        cache = BlockHashCache()
+        started = time.perf_counter()
+        request_block_hashes(ids[:previous], 16, cache=cache)  # the previous turn, never seen before
+        new_ms.append((time.perf_counter() - started) * 1000 * len(ids) / previous)  # per 32k tokens, as hash_ms
+        started = time.perf_counter()
+        request_block_hashes(ids, 16, cache=cache)
+        turn_ms.append((time.perf_counter() - started) * 1000)
     index.store("r3", hashes[: len(hashes) // 2], block_size=16)  # half the prompt cached on one replica
     router = _router(index, replicas)
     text = " ".join(f"w{t}" for t in ids)[: tokens * 4]
@@ -81,7 +92,8 @@ def measure(*, blocks: int, replicas: int, tokens: int, n: int, seed: int = 0) -
             router.finished(decisions[0])
             held[name] = held.get(name, 0) + (decisions[0].target == "r3")
     return {"placed_on_holder": held, "blocks": len(index), "replicas": replicas, "prompt_tokens": tokens, "requests": n,
-            "hash_ms": _pct(hash_ms), **{name: _pct(v) for name, v in timings.items()}}
+            "hash_ms": _pct(hash_ms), "hash_new_ms": _pct(new_ms), "hash_turn_ms": _pct(turn_ms),
+            **{name: _pct(v) for name, v in timings.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
