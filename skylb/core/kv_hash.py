@@ -37,11 +37,13 @@ __all__ = ["NONE_HASH", "BlockHashCache", "block_hashes", "external", "request_b
 #: The parent of a prompt's first block: SHA-256 of the pickled seed "vllm-none-hash" (PYTHONHASHSEED unset).
 NONE_HASH = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=pickle.HIGHEST_PROTOCOL)).digest()
 _MASK64 = (1 << 64) - 1
+#: Bytes of a token id in a cache key (a C unsigned int: 4 on the common platforms).
+_ID_BYTES = array("I").itemsize
 
 
 class BlockHashCache:
     """The chained hashes of recently hashed blocks, keyed by what determines them: the parent block's hash, the
-    block's token ids (as 4-byte integers) and its extra keys. Bounded to ``max_blocks`` entries (>= 1, about 230
+    block's token ids (as C unsigned ints, 4 bytes) and its extra keys. Bounded to ``max_blocks`` entries (>= 1, about 230
     bytes each: 7.5 MB at the default 32,768, half a million tokens of blocks), the oldest dropped first, a 64th of
     the bound at a time, after a request's hashes are done; ``hits`` and ``misses`` count blocks. Not thread-safe.
 
@@ -64,7 +66,8 @@ def block_hashes(ids: Sequence[int], block_size: int, extra_keys: tuple | None =
 
     ``extra_keys``: vLLM's tagged keys of the first block only (e.g. ``(("cache_salt", "s"),)``); ``every_block``:
     keys of every block, first ones first (a LoRA key, e.g. ``("lora", name, path)``). ``block_size`` >= 1 tokens.
-    ``cache``: blocks hashed lately, read and filled (module docstring); token ids beyond 4 bytes bypass it.
+    ``cache``: blocks hashed lately, read and filled (module docstring); a prompt with a token id that is negative or
+    beyond 4 bytes bypasses it.
     """
     first_keys = (every_block or ()) + (extra_keys or ())
     packed = None
@@ -86,17 +89,18 @@ def block_hashes(ids: Sequence[int], block_size: int, extra_keys: tuple | None =
 
 def _hash_block(parent: bytes, tokens: Sequence[int], keys: tuple | None) -> bytes:
     """vLLM's ``hash_block_tokens`` with its default SHA-256 of the pickled (parent, token ids, extra keys)."""
-    return hashlib.sha256(pickle.dumps((parent, tuple(tokens), keys or None), protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    data = pickle.dumps((parent, tuple(tokens), keys or None), protocol=pickle.HIGHEST_PROTOCOL)
+    return hashlib.sha256(data).digest()
 
 
 def _cached_hashes(ids: Sequence[int], packed: bytes, block_size: int, first_keys: tuple, every_block: tuple | None,
                    cache: BlockHashCache) -> list[bytes]:
-    """:func:`block_hashes` through ``cache``; ``packed``: ``ids`` as 4-byte integers."""
+    """:func:`block_hashes` through ``cache``; ``packed``: ``ids`` as C unsigned ints."""
     kept = cache._hashes
     get, bound = kept.get, cache.max_blocks
     sha256, dumps, protocol = hashlib.sha256, pickle.dumps, pickle.HIGHEST_PROTOCOL
     hashes: list[bytes] = []
-    parent, hits, width = NONE_HASH, 0, 4 * block_size
+    parent, hits, width = NONE_HASH, 0, _ID_BYTES * block_size
     looking = True  # until the first miss: a block after it has a parent no earlier request had, as a rule
     for end in range(width, len(packed) + 1, width):
         keys = first_keys if end == width else every_block
@@ -106,7 +110,7 @@ def _cached_hashes(ids: Sequence[int], packed: bytes, block_size: int, first_key
         known = get(key) if looking else None
         if known is None:
             looking = False
-            start = end // 4 - block_size
+            start = end // _ID_BYTES - block_size
             known = sha256(dumps((parent, tuple(ids[start:start + block_size]), keys or None), protocol)).digest()
             kept[key] = known
         else:
