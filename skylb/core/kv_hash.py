@@ -43,9 +43,10 @@ _ID_BYTES = array("I").itemsize
 
 class BlockHashCache:
     """The chained hashes of recently hashed blocks, keyed by what determines them: the parent block's hash, the
-    block's token ids (as C unsigned ints, 4 bytes) and its extra keys. Bounded to ``max_blocks`` entries (>= 1, about 230
-    bytes each: 7.5 MB at the default 32,768, half a million tokens of blocks), the oldest dropped first, a 64th of
-    the bound at a time, after a request's hashes are done; ``hits`` and ``misses`` count blocks. Not thread-safe.
+    block's token ids (as C unsigned ints, 4 bytes) and its extra keys. Bounded to ``max_blocks`` entries (>= 1,
+    about 230 bytes each: 7.5 MB at the default 32,768, half a million tokens of blocks), the oldest dropped first, a
+    64th of the bound at a time, after a request's hashes are done; ``hits`` and ``misses`` count blocks. Not
+    thread-safe.
 
     Raises ValueError for a bound below 1."""
 
