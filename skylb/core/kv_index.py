@@ -261,9 +261,9 @@ class BlockIndex:
         cache evicts leaves only. So the held blocks' count is found by galloping then bisecting per replica
         (blocks 1, 3, 7, 15, ... until one is missing, then halving the gap): O(log n) lookups per holding replica
         instead of one per held block (a 32k-token prompt, 2,048 blocks, half held: about 20 lookups instead of
-        1,024, each a likely cache miss in a million-entry dict). Where a replica's blocks of the chain have a hole (an engine evicting single blocks,
-        or this index's own bound forgetting an old block), the answer is the end of one of its runs of held
-        blocks: block ``n - 1`` held and block ``n`` not, 0 when block 0 is not held.
+        1,024, each a likely cache miss in a million-entry dict). Where a replica's blocks of the chain have a hole
+        (an engine evicting single blocks, or this index's own bound forgetting an old block), the answer is the end
+        of one of its runs of held blocks: block ``n - 1`` held and block ``n`` not, 0 when block 0 is not held.
         """
         result = {r: 0 for r, s in self.replicas.items() if s.live}
         n = len(block_hashes)
