@@ -122,11 +122,14 @@ class Audit:
 
     async def hashes(self, replica_url: str, requests: Sequence[Request]) -> dict[str, tuple[int, ...]]:
         """Each request's block hashes: its prompt tokenized by ``replica_url``'s ``/tokenize`` (the body a balancer
-        sends for a completion) and hashed as vLLM hashes blocks of :data:`BLOCK_SIZE`."""
+        sends for a completion) and hashed as vLLM hashes blocks of :data:`BLOCK_SIZE`. RuntimeError when the
+        replica does not answer 200."""
         out = {}
         async with aiohttp.ClientSession() as session:
             for r in requests:
                 async with session.post(f"{replica_url}/tokenize", json={"model": MODEL, "prompt": r.text}) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"{replica_url}/tokenize answered {resp.status}: {await resp.text()}")
                     tokens = (await resp.json())["tokens"]
                 out[r.id] = request_block_hashes(tokens, BLOCK_SIZE)
         return out
