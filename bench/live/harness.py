@@ -5,11 +5,15 @@ and the end of their reports.
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from bench.replay.report import RequestRecord, build_report, percentile
 from bench.replay.sampling import conditions_lines
+from bench.reporting.provenance import provenance
 
 __all__ = ["SETUP_FLAGS", "benchmark_parser", "setup_from_args", "summarize", "now_label", "report_tail"]
 
@@ -77,3 +81,16 @@ def report_tail(result: dict[str, Any], sharing: str, notes: str) -> list[str]:
     if notes:
         lines += [notes.rstrip(), ""]
     return lines
+
+
+def write_result(result: dict[str, Any], out_md: Path, *, module: str, argv: list[str] | None, started: float,
+                 render: Callable[[dict[str, Any]], str]) -> None:
+    """Record in ``result`` its provenance (the command ``python -m module`` with ``argv``, else this process's
+    arguments) and its wall time since ``started`` (time.time(), s), then write it as JSON beside the Markdown report
+    ``out_md`` that ``render`` makes of it (folders created)."""
+    command = f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["provenance"] = provenance(command.strip())
+    result["wall_s"] = round(time.time() - started, 1)
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out_md.write_text(render(result))

@@ -31,10 +31,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.live.harness import summarize
+from bench.live.harness import summarize, write_result
 from bench.launch.launchers import MODEL, Unavailable, start_haproxy, start_sglang, unavailable_reason, warm_up
 from bench.launch.procs import ProcGroup, free_port_block, free_ports
-from bench.reporting.provenance import provenance, provenance_line
+from bench.reporting.provenance import provenance_line
 from bench.replay.run import replay
 from bench.sim.workloads_extra import multi_tenant
 from bench.replay.workload import Request
@@ -197,12 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                  seeds=[int(x) for x in args.seeds.split(",")], duration_s=args.duration_s,
                  time_scale=args.time_scale, kv_cache_tokens=args.kv_cache_tokens, tenants=args.tenants,
                  run_dir=args.run_dir)
-    command = "python -m bench.live.kv_live " + " ".join(argv if argv is not None else sys.argv[1:])
-    result["provenance"] = provenance(command.strip())
-    result["wall_s"] = round(time.time() - started, 1)
-    args.out_md.parent.mkdir(parents=True, exist_ok=True)
-    args.out_md.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out_md.write_text(format_markdown(result))
+    write_result(result, args.out_md, module="bench.live.kv_live", argv=argv, started=started, render=format_markdown)
     return 0
 
 

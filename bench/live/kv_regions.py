@@ -46,11 +46,11 @@ import aiohttp
 
 from bench.launch.launchers import MODEL
 from bench.launch.local import Deployment
-from bench.live.harness import summarize
+from bench.live.harness import summarize, write_result
 from bench.replay.report import RequestRecord
 from bench.replay.run import replay
 from bench.replay.workload import Request
-from bench.reporting.provenance import provenance, provenance_line
+from bench.reporting.provenance import provenance_line
 from bench.sim.workloads_extra import multi_tenant
 from skylb.config import DeploymentConfig, load_config
 from skylb.core.kv_endpoint import KVEventsEndpoint
@@ -337,12 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                  tenants=args.tenants, replicas=args.replicas, time_scale=args.time_scale,
                  kv_cache_tokens=args.kv_cache_tokens,
                  run_dir=args.run_dir or Path(tempfile.mkdtemp(prefix="skylb-kv-regions-")))
-    command = "python -m bench.live.kv_regions " + " ".join(argv if argv is not None else sys.argv[1:])
-    result["provenance"] = provenance(command.strip())
-    result["wall_s"] = round(time.time() - started, 1)
-    args.out_md.parent.mkdir(parents=True, exist_ok=True)
-    args.out_md.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out_md.write_text(format_markdown(result))
+    write_result(result, args.out_md, module="bench.live.kv_regions", argv=argv, started=started, render=format_markdown)
     return 0
 
 
