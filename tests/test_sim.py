@@ -407,3 +407,27 @@ def test_cli_seeds_give_mean_and_spread(tmp_path, capsys):
     assert json.loads((tmp_path / "one" / "smoke.json").read_text())["seeds"] == [3]
     assert main(["bench", "sim", "--scenario", "smoke", "--start-s", "60", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "not a trace replay" in capsys.readouterr().err
+
+
+def test_per_region_fresh_layout_sees_its_own_replicas_as_they_are():
+    """bench/sim/oracle_gap.py's layout: a balancer per region over only its replicas, no peers, and a fresh look at
+    every replica before each placement: with the paper's rule (0 pending) a burst of twelve on three replicas never
+    leaves two requests waiting in one engine (a probed view lets a second one in between probes), and every request
+    is served in its own region."""
+    from bench.sim.systems import System
+    arrivals = [*_burst(12, at=1.0, prompt=400, output=20), *_burst(2, at=1.0, prompt=400, output=20, region="eu",
+                                                                     prefix="e")]
+    most_waiting = {}
+    for layout in ("per_region", "per_region_fresh"):
+        cluster = build(System(layout, layout, layout, "skylb-paper"), Workload("burst", "burst", arrivals=arrivals),
+                        {"us": 3, "eu": 2}, seed=0, stop_at=10.0)
+        seen = []
+        cluster.step_hooks.append(lambda: seen.append(max(r.engine.num_waiting for r in cluster.replicas.values())))
+        cluster.run()
+        most_waiting[layout] = max(seen)
+    assert most_waiting["per_region_fresh"] == 1 < most_waiting["per_region"]
+    assert sorted(cluster.balancers) == ["eu", "us"]
+    for region, b in cluster.balancers.items():
+        assert b.setup.fresh_view and not b.peers and {r.region for r in b.replicas} == {region}
+    assert len(cluster.records) == 14 and not any(f.forwarded for f in cluster.records)
+    assert all(f.replica.region == f.region for f in cluster.records)

@@ -102,7 +102,10 @@ class System:
     Attributes:
         key: short name used in tables and plots. label: a longer description for the report.
         layout: "single" (one balancer in ``home`` over every replica), "per_region" (one balancer per region over
-            that region's replicas) or "global" (the oracle: one scheduler, fresh view, free network).
+            that region's replicas), "global" (the oracle: one scheduler, fresh view, free network) or
+            "per_region_fresh" (one balancer per region over its replicas with the oracle's fresh view, the real
+            network and no forwarding: what a region's balancer could do if it saw its replicas as they are;
+            bench/sim/oracle_gap.py).
         policy: core policy name. forwarding: per-region balancers forward to each other.
         max_concurrency: replicas report no pending metric; the cap of SP-O. home: region of the single balancer.
         candidates: the oracle only: the policies it runs, one run each (``policy`` is then the first of them);
@@ -199,6 +202,14 @@ def build(system: System, workload: Workload, counts: Mapping[str, int], *, seed
             empty = [s.region for s in setups if not s.replicas and s.region in client_regions]
             if empty:
                 raise ValueError(f"{system.key}: regions {empty} have clients but no replicas and no forwarding")
+    elif system.layout == "per_region_fresh":
+        fresh = settings_for(system.policy, base, stale_after_intervals=float("inf"), max_dispatch_per_probe=1)
+        setups = [BalancerSetup(region, tuple(rid for rid, reg in replicas.items() if reg == region), fresh,
+                                fresh_view=True) for region in regions]
+        entry = {r: r for r in client_regions}
+        empty = [s.region for s in setups if not s.replicas and s.region in client_regions]
+        if empty:
+            raise ValueError(f"{system.key}: regions {empty} have clients but no replicas and no forwarding")
     elif system.layout == "global":
         # Fresh view: a probe before every placement, so staleness and the dispatch cap are moot (cap 1 per look).
         setups = [BalancerSetup("global", tuple(replicas), settings_for(
