@@ -431,3 +431,15 @@ def test_per_region_fresh_layout_sees_its_own_replicas_as_they_are():
         assert b.setup.fresh_view and not b.peers and {r.region for r in b.replicas} == {region}
     assert len(cluster.records) == 14 and not any(f.forwarded for f in cluster.records)
     assert all(f.replica.region == f.region for f in cluster.records)
+
+
+def test_oracle_gap_refuses_a_bad_cell_or_option_before_running(capsys):
+    from bench.sim import oracle_gap
+    for argv in (["tot"], ["nosuch@1x"], ["tot@1x", "--option", "push_to_prefix_holder"],
+                 ["tot@1x", "--option", "push_to_prefix_holder=Flase"], ["tot@1x", "--option", "nosuch=1"]):
+        with pytest.raises(SystemExit) as exc:
+            oracle_gap.main(argv)
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "not a matrix cell: 'tot'" in err and "expected KEY=VALUE" in err and "not a Python literal" in err
+    assert "nosuch" in err

@@ -1,7 +1,8 @@
 """Where the oracle's lead over the default comes from, per robustness-matrix cell: a stale view, pooling, or the rule.
 
-``.venv/bin/python -m bench.sim.oracle_gap CELLS [--seeds 0] [--out PATH]`` (CELLS: comma-separated matrix cells,
-e.g. ``tot@0.5x,multi_tenant@1x``; bench/sim/matrix.py) runs, per cell and seed, in simulated time:
+``.venv/bin/python -m bench.sim.oracle_gap CELLS [--seeds 0] [--option KEY=VALUE ...] [--out PATH]`` (CELLS:
+comma-separated matrix cells, e.g. ``tot@0.5x,multi_tenant@1x``; bench/sim/matrix.py) runs, per cell and seed, in
+simulated time:
 
 * ``SkyLB``: the default system (per-region balancers, probed view, forwarding; bench/sim/systems.py);
 * the oracle's candidates (bench/sim/systems.py ``ORACLE_CANDIDATES``) in the oracle's layout: one scheduler over
@@ -16,12 +17,16 @@ Where the default's own rule is far from the best candidate in the same fresh la
 what loses. Each figure is P90 TTFT, s (mean over seeds), with the throughput beside it. The matrix check 1 asks
 the default for at most 1.15x the oracle's P90.
 
-Writes a Markdown report (commit, date, command, machine) to ``--out`` (default: print only).
+``--option KEY=VALUE`` (repeatable; a Python literal) sets an option of the ``skylb`` policy for the default system
+and the ``skylb`` candidate in both layouts (e.g. ``push_to_prefix_holder=False``), to see which of the default's
+rules a fresh view favours or not. Writes a Markdown report (commit, date, command, machine) to ``--out`` (default:
+print only).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import platform
 import statistics
@@ -36,13 +41,18 @@ __all__ = ["LAYOUTS", "run_cell", "report", "main"]
 LAYOUTS = ("global", "per_region_fresh")
 
 
-def run_cell(cell: str, seed: int, split: str = "dev") -> dict[tuple[str, str], tuple[float, float]]:
+def run_cell(cell: str, seed: int, split: str = "dev", options: dict | None = None
+             ) -> dict[tuple[str, str], tuple[float, float]]:
     """``{(layout, policy): (P90 TTFT s, throughput req/s)}`` of ``cell`` at ``seed``: the default system as
-    ``("SkyLB", "skylb")``, every oracle candidate in each of :data:`LAYOUTS`."""
+    ``("SkyLB", "skylb")``, every oracle candidate in each of :data:`LAYOUTS`; ``options``: the ``skylb`` policy's
+    options for every run of that policy (skylb/core/policies/skylb.py ``SkyLBOptions``)."""
     from bench.sim.matrix import TIMES, WORKLOADS, parse_cell, trace_window
     from bench.sim.metrics import summarize
     from bench.sim.regime import engine_params
     from bench.sim.systems import ORACLE_CANDIDATES, SYSTEMS, System, build
+    from skylb.config import BalancerConfig
+    settings = (BalancerConfig.model_validate(BalancerConfig().model_dump() | {"policies": {"skylb": options}})
+                if options else None)
     params = engine_params()
     name, load = parse_cell(cell)
     wl = WORKLOADS[name]
@@ -55,7 +65,7 @@ def run_cell(cell: str, seed: int, split: str = "dev") -> dict[tuple[str, str], 
     out = {}
     for layout, system in runs:
         cluster = build(replace(system, candidates=()), workload, dict(wl.counts), seed=seed, stop_at=stop_at,
-                        params=params, replica_params=wl.replica_params(params)).run()
+                        params=params, settings=settings, replica_params=wl.replica_params(params)).run()
         s = summarize(cluster, scenario=cell, system=system.key, layout=layout, warmup_s=warmup_s, seed=seed,
                       wall_s=0.0)
         out[layout, system.policy] = (s.ttft_p90, s.throughput_rps)
@@ -100,8 +110,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("cells", help="comma-separated matrix cells, e.g. tot@0.5x,multi_tenant@1x")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     p.add_argument("--split", default="dev", choices=("dev", "val"), help="the trace windows' split (default dev)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the skylb policy (a Python literal) for the default and the skylb candidate")
     p.add_argument("--out", default=None, help="write the Markdown report here")
     args = p.parse_args(argv)
+    options = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--option {item!r}: expected KEY=VALUE")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            p.error(f"--option {item!r}: the value is not a Python literal (True, 0.5, 'serial', ...)")
+    if options:
+        from pydantic import ValidationError
+        from skylb.config import BalancerConfig
+        try:
+            BalancerConfig.model_validate(BalancerConfig().model_dump() | {"policies": {"skylb": options}})
+        except ValidationError as exc:
+            p.error(f"--option: {exc.errors()[0]['msg']} ({', '.join(map(str, exc.errors()[0]['loc']))})")
     from bench.sim.matrix import WORKLOADS, parse_cell
     cells = [c for c in args.cells.split(",") if c]
     for cell in cells:
@@ -113,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     results = {}
     for cell in cells:
-        results[cell] = [run_cell(cell, s, args.split) for s in seeds]
+        results[cell] = [run_cell(cell, s, args.split, options) for s in seeds]
         print(f"{cell} done", file=sys.stderr, flush=True)
     command = "python -m bench.sim.oracle_gap " + " ".join(argv if argv is not None else sys.argv[1:])
     text = report(results, command=command.strip(), seeds=seeds)
