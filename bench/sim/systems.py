@@ -193,23 +193,19 @@ def build(system: System, workload: Workload, counts: Mapping[str, int], *, seed
     if system.layout == "single":
         setups = [BalancerSetup(system.home, tuple(replicas), settings, max_concurrency=system.max_concurrency)]
         entry = {r: system.home for r in client_regions}
-    elif system.layout == "per_region":
-        setups = [BalancerSetup(region, tuple(rid for rid, reg in replicas.items() if reg == region), settings,
-                                forwarding=system.forwarding, max_concurrency=system.max_concurrency)
+    elif system.layout in ("per_region", "per_region_fresh"):
+        fresh = system.layout == "per_region_fresh"  # the oracle's fresh look (as "global" below), no forwarding
+        forwarding = system.forwarding and not fresh
+        region_settings = settings_for(system.policy, base, stale_after_intervals=float("inf"),
+                                       max_dispatch_per_probe=1) if fresh else settings
+        setups = [BalancerSetup(region, tuple(rid for rid, reg in replicas.items() if reg == region), region_settings,
+                                forwarding=forwarding, max_concurrency=system.max_concurrency, fresh_view=fresh)
                   for region in regions]
         entry = {r: r for r in client_regions}
-        if not system.forwarding:
+        if not forwarding:
             empty = [s.region for s in setups if not s.replicas and s.region in client_regions]
             if empty:
                 raise ValueError(f"{system.key}: regions {empty} have clients but no replicas and no forwarding")
-    elif system.layout == "per_region_fresh":
-        fresh = settings_for(system.policy, base, stale_after_intervals=float("inf"), max_dispatch_per_probe=1)
-        setups = [BalancerSetup(region, tuple(rid for rid, reg in replicas.items() if reg == region), fresh,
-                                fresh_view=True) for region in regions]
-        entry = {r: r for r in client_regions}
-        empty = [s.region for s in setups if not s.replicas and s.region in client_regions]
-        if empty:
-            raise ValueError(f"{system.key}: regions {empty} have clients but no replicas and no forwarding")
     elif system.layout == "global":
         # Fresh view: a probe before every placement, so staleness and the dispatch cap are moot (cap 1 per look).
         setups = [BalancerSetup("global", tuple(replicas), settings_for(
