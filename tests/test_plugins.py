@@ -12,7 +12,7 @@ import pytest
 
 import skylb.core.plugins as plugins
 from skylb.core.candidates import Candidates
-from skylb.core.estimate import WaitModel
+from skylb.core.estimate import WaitModel, prompt_tokens, text_tokens
 from skylb.core.kv_index import BlockIndex
 from skylb.core.plugins.engine_pressure import EnginePressure
 from skylb.core.plugins.estimated_ttft import EstimatedTTFT, PrefillEstimate
@@ -318,8 +318,10 @@ def test_estimated_ttft_guards_a_cache_hit_by_the_hit_thresholds():
 
 def test_estimated_ttft_serial_guard_spreads_a_burst_and_keeps_a_stream_on_its_holder():
     """With ``burst_aware`` (``cache_hit_guard`` "serial"), past the load guard a cache hit stays on its holder unless
-    the holder is still prefilling another request that shares the matched prefix (a burst: a tree's branches), which
-    goes to the least loaded; once that one's first token is back (``prefilled``), the next hit stays again."""
+    the holder is still prefilling another request that shares the matched prefix and did not find it cached (a
+    burst: a tree's branches behind a prefix computed now), which goes to the least loaded; once that one's first
+    token is back (``prefilled``), the next hit stays again. One that found the prefix cached and prefills only its
+    own part (a tenant's previous question) is a stream: the hit stays."""
     loc, wait = _locality(), WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
     loc.set_members({"r1", "r2"}, set())
     loc.routed(_req("h", A), replica="r1")
@@ -329,11 +331,17 @@ def test_estimated_ttft_serial_guard_spreads_a_burst_and_keeps_a_stream_on_its_h
     first = _req("b1", A + "branch one")
     assert picker.pick(first, [holder, idle]).id == "r1"
     picker.routed(first, replica="r1")
-    holder.add_unprefilled("b1", 10)  # the router's record: b1 waits for its prefill on r1
+    holder.add_unprefilled("b1", prompt_tokens(first))  # the router's record: b1 computes all of its prompt on r1
     assert picker.pick(_req("b2", A + "branch two"), [holder, idle]).id == "r2"  # a burst: spread
     assert picker.pick(_req("u", "unrelated " * 80), [holder, idle]).id == "r2"  # no hit: the guard, as always
     holder.prefilled("b1")
     assert picker.pick(_req("b3", A + "next turn"), [holder, idle]).id == "r1"  # no burst any more: a stream
+    second = _req("s1", A + "a question")
+    picker.routed(second, replica="r1")
+    holder.add_unprefilled("s1", 3)  # found A cached: it prefills its own question only
+    assert picker.pick(_req("s2", A + "another question"), [holder, idle]).id == "r1"  # a stream: the hit stays
+    holder.add_unprefilled("s1", prompt_tokens(second) - text_tokens(A) // 2)  # half of A computed now
+    assert picker.pick(_req("s3", A + "a third question"), [holder, idle]).id == "r2"  # part of A is new: a burst
 
 
 def test_estimated_ttft_prices_a_prompt_that_does_not_fit_in_the_free_kv_cache_as_a_wait():

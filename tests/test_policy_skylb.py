@@ -387,6 +387,26 @@ def test_serial_cache_hit_guard_spreads_a_hit_while_its_holder_prefills_the_same
     assert branch.target == other
 
 
+def test_serial_cache_hit_guard_keeps_a_hit_while_its_holder_prefills_another_request_that_found_it_cached():
+    """A prefix reused one request after another stays a hit while the previous request, which found the prefix
+    cached, still prefills its own question: the next one stays on the holder past the load guard (a tenant's or an
+    agent's requests), where a burst behind a prefix still being computed is spread (the test above)."""
+    router = _router(cache_hit_guard="serial")
+    for replica in router.replicas.values():
+        replica.slots = 64
+    router.enqueue(Request("first", B, arrived_at=0.0))
+    (first,) = router.dispatch(0.0)
+    router.finished(first)  # its prompt is cached on its holder now
+    holder, other = first.target, ({"r0", "r1"} - {first.target}).pop()
+    router.enqueue(Request("second", B + "question one", arrived_at=0.1))
+    (second,) = router.dispatch(0.1)
+    assert second.target == holder and router.replicas[holder].unprefilled["second"] < 100  # B found cached
+    router.replicas[holder].outstanding, router.replicas[other].outstanding = 12, 2
+    router.enqueue(Request("third", B + "question two", arrived_at=0.2))
+    (third,) = router.dispatch(0.2)
+    assert third.target == holder
+
+
 def test_fcfs_without_lookahead():
     """``queue_lookahead`` 0 keeps strict first come, first served."""
     router = _router(queue_lookahead=0, push_to_prefix_holder=False)  # the queue's order alone

@@ -8,15 +8,17 @@ guard (``abs_threshold``, ``rel_threshold``: SGLang's imbalance test, scoring.lo
 requests are imbalanced; for a cache hit (some candidate holds at least the locality's threshold of the prompt) only
 past ``hit_abs_threshold`` and ``hit_rel_threshold`` when those are given (the default profile's option
 ``cache_hit_guard``), unless, with ``burst_aware``, a holder is still prefilling another request that shares the
-matched prefix (then the load guard's). With the tight guard for every request, a tenant's next request went to the
-least loaded replica whenever its holder had 8 more in flight, which prefilled the whole prefix again there and kept
-a second copy (150 tenants behind 6,000-token prefixes at 1x: each tenant on 1-4 replicas, 68% hits, where one
-SGLang router kept every tenant on one replica); a loose guard for every hit piles a tree's branches onto one
-replica instead, whose batch then decodes slowest. A burst (requests behind one prefix that arrive together, which
-the holder is still prefilling) is the tree's case; a prefix reused one request after another is the tenant's
-(bench/results/cache_hit_guard.md). Among candidates left tied (estimates within a millisecond), those with the best
-prefix match, then, with ``tie_break`` "estimated-wait", OllamaRouter's least estimated wait from measured time per
-token (estimated_wait.py), then least load: a slower replica gets less of the work than a faster one.
+matched prefix and did not find all of it cached (then the load guard's). With the tight guard for every request, a
+tenant's next request went to the least loaded replica whenever its holder had 8 more in flight, which prefilled the
+whole prefix again there and kept a second copy (150 tenants behind 6,000-token prefixes at 1x: each tenant on 1-4
+replicas, 68% hits, where one SGLang router kept every tenant on one replica); a loose guard for every hit piles a
+tree's branches onto one replica instead, whose batch then decodes slowest. A burst (requests behind one prefix that
+arrive together, which the holder is still computing) is the tree's case; a prefix reused one request after another
+is the tenant's (bench/results/cache_hit_guard.md), also while the previous request, which found the prefix cached,
+prefills its own question (bench/results/real_hit_guard.md: against counting every request that shares the prefix,
+every matrix cell). Among candidates left tied (estimates within a millisecond), those with the best prefix match,
+then, with ``tie_break`` "estimated-wait", OllamaRouter's least estimated wait from measured time per token
+(estimated_wait.py), then least load: a slower replica gets less of the work than a faster one.
 """
 
 from __future__ import annotations
@@ -77,14 +79,25 @@ class EstimatedTTFT:
                 del placed[next(iter(placed))]
 
     def _burst(self, request: Request, holder: ReplicaState, fraction: float) -> bool:
-        """True when ``holder`` is still prefilling another request that shares ``request``'s matched prefix."""
+        """True when ``holder`` is still prefilling another request that shares ``request``'s matched prefix and
+        did not find all of that prefix cached when it was sent (it is computing part of it now), so the match is
+        not a cache hit yet: requests that arrive together behind a new prefix (a tree's branches). Another
+        request that found the whole prefix cached (``ReplicaState.unprefilled``: its prompt tokens not expected
+        cached) is a prefix reused one request after another, which stays a hit (a tenant's or an agent's next
+        request while its previous one prefills its own question)."""
         placed = self._placed.get(holder.id)
         if not placed or not holder.unprefilled:
             return False
-        head = request.text[:int(fraction * len(request.text))]  # the matched prefix (the match's ratio of the text)
-        for rid in holder.unprefilled:
+        matched = int(fraction * len(request.text))  # the matched prefix, characters (the match's ratio of the text)
+        head = request.text[:matched]
+        for rid, uncached in holder.unprefilled.items():
             other = placed.get(rid)
-            if other is not None and other is not request and other.text.startswith(head):
+            if other is None or other is request or not other.text.startswith(head):
+                continue
+            tokens = prompt_tokens(other)
+            chars_per_token = len(other.text) / tokens
+            # Its cached part in characters, with a token of slack: its uncached tokens were rounded.
+            if (tokens - uncached) * chars_per_token + chars_per_token < matched:
                 return True
         return False
 

@@ -35,8 +35,8 @@ every candidate by one cost and settles every placement (without the sibling rul
   ``match_threshold``; the trie's match at the deepest node) saves m x prompt tokens of prefill, converted to
   seconds at ``prefill_tokens_per_s``; that is how locality is weighed against queueing. The load guard
   (``balance_*_threshold``) still wins when outstanding requests are imbalanced; for a cache hit only past the push's
-  thresholds, unless its holder is still prefilling another request of the same prefix (``cache_hit_guard``
-  "serial": a prefix reused one request after another stays on its replica, a burst behind one prefix is spread).
+  thresholds, unless its holder is still computing the same prefix for another request (``cache_hit_guard``
+  "serial": a prefix reused one request after another stays on its replica, a burst behind a new prefix is spread).
 * Measured speed (OllamaRouter; skylb/core/rates.py): once a replica's responses have been measured, its own prefill
   seconds per token replace ``prefill_tokens_per_s`` in its wait and prefill estimates (``measured_prefill``), and
   among candidates left tied (estimates within a millisecond, equal prefix matches) the one with the least
@@ -174,10 +174,11 @@ class SkyLBOptions(SkyLBPaperOptions):
             150-tenant workload at 2x at 4.1 s P90 instead of 0.5 s).
         cache_hit_guard: the load guard of a cache hit (some local replica with room holds at least
             ``match_threshold`` of the prompt). "serial" (default): the push's thresholds (``holder_balance_*``,
-            SGLang's 64 and 1.5) unless a holder is still prefilling another request of the same prefix, then the
-            ``balance_*`` pair: a prefix reused one request after another (a tenant's or an agent's long shared
-            prompt) stays on the replica holding it, while requests that arrive together behind one prefix (a tree's
-            branches) are spread as any request is. "holder": the push's thresholds always (piles a tree's branches
+            SGLang's 64 and 1.5) unless a holder is still prefilling another request of the same prefix that did
+            not find it all cached, then the ``balance_*`` pair: a prefix reused one request after another (a
+            tenant's or an agent's long shared prompt) stays on the replica holding it, while requests that arrive
+            together behind a prefix being computed (a tree's branches) are spread as any request is
+            (bench/results/real_hit_guard.md). "holder": the push's thresholds always (piles a tree's branches
             onto one replica: closed-loop trees at 0.5x-2x lost 3-17% of their throughput). "balance": the
             ``balance_*`` pair, as for every request (the rule before: a tenant's next request went to the least
             loaded whenever its holder had 8 more in flight, and prefilled the whole prefix again there). Every
