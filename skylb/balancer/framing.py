@@ -133,7 +133,7 @@ class StreamFramer:
             self.done = True
             return
         obj = _json(payload, "SSE data")
-        if isinstance(obj, dict) and ("error" in obj or obj.get("type") in _LAST_RESPONSE_EVENTS):
+        if isinstance(obj, dict) and _ends(obj):
             self.done = True
 
     def _check_ndjson(self, line: bytes) -> None:
@@ -144,6 +144,15 @@ class StreamFramer:
             raise FramingError("an NDJSON line is not a JSON object")
         if obj.get("done") is True or "error" in obj:
             self.done = True
+
+
+def _ends(obj: dict) -> bool:
+    """An SSE event's object ends its stream: an error, or a Responses API last event (a ``type`` that is no string is
+    none, and is not looked up: a list there is unhashable)."""
+    if "error" in obj:
+        return True
+    kind = obj.get("type")
+    return type(kind) is str and kind in _LAST_RESPONSE_EVENTS
 
 
 def _json(payload: bytes, what: str):
