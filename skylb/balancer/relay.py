@@ -327,6 +327,7 @@ class Relay:
         error = None
         tap = UsageTap(framer.kind)  # the last event's token counts, for measured speed
         tap.feed(first)
+        framer.on_object = tap.see  # later events: the objects the framer decodes to check them, not decoded again
         idle = _IdleDeadline(loop, self.idle_timeout_s)
         try:
             if framer.done:  # the last event goes out now: a client that closes after it has its answer
@@ -348,7 +349,6 @@ class Relay:
                 else:
                     eof, events = True, framer.finish()
                 if events:
-                    tap.feed(events)
                     if framer.done:
                         _answer_complete(request, upstream.status, tap.usage, on_complete)
                     await response.write(out(events))

@@ -16,7 +16,8 @@ completion object):
   ``input_tokens_details.cached_tokens``} in the response object: the body, or a stream's ``response.completed``
   event (under ``response``).
 
-Streams are scanned cheaply: only events whose bytes mention ``usage`` or ``eval_count`` are parsed.
+Streams are scanned cheaply: the relay's framer hands over each event's object it decoded anyway
+(``UsageTap.see``), and bytes fed to the tap are parsed only for events that mention ``usage`` or ``eval_count``.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def usage_of_body(data: bytes) -> Usage | None:
 
 
 class UsageTap:
-    """Watches a relayed stream's whole events (``feed`` the bytes StreamFramer returned) and keeps the last Usage.
+    """Watches a relayed stream's whole events and keeps the last Usage: ``see`` each event's decoded object
+    (StreamFramer's ``on_object``), or ``feed`` the bytes StreamFramer returned.
 
     Args:
         kind: "sse" or "ndjson" (StreamFramer.kind).
@@ -91,6 +93,13 @@ class UsageTap:
     def __init__(self, kind: str):
         self.kind = kind
         self.usage: Usage | None = None
+
+    def see(self, obj: dict) -> None:
+        """Look at one event's decoded object; cheap when it has none of the keys a Usage is read from."""
+        if "usage" in obj or "response" in obj or "eval_count" in obj or "prompt_eval_count" in obj:
+            found = usage_of(obj)
+            if found is not None:
+                self.usage = found
 
     def feed(self, events: bytes) -> None:
         """Look at whole events (one or several, as relayed); cheap when none mentions usage."""
