@@ -26,6 +26,9 @@ class _Content:
     async def readany(self) -> bytes:
         return self.chunks.pop(0) if self.chunks else b""
 
+    def at_eof(self) -> bool:
+        return not self.chunks
+
 
 class _Upstream:
     status = 200

@@ -332,7 +332,11 @@ class Relay:
         try:
             if framer.done:  # the last event goes out now: a client that closes after it has its answer
                 _answer_complete(request, upstream.status, tap.usage, on_complete)
-            await response.write(out(first))
+            if _read_to_the_end(framer, upstream.content):  # a short answer, whole in the first read
+                eof = True
+                await response.write_eof(out(first))
+            else:
+                await response.write(out(first))
             if on_first_byte is not None:
                 on_first_byte(ttft)
             while not eof:
@@ -351,6 +355,9 @@ class Relay:
                 if events:
                     if framer.done:
                         _answer_complete(request, upstream.status, tap.usage, on_complete)
+                        if _read_to_the_end(framer, upstream.content):  # the client's end leaves with them
+                            await response.write_eof(out(events))
+                            break
                     await response.write(out(events))
             if error is None and not framer.done:
                 error = f"{decision.target} ended the stream before its last event"
@@ -421,6 +428,13 @@ class _IdleDeadline:
             self._timer = None
 
 
+def _read_to_the_end(framer: StreamFramer, content: aiohttp.StreamReader) -> bool:
+    """The events just framed end the upstream's stream: its last event went by, no event is open and the upstream's
+    end was read with them (usually: both come in one read), so nothing can follow and the client's end goes in the
+    same send as those events (``write_eof(events)``: one send instead of two)."""
+    return framer.done and not framer.pending and content.at_eof()
+
+
 def _disconnected(request: web.Request) -> str | None:
     """The error of a stream whose client went away: none once its last event was on its way (the client has its
     answer, as protocol.answer_complete says for logs and spans), else "client disconnected"."""
@@ -472,9 +486,16 @@ async def _read_until_first_event(upstream: aiohttp.ClientResponse
     return framer, first, b"", eof
 
 
+class _StreamedAnswer(web.StreamResponse):
+    """A streamed answer whose headers leave with its first event, in one send instead of two: aiohttp's opt-in to
+    buffered headers, which its web.Response takes; the relay writes the first event right after ``prepare``."""
+
+    _send_headers_immediately = False
+
+
 async def _start_stream(request: web.Request, status: int, headers: dict) -> web.StreamResponse:
     request[STREAM_STARTED] = True
-    response = web.StreamResponse(status=status, headers=headers)
+    response = _StreamedAnswer(status=status, headers=headers)
     await response.prepare(request)
     return response
 
