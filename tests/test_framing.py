@@ -79,6 +79,24 @@ def test_any_data_object_line_is_garbage_exactly_when_json_loads_says_so(payload
                                                            else None)
 
 
+@pytest.mark.parametrize("line", [
+    b'{"a": 1', b'{"a": 1}}', b'{"a": 1} x', b'{"a": "\xff"}', b'{"a": "\x01"}', b"{", b'{"done": true,}',
+    b'{"a": 1} ', b'{"a": 1}\r', b' {"a": 1}', b'{"a": NaN}', b"{}", b"{\x00}\x00", b"[1]", b"5", b"", b"  ",
+])
+def test_an_ndjson_line_is_garbage_exactly_when_json_loads_finds_no_object(line):
+    """An NDJSON line (objects decoded without json.loads) passes exactly when json.loads makes an object of it (or
+    it is blank), and hands on that object."""
+    want = _json_says(line) if line.strip() else None
+    seen = []
+    framer = StreamFramer("ndjson", on_object=seen.append)
+    try:
+        framer.feed(line + b"\n")
+        got = seen[0] if seen else None
+    except FramingError:
+        got = "garbage"
+    assert got == (want if want is None or isinstance(want, dict) else "garbage")
+
+
 def test_a_chunk_with_garbage_hands_on_no_object_and_no_bytes():
     """Events before garbage in one chunk are not passed on, so their objects (their usage) are not handed on."""
     seen = []
