@@ -97,6 +97,21 @@ def test_an_ndjson_line_is_garbage_exactly_when_json_loads_finds_no_object(line)
     assert got == (want if want is None or isinstance(want, dict) else "garbage")
 
 
+@pytest.mark.parametrize("chunk,pending", [
+    (b'data: {"a":\r1}\n\n', None), (b'data: {"a":\n1}\n\n', None), (b'data: {"a":\r\n1}\n\n', None),
+    (b'data: {"a": 1}\n\n\n', b"\n"), (b'data: {"a": 1}\n\nx', b"x"),
+])
+def test_a_line_end_inside_an_event_ends_its_line_as_sse_says(chunk, pending):
+    """A CR or LF is a line end in SSE even where JSON would take it as whitespace: an object cut by one is garbage
+    (an SSE field named "1}"), and what follows an event's blank line is the next event (None: garbage)."""
+    framer = StreamFramer("sse")
+    if pending is None:
+        with pytest.raises(FramingError):
+            framer.feed(chunk)
+    else:
+        assert framer.feed(chunk) == b'data: {"a": 1}\n\n' and framer.pending == pending
+
+
 def test_a_chunk_with_garbage_hands_on_no_object_and_no_bytes():
     """Events before garbage in one chunk are not passed on, so their objects (their usage) are not handed on."""
     seen = []
