@@ -487,8 +487,9 @@ async def _read_until_first_event(upstream: aiohttp.ClientResponse
 
 
 class _StreamedAnswer(web.StreamResponse):
-    """A streamed answer whose headers leave with its first event, in one send instead of two: aiohttp's opt-in to
-    buffered headers, which its web.Response takes; the relay writes the first event right after ``prepare``."""
+    """A streamed answer whose headers leave with its first event, in one send instead of two: aiohttp's own switch
+    to buffered headers (a private class attribute, which its web.Response sets; an aiohttp without it sends them at
+    ``prepare``, as before). The relay writes the first event right after ``prepare``, so nothing waits for them."""
 
     _send_headers_immediately = False
 
