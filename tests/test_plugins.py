@@ -344,6 +344,46 @@ def test_estimated_ttft_serial_guard_spreads_a_burst_and_keeps_a_stream_on_its_h
     assert picker.pick(_req("s3", A + "a third question"), [holder, idle]).id == "r2"  # part of A is new: a burst
 
 
+def test_estimated_ttft_own_holdings_credit_a_shorter_prefix_and_not_one_still_computed():
+    """With ``holdings`` "own" each replica is priced with the prefix it holds itself, not only the deepest match's
+    holder: r2 holds the parent prompt P, r1 holds P + X but is still computing X for another request that found
+    only P cached, so a request for P + X + Y is priced as P held on both, behind r1's backlog, and goes to r2
+    (the deepest match priced r1 as holding P + X and r2 as holding nothing). With a request waiting in an engine or
+    a KV cache half full, the deepest match's pricing holds. The placement's backlog record is what was priced."""
+    p, x, y, z = "p" * 1024, "x" * 448, "y" * 64, "z" * 64
+    wait = WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=False)
+
+    def setup(holdings: str):
+        loc = _locality()
+        loc.set_members({"r1", "r2"}, set())
+        loc.routed(_req("parent", p), replica="r2")
+        picker = EstimatedTTFT(wait=wait, locality=loc, rates=RateBook(), turns=Turns(), abs_threshold=8,
+                               rel_threshold=1.5, hit_abs_threshold=64, hit_rel_threshold=1.5, burst_aware=True,
+                               holdings=holdings)
+        r1, r2 = _replica("r1", 1), _replica("r2", 1)
+        other = _req("sibling", p + x + z)
+        loc.routed(other, replica="r1")
+        picker.routed(other, replica="r1")
+        r1.add_unprefilled("sibling", text_tokens(x + z))  # it found P cached and computes X (and Z) on r1 now
+        return loc, picker, r1, r2
+
+    _, deepest, r1, r2 = setup("deepest")
+    assert deepest.pick(_req("c0", p + x + y), [r1, r2]).id == "r1"
+    loc, own, r1, r2 = setup("own")
+    child = _req("c1", p + x + y)
+    assert own.pick(child, [r1, r2]).id == "r2"
+    costs = own.local_costs(child, [r1, r2])
+    assert costs["r2"] < costs["r1"]
+    assert PrefillEstimate(wait, loc, None, own).uncached_tokens(child, "r2") == text_tokens(x + y)
+    r2.pending = 1  # an engine queues: the deepest match's pricing
+    assert own.pick(_req("c2", p + x + y), [r1, r2]).id == "r1"
+    r2.pending, r1.kv_usage = 0, 0.6
+    assert own.pick(_req("c3", p + x + y), [r1, r2]).id == "r1"
+    r1.kv_usage = 0.2
+    r1.prefilled("sibling")  # X is cached on r1 now: it holds the most and has no backlog
+    assert own.pick(_req("c4", p + x + y), [r1, r2]).id == "r1"
+
+
 def test_estimated_ttft_prices_a_prompt_that_does_not_fit_in_the_free_kv_cache_as_a_wait():
     """A replica whose free KV cache (capacity x (1 - usage), less the backlog ahead) cannot take the prompt's
     uncached tokens is priced its measured service time more: the request goes where it fits, even past a cache hit;

@@ -177,6 +177,8 @@ class SimReplica:
     def submit(self, flight: Flight) -> None:
         """The request reached the replica now: queue it in the engine and start stepping if idle."""
         flight.replica = self
+        for hook in self.cluster.submit_hooks:
+            hook(self, flight)
         req = flight.req
         self.flights[req.id] = flight
         self.engine.submit(req.id, req.tokens, req.max_tokens or req.output_tokens, ignore_eos=True,
@@ -499,6 +501,9 @@ class Cluster:
         self.replicas = {rid: SimReplica(self, rid, region, own.get(rid, self.params))
                          for rid, region in replicas.items()}
         self.step_hooks: list = []
+        #: Called as hook(replica, flight) when a request reaches a replica, before the engine queues it (diagnostics:
+        #: bench/sim/ttft_parts.py reads the replicas' state there).
+        self.submit_hooks: list = []
         self.balancers: dict[str, SimBalancer] = {}
         for setup in balancers:
             if setup.region in self.balancers:

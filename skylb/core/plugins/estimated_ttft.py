@@ -19,6 +19,17 @@ prefills its own question (bench/results/real_hit_guard.md: against counting eve
 every matrix cell). Among candidates left tied (estimates within a millisecond), those with the best prefix match,
 then, with ``tie_break`` "estimated-wait", OllamaRouter's least estimated wait from measured time per token
 (estimated_wait.py), then least load: a slower replica gets less of the work than a faster one.
+
+Holdings (``holdings``). "deepest": the prefix priced as cached is the deepest match's, on the replicas holding
+that node, and nothing on the others (below the locality's threshold nothing anywhere). "own": while every
+candidate has room (nothing waiting in its engine at its probe, its KV cache below ``holdings_kv_below`` full),
+each replica is priced with its own deepest node along the prompt (a replica holding a shorter prefix, such as a
+tree's parent prompt on the replica of the parent's sibling, is credited with it), less what a holder is still
+computing for another request of the same prefix (the ``_burst`` test): an engine that admits the request at once
+batches its prefill beside that other one's and computes the shared part again (SGLang's and vLLM's prefix caches
+share only blocks already computed when a step is scheduled). With a request waiting in an engine or a KV cache
+filling up, a request sent to the holder waits and finds the prefix computed by then, and blocks shared on one
+replica are what keep the cache from evicting, so the deepest match's pricing holds there.
 """
 
 from __future__ import annotations
@@ -49,14 +60,17 @@ class EstimatedTTFT:
         hit_abs_threshold, hit_rel_threshold: the guard of a cache hit (None: the load guard's).
         burst_aware: a cache hit whose holder still prefills another request of the same prefix (the router's
             ``ReplicaState.unprefilled`` record) is guarded by the load guard's thresholds, not the hit's.
+        holdings: "deepest" or "own", and holdings_kv_below: the KV usage (0-1) below which every candidate must be
+            for "own" to apply (module docstring, "Holdings").
         tie_break: "estimated-wait" or "least-load" (module docstring).
     """
 
     def __init__(self, *, wait: WaitModel, locality: PrefixLocality, rates: RateBook, turns: Turns,
                  abs_threshold: int, rel_threshold: float, tie_break: str = "estimated-wait",
                  hit_abs_threshold: int | None = None, hit_rel_threshold: float | None = None,
-                 burst_aware: bool = False):
+                 burst_aware: bool = False, holdings: str = "deepest", holdings_kv_below: float = 0.5):
         self.wait, self.locality, self.rates, self.turns = wait, locality, rates, turns
+        self.holdings, self.holdings_kv_below = holdings, holdings_kv_below
         self.abs_threshold, self.rel_threshold, self.tie_break = abs_threshold, rel_threshold, tie_break
         self.hit_abs_threshold = hit_abs_threshold
         self.hit_rel_threshold = rel_threshold if hit_rel_threshold is None else hit_rel_threshold
@@ -66,6 +80,9 @@ class EstimatedTTFT:
         self._placed: dict[str, weakref.WeakValueDictionary[str, Request]] = {}
         # (request, candidate list, least cost) of the latest pricing: the forwarding rule compares a peer with it
         self._priced: tuple[Request, Sequence[ReplicaState], float] | None = None
+        # (request, {replica id: uncached tokens priced}) of the latest pricing by own holdings, for the placement's
+        # backlog record (by the deepest match, the record is the decision's kept match, as before)
+        self._uncached: tuple[Request, dict[str, float]] | None = None
 
     def routed(self, request: Request, *, replica: str | None = None, peer: str | None = None) -> None:
         """Learner: remember ``request`` on ``replica`` while it may still wait for its prefill (``burst_aware``;
@@ -85,11 +102,18 @@ class EstimatedTTFT:
         request that found the whole prefix cached (``ReplicaState.unprefilled``: its prompt tokens not expected
         cached) is a prefix reused one request after another, which stays a hit (a tenant's or an agent's next
         request while its previous one prefills its own question)."""
+        return self._computed_chars(request, holder, fraction) is not None
+
+    def _computed_chars(self, request: Request, holder: ReplicaState, fraction: float) -> int | None:
+        """When ``holder`` is computing part of ``request``'s matched prefix (``fraction`` of its text) for
+        another request (``_burst``): the characters of that prefix it has cached already (the least any such
+        request found cached); else None."""
         placed = self._placed.get(holder.id)
         if not placed or not holder.unprefilled:
-            return False
+            return None
         matched = int(fraction * len(request.text))  # the matched prefix, characters (the match's ratio of the text)
         head = request.text[:matched]
+        held = None
         for rid, uncached in holder.unprefilled.items():
             other = placed.get(rid)
             if other is None or other is request or not other.text.startswith(head):
@@ -97,9 +121,10 @@ class EstimatedTTFT:
             tokens = prompt_tokens(other)
             chars_per_token = len(other.text) / tokens
             # Its cached part in characters, with a token of slack: its uncached tokens were rounded.
-            if (tokens - uncached) * chars_per_token + chars_per_token < matched:
-                return True
-        return False
+            cached = (tokens - uncached) * chars_per_token + chars_per_token
+            if cached < matched:
+                held = int(cached) if held is None else min(held, int(cached))
+        return held
 
     def cheapest_s(self, request: Request, candidates: Sequence[ReplicaState]) -> float:
         """The least estimated seconds to first token among ``candidates`` (non-empty), the costs of the latest
@@ -119,10 +144,34 @@ class EstimatedTTFT:
         them kept for ``cheapest_s``)."""
         fractions = self.locality.fractions(request, candidates, {c.id for c in candidates})
         tokens = prompt_tokens(request)
-        uncached = [tokens * (1.0 - f) for f in fractions] if any(fractions) else [tokens * 1.0] * len(fractions)
+        held = self._held(request, candidates, fractions)
+        uncached = [tokens * (1.0 - f) for f in held] if any(held) else [tokens * 1.0] * len(held)
         costs = self.wait.ttft_among_s(candidates, uncached)
         self._priced = (request, candidates, min(costs))
+        self._uncached = (request, {c.id: u for c, u in zip(candidates, uncached)}) if held is not fractions else None
         return costs, fractions
+
+    def _held(self, request: Request, candidates: Sequence[ReplicaState], fractions: list[float]) -> list[float]:
+        """The fraction of the prompt priced as cached on each candidate (module docstring, "Holdings"):
+        ``fractions`` (the deepest match's, at least the threshold) unless ``holdings`` is "own" and every
+        candidate has room (no request waiting in its engine, KV cache below ``holdings_kv_below``); then each
+        replica's own match, less what a holder is still computing for another request."""
+        if self.holdings != "own" or any(c.pending or (c.kv_usage or 0.0) >= self.holdings_kv_below
+                                         for c in candidates):
+            return fractions
+        held = self.locality.held_fractions(request, candidates)
+        if self.burst_aware and any(fractions):
+            text = len(request.text)
+            for i, (c, f) in enumerate(zip(candidates, held)):
+                if f > 0.0 and c.unprefilled and (done := self._computed_chars(request, c, f)) is not None:
+                    held[i] = min(f, done / text)
+        return held
+
+    def priced_uncached(self, request: Request, replica_id: str) -> float | None:
+        """The uncached tokens the latest pricing of ``request`` by own holdings gave ``replica_id`` (None: not
+        priced there, or priced by the deepest match)."""
+        last = self._uncached
+        return last[1].get(replica_id) if last is not None and last[0] is request else None
 
     def pick(self, request: Request, candidates: Sequence[ReplicaState]) -> ReplicaState:
         """The pick among ``candidates`` (non-empty)."""
@@ -154,15 +203,18 @@ class PrefillEstimate(Estimator):
     """Estimator of the default profile: the wait model's wait, the prompt tokens its prefix match leaves to
     prefill, and (with the predicted-TTFT placement) the figures peers price this balancer with."""
 
-    def __init__(self, wait: WaitModel, locality: PrefixLocality, advertise=None):
-        self.wait, self.locality, self._advertise = wait, locality, advertise
+    def __init__(self, wait: WaitModel, locality: PrefixLocality, advertise=None, priced: EstimatedTTFT | None = None):
+        self.wait, self.locality, self._advertise, self._priced = wait, locality, advertise, priced
 
     def estimated_wait_s(self, replica: ReplicaState) -> float | None:
         """Seconds before a new request's prefill starts on ``replica`` (WaitModel.wait_s)."""
         return self.wait.wait_s(replica)
 
     def uncached_tokens(self, request: Request, replica_id: str) -> int:
-        """``request``'s prompt tokens less the fraction matched at ``replica_id`` (the decision's kept match)."""
+        """``request``'s prompt tokens less the fraction matched at ``replica_id`` (the decision's kept match), or
+        what the placement's pricing counted uncached there when it priced it."""
+        if self._priced is not None and (priced := self._priced.priced_uncached(request, replica_id)) is not None:
+            return round(priced)
         fraction = self.locality.matched_fraction(request, replica_id, self.locality.replicas)
         return round(prompt_tokens(request) * (1.0 - fraction))
 

@@ -153,6 +153,25 @@ class PrefixLocality:
             return kept.match(frozenset(members))
         return self.replica_trie.match(self.key(request), members)
 
+    def held_fractions(self, request: Request, candidates: Sequence[ReplicaState]) -> list[float]:
+        """The fraction of ``request``'s prompt each of ``candidates`` holds by itself, in order, with no threshold:
+        with the block index, a live replica's exact fraction (the trie's deepest match for the others, as in
+        :meth:`fractions`); else each replica's own deepest node along the request's key in the replica trie (a
+        replica that holds a shorter prefix than the deepest match, such as a tree's parent prompt on the replica
+        of the parent's sibling, is credited with that prefix rather than with nothing). The trie walk is the
+        look-ahead's kept walk (``PrefixTrie.kept_match``), kept on the request while it holds."""
+        if self.kv is not None:
+            m = self.replica_match(request, {c.id for c in candidates})
+            if isinstance(m, CachedMatch):
+                return [m.fraction(c.id) for c in candidates]
+            return [m.ratio if c.id in m.targets else 0.0 for c in candidates]
+        trie = self.replica_trie
+        kept = request.kept_match = trie.kept_match(self.key(request), request.kept_match)
+        if not kept.prompt_chars:
+            return [0.0] * len(candidates)
+        reach, total = kept.reach, kept.prompt_chars
+        return [reach.get(c.id, 0) / total for c in candidates]
+
     def matched_fraction(self, request: Request, replica_id: str, members: Collection[str]) -> float:
         """The fraction of ``request``'s prompt expected cached at ``replica_id``: the (kept) match ratio when the
         replica holds the deepest match among ``members`` and the ratio reaches ``threshold``, else 0. With the

@@ -201,6 +201,13 @@ class SkyLBOptions(SkyLBPaperOptions):
             changes. Every matrix cell (bench/results/trie_kv_bound.md): P90 TTFT geometric mean 0.998 (development
             split) and 0.993 (validation), throughput 0.999 and 0.999. Off in ``skylb-paper`` (the prototype's
             trie).
+        holdings: the prefix the estimate prices as cached on each replica (skylb/core/plugins/estimated_ttft.py,
+            "Holdings"): "deepest" (default), the deepest match's on its holders and nothing elsewhere; "own", while
+            every local replica with room has nothing waiting and a KV cache below ``holdings_kv_below``, each
+            replica's own match, less what a holder still computes for another request of the prefix. Not the
+            default: every development cell, seeds 0-2 (bench/results/own_holdings.md), closed-loop trees at
+            0.5x-4x P90 TTFT 0.85-0.93x, but tot@4x 1.33x and tot@5x 1.22x, P90 geometric mean 1.001, throughput
+            0.996.
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
             piled sessions and popular prompts onto one replica (simulated Arena and WildChat, seeds 0-1: variance
@@ -234,6 +241,8 @@ class SkyLBOptions(SkyLBPaperOptions):
     cache_hit_guard: Literal["serial", "holder", "balance"] = "serial"
     forward_against: Literal["cheapest", "pick"] = "cheapest"
     trie_kv_bound: bool = True
+    holdings: Literal["own", "deepest"] = "deepest"
+    holdings_kv_below: float = Field(0.5, ge=0, le=1)
 
 
 def skylb(options: SkyLBOptions) -> Profile:
@@ -251,7 +260,8 @@ def skylb(options: SkyLBOptions) -> Profile:
     local = EstimatedTTFT(wait=wait, locality=loc, rates=rates, turns=turns, abs_threshold=o.balance_abs_threshold,
                           rel_threshold=o.balance_rel_threshold, tie_break=o.tie_break,
                           hit_abs_threshold=o.holder_balance_abs_threshold if o.cache_hit_guard != "balance" else None,
-                          hit_rel_threshold=o.holder_balance_rel_threshold, burst_aware=o.cache_hit_guard == "serial")
+                          hit_rel_threshold=o.holder_balance_rel_threshold, burst_aware=o.cache_hit_guard == "serial",
+                          holdings=o.holdings, holdings_kv_below=o.holdings_kv_below)
     if predicted:
         placement = PredictedTTFTPlacement(ttft=ttft, locality=loc, turns=turns, hold=hold,
                                            abs_threshold=o.ttft_balance_abs_threshold,
@@ -275,7 +285,7 @@ def skylb(options: SkyLBOptions) -> Profile:
                    first=first, then=then, no_room=no_room,
                    queue=PrefixLookahead(lambda: loc.replica_trie, o.match_threshold), lookahead=o.queue_lookahead,
                    max_bypass=o.max_bypass, learners=learners, rates=rates,
-                   estimator=PrefillEstimate(wait, loc, ttft.advertised if predicted else None),
+                   estimator=PrefillEstimate(wait, loc, ttft.advertised if predicted else None, local),
                    tries=(loc.replica_trie, loc.snapshot_trie))
 
 

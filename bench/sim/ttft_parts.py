@@ -1,0 +1,148 @@
+"""Where a simulated cell's time to first token goes, request by request: a diagnostic for the routing rules.
+
+``.venv/bin/python -m bench.sim.ttft_parts CELL [--seed 0] [--split dev] [--stop-at S] SYSTEM...`` (CELL: a
+robustness-matrix cell such as ``tot@0.5x``, bench/sim/matrix.py; SYSTEM: a key of bench/sim/systems.py ``SYSTEMS``
+or ``LAYOUT:POLICY`` for one of the oracle's candidates in a layout (``global:skylb-paper``, bench/sim/oracle_gap.py),
+each optionally followed by ``+option=value`` for the ``skylb`` policy's options or ``+cfg.setting=value`` for a
+balancer setting, Python literals). Prints, per system, the requests sent in the measurement window in three groups:
+``first`` (no parent: a tree's root, a conversation's first turn, an open-loop request), ``same`` (on the replica
+that served its parent: a tree's branch or a session's next turn kept where its context is) and ``other``
+(elsewhere). Per group: its share, the mean TTFT and its parts (client to engine: network and balancer queue;
+engine queue: arrival at the engine to its first scheduled step; prefill: that step to the first token, which
+includes the prompts batched beside it), the uncached prompt tokens and the hit rate, the time per output token and
+the end-to-end time, and at arrival the replica's requests (running and waiting) over the least and the mean of its
+region's replicas and the requests waiting in its engine; then the same parts for the group's requests in the tail
+(TTFT at or above the run's P90). Times in seconds unless marked; simulated time throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import statistics
+import sys
+from dataclasses import replace
+
+__all__ = ["parse_system", "run", "main"]
+
+GROUPS = ("first", "same", "other")
+
+
+def parse_system(spec: str):
+    """(System, policy options, balancer settings) of ``SYSTEM[+key=value...]`` (module docstring)."""
+    from bench.sim.systems import SYSTEMS, System
+    name, *opts = spec.split("+")
+    if name in SYSTEMS:
+        system = SYSTEMS[name]
+    elif ":" in name:
+        layout, policy = name.split(":", 1)
+        system = System(name, f"{policy} in the {layout} layout", layout, policy)
+    else:
+        raise ValueError(f"unknown system {name!r}: a key of bench/sim/systems.py SYSTEMS or LAYOUT:POLICY")
+    options, settings = {}, {}
+    for item in opts:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"option {item!r}: expected key=value")
+        (settings if key.startswith("cfg.") else options)[key.removeprefix("cfg.")] = ast.literal_eval(value)
+    return replace(system, candidates=()), options, settings
+
+
+def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: float | None = None) -> dict:
+    """Run ``spec`` on ``cell``; returns {"p90", "mean", "throughput", "groups": {group: {figure: mean}},
+    "tail": {group: {figure: mean}}} (module docstring for the figures)."""
+    from bench.sim.matrix import TIMES, WORKLOADS, parse_cell, trace_window
+    from bench.sim.regime import engine_params
+    from bench.sim.systems import build
+    from skylb.config import BalancerConfig
+    system, options, cfg = parse_system(spec)
+    params = engine_params()
+    name, load = parse_cell(cell)
+    wl = WORKLOADS[name]
+    full_stop, warmup_s = TIMES[wl.kind]
+    stop_at = stop_at or full_stop
+    settings = None
+    if options or cfg:
+        settings = BalancerConfig.model_validate(BalancerConfig().model_dump() | cfg | (
+            {"policies": {system.policy: options}} if options else {}))
+    cluster = build(system, wl.make(seed, load, trace_window(split, seed), stop_at), dict(wl.counts), seed=seed,
+                    stop_at=stop_at, params=params, settings=settings, replica_params=wl.replica_params(params))
+    at_arrival: dict[str, tuple[int, float, float, int]] = {}
+
+    def arrived(replica, flight) -> None:
+        load = {r.id: r.engine.num_running + r.engine.num_waiting for r in cluster.replicas.values()
+                if r.region == replica.region}
+        own = load[replica.id]
+        at_arrival[flight.req.id] = (own - min(load.values()), own - statistics.fmean(load.values()),
+                                     replica.engine.num_waiting)
+
+    cluster.submit_hooks.append(arrived)
+    cluster.run()
+    done = {f.req.id: f for f in cluster.records}
+    rows = []
+    for f in cluster.records:
+        if not (warmup_s <= f.sent_at < stop_at) or f.result is None or f.req.id not in at_arrival:
+            continue
+        r, parent = f.result, done.get(f.req.parent) if f.req.parent else None
+        group = "first" if f.req.parent is None else "same" if parent is not None and parent.replica is f.replica \
+            else "other"
+        over_min, over_mean, waiting = at_arrival[f.req.id]
+        rows.append({"group": group, "ttft": f.first_token_at - f.sent_at, "to_engine": r.submitted_at - f.sent_at,
+                     "engine_queue": r.admitted_at - r.submitted_at, "prefill": r.first_token_at - r.admitted_at,
+                     "uncached": r.prompt_tokens - r.cached_tokens,
+                     "hit": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0,
+                     "tpot_ms": 1e3 * (r.finished_at - r.first_token_at) / max(1, r.completion_tokens - 1),
+                     "e2e": f.done_at - f.sent_at, "over_min": over_min, "over_mean": over_mean,
+                     "waiting": waiting})
+    if not rows:
+        raise RuntimeError(f"{cell} {spec}: no request completed in the window")
+    ttfts = sorted(x["ttft"] for x in rows)
+    p90 = ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]
+
+    def means(subset: list[dict]) -> dict:
+        return {"n": len(subset), **{k: statistics.fmean(x[k] for x in subset) for k in rows[0] if k != "group"}}
+
+    groups = {g: means(sub) for g in GROUPS if (sub := [x for x in rows if x["group"] == g])}
+    tail = {g: means(sub) for g in GROUPS if (sub := [x for x in rows if x["group"] == g and x["ttft"] >= p90])}
+    return {"p90": p90, "mean": statistics.fmean(ttfts), "throughput": len(rows) / (stop_at - warmup_s),
+            "requests": len(rows), "groups": groups, "tail": tail}
+
+
+def render(cell: str, spec: str, result: dict) -> str:
+    """The printed block of one ``run``."""
+    lines = [f"== {cell} {spec}: {result['requests']} requests, TTFT P90 {result['p90']:.3f} s, mean "
+             f"{result['mean']:.3f} s, {result['throughput']:.2f} req/s"]
+    for g, m in result["groups"].items():
+        t = result["tail"].get(g)
+        lines.append(f"  {g:5s} {m['n'] / result['requests']:4.0%} ttft {m['ttft']:.3f} = to engine "
+                     f"{m['to_engine']:.3f} + engine queue {m['engine_queue']:.3f} + prefill {m['prefill']:.3f}; "
+                     f"uncached {m['uncached']:.0f} hit {m['hit']:.2f}; tpot {m['tpot_ms']:.1f} ms e2e {m['e2e']:.2f}; "
+                     f"at arrival +{m['over_min']:.1f} over least, {m['over_mean']:+.1f} over mean, "
+                     f"{m['waiting']:.2f} waiting")
+        if t:
+            lines.append(f"        tail {t['n']}: engine queue {t['engine_queue']:.3f} prefill {t['prefill']:.3f} "
+                         f"uncached {t['uncached']:.0f} to engine {t['to_engine']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run each system on the cell and print its block; returns the exit status."""
+    p = argparse.ArgumentParser(prog="python -m bench.sim.ttft_parts", description=__doc__.split("\n\n")[0])
+    p.add_argument("cell", help="a robustness-matrix cell, e.g. tot@0.5x")
+    p.add_argument("systems", nargs="+", help="SYSTEM[+option=value...] (module docstring)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", default="dev", choices=("dev", "val"))
+    p.add_argument("--stop-at", type=float, default=None, help="simulated seconds of sending (default: the cell's)")
+    args = p.parse_args(argv)
+    try:
+        for spec in args.systems:
+            print(render(args.cell, spec, run(args.cell, spec, seed=args.seed, split=args.split,
+                                              stop_at=args.stop_at)), flush=True)
+    except (ValueError, KeyError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

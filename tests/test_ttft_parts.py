@@ -1,0 +1,29 @@
+"""The TTFT decomposition diagnostic (bench/sim/ttft_parts.py) on a short simulated tree cell."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.sim.ttft_parts import main, parse_system, run
+
+
+def test_ttft_parts_splits_each_request_of_a_tree_cell_into_its_parts(capsys):
+    result = run("tot@0.5x", "SkyLB", stop_at=50.0)
+    groups = result["groups"]
+    assert set(groups) == {"first", "same", "other"}  # trees: roots, branches on their parent's replica, elsewhere
+    assert sum(g["n"] for g in groups.values()) == result["requests"] > 0
+    for g in groups.values():
+        parts = g["to_engine"] + g["engine_queue"] + g["prefill"]
+        assert 0.0 < parts <= g["ttft"] + 1e-9  # the first token's way back to the client is the rest
+        assert 0.0 <= g["hit"] <= 1.0 and g["over_min"] >= 0.0 and g["tpot_ms"] > 0.0
+    assert groups["first"]["uncached"] > 0  # a root shares only the template
+    assert main(["tot@0.5x", "--stop-at", "22", 'SkyLB+holdings="own"']) == 0
+    assert "tot@0.5x SkyLB+holdings=\"own\"" in capsys.readouterr().out
+
+
+def test_ttft_parts_refuses_an_unknown_system_or_option():
+    with pytest.raises(ValueError):
+        parse_system("NoSuchSystem")
+    with pytest.raises(ValueError):
+        parse_system("SkyLB+holdings")
+    assert main(["tot@0.5x", "NoSuchSystem"]) == 2
