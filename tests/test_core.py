@@ -595,9 +595,10 @@ def test_ollama_api_requests_need_an_ollama_replica():
 
 
 def test_prefix_policy_routes_by_load_when_candidates_are_imbalanced():
-    """A strong prefix match loses to the least loaded replica once loads differ by more than balance_abs_threshold."""
-    router = Router(region="us", policy=make_policy("skylb", balance_abs_threshold=3), rules=AvailabilityRules(
-        max_dispatch_per_probe=0))
+    """A strong prefix match loses to the least loaded replica once loads differ by more than balance_abs_threshold
+    (the guard alone: the pricing of generation stalls, which moves the same request earlier, is off)."""
+    router = Router(region="us", policy=make_policy("skylb", balance_abs_threshold=3, stall_weight=0.0),
+                    rules=AvailabilityRules(max_dispatch_per_probe=0))
     router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
     for rid in router.replicas:
         router.observe_replica(rid, now=0.0, healthy=True, pending=0)

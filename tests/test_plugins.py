@@ -384,6 +384,27 @@ def test_estimated_ttft_own_holdings_credit_a_shorter_prefix_and_not_one_still_c
     assert own.pick(_req("c4", p + x + y), [r1, r2]).id == "r1"
 
 
+def test_estimated_ttft_stall_weight_sends_a_prompt_where_it_stalls_fewer_decodes():
+    """With ``stall_weight`` the pick adds the generation stall of the request's prefill: r1 reads as the faster
+    prefiller (its measured rate) but runs 6 requests, r2 runs 1; by first-token estimate alone the prompt goes to
+    r1, with the stall priced to r2. A cache hit on the busy replica still wins where it saves more than it stalls."""
+    wait = WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=True)
+
+    def picker(stall_weight: float) -> EstimatedTTFT:
+        return EstimatedTTFT(wait=wait, locality=_locality(), rates=RateBook(), turns=Turns(), abs_threshold=8,
+                             rel_threshold=1.5, stall_weight=stall_weight)
+
+    r1, r2 = _replica("r1", 6, running=6), _replica("r2", 1, running=1)
+    r1.rates.overall.prefill_s_per_token, r2.rates.overall.prefill_s_per_token = 0.0004, 0.0005
+    prompt = _req("a", "w" * 2000)
+    assert picker(0.0).pick(prompt, [r1, r2]).id == "r1"
+    assert picker(1.0).pick(prompt, [r1, r2]).id == "r2"
+    weighted = picker(1.0)
+    weighted.locality.set_members({"r1", "r2"}, set())
+    weighted.locality.routed(_req("earlier", "w" * 1900), replica="r1")
+    assert weighted.pick(_req("b", "w" * 1900 + "v" * 100), [r1, r2]).id == "r1"
+
+
 def test_estimated_ttft_prices_a_prompt_that_does_not_fit_in_the_free_kv_cache_as_a_wait():
     """A replica whose free KV cache (capacity x (1 - usage), less the backlog ahead) cannot take the prompt's
     uncached tokens is priced its measured service time more: the request goes where it fits, even past a cache hit;

@@ -30,6 +30,13 @@ batches its prefill beside that other one's and computes the shared part again (
 share only blocks already computed when a step is scheduled). With a request waiting in an engine or a KV cache
 filling up, a request sent to the holder waits and finds the prefix computed by then, and blocks shared on one
 replica are what keep the cache from evicting, so the deepest match's pricing holds there.
+
+Generation stalls (``stall_weight``). An engine step that prefills a prompt also decodes one token of every
+request in its running batch, so each of them waits the prefill's time for its next token (Sarathi-Serve, Agrawal
+et al., OSDI 2024, section 3.2 "generation stalls"; chunked prefill spreads the same time over several steps). The
+estimate above prices only the request's own first token; with ``stall_weight`` w > 0 the pick adds w x (the batch's
+requests) x (the request's uncached prefill time there) to each candidate, so a prompt goes where it stalls the
+fewest decodes unless a cache hit saves more. The forwarding rule still compares first-token estimates alone.
 """
 
 from __future__ import annotations
@@ -63,12 +70,17 @@ class EstimatedTTFT:
         holdings: "deepest" or "own", and holdings_kv_below: the KV usage (0-1) below which every candidate must be
             for "own" to apply (module docstring, "Holdings").
         tie_break: "estimated-wait" or "least-load" (module docstring).
+        stall_weight: the weight of the generation stall the request's prefill causes the other requests of a
+            candidate's batch (module docstring, "Generation stalls"; 0: not priced).
     """
 
     def __init__(self, *, wait: WaitModel, locality: PrefixLocality, rates: RateBook, turns: Turns,
                  abs_threshold: int, rel_threshold: float, tie_break: str = "estimated-wait",
                  hit_abs_threshold: int | None = None, hit_rel_threshold: float | None = None,
-                 burst_aware: bool = False, holdings: str = "deepest", holdings_kv_below: float = 0.5):
+                 burst_aware: bool = False, holdings: str = "deepest", holdings_kv_below: float = 0.5,
+                 stall_weight: float = 0.0):
+        self.stall_weight = stall_weight
+        self._stall_basis: list[float] = []  # the latest ``_costs``' uncached tokens per candidate
         self.wait, self.locality, self.rates, self.turns = wait, locality, rates, turns
         self.holdings, self.holdings_kv_below = holdings, holdings_kv_below
         self.abs_threshold, self.rel_threshold, self.tie_break = abs_threshold, rel_threshold, tie_break
@@ -147,7 +159,7 @@ class EstimatedTTFT:
         held = self._held(request, candidates, fractions)
         uncached = [tokens * (1.0 - f) for f in held] if any(held) else [tokens * 1.0] * len(held)
         costs = self.wait.ttft_among_s(candidates, uncached)
-        self._priced = (request, candidates, min(costs))
+        self._priced, self._stall_basis = (request, candidates, min(costs)), uncached
         self._uncached = (request, {c.id: u for c, u in zip(candidates, uncached)}) if held is not fractions else None
         return costs, fractions
 
@@ -166,6 +178,23 @@ class EstimatedTTFT:
                 if f > 0.0 and c.unprefilled and (done := self._computed_chars(request, c, f)) is not None:
                     held[i] = min(f, done / text)
         return held
+
+    def _with_stalls(self, candidates: Sequence[ReplicaState], costs: list[float]) -> list[float]:
+        """``costs`` (s) plus ``stall_weight`` x the generation stall the request's prefill would cause on each
+        candidate: its uncached prompt tokens (as the latest ``_costs`` priced them) at the candidate's prefill
+        rate, s, x the requests in its batch (running at the probe plus sent since, or this balancer's in flight
+        there if more), each of which waits that long for its next token (module docstring, "Generation
+        stalls")."""
+        uncached = self._stall_basis
+        measured = [c.rates.overall.prefill_s_per_token for c in candidates] if self.wait.measured else []
+        known = [rate for rate in measured if rate is not None]
+        fallback = min(known) if known else 1.0 / self.wait.prefill_tokens_per_s  # as WaitModel.ttft_among_s
+        weight, out = self.stall_weight, []
+        for i, (c, cost, tokens) in enumerate(zip(candidates, costs, uncached)):
+            per_token = (measured[i] if measured else None) or fallback
+            batch = max((c.running or 0) + c.sent_since_probe, c.outstanding)
+            out.append(cost + weight * batch * tokens * per_token)
+        return out
 
     def priced_uncached(self, request: Request, replica_id: str) -> float | None:
         """The uncached tokens the latest pricing of ``request`` by own holdings gave ``replica_id`` (None: not
@@ -187,6 +216,8 @@ class EstimatedTTFT:
                 return least_loaded(candidates, self.turns.next())
         else:
             costs, fractions = self._costs(request, candidates)
+        if self.stall_weight:
+            costs = self._with_stalls(candidates, costs)
         # Within a millisecond is a tie: spread over the tied ones by load rather than by list order.
         limit = min(costs) + 1e-3
         tied = [c for c, cost in zip(candidates, costs) if cost <= limit]

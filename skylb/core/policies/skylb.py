@@ -37,6 +37,10 @@ every candidate by one cost and settles every placement (without the sibling rul
   (``balance_*_threshold``) still wins when outstanding requests are imbalanced; for a cache hit only past the push's
   thresholds, unless its holder is still computing the same prefix for another request (``cache_hit_guard``
   "serial": a prefix reused one request after another stays on its replica, a burst behind a new prefix is spread).
+* Generation stalls (``stall_weight``): a prompt's prefill holds up the next token of every request decoding on
+  its replica (Sarathi-Serve section 3.2), so the local pick adds 0.3 x the replica's batch x the prompt's
+  uncached prefill time there to each estimate: a prompt goes where it stalls fewer decodes unless a cache hit
+  saves more. The forwarding rule compares first-token estimates alone.
 * Measured speed (OllamaRouter; skylb/core/rates.py): once a replica's responses have been measured, its own prefill
   seconds per token replace ``prefill_tokens_per_s`` in its wait and prefill estimates (``measured_prefill``), and
   among candidates left tied (estimates within a millisecond, equal prefix matches) the one with the least
@@ -208,6 +212,12 @@ class SkyLBOptions(SkyLBPaperOptions):
             default: every development cell, seeds 0-2 (bench/results/own_holdings.md), closed-loop trees at
             0.5x-4x P90 TTFT 0.85-0.93x, but tot@4x 1.33x and tot@5x 1.22x, P90 geometric mean 1.001, throughput
             0.996.
+        stall_weight: the weight of the generation stall a prompt's prefill causes the requests decoding on a
+            candidate (skylb/core/plugins/estimated_ttft.py, "Generation stalls"), added to its estimate in the local
+            pick (0: not priced). 0.3 chosen among 0.1, 0.3 and 1 on the development split (bench/results/
+            generation_stalls.md): against 0, P90 TTFT geometric mean 1.000 and throughput 1.016 over every cell,
+            seeds 0-2 (validation, seeds 3-4: 1.011 and 1.012); closed-loop trees 2-6% more throughput, tot@5x
+            0.65x P90; the 150 tenants at 2x 0.93x (development) but 1.61x (validation).
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
             piled sessions and popular prompts onto one replica (simulated Arena and WildChat, seeds 0-1: variance
@@ -243,6 +253,7 @@ class SkyLBOptions(SkyLBPaperOptions):
     trie_kv_bound: bool = True
     holdings: Literal["own", "deepest"] = "deepest"
     holdings_kv_below: float = Field(0.5, ge=0, le=1)
+    stall_weight: float = Field(0.3, ge=0)
 
 
 def skylb(options: SkyLBOptions) -> Profile:
@@ -261,7 +272,8 @@ def skylb(options: SkyLBOptions) -> Profile:
                           rel_threshold=o.balance_rel_threshold, tie_break=o.tie_break,
                           hit_abs_threshold=o.holder_balance_abs_threshold if o.cache_hit_guard != "balance" else None,
                           hit_rel_threshold=o.holder_balance_rel_threshold, burst_aware=o.cache_hit_guard == "serial",
-                          holdings=o.holdings, holdings_kv_below=o.holdings_kv_below)
+                          holdings=o.holdings, holdings_kv_below=o.holdings_kv_below,
+                          stall_weight=o.stall_weight)
     if predicted:
         placement = PredictedTTFTPlacement(ttft=ttft, locality=loc, turns=turns, hold=hold,
                                            abs_threshold=o.ttft_balance_abs_threshold,
