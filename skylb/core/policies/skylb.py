@@ -214,10 +214,11 @@ class SkyLBOptions(SkyLBPaperOptions):
             0.996.
         stall_weight: the weight of the generation stall a prompt's prefill causes the requests decoding on a
             candidate (skylb/core/plugins/estimated_ttft.py, "Generation stalls"), added to its estimate in the local
-            pick (0: not priced). 0.3 chosen among 0.1, 0.3 and 1 on the development split (bench/results/
-            generation_stalls.md): against 0, P90 TTFT geometric mean 1.000 and throughput 1.016 over every cell,
-            seeds 0-2 (validation, seeds 3-4: 1.011 and 1.012); closed-loop trees 2-6% more throughput, tot@5x
-            0.65x P90; the 150 tenants at 2x 0.93x (development) but 1.61x (validation).
+            pick (0: not priced). 0.3 chosen among 0.1, 0.3 and 1 on the development split
+            (bench/results/generation_stalls.md): against 0, P90 TTFT geometric mean 0.984 and throughput 1.016
+            over every cell, seeds 0-2 (validation, seeds 3-4: 1.011 and 1.012); closed-loop trees 2-5.5% more
+            throughput, P90 1.02-1.12x below saturation and 0.65-0.68x at tot@5x; the 150 tenants at 2x 0.91x
+            (development) but 1.61x (validation).
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
             piled sessions and popular prompts onto one replica (simulated Arena and WildChat, seeds 0-1: variance
