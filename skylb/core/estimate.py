@@ -113,19 +113,24 @@ class WaitModel:
         rates = [r.rates.overall.prefill_s_per_token for r in replicas] if self.measured else None
         return self._ttft(replicas, uncached_tokens, rates, prior_s_per_token)
 
-    def ttft_among_s(self, replicas: Sequence[ReplicaState], uncached_tokens: Sequence[float]) -> list[float]:
+    def ttft_among_s(self, replicas: Sequence[ReplicaState], uncached_tokens: Sequence[float],
+                     stalls: list[float] | None = None, stall_weight: float = 0.0) -> list[float]:
         """``ttft_s(replicas, uncached_tokens, prior_s_per_token(replicas))``, each replica's measured rate read
-        once for both."""
+        once for both. With ``stalls`` (a list), each estimate plus ``stall_weight`` x the replica's batch (running
+        at its probe plus sent since, or this balancer's in flight there if more) x its uncached prefill time is
+        appended to it, in the same pass (the generation stall the prefill causes the requests decoding there:
+        skylb/core/plugins/estimated_ttft.py, "Generation stalls")."""
         if not self.measured:
-            return self._ttft(replicas, uncached_tokens, None, None)
+            return self._ttft(replicas, uncached_tokens, None, None, stalls, stall_weight)
         rates = [r.rates.overall.prefill_s_per_token for r in replicas]
         known = [rate for rate in rates if rate is not None]
-        return self._ttft(replicas, uncached_tokens, rates, min(known) if known else None)
+        return self._ttft(replicas, uncached_tokens, rates, min(known) if known else None, stalls, stall_weight)
 
     def _ttft(self, replicas: Sequence[ReplicaState], uncached_tokens: Sequence[float],
-              rates: list[float | None] | None, prior_s_per_token: float | None) -> list[float]:
+              rates: list[float | None] | None, prior_s_per_token: float | None,
+              stalls: list[float] | None = None, stall_weight: float = 0.0) -> list[float]:
         """:meth:`ttft_s`'s loop; ``rates``: each replica's measured prefill s/token (None: unmeasured), or None
-        when ``measured`` is off."""
+        when ``measured`` is off; ``stalls``, ``stall_weight``: as in :meth:`ttft_among_s`."""
         measured, unknown_tokens = self.measured, self.default_prompt_tokens
         fallback = prior_s_per_token if measured and prior_s_per_token else 1.0 / self.prefill_tokens_per_s
         out = []
@@ -139,6 +144,9 @@ class WaitModel:
             if r.kv_capacity_tokens is not None and r.kv_usage is not None:
                 cost += kv_wait_s(r, tokens, backlog)
             out.append(cost)
+            if stalls is not None:
+                batch = max((r.running or 0) + r.sent_since_probe, r.outstanding)
+                stalls.append(cost + stall_weight * batch * (tokens if tokens > 0 else 0.0) * per_token)
         return out
 
     def prior_s_per_token(self, replicas) -> float | None:

@@ -80,7 +80,7 @@ class EstimatedTTFT:
                  burst_aware: bool = False, holdings: str = "deepest", holdings_kv_below: float = 0.5,
                  stall_weight: float = 0.0):
         self.stall_weight = stall_weight
-        self._stall_basis: list[float] = []  # the latest ``_costs``' uncached tokens per candidate
+        self._stalled: list[float] | None = None  # the latest ``_costs``' estimates plus generation stalls
         self.wait, self.locality, self.rates, self.turns = wait, locality, rates, turns
         self.holdings, self.holdings_kv_below = holdings, holdings_kv_below
         self.abs_threshold, self.rel_threshold, self.tie_break = abs_threshold, rel_threshold, tie_break
@@ -158,8 +158,9 @@ class EstimatedTTFT:
         tokens = prompt_tokens(request)
         held = self._held(request, candidates, fractions)
         uncached = [tokens * (1.0 - f) for f in held] if any(held) else [tokens * 1.0] * len(held)
-        costs = self.wait.ttft_among_s(candidates, uncached)
-        self._priced, self._stall_basis = (request, candidates, min(costs)), uncached
+        stalls = [] if self.stall_weight else None
+        costs = self.wait.ttft_among_s(candidates, uncached, stalls, self.stall_weight)
+        self._priced, self._stalled = (request, candidates, min(costs)), stalls
         self._uncached = (request, {c.id: u for c, u in zip(candidates, uncached)}) if held is not fractions else None
         return costs, fractions
 
@@ -178,23 +179,6 @@ class EstimatedTTFT:
                 if f > 0.0 and c.unprefilled and (done := self._computed_chars(request, c, f)) is not None:
                     held[i] = min(f, done / text)
         return held
-
-    def _with_stalls(self, candidates: Sequence[ReplicaState], costs: list[float]) -> list[float]:
-        """``costs`` (s) plus ``stall_weight`` x the generation stall the request's prefill would cause on each
-        candidate: its uncached prompt tokens (as the latest ``_costs`` priced them) at the candidate's prefill
-        rate, s, x the requests in its batch (running at the probe plus sent since, or this balancer's in flight
-        there if more), each of which waits that long for its next token (module docstring, "Generation
-        stalls")."""
-        uncached = self._stall_basis
-        measured = [c.rates.overall.prefill_s_per_token for c in candidates] if self.wait.measured else []
-        known = [rate for rate in measured if rate is not None]
-        fallback = min(known) if known else 1.0 / self.wait.prefill_tokens_per_s  # as WaitModel.ttft_among_s
-        weight, out = self.stall_weight, []
-        for i, (c, cost, tokens) in enumerate(zip(candidates, costs, uncached)):
-            per_token = (measured[i] if measured else None) or fallback
-            batch = max((c.running or 0) + c.sent_since_probe, c.outstanding)
-            out.append(cost + weight * batch * tokens * per_token)
-        return out
 
     def priced_uncached(self, request: Request, replica_id: str) -> float | None:
         """The uncached tokens the latest pricing of ``request`` by own holdings gave ``replica_id`` (None: not
@@ -216,8 +200,8 @@ class EstimatedTTFT:
                 return least_loaded(candidates, self.turns.next())
         else:
             costs, fractions = self._costs(request, candidates)
-        if self.stall_weight:
-            costs = self._with_stalls(candidates, costs)
+        if self._stalled is not None:  # set by the ``_costs`` just above (``stall_weight`` > 0)
+            costs = self._stalled
         # Within a millisecond is a tie: spread over the tied ones by load rather than by list order.
         limit = min(costs) + 1e-3
         tied = [c for c, cost in zip(candidates, costs) if cost <= limit]
