@@ -80,7 +80,6 @@ class EstimatedTTFT:
                  burst_aware: bool = False, holdings: str = "deepest", holdings_kv_below: float = 0.5,
                  stall_weight: float = 0.0):
         self.stall_weight = stall_weight
-        self._stalled: list[float] | None = None  # the latest ``_costs``' estimates plus generation stalls
         self.wait, self.locality, self.rates, self.turns = wait, locality, rates, turns
         self.holdings, self.holdings_kv_below = holdings, holdings_kv_below
         self.abs_threshold, self.rel_threshold, self.tie_break = abs_threshold, rel_threshold, tie_break
@@ -151,16 +150,17 @@ class EstimatedTTFT:
         costs, _ = self._costs(request, candidates)
         return {c.id: cost for c, cost in zip(candidates, costs)}
 
-    def _costs(self, request: Request, candidates: Sequence[ReplicaState]) -> tuple[list[float], list[float]]:
+    def _costs(self, request: Request, candidates: Sequence[ReplicaState],
+               stalls: list[float] | None = None) -> tuple[list[float], list[float]]:
         """Each candidate's estimated seconds to first token and matched prefix fraction, in order (the least of
-        them kept for ``cheapest_s``)."""
+        them kept for ``cheapest_s``); with ``stalls`` (an empty list), each estimate plus its generation stall is
+        appended to it in the same pass (module docstring, "Generation stalls")."""
         fractions = self.locality.fractions(request, candidates, {c.id for c in candidates})
         tokens = prompt_tokens(request)
         held = self._held(request, candidates, fractions)
         uncached = [tokens * (1.0 - f) for f in held] if any(held) else [tokens * 1.0] * len(held)
-        stalls = [] if self.stall_weight else None
         costs = self.wait.ttft_among_s(candidates, uncached, stalls, self.stall_weight)
-        self._priced, self._stalled = (request, candidates, min(costs)), stalls
+        self._priced = (request, candidates, min(costs))
         self._uncached = (request, {c.id: u for c, u in zip(candidates, uncached)}) if held is not fractions else None
         return costs, fractions
 
@@ -188,10 +188,11 @@ class EstimatedTTFT:
 
     def pick(self, request: Request, candidates: Sequence[ReplicaState]) -> ReplicaState:
         """The pick among ``candidates`` (non-empty)."""
+        stalls = [] if self.stall_weight else None
         if len(candidates) > 1 and loads_imbalanced(candidates, self.abs_threshold, self.rel_threshold):
             if self.hit_abs_threshold is None:
                 return least_loaded(candidates, self.turns.next())
-            costs, fractions = self._costs(request, candidates)
+            costs, fractions = self._costs(request, candidates, stalls)
             top = max(fractions)
             if top <= 0.0 or loads_imbalanced(candidates, self.hit_abs_threshold, self.hit_rel_threshold):
                 return least_loaded(candidates, self.turns.next())
@@ -199,9 +200,9 @@ class EstimatedTTFT:
                                         if f == top):
                 return least_loaded(candidates, self.turns.next())
         else:
-            costs, fractions = self._costs(request, candidates)
-        if self._stalled is not None:  # set by the ``_costs`` just above (``stall_weight`` > 0)
-            costs = self._stalled
+            costs, fractions = self._costs(request, candidates, stalls)
+        if stalls:
+            costs = stalls
         # Within a millisecond is a tie: spread over the tied ones by load rather than by list order.
         limit = min(costs) + 1e-3
         tied = [c for c, cost in zip(candidates, costs) if cost <= limit]
