@@ -405,6 +405,32 @@ def test_estimated_ttft_stall_weight_sends_a_prompt_where_it_stalls_fewer_decode
     assert weighted.pick(_req("b", "w" * 1900 + "v" * 100), [r1, r2]).id == "r1"
 
 
+def test_estimated_ttft_speed_classes_keep_the_load_guard_off_a_slower_replica():
+    """The load guard sends a request to the replica with the fewest in flight; with ``speed_ratio`` it balances only
+    over the replicas no other is measured that many times faster (in time per token and in decode), so a replica 4x
+    slower that runs fewer requests does not take one the estimate gives to a fast one; the guard still balances the
+    fast ones among themselves, and unmeasured or equally fast replicas are balanced as before."""
+    wait = WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=True)
+
+    def picker(speed_ratio: float | None) -> EstimatedTTFT:
+        return EstimatedTTFT(wait=wait, locality=_locality(), rates=RateBook(), turns=Turns(), abs_threshold=8,
+                             rel_threshold=1.5, speed_ratio=speed_ratio)
+
+    fast1, fast2, slow = _replica("fast1", 12), _replica("fast2", 12), _replica("slow", 2)
+    for r, s_per_token in ((fast1, 0.01), (fast2, 0.01), (slow, 0.04)):
+        r.rates.models[""] = ModelRates(time_per_token_s=s_per_token, decode_s_per_token=s_per_token, samples=3)
+        r.rates.overall.prefill_s_per_token = s_per_token / 20
+    prompt = _req("q", "w" * 2000)
+    assert picker(None).pick(prompt, [fast1, fast2, slow]).id == "slow"  # the guard: 12 against 2 in flight
+    assert picker(1.5).pick(prompt, [fast1, fast2, slow]).id in {"fast1", "fast2"}
+    fast2.outstanding = 30  # imbalanced among the fast ones: the guard balances them
+    assert picker(1.5).pick(prompt, [fast1, fast2, slow]).id == "fast1"
+    slow.rates.models[""] = ModelRates(time_per_token_s=0.012, decode_s_per_token=0.012, samples=3)  # as fast
+    assert picker(1.5).pick(prompt, [fast1, fast2, slow]).id == "slow"
+    del slow.rates.models[""]  # unmeasured: balanced as before
+    assert picker(1.5).pick(prompt, [fast1, fast2, slow]).id == "slow"
+
+
 def test_estimated_ttft_prices_a_prompt_that_does_not_fit_in_the_free_kv_cache_as_a_wait():
     """A replica whose free KV cache (capacity x (1 - usage), less the backlog ahead) cannot take the prompt's
     uncached tokens is priced its measured service time more: the request goes where it fits, even past a cache hit;

@@ -31,6 +31,15 @@ share only blocks already computed when a step is scheduled). With a request wai
 filling up, a request sent to the holder waits and finds the prefix computed by then, and blocks shared on one
 replica are what keep the cache from evicting, so the deepest match's pricing holds there.
 
+Speed classes (``speed_ratio``). The load guard counts requests in flight, which on mixed hardware is not load: a
+replica 4x slower than its neighbours runs fewer requests because it gets fewer, and the guard then sends it the next
+one whatever the estimate says, which lands that request in the deployment's slowest tail. With ``speed_ratio`` r
+the guard balances only over the candidates not measured r times slower than the fastest measured one, in time per
+token and in decode time per output token both (``hold_for_faster.faster``'s test, against the two fastest
+figures; decode per output token does not depend on the mix of requests a replica happened to serve, so identical
+replicas never split); a slower replica is then taken when the estimate, at its measured rates, prefers it.
+Unmeasured replicas are balanced as before.
+
 Generation stalls (``stall_weight``). An engine step that prefills a prompt also decodes one token of every
 request in its running batch, so each of them waits the prefill's time for its next token (Sarathi-Serve, Agrawal
 et al., OSDI 2024, section 3.2 "generation stalls"; chunked prefill spreads the same time over several steps). The
@@ -72,14 +81,16 @@ class EstimatedTTFT:
         tie_break: "estimated-wait" or "least-load" (module docstring).
         stall_weight: the weight of the generation stall the request's prefill causes the other requests of a
             candidate's batch (module docstring, "Generation stalls"; 0: not priced).
+        speed_ratio: the load guard balances only over the candidates no other is measured this many times faster
+            than (module docstring, "Speed classes"); None: over all of them.
     """
 
     def __init__(self, *, wait: WaitModel, locality: PrefixLocality, rates: RateBook, turns: Turns,
                  abs_threshold: int, rel_threshold: float, tie_break: str = "estimated-wait",
                  hit_abs_threshold: int | None = None, hit_rel_threshold: float | None = None,
                  burst_aware: bool = False, holdings: str = "deepest", holdings_kv_below: float = 0.5,
-                 stall_weight: float = 0.0):
-        self.stall_weight = stall_weight
+                 stall_weight: float = 0.0, speed_ratio: float | None = None):
+        self.stall_weight, self.speed_ratio = stall_weight, speed_ratio
         self.wait, self.locality, self.rates, self.turns = wait, locality, rates, turns
         self.holdings, self.holdings_kv_below = holdings, holdings_kv_below
         self.abs_threshold, self.rel_threshold, self.tie_break = abs_threshold, rel_threshold, tie_break
@@ -190,15 +201,19 @@ class EstimatedTTFT:
         """The pick among ``candidates`` (non-empty)."""
         stalls = [] if self.stall_weight else None
         if len(candidates) > 1 and loads_imbalanced(candidates, self.abs_threshold, self.rel_threshold):
-            if self.hit_abs_threshold is None:
-                return least_loaded(candidates, self.turns.next())
-            costs, fractions = self._costs(request, candidates, stalls)
-            top = max(fractions)
-            if top <= 0.0 or loads_imbalanced(candidates, self.hit_abs_threshold, self.hit_rel_threshold):
-                return least_loaded(candidates, self.turns.next())
-            if self.burst_aware and any(self._burst(request, c, top) for c, f in zip(candidates, fractions)
-                                        if f == top):
-                return least_loaded(candidates, self.turns.next())
+            guarded = self._guarded(request, candidates)
+            if guarded is not candidates and not loads_imbalanced(guarded, self.abs_threshold, self.rel_threshold):
+                costs, fractions = self._costs(request, candidates, stalls)  # only slower replicas were less loaded
+            elif self.hit_abs_threshold is None:
+                return least_loaded(guarded, self.turns.next())
+            else:
+                costs, fractions = self._costs(request, candidates, stalls)
+                top = max(fractions)
+                if top <= 0.0 or loads_imbalanced(guarded, self.hit_abs_threshold, self.hit_rel_threshold):
+                    return least_loaded(guarded, self.turns.next())
+                if self.burst_aware and any(self._burst(request, c, top) for c, f in zip(candidates, fractions)
+                                            if f == top):
+                    return least_loaded(guarded, self.turns.next())
         else:
             costs, fractions = self._costs(request, candidates, stalls)
         if stalls:
@@ -213,6 +228,26 @@ class EstimatedTTFT:
                 tied = [c for c, f in zip(tied, held) if f == top]
             return least_loaded(pick_by_estimated_wait(self.rates, request, tied), self.turns.next())
         return least_loaded(tied, self.turns.next())
+
+    def _guarded(self, request: Request, candidates: Sequence[ReplicaState]) -> Sequence[ReplicaState]:
+        """The candidates the load guard balances over (module docstring, "Speed classes"): with ``speed_ratio``,
+        those no candidate is measured ``speed_ratio`` x faster than (in time per token and in decode time per
+        output token, each against the fastest measured: ``hold_for_faster.faster``'s test), else all of them
+        (the same list object)."""
+        ratio = self.speed_ratio
+        if not ratio:
+            return candidates
+        model = request.model
+        measured = [(c, r) for c in candidates if (r := c.rates.for_model(model)) is not None
+                    and r.decode_s_per_token is not None]
+        if len(measured) < 2:
+            return candidates
+        per_token = min(r.time_per_token_s for _, r in measured) * ratio
+        decode = min(r.decode_s_per_token for _, r in measured) * ratio
+        slow = {c.id for c, r in measured if r.time_per_token_s >= per_token and r.decode_s_per_token >= decode}
+        if not slow:
+            return candidates
+        return [c for c in candidates if c.id not in slow]
 
 
 class PrefillEstimate(Estimator):

@@ -41,6 +41,10 @@ every candidate by one cost and settles every placement (without the sibling rul
   its replica (Sarathi-Serve section 3.2), so the local pick adds 0.3 x the replica's batch x the prompt's
   uncached prefill time there to each estimate: a prompt goes where it stalls fewer decodes unless a cache hit
   saves more. The forwarding rule compares first-token estimates alone.
+* Speed classes (``speed_classes``): the load guard balances requests in flight only over the replicas no other is
+  measured ``faster_ratio`` x faster than (time per token and decode per output token), so on mixed hardware a slow
+  replica running fewer requests is not sent the next one by the count; the estimate, at its measured rates, still
+  may.
 * Measured speed (OllamaRouter; skylb/core/rates.py): once a replica's responses have been measured, its own prefill
   seconds per token replace ``prefill_tokens_per_s`` in its wait and prefill estimates (``measured_prefill``), and
   among candidates left tied (estimates within a millisecond, equal prefix matches) the one with the least
@@ -159,7 +163,8 @@ class SkyLBOptions(SkyLBPaperOptions):
             measured (skylb/core/estimate.py WaitModel).
         hold_for_faster: keep a request queued for a busy replica that would finish the queue sooner (above).
         faster_ratio: a replica counts as faster when its measured time per token is below the picked one's
-            divided by this (identical replicas differ by noise, and then nothing is held).
+            divided by this (identical replicas differ by noise, and then nothing is held); also the ratio of
+            ``speed_classes``.
         placement: "estimate" (default): the rule above (pick by estimate, the load guard, ``prefer_peer``,
             ``forward_queued``); "predicted-ttft": every candidate (local replica with room, push into a full
             batch, peer, holding here) priced by one cost, the predicted time to first token
@@ -219,6 +224,12 @@ class SkyLBOptions(SkyLBPaperOptions):
             over every cell, seeds 0-2 (validation, seeds 3-4: 1.011 and 1.012); closed-loop trees 2-5.5% more
             throughput, P90 1.02-1.12x below saturation and 0.65-0.68x at tot@5x; the 150 tenants at 2x 0.91x
             (development) but 1.61x (validation).
+        speed_classes: the load guard (``balance_*``, ``holder_balance_*``) balances only over the candidates no
+            other is measured ``faster_ratio`` x faster than, in time per token and in decode time per output token
+            (skylb/core/plugins/estimated_ttft.py, "Speed classes"); False: over all of them by count, whatever
+            their speed. Every matrix cell (bench/results/speed_classes.md): P90 TTFT geometric mean 0.992 on both
+            splits, throughput 1.001; replicas of two speeds 4x apart at 0.5x 0.76x / 0.78x P90 (development /
+            validation), at 1x 0.92x / 0.95x, at 1.5x 1.04x / 1.04x; identical replicas within 1-2%.
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
             piled sessions and popular prompts onto one replica (simulated Arena and WildChat, seeds 0-1: variance
@@ -255,6 +266,7 @@ class SkyLBOptions(SkyLBPaperOptions):
     holdings: Literal["own", "deepest"] = "deepest"
     holdings_kv_below: float = Field(0.5, ge=0, le=1)
     stall_weight: float = Field(0.3, ge=0)
+    speed_classes: bool = True
 
 
 def skylb(options: SkyLBOptions) -> Profile:
@@ -274,7 +286,7 @@ def skylb(options: SkyLBOptions) -> Profile:
                           hit_abs_threshold=o.holder_balance_abs_threshold if o.cache_hit_guard != "balance" else None,
                           hit_rel_threshold=o.holder_balance_rel_threshold, burst_aware=o.cache_hit_guard == "serial",
                           holdings=o.holdings, holdings_kv_below=o.holdings_kv_below,
-                          stall_weight=o.stall_weight)
+                          stall_weight=o.stall_weight, speed_ratio=o.faster_ratio if o.speed_classes else None)
     if predicted:
         placement = PredictedTTFTPlacement(ttft=ttft, locality=loc, turns=turns, hold=hold,
                                            abs_threshold=o.ttft_balance_abs_threshold,
