@@ -581,6 +581,22 @@ def test_model_served_only_by_a_peer_is_forwarded_there():
     assert router.rules.peer_unavailable_reason(router.peers["eu"], 0.01, "qwen") == "does not serve qwen"
 
 
+def test_models_are_not_known_while_a_replica_has_yet_to_answer_its_first_probe():
+    """A replica that joined (or joined again after membership dropped it) has not said which models it serves
+    until its first probe answers: until then the models are not known (a request for its model waits in the queue,
+    skylb/balancer/stages/resolve_model.py), after a failed first probe they are (it is listed as unreachable)."""
+    router = _router(replicas=2, peers=())
+    router.set_replica_models("r0", ["llama"])
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0)
+    assert not router.models_known()  # r1 never probed
+    router.observe_replica("r1", now=0.0, healthy=False, error="connection refused")
+    assert router.models_known() and router.served_models() == {"llama"}
+    assert router.unreachable_unlisted() == [(router.replicas["r1"].url, "connection refused")]
+    router.set_replicas([("r0", router.replicas["r0"].url, "vllm")])  # r1 left; it comes back at another URL
+    router.set_replicas([("r0", router.replicas["r0"].url, "vllm"), ("r1", "http://r1.new", "vllm")])
+    assert not router.models_known()
+
+
 def test_ollama_api_requests_need_an_ollama_replica():
     """A request in the Ollama dialect is not placed on a replica that speaks only the OpenAI API."""
     router = _router(replicas=2, peers=(), max_dispatch_per_probe=0)

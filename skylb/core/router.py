@@ -737,9 +737,13 @@ class Router:
         return models
 
     def models_known(self) -> bool:
-        """True when every healthy local replica and healthy peer has told which models it serves."""
-        return (all(r.models is not None for r in self.replicas.values() if r.healthy and not r.draining)
-                and all(p.models is not None for p in self.peers.values() if p.healthy))
+        """True when every healthy local replica and healthy peer has told which models it serves, and none has yet
+        to answer its first probe: a replica that just joined (or joined again after membership dropped it) serves
+        what it serves within a probe, so a request for its model waits for that answer in the queue rather than
+        being told at once that nothing reachable serves it."""
+        return (all(r.models is not None for r in self.replicas.values()
+                    if (r.healthy or r.probed_at is None) and not r.draining)
+                and all(p.models is not None for p in self.peers.values() if p.healthy or p.probed_at is None))
 
     def unreachable_unlisted(self, *, with_peers: bool = True) -> list[tuple[str, str]]:
         """(url, why) of each local replica (and, ``with_peers``, each peer) that is not healthy and has never said
