@@ -35,10 +35,11 @@ Speed classes (``speed_ratio``). The load guard counts requests in flight, which
 replica 4x slower than its neighbours runs fewer requests because it gets fewer, and the guard then sends it the next
 one whatever the estimate says, which lands that request in the deployment's slowest tail. With ``speed_ratio`` r
 the guard balances only over the candidates not measured r times slower than the fastest measured one, in time per
-token and in decode time per output token both (``hold_for_faster.faster``'s test, against the two fastest
-figures; decode per output token does not depend on the mix of requests a replica happened to serve, so identical
-replicas never split); a slower replica is then taken when the estimate, at its measured rates, prefers it.
-Unmeasured replicas are balanced as before.
+token and in decode time per output token both (``hold_for_faster.faster``'s test, each against the fastest
+measured figure; decode per output token does not depend on the mix of requests a replica happened to serve, so
+identical replicas seldom split: under saturation a replica's decode time follows its batch, and 5 of the 32
+simulated matrix cells without mixed hardware moved by 0.8-1.6%, bench/results/speed_classes.md); a slower replica
+is then taken when the estimate, at its measured rates, prefers it. Unmeasured replicas are balanced as before.
 
 Generation stalls (``stall_weight``). An engine step that prefills a prompt also decodes one token of every
 request in its running batch, so each of them waits the prefill's time for its next token (Sarathi-Serve, Agrawal
