@@ -56,10 +56,11 @@ from collections.abc import Sequence
 
 from skylb.core.estimate import WaitModel, prompt_tokens
 from skylb.core.plugins.estimated_wait import pick_by_estimated_wait
+from skylb.core.plugins.hold_for_faster import faster
 from skylb.core.plugins.prefix_locality import PrefixLocality
 from skylb.core.plugins.scoring import least_loaded, loads_imbalanced
 from skylb.core.profile import Estimator, Turns
-from skylb.core.rates import RateBook
+from skylb.core.rates import ModelRates, RateBook
 from skylb.core.request import Request
 from skylb.core.state import ReplicaState
 
@@ -243,9 +244,10 @@ class EstimatedTTFT:
                     and r.decode_s_per_token is not None]
         if len(measured) < 2:
             return candidates
-        per_token = min(r.time_per_token_s for _, r in measured) * ratio
-        decode = min(r.decode_s_per_token for _, r in measured) * ratio
-        slow = {c.id for c, r in measured if r.time_per_token_s >= per_token and r.decode_s_per_token >= decode}
+        # The fastest figures measured, each from whichever replica has it: one comparison per candidate, not n^2.
+        fastest = ModelRates(time_per_token_s=min(r.time_per_token_s for _, r in measured),
+                             decode_s_per_token=min(r.decode_s_per_token for _, r in measured))
+        slow = {c.id for c, r in measured if faster(fastest, r, ratio)}
         if not slow:
             return candidates
         return [c for c in candidates if c.id not in slow]
