@@ -18,7 +18,7 @@ from bench.live import peers
 from bench.live.peers import PeersSetup, SYSTEMS, acceptance, client_split, figures_of, format_markdown, launch_options
 from bench.replay.run import replay_sessions
 from bench.replay.report import RequestRecord
-from bench.replay.workload import THINK_S, Request, trace_sessions
+from bench.replay.workload import THINK_S, Request, trace_session_count, trace_sessions
 from tests.system import require_binary
 
 
@@ -54,6 +54,22 @@ def test_trace_sessions_are_whole_capped_chained_and_seeded(tmp_path):
     assert [[r.id for r in s] for s in later] == [["trace-000008"]]
     with pytest.raises(ValueError):
         trace_sessions(trace, ["us"], seed=0, requests=1, first_session=6, **kw)
+
+
+def test_a_short_trace_is_read_again_from_its_start_and_every_seed_gets_a_pool(tmp_path):
+    """A pool that reaches the trace's end goes on from its first session (each session once); bench.peers starts
+    seed k at k x session_stride modulo the trace's sessions, so a trace shorter than the seeds' stretches still
+    gives every run its pool (a 2,549-session trace failed at seed 2 after two whole rounds)."""
+    trace = _write_trace(tmp_path / "t.jsonl")
+    kw = dict(weights={"us": 0.6, "eu": 0.2, "asia": 0.2}, token_scale=0.1)
+    count = trace_session_count(trace)
+    whole = trace_sessions(trace, ["us", "eu", "asia"], seed=3, requests=1000, **kw)
+    wrapped = trace_sessions(trace, ["us", "eu", "asia"], seed=3, requests=1000, first_session=count - 1, **kw)
+    assert len(whole) == len(wrapped) == count
+    assert wrapped == whole[-1:] + whole[:-1]
+    setup = PeersSetup(trace=str(trace), session_stride=count, pool_requests=2)
+    ids = lambda pool: [[r.id for r in s] for s in pool]
+    assert ids(peers.workload(setup, 2)) == ids(peers.workload(setup, 0)) == ids(whole[:1])
 
 
 class _Engine:

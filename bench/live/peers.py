@@ -63,7 +63,7 @@ from bench.replay.report import RequestRecord, build_report, emit_markdown, mark
 from bench.replay.sampling import MachineLoad
 from bench.launch.settings import LatencyConfig, latency_settings
 from bench.sim.workloads import DEFAULT_TRACE
-from bench.replay.workload import Request, trace_sessions
+from bench.replay.workload import Request, trace_session_count, trace_sessions
 from skylb.config import DeploymentConfig
 
 __all__ = ["REGIONS", "HOME", "WEIGHTS", "PeersSystem", "SYSTEMS", "SINGLE_BALANCERS", "PeersSetup", "launch_options",
@@ -123,8 +123,8 @@ class PeersSetup:
             ``duration_s``, so no client runs out). token_scale: the trace's prompt and output lengths x this.
             max_turns: a session keeps its first max_turns requests. trace: the Mooncake-format trace.
         seed: the first run's workload seed; run k uses seed + k - 1: its sessions start at session (seed + k - 1)
-            x session_stride of the trace (disjoint stretches for seeds 0-4), and the seed draws regions and think
-            times. request_timeout_s: bound of one request, s. ramp_s: the clients' start is spread over this, s.
+            x session_stride of the trace, modulo its sessions (disjoint stretches for seeds 0-4 of the default
+            trace), and the seed draws regions and think times. request_timeout_s: bound of one request, s. ramp_s: the clients' start is spread over this, s.
             rtt_ms: round trips between regions (None: the config's). balancer_options: SkyLB balancer settings
             over the defaults (``skylb.config.BalancerConfig`` fields, e.g. ``{"probe_interval_ms": 500}``), to
             measure what one setting costs or buys; validated with the rest of the deployment config.
@@ -185,10 +185,12 @@ def client_split(clients: int) -> dict[str, int]:
 
 
 def workload(setup: PeersSetup, seed: int) -> list[list[Request]]:
-    """The sessions of the run with workload seed ``seed`` (bench/replay/workload.py ``trace_sessions``)."""
+    """The sessions of the run with workload seed ``seed`` (bench/replay/workload.py ``trace_sessions``), from
+    session ``seed x session_stride`` of the trace, modulo its sessions (a trace with fewer sessions than the
+    seeds' stretches need is read again from its start, so those stretches overlap)."""
+    first = seed * setup.session_stride % trace_session_count(setup.trace)
     return trace_sessions(setup.trace, REGIONS, weights=WEIGHTS, seed=seed, token_scale=setup.token_scale,
-                          requests=setup.pool_requests, first_session=seed * setup.session_stride,
-                          max_turns=setup.max_turns)
+                          requests=setup.pool_requests, first_session=first, max_turns=setup.max_turns)
 
 
 def skylb_config(setup: PeersSetup, policy: str) -> DeploymentConfig:
@@ -427,9 +429,10 @@ def run_peers(systems: Sequence[str] | None = None, *, setup: PeersSetup | None 
     load = MachineLoad().start()
     t0 = time.monotonic()
     rounds, described = [], {}
+    pools = {setup.seed + k: workload(setup, setup.seed + k) for k in range(runs)}  # a bad trace fails before run 1
     for k in range(runs):
         seed = setup.seed + k
-        sessions = workload(setup, seed)
+        sessions = pools[seed]
         described[seed] = _describe(sessions)
         order = names[k % len(names):] + names[:k % len(names)]
         rows = []
@@ -690,7 +693,8 @@ def _setup_lines(result: dict[str, Any]) -> list[str]:
             f"`{Path(s['trace']).name}` turn by turn (bench/replay/workload.py `trace_sessions`: sessions derived from "
             f"the trace's hash ids, assigned to regions us 0.6 / eu 0.2 / asia 0.2), each turn 0.2-1.0 s (seeded) "
             f"after its previous request ended, at most {s['max_turns']} turns per session, prompts and outputs x "
-            f"{s['token_scale']:g}. Run k's sessions start at session {s['session_stride']} x seed of the trace, "
+            f"{s['token_scale']:g}. Run k's sessions start at session {s['session_stride']} x seed of the trace (modulo its "
+            f"sessions), "
             f"{s['pool_requests']} requests in all (more than a run sends). The clients send for "
             f"{s['duration_s']:g} s. Entry points: each region's own balancer (SkyLB, haproxy-per-region); "
             f"for the systems in {HOME}, clients in eu and asia call it through a link with their round trip to "

@@ -476,14 +476,19 @@ def _sessions_of_trace(path: str) -> tuple[tuple[TraceRow, ...], tuple[str, ...]
     return tuple(rows), tuple(derive_sessions(rows))
 
 
+def trace_session_count(path: str | Path) -> int:
+    """How many sessions :func:`trace_sessions` can start from in the trace at ``path`` (TraceError as there)."""
+    return len(set(_sessions_of_trace(str(Path(path).resolve()))[1]))
+
+
 def trace_sessions(path: str | Path, regions: Sequence[str], *, weights: dict[str, float], seed: int,
                    token_scale: float, requests: int, first_session: int = 0,
                    max_turns: int | None = None) -> list[list[Request]]:
     """Whole sessions of a Mooncake trace, for closed-loop clients (bench/replay/run.py ``replay_sessions``).
 
     Sessions are derived over the whole trace (:func:`derive_sessions`) and taken in the order of their first
-    request, from the ``first_session``-th (0-based) on, until they hold at least ``requests`` requests (fewer
-    when the trace runs out). A session keeps its first ``max_turns`` requests (None: all): a 40-turn session would
+    request, from the ``first_session``-th (0-based) on, until they hold at least ``requests`` requests; at the
+    trace's end they go on from its first session (fewer only when the whole trace holds fewer). A session keeps its first ``max_turns`` requests (None: all): a 40-turn session would
     keep one client busy long after the others finished. Each session goes to one region, drawn with ``weights``
     and seeded by ``(seed, session id)`` (:func:`assign_region`). Lengths are scaled by ``token_scale`` as in
     :func:`trace_workload`. The trace's timestamps are not used: turn k+1 of a session is sent when turn k ended, and
@@ -506,7 +511,8 @@ def trace_sessions(path: str | Path, regions: Sequence[str], *, weights: dict[st
     block_words = _scaled(TRACE_BLOCK_TOKENS, token_scale)
     out: list[list[Request]] = []
     total = 0
-    for session, turns in list(by_session.items())[first_session:]:
+    order = list(by_session.items())
+    for session, turns in order[first_session:] + order[:first_session]:
         region = assign_region(session, weighted, seed)
         chain: list[Request] = []
         for turn, row in enumerate(turns[:max_turns] if max_turns else turns):
