@@ -162,17 +162,19 @@ def _overhead(data: dict[str, Any]) -> list[str]:
             + ("" if cells else " no target measured.")] + [f"  - {cell}" for cell in cells]
 
 
-def _peers(data: dict[str, Any]) -> list[str]:
-    """Three regions beside one balancer in us and one per region (bench/live/peers.py): each system's throughput and
-    P90 TTFT (mean [min, max] over the paired runs) and the report's acceptance lines."""
-    from bench.live.peers import acceptance, summary
-    cells = [f"{name} {_mean_spread(s['throughput_rps'], '{:.2f}')} req/s, P90 TTFT "
-             f"{_mean_spread(s['ttft_p90_ms'], '{:.0f}')} ms" for name, s in summary(data).items()]
-    runs = len(data.get("runs") or [])
-    lines = [f"- Three regions, SkyLB beside one SGLang router or HAProxy in us and one HAProxy per region "
-             f"(`bench/results/peers.md`, {runs} paired run{'s' if runs != 1 else ''}; {_at(data)}): "
-             + "; ".join(cells) + "."]
-    return lines + [f"  - {line['text']}: **{line['status'].lower()}**" for line in acceptance(data)]
+def _peers(report: str, title: str) -> Callable[[dict[str, Any]], list[str]]:
+    """Three regions beside one balancer in us and one per region (bench/live/peers.py), from ``report`` (titled
+    ``title``): each system's throughput and P90 TTFT (mean [min, max] over the paired runs) and the report's
+    acceptance lines."""
+    def render(data: dict[str, Any]) -> list[str]:
+        from bench.live.peers import acceptance, summary
+        cells = [f"{name} {_mean_spread(s['throughput_rps'], '{:.2f}')} req/s, P90 TTFT "
+                 f"{_mean_spread(s['ttft_p90_ms'], '{:.0f}')} ms" for name, s in summary(data).items()]
+        runs = len(data.get("runs") or [])
+        lines = [f"- {title} (`{report}`, {runs} paired run{'s' if runs != 1 else ''}; {_at(data)}): "
+                 + "; ".join(cells) + "."]
+        return lines + [f"  - {line['text']}: **{line['status'].lower()}**" for line in acceptance(data)]
+    return render
 
 
 def _twin(report: str) -> Callable[[dict[str, Any]], list[str]]:
@@ -201,7 +203,12 @@ SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], list[str]]]] = [
     ("coordination.json", "the cost of coordination (`bench/results/coordination.md`)", _coordination),
     ("overhead.json", "the balancer's own cost (`bench/results/overhead.md`)", _overhead),
     ("baselines.json", "SkyLB beside the SGLang router and HAProxy (`bench/results/baselines.md`)", _baselines),
-    ("peers.json", "three regions beside one balancer in us (`bench/results/peers.md`)", _peers),
+    ("peers.json", "three regions beside one balancer in us (`bench/results/peers.md`)",
+     _peers("bench/results/peers.md", "Three regions, SkyLB beside one SGLang router or HAProxy in us and one HAProxy "
+            "per region")),
+    ("peers_heldout.json", "the same on a trace no default was chosen on (`bench/results/peers_heldout.md`)",
+     _peers("bench/results/peers_heldout.md", "The same on Mooncake's synthetic trace, which no default was "
+            "chosen on")),
     ("peers_twin.json", "the three-region comparison in the simulator (`bench/results/peers_twin.md`)",
      _twin("bench/results/peers_twin.md")),
     ("baselines_twin.json", "the one-region comparison in the simulator (`bench/results/baselines_twin.md`)",
