@@ -124,7 +124,8 @@ class PeersSetup:
             max_turns: a session keeps its first max_turns requests. trace: the Mooncake-format trace.
         seed: the first run's workload seed; run k uses seed + k - 1: its sessions start at session (seed + k - 1)
             x session_stride of the trace, modulo its sessions (disjoint stretches for seeds 0-4 of the default
-            trace), and the seed draws regions and think times. request_timeout_s: bound of one request, s. ramp_s: the clients' start is spread over this, s.
+            trace), and the seed draws regions and think times. request_timeout_s: bound of one request, s.
+            ramp_s: the clients' start is spread over this, s.
             rtt_ms: round trips between regions (None: the config's). balancer_options: SkyLB balancer settings
             over the defaults (``skylb.config.BalancerConfig`` fields, e.g. ``{"probe_interval_ms": 500}``), to
             measure what one setting costs or buys; validated with the rest of the deployment config.
@@ -693,8 +694,8 @@ def _setup_lines(result: dict[str, Any]) -> list[str]:
             f"`{Path(s['trace']).name}` turn by turn (bench/replay/workload.py `trace_sessions`: sessions derived from "
             f"the trace's hash ids, assigned to regions us 0.6 / eu 0.2 / asia 0.2), each turn 0.2-1.0 s (seeded) "
             f"after its previous request ended, at most {s['max_turns']} turns per session, prompts and outputs x "
-            f"{s['token_scale']:g}. Run k's sessions start at session {s['session_stride']} x seed of the trace (modulo its "
-            f"sessions), "
+            f"{s['token_scale']:g}. Run k's sessions start at session {s['session_stride']} x seed of the trace "
+            f"(modulo its sessions), "
             f"{s['pool_requests']} requests in all (more than a run sends). The clients send for "
             f"{s['duration_s']:g} s. Entry points: each region's own balancer (SkyLB, haproxy-per-region); "
             f"for the systems in {HOME}, clients in eu and asia call it through a link with their round trip to "

@@ -488,9 +488,10 @@ def trace_sessions(path: str | Path, regions: Sequence[str], *, weights: dict[st
 
     Sessions are derived over the whole trace (:func:`derive_sessions`) and taken in the order of their first
     request, from the ``first_session``-th (0-based) on, until they hold at least ``requests`` requests; at the
-    trace's end they go on from its first session (fewer only when the whole trace holds fewer). A session keeps its first ``max_turns`` requests (None: all): a 40-turn session would
-    keep one client busy long after the others finished. Each session goes to one region, drawn with ``weights``
-    and seeded by ``(seed, session id)`` (:func:`assign_region`). Lengths are scaled by ``token_scale`` as in
+    trace's end they go on from its first session (fewer only when the whole trace holds fewer). A session keeps
+    its first ``max_turns`` requests (None: all): a 40-turn session would keep one client busy long after the
+    others finished. Each session goes to one region, drawn with ``weights`` and seeded by ``(seed, session id)``
+    (:func:`assign_region`). Lengths are scaled by ``token_scale`` as in
     :func:`trace_workload`. The trace's timestamps are not used: turn k+1 of a session is sent when turn k ended, and
     its ``think_s`` (uniform in :data:`THINK_S`, seeded by ``(seed, request id)``) stands for the user's pause; the
     trace's own pauses within a session (about 2 minutes at the median) would leave a closed loop idle.
