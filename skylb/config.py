@@ -271,8 +271,10 @@ class BalancerConfig(_Strict):
     #: capacity settles on it. Measured in the simulator on the live three-region benchmark's workload
     #: (bench/sim/peers_twin.py, seeds 0-4): P90 TTFT 2429 -> 1829 ms, throughput 23.35 -> 24.13 req/s, learned
     #: limits 3-5 -> 4 on batches of 4, requests waiting at an engine 0.2 -> 0.7 on average; in one region
-    #: (bench/live/baselines.py's workload) P90 1070 -> 1063 ms, at most 2 waiting either way. 0: none.
-    pending_allowance: int = Field(1, ge=0)
+    #: (bench/live/baselines.py's workload) P90 1070 -> 1063 ms, at most 2 waiting either way. 0: none. Unset: the
+    #: policy's own, 1 for ``skylb`` and 0 for ``skylb-paper`` and ``skylb-ch``, whose rule (SkyLB paper §3.3) is
+    #: that no request waits in an engine.
+    pending_allowance: int | None = Field(None, ge=0)
     #: How often the dispatcher re-checks the head of the queue when nothing changed (ms).
     dispatch_tick_ms: float = Field(10.0, gt=0)
     #: Requests waiting longer than this get 503 in the API's shape (s).

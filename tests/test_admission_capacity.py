@@ -193,3 +193,24 @@ def test_the_pending_allowance_lets_one_more_wait_in_the_engine_but_not_beyond_r
     router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=4)
     r.capacity = AdmissionCapacity(limit=5, grown_from=4, held_since=0.0)
     assert len(_burst(router, 3, 0.0)) == 1
+
+
+def test_the_papers_policies_let_no_request_wait_in_an_engine_unless_the_setting_says_so():
+    """``pending_allowance`` unset takes the policy's own: 1 for ``skylb``, 0 for ``skylb-paper`` and ``skylb-ch``
+    (the paper's rule: no request waits in an engine), 1 for the blind ring, where it changes nothing; a value in
+    the settings holds for every policy. On a full learned batch of 4, the paper's policies send nothing more."""
+    from skylb.config import BalancerConfig
+    from skylb.core import build_router
+
+    expected = {"skylb": 1, "skylb-paper": 0, "skylb-ch": 0, "consistent-hash": 1}
+    for policy, allowance in expected.items():
+        assert build_router("us", BalancerConfig(policy=policy)).rules.pending_allowance == allowance, policy
+        set_ = BalancerConfig(policy=policy, pending_allowance=2)
+        assert build_router("us", set_).rules.pending_allowance == 2, policy
+    for policy, sent in (("skylb", 1), ("skylb-paper", 0), ("skylb-ch", 0)):
+        router = build_router("us", BalancerConfig(policy=policy))
+        router.set_replicas([("r0", "http://r0", "vllm")])
+        router.set_peers([])
+        router.replicas["r0"].capacity = AdmissionCapacity(limit=4, saturated=True, held_since=0.0)
+        router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=4)
+        assert len(_burst(router, 3, 0.0)) == sent, policy

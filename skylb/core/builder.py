@@ -57,7 +57,8 @@ class RouterSettings(Protocol):
         stale. peer_stale_after_intervals: the same for a peer's status when sooner (0: stale_after_intervals
         alone). tau: the longest peer queue that keeps a peer available. max_dispatch_per_probe: optional ceiling
         between two probes (0: none). learn_capacity: learn each replica's admission capacity
-        (skylb/core/capacity.py). pending_allowance: requests allowed to wait in a replica's queue beyond it. max_queue: the most requests the queue holds. outlier_detection: when a failing
+        (skylb/core/capacity.py). pending_allowance: requests allowed to wait in a replica's queue beyond it
+        (None: the policy's own). max_queue: the most requests the queue holds. outlier_detection: when a failing
         replica or peer is ejected. ollama_fleet: the Ollama fleet rules (all off by default). priorities:
         priority classes in the queue.
     """
@@ -70,7 +71,7 @@ class RouterSettings(Protocol):
     tau: int
     max_dispatch_per_probe: int
     learn_capacity: bool
-    pending_allowance: int
+    pending_allowance: int | None
     max_queue: int
     outlier_detection: OutlierSettings
     ollama_fleet: FleetSettings
@@ -82,13 +83,18 @@ def build_policy(settings: RouterSettings) -> Profile:
     return make_policy(settings.policy, **dict(settings.policies.get(settings.policy, {})))
 
 
-def build_rules(settings: RouterSettings) -> AvailabilityRules:
+def build_rules(settings: RouterSettings, policy: Profile | None = None) -> AvailabilityRules:
     """The availability rules: tau, staleness (``stale_after_intervals`` probe intervals, s; for peers
-    ``peer_stale_after_intervals`` when sooner), the learned admission capacity and the dispatch ceiling."""
+    ``peer_stale_after_intervals`` when sooner), the learned admission capacity and the dispatch ceiling.
+    ``settings.pending_allowance`` None takes ``policy``'s own (the policy ``settings.policy`` names when None is
+    given; raises PolicyError if that is invalid)."""
     interval_s = settings.probe_interval_ms / 1000
+    allowance = settings.pending_allowance
+    if allowance is None:
+        allowance = (policy if policy is not None else build_policy(settings)).pending_allowance
     return AvailabilityRules(tau=settings.tau, stale_after_s=interval_s * settings.stale_after_intervals,
                              max_dispatch_per_probe=settings.max_dispatch_per_probe,
-                             learn_capacity=settings.learn_capacity, pending_allowance=settings.pending_allowance,
+                             learn_capacity=settings.learn_capacity, pending_allowance=allowance,
                              peer_stale_after_s=interval_s * settings.peer_stale_after_intervals)
 
 
@@ -102,7 +108,7 @@ def build_router(region: str, settings: RouterSettings, *, max_queue: int | None
     policy = build_policy(settings)
     if kv_index is not None:
         policy.attach_kv_index(kv_index)
-    return Router(region=region, policy=policy, rules=build_rules(settings),
+    return Router(region=region, policy=policy, rules=build_rules(settings, policy),
                   max_queue=settings.max_queue if max_queue is None else max_queue,
                   outlier=OutlierDetector.from_settings(settings.outlier_detection),
                   fleet=FleetRules(settings.ollama_fleet),

@@ -147,7 +147,9 @@ class Profile:
         estimator: the prices. rates: the measured replica speeds the router feeds (skylb/core/rates.py).
         reuse_freed_slots: a finished request frees its replica's place at once (False: the paper's rule, only a
         probe does). tries: (replica trie, regional snapshot trie) when the profile keeps them (benchmarks read
-        them).
+        them). pending_allowance: requests that may wait in a replica's own queue beyond its learned admission
+        capacity when the balancer's settings leave it unset (skylb/core/capacity.py); the paper's policies keep
+        0, their rule being that no request waits in an engine (SkyLB paper §3.3).
     """
 
     def __init__(self, name: str, options: Any, *, local: ReplicaPicker, peer: PeerPicker, selective: bool = True,
@@ -155,7 +157,7 @@ class Profile:
                  no_room: Rule | None = None, queue: QueueOrder | None = None, lookahead: int = 0,
                  max_bypass: int = 0, learners: Iterable[Learner] = (), estimator: Estimator | None = None,
                  rates: RateBook | None = None, reuse_freed_slots: bool = True,
-                 tries: tuple[PrefixTrie, PrefixTrie] | None = None):
+                 tries: tuple[PrefixTrie, PrefixTrie] | None = None, pending_allowance: int = 1):
         self.name, self.options = name, options
         self.local, self.peer, self.selective = local, peer, selective
         self.filters, self.first, self.then, self.no_room = tuple(filters), tuple(first), tuple(then), no_room
@@ -167,6 +169,7 @@ class Profile:
         self.rates = rates if rates is not None else RateBook()
         self.reuse_freed_slots = reuse_freed_slots
         self.replica_trie, self.snapshot_trie = tries if tries is not None else (None, None)
+        self.pending_allowance = pending_allowance
 
     def __repr__(self) -> str:
         return f"Profile({self.name!r})"

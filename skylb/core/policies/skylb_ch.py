@@ -33,7 +33,10 @@ def hash_ring(options: HashRingOptions, *, name: str = "skylb-ch", selective: bo
     """The ring owner of the request's key among the candidates, at both layers; least load (most room) if none."""
     key = SessionKey(options.fallback_key_chars)
     local, peer = ReplicaRing(key, options.hash_ring_vnodes, Turns()), PeerRing(key, options.hash_ring_vnodes)
-    return Profile(name, options, local=local, peer=peer, selective=selective, learners=(local, peer))
+    # Selective pushing by the paper's rule sends no request to wait in an engine (pending_allowance 0); the
+    # blind ring sends every request at once, so the allowance does not apply to it.
+    return Profile(name, options, local=local, peer=peer, selective=selective, learners=(local, peer),
+                   pending_allowance=0 if selective else 1)
 
 
 register("skylb-ch", HashRingOptions, hash_ring)

@@ -2,7 +2,8 @@
 18-21), kept for reproduction; ``skylb`` (skylb.py) builds on it.
 
 A replica is available only by the paper's rule (0 pending at the latest probe; AvailabilityRules): a finished
-request does not make its replica available before the next probe (``reuse_freed_slots`` False).
+request does not make its replica available before the next probe (``reuse_freed_slots`` False), and no request is
+sent to wait in an engine's queue beyond its learned batch (``pending_allowance`` 0 unless the settings give one).
 
 Among the available candidates, the one with the longest matching prefix in this balancer's replica trie; when the
 match covers less than ``match_threshold`` of the prompt, the least loaded candidate instead (the prototype's
@@ -65,7 +66,7 @@ def skylb_paper(options: SkyLBPaperOptions) -> Profile:
     local = PrefixMatch(loc, Turns(), abs_threshold=options.balance_abs_threshold,
                         rel_threshold=options.balance_rel_threshold)
     return Profile("skylb-paper", options, local=local, peer=SnapshotMatch(loc), learners=(loc,),
-                   reuse_freed_slots=False, tries=(loc.replica_trie, loc.snapshot_trie))
+                   reuse_freed_slots=False, tries=(loc.replica_trie, loc.snapshot_trie), pending_allowance=0)
 
 
 register("skylb-paper", SkyLBPaperOptions, skylb_paper)
