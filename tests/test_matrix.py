@@ -13,7 +13,7 @@ from bench.emulator.model import EngineParams
 from bench.sim.cluster import Cluster
 from bench.sim.matrix import (DEFAULT, QUICK, SLOW_FACTOR, SPLITS, VAL_START_S, WORKLOADS, cell_name, parse_cell,
                               replica_params, runs_for, one_x_rps)
-from bench.sim.matrix_report import first_loaded, mean_single_ratios, verdicts
+from bench.sim.matrix_report import _checks_section, first_loaded, mean_single_ratios, verdicts
 from bench.sim.metrics import RunSummary
 from bench.sim.scenarios import trace_available
 from bench.sim.systems import SYSTEMS, build
@@ -163,6 +163,25 @@ def test_verdicts_compute_ratios_and_checks_from_the_rows(rows, p90_ratio, tput_
     assert (v.workload, v.load) == ("w", 1.0)
     assert v.p90_ratio == pytest.approx(p90_ratio) and v.tput_ratio == pytest.approx(tput_ratio)
     assert v.check1 is check1 and v.check2 is check2
+
+
+def test_check2_is_also_judged_on_the_oracles_figures():
+    """Where check 2 applies, the oracle's P90 and throughput are held to the same clauses, and the checks section
+    counts the cells where the oracle meets it; without an oracle or below 2 s it is not judged."""
+    loaded = [_summary("w@2x", "SkyLB", 1.8, 12.0), _summary("w@2x", "LL", 3.0, 10.0),
+              _summary("w@2x", "Oracle", 1.2, 11.5)]
+    (v,) = verdicts(loaded)
+    assert (v.check2, v.oracle_check2) == (False, True)
+    (v,) = verdicts(loaded[:2] + [_summary("w@2x", "Oracle", 1.2, 11.0)])
+    assert v.oracle_check2 is False  # 1.10x the best single's throughput
+    (v,) = verdicts(loaded[:2])
+    assert v.oracle_check2 is None
+    (v,) = verdicts([_summary("w@1x", "SkyLB", 0.5, 10.0), _summary("w@1x", "LL", 0.8, 10.0),
+                     _summary("w@1x", "Oracle", 0.3, 12.0)])
+    assert v.oracle_check2 is None
+    (v,) = verdicts(loaded)
+    text = "\n".join(_checks_section([v], {}))
+    assert "The oracle's own figures meet check 2 in 1 of those 1 cells (w@2x)" in text
 
 
 def test_check3_and_first_loaded_load():
