@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from tests.procs import alive_in_groups
+from tests.system import require_binary
 
 
 def _config(tmp_path: Path) -> Path:
@@ -176,6 +177,7 @@ def test_local_dns_clients_resolve_their_own_balancer(tmp_path):
     """`skylb local --dns`: named answers the service name per region (eu clients -> 127.0.0.11, us -> .12), every
     request goes through the name from its region's source address and completes, a request served locally was
     served by its own region's balancer, the controller's config carries the views' keys, nothing outlives it."""
+    require_binary("named")
     run_dir = tmp_path / "run"
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "-m", "skylb", "local", "--dns", "--config", str(_config(tmp_path)),
