@@ -411,16 +411,17 @@ def test_cli_seeds_give_mean_and_spread(tmp_path, capsys):
 
 def test_per_region_fresh_layout_sees_its_own_replicas_as_they_are():
     """bench/sim/oracle_gap.py's layout: a balancer per region over only its replicas, no peers, and a fresh look at
-    every replica before each placement: with the paper's rule (0 pending) a burst of twelve on three replicas never
-    leaves two requests waiting in one engine (a probed view lets a second one in between probes), and every request
-    is served in its own region."""
+    every replica before each placement: with one request allowed to wait in an engine (pending_allowance 1; the
+    paper's policies allow none by default), a burst of twelve on three replicas never leaves two requests waiting in
+    one engine (a probed view lets a second one in between probes), and every request is served in its own region."""
     from bench.sim.systems import System
+    from skylb.config import BalancerConfig
     arrivals = [*_burst(12, at=1.0, prompt=400, output=20), *_burst(2, at=1.0, prompt=400, output=20, region="eu",
                                                                      prefix="e")]
     most_waiting = {}
     for layout in ("per_region", "per_region_fresh"):
         cluster = build(System(layout, layout, layout, "skylb-paper"), Workload("burst", "burst", arrivals=arrivals),
-                        {"us": 3, "eu": 2}, seed=0, stop_at=10.0)
+                        {"us": 3, "eu": 2}, seed=0, stop_at=10.0, settings=BalancerConfig(pending_allowance=1))
         seen = []
         cluster.step_hooks.append(lambda: seen.append(max(r.engine.num_waiting for r in cluster.replicas.values())))
         cluster.run()
