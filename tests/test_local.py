@@ -77,16 +77,18 @@ def test_local_deployment_replays_forwards_and_stops_everything(tmp_path):
     assert not [p for p in pids if _alive(p)]
 
 
-def test_what_local_prints_says_where_the_pages_are_and_its_ctl_line_runs_as_pasted(tmp_path):
+def test_what_local_prints_says_where_the_pages_are_and_its_ctl_line_runs_as_pasted(tmp_path, monkeypatch):
     """The printed skylb-ctl line runs from a shell whose PATH lacks the venv (not activated); the page lines give
     the controller's and each balancer's page address and the token files whose content the login form wants."""
     from bench.launch.local import Deployment
     from skylb.config import load_config
 
+    # The line is printed for the launcher's own shell: here one without the venv, also when the shell that runs the
+    # tests has it activated (the line would then say a bare `skylb-ctl`, right there and not found here).
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
     deployment = Deployment(load_config(_smallest_config(tmp_path)), tmp_path / "run")
     deployment.controller_url, deployment.balancer_urls = "http://127.0.0.1:1", {"us": "http://127.0.0.1:2"}
-    out = subprocess.run(deployment.ctl_command("--help"), shell=True, capture_output=True, text=True, timeout=30,
-                         env={**os.environ, "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(deployment.ctl_command("--help"), shell=True, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "usage: skylb-ctl" in out.stdout, out.stderr
     controller, balancers = deployment.page_lines()
     assert "http://127.0.0.1:1/" in controller and str(tmp_path / "run" / "admin-token") in controller
