@@ -437,9 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--engine", default="vllm", choices=ENGINES, metavar="ENGINE",
                      help=f"one of: {', '.join(ENGINES)}; auto detects it by probing (default: vllm)")
     add.add_argument("--max-concurrency", type=int, metavar="N",
-                     help="parallel slots of an engine without a pending metric: Ollama's OLLAMA_NUM_PARALLEL, "
-                          "or a generic OpenAI server's concurrency limit (default: the adapter's, 1 for ollama, "
-                          "8 for openai)")
+                     help="requests the engine runs at once: Ollama's OLLAMA_NUM_PARALLEL, a generic OpenAI "
+                          "server's concurrency limit (default: the adapter's, 1 for ollama, 8 for openai), or "
+                          "vLLM's --max-num-seqs, SGLang's --max-running-requests, TGI's --max-batch-size (default: "
+                          "learned from the engine's metrics, from a batch of 2 up); balancers send no more at once")
     add.add_argument("--id", help="replica id (default: <region>-<n>, chosen by the controller)")
     add.add_argument("--kv-events", dest="kv_events", metavar="tcp://HOST:PORT",
                      help="the engine's KV-cache event endpoint (vLLM --kv-events-config \"endpoint\", as the "

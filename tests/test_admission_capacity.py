@@ -1,5 +1,7 @@
 """The learned admission capacity (skylb/core/capacity.py) and its use in selective pushing (skylb/core/state.py)."""
 
+import pytest
+
 from skylb.core import AvailabilityRules, Request, Router, make_policy
 from skylb.core.capacity import AdmissionCapacity
 
@@ -214,3 +216,50 @@ def test_the_papers_policies_let_no_request_wait_in_an_engine_unless_the_setting
         router.replicas["r0"].capacity = AdmissionCapacity(limit=4, saturated=True, held_since=0.0)
         router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=4)
         assert len(_burst(router, 3, 0.0)) == sent, policy
+
+
+def test_a_stated_batch_is_where_the_limit_starts_and_the_most_it_grows_to():
+    """``max_concurrency`` stated for an engine that reports its batch (vLLM ``--max-num-seqs``): no slow start
+    from 2, no growth past it; waiting beside a smaller batch (a KV cache full before the slots) still lowers it,
+    and it grows back to the bound, not beyond."""
+    c = AdmissionCapacity()
+    c.state_ceiling(4)
+    assert (c.limit, c.proven_limit, c.allowance_ok) == (4, 4, True)
+    c.observe(0.0, pending=0, running=4)
+    assert c.limit == 4 and c.grown_from is None and c.trial_from is None
+    c.observe(1.0, pending=2, running=2)
+    c.observe(1.6, pending=2, running=2)
+    assert (c.limit, c.saturated) == (2, True)
+    for t in (3.0, 4.5, 6.0, 7.5):
+        c.observe(t, pending=0, running=c.limit)
+    assert c.limit == 4
+    c.state_ceiling(None)
+    assert c.limit == 4 and c.ceiling is None  # taken off: learned from here on
+    c.observe(9.0, pending=0, running=4)
+    assert c.limit == 5
+    c.state_ceiling(3)
+    assert c.limit == 3 and c.trial_from is None
+
+
+def test_a_stated_batch_fills_every_replica_at_the_first_burst():
+    """Four replicas of a batch of 4, 16 requests at once: with the batch stated every replica gets 4 before any
+    probe has shown a full batch (as HAProxy's ``maxconn 4`` sends them); unstated, slow start sends 3 each (2 and
+    the pending allowance) and the rest wait in the balancer's queue for the next probe."""
+    for stated, expected in ((4, 16), (None, 12)):
+        router = Router(region="us", policy=make_policy("skylb"), rules=AvailabilityRules())
+        ids = [f"r{i}" for i in range(4)]
+        router.set_replicas([(rid, f"http://{rid}", "vllm") for rid in ids],
+                            max_concurrency={rid: stated for rid in ids})
+        router.set_peers([])
+        for rid in ids:
+            router.observe_replica(rid, now=0.0, healthy=True, pending=0, running=0)
+        sent = _burst(router, 16, 0.0)
+        assert len(sent) == expected
+        if stated:
+            assert all(router.replicas[rid].outstanding == 4 for rid in ids)
+            assert len(_burst(router, 1, 0.0)) == 0  # a fifth per replica would only wait in the engine
+
+
+def test_a_batch_bound_is_at_least_one_request():
+    with pytest.raises(ValueError, match="at least 1"):
+        AdmissionCapacity().state_ceiling(0)

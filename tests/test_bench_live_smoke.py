@@ -360,16 +360,17 @@ def test_concurrency_counts_requests_that_waited_in_an_engine_queue(tmp_path):
     setup = ConcurrencySetup(replicas=2, max_num_seqs=1, time_scale=0.05, clients=2, per_client=2, prompt_tokens=32,
                              max_tokens=8, queued_ms=100.0)
     assert [r.after for r in workload(setup, 0)] == [None, "conc-0-00-00", None, "conc-0-01-00"]
-    result = run(["skylb"], setup, [0], tmp_path, progress=False)
-    [row] = result["rows"]
-    assert row["status"] == "ok", row.get("reason")
-    f = row["figures"]
-    assert f["completed"] == 4 and f["engine_logged"] == 4 and f["engine_queued"] == 0
+    result = run(["skylb", "skylb-stated-batch"], setup, [0], tmp_path, progress=False)
+    for row in result["rows"]:  # the batch learned, and stated at registration (--max-concurrency 1)
+        assert row["status"] == "ok", row.get("reason")
+        f = row["figures"]
+        assert f["completed"] == 4 and f["engine_logged"] == 4 and f["engine_queued"] == 0
     log = "\n".join(json.dumps({"event": "request_finished", "prompt_tokens": n, "queue_ms": q})
                     for n, q in ((32, 5.0), (32, 900.0), (2, 3000.0)))
     assert engine_queue_waits(log, 32) == [5.0, 900.0]
     result["provenance"] = {"commit": "abc", "machine": {}}
-    assert "| skylb " in format_markdown(result) and "not judged" in format_markdown(result)
+    report = format_markdown(result)
+    assert "| skylb " in report and "not judged" in report and "## Targets of `skylb-stated-batch`" in report
 
 
 def test_kv_live_runs_the_balancer_routing_by_kv_cache_events(tmp_path):

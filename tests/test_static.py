@@ -25,6 +25,8 @@ import pytest
 import requests
 import structlog
 
+from skylb.balancer.static import parse_replica, static_membership
+from skylb.config import ConfigError
 from tests.cluster import MODEL, get_json
 from tests.procs import ProcGroup, free_ports
 
@@ -262,3 +264,20 @@ def test_ctl_status_says_a_balancer_refused_for_want_of_the_peer_token(static, t
         assert {b["region"]: b["state"] for b in view["balancers"]} == {"eu": "up", "local": "up"}
     finally:
         procs.stop_all()
+
+
+@pytest.mark.parametrize("flag,error", [
+    ("http://h:1#max_concurrency=64", None),
+    ("http://h:1#max_concurrency=0", "positive integer"),
+    ("http://h:1#max_concurrency=many", "positive integer"),
+    ("http://h:1#max_concurrency=4,max_concurrency=8", "given twice"),
+])
+def test_replica_flag_states_the_engines_batch_after_a_hash(flag, error):
+    """--replica URL#max_concurrency=N: the entry's max_concurrency (no KV endpoint needed), else a ConfigError."""
+    if error is None:
+        assert parse_replica(flag) == ("http://h:1", {"max_concurrency": 64})
+        entries = static_membership("us", [flag, "http://h:2"])["replicas"]
+        assert entries[0]["max_concurrency"] == 64 and "max_concurrency" not in entries[1]
+    else:
+        with pytest.raises(ConfigError, match=error):
+            parse_replica(flag)

@@ -132,7 +132,8 @@ def start_emulator(procs: ProcGroup, ports: Sequence[int], *, time_scale: float,
 
 def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path, policy: str = "skylb",
                 overrides: dict | None = None, engine: str = "vllm", region: str = "us", name: str = "skylb",
-                profile_to: Path | None = None, checkout: Path | None = None, balancers: int = 1) -> str | list[str]:
+                profile_to: Path | None = None, checkout: Path | None = None, balancers: int = 1,
+                max_concurrency: int | None = None) -> str | list[str]:
     """Start a SkyLB controller and one balancer for ``region`` in front of ``replica_urls``; returns its URL.
     With ``balancers`` > 1, that many siblings of the region (ids b1..bn, sharing a peer token made for the run;
     the controller gives each a share of the replicas), and the list of their URLs.
@@ -142,7 +143,8 @@ def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path,
     ``engine``: the replicas' engine adapter ("vllm", "ollama", ...).
     ``profile_to``: run the balancer under cProfile, which writes this file when the balancer stops (SIGTERM).
     ``checkout``: run the balancer from another checkout of SkyLB (an earlier commit, for an A/B comparison); the
-    controller is this one's.
+    controller is this one's. ``max_concurrency``: registered with every replica (`skylb-ctl replica add
+    --max-concurrency`): the engine's batch stated, not learned.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +175,8 @@ def start_skylb(procs: ProcGroup, replica_urls: Sequence[str], *, run_dir: Path,
                     env=env)
         urls.append(url)
     for replica in replica_urls:
-        _post_json(f"{controller}/v1/replicas", {"region": region, "url": replica, "engine": engine})
+        _post_json(f"{controller}/v1/replicas", {"region": region, "url": replica, "engine": engine,
+                                                  **({"max_concurrency": max_concurrency} if max_concurrency else {})})
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         # Each sibling probes only the replicas it owns: together they must see every replica healthy.

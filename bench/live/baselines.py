@@ -78,6 +78,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     # Selectable, not in a default run:
     # at most 1 request per replica between two probes instead of 4 (not SkyLB's default configuration).
     System("skylb-cap1", "skylb", "skylb", {"max_dispatch_per_probe": 1}),
+    # The default configuration with each replica's batch stated (`skylb-ctl replica add --max-concurrency`, sized
+    # by SIZED_OPTIONS as HAProxy's maxconn is) instead of learned from its probes.
+    System("skylb-stated-batch", "skylb", "skylb"),
     System("skylb-round-robin", "skylb", "round-robin"),
     # Two balancers of the region (siblings) in front of the same replicas, each request to one of them by a hash
     # of its id, so a conversation's turns land on both: the default configuration otherwise.
@@ -148,10 +151,16 @@ def _haproxy_queueing(setup: BaselinesSetup) -> dict[str, Any]:
     return {"maxconn": setup.max_num_seqs, "timeout_queue_s": setup.request_timeout_s}
 
 
+def _stated_batch(setup: BaselinesSetup) -> dict[str, Any]:
+    """The replicas' batch (``--max-num-seqs``) stated to SkyLB, the figure HAProxy's ``maxconn`` gets."""
+    return {"max_concurrency": setup.max_num_seqs}
+
+
 #: System name -> the launcher options sized for a setup's cluster (added by :func:`configured`).
 SIZED_OPTIONS: dict[str, Callable[[BaselinesSetup], dict[str, Any]]] = {
     "sglang-cache_aware": _sglang_thresholds,
     "haproxy-leastconn": _haproxy_queueing,
+    "skylb-stated-batch": _stated_batch,
 }
 
 
@@ -407,8 +416,10 @@ def _skylb_line(name: str, system: dict[str, Any]) -> str:
     balancers = ("one balancer" if n == 1 else
                  f"{n} balancers (siblings, each owning a share of the replicas; each request sent to one of them by a "
                  "hash of its id, so a conversation's turns land on several)")
-    return (f"- `{name}`: SkyLB controller + {balancers} (region `us`), {what}; {config}; replicas registered "
-            "through the controller.")
+    stated = (system.get("options") or {}).get("max_concurrency")
+    registered = (f"replicas registered through the controller with `--max-concurrency {stated}` (their batch "
+                  "stated, not learned)" if stated else "replicas registered through the controller")
+    return f"- `{name}`: SkyLB controller + {balancers} (region `us`), {what}; {config}; {registered}."
 
 
 def _sglang_line(name: str, system: dict[str, Any]) -> str:

@@ -19,7 +19,10 @@ and the longest such wait. Runs are paired
     .venv/bin/python -m bench.live.concurrency [--runs 3] [--systems skylb haproxy-leastconn] [--out-md FILE]
 
 Targets (issue of the project's tracker on routing that holds on unseen work): no request waits behind a full
-batch; SkyLB's TTFT p99 at most 1.2x HAProxy leastconn's; its throughput at least HAProxy's.
+batch; SkyLB's TTFT p99 at most 1.2x HAProxy leastconn's; its throughput at least HAProxy's. Judged for the
+default configuration (``skylb``: the replicas' batch learned from their probes) and for any other SkyLB system
+run, such as ``skylb-stated-batch`` (the batch stated with ``--max-concurrency``, the figure HAProxy's ``maxconn``
+is given).
 """
 
 from __future__ import annotations
@@ -146,11 +149,12 @@ def _ok(result: dict, name: str) -> list[dict]:
     return [r["figures"] for r in result["rows"] if r["system"] == name and r["status"] == "ok"]
 
 
-def targets(result: dict) -> list[tuple[str, str, bool | None]]:
-    """(target, measured, met) for SkyLB against HAProxy leastconn; met is None when either did not run."""
-    me, ha = _ok(result, "skylb"), _ok(result, "haproxy-leastconn")
+def targets(result: dict, name: str = "skylb") -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for SkyLB system ``name`` against HAProxy leastconn; met is None when either did not
+    run."""
+    me, ha = _ok(result, name), _ok(result, "haproxy-leastconn")
     if not me or not ha:
-        return [(t, "skylb or haproxy-leastconn did not run", None) for t in (
+        return [(t, f"{name} or haproxy-leastconn did not run", None) for t in (
             "no request waits in a replica's queue behind a full batch", "TTFT p99 <= 1.2x HAProxy leastconn's",
             "throughput >= HAProxy leastconn's")]
     queued = sum(f["engine_queued"] for f in me)
@@ -190,9 +194,13 @@ def format_markdown(result: dict) -> str:
         f"{r['figures']['engine_queue_max_ms']:.0f}"] if r["status"] == "ok" else [r.get("reason", "")[:80]])
         for r in result["rows"]]
     lines += [tabulate(each, ["system", "seed", "status", "ok/sent", "req/s", "TTFT p50", "TTFT p99",
-                              "engine-queued", "longest queue ms"], tablefmt="github"), "", "## Targets", ""]
-    lines += [tabulate([[t, m, "not judged" if ok is None else "MET" if ok else "MISSED"]
-                        for t, m, ok in targets(result)], ["target", "measured", "verdict"], tablefmt="github"), ""]
+                              "engine-queued", "longest queue ms"], tablefmt="github"), ""]
+    # The default configuration's targets, then those of any other SkyLB configuration run beside it.
+    for name in ["skylb"] + [n for n in result["systems"] if n.startswith("skylb-")]:
+        lines += ["## Targets" + ("" if name == "skylb" else f" of `{name}`"), ""]
+        lines += [tabulate([[t, m, "not judged" if ok is None else "MET" if ok else "MISSED"]
+                            for t, m, ok in targets(result, name)], ["target", "measured", "verdict"],
+                           tablefmt="github"), ""]
     return "\n".join(lines)
 
 

@@ -188,7 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a replica's base URL (an engine's OpenAI or Ollama server); repeatable. A vLLM "
                              "replica that publishes KV-cache events (vLLM --kv-events-config) takes its endpoints "
                              "after '#': URL#kv=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,block_size=N], and the "
-                             "balancer then routes by its exact cache state")
+                             "balancer then routes by its exact cache state. URL#max_concurrency=N states the "
+                             "requests the engine runs at once (vLLM --max-num-seqs): the balancer sends no more at "
+                             "once and starts there instead of learning the batch from a small start")
     static.add_argument("--engine", default="auto", choices=ENGINES, metavar="ENGINE",
                         help=f"the replicas' engine: {', '.join(ENGINES)} (default: auto, detected by probing "
                              "each replica once)")

@@ -10,7 +10,9 @@ when its probes succeed.
 A replica that publishes KV-cache events (vLLM ``--kv-events-config``) names its endpoints after ``#``:
 ``http://10.0.0.5:8000#kv=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,block_size=16`` (``replay`` and
 ``block_size`` optional). They become the entry's ``kv_events``, ``kv_events_replay`` and ``kv_block_size``, as
-`skylb-ctl replica add --kv-events` sets them (skylb/balancer/kv_routing.py).
+`skylb-ctl replica add --kv-events` sets them (skylb/balancer/kv_routing.py). ``max_concurrency=N`` after ``#``
+states the replica's batch (vLLM ``--max-num-seqs``), as `skylb-ctl replica add --max-concurrency` does:
+``http://10.0.0.5:8000#max_concurrency=64``.
 """
 
 from __future__ import annotations
@@ -61,43 +63,49 @@ def parse_peers(items: list[str], *, region: str) -> dict[str, str]:
 
 
 #: ``--replica URL#...`` keys -> membership entry keys.
-_KV_KEYS = {"kv": "kv_events", "replay": "kv_events_replay", "block_size": "kv_block_size"}
+_ENTRY_KEYS = {"kv": "kv_events", "replay": "kv_events_replay", "block_size": "kv_block_size",
+               "max_concurrency": "max_concurrency"}
+#: The keys whose values are positive integers, and their unit.
+_COUNTS = {"block_size": "tokens", "max_concurrency": "requests the engine runs at once"}
 
 
 def parse_replica(text: str) -> tuple[str, dict]:
-    """``--replica URL[#kv=ENDPOINT,replay=ENDPOINT,block_size=N]`` as (URL, {membership entry KV keys}).
+    """``--replica URL[#kv=ENDPOINT,replay=ENDPOINT,block_size=N,max_concurrency=N]`` as (URL, {membership entry
+    keys}: the KV keys and ``max_concurrency``).
 
     Raises ConfigError for an unknown key, a key given twice, an endpoint that is not ``tcp://HOST:PORT`` (or
-    ``ipc://``), a block size that is not a positive integer, or ``replay``/``block_size`` without ``kv``.
+    ``ipc://``), a block size or concurrency that is not a positive integer, or ``replay``/``block_size`` without
+    ``kv``.
     """
     url, _, extra = text.strip().partition("#")
-    kv: dict = {}
+    entry: dict = {}
     for item in filter(None, extra.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or key not in _KV_KEYS:
+        if not sep or key not in _ENTRY_KEYS:
             raise ConfigError(f"--replica {url}: after '#' expected kv=tcp://HOST:PORT[,replay=tcp://HOST:PORT]"
-                              f"[,block_size=N], got {item!r}")
-        if _KV_KEYS[key] in kv:
+                              f"[,block_size=N][,max_concurrency=N], got {item!r}")
+        if _ENTRY_KEYS[key] in entry:
             raise ConfigError(f"--replica {url}: {key} is given twice")
-        if key == "block_size":
+        if key in _COUNTS:
             if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"--replica {url}: block_size must be a positive integer (tokens), got {value!r}")
-            kv["kv_block_size"] = int(value)
+                raise ConfigError(f"--replica {url}: {key} must be a positive integer ({_COUNTS[key]}), "
+                                  f"got {value!r}")
+            entry[_ENTRY_KEYS[key]] = int(value)
         else:
-            kv[_KV_KEYS[key]] = value
-    if extra and "kv_events" not in kv:
+            entry[_ENTRY_KEYS[key]] = value
+    if any(k in entry for k in ("kv_events_replay", "kv_block_size")) and "kv_events" not in entry:
         raise ConfigError(f"--replica {url}: replay and block_size need kv=tcp://HOST:PORT (the event endpoint)")
     try:
-        kv_endpoint(kv)
+        kv_endpoint(entry)
     except ValueError as exc:
         raise ConfigError(f"--replica {url}: {exc}") from None
-    return url, kv
+    return url, entry
 
 
 def static_membership(region: str, replicas: list[str], *, engine: str = "auto",
                       peers: dict[str, str] | None = None) -> dict:
-    """The membership snapshot of ``replicas`` (base URLs, each with its optional KV-cache event endpoints:
-    ``parse_replica``; served by ``region``'s balancer through the ``engine``
+    """The membership snapshot of ``replicas`` (base URLs, each with its optional KV-cache event endpoints and
+    stated batch: ``parse_replica``; served by ``region``'s balancer through the ``engine``
     adapter) and ``peers`` ({region: balancer URL}). Replica ids are ``<region>-<n>``, n from 1 in flag order.
 
     Raises ConfigError for a URL that is not http(s), a URL given twice, an unknown engine, or bad KV-cache event

@@ -42,6 +42,13 @@ plus ``pending_allowance`` (one by default: a request waiting in the engine fill
 the waiting it shows at each probe keeps the limit on the engine's true batch), but no allowance on room a retest or
 slow start added that no probe proved, nor while a request waits beside the batch slow start grew from
 (``AdmissionCapacity.allowance_ok``).
+
+A bound the operator states (the replica's ``max_concurrency``: vLLM ``--max-num-seqs``, SGLang
+``--max-running-requests``, TGI ``--max-batch-size``) is the limit's ``ceiling``: the limit starts there, proven,
+instead of at ``initial`` (slow start is what a balancer does when it does not know the batch; knowing it, the
+first burst fills every batch at once, as HAProxy's per-server ``maxconn`` does), and it never grows past it.
+Probes still lower it when requests wait beside a smaller batch (a KV cache that holds fewer long prompts than the
+slots), and it grows back up to the ceiling as above.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class AdmissionCapacity:
             more than that (None: the limit is proven, or no growth is under way).
         waited_at: the ``grown_from`` that a probe showing requests waiting beside no larger a batch ended, until a
             probe shows a larger batch or nothing waiting, or waiting settles the limit (see ``allowance_ok``).
+        ceiling: the batch bound the operator stated (requests; None: none stated), see ``state_ceiling``.
     """
 
     limit: int = 2
@@ -81,6 +89,21 @@ class AdmissionCapacity:
     trial_from: int | None = None
     grown_from: int | None = None
     waited_at: int | None = None
+    ceiling: int | None = None
+
+    def state_ceiling(self, ceiling: int | None) -> None:
+        """Take ``ceiling`` (requests, >= 1; None: no bound stated) as the engine's batch bound: before any request
+        has waited the limit is set to it, proven; after, the learned limit is kept below it. Removing the bound
+        keeps the limit as it is, to be learned from there. Calling it again with the same bound changes nothing."""
+        if ceiling is not None and ceiling < 1:
+            raise ValueError(f"a batch bound is at least 1 request, not {ceiling}")
+        if ceiling == self.ceiling:
+            return
+        self.ceiling = ceiling
+        if ceiling is None:
+            return
+        self.limit = min(self.limit, ceiling) if self.saturated else ceiling
+        self.trial_from = self.grown_from = self.waited_at = None
 
     @property
     def proven_limit(self) -> int:
@@ -119,18 +142,21 @@ class AdmissionCapacity:
                 self.waiting_since, self.streak_running = now, running
             self.streak_running = max(self.streak_running, running)
             if now - self.waiting_since >= self.settle_s:
-                self.limit = max(1, self.streak_running, self.limit // 2)
+                self.limit = self._capped(max(1, self.streak_running, self.limit // 2))
                 self.saturated = True
                 self.held_since = now
                 self.waited_at = None  # the limit is measured now
             return
         self.waiting_since = None
-        if running < self.limit:
-            return
+        if running < self.limit or (self.ceiling is not None and self.limit >= self.ceiling):
+            return  # room left, or the stated bound reached: nothing to learn by growing
         if not self.saturated:
             self.grown_from = max(running, self.limit)
-            self.limit = self.grown_from + max(1, self.limit // 4)
+            self.limit = self._capped(self.grown_from + max(1, self.limit // 4))
         elif self.held_since is None or now - self.held_since >= self.hold_s:
             self.trial_from = max(running, self.limit)
-            self.limit = self.trial_from + max(1, self.limit // 8)
+            self.limit = self._capped(self.trial_from + max(1, self.limit // 8))
             self.held_since = now
+
+    def _capped(self, limit: int) -> int:
+        return limit if self.ceiling is None else min(limit, self.ceiling)

@@ -118,7 +118,9 @@ class Router:
                      max_concurrency: dict[str, int | None] | None = None) -> None:
         """Make the local replicas exactly ``replicas`` ((id, url, engine) triples).
 
-        ``max_concurrency`` gives replicas' configured parallel slots by id (engines without a pending metric).
+        ``max_concurrency`` gives replicas' configured parallel slots by id: for engines without a pending metric
+        the bound on this balancer's requests in flight there, for the others also the ceiling and starting point of
+        the admission capacity learned from probes (skylb/core/capacity.py).
 
         A replica that left is drained: it gets no new requests and is dropped once its in-flight ones finish.
         A replica that comes back (same id) is un-drained.
@@ -137,7 +139,9 @@ class Router:
             else:
                 state.draining = False
                 state.engine = engine
-            self.replicas[rid].max_concurrency = (max_concurrency or {}).get(rid)
+            bound = (max_concurrency or {}).get(rid)
+            self.replicas[rid].max_concurrency = bound
+            self.replicas[rid].capacity.state_ceiling(bound)
         self._sync_policy()
 
     def set_peers(self, peers: Iterable[tuple[str, str]]) -> None:

@@ -56,7 +56,8 @@ class ReplicaState:
         slots: the engine's parallel slots when the engine says (llama.cpp ``total_slots``); a replica whose
             latest probe shows ``running`` at its slots is full even before a request is pending.
         draining: removed from membership; gets no new requests while its in-flight ones finish.
-        max_concurrency: the replica's parallel slots when configured (engines without a pending metric).
+        max_concurrency: the replica's parallel slots when configured: this balancer sends no more at once, and
+            the learned admission capacity starts there and stays at or below it.
         models: the model ids it serves (None until learned from the replica); apis: the API dialects it speaks.
         model_cards: model id -> the replica's own entry for it in its model list (a JSON object: vLLM's
             ``max_model_len``, ``root``, ``parent``, ...), passed on by the balancer's ``GET /v1/models``.
