@@ -88,7 +88,7 @@ class Dispatcher:
 
     def release(self, decision: Decision) -> None:
         """The response of ``decision`` ended: free its target's slot and let the queue move."""
-        self.router.finished(decision)
+        self.router.finished(decision, self.now())
         self.wake()
 
     async def run(self) -> None:

@@ -498,6 +498,7 @@ class Router:
         policy = self.policy
         replica.outstanding += 1
         replica.dispatch_times.append(now)
+        replica.capacity.dispatched(now)
         replica.served += 1
         replica.add_unprefilled(request.id, policy.uncached_tokens(request, replica.id))
         policy.rates.dispatched(replica.rates, request.id, request.model, request.text, chars=request_chars(request))
@@ -574,23 +575,26 @@ class Router:
             return False
         return self.policy.rates.observe(state.rates, decision.request.id, usage, ttft_s=ttft_s, e2e_s=e2e_s)
 
-    def engine_done(self, decision: Decision) -> None:
+    def engine_done(self, decision: Decision, now: float | None = None) -> None:
         """``decision``'s replica finished it (a stream's last event arrived): free its place there now, before the
         client reads the end of the answer and, closed-loop, sends its next request at once (it found every batch
-        full by this count, and the pending allowance sent it into a full batch). ``finished`` does the rest."""
+        full by this count, and the pending allowance sent it into a full batch). ``finished`` does the rest.
+        ``now`` (s): when, so that a probe answer that left before it and arrives after it is corrected
+        (ReplicaState.slot_freed)."""
         state = self.replicas.get(decision.target) if decision.route == "local" else None
         if state is None or decision in self._engine_done:
             return
         self._engine_done.add(decision)
-        self._free_slot(state, decision)
+        self._free_slot(state, decision, now)
 
-    def _free_slot(self, state: ReplicaState, decision: Decision) -> None:
+    def _free_slot(self, state: ReplicaState, decision: Decision, now: float | None) -> None:
         state.outstanding = max(0, state.outstanding - 1)
         if self.policy.reuse_freed_slots and decision.dispatched_at is not None:
-            state.slot_freed(decision.dispatched_at)
+            state.slot_freed(decision.dispatched_at, now)
 
-    def finished(self, decision: Decision) -> None:
-        """The response of ``decision`` ended (any outcome): release its outstanding count (never below 0)."""
+    def finished(self, decision: Decision, now: float | None = None) -> None:
+        """The response of ``decision`` ended (any outcome) at ``now`` (s; see ``engine_done``): release its
+        outstanding count (never below 0)."""
         if decision.route == "local":
             state = self.replicas.get(decision.target)
             self.fleet.finished(decision.request, state)
@@ -598,7 +602,7 @@ class Router:
             self._engine_done.discard(decision)
             if state is not None:
                 if not early:
-                    self._free_slot(state, decision)
+                    self._free_slot(state, decision, now)
                 state.prefilled(decision.request.id)
                 self.policy.rates.released(state.rates, decision.request.id)
                 if state.draining and state.outstanding == 0:

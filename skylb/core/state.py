@@ -114,6 +114,9 @@ class ReplicaState:
     #: router's settings token, ``probed_at``, the capacity's limit, ``sent_since_probe``, the reason or None,
     #: whether it has a free slot). Any write to another field clears it.
     availability_memo: tuple | None = field(default=None, repr=False, compare=False)
+    #: (dispatched at, freed at), s, of this balancer's requests that finished here since the latest probe left:
+    #: an answer to a probe sent between the two may still count the request (``observe_probe``).
+    freed: list = field(default_factory=list, repr=False)
 
     #: Writes of ``models`` or ``apis`` to any replica so far: what it serves changed (``ReplicaTable.serving``).
     serves_changes: ClassVar[int] = 0
@@ -175,18 +178,34 @@ class ReplicaState:
         cutoff = now if probe_sent_at is None else probe_sent_at
         while self.dispatch_times and self.dispatch_times[0] < cutoff:
             self.dispatch_times.popleft()
+        # Requests the answer may still count that finished after the probe left (their last event came in while it
+        # was on its way): their places are free, as slot_freed said when they finished.
+        raced = [f for f in self.freed if f[0] < cutoff < f[1]]
+        self.freed = [f for f in self.freed if f[1] > cutoff]
+        if healthy:
+            for _ in raced:
+                self._free_one()
 
-    def slot_freed(self, dispatched_at: float) -> None:
-        """A request sent here at ``dispatched_at`` (s) finished: its place in the engine is free now, before the next
-        probe says so (pushing without idle slots, where the SkyLB paper's §3.3 waits for the next probe). Sent after
-        the latest probe: it no longer counts as unseen. Seen by it: the engine admits one of its pending requests, or,
-        with none pending, one more slot of its running batch is free. The next probe corrects any error."""
+    def slot_freed(self, dispatched_at: float, now: float | None = None) -> None:
+        """A request sent here at ``dispatched_at`` (s) finished at ``now`` (s): its place in the engine is free now,
+        before the next probe says so (pushing without idle slots, where the SkyLB paper's §3.3 waits for the next
+        probe). Sent after the latest probe: it no longer counts as unseen. Seen by it: the engine admits one of its
+        pending requests, or, with none pending, one more slot of its running batch is free. The next probe corrects
+        any error, except one that left before ``now`` and still counts the request: its answer is corrected the
+        same way when it comes (``observe_probe``; measured live, closed loop on batches of 4: such an answer, read
+        after the request's last event, hid the free slot, and the next request went to another replica's batch as
+        its fifth and waited 4 s there)."""
+        if now is not None:
+            self.freed.append((dispatched_at, now))
         try:
             self.dispatch_times.remove(dispatched_at)
             self.availability_memo = None  # a change in place: __setattr__ does not see it
             return
         except ValueError:
             pass
+        self._free_one()
+
+    def _free_one(self) -> None:
         if self.pending > 0:
             self.pending -= 1
         elif self.running:

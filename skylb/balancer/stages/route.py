@@ -188,7 +188,7 @@ class RouteStage:
         """The target sent the stream's last event: its replica's slot is free before the client reads the end, and
         a forward is answered (counted now, into ``counted``: a client that closes once it reads the last event
         cancels the handler before the relay returns, and still had its answer)."""
-        self.router.engine_done(decision)
+        self.router.engine_done(decision, self.now())
         self.router.forward_answered(decision)
         counted.append(True)
         self.dispatcher.wake()
