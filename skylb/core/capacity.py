@@ -18,13 +18,7 @@ and congestion avoidance), per replica:
   at those probes being ``running``: limit = max(running, limit // 2). A request sent a moment ago waits until the
   engine's next step, and a step holding a long chunked prefill lasts hundreds of ms (2048 tokens at 0.48 ms per
   token on an L4), so waiting seen at one probe, or a few in a row, proves nothing (measured on the emulator: a
-  batch of 32 read as 2); waiting that outlasts a step does. Waiting is counted beyond the requests this balancer
-  sent there within ``settle_s`` before the probe (``dispatched``): a batch turning over sends a few requests in a
-  row, each of which waits for a step, and a probe seeing one of them at every probe for half a second is not a
-  full batch (measured live, 4 replicas of batch 4 at 16 concurrent streams: three limits fell from 4 to 3 at the
-  first turnover, and the fourth replica's unproven fifth place took a request that then waited 4 s behind its
-  full batch). A request that has waited ``settle_s`` is counted, so a batch that is full is still found, in at
-  most twice ``settle_s``. The sample is the batch the engine actually kept;
+  batch of 32 read as 2); waiting that outlasts a step does. The sample is the batch the engine actually kept;
   the halving bounds the fall, for a long prompt held back by the step's token budget (vLLM
   ``max_num_batched_tokens``) beside a half-empty batch.
 * The batch at the limit (running >= limit) and nothing waiting: the engine took everything sent, so the limit
@@ -59,8 +53,7 @@ slots), and it grows back up to the ceiling as above.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["AdmissionCapacity"]
 
@@ -82,13 +75,8 @@ class AdmissionCapacity:
         grown_from: during slow start, the limit before its latest growth, until a probe shows the engine running
             more than that (None: the limit is proven, or no growth is under way).
         waited_at: the ``grown_from`` that a probe showing requests waiting beside no larger a batch ended, until a
-            probe shows a larger batch or waiting settles the limit (see ``proven_limit``, ``allowance_ok``). A
-            probe showing nothing waiting does not end it: the request that waited may have taken a slot another
-            request freed, which says nothing of a slot beyond the batch (measured live, 4 replicas of batch 4 at 16
-            concurrent streams: a limit of 5 counted as proven so, and a request sent as a fifth waited 4 s).
+            probe shows a larger batch or nothing waiting, or waiting settles the limit (see ``allowance_ok``).
         ceiling: the batch bound the operator stated (requests; None: none stated), see ``state_ceiling``.
-        recent: when this balancer sent its latest requests there, s (those within ``settle_s`` of the latest probe
-            or dispatch; see ``dispatched``).
     """
 
     limit: int = 2
@@ -102,17 +90,6 @@ class AdmissionCapacity:
     grown_from: int | None = None
     waited_at: int | None = None
     ceiling: int | None = None
-    recent: deque = field(default_factory=deque, repr=False, compare=False)
-
-    def dispatched(self, now: float) -> None:
-        """This balancer sent a request there at ``now`` (s): until ``settle_s`` later, a request waiting in the
-        engine may be that one waiting for the engine's next step."""
-        self._forget(now)
-        self.recent.append(now)
-
-    def _forget(self, now: float) -> None:
-        while self.recent and now - self.recent[0] >= self.settle_s:
-            self.recent.popleft()
 
     def state_ceiling(self, ceiling: int | None) -> None:
         """Take ``ceiling`` (requests, >= 1; None: no bound stated) as the engine's batch bound: before any request
@@ -132,9 +109,9 @@ class AdmissionCapacity:
     def proven_limit(self) -> int:
         """The limit less what a retest or slow start added and no probe has shown the engine running yet: the
         slots known to exist (requests). Selective pushing fills these first (skylb/core/state.py
-        ``has_free_slot``); the rest are tried only when every replica's proven slots are taken. Room above
-        ``waited_at`` is not proven either: a request waited beside that batch, and no probe has shown it larger."""
-        return min(x for x in (self.limit, self.trial_from, self.grown_from, self.waited_at) if x is not None)
+        ``has_free_slot``); the rest are tried only when every replica's proven slots are taken."""
+        unproven = self.trial_from if self.trial_from is not None else self.grown_from
+        return self.limit if unproven is None else min(self.limit, unproven)
 
     @property
     def allowance_ok(self) -> bool:
@@ -148,8 +125,8 @@ class AdmissionCapacity:
 
     def observe(self, now: float, pending: int, running: int) -> None:
         """Learn from one probe at ``now`` (s) showing ``pending`` requests waiting and ``running`` in the batch."""
-        if self.waited_at is not None and running > self.waited_at:
-            self.waited_at = None  # the batch grew past it: the room is the engine's
+        if self.waited_at is not None and (running > self.waited_at or pending == 0):
+            self.waited_at = None  # the batch grew past it, or nothing waits: the room is the engine's
         if self.grown_from is not None and (running > self.grown_from or pending > 0):
             if running <= self.grown_from:
                 self.waited_at = self.grown_from  # waiting beside the old batch: maybe for a step, maybe a slot
@@ -161,10 +138,6 @@ class AdmissionCapacity:
                 self.limit, self.trial_from, self.held_since = self.trial_from, None, now
                 return
         if pending > 0:
-            self._forget(now)
-            if pending <= len(self.recent):
-                self.waiting_since = None  # each may be a request sent a moment ago, waiting for a step
-                return
             if self.waiting_since is None:
                 self.waiting_since, self.streak_running = now, running
             self.streak_running = max(self.streak_running, running)

@@ -498,7 +498,6 @@ class Router:
         policy = self.policy
         replica.outstanding += 1
         replica.dispatch_times.append(now)
-        replica.capacity.dispatched(now)
         replica.served += 1
         replica.add_unprefilled(request.id, policy.uncached_tokens(request, replica.id))
         policy.rates.dispatched(replica.rates, request.id, request.model, request.text, chars=request_chars(request))
