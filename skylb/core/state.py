@@ -180,10 +180,10 @@ class ReplicaState:
             self.dispatch_times.popleft()
         # Requests the answer may still count that finished after the probe left (their last event came in while it
         # was on its way): their places are free, as slot_freed said when they finished.
-        raced = [f for f in self.freed if f[0] < cutoff < f[1]]
-        self.freed = [f for f in self.freed if f[1] > cutoff]
-        if healthy:
-            for _ in raced:
+        if self.freed:
+            raced = sum(1 for dispatched, freed in self.freed if dispatched < cutoff < freed)
+            self.freed = [f for f in self.freed if f[1] > cutoff]
+            for _ in range(raced if healthy else 0):
                 self._free_one()
 
     def slot_freed(self, dispatched_at: float, now: float | None = None) -> None:
