@@ -282,3 +282,32 @@ def test_a_probe_answer_that_left_before_a_request_ended_does_not_hide_its_free_
     router.finished(sent[0], now=0.25)
     router.observe_replica("r0", now=0.303, healthy=True, pending=0, running=3, probe_sent_at=0.3)
     assert r.running == 3 and r.freed == []
+
+
+def test_a_free_slot_below_a_batch_seen_waiting_goes_before_one_above_it():
+    """Two replicas of batch 4, each grown to a limit of 5 by slow start. On r0 a probe then showed a request waiting
+    beside 4 running (so its fifth place may not exist), on r1 nothing waited: r0 with 4 in flight and r1 with 3
+    both count a free slot by their limits; the request goes to r1, though r0 holds its prefix (without the push of
+    cache hits into full batches, which would send it to r0 on purpose)."""
+    router = Router(region="us", policy=make_policy("skylb", push_to_prefix_holder=False),
+                    rules=AvailabilityRules(pending_allowance=0))
+    router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
+    router.set_peers([])
+    shared = "a long shared system prompt " * 200  # r0 holds it: the policy alone would send the requests there
+    router.observe_replica("r0", now=-1.0, healthy=True, pending=0, running=0)
+    router.enqueue(Request("warm", shared + "warm", arrived_at=-1.0))
+    [warm] = router.dispatch(-1.0)
+    assert warm.target == "r0"
+    router.finished(warm, now=-0.5)
+    for rid in ("r0", "r1"):
+        router.replicas[rid].capacity = AdmissionCapacity(limit=4)
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0, running=4)
+    router.observe_replica("r0", now=0.1, healthy=True, pending=1, running=3)
+    router.observe_replica("r1", now=0.1, healthy=True, pending=0, running=3)
+    r0, r1 = router.replicas["r0"], router.replicas["r1"]
+    assert (r0.capacity.limit, r0.capacity.waited_at, r1.capacity.limit) == (5, 4, 5)
+    assert router.rules.has_free_slot(r0) and router.rules.has_free_slot(r1)
+    assert not router.rules.below_waited_batch(r0) and router.rules.below_waited_batch(r1)
+    router.enqueue(Request("q", shared + "question", arrived_at=0.1))
+    [decision] = router.dispatch(0.1)
+    assert decision.target == "r1"

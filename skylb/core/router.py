@@ -392,8 +392,8 @@ class Router:
         peers = ([p for p in self.peers.values() if self.peer_available(p, now, model, api)]
                  if request.may_forward else [])
         peers = [p for p in peers if p.sibling] or peers  # a sibling with room first: the region's own replicas
-        if self.policy.selective and len(local) > 1:  # free slots first: allowance or retest room when none is free
-            local = free or local
+        if self.policy.selective and len(local) > 1:  # free slots first (below_waited_batch's first of all),
+            local = [r for r in free if self.rules.below_waited_batch(r)] or free or local  # then any room
         if request.avoid:
             local, peers = self._elsewhere(request, local, peers, now)
         c = Candidates(request, now, local, peers, len(self.queue), len(self.replicas), self.dispatch_rate(now),

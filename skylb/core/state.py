@@ -497,6 +497,18 @@ class AvailabilityRules:
                  r.capacity.proven_limit if self.learn_capacity and r.running is not None else None)
         return limit is None or max(r.running + r.pending + r.sent_since_probe, r.outstanding) < limit
 
+    def below_waited_batch(self, r: ReplicaState) -> bool:
+        """True unless ``r``'s load (as in ``has_free_slot``) has reached the batch a probe last showed a request
+        waiting beside after slow start grew the limit past it (``AdmissionCapacity.waited_at``): until a probe
+        shows the engine running more, the place above that batch is counted as proven but may not exist (the
+        request may have waited for the engine's next step, or for a slot). Among replicas with a free slot, those
+        below such a batch go first (Router._place): measured live, 4 replicas of batch 4 under 16 closed-loop
+        streams, two replicas each had a "free" slot by a limit of 5 and the full one took the request, which
+        waited 4 s for its batch to turn over."""
+        waited = r.capacity.waited_at
+        return (waited is None or not self.learn_capacity or r.slots is not None or r.running is None
+                or max(r.running + r.pending + r.sent_since_probe, r.outstanding) < waited)
+
     def replica_available(self, r: ReplicaState, now: float) -> bool:
         """True when ``r`` may take a request now (selective pushing)."""
         return self.replica_unavailable_reason(r, now) is None
