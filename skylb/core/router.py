@@ -40,6 +40,9 @@ from skylb.core.state import AvailabilityRules, PeerState, PeerStatus, ReplicaSt
 
 __all__ = ["Router", "Decision", "QueueFull"]
 
+#: ``Router._free_rank`` of a free slot below any batch a request was seen waiting beside: such replicas go first.
+_SURE = 2
+
 
 class QueueFull(Exception):
     """Raised by ``Router.enqueue`` when the queue already holds ``max_queue`` requests."""
@@ -392,8 +395,8 @@ class Router:
         peers = ([p for p in self.peers.values() if self.peer_available(p, now, model, api)]
                  if request.may_forward else [])
         peers = [p for p in peers if p.sibling] or peers  # a sibling with room first: the region's own replicas
-        if self.policy.selective and len(local) > 1:  # free slots first (below_waited_batch's first of all),
-            local = [r for r in free if self.rules.below_waited_batch(r)] or free or local  # then any room
+        if self.policy.selective and len(local) > 1:  # free slots first: allowance or retest room when none is free
+            local = free or local
         if request.avoid:
             local, peers = self._elsewhere(request, local, peers, now)
         c = Candidates(request, now, local, peers, len(self.queue), len(self.replicas), self.dispatch_rate(now),
@@ -420,7 +423,8 @@ class Router:
         """(candidates, those of them with a free slot, serving) at ``now``: the local replicas serving
         ``request``'s model in its dialect and requests of its kind (serving), those that may take it (with room
         under selective pushing: ``replica_available``, memoized; usable under blind pushing) and, under selective
-        pushing, those with a free slot (``AvailabilityRules.has_free_slot``; empty under blind pushing)."""
+        pushing, those with a free slot (``AvailabilityRules.has_free_slot``; empty under blind pushing): only those
+        below a batch a request was seen waiting beside (``AvailabilityRules.below_waited_batch``) when any is."""
         model, api, kind = request.model, request.api, request.kind
         serving = self.replicas.serving(model, api)
         if self._kinds_held and any(r.unsupported for r in serving):  # a replica answered 501 for a kind lately
@@ -430,7 +434,7 @@ class Router:
         # ``_available``'s memo test written out in the loop: this pass runs over every replica on every decision,
         # and a call per replica was most of a decision's time at 200 replicas (bench/micro/coordination.py).
         token, stale_s, remember = self._availability_token(), self.rules.stale_after_s, self._remember
-        out, free = [], []
+        out, free, sure = [], [], []
         for r in serving:
             memo = r.availability_memo
             if (memo is None or memo[0] is not token or memo[2] != r.capacity.limit
@@ -441,20 +445,32 @@ class Router:
                 out.append(r)
                 if memo[5]:
                     free.append(r)
-        return out, free, serving
+                    if memo[5] == _SURE:
+                        sure.append(r)
+        return out, sure or free, serving
 
     def _with_free_slot(self, replicas: list[ReplicaState]) -> list[ReplicaState]:
-        """Those of ``replicas`` with a free slot (``AvailabilityRules.has_free_slot``), from the availability memo
+        """Those of ``replicas`` with a free slot, as ``_local_candidates`` picks them, from the availability memo
         the same decision just checked when it still holds, else worked out."""
-        token, has_free_slot = self._availability_memo_token, self.rules.has_free_slot
-        out = []
+        token, rank = self._availability_memo_token, self._free_rank
+        free, sure = [], []
         for r in replicas:
             memo = r.availability_memo
             held = (memo is not None and memo[0] is token and memo[2] == r.capacity.limit
                     and memo[3] == len(r.dispatch_times))
-            if memo[5] if held else has_free_slot(r):
-                out.append(r)
-        return out
+            slot = memo[5] if held else rank(r)
+            if slot:
+                free.append(r)
+                if slot == _SURE:
+                    sure.append(r)
+        return sure or free
+
+    def _free_rank(self, replica: ReplicaState) -> int:
+        """0: no free slot (``AvailabilityRules.has_free_slot``); 1: one, at or above a batch a request was seen
+        waiting beside; ``_SURE`` (2): one below any such batch (``AvailabilityRules.below_waited_batch``)."""
+        if not self.rules.has_free_slot(replica):
+            return 0
+        return _SURE if self.rules.below_waited_batch(replica) else 1
 
     def _availability_token(self) -> object:
         """An object that stays the same while every router-wide input of ``replica_unavailable_reason`` does (the
@@ -482,10 +498,10 @@ class Router:
 
     def _remember(self, replica: ReplicaState, now: float, token: object) -> tuple:
         """Work out ``replica``'s availability at ``now`` and keep it as its memo (not while an ejection is on
-        record): (``token``, ``probed_at``, the capacity's limit, ``sent_since_probe``, the reason or None, whether
-        it has a free slot). Returns the memo."""
+        record): (``token``, ``probed_at``, the capacity's limit, ``sent_since_probe``, the reason or None, its free
+        slot as ``_free_rank`` ranks it). Returns the memo."""
         memo = (token, replica.probed_at, replica.capacity.limit, len(replica.dispatch_times),
-                self.replica_unavailable_reason(replica, now), self.rules.has_free_slot(replica))
+                self.replica_unavailable_reason(replica, now), self._free_rank(replica))
         if replica.ejected_until is None:
             # The learned capacity and the requests sent since the probe change in place, not by a write of a field:
             # the memo holds them to compare.

@@ -194,7 +194,8 @@ class ReplicaState:
         any error, except one that left before ``now`` and still counts the request: its answer is corrected the
         same way when it comes (``observe_probe``; measured live, closed loop on batches of 4: such an answer, read
         after the request's last event, hid the free slot, and the next request went to another replica's batch as
-        its fifth and waited 4 s there)."""
+        its fifth and waited 4 s there). An answer the engine wrote after the request ended is then one low until
+        the next probe: the error the other way, one request at most, for one probe interval."""
         if now is not None:
             self.freed.append((dispatched_at, now))
         try:
@@ -502,7 +503,7 @@ class AvailabilityRules:
         waiting beside after slow start grew the limit past it (``AdmissionCapacity.waited_at``): until a probe
         shows the engine running more, the place above that batch is counted as proven but may not exist (the
         request may have waited for the engine's next step, or for a slot). Among replicas with a free slot, those
-        below such a batch go first (Router._place): measured live, 4 replicas of batch 4 under 16 closed-loop
+        below such a batch go first (Router._local_candidates): measured live, 4 replicas of batch 4 under 16 closed-loop
         streams, two replicas each had a "free" slot by a limit of 5 and the full one took the request, which
         waited 4 s for its batch to turn over."""
         waited = r.capacity.waited_at
