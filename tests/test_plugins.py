@@ -431,6 +431,29 @@ def test_estimated_ttft_speed_classes_keep_the_load_guard_off_a_slower_replica()
     assert picker(1.5).pick(prompt, [fast1, fast2, slow]).id == "slow"
 
 
+def test_estimated_ttft_stall_term_does_not_take_a_request_to_a_slower_class_of_replica():
+    """The stall term prefers the replica running fewer requests; on mixed hardware that is the slow one (it gets
+    fewer), and a replica that is never alone has no measured prefill rate, so its estimate reads as fast as the
+    fast one's. With speed classes on, a replica PACE_CLASS_RATIO times slower in time per token and in inter-token
+    latency is priced out of the stall term while the estimate alone prefers a faster one; without them, or when
+    the slow replica is not that much slower, the stall term decides as before."""
+    wait = WaitModel(prefill_tokens_per_s=2000.0, default_prompt_tokens=512, measured=True)
+
+    def picker(speed_ratio: float | None) -> EstimatedTTFT:
+        return EstimatedTTFT(wait=wait, locality=_locality(), rates=RateBook(), turns=Turns(), abs_threshold=64,
+                             rel_threshold=1.5, stall_weight=0.3, speed_ratio=speed_ratio)
+
+    fast, slow = _replica("fast", 20, running=20), _replica("slow", 6, running=6)
+    fast.rates.overall.prefill_s_per_token = 0.0005  # the slow one has no lone response: priced at this rate too
+    fast.rates.models[""] = ModelRates(time_per_token_s=0.05, itl_s=0.07, samples=50)
+    slow.rates.models[""] = ModelRates(time_per_token_s=0.17, itl_s=0.30, samples=12)
+    prompt = _req("q", "w" * 2000)
+    assert picker(None).pick(prompt, [fast, slow]).id == "slow"  # fewer decodes stalled there
+    assert picker(1.5).pick(prompt, [fast, slow]).id == "fast"
+    slow.rates.models[""] = ModelRates(time_per_token_s=0.09, itl_s=0.12, samples=12)  # under 2.5x: one class
+    assert picker(1.5).pick(prompt, [fast, slow]).id == "slow"
+
+
 def test_estimated_ttft_prices_a_prompt_that_does_not_fit_in_the_free_kv_cache_as_a_wait():
     """A replica whose free KV cache (capacity x (1 - usage), less the backlog ahead) cannot take the prompt's
     uncached tokens is priced its measured service time more: the request goes where it fits, even past a cache hit;

@@ -297,3 +297,19 @@ def test_prompt_chars_ascii_fast_path_equals_split_and_join():
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
         assert prompt_chars(text) == len(" ".join(text.split())), repr(text)
     assert prompt_chars("é  a\u2003b") == len("é a b")
+
+
+def test_rates_measure_the_inter_token_latency_of_every_streamed_response():
+    """``ModelRates.itl_s`` is learned from a response that shared its replica with others (decode per output token
+    only from a lone one), from the engine's decode time when it reports it, and not from a whole answer."""
+    book, rates = RateBook(alpha=1.0), ReplicaRates()
+    book.dispatched(rates, "a", "", "w" * 100)
+    book.dispatched(rates, "b", "", "w" * 100)  # not alone
+    assert book.observe(rates, "b", Usage(prompt_tokens=20, output_tokens=11), ttft_s=0.2, e2e_s=1.2)
+    m = rates.models[""]
+    assert m.decode_s_per_token is None and m.itl_s == pytest.approx(0.1)
+    book.observe(rates, "a", Usage(prompt_tokens=20, output_tokens=5, decode_s=1.0), ttft_s=None, e2e_s=2.0)
+    assert m.itl_s == pytest.approx(0.2)
+    book.dispatched(rates, "c", "", "w" * 100)
+    book.observe(rates, "c", Usage(prompt_tokens=20, output_tokens=5), ttft_s=None, e2e_s=3.0)  # whole: nothing
+    assert m.itl_s == pytest.approx(0.2)

@@ -105,7 +105,11 @@ class ModelRates:
 
     Attributes:
         time_per_token_s: the paper's t^: service seconds per token, prompt and output together.
-        prefill_s_per_token: seconds per prefilled prompt token; decode_s_per_token: seconds per output token.
+        prefill_s_per_token: seconds per prefilled prompt token; decode_s_per_token: seconds per output token
+            (from a response that was alone there, or the engine's own decode time).
+        itl_s: seconds between output tokens after the first, from every streamed response (the inter-token
+            latency in whatever batch it ran: the replica's decode pace under its load, which needs no lone
+            response, so a replica that is never alone under load is still measured).
         service_s: seconds from dispatch to the end of a response (how long a request holds its place in the
             batch, its wait in the engine's queue included).
         samples: responses learned from.
@@ -114,6 +118,7 @@ class ModelRates:
     time_per_token_s: float | None = None
     prefill_s_per_token: float | None = None
     decode_s_per_token: float | None = None
+    itl_s: float | None = None
     service_s: float | None = None
     samples: int = 0
 
@@ -280,8 +285,12 @@ class RateBook:
             decode = usage.decode_s / out
         elif ttft_s is not None and flight.alone and out > 1:
             decode = max(0.0, e2e_s - ttft_s) / (out - 1)
+        itl = (usage.decode_s / out if usage.decode_s is not None and out > 0 else
+               max(0.0, e2e_s - ttft_s) / (out - 1) if ttft_s is not None and out > 1 else None)
         for m in (rates.models.setdefault(flight.model, ModelRates()), rates.overall):
             m.time_per_token_s = _ema(m.time_per_token_s, per_token, a)
+            if itl is not None:
+                m.itl_s = _ema(m.itl_s, itl, a)
             m.service_s = _ema(m.service_s, e2e_s, a)
             if prefill is not None:
                 m.prefill_s_per_token = _ema(m.prefill_s_per_token, prefill, a)

@@ -47,10 +47,19 @@ et al., OSDI 2024, section 3.2 "generation stalls"; chunked prefill spreads the 
 estimate above prices only the request's own first token; with ``stall_weight`` w > 0 the pick adds w x (the batch's
 requests) x (the request's uncached prefill time there) to each candidate, so a prompt goes where it stalls the
 fewest decodes unless a cache hit saves more. The forwarding rule still compares first-token estimates alone.
+On mixed hardware (with ``speed_ratio``) the stall term may not take a request to a slower class of replica when the
+estimate alone prefers a faster one: a slow replica's batch is smaller (it gets fewer requests), so its stall term
+was lower, and the term sent requests there that then waited 3-4 times longer for their first token (simulated,
+replicas 4x apart at half load: 12% of the requests, P90 TTFT 0.55 s against 0.17-0.32 on the fast ones). Its
+prefill is no help in telling: a replica that is never alone under load has no measured prefill rate and is priced
+at the fastest measured one. The class here is told by pace measured from every streamed response (time per token
+and the inter-token latency, ``ModelRates.itl_s``) at :data:`PACE_CLASS_RATIO`, wider than the load guard's ratio
+because a replica's inter-token latency also grows with its batch.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 
@@ -64,10 +73,17 @@ from skylb.core.rates import ModelRates, RateBook
 from skylb.core.request import Request
 from skylb.core.state import ReplicaState
 
-__all__ = ["EstimatedTTFT", "PrefillEstimate"]
+__all__ = ["EstimatedTTFT", "PrefillEstimate", "PACE_CLASS_RATIO"]
 
 #: Placements remembered per replica for ``burst_aware`` (a replica prefills far fewer at once).
 _PLACED_KEPT = 256
+
+#: How many times slower, in time per token and in inter-token latency both, a replica must be than the fastest
+#: candidate to be of a slower class for the stall term (module docstring, "Generation stalls"). Between the spread of
+#: identical replicas and that of hardware classes: in the simulated matrix, on identical replicas (the conversation
+#: trace at 2x, Arena at 4x, seed 0) the candidates' spread reached 1.5x in 5-17% of decisions, 2x in under 0.5% and
+#: 2.5x in 0.2%; OllamaRouter's Table 3 puts a CPU host 3.4-4.5x behind a GPU host.
+PACE_CLASS_RATIO = 2.5
 
 
 class EstimatedTTFT:
@@ -219,7 +235,7 @@ class EstimatedTTFT:
         else:
             costs, fractions = self._costs(request, candidates, stalls)
         if stalls:
-            costs = stalls
+            costs = self._stall_within_class(request, candidates, costs, stalls)
         # Within a millisecond is a tie: spread over the tied ones by load rather than by list order.
         limit = min(costs) + 1e-3
         tied = [c for c, cost in zip(candidates, costs) if cost <= limit]
@@ -230,6 +246,25 @@ class EstimatedTTFT:
                 tied = [c for c, f in zip(tied, held) if f == top]
             return least_loaded(pick_by_estimated_wait(self.rates, request, tied), self.turns.next())
         return least_loaded(tied, self.turns.next())
+
+    def _stall_within_class(self, request: Request, candidates: Sequence[ReplicaState], costs: list[float],
+                            stalls: list[float]) -> list[float]:
+        """``stalls`` (each candidate's estimate plus its generation stall, in the order of ``candidates``; ``costs``
+        the estimates alone), with the candidates of a slower class (:data:`PACE_CLASS_RATIO`) set to infinity when
+        the least estimate alone is a faster one's (module docstring, "Generation stalls"). Unchanged without
+        ``speed_ratio`` or with fewer than two candidates whose pace is measured."""
+        if not self.speed_ratio or len(candidates) < 2:
+            return stalls
+        model = request.model
+        paced = [(c, r) for c in candidates if (r := c.rates.for_model(model)) is not None and r.itl_s is not None]
+        if len(paced) < 2:
+            return stalls
+        tpt = min(r.time_per_token_s for _, r in paced) * PACE_CLASS_RATIO
+        itl = min(r.itl_s for _, r in paced) * PACE_CLASS_RATIO
+        slow = {c.id for c, r in paced if r.time_per_token_s >= tpt and r.itl_s >= itl}
+        if not slow or candidates[costs.index(min(costs))].id in slow:
+            return stalls
+        return [math.inf if c.id in slow else s for c, s in zip(candidates, stalls)]
 
     def _guarded(self, request: Request, candidates: Sequence[ReplicaState]) -> Sequence[ReplicaState]:
         """The candidates the load guard balances over (module docstring, "Speed classes"): with ``speed_ratio``,
