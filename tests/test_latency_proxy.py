@@ -25,7 +25,7 @@ from toxiproxy import Toxiproxy
 from toxiproxy.api import APIConsumer
 from toxiproxy.exceptions import InvalidToxic, NotFound, ProxyExists
 
-from bench.latency.links import ENV_VAR, LatencyLinks, api_reachable, split_rtt
+from bench.latency.links import ENV_VAR, LatencyLinks, LinkError, api_reachable, split_rtt
 from tests.procs import ProcGroup, free_port
 
 # One xdist worker runs the whole module (--dist loadgroup): it shares one proxy server (module fixture shared_server),
@@ -619,6 +619,26 @@ async def test_latency_links_round_trip_pays_the_rtt(api, http_upstream):
         links.close()
     assert requests.get(f"{api}/proxies", timeout=5).json() == {}
     assert links.links == {}
+
+
+def test_a_link_whose_reserved_port_was_taken_listens_on_a_spare_or_says_why(api, http_upstream):
+    """A reserved port can be taken before the proxy binds it (by another process's connection): with spare ports
+    of the same reservation the link listens on the next one; without, LinkError says which link and why (not a
+    KeyError on the refusal's body)."""
+    links = LatencyLinks(api)
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spare = free_port()
+        assert links.link("spared", http_upstream, rtt_ms=0, listen_port=port,
+                          spare_ports=iter([spare])) == f"127.0.0.1:{spare}"
+        with pytest.raises(LinkError, match="'stuck' refused: HTTP 5"):
+            links.link("stuck", http_upstream, rtt_ms=0, listen_port=port)
+    finally:
+        taken.close()
+        links.close()
 
 
 def test_api_reachable_says_whether_an_api_answers(api):

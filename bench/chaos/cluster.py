@@ -212,7 +212,8 @@ class ChaosCluster:
         _wait_redis(port)
         self.redis_urls = {}
         for b in self.balancers:
-            listen = self.links.link(f"{b}-to-redis", f"127.0.0.1:{port}", rtt_ms=0, listen_port=next(ports))
+            listen = self.links.link(f"{b}-to-redis", f"127.0.0.1:{port}", rtt_ms=0, listen_port=next(ports),
+                                     spare_ports=ports)
             self.redis_urls[b] = f"redis://{listen}/0"
 
     def _controllers(self, ports) -> None:
@@ -222,7 +223,7 @@ class ChaosCluster:
             endpoints = []
             for j, client in enumerate(self.etcd_client_urls):
                 listen = self.links.link(f"ctl{i}-to-etcd{j}", client.removeprefix("http://"), rtt_ms=0,
-                                         listen_port=next(ports))
+                                         listen_port=next(ports), spare_ports=ports)
                 endpoints.append(f"http://{listen}")
             rtt = {f"{a}-{b}": self.s.rtt(a, b) for a in self.regions for b in self.regions if a < b}
             config = {"controller": {"store": "etcd", "etcd": {"endpoints": endpoints, "prefix": "/chaos"},
@@ -255,11 +256,14 @@ class ChaosCluster:
             for b, other in self.balancers.items():
                 if b != a:  # siblings reach each other at no added round trip
                     listen = self.links.link(f"{a}-to-{b}", f"{hosts[b]}:{port}", listen_port=next(ports),
+                                             spare_ports=ports,
                                              rtt_ms=self.s.rtt(region, other) if other != region else 0)
                     args += ["--peer-url", f"{other}=http://{listen}" if self.s.siblings == 1
                              else f"{other}@{b}=http://{listen}"]
-            controllers = [f"http://{self.links.link(f'{a}-to-ctl{i}', url.removeprefix('http://'), rtt_ms=0, listen_port=next(ports))}"
+            controllers = [self.links.link(f"{a}-to-ctl{i}", url.removeprefix("http://"), rtt_ms=0,
+                                           listen_port=next(ports), spare_ports=ports)
                            for i, url in enumerate(self.controller_urls)]
+            controllers = [f"http://{listen}" for listen in controllers]
             args += ["--controller", ",".join(controllers)]
             self.balancer_urls[a] = f"http://{hosts[a]}:{port}"
             self._define(f"balancer:{a}", args, f"{self.balancer_urls[a]}/healthz",

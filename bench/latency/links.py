@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Iterator
 from types import TracebackType
 from urllib.parse import quote, urlsplit
 
@@ -26,7 +27,7 @@ import requests
 from toxiproxy.api import APIConsumer
 from toxiproxy.exceptions import NotFound
 
-__all__ = ["DEFAULT_API_URL", "ENV_VAR", "resolve_api_url", "api_reachable", "split_rtt", "LatencyLinks"]
+__all__ = ["DEFAULT_API_URL", "ENV_VAR", "resolve_api_url", "api_reachable", "split_rtt", "LatencyLinks", "LinkError"]
 
 DEFAULT_API_URL = "http://127.0.0.1:8474"
 ENV_VAR = "TOXIPROXY_URL"
@@ -69,6 +70,14 @@ def split_rtt(rtt_ms: float, jitter_ms: float = 0.0) -> tuple[tuple[int, int], t
     return (rtt // 2, jitter // 2), (rtt - rtt // 2, jitter - jitter // 2)
 
 
+class LinkError(RuntimeError):
+    """The API refused to create link ``name``: its HTTP ``status`` and ``message`` (Toxiproxy's ``{"error"}``)."""
+
+    def __init__(self, name: str, status: int, message: str | None):
+        super().__init__(f"link {name!r} refused: HTTP {status}: {message or 'no message'}")
+        self.name, self.status, self.message = name, status, message
+
+
 class LatencyLinks:
     """Creates and removes latency links (Toxiproxy proxies) on one Toxiproxy API.
 
@@ -98,24 +107,36 @@ class LatencyLinks:
             APIConsumer.host, APIConsumer.port = self._host, self._port
             return getattr(APIConsumer, method)(path, timeout=self.timeout_s, **kwargs)
 
-    def link(self, name: str, upstream: str, rtt_ms: float, jitter_ms: float = 0.0, *, listen_port: int = 0) -> str:
+    def link(self, name: str, upstream: str, rtt_ms: float, jitter_ms: float = 0.0, *, listen_port: int = 0,
+             spare_ports: Iterator[int] | None = None) -> str:
         """Proxy ``name`` to ``upstream`` (``"host:port"``) with a round trip of ``rtt_ms`` +/- ``jitter_ms``.
 
         Replaces a proxy of that name if one exists. Adds latency toxics ``latency_upstream`` (client -> server)
         and ``latency_downstream`` (server -> client), half the RTT each, so a request/response exchange pays the
         whole RTT (the TCP handshake itself is not delayed, as with Toxiproxy). Returns the listen ``"host:port"``:
         ``listen_port``, or with 0 a free port picked by the server (which may be a port the caller reserved with
-        free_ports and has not bound yet: pass one from the same reservation to rule that out). Raises
-        ``requests.RequestException`` if the API is unreachable and the client's exceptions
-        (``toxiproxy.exceptions.*``) if it refuses the request (a port in use among them).
+        free_ports and has not bound yet: pass one from the same reservation to rule that out). A reserved port can
+        still be taken before the proxy binds it (the kernel hands it to some process's outgoing connection): with
+        ``spare_ports`` (more of the same reservation) the link then listens on the next spare instead, up to
+        three times. Raises ``requests.RequestException`` if the API is unreachable, the client's exceptions
+        (``toxiproxy.exceptions.*``) for a 400, 404 or 409, and LinkError for any other refusal (a port in use
+        without a spare).
         """
         if not name or "/" in name:
             raise ValueError(f"link name must be non-empty without '/', got {name!r}")
         up, down = split_rtt(rtt_ms, jitter_ms)
         path = f"/proxies/{quote(name, safe='')}"
         self.unlink(name)
-        info = self._call("post", "/proxies", json={"name": name, "listen": f"{self.listen_host}:{listen_port}",
-                                                    "upstream": upstream, "enabled": True}).json()
+        for attempt in range(4):
+            answer = self._call("post", "/proxies", json={
+                "name": name, "listen": f"{self.listen_host}:{listen_port}", "upstream": upstream, "enabled": True})
+            info = answer.json() if answer.content else {}
+            if answer.status_code in (200, 201) and isinstance(info, dict) and "listen" in info:
+                break
+            error = LinkError(name, answer.status_code, info.get("error") if isinstance(info, dict) else None)
+            if spare_ports is None or not listen_port or answer.status_code < 500 or attempt == 3:
+                raise error
+            listen_port = next(spare_ports)
         self._links[name] = info["listen"]
         try:
             for stream, (latency, jitter) in (("upstream", up), ("downstream", down)):
