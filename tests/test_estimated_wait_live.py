@@ -78,6 +78,7 @@ def test_three_times_slower_replica_gets_proportionally_less_work(procs, tmp_pat
     assert fast["samples"] + slow["samples"] == REQUESTS
     assert 2.0 <= slow["ms_per_token"] / fast["ms_per_token"] <= 4.5, measured
     assert 2.0 <= slow["decode_ms_per_token"] / fast["decode_ms_per_token"] <= 4.5, measured
+    assert 2.0 <= slow["itl_ms"] / fast["itl_ms"] <= 4.5, measured  # the pace of every answer, lone or not
 
 
 def test_round_robin_splits_evenly_for_contrast(procs, tmp_path):

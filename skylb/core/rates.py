@@ -160,13 +160,15 @@ class ReplicaRates:
 
     def summary(self) -> dict:
         """For operators (the status page): {"samples", "gamma", "in_flight_chars", "models": {model: {
-        "samples", "ms_per_token", "prefill_ms_per_token", "decode_ms_per_token"}}}, times in ms (None: unmeasured)."""
+        "samples", "ms_per_token", "prefill_ms_per_token", "decode_ms_per_token", "itl_ms"}}}, times in ms (None:
+        unmeasured; ``itl_ms`` is the inter-token latency, ``ModelRates.itl_s``)."""
         def ms(v: float | None) -> float | None:
             return None if v is None else round(v * 1000.0, 4)
         return {"samples": self.overall.samples, "gamma": round(self.gamma, 4), "in_flight_chars": self.queued_chars,
                 "models": {m: {"samples": r.samples, "ms_per_token": ms(r.time_per_token_s),
                                "prefill_ms_per_token": ms(r.prefill_s_per_token),
-                               "decode_ms_per_token": ms(r.decode_s_per_token)} for m, r in self.models.items()}}
+                               "decode_ms_per_token": ms(r.decode_s_per_token), "itl_ms": ms(r.itl_s)}
+                           for m, r in self.models.items()}}
 
     @property
     def prefill_s_per_token(self) -> float | None:
