@@ -205,6 +205,22 @@ def test_default_policy_shares_the_measured_prefill_rate():
     assert WaitModel().prefill_s(2000, r) == pytest.approx(1.0)
 
 
+def test_an_unmeasured_replica_of_a_slower_class_is_priced_at_its_measured_slowdown():
+    """A replica never alone under load has no measured prefill rate and is priced at the fastest measured one; with
+    ``pace_class_ratio`` one whose time per token and inter-token latency (from every response) are both at least
+    that many times the fastest candidate's is priced at the fastest rate times the smaller slowdown. A replica
+    less than that much slower, or a model without the ratio, keeps the optimistic price."""
+    fast, slow, peer = (ReplicaState(id=i, url="x") for i in ("fast", "slow", "peer"))
+    fast.rates.overall.prefill_s_per_token = 0.0005
+    for r, tpt, itl in ((fast, 0.05, 0.07), (slow, 0.20, 0.30), (peer, 0.06, 0.08)):
+        r.rates.overall.time_per_token_s, r.rates.overall.itl_s = tpt, itl
+    classed, plain = WaitModel(pace_class_ratio=2.5), WaitModel()
+    assert classed.ttft_among_s([fast, slow, peer], [1000.0] * 3) == pytest.approx([0.5, 2.0, 0.5])  # 4x: min(4, 4.3)
+    assert plain.ttft_among_s([fast, slow, peer], [1000.0] * 3) == pytest.approx([0.5, 0.5, 0.5])
+    slow.rates.overall.itl_s = 0.15  # 2.1x in inter-token latency: one class with the fast one
+    assert classed.ttft_among_s([fast, slow], [1000.0] * 2) == pytest.approx([0.5, 0.5])
+
+
 def test_default_policy_explores_an_unmeasured_replica_beside_a_measured_one():
     """A replica added (or failed over) beside one measured 20x faster than the configured constant: the new one is
     estimated at the fastest measured rate, so at idle the two tie and it is tried (then measured); at the configured

@@ -9,6 +9,14 @@ are counted at ``default_prompt_tokens`` each. Tokens become seconds at the repl
 on that replica (``ReplicaState.rates``, an EMA of prefill seconds per prompt token learned from responses;
 OllamaRouter §4.3, skylb/core/rates.py) once it is measured, else the configured ``prefill_tokens_per_s``.
 
+That rate is measured only from a response that was alone on its replica; an unmeasured replica beside measured ones
+is priced at the fastest measured rate (optimism, so a new replica is tried). Under load a replica can stay
+unmeasured for good, and on mixed hardware it is then priced as fast as the fastest. With ``pace_class_ratio`` r, an
+unmeasured replica whose pace, measured from every response (time per token and inter-token latency,
+``ModelRates.itl_s``), is at least r times the fastest candidate's in both is priced at the fastest measured rate
+times the smaller of its two slowdowns: a replica of a slower hardware class, as the default's stall term
+classes it (skylb/core/plugins/estimated_ttft.py ``PACE_CLASS_RATIO``).
+
 Units: tokens, tokens/s, seconds. Pure: no clock, no I/O.
 """
 
@@ -21,7 +29,15 @@ from dataclasses import dataclass
 from skylb.core.request import Request
 from skylb.core.state import ReplicaState
 
-__all__ = ["WaitModel", "prompt_tokens", "text_tokens", "kv_wait_s", "CHARS_PER_TOKEN"]
+__all__ = ["WaitModel", "prompt_tokens", "text_tokens", "kv_wait_s", "CHARS_PER_TOKEN", "PACE_CLASS_RATIO"]
+
+#: How many times slower, in time per token and in inter-token latency both, a replica must be than the fastest
+#: candidate to be of a slower class (the stall term's classes, skylb/core/plugins/estimated_ttft.py, and the pricing
+#: of an unmeasured replica's prefill, module docstring). Between the spread of identical replicas and that of
+#: hardware classes: in the simulated matrix, on identical replicas (the conversation trace at 2x, Arena at 4x, seed
+#: 0) the candidates' spread reached 1.5x in 5-17% of decisions, 2x in under 0.5% and 2.5x in 0.2%; OllamaRouter's
+#: Table 3 puts a CPU host 3.4-4.5x behind a GPU host.
+PACE_CLASS_RATIO = 2.5
 
 #: Characters per token when a request's length is known only as text: about 4 for English BPE vocabularies
 #: (OpenAI's rule of thumb; Llama 3 and Gemma tokenizers are within 10% on chat text).
@@ -78,11 +94,14 @@ class WaitModel:
         default_prompt_tokens: the length assumed for a pending request this balancer did not send, tokens.
         measured: use a replica's measured prefill rate (``ReplicaState.rates.prefill_s_per_token``) in place of
             ``prefill_tokens_per_s`` once it has one (False: always the configured constant).
+        pace_class_ratio: price an unmeasured replica of a slower class at the fastest measured rate times its
+            slowdown (module docstring; None: at the fastest measured rate, as any unmeasured replica).
     """
 
     prefill_tokens_per_s: float = 2000.0
     default_prompt_tokens: int = 512
     measured: bool = True
+    pace_class_ratio: float | None = None
 
     def backlog_tokens(self, replica: ReplicaState) -> float:
         """Prompt tokens queued for prefill on ``replica`` ahead of a new request: this balancer's own unprefilled
@@ -124,7 +143,29 @@ class WaitModel:
             return self._ttft(replicas, uncached_tokens, None, None, stalls, stall_weight)
         rates = [r.rates.overall.prefill_s_per_token for r in replicas]
         known = [rate for rate in rates if rate is not None]
-        return self._ttft(replicas, uncached_tokens, rates, min(known) if known else None, stalls, stall_weight)
+        fastest = min(known) if known else None
+        if fastest is not None and self.pace_class_ratio and len(known) < len(rates):
+            self._price_slower_classes(replicas, rates, fastest, self.pace_class_ratio)
+        return self._ttft(replicas, uncached_tokens, rates, fastest, stalls, stall_weight)
+
+    @staticmethod
+    def _price_slower_classes(replicas: Sequence[ReplicaState], rates: list[float | None], fastest: float,
+                              ratio: float) -> None:
+        """Fill in ``rates`` (prefill s/token per replica, None: unmeasured) for the unmeasured replicas of a
+        slower class: ``fastest`` x the smaller of their time-per-token and inter-token-latency slowdowns against
+        the fastest candidate's, when both are at least ``ratio`` (module docstring)."""
+        paced = [m for r in replicas if (m := r.rates.overall).itl_s is not None and m.time_per_token_s is not None]
+        if len(paced) < 2:
+            return
+        tpt, itl = min(m.time_per_token_s for m in paced), min(m.itl_s for m in paced)
+        if tpt <= 0 or itl <= 0:
+            return
+        for i, r in enumerate(replicas):
+            m = r.rates.overall
+            if rates[i] is None and m.itl_s is not None and m.time_per_token_s is not None:
+                slowdown = min(m.time_per_token_s / tpt, m.itl_s / itl)
+                if slowdown >= ratio:
+                    rates[i] = fastest * slowdown
 
     def _ttft(self, replicas: Sequence[ReplicaState], uncached_tokens: Sequence[float],
               rates: list[float | None] | None, prior_s_per_token: float | None,

@@ -63,7 +63,7 @@ import math
 import weakref
 from collections.abc import Sequence
 
-from skylb.core.estimate import WaitModel, prompt_tokens
+from skylb.core.estimate import PACE_CLASS_RATIO, WaitModel, prompt_tokens
 from skylb.core.plugins.estimated_wait import pick_by_estimated_wait
 from skylb.core.plugins.hold_for_faster import faster
 from skylb.core.plugins.prefix_locality import PrefixLocality
@@ -78,12 +78,6 @@ __all__ = ["EstimatedTTFT", "PrefillEstimate", "PACE_CLASS_RATIO"]
 #: Placements remembered per replica for ``burst_aware`` (a replica prefills far fewer at once).
 _PLACED_KEPT = 256
 
-#: How many times slower, in time per token and in inter-token latency both, a replica must be than the fastest
-#: candidate to be of a slower class for the stall term (module docstring, "Generation stalls"). Between the spread of
-#: identical replicas and that of hardware classes: in the simulated matrix, on identical replicas (the conversation
-#: trace at 2x, Arena at 4x, seed 0) the candidates' spread reached 1.5x in 5-17% of decisions, 2x in under 0.5% and
-#: 2.5x in 0.2%; OllamaRouter's Table 3 puts a CPU host 3.4-4.5x behind a GPU host.
-PACE_CLASS_RATIO = 2.5
 
 
 class EstimatedTTFT:

@@ -110,7 +110,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from skylb.core.estimate import WaitModel
+from skylb.core.estimate import PACE_CLASS_RATIO, WaitModel
 from skylb.core.plugins.engine_pressure import EnginePressure
 from skylb.core.plugins.estimated_ttft import EstimatedTTFT, PrefillEstimate
 from skylb.core.plugins.forward_queued import ForwardQueued
@@ -229,7 +229,9 @@ class SkyLBOptions(SkyLBPaperOptions):
             (skylb/core/plugins/estimated_ttft.py, "Speed classes"); False: over all of them by count, whatever
             their speed. Every matrix cell (bench/results/speed_classes.md): P90 TTFT geometric mean 0.992 on both
             splits, throughput 1.001; replicas of two speeds 4x apart at 0.5x 0.76x / 0.78x P90 (development /
-            validation), at 1x 0.92x / 0.95x, at 1.5x 1.04x / 1.04x; identical replicas within 1-2%.
+            validation), at 1x 0.92x / 0.95x, at 1.5x 1.04x / 1.04x; identical replicas within 1-2%. The same
+            option keeps the stall term to the fastest class and prices a never-measured replica of a slower class
+            at its measured slowdown (``PACE_CLASS_RATIO``, skylb/core/estimate.py; bench/results/stall_classes.md).
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
             piled sessions and popular prompts onto one replica (simulated Arena and WildChat, seeds 0-1: variance
@@ -274,7 +276,7 @@ def skylb(options: SkyLBOptions) -> Profile:
     o = options
     turns, loc = Turns(), prefix_locality(o)
     wait = WaitModel(prefill_tokens_per_s=o.prefill_tokens_per_s, default_prompt_tokens=o.default_prompt_tokens,
-                     measured=o.measured_prefill)
+                     measured=o.measured_prefill, pace_class_ratio=PACE_CLASS_RATIO if o.speed_classes else None)
     predicted = o.placement == "predicted-ttft"
     ttft = PredictedTTFT(wait=wait, prior=PrefillLine(o.prefill_fixed_ms / 1e3, 1.0 / o.prefill_tokens_per_s),
                          forward_margin_s=o.forward_margin_ms / 1e3, kv_high_watermark=o.kv_high_watermark,
