@@ -51,10 +51,10 @@ On mixed hardware (with ``speed_ratio``) the stall term may not take a request t
 estimate alone prefers a faster one: a slow replica's batch is smaller (it gets fewer requests), so its stall term
 was lower, and the term sent requests there that then waited 3-4 times longer for their first token (simulated,
 replicas 4x apart at half load: 12% of the requests, P90 TTFT 0.55 s against 0.17-0.32 on the fast ones). Its
-prefill is no help in telling: a replica that is never alone under load has no measured prefill rate and is priced
-at the fastest measured one. The class here is told by pace measured from every streamed response (time per token
-and the inter-token latency, ``ModelRates.itl_s``) at :data:`PACE_CLASS_RATIO`, wider than the load guard's ratio
-because a replica's inter-token latency also grows with its batch.
+measured prefill rate does not tell: a replica that is never alone under load has none (the wait model then prices
+it by its pace, skylb/core/estimate.py). The class here is told by pace measured from every streamed response (time
+per token and the inter-token latency, ``ModelRates.itl_s``) at :data:`PACE_CLASS_RATIO`, wider than the load
+guard's ratio because a replica's inter-token latency also grows with its batch.
 """
 
 from __future__ import annotations
