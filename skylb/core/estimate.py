@@ -14,8 +14,8 @@ is priced at the fastest measured rate (optimism, so a new replica is tried). Un
 unmeasured for good, and on mixed hardware it is then priced as fast as the fastest. With ``pace_class_ratio`` r, an
 unmeasured replica whose pace, measured from every response (time per token and inter-token latency,
 ``ModelRates.itl_s``), is at least r times the fastest candidate's in both is priced at the fastest measured rate
-times the smaller of its two slowdowns: a replica of a slower hardware class, as the default's stall term
-classes it (skylb/core/plugins/estimated_ttft.py ``PACE_CLASS_RATIO``).
+times the smaller of its two slowdowns: a replica of a slower hardware class, at :data:`PACE_CLASS_RATIO` as the
+default's stall term classes it (skylb/core/plugins/estimated_ttft.py).
 
 Units: tokens, tokens/s, seconds. Pure: no clock, no I/O.
 """

@@ -53,8 +53,8 @@ was lower, and the term sent requests there that then waited 3-4 times longer fo
 replicas 4x apart at half load: 12% of the requests, P90 TTFT 0.55 s against 0.17-0.32 on the fast ones). Its
 measured prefill rate does not tell: a replica that is never alone under load has none (the wait model then prices
 it by its pace, skylb/core/estimate.py). The class here is told by pace measured from every streamed response (time
-per token and the inter-token latency, ``ModelRates.itl_s``) at :data:`PACE_CLASS_RATIO`, wider than the load
-guard's ratio because a replica's inter-token latency also grows with its batch.
+per token and the inter-token latency, ``ModelRates.itl_s``) at ``PACE_CLASS_RATIO`` (skylb/core/estimate.py),
+wider than the load guard's ratio because a replica's inter-token latency also grows with its batch.
 """
 
 from __future__ import annotations
@@ -73,11 +73,10 @@ from skylb.core.rates import ModelRates, RateBook
 from skylb.core.request import Request
 from skylb.core.state import ReplicaState
 
-__all__ = ["EstimatedTTFT", "PrefillEstimate", "PACE_CLASS_RATIO"]
+__all__ = ["EstimatedTTFT", "PrefillEstimate"]
 
 #: Placements remembered per replica for ``burst_aware`` (a replica prefills far fewer at once).
 _PLACED_KEPT = 256
-
 
 
 class EstimatedTTFT:
@@ -244,7 +243,7 @@ class EstimatedTTFT:
     def _stall_within_class(self, request: Request, candidates: Sequence[ReplicaState], costs: list[float],
                             stalls: list[float]) -> list[float]:
         """``stalls`` (each candidate's estimate plus its generation stall, in the order of ``candidates``; ``costs``
-        the estimates alone), with the candidates of a slower class (:data:`PACE_CLASS_RATIO`) set to infinity when
+        the estimates alone), with the candidates of a slower class (``PACE_CLASS_RATIO``) set to infinity when
         the least estimate alone is a faster one's (module docstring, "Generation stalls"). Unchanged without
         ``speed_ratio`` or with fewer than two candidates whose pace is measured."""
         if not self.speed_ratio or len(candidates) < 2:
