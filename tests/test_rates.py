@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from skylb.core import AvailabilityRules, Request, Router, make_policy
-from skylb.core.estimate import WaitModel
+from skylb.core.estimate import WaitModel, pace_slowdowns
 from skylb.core.policies import PolicyError
-from skylb.core.rates import DEFAULT_TOKEN_FACTOR, RateBook, ReplicaRates, Usage, prompt_chars
+from skylb.core.rates import DEFAULT_TOKEN_FACTOR, ModelRates, RateBook, ReplicaRates, Usage, prompt_chars
 from skylb.core.state import ReplicaState
 
 
@@ -203,6 +203,16 @@ def test_default_policy_shares_the_measured_prefill_rate():
     assert off.wait_s(r0) == pytest.approx(0.5)
     r = ReplicaState(id="u", url="x")
     assert WaitModel().prefill_s(2000, r) == pytest.approx(1.0)
+
+
+def test_pace_slowdowns_are_the_smaller_ratio_to_the_fastest_and_none_without_a_pace():
+    """Each candidate's slowdown is the smaller of its time-per-token and inter-token-latency ratios to the fastest
+    of each; a candidate without both paces (or a lone paced one) has none."""
+    fast = ModelRates(time_per_token_s=0.05, itl_s=0.07)
+    slow = ModelRates(time_per_token_s=0.20, itl_s=0.21)
+    unpaced = ModelRates(time_per_token_s=0.30)
+    assert pace_slowdowns([fast, slow, unpaced, None]) == pytest.approx([1.0, 3.0, None, None])
+    assert pace_slowdowns([fast, unpaced]) == [None, None]
 
 
 def test_an_unmeasured_replica_of_a_slower_class_is_priced_at_its_measured_slowdown():

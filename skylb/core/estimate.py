@@ -26,10 +26,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from skylb.core.rates import ModelRates
 from skylb.core.request import Request
 from skylb.core.state import ReplicaState
 
-__all__ = ["WaitModel", "prompt_tokens", "text_tokens", "kv_wait_s", "CHARS_PER_TOKEN", "PACE_CLASS_RATIO"]
+__all__ = ["WaitModel", "prompt_tokens", "text_tokens", "kv_wait_s", "pace_slowdowns", "CHARS_PER_TOKEN",
+           "PACE_CLASS_RATIO"]
 
 #: How many times slower, in time per token and in inter-token latency both, a replica must be than the fastest
 #: candidate to be of a slower class (the stall term's classes, skylb/core/plugins/estimated_ttft.py, and the pricing
@@ -38,6 +40,21 @@ __all__ = ["WaitModel", "prompt_tokens", "text_tokens", "kv_wait_s", "CHARS_PER_
 #: 0) the candidates' spread reached 1.5x in 5-17% of decisions, 2x in under 0.5% and 2.5x in 0.2%; OllamaRouter's
 #: Table 3 puts a CPU host 3.4-4.5x behind a GPU host.
 PACE_CLASS_RATIO = 2.5
+
+def pace_slowdowns(paces: Sequence[ModelRates | None]) -> list[float | None]:
+    """For each candidate's measured rates (None: unmeasured), how many times slower its pace is than the fastest
+    candidate's: the smaller of its time-per-token and inter-token-latency ratios to the least of each among the
+    candidates with both measured (1.0 for the fastest); None for a candidate without both, and for all when fewer
+    than two have them. A candidate is of a slower class at :data:`PACE_CLASS_RATIO` or more."""
+    paced = [m for m in paces if m is not None and m.itl_s is not None and m.time_per_token_s is not None]
+    if len(paced) < 2:
+        return [None] * len(paces)
+    tpt, itl = min(m.time_per_token_s for m in paced), min(m.itl_s for m in paced)
+    if tpt <= 0 or itl <= 0:
+        return [None] * len(paces)
+    return [None if m is None or m.itl_s is None or m.time_per_token_s is None
+            else min(m.time_per_token_s / tpt, m.itl_s / itl) for m in paces]
+
 
 #: Characters per token when a request's length is known only as text: about 4 for English BPE vocabularies
 #: (OpenAI's rule of thumb; Llama 3 and Gemma tokenizers are within 10% on chat text).
@@ -152,20 +169,10 @@ class WaitModel:
     def _price_slower_classes(replicas: Sequence[ReplicaState], rates: list[float | None], fastest: float,
                               ratio: float) -> None:
         """Fill in ``rates`` (prefill s/token per replica, None: unmeasured) for the unmeasured replicas of a
-        slower class: ``fastest`` x the smaller of their time-per-token and inter-token-latency slowdowns against
-        the fastest candidate's, when both are at least ``ratio`` (module docstring)."""
-        paced = [m for r in replicas if (m := r.rates.overall).itl_s is not None and m.time_per_token_s is not None]
-        if len(paced) < 2:
-            return
-        tpt, itl = min(m.time_per_token_s for m in paced), min(m.itl_s for m in paced)
-        if tpt <= 0 or itl <= 0:
-            return
-        for i, r in enumerate(replicas):
-            m = r.rates.overall
-            if rates[i] is None and m.itl_s is not None and m.time_per_token_s is not None:
-                slowdown = min(m.time_per_token_s / tpt, m.itl_s / itl)
-                if slowdown >= ratio:
-                    rates[i] = fastest * slowdown
+        slower class: ``fastest`` x their ``pace_slowdowns`` when at least ``ratio`` (module docstring)."""
+        for i, slowdown in enumerate(pace_slowdowns([r.rates.overall for r in replicas])):
+            if rates[i] is None and slowdown is not None and slowdown >= ratio:
+                rates[i] = fastest * slowdown
 
     def _ttft(self, replicas: Sequence[ReplicaState], uncached_tokens: Sequence[float],
               rates: list[float | None] | None, prior_s_per_token: float | None,

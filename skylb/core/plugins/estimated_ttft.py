@@ -63,7 +63,7 @@ import math
 import weakref
 from collections.abc import Sequence
 
-from skylb.core.estimate import PACE_CLASS_RATIO, WaitModel, prompt_tokens
+from skylb.core.estimate import PACE_CLASS_RATIO, WaitModel, pace_slowdowns, prompt_tokens
 from skylb.core.plugins.estimated_wait import pick_by_estimated_wait
 from skylb.core.plugins.hold_for_faster import faster
 from skylb.core.plugins.prefix_locality import PrefixLocality
@@ -249,12 +249,8 @@ class EstimatedTTFT:
         if not self.speed_ratio or len(candidates) < 2:
             return stalls
         model = request.model
-        paced = [(c, r) for c in candidates if (r := c.rates.for_model(model)) is not None and r.itl_s is not None]
-        if len(paced) < 2:
-            return stalls
-        tpt = min(r.time_per_token_s for _, r in paced) * PACE_CLASS_RATIO
-        itl = min(r.itl_s for _, r in paced) * PACE_CLASS_RATIO
-        slow = {c.id for c, r in paced if r.time_per_token_s >= tpt and r.itl_s >= itl}
+        slowdowns = pace_slowdowns([c.rates.for_model(model) for c in candidates])
+        slow = {c.id for c, x in zip(candidates, slowdowns) if x is not None and x >= PACE_CLASS_RATIO}
         if not slow or candidates[costs.index(min(costs))].id in slow:
             return stalls
         return [math.inf if c.id in slow else s for c, s in zip(candidates, stalls)]
