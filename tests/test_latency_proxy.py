@@ -636,6 +636,8 @@ def test_a_link_whose_reserved_port_was_taken_listens_on_a_spare_or_says_why(api
                           spare_ports=iter([spare])) == f"127.0.0.1:{spare}"
         with pytest.raises(LinkError, match="'stuck' refused: HTTP 5"):
             links.link("stuck", http_upstream, rtt_ms=0, listen_port=port)
+        with pytest.raises(LinkError, match="'dry' refused: HTTP 5"):  # the spares ran out: the refusal, said
+            links.link("dry", http_upstream, rtt_ms=0, listen_port=port, spare_ports=iter([]))
     finally:
         taken.close()
         links.close()

@@ -130,13 +130,17 @@ class LatencyLinks:
         for attempt in range(4):
             answer = self._call("post", "/proxies", json={
                 "name": name, "listen": f"{self.listen_host}:{listen_port}", "upstream": upstream, "enabled": True})
-            info = answer.json() if answer.content else {}
+            try:
+                info = answer.json() if answer.content else {}
+            except ValueError:  # not JSON: a proxy in front of the API, or a server that is not Toxiproxy's
+                info = {"error": answer.text[:200]}
             if answer.status_code in (200, 201) and isinstance(info, dict) and "listen" in info:
                 break
             error = LinkError(name, answer.status_code, info.get("error") if isinstance(info, dict) else None)
-            if spare_ports is None or not listen_port or answer.status_code < 500 or attempt == 3:
+            spare = next(spare_ports, None) if spare_ports is not None and listen_port else None
+            if spare is None or answer.status_code < 500 or attempt == 3:
                 raise error
-            listen_port = next(spare_ports)
+            listen_port = spare
         self._links[name] = info["listen"]
         try:
             for stream, (latency, jitter) in (("upstream", up), ("downstream", down)):
