@@ -311,3 +311,47 @@ def test_a_free_slot_below_a_batch_seen_waiting_goes_before_one_above_it():
     router.enqueue(Request("q", shared + "question", arrived_at=0.1))
     [decision] = router.dispatch(0.1)
     assert decision.target == "r1"
+
+
+def test_a_batch_seen_waiting_stays_ranked_last_after_nothing_waits_until_the_engine_runs_more():
+    """After the request that waited beside r0's batch of 4 got in (a probe shows nothing waiting, still 4 running,
+    and one of the batch ended in between: it took that place, not a fifth slot), r0's fifth place stays unproven
+    for the ranking:
+    with 4 in flight on r0 and 3 on r1, the request goes to r1. A probe showing r0 running 5 proves the place."""
+    router = Router(region="us", policy=make_policy("skylb", push_to_prefix_holder=False),
+                    rules=AvailabilityRules(pending_allowance=0))
+    router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
+    router.set_peers([])
+    for rid in ("r0", "r1"):
+        router.replicas[rid].capacity = AdmissionCapacity(limit=4)
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0, running=4)
+    router.observe_replica("r0", now=0.1, healthy=True, pending=1, running=4)
+    r0, r1 = router.replicas["r0"], router.replicas["r1"]
+    r0.slot_freed(dispatched_at=-5.0, now=0.15)  # a request of r0's batch ends: the waiting one takes its place
+    router.observe_replica("r0", now=0.2, healthy=True, pending=0, running=4)
+    router.observe_replica("r1", now=0.2, healthy=True, pending=0, running=3)
+    assert (r0.capacity.limit, r0.capacity.waited_at, r0.capacity.full_at) == (5, None, 4)
+    assert router.rules.has_free_slot(r0) and not router.rules.below_waited_batch(r0)
+    assert router.rules.below_waited_batch(r1)
+    router.enqueue(Request("q", "a prompt", arrived_at=0.2))
+    [decision] = router.dispatch(0.2)
+    assert decision.target == "r1"
+    router.finished(decision, now=0.25)
+    router.observe_replica("r0", now=0.3, healthy=True, pending=0, running=5)
+    assert r0.capacity.full_at is None and router.rules.below_waited_batch(r0)
+
+
+def test_full_at_marks_a_wait_ended_by_a_turnover_and_ends_when_the_limit_falls_back_to_that_batch():
+    """The marker is set only when one of this balancer's requests ended there between the probe that showed the
+    wait and the one that shows none (``ended``, the replica's count of them): with none ended, the waiting request
+    got in through a slot of its own (a wait for the engine's next step). Requests seen waiting for ``settle_s``
+    take the limit back to the batch, and the marker has nothing left to mark."""
+    for ended_after, marked in ((3, None), (4, 4)):
+        capacity = AdmissionCapacity(limit=4)
+        capacity.observe(0.0, pending=0, running=4, ended=3)  # slow start: 4 -> 5, grown from 4
+        capacity.observe(0.1, pending=1, running=4, ended=3)  # a request waits beside the old batch
+        capacity.observe(0.2, pending=0, running=4, ended=ended_after)  # it got in
+        assert (capacity.limit, capacity.waited_at, capacity.full_at) == (5, None, marked)
+    for t in (0.3, 0.6, 0.9):
+        capacity.observe(t, pending=1, running=4, ended=4)
+    assert capacity.limit == 4 and capacity.full_at is None

@@ -77,6 +77,15 @@ class AdmissionCapacity:
         waited_at: the ``grown_from`` that a probe showing requests waiting beside no larger a batch ended, until a
             probe shows a larger batch or nothing waiting, or waiting settles the limit (see ``allowance_ok``).
         ceiling: the batch bound the operator stated (requests; None: none stated), see ``state_ceiling``.
+        full_at: the ``waited_at`` that a probe with nothing waiting ended while the batch was still no larger and
+            one of this balancer's requests there had ended since the wait was seen: the waiting request may have
+            taken that request's place, not a slot above the batch, so the room above this batch is not known to
+            exist, until a probe shows the engine running more or the limit falls to it. With none ended, the
+            request got in through a place of its own (it waited for the engine's next step) and nothing is marked.
+            Read only by the ranking of free slots (skylb/core/state.py ``below_waited_batch``); the limit and the
+            pending allowance do not read it. Measured: bench/results/concurrency.md.
+        ended_at_wait: the replica's count of this balancer's requests ended there (``ReplicaState.ended``) when
+            ``waited_at`` was set.
     """
 
     limit: int = 2
@@ -90,6 +99,8 @@ class AdmissionCapacity:
     grown_from: int | None = None
     waited_at: int | None = None
     ceiling: int | None = None
+    full_at: int | None = None
+    ended_at_wait: int = 0
 
     def state_ceiling(self, ceiling: int | None) -> None:
         """Take ``ceiling`` (requests, >= 1; None: no bound stated) as the engine's batch bound: before any request
@@ -103,7 +114,7 @@ class AdmissionCapacity:
         if ceiling is None:
             return
         self.limit = min(self.limit, ceiling) if self.saturated else ceiling
-        self.trial_from = self.grown_from = self.waited_at = None
+        self.trial_from = self.grown_from = self.waited_at = self.full_at = None
 
     @property
     def proven_limit(self) -> int:
@@ -123,13 +134,20 @@ class AdmissionCapacity:
         in 160 went to a batch of 4 as its fifth and waited 4 s)."""
         return self.waited_at is None and self.proven_limit >= self.limit
 
-    def observe(self, now: float, pending: int, running: int) -> None:
-        """Learn from one probe at ``now`` (s) showing ``pending`` requests waiting and ``running`` in the batch."""
+    def observe(self, now: float, pending: int, running: int, ended: int | None = None) -> None:
+        """Learn from one probe at ``now`` (s) showing ``pending`` requests waiting and ``running`` in the batch;
+        ``ended``: how many of this balancer's requests have ended on the replica so far (None: not counted, and
+        ``full_at`` is never set)."""
         if self.waited_at is not None and (running > self.waited_at or pending == 0):
+            if running <= self.waited_at and ended is not None and ended > self.ended_at_wait:
+                self.full_at = self.waited_at  # nothing waits, but the engine never ran more: maybe no room above
             self.waited_at = None  # the batch grew past it, or nothing waits: the room is the engine's
+        if self.full_at is not None and (running > self.full_at or self.limit <= self.full_at):
+            self.full_at = None  # the engine ran more, or the limit is back at that batch
         if self.grown_from is not None and (running > self.grown_from or pending > 0):
             if running <= self.grown_from:
                 self.waited_at = self.grown_from  # waiting beside the old batch: maybe for a step, maybe a slot
+                self.ended_at_wait = ended or 0
             self.grown_from = None  # proven by a larger batch, or the growth ends here (waiting is being judged)
         if self.trial_from is not None:
             if running > self.trial_from:
@@ -145,7 +163,7 @@ class AdmissionCapacity:
                 self.limit = self._capped(max(1, self.streak_running, self.limit // 2))
                 self.saturated = True
                 self.held_since = now
-                self.waited_at = None  # the limit is measured now
+                self.waited_at = self.full_at = None  # the limit is measured now
             return
         self.waiting_since = None
         if running < self.limit or (self.ceiling is not None and self.limit >= self.ceiling):

@@ -117,6 +117,8 @@ class ReplicaState:
     #: (dispatched at, freed at), s, of this balancer's requests that finished here since the latest probe left:
     #: an answer to a probe sent between the two may still count the request (``observe_probe``).
     freed: list = field(default_factory=list, repr=False)
+    #: This balancer's requests that ended here so far (``slot_freed``; AdmissionCapacity.observe's ``ended``).
+    ended: int = 0
 
     #: Writes of ``models`` or ``apis`` to any replica so far: what it serves changed (``ReplicaTable.serving``).
     serves_changes: ClassVar[int] = 0
@@ -172,7 +174,7 @@ class ReplicaState:
             if kv_capacity_tokens is not None and kv_capacity_tokens > 0:
                 self.kv_capacity_tokens = int(kv_capacity_tokens)
             if running is not None:
-                self.capacity.observe(now, self.pending, running)
+                self.capacity.observe(now, self.pending, running, self.ended)
         self.error = None if healthy else (error or "probe failed")
         self.probed_at = now
         cutoff = now if probe_sent_at is None else probe_sent_at
@@ -196,6 +198,7 @@ class ReplicaState:
         after the request's last event, hid the free slot, and the next request went to another replica's batch as
         its fifth and waited 4 s there). An answer the engine wrote after the request ended is then one low until
         the next probe: the error the other way, one request at most, for one probe interval."""
+        self.ended += 1
         if now is not None:
             self.freed.append((dispatched_at, now))
         try:
@@ -502,11 +505,14 @@ class AvailabilityRules:
         """True unless ``r``'s load (as in ``has_free_slot``) has reached the batch a probe last showed a request
         waiting beside after slow start grew the limit past it (``AdmissionCapacity.waited_at``): until a probe
         shows the engine running more, the place above that batch is counted as proven but may not exist (the
-        request may have waited for the engine's next step, or for a slot). Among replicas with a free slot, those
-        below such a batch go first (Router._local_candidates): measured live, 4 replicas of batch 4 under 16 closed-loop
-        streams, two replicas each had a "free" slot by a limit of 5 and the full one took the request, which
-        waited 4 s for its batch to turn over."""
-        waited = r.capacity.waited_at
+        request may have waited for the engine's next step, or for a slot); after a probe with nothing waiting, the
+        same batch while the engine has not run more (``AdmissionCapacity.full_at``). Among replicas with a free
+        slot, those below such a batch go first (Router._local_candidates): measured live, 4 replicas of batch 4
+        under 16 closed-loop streams, two replicas each had a "free" slot by a limit of 5 and the full one took the
+        request, which waited 4 s for its batch to turn over; later, the same with the waiting cleared by a probe
+        that showed nothing waiting after a request of the batch ended (bench/results/concurrency.md)."""
+        capacity = r.capacity
+        waited = capacity.waited_at if capacity.waited_at is not None else capacity.full_at
         return (waited is None or not self.learn_capacity or r.slots is not None or r.running is None
                 or max(r.running + r.pending + r.sent_since_probe, r.outstanding) < waited)
 
