@@ -316,8 +316,8 @@ def test_a_free_slot_below_a_batch_seen_waiting_goes_before_one_above_it():
 def test_a_batch_seen_waiting_stays_ranked_last_after_nothing_waits_until_the_engine_runs_more():
     """After the request that waited beside r0's batch of 4 got in (a probe shows nothing waiting, still 4 running,
     and one of the batch ended in between: it took that place, not a fifth slot), r0's fifth place stays unproven
-    for the ranking:
-    with 4 in flight on r0 and 3 on r1, the request goes to r1. A probe showing r0 running 5 proves the place."""
+    for the ranking: with 4 in flight on r0 and 3 on r1, the request goes to r1. A probe showing r0 running 5
+    proves the place."""
     router = Router(region="us", policy=make_policy("skylb", push_to_prefix_holder=False),
                     rules=AvailabilityRules(pending_allowance=0))
     router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])

@@ -117,7 +117,9 @@ class ReplicaState:
     #: (dispatched at, freed at), s, of this balancer's requests that finished here since the latest probe left:
     #: an answer to a probe sent between the two may still count the request (``observe_probe``).
     freed: list = field(default_factory=list, repr=False)
-    #: This balancer's requests that ended here so far (``slot_freed``; AdmissionCapacity.observe's ``ended``).
+    #: This balancer's requests that ended here so far (AdmissionCapacity.observe's ``ended``), counted by
+    #: ``slot_freed``, which the router calls only for policies that reuse freed slots (``reuse_freed_slots``): under
+    #: the paper's rule (``skylb-paper``) it stays 0 and ``AdmissionCapacity.full_at`` is never set.
     ended: int = 0
 
     #: Writes of ``models`` or ``apis`` to any replica so far: what it serves changed (``ReplicaTable.serving``).
