@@ -17,8 +17,14 @@ def test_ttft_parts_splits_each_request_of_a_tree_cell_into_its_parts(capsys):
         assert 0.0 < parts <= g["ttft"] + 1e-9  # the first token's way back to the client is the rest
         assert 0.0 <= g["hit"] <= 1.0 and g["over_min"] >= 0.0 and g["tpot_ms"] > 0.0
     assert groups["first"]["uncached"] > 0  # a root shares only the template
-    assert main(["tot@0.5x", "--stop-at", "22", 'SkyLB+holdings="own"']) == 0
-    assert "tot@0.5x SkyLB+holdings=\"own\"" in capsys.readouterr().out
+    regions = result["regions"]
+    assert set(regions) == {"us", "eu", "asia"}  # every client region of the tree cell sends
+    served = [m for r in regions.values() for w, m in r.items() if w in ("home", "abroad")]
+    assert sum(m["n"] for m in served) == result["requests"]  # each request counted once, at home or abroad
+    assert all(m["abroad"] == (w == "abroad") for r in regions.values() for w, m in r.items() if w != "p90")
+    assert main(["tot@0.5x", "--stop-at", "22", "--by-region", 'SkyLB+holdings="own"']) == 0
+    out = capsys.readouterr().out
+    assert "tot@0.5x SkyLB+holdings=\"own\"" in out and "from us:" in out and "served home" in out
 
 
 def test_ttft_parts_refuses_an_unknown_system_or_option():

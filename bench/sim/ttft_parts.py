@@ -12,7 +12,9 @@ engine queue: arrival at the engine to its first scheduled step; prefill: that s
 includes the prompts batched beside it), the uncached prompt tokens and the hit rate, the time per output token and
 the end-to-end time, and at arrival the replica's requests (running and waiting) over the least and the mean of its
 region's replicas and the requests waiting in its engine; then the same parts for the group's requests in the tail
-(TTFT at or above the run's P90). Times in seconds unless marked; simulated time throughout.
+(TTFT at or above the run's P90). With ``--by-region``, also per client region: TTFT mean and P90, and the same
+parts for the region's requests served at home and served abroad (a replica of another region). Times in seconds
+unless marked; simulated time throughout.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: flo
         group = "first" if f.req.parent is None else "same" if parent is not None and parent.replica is f.replica \
             else "other"
         over_min, over_mean, waiting = at_arrival[f.req.id]
-        rows.append({"group": group, "ttft": f.first_token_at - f.sent_at, "to_engine": r.submitted_at - f.sent_at,
+        rows.append({"group": group, "region": f.region,
+                     "abroad": f.replica is not None and f.replica.region != f.region, "ttft": f.first_token_at - f.sent_at, "to_engine": r.submitted_at - f.sent_at,
                      "engine_queue": r.admitted_at - r.submitted_at, "prefill": r.first_token_at - r.admitted_at,
                      "uncached": r.prompt_tokens - r.cached_tokens,
                      "hit": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0,
@@ -100,16 +103,24 @@ def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: flo
     p90 = ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]
 
     def means(subset: list[dict]) -> dict:
-        return {"n": len(subset), **{k: statistics.fmean(x[k] for x in subset) for k in rows[0] if k != "group"}}
+        return {"n": len(subset), **{k: statistics.fmean(x[k] for x in subset) for k in rows[0]
+                                     if k not in ("group", "region")}}
 
     groups = {g: means(sub) for g in GROUPS if (sub := [x for x in rows if x["group"] == g])}
     tail = {g: means(sub) for g in GROUPS if (sub := [x for x in rows if x["group"] == g and x["ttft"] >= p90])}
+    regions = {}
+    for region in sorted({x["region"] for x in rows}):
+        own = [x for x in rows if x["region"] == region]
+        times = sorted(x["ttft"] for x in own)
+        regions[region] = {"p90": times[min(len(times) - 1, int(0.9 * len(times)))], **{
+            where: means(sub) for where, sub in (("home", [x for x in own if not x["abroad"]]),
+                                                 ("abroad", [x for x in own if x["abroad"]])) if sub}}
     return {"p90": p90, "mean": statistics.fmean(ttfts), "throughput": len(rows) / (stop_at - warmup_s),
-            "requests": len(rows), "groups": groups, "tail": tail}
+            "requests": len(rows), "groups": groups, "tail": tail, "regions": regions}
 
 
-def render(cell: str, spec: str, result: dict) -> str:
-    """The printed block of one ``run``."""
+def render(cell: str, spec: str, result: dict, *, by_region: bool = False) -> str:
+    """The printed block of one ``run`` (with ``by_region``, its per-region lines too)."""
     lines = [f"== {cell} {spec}: {result['requests']} requests, TTFT P90 {result['p90']:.3f} s, mean "
              f"{result['mean']:.3f} s, {result['throughput']:.2f} req/s"]
     for g, m in result["groups"].items():
@@ -122,6 +133,15 @@ def render(cell: str, spec: str, result: dict) -> str:
         if t:
             lines.append(f"        tail {t['n']}: engine queue {t['engine_queue']:.3f} prefill {t['prefill']:.3f} "
                          f"uncached {t['uncached']:.0f} to engine {t['to_engine']:.3f}")
+    for region, r in result["regions"].items() if by_region else ():
+        n = sum(r[w]["n"] for w in ("home", "abroad") if w in r)
+        lines.append(f"  from {region or '-'}: {n} requests, TTFT P90 {r['p90']:.3f}")
+        for where in ("home", "abroad"):
+            if where in r:
+                m = r[where]
+                lines.append(f"    served {where:6s} {m['n'] / n:4.0%} ttft {m['ttft']:.3f} = to engine "
+                             f"{m['to_engine']:.3f} + engine queue {m['engine_queue']:.3f} + prefill "
+                             f"{m['prefill']:.3f}; hit {m['hit']:.2f}")
     return "\n".join(lines)
 
 
@@ -133,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", default="dev", choices=("dev", "val"))
     p.add_argument("--stop-at", type=float, default=None, help="simulated seconds of sending (default: the cell's)")
+    p.add_argument("--by-region", action="store_true",
+                   help="also per client region: TTFT and its parts, served at home and abroad")
     args = p.parse_args(argv)
     try:
         for spec in args.systems:
             print(render(args.cell, spec, run(args.cell, spec, seed=args.seed, split=args.split,
-                                              stop_at=args.stop_at)), flush=True)
+                                              stop_at=args.stop_at), by_region=args.by_region), flush=True)
     except (ValueError, KeyError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
