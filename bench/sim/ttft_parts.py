@@ -90,7 +90,8 @@ def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: flo
             else "other"
         over_min, over_mean, waiting = at_arrival[f.req.id]
         rows.append({"group": group, "region": f.region,
-                     "abroad": f.replica is not None and f.replica.region != f.region, "ttft": f.first_token_at - f.sent_at, "to_engine": r.submitted_at - f.sent_at,
+                     "abroad": f.replica is not None and f.replica.region != f.region,
+                     "ttft": f.first_token_at - f.sent_at, "to_engine": r.submitted_at - f.sent_at,
                      "engine_queue": r.admitted_at - r.submitted_at, "prefill": r.first_token_at - r.admitted_at,
                      "uncached": r.prompt_tokens - r.cached_tokens,
                      "hit": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0,
