@@ -22,9 +22,17 @@ def test_ttft_parts_splits_each_request_of_a_tree_cell_into_its_parts(capsys):
     served = [m for r in regions.values() for w, m in r.items() if w in ("home", "abroad")]
     assert sum(m["n"] for m in served) == result["requests"]  # each request counted once, at home or abroad
     assert all(m["abroad"] == (w == "abroad") for r in regions.values() for w, m in r.items() if w != "p90")
-    assert main(["tot@0.5x", "--stop-at", "22", "--by-region", 'SkyLB+holdings="own"']) == 0
+    spread = result["spread"]
+    assert set(spread["engines"]) == {"us", "eu", "asia"}
+    assert all(e["running"] > 0 and e["waiting"] >= 0 and 0 < e["kv"] <= 1 for e in spread["engines"].values())
+    g = spread["groups"]
+    assert g["requests"] == result["requests"] and g["groups"] > 1  # every measured request in one prompt group
+    assert 1.0 <= g["effective"] <= g["replicas"] + 1e-9  # the effective count never exceeds the distinct count
+    assert g["off_same_region"] + g["off_other_region"] < g["requests"]
+    assert main(["tot@0.5x", "--stop-at", "22", "--by-region", "--spread", 'SkyLB+holdings="own"']) == 0
     out = capsys.readouterr().out
     assert "tot@0.5x SkyLB+holdings=\"own\"" in out and "from us:" in out and "served home" in out
+    assert "engines in us:" in out and "prompt groups:" in out and "effective (request-weighted)" in out
 
 
 def test_ttft_parts_refuses_an_unknown_system_or_option():

@@ -13,14 +13,20 @@ includes the prompts batched beside it), the uncached prompt tokens and the hit 
 the end-to-end time, and at arrival the replica's requests (running and waiting) over the least and the mean of its
 region's replicas and the requests waiting in its engine; then the same parts for the group's requests in the tail
 (TTFT at or above the run's P90). With ``--by-region``, also per client region: TTFT mean and P90, and the same
-parts for the region's requests served at home and served abroad (a replica of another region). Times in seconds
-unless marked; simulated time throughout.
+parts for the region's requests served at home and served abroad (a replica of another region). With ``--spread``,
+also per replica region the engines' mean running and waiting requests per replica and KV-cache usage over the
+window (sampled every 0.1 s), and how each prompt group (the requests whose prompts agree on their first 16 tokens
+past what every prompt of the run shares: a tenant of ``multi_tenant``, a tree, a session) spreads over replicas: replicas per group, the request-weighted
+effective number (inverse Simpson index of its requests' shares) and its requests off the group's main replica, in
+that replica's region or another. Prefix-sharing requests on one replica share KV blocks, so a spread group costs
+KV memory and with it the running batch. Times in seconds unless marked; simulated time throughout.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import os
 import statistics
 import sys
 from dataclasses import replace
@@ -28,6 +34,8 @@ from dataclasses import replace
 __all__ = ["parse_system", "run", "main"]
 
 GROUPS = ("first", "same", "other")
+#: Tokens past the run's common prefix that name a prompt group (``--spread``).
+GROUP_TOKENS = 16
 
 
 def parse_system(spec: str):
@@ -117,11 +125,47 @@ def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: flo
             where: means(sub) for where, sub in (("home", [x for x in own if not x["abroad"]]),
                                                  ("abroad", [x for x in own if x["abroad"]])) if sub}}
     return {"p90": p90, "mean": statistics.fmean(ttfts), "throughput": len(rows) / (stop_at - warmup_s),
-            "requests": len(rows), "groups": groups, "tail": tail, "regions": regions}
+            "requests": len(rows), "groups": groups, "tail": tail, "regions": regions,
+            "spread": _spread(cluster, warmup_s, stop_at)}
 
 
-def render(cell: str, spec: str, result: dict, *, by_region: bool = False) -> str:
-    """The printed block of one ``run`` (with ``by_region``, its per-region lines too)."""
+def _spread(cluster, warmup_s: float, stop_at: float) -> dict:
+    """{"engines": {region: {"running", "waiting", "kv"}}, "groups": {...}} (module docstring, ``--spread``)."""
+    ids = list(cluster.replicas)
+    region_of = {rid: cluster.replicas[rid].region for rid in ids}
+    samples = [s for s in cluster.samples if warmup_s <= s[0] < stop_at]
+    engines = {}
+    for region in sorted(set(region_of.values())):
+        idx = [i for i, rid in enumerate(ids) if region_of[rid] == region]
+        if samples:
+            in_engine = statistics.fmean(s[1][i] for s in samples for i in idx)
+            waiting = statistics.fmean(s[2][i] for s in samples for i in idx)
+            engines[region] = {"running": in_engine - waiting, "waiting": waiting,
+                               "kv": statistics.fmean(s[4][i] for s in samples for i in idx)}
+    measured = [f for f in cluster.records if warmup_s <= f.sent_at < stop_at and f.replica is not None]
+    shared = len(os.path.commonprefix([f.req.tokens for f in measured])) if measured else 0
+    per_group: dict[tuple, dict[str, int]] = {}
+    for f in measured:
+        counts = per_group.setdefault(tuple(f.req.tokens[shared:shared + GROUP_TOKENS]), {})
+        counts[f.replica.id] = counts.get(f.replica.id, 0) + 1
+    n = sum(sum(c.values()) for c in per_group.values())
+    same = other = 0
+    effective = 0.0
+    for counts in per_group.values():
+        total = sum(counts.values())
+        effective += total / sum((v / total) ** 2 for v in counts.values())  # request-weighted inverse Simpson
+        main = max(counts, key=lambda rid: (counts[rid], rid))
+        for rid, v in counts.items():
+            if rid != main:
+                same, other = (same + v, other) if region_of[rid] == region_of[main] else (same, other + v)
+    groups = {"groups": len(per_group), "requests": n,
+              "replicas": statistics.fmean(len(c) for c in per_group.values()) if per_group else 0.0,
+              "effective": effective / n if n else 0.0, "off_same_region": same, "off_other_region": other}
+    return {"engines": engines, "groups": groups}
+
+
+def render(cell: str, spec: str, result: dict, *, by_region: bool = False, spread: bool = False) -> str:
+    """The printed block of one ``run`` (with ``by_region`` and ``spread``, those lines too)."""
     lines = [f"== {cell} {spec}: {result['requests']} requests, TTFT P90 {result['p90']:.3f} s, mean "
              f"{result['mean']:.3f} s, {result['throughput']:.2f} req/s"]
     for g, m in result["groups"].items():
@@ -143,6 +187,14 @@ def render(cell: str, spec: str, result: dict, *, by_region: bool = False) -> st
                 lines.append(f"    served {where:6s} {m['n'] / n:4.0%} ttft {m['ttft']:.3f} = to engine "
                              f"{m['to_engine']:.3f} + engine queue {m['engine_queue']:.3f} + prefill "
                              f"{m['prefill']:.3f}; hit {m['hit']:.2f}")
+    if spread:
+        for region, e in result["spread"]["engines"].items():
+            lines.append(f"  engines in {region}: {e['running']:.1f} running, {e['waiting']:.1f} waiting per replica, "
+                         f"KV usage {e['kv']:.2f}")
+        g = result["spread"]["groups"]
+        lines.append(f"  {g['groups']} prompt groups: {g['replicas']:.2f} replicas each, {g['effective']:.2f} effective "
+                     f"(request-weighted); off the main replica {g['off_same_region']} in its region, "
+                     f"{g['off_other_region']} in another, of {g['requests']}")
     return "\n".join(lines)
 
 
@@ -156,11 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-at", type=float, default=None, help="simulated seconds of sending (default: the cell's)")
     p.add_argument("--by-region", action="store_true",
                    help="also per client region: TTFT and its parts, served at home and abroad")
+    p.add_argument("--spread", action="store_true",
+                   help="also the engines' running batch per region and how prompt groups spread over replicas")
     args = p.parse_args(argv)
     try:
         for spec in args.systems:
             print(render(args.cell, spec, run(args.cell, spec, seed=args.seed, split=args.split,
-                                              stop_at=args.stop_at), by_region=args.by_region), flush=True)
+                                              stop_at=args.stop_at), by_region=args.by_region,
+                         spread=args.spread), flush=True)
     except (ValueError, KeyError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
