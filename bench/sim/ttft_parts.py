@@ -16,9 +16,9 @@ region's replicas and the requests waiting in its engine; then the same parts fo
 parts for the region's requests served at home and served abroad (a replica of another region). With ``--spread``,
 also per replica region the engines' mean running and waiting requests per replica and KV-cache usage over the
 window (sampled every 0.1 s), and how each prompt group (the requests whose prompts agree on their first 16 tokens
-past what every prompt of the run shares: a tenant of ``multi_tenant``, a tree, a session) spreads over replicas: replicas per group, the request-weighted
-effective number (inverse Simpson index of its requests' shares) and its requests off the group's main replica, in
-that replica's region or another. Prefix-sharing requests on one replica share KV blocks, so a spread group costs
+past what every prompt of the run shares: a tenant of ``multi_tenant``, a tree, a session) spreads over replicas:
+replicas per group, the request-weighted effective number (inverse Simpson index of its requests' shares) and its
+requests off the group's main replica, in that replica's region or another. Prefix-sharing requests on one replica share KV blocks, so a spread group costs
 KV memory and with it the running batch. Times in seconds unless marked; simulated time throughout.
 """
 
@@ -192,8 +192,8 @@ def render(cell: str, spec: str, result: dict, *, by_region: bool = False, sprea
             lines.append(f"  engines in {region}: {e['running']:.1f} running, {e['waiting']:.1f} waiting per replica, "
                          f"KV usage {e['kv']:.2f}")
         g = result["spread"]["groups"]
-        lines.append(f"  {g['groups']} prompt groups: {g['replicas']:.2f} replicas each, {g['effective']:.2f} effective "
-                     f"(request-weighted); off the main replica {g['off_same_region']} in its region, "
+        lines.append(f"  {g['groups']} prompt groups: {g['replicas']:.2f} replicas each, {g['effective']:.2f} "
+                     f"effective (request-weighted); off the main replica {g['off_same_region']} in its region, "
                      f"{g['off_other_region']} in another, of {g['requests']}")
     return "\n".join(lines)
 
