@@ -19,7 +19,8 @@ window (sampled every 0.1 s), and how each prompt group (the requests whose prom
 past what every prompt of the run shares: a tenant of ``multi_tenant``, a tree, a session) spreads over replicas:
 replicas per group, the request-weighted effective number (inverse Simpson index of its requests' shares) and its
 requests off the group's main replica, in that replica's region or another. Prefix-sharing requests on one replica
-share KV blocks, so a spread group costs KV memory and with it the running batch. Times in seconds unless marked; simulated time throughout.
+share KV blocks, so a spread group costs KV memory and with it the running batch. Times in seconds unless marked;
+simulated time throughout.
 """
 
 from __future__ import annotations
