@@ -57,7 +57,9 @@ def test_freezing_leaves_later_garbage_collectable_and_frozen_objects_freed_by_r
     kept = Node()
     kept_ref = weakref.ref(kept)
     frozen = gc_pauses.freeze_startup_heap()
-    assert frozen > 1000 and gc.get_freeze_count() == frozen
+    # At most the count it returned: a frozen object freed since (pytest-xdist's I/O thread drops some) leaves the
+    # permanent generation, so an equality here failed on a CI run (300,200 left of 300,202).
+    assert frozen > 1000 and 0.99 * frozen <= gc.get_freeze_count() <= frozen
     del kept  # frozen, but nothing refers to it: reference counting frees it at once
     assert kept_ref() is None
     cycle = Node()
