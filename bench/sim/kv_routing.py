@@ -15,7 +15,9 @@ output), at rising loads (1x = 0.8 of the deployment's saturated throughput with
 * ``Oracle``: one scheduler with a fresh global view and no network, the best of its candidate policies per figure.
 
 It writes ``kv_routing.json`` (every run's RunSummary) and ``kv_routing.md`` (P90 TTFT, throughput, hit rate and the
-KV-bounded ideal hit rate per load and system, with commit, date, command and machine) into ``--out``.
+KV-bounded ideal hit rate per load and system, the forwards of the SkyLB systems, and how each system spreads a
+tenant's requests over replicas: bench/sim/ttft_parts.py ``spread``; with commit, date, command and machine) into
+``--out``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from bench.emulator.model import EngineParams
 from bench.sim.matrix import EVEN, ONE_X_UTILISATION, TIMES, saturated_rps
 from bench.sim.metrics import RunSummary, best_of, summarize
 from bench.sim.systems import KV_SYSTEMS, SYSTEMS, build, replica_layout
+from bench.sim.ttft_parts import spread
 from bench.sim.workloads_extra import multi_tenant
 
 __all__ = ["SYSTEM_KEYS", "run", "report", "main"]
@@ -49,19 +52,21 @@ AUDITED = ("SkyLB", "SkyLB-KV")
 
 
 def run(*, seed: int, loads: list[float], kv_cache_tokens: int, abroad: float = 0.0
-        ) -> tuple[list[RunSummary], float, dict[tuple[str, str], dict[str, int]]]:
-    """Every (load, system) run; returns the summaries, the 1x rate (req/s) and, per (scenario, audited system),
-    its forwards after the warm-up: ``forwards``, ``held`` (some peer's region held at least half the prompt),
+        ) -> tuple[list[RunSummary], float, dict[tuple[str, str], dict[str, int]], dict[tuple[str, str], dict]]:
+    """Every (load, system) run; returns the summaries, the 1x rate (req/s), per (scenario, audited system) its
+    forwards after the warm-up: ``forwards``, ``held`` (some peer's region held at least half the prompt),
     ``to_holder`` (of those, sent to a region that held it), ``to_deepest`` (to the one that held most),
     ``held_with_room`` (held, and a holding region had room in the forwarding balancer's view),
-    ``to_holder_with_room`` (of those, sent to a region that held it).
+    ``to_holder_with_room`` (of those, sent to a region that held it); and per (scenario, system without candidates)
+    how its tenants' requests spread over replicas and its engines' batches per region (``spread``,
+    bench/sim/ttft_parts.py).
     ``abroad``: the share of each tenant's requests that come from another region than its home (``multi_tenant``)."""
     params = EngineParams(admission="vllm", kv_cache_tokens=kv_cache_tokens)  # vLLM publishes the events
     counts = dict(EVEN)
     sample = multi_tenant(seed=0, rate_rps=1.0, duration_s=400.0).arrivals[:300]  # as matrix.one_x_rps samples it
     one_x = ONE_X_UTILISATION * saturated_rps(params, sample) * len(replica_layout(counts))
     stop_at, warmup = TIMES["open"]
-    summaries, audits = [], {}
+    summaries, audits, spreads = [], {}, {}
     for load in loads:
         workload = multi_tenant(seed=seed, rate_rps=one_x * load, duration_s=stop_at, abroad=abroad)
         for key in SYSTEM_KEYS:
@@ -79,13 +84,15 @@ def run(*, seed: int, loads: list[float], kv_cache_tokens: int, abroad: float = 
                         "forwards": len(kept), "held": sum(a[1] for a in kept),
                         "to_holder": sum(a[1] and a[2] for a in kept), "to_deepest": sum(a[1] and a[3] for a in kept),
                         "held_with_room": len(roomy), "to_holder_with_room": sum(a[2] for a in roomy)}
+                if not system.candidates:
+                    spreads[f"multi_tenant@{load:g}x", key] = spread(cluster, warmup, stop_at)
                 runs.append(summarize(cluster, scenario=f"multi_tenant@{load:g}x", system=key, layout=system.layout,
                                       warmup_s=warmup, seed=seed, wall_s=time.perf_counter() - started))
             summary = best_of(runs, system=key, labels=system.candidates) if system.candidates else runs[0]
             summaries.append(summary)
             print(f"{summary.scenario} {key}: P90 TTFT {summary.ttft_p90:.2f} s, hit {summary.hit_rate:.3f}",
                   file=sys.stderr, flush=True)
-    return summaries, one_x, audits
+    return summaries, one_x, audits, spreads
 
 
 def _git(*args: str) -> str:
@@ -96,7 +103,8 @@ def _git(*args: str) -> str:
 
 
 def report(summaries: list[RunSummary], *, one_x: float, command: str, kv_cache_tokens: int,
-           audits: dict[tuple[str, str], dict[str, int]] | None = None, abroad: float = 0.0) -> str:
+           audits: dict[tuple[str, str], dict[str, int]] | None = None, abroad: float = 0.0,
+           spreads: dict[tuple[str, str], dict] | None = None) -> str:
     """The Markdown report: provenance, then one table per figure (rows: loads; columns: systems)."""
     dirty = " (uncommitted changes)" if _git("status", "--porcelain", "--", "skylb", "bench",
                                              ":(exclude)bench/results") else ""
@@ -142,6 +150,18 @@ def report(summaries: list[RunSummary], *, one_x: float, command: str, kv_cache_
                              f"{share(a['to_holder'], a['held'])} | {share(a['to_deepest'], a['held'])} | "
                              f"{a['held_with_room']} | {share(a['to_holder_with_room'], a['held_with_room'])} |")
         lines.append("")
+    if spreads:
+        keys = [k for k in SYSTEM_KEYS if any((scenario, k) in spreads for scenario in loads)]
+        lines += ["## How each tenant's requests spread over replicas", "",
+                  "After the warm-up, per tenant: the request-weighted effective number of replicas serving it (the "
+                  "inverse Simpson index of its requests' shares: 1 when one replica serves it all), then the "
+                  "requests off the tenant's main replica, in that replica's region / in another region.", "",
+                  "| load | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+        for scenario in loads:
+            cells = [(lambda g: f"{g['effective']:.2f} ({g['off_same_region']} / {g['off_other_region']})")(
+                spreads[scenario, k]["groups"]) if (scenario, k) in spreads else "-" for k in keys]
+            lines.append(f"| {scenario.split('@')[1]} | " + " | ".join(cells) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -156,16 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
-    summaries, one_x, audits = run(seed=args.seed, loads=loads, kv_cache_tokens=args.kv_cache_tokens,
+    summaries, one_x, audits, spreads = run(seed=args.seed, loads=loads, kv_cache_tokens=args.kv_cache_tokens,
                                    abroad=args.abroad)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.sim.kv_routing " + " ".join(argv if argv is not None else sys.argv[1:])
     (args.out / "kv_routing.json").write_text(json.dumps([s.to_dict() for s in summaries], indent=1) + "\n")
     (args.out / "kv_routing_audit.json").write_text(json.dumps(
         [{"scenario": s, "system": k, **a} for (s, k), a in audits.items()], indent=1) + "\n")
+    (args.out / "kv_routing_spread.json").write_text(json.dumps(
+        [{"scenario": s, "system": k, **g} for (s, k), g in spreads.items()], indent=1) + "\n")  # groups, engines
     (args.out / "kv_routing.md").write_text(report(summaries, one_x=one_x, command=command.strip(),
                                                    kv_cache_tokens=args.kv_cache_tokens, audits=audits,
-                                                   abroad=args.abroad) + "\n")
+                                                   abroad=args.abroad, spreads=spreads) + "\n")
     return 0
 
 

@@ -32,7 +32,7 @@ import statistics
 import sys
 from dataclasses import replace
 
-__all__ = ["parse_system", "run", "main"]
+__all__ = ["parse_system", "run", "spread", "main"]
 
 GROUPS = ("first", "same", "other")
 #: Tokens past the run's common prefix that name a prompt group (``--spread``).
@@ -127,11 +127,14 @@ def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: flo
                                                  ("abroad", [x for x in own if x["abroad"]])) if sub}}
     return {"p90": p90, "mean": statistics.fmean(ttfts), "throughput": len(rows) / (stop_at - warmup_s),
             "requests": len(rows), "groups": groups, "tail": tail, "regions": regions,
-            "spread": _spread(cluster, warmup_s, stop_at)}
+            "spread": spread(cluster, warmup_s, stop_at)}
 
 
-def _spread(cluster, warmup_s: float, stop_at: float) -> dict:
-    """{"engines": {region: {"running", "waiting", "kv"}}, "groups": {...}} (module docstring, ``--spread``)."""
+def spread(cluster, warmup_s: float, stop_at: float) -> dict:
+    """How a finished simulated ``cluster``'s requests sent in [``warmup_s``, ``stop_at``) s spread (module docstring,
+    ``--spread``): {"engines": {region: {"running", "waiting" (requests per replica), "kv" (usage, 0-1)}},
+    "groups": {"groups", "requests", "replicas" (distinct per group), "effective" (request-weighted inverse Simpson
+    index), "off_same_region", "off_other_region" (requests off their group's main replica)}}."""
     ids = list(cluster.replicas)
     region_of = {rid: cluster.replicas[rid].region for rid in ids}
     samples = [s for s in cluster.samples if warmup_s <= s[0] < stop_at]
