@@ -1,4 +1,9 @@
-"""Driver of the kv_headroom.diff runs (bench/results/kv_routing.md): `python bench/results/kv_routing_seeds/kv_headroom_driver.py SEED SYSTEM LOADS` (e.g. `0 SkyLB-KV 1,1.5`), with the diff applied and XP_KVPLACE=1 for the variant; prints P90 TTFT, output tok/s, hit rate, the KV-bounded ideal, effective replicas per tenant and running requests per region."""
+"""Driver of the kv_headroom.diff runs (bench/results/kv_routing.md).
+
+``python bench/results/kv_routing_seeds/kv_headroom_driver.py SEED SYSTEM LOADS`` (e.g. ``0 SkyLB-KV 1,1.5``), with
+the diff applied and XP_KVPLACE=1 for the variant; prints P90 TTFT, output tok/s, hit rate, the KV-bounded ideal,
+effective replicas per tenant and running requests per region.
+"""
 import sys, os
 from bench.emulator.model import EngineParams
 from bench.sim.matrix import EVEN, ONE_X_UTILISATION, TIMES, saturated_rps
