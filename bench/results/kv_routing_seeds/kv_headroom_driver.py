@@ -21,6 +21,9 @@ for load in [float(x) for x in sys.argv[3].split(",")]:
     wl = multi_tenant(seed=seed, rate_rps=one_x * load, duration_s=stop_at)
     system = KV_SYSTEMS.get(key) or SYSTEMS[key]
     cluster = build(system, wl, counts, seed=seed, stop_at=stop_at, params=params).run()
-    s = summarize(cluster, scenario=f"mt@{load}", system=key, layout=system.layout, warmup_s=warmup, seed=seed, wall_s=0)
+    s = summarize(cluster, scenario=f"mt@{load}", system=key, layout=system.layout, warmup_s=warmup, seed=seed,
+                  wall_s=0)
     g = spread(cluster, warmup, stop_at)
-    print(f"{os.environ.get('TAG','')} s{seed} {load}x {key}: p90 {s.ttft_p90:.2f} tps {s.throughput_tps:.0f} hit {s.hit_rate:.3f} ideal {s.ideal_kv_hit_rate:.3f} eff {g['groups']['effective']:.2f} run", {r: round(e['running'],1) for r, e in g['engines'].items()})
+    print(f"{os.environ.get('TAG', '')} s{seed} {load}x {key}: p90 {s.ttft_p90:.2f} tps {s.throughput_tps:.0f} "
+          f"hit {s.hit_rate:.3f} ideal {s.ideal_kv_hit_rate:.3f} eff {g['groups']['effective']:.2f} run",
+          {r: round(e['running'], 1) for r, e in g['engines'].items()})
