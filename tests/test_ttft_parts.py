@@ -41,3 +41,28 @@ def test_ttft_parts_refuses_an_unknown_system_or_option():
     with pytest.raises(ValueError):
         parse_system("SkyLB+holdings")
     assert main(["tot@0.5x", "NoSuchSystem"]) == 2
+
+
+def test_kv_routing_report_tables_each_tenant_spread_per_load_and_system():
+    """bench/sim/kv_routing.py's report: the spread table has a row per load and a column per system that has a
+    spread, each cell "effective (off in its region / off in another)", "-" where a system has none."""
+    from types import SimpleNamespace
+
+    from bench.sim.kv_routing import report
+
+    def summary(scenario: str, system: str):
+        return SimpleNamespace(scenario=scenario, system=system, ttft_p90=0.5, throughput_tps=900.0, hit_rate=0.45,
+                               ideal_kv_hit_rate=0.52)
+
+    summaries = [summary(f"multi_tenant@{load}x", k) for load in ("0.5", "1") for k in ("SkyLB", "SGL")]
+
+    def groups(effective: float, same: int, other: int) -> dict:
+        return {"groups": {"effective": effective, "off_same_region": same, "off_other_region": other}}
+
+    spreads = {("multi_tenant@0.5x", "SkyLB"): groups(1.04, 3, 0), ("multi_tenant@1x", "SkyLB"): groups(1.28, 28, 13),
+               ("multi_tenant@0.5x", "SGL"): groups(1.0, 0, 0)}
+    text = report(summaries, one_x=4.88, command="test", kv_cache_tokens=8192, spreads=spreads)
+    table = text[text.index("## How each tenant's requests spread over replicas"):].splitlines()
+    rows = [line for line in table if line.startswith("| ")]
+    assert rows == ["| load | SkyLB | SGL |", "| 0.5x | 1.04 (3 / 0) | 1.00 (0 / 0) |", "| 1x | 1.28 (28 / 13) | - |"]
+    assert "How each tenant" not in report(summaries, one_x=4.88, command="test", kv_cache_tokens=8192)

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
     summaries, one_x, audits, spreads = run(seed=args.seed, loads=loads, kv_cache_tokens=args.kv_cache_tokens,
-                                   abroad=args.abroad)
+                                            abroad=args.abroad)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.sim.kv_routing " + " ".join(argv if argv is not None else sys.argv[1:])
     (args.out / "kv_routing.json").write_text(json.dumps([s.to_dict() for s in summaries], indent=1) + "\n")
