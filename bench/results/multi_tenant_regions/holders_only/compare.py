@@ -1,3 +1,8 @@
+"""Compare two files of `bench.sim.ab` lines: per cell, the mean P90 TTFT (s), throughput (req/s) and forwarded share
+over the seeds, their ratios (second file / first), and the geometric means over the cells present in both.
+
+Usage: python compare.py BASE.txt VARIANT.txt ("<<": P90 over 1.05x or throughput under 0.99x; ">>": the reverse).
+"""
 import re, sys, math, collections
 def load(f):
     d = collections.defaultdict(list)
