@@ -15,7 +15,12 @@ aiohttp offers no hook for this, so ``GuardedRequestHandler`` is its connection 
 - body deadline: from its head, a body must be complete within ``body_timeout_s`` plus a second per
   ``body_min_rate_bytes_s`` bytes received; else the handler reading it gets ``ClientBodyTimeout`` (it answers 408 in
   the API's shape) and the connection is closed after that answer;
-- connection cap: a connection beyond ``max_connections`` open gets a bare 503 with Retry-After and is closed.
+- connection cap: a connection beyond ``max_connections`` open gets a bare 503 with Retry-After and is closed;
+- errors in the API's shape: what aiohttp answers itself before any handler runs (a malformed head, a head line
+  over its 8190 bytes, a body in a content coding it cannot decode) is JSON in OpenAI's error shape (Ollama's on
+  an ``/api/`` path, when aiohttp parsed one) rather than aiohttp's ``text/plain``, and logged as the client's
+  error at info; an unsupported content coding is 415 with ``Accept-Encoding`` naming the codings taken (RFC 9110
+  §15.5.16), the rest keeps aiohttp's status.
 
 Every answer and log line names the setting that cut (``setting``, e.g. ``controller.client_connections``), so an
 operator knows which server's limit to raise; the lines go to the server's own logger (``skylb.balancer``,
@@ -26,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from http import HTTPStatus
 from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 
 from skylb.config import ClientConnections
 
@@ -42,11 +49,23 @@ class ClientBodyTimeout(TimeoutError):
     own discarding of an unread body after the answer stops quietly on it."""
 
 
+#: The request content codings aiohttp decodes without optional packages (RFC 9110 §8.4.1).
+ACCEPTED_ENCODINGS = "gzip, deflate"
+
+
+def _error_body(status: int, message: str, ollama: bool = False) -> bytes:
+    """An error in OpenAI's shape ({"error": {"message", "type", "param", "code"}}), or Ollama's ({"error": message})
+    when ``ollama``, as JSON bytes."""
+    if ollama:
+        return json.dumps({"error": message}).encode()
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500
+                                 else "server_error", "param": None, "code": status}}).encode()
+
+
 def _bare(status: int, reason: str, message: str, headers: str = "") -> bytes:
     """A whole HTTP/1.1 answer closing the connection, its body an error in OpenAI's shape: written to the socket
     directly where no request (and so no API) is known."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                 else "server_error", "param": None, "code": status}}).encode()
+    body = _error_body(status, message)
     return (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n{headers}"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
@@ -108,6 +127,34 @@ class GuardedRequestHandler(web.RequestHandler):
                 payload = self._messages[-1][1]
                 if not payload.is_eof():
                     self._watch_body(payload, self._loop.time())
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's answer to a request it could not parse or serve (module docstring, "errors in the API's
+        shape"), closing the connection, never with a traceback. A 5xx is logged by aiohttp (with its traceback),
+        a client's malformed request at info (``client_error``): a client's garbage is not the server's error.
+        Raises ConnectionError, as aiohttp does, once bytes of an answer were sent. aiohttp parses no path from a
+        head it rejects, so those answers are in OpenAI's shape."""
+        if status >= 500:
+            super().handle_error(request, status, exc, message)  # logs; raises ConnectionError after bytes sent
+        elif request.writer.output_size > 0:
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        else:
+            self._log.info("client_error", status=status, error=" ".join((message or "").split())[:200],
+                           peer=_peer(self.transport))
+        headers = {}
+        if isinstance(exc, ContentEncodingError):
+            status, headers = HTTPStatus.UNSUPPORTED_MEDIA_TYPE, {"Accept-Encoding": ACCEPTED_ENCODINGS}
+        text = ((message or "").strip() or HTTPStatus(status).phrase) if status < 500 else \
+            f"internal error in the {self._server}"
+        try:
+            ollama = request.path.startswith("/api/")
+        except Exception:  # a head too malformed to have a path: OpenAI's shape, as the bare answers
+            ollama = False
+        response = web.Response(status=status, body=_error_body(status, text, ollama), headers=headers,
+                                content_type="application/json")
+        response.force_close()
+        return response
 
     def _arm_head_deadline(self) -> None:
         self._heads_at_arm = self._request_count

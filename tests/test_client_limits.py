@@ -6,6 +6,7 @@ connections past the cap are refused with 503, while ordinary clients are served
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
@@ -191,3 +192,35 @@ def test_the_controller_cuts_a_head_sent_a_byte_a_second_and_serves_others(contr
     status, body = _status_and_json(answer)
     assert status == 408 and "controller.client_connections.header_timeout_s" in body["error"]["message"]
     assert requests.get(f"http://{host}:{port}/healthz", timeout=5).status_code == 200
+
+
+def test_bodies_that_do_not_decode_and_heads_aiohttp_rejects_get_errors_in_the_apis_shape(balancer):
+    """A gzip body is served; one that does not decompress is a 400 in the API's shape (OpenAI's, Ollama's on /api/),
+    counted as unreadable_body, never a 500; a content coding aiohttp cannot decode is 415 with Accept-Encoding, and
+    a head line over aiohttp's 8190 bytes a 400, both JSON in OpenAI's shape instead of aiohttp's text/plain."""
+    url = "http://{}:{}".format(*balancer)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    gzipped = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    r = requests.post(f"{url}/v1/chat/completions", data=gzip.compress(body), headers=gzipped, timeout=10)
+    assert r.status_code == 200 and r.json()["choices"], r.text[:300]
+    r = requests.post(f"{url}/v1/chat/completions", data=b"not gzip", headers=gzipped, timeout=10)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["code"] == 400 and error["type"] == "invalid_request_error" and "content-encoding" in error["message"]
+    r = requests.post(f"{url}/api/generate", data=b"not gzip", headers=gzipped, timeout=10)
+    assert r.status_code == 400 and "content-encoding" in r.json()["error"], r.text[:300]
+    r = requests.post(f"{url}/v1/chat/completions", data=b"\x00",
+                      headers={"Content-Type": "application/json", "Content-Encoding": "x-none-such, br"}, timeout=10)
+    assert r.status_code in (400, 415) and r.headers["Content-Type"].startswith("application/json"), r.text[:300]
+    r = requests.post(f"{url}/v1/chat/completions", data=b"\x00",
+                      headers={"Content-Type": "application/json", "Content-Encoding": "br"}, timeout=10)
+    assert r.status_code == 415 and r.headers["Accept-Encoding"] == "gzip, deflate", r.text[:300]
+    assert r.json()["error"]["code"] == 415 and "br" in r.json()["error"]["message"]
+    r = requests.post(f"{url}/v1/chat/completions", data=body,
+                      headers={"Content-Type": "application/json", "X-Long": "x" * 10_000}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400 and "8190" in r.json()["error"]["message"]
+    r = requests.post(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}, timeout=10)
+    assert r.status_code == 200
+    metrics = requests.get(f"{url}/metrics", timeout=5).text
+    assert 'skylb_rejected_requests_total{reason="unreadable_body",region="local",status="400"} 2.0' in metrics
+    assert 'status="500"' not in "\n".join(line for line in metrics.splitlines() if line.startswith("skylb_responses"))

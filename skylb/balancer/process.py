@@ -77,8 +77,9 @@ log = structlog.get_logger("skylb.balancer")
 @web.middleware
 async def _errors_in_api_shape(request: web.Request, handler):
     """Every error the balancer answers itself is JSON in the API's shape, logged and counted, never HTML or
-    ``500 text/plain``: aiohttp's HTTP errors (404, 405, 413), a body the client sent too slowly (408) and, as a
-    last resort, any bug (500)."""
+    ``500 text/plain``: aiohttp's HTTP errors (404, 405, 413), a body the client sent too slowly (408), a body
+    that cannot be read (400: gzip or deflate that does not decompress, a chunked body cut short) and, as a last
+    resort, any bug (500)."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -88,6 +89,9 @@ async def _errors_in_api_shape(request: web.Request, handler):
         return _answered_error(request, exc.status, f"{exc.reason}: {request.method} {request.path}", reason)
     except ClientBodyTimeout as exc:  # a handler other than the chain's was reading a body too slow to wait for
         return _answered_error(request, 408, str(exc), "body_timeout")
+    except web.RequestPayloadError as exc:  # a body that does not decode (Content-Encoding) or ends early
+        detail = " ".join(str(exc).split()).split("message: ", 1)[-1]  # aiohttp's "400, message:\n  ..."
+        return _answered_error(request, 400, f"the request body could not be read: {detail}", "unreadable_body")
     except (asyncio.CancelledError, ConnectionResetError):
         raise  # the client went away: there is nobody to answer
     except Exception as exc:
