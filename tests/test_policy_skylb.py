@@ -287,6 +287,20 @@ def test_a_later_request_with_its_prefix_on_the_free_replica_goes_first():
         assert got == (["q2"] if n == 0 else ["q0"]), "the head was passed over twice: it goes next"
 
 
+def test_max_bypass_0_never_passes_the_head_over():
+    """``max_bypass`` 0: the look-ahead never places a later request before the head, not even once."""
+    router = _router(max_bypass=0, push_to_prefix_holder=False)
+    router.rules.max_dispatch_per_probe = 1
+    router.rules.learn_capacity = False
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=3)
+    router.policy.routed(Request("earlier", B, 0.0), replica="r0")
+    for i, text in enumerate([A, B + "more"]):
+        router.enqueue(Request(f"q{i}", text, arrived_at=1.0 + i))
+    router.observe_replica("r0", now=5.0, healthy=True, pending=0, running=1)
+    assert [x.request.id for x in router.dispatch(5.0)] == ["q0"]
+
+
 @pytest.mark.parametrize("policy, bounded", [("skylb", True), ("skylb-paper", False)])
 def test_a_replicas_trie_records_are_bounded_by_its_kv_capacity(policy, bounded):
     """The KV capacity a probe reports (tokens) bounds that replica's records in the replica trie at 4 characters a

@@ -368,7 +368,7 @@ class Router:
         head has been passed over fewer than ``Profile.max_bypass`` times."""
         policy = self.policy
         k = policy.queue_lookahead
-        if k <= 1 or len(queue) < 2:
+        if k <= 1 or len(queue) < 2 or policy.max_bypass <= 0:  # 0: never passed over (a new head had one before)
             return 0
         head = queue[0]
         if self._bypassed[0] == head.id and self._bypassed[1] >= policy.max_bypass:
