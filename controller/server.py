@@ -160,9 +160,16 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
+    """The request's body as a JSON object; InvalidInput (400) for a body that does not decompress or is not JSON
+    (Python's decoder raises ValueError for integers over 4300 digits and RecursionError for deep nesting)."""
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except web.RequestPayloadError as exc:  # gzip or deflate that does not decompress, a chunked body cut short
+        raise InvalidInput("body", "could not be read: " + " ".join(str(exc).split()).split("message: ", 1)[-1]) \
+            from None
+    except RecursionError:
+        raise InvalidInput("body", "is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError
         raise InvalidInput("body", "is not valid JSON") from None
     if not isinstance(body, dict):
         raise InvalidInput("body", "must be a JSON object")

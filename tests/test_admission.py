@@ -174,6 +174,7 @@ def test_admission_api_bad_input(procs, tmp_path):
     cases = [
         ("schedule", b"not json", None),
         ("schedule", b"[1]", None),
+        ("schedule", b"[" * 100_000 + b"]" * 100_000, None),  # deeper than Python's decoder recurses
         ("schedule", b'{"estimated_tokens": 10}', "model"),
         ("schedule", b'{"model": "g"}', "estimated_tokens"),
         ("schedule", b'{"model": "g", "estimated_tokens": "10"}', "estimated_tokens"),

@@ -137,17 +137,23 @@ BAD_REPLICA_BODIES = [  # (request body: a dict is sent as JSON, a str as raw by
     ("{not json", "body"),
     ("[1, 2]", "body"),
     ("", "body"),
+    ("[" * 100_000 + "]" * 100_000, "body"),  # deeper than Python's decoder recurses
+    ('{"region": ' + "9" * 5000 + "}", "body"),  # an integer longer than Python converts
 ]
 
 
 def test_bad_replica_input_is_400(controller):
-    """Bad fields, unknown fields and invalid JSON are 400 with a message naming the field; nothing changes."""
+    """Bad fields, unknown fields and invalid JSON (nested too deeply, an integer too long, a body that does not
+    decompress among them) are 400 with a message naming the field; nothing changes."""
     for data, field in BAD_REPLICA_BODIES:
         kwargs = {"json": data} if isinstance(data, dict) else {"data": data}
         resp = requests.post(f"{controller.url}/v1/replicas", timeout=5, **kwargs)
         assert resp.status_code == 400, data
         error = resp.json()["error"]
         assert error["code"] == 400 and error["message"].startswith(f"{field}: "), (data, error)
+    resp = requests.post(f"{controller.url}/v1/replicas", data=b"not gzip", timeout=5,
+                         headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert resp.status_code == 400 and resp.json()["error"]["message"].startswith("body: could not be read")
     assert revision(controller.url) == 0
 
 

@@ -188,6 +188,10 @@ def test_pulled_model_is_routable_without_restart(procs, tmp_path):
     assert client.generate(model="made:latest", prompt="x", options={"num_predict": 1}).done
     r = requests.post(f"{url}/api/pull", json={"model": "x"}, headers={"X-SkyLB-Replica": "nope"}, timeout=10)
     assert r.status_code == 404 and "nope" in r.json()["error"]
+    # A body nested deeper than Python's decoder recurses: the replica answers it in Ollama's shape, never a 500.
+    r = requests.post(f"{url}/api/pull", data=b"[" * 100_000 + b"]" * 100_000, headers={"X-SkyLB-Replica": "r0"},
+                      timeout=10)
+    assert 400 <= r.status_code < 500 and isinstance(r.json()["error"], str), r.text[:200]
 
 
 def test_num_ctx_is_pinned(procs, tmp_path):

@@ -128,6 +128,8 @@ class _BadInput(ValueError):
 async def _json_object(request: web.Request) -> dict:
     try:
         data = json.loads(await request.read())
+    except RecursionError:  # Python's decoder on deep nesting
+        raise _BadInput("request body is nested too deeply", None) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise _BadInput(f"request body is not valid JSON: {exc}", None) from None
     if not isinstance(data, dict):

@@ -53,7 +53,7 @@ async def handle_management(request: web.Request) -> web.StreamResponse:
     try:
         parsed = json.loads(body) if body.strip() else {}
         stream = not (isinstance(parsed, dict) and parsed.get("stream") is False)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: Python's decoder on deep nesting
         pass  # the replica answers the bad body in Ollama's shape
     if len(targets) == 1 and not stream or method == "DELETE" or request.path == "/api/copy":
         return await _plain(balancer, request, method, body, targets)

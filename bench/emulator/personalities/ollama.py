@@ -555,6 +555,8 @@ def _body(raw: bytes) -> dict:
         raise ApiError(400, "missing request body")
     try:
         body = json.loads(raw)
+    except RecursionError:  # Go's decoder stops at 10,000 levels with this error; Python's recursion first
+        raise ApiError(400, "exceeded max depth") from None
     except ValueError as exc:
         raise ApiError(400, f"invalid character in request body: {exc}") from exc
     if not isinstance(body, dict):

@@ -372,6 +372,8 @@ def parse_json_body(raw: bytes) -> dict:
 def _json_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "Invalid JSON body: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise ApiError(400, f"Invalid JSON body: {exc}") from exc
     if not isinstance(body, dict):
