@@ -99,3 +99,19 @@ def test_a_harness_subcommand_missing_from_an_install_says_so(monkeypatch, capsy
         cli.main(["--help"])
     assert exited.value.code == 0
     assert "ghost" in capsys.readouterr().out
+
+
+def test_a_balancer_that_cannot_listen_says_where_and_why():
+    """A port already taken, or a host that is not this machine's: exit status 1 with the address and the reason,
+    not a traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _run("balancer", "--replica", "http://127.0.0.1:1", "--port", str(port))
+    assert out.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr[-500:]
+    assert "Traceback" not in out.stderr
+    out = _run("balancer", "--replica", "http://127.0.0.1:1", "--host", "host.invalid")
+    assert out.returncode == 1 and "cannot listen on host.invalid" in out.stderr and "Traceback" not in out.stderr

@@ -281,3 +281,17 @@ def test_replica_flag_states_the_engines_batch_after_a_hash(flag, error):
     else:
         with pytest.raises(ConfigError, match=error):
             parse_replica(flag)
+
+
+@pytest.mark.parametrize("url,ok", [
+    ("http://h:8000", True), ("http://h", True), ("http://[::1]:8000", True), ("https://u:p@h:443/v1", True),
+    ("http://h:99999", False), ("http://h:0", False), ("http://h:port", False), ("http://[::1]:70000", False),
+])
+def test_a_replica_url_needs_a_port_from_1_to_65535(url, ok):
+    """--replica with a port past 65535, 0 or not a number is a ConfigError at start, as the controller refuses it,
+    instead of a replica that can never be reached."""
+    if ok:
+        assert static_membership("us", [url])["replicas"][0]["url"] == url
+    else:
+        with pytest.raises(ConfigError, match="must be a number from 1 to 65535"):
+            static_membership("us", [url])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import socket
 import ssl
@@ -221,7 +222,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run one balancer until SIGTERM or SIGINT (SIGHUP reloads); exit status 2 on a config error."""
+    """Run one balancer until SIGTERM or SIGINT (SIGHUP reloads); exit status 2 on a config error, 1 when it
+    cannot listen (the port taken, the host not this machine's)."""
     try:
         configure_logging(level=args.log_level)
         settings = resolve(args)
@@ -231,9 +233,13 @@ def main(args: argparse.Namespace) -> int:
         return 2
     cfg = settings.cfg.model_copy()  # the running copy gets the real port; a reload compares with the file's
     if cfg.port == 0:  # the advertised URL needs the real port before the server starts
-        with socket.socket() as s:
-            s.bind((cfg.host, 0))
-            cfg.port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind((cfg.host, 0))
+                cfg.port = s.getsockname()[1]
+        except OSError as exc:  # a host name that does not resolve, an address not this machine's
+            print(f"skylb balancer: cannot listen on {cfg.host}: {_why(exc)}", file=sys.stderr)
+            return 1
     scheme = "https" if cfg.tls_cert_file else "http"
     advertise_url = cfg.advertise_url or f"{scheme}://{cfg.host}:{cfg.port}"
     try:
@@ -243,6 +249,13 @@ def main(args: argparse.Namespace) -> int:
         return 2
     return aio.run(_serve(cfg, region=settings.region, advertise_url=advertise_url, settings=settings, args=args,
                           ssl_context=ssl_context))
+
+
+def _why(exc: OSError) -> str:
+    """The reason of a failed bind in a few words ("Address already in use"), without the event loop's wrapping."""
+    if isinstance(exc, socket.gaierror) or not exc.errno or exc.errno < 0:
+        return exc.strerror or str(exc)
+    return os.strerror(exc.errno)
 
 
 def _ssl_context(cfg: BalancerConfig) -> ssl.SSLContext | None:
@@ -287,7 +300,12 @@ async def _serve(cfg: BalancerConfig, *, region: str, advertise_url: str, settin
     frozen = gc_pauses.freeze_startup_heap()
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=ssl_context)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # the port is taken, the address is not this machine's or does not resolve
+        await runner.cleanup()
+        print(f"skylb balancer: cannot listen on {cfg.host}:{cfg.port}: {_why(exc)}", file=sys.stderr)
+        return 1
     static = settings.static_membership
     log.info("balancer_started", listen=f"{cfg.host}:{cfg.port}", tls=ssl_context is not None,
              policy=cfg.policy, controller=cfg.controller_url, client_api_keys=len(api_keys),

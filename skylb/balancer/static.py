@@ -31,10 +31,17 @@ ENGINES: tuple[str, ...] = ("auto", "vllm", "sglang", "llamacpp", "tgi", "ollama
 
 
 def _url(text: str, flag: str) -> str:
-    """``text`` without a trailing slash; ConfigError naming ``flag`` when it is not an http(s) URL with a host."""
+    """``text`` without a trailing slash; ConfigError naming ``flag`` when it is not an http(s) URL with a host and,
+    if it has one, a port in 1..65535 (as the controller accepts, controller/store.py ``normalize_url``)."""
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{flag} must be an http:// or https:// URL such as http://127.0.0.1:8000, got {text!r}")
+    try:
+        port = parts.port  # ValueError: not a number, or past 65535
+    except ValueError:
+        port = 0
+    if port == 0 and parts.netloc.rpartition("@")[2].rpartition("]")[2].count(":"):  # a port was written
+        raise ConfigError(f"{flag}: the port of {text!r} must be a number from 1 to 65535")
     return text.rstrip("/")
 
 
