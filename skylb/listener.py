@@ -139,14 +139,14 @@ class GuardedRequestHandler(web.RequestHandler):
             super().handle_error(request, status, exc, message)  # logs; raises ConnectionError after bytes sent
         elif request.writer.output_size > 0:
             raise ConnectionError("Response is sent already, cannot send another response with the error message")
-        else:
-            self._log.info("client_error", status=status, error=" ".join((message or "").split())[:200],
-                           peer=_peer(self.transport))
+        else:  # without the bytes aiohttp quotes (a header line's start: it may hold a credential)
+            said = " ".join((message or "").split(": b'")[0].split())[:200]
+            self._log.info("client_error", status=status, error=said, peer=_peer(self.transport))
         headers = {}
         if isinstance(exc, ContentEncodingError):
             status, headers = HTTPStatus.UNSUPPORTED_MEDIA_TYPE, {"Accept-Encoding": ACCEPTED_ENCODINGS}
-        text = ((message or "").strip() or HTTPStatus(status).phrase) if status < 500 else \
-            f"internal error in the {self._server}"
+        text = ((message or "").strip() or HTTPStatus(status).phrase if status < 500
+                else f"internal error in the {self._server}" if status == 500 else HTTPStatus(status).phrase)
         try:
             ollama = request.path.startswith("/api/")
         except Exception:  # a head too malformed to have a path: OpenAI's shape, as the bare answers

@@ -673,6 +673,7 @@ def test_every_line_the_balancer_logs_is_one_json_object_whatever_clients_send(p
     # Two heads are whole (a chunked body cut short, a key that is not UTF-8): handlers get them, the rest is aiohttp's.
     assert len(client_errors) >= len(_MALFORMED_REQUESTS) - 2, client_errors
     assert all(line["level"] == "info" and line["status"] == 400 for line in client_errors)
+    assert "a" * 20 not in proc.log()  # the over-long header line's bytes (it could have been a credential)
     assert all(line["level"] in ("error", "warning", "info") and line["event"]
                for line in lines if line.get("logger") == "aiohttp.server")
 
