@@ -103,6 +103,9 @@ _BAD_BODIES = [
         {"role": "user", "content": [{"type": "text", "text": None}]}]}).encode(), 400, "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hi"}).encode(), 400, "messages"),
     ("/v1/chat/completions", json.dumps({"model": 7, "messages": []}).encode(), 400, "model"),
+    # longer than any model id a replica may list: refused before it is echoed into an error or a log line
+    ("/v1/chat/completions", json.dumps({"model": "m" * 100_000,
+                                         "messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": {"a": 1}}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": True}).encode(), 400, "n"),
     ("/v1/embeddings", json.dumps({"model": MODEL, "input": None}).encode(), 400, "input"),
@@ -128,6 +131,9 @@ def test_malformed_client_requests_get_clean_errors_counted_and_logged(procs, tm
     for path in OLLAMA_PATHS:
         r = requests.post(url + path, data=b'{"model": "m", "prompt": 5, "input": 5, "messages": 5}', timeout=10)
         assert r.status_code == 400 and isinstance(r.json()["error"], str)
+    r = requests.post(f"{url}/api/chat", json={"model": "m" * 100_000, "messages": []}, timeout=10)
+    assert r.status_code == 400 and "100000 characters" in r.json()["error"] and len(r.text) < 1000
+    assert max(map(len, (tmp_path / "logs" / "balancer-us.log").read_text().splitlines())) < 10_000
     r = requests.post(f"{url}/api/chat", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                "options": "fast"}, timeout=10)
     assert r.status_code == 400 and "options" in r.json()["error"]

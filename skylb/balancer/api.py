@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from skylb.balancer.protocol import MAX_MODEL_ID_CHARS
+
 __all__ = ["ParsedRequest", "BadRequest", "parse_openai", "parse_ollama", "openai_error", "ollama_error",
            "error_response"]
 
@@ -73,6 +75,9 @@ def _load_object(body: bytes) -> dict:
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    if len(model) > MAX_MODEL_ID_CHARS:  # never served, and not echoed into errors and log lines at its length
+        raise BadRequest(f"'model' is {len(model)} characters long: no replica's model id is longer than "
+                         f"{MAX_MODEL_ID_CHARS}", param="model")
     return data
 
 
