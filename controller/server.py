@@ -69,7 +69,7 @@ from controller.store import (InvalidInput, StoreError, default_balancer_id, nor
 from controller.stores import Store, follow_revisions, open_store
 from skylb.config import ConfigError, ControllerConfig
 from skylb import environment, logs
-from skylb.listener import GuardedAppRunner
+from skylb.listener import GuardedAppRunner, unreadable_body
 from skylb.tokens import GuessThrottle
 from skylb.logs import configure_logging
 from skylb.quota.gate import retry_after_s
@@ -164,8 +164,7 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
     except web.RequestPayloadError as exc:  # gzip or deflate that does not decompress, a chunked body cut short
-        raise InvalidInput("body", "could not be read: " + " ".join(str(exc).split()).split("message: ", 1)[-1]) \
-            from None
+        raise InvalidInput("body", f"could not be read: {unreadable_body(exc)}") from None
     except RecursionError:
         raise InvalidInput("body", "is nested too deeply") from None
     except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError

@@ -40,7 +40,7 @@ from aiohttp.http_exceptions import ContentEncodingError
 
 from skylb.config import ClientConnections
 
-__all__ = ["ClientBodyTimeout", "GuardedRequestHandler", "GuardedAppRunner"]
+__all__ = ["ClientBodyTimeout", "GuardedRequestHandler", "GuardedAppRunner", "unreadable_body"]
 
 
 class ClientBodyTimeout(TimeoutError):
@@ -51,6 +51,12 @@ class ClientBodyTimeout(TimeoutError):
 
 #: The request content codings aiohttp decodes without optional packages (RFC 9110 §8.4.1).
 ACCEPTED_ENCODINGS = "gzip, deflate"
+
+
+def unreadable_body(exc: Exception) -> str:
+    """Why a request body could not be read (aiohttp's ``RequestPayloadError``: a gzip or deflate body that does
+    not decompress, a chunked body cut short), in one line without aiohttp's "400, message:" wrapping."""
+    return " ".join(str(exc).split()).split("message: ", 1)[-1]
 
 
 def _error_body(status: int, message: str, ollama: bool = False) -> bytes:

@@ -35,7 +35,7 @@ from skylb.balancer import handler, lease_api, model_management, ollama_api, sta
 from skylb.balancer.auth import Credentials, auth_middleware
 from skylb.balancer.balancer import Balancer
 from skylb.balancer.handler import REQUEST_IDS, api_of
-from skylb.listener import ClientBodyTimeout, GuardedAppRunner
+from skylb.listener import ClientBodyTimeout, GuardedAppRunner, unreadable_body
 from skylb.balancer.stages import RequestContext
 from skylb.balancer.stages.model_group import add_model_header
 from skylb.balancer.relay import STREAM_STARTED
@@ -91,8 +91,8 @@ async def _errors_in_api_shape(request: web.Request, handler):
     except ClientBodyTimeout as exc:  # a handler other than the chain's was reading a body too slow to wait for
         return _answered_error(request, 408, str(exc), "body_timeout")
     except web.RequestPayloadError as exc:  # a body that does not decode (Content-Encoding) or ends early
-        detail = " ".join(str(exc).split()).split("message: ", 1)[-1]  # aiohttp's "400, message:\n  ..."
-        return _answered_error(request, 400, f"the request body could not be read: {detail}", "unreadable_body")
+        return _answered_error(request, 400, f"the request body could not be read: {unreadable_body(exc)}",
+                               "unreadable_body")
     except (asyncio.CancelledError, ConnectionResetError):
         raise  # the client went away: there is nobody to answer
     except Exception as exc:

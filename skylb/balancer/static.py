@@ -37,10 +37,10 @@ def _url(text: str, flag: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{flag} must be an http:// or https:// URL such as http://127.0.0.1:8000, got {text!r}")
     try:
-        port = parts.port  # ValueError: not a number, or past 65535
+        port = parts.port  # None without one; ValueError: not a number, or past 65535
     except ValueError:
         port = 0
-    if port == 0 and parts.netloc.rpartition("@")[2].rpartition("]")[2].count(":"):  # a port was written
+    if port == 0:
         raise ConfigError(f"{flag}: the port of {text!r} must be a number from 1 to 65535")
     return text.rstrip("/")
 
