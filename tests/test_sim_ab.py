@@ -58,3 +58,21 @@ def test_synth_trace_sessions_extend_their_blocks(tmp_path, capsys):
         firsts.setdefault(key, r["hash_ids"])
     assert extended > 0
     assert main(["--table", str(path)]) == 0
+
+
+def test_a_matrix_cell_runs_on_other_replicas_per_region(monkeypatch):
+    """``COUNTS`` deploys a cell on regions of other sizes (its clients unchanged); a malformed or partial list is
+    refused with what is wrong."""
+    from bench.sim.matrix import parse_counts
+    monkeypatch.setitem(__import__("bench.sim.matrix", fromlist=["TIMES"]).TIMES, "open", (20.0, 5.0))
+    monkeypatch.setenv("COUNTS", "us=1,eu=1,asia=2")
+    summary = run_one(("multi_tenant@1x", "SkyLB", 0))
+    assert summary.replicas == 4 and summary.completed > 0
+    assert parse_counts("asia=6, us=2,eu=4") == (("us", 2), ("eu", 4), ("asia", 6))
+    for bad in ("us=2,eu=4", "us=0,eu=4,asia=6", "us=2,eu=4,asia=6,mars=1", "us=2,us=3,eu=4,asia=6", "us2"):
+        try:
+            parse_counts(bad)
+        except ValueError as exc:
+            assert "replica counts" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")

@@ -5,7 +5,8 @@ systems separated by ';', each a key of bench/sim/systems.py SYSTEMS optionally 
 option of the system's policy, a Python literal) or ``+cfg.setting=value`` (a balancer setting, skylb/config.py),
 e.g. ``'SkyLB;SkyLB+placement="predicted-ttft"'``. ``TRACE=path`` replays another Mooncake-format trace in the
 trace scenarios. A scenario may also be a robustness-matrix cell ("multi_tenant@2x"; ``SPLIT=val`` for the
-validation split's trace windows). Each line gives P90 and P50 TTFT (s), throughput (req/s), prefix hit rate, mean requests queued at
+validation split's trace windows; ``COUNTS=us=2,eu=4,asia=6`` for other replicas per region, bench/sim/matrix.py
+``parse_counts``). Each line gives P90 and P50 TTFT (s), throughput (req/s), prefix hit rate, mean requests queued at
 the balancers, mean pending requests per replica, forwarded share and the run's wall time (s).
 
 ``python -m bench.sim.ab --table FILE...``: a Markdown table of such lines (each optionally prefixed by a label
@@ -46,9 +47,9 @@ def run_one(args: tuple[str, str, int]):
             if options or top else None)
     params = engine_params()
     if "@" in sc_name:
-        from bench.sim.matrix import TIMES, WORKLOADS, parse_cell, trace_window
+        from bench.sim.matrix import TIMES, WORKLOADS, deployed, parse_cell, parse_counts, trace_window
         name, load = parse_cell(sc_name)
-        wl = WORKLOADS[name]
+        wl = deployed(WORKLOADS[name], parse_counts(os.environ["COUNTS"]) if os.environ.get("COUNTS") else None)
         stop_at, warmup_s = TIMES[wl.kind]
         workload = wl.make(seed, load, trace_window(os.environ.get("SPLIT", "dev"), seed), stop_at)
         counts, extra = dict(wl.counts), {"replica_params": wl.replica_params(params)}

@@ -69,7 +69,8 @@ from bench.sim.workloads_extra import mean_turns, multi_tenant, reviews, tool_ag
 
 __all__ = ["MatrixWorkload", "MatrixRun", "WORKLOADS", "LOADS", "MATRIX_SYSTEMS", "DEFAULT", "SINGLES", "SPLITS",
            "TIMES", "QUICK", "SLOW_FACTOR", "cell_name", "parse_cell", "split_seeds",
-           "runs_for", "execute_run", "trace_window", "saturated_rps", "one_x_rps", "replica_params"]
+           "runs_for", "execute_run", "trace_window", "saturated_rps", "one_x_rps", "replica_params", "parse_counts",
+           "deployed"]
 
 #: The default routing policy the matrix judges, the other systems, and the single balancers among them.
 DEFAULT = "SkyLB"
@@ -228,6 +229,30 @@ WORKLOADS: dict[str, MatrixWorkload] = {w.name: w for w in (
 )}
 #: Every load some workload runs by default.
 LOADS = tuple(sorted({x for w in WORKLOADS.values() for x in w.loads}))
+
+
+def parse_counts(spec: str) -> tuple[tuple[str, int], ...]:
+    """Replicas per region from ``"us=2,eu=4,asia=6"``, in :data:`REGIONS` order: every region of the simulated
+    network once (bench/sim/cluster.py knows the round trips between these three only), each with at least one
+    replica. Raises ValueError naming what is wrong."""
+    counts: dict[str, int] = {}
+    for item in spec.split(","):
+        region, sep, n = item.strip().partition("=")
+        if not sep or region not in REGIONS or region in counts or not n.strip().isdigit() or int(n) < 1:
+            raise ValueError(f"replica counts {spec!r}: expected REGION=N for each of {', '.join(REGIONS)} "
+                             f"once, N >= 1 (e.g. us=2,eu=4,asia=6)")
+        counts[region] = int(n)
+    if set(counts) != set(REGIONS):
+        raise ValueError(f"replica counts {spec!r}: missing {', '.join(r for r in REGIONS if r not in counts)}")
+    return tuple((r, counts[r]) for r in REGIONS)
+
+
+def deployed(workload: MatrixWorkload, counts: tuple[tuple[str, int], ...] | None) -> MatrixWorkload:
+    """``workload`` on other replicas per region (``parse_counts``), or unchanged for None: the same clients and
+    requests, so a deployment's regions may differ in size (the matrix's own deployments are even but for
+    WildChat's). An open-loop workload's 1x stays its own deployment's rate (``one_x_rps``), so compare loads
+    between deployments of the same total only."""
+    return workload if counts is None else replace(workload, counts=counts)
 
 
 def cell_name(workload: str, load: float) -> str:

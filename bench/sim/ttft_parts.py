@@ -1,7 +1,8 @@
 """Where a simulated cell's time to first token goes, request by request: a diagnostic for the routing rules.
 
-``.venv/bin/python -m bench.sim.ttft_parts CELL [--seed 0] [--split dev] [--stop-at S] SYSTEM...`` (CELL: a
-robustness-matrix cell such as ``tot@0.5x``, bench/sim/matrix.py; SYSTEM: a key of bench/sim/systems.py ``SYSTEMS``
+``.venv/bin/python -m bench.sim.ttft_parts CELL [--seed 0] [--split dev] [--stop-at S] [--counts us=2,eu=4,asia=6]
+SYSTEM...`` (CELL: a robustness-matrix cell such as ``tot@0.5x``, bench/sim/matrix.py, on its own replicas per
+region or those of ``--counts``; SYSTEM: a key of bench/sim/systems.py ``SYSTEMS``
 or ``LAYOUT:POLICY`` for one of the oracle's candidates in a layout (``global:skylb-paper``, bench/sim/oracle_gap.py),
 each optionally followed by ``+option=value`` for the ``skylb`` policy's options or ``+cfg.setting=value`` for a
 balancer setting, Python literals). Prints, per system, the requests sent in the measurement window in three groups:
@@ -59,17 +60,19 @@ def parse_system(spec: str):
     return replace(system, candidates=()), options, settings
 
 
-def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: float | None = None) -> dict:
-    """Run ``spec`` on ``cell``; returns {"p90", "mean", "throughput", "groups": {group: {figure: mean}},
-    "tail": {group: {figure: mean}}} (module docstring for the figures)."""
-    from bench.sim.matrix import TIMES, WORKLOADS, parse_cell, trace_window
+def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: float | None = None,
+        counts: tuple[tuple[str, int], ...] | None = None) -> dict:
+    """Run ``spec`` on ``cell`` (on ``counts`` replicas per region instead of the cell's, bench/sim/matrix.py
+    ``deployed``); returns {"p90", "mean", "throughput", "groups": {group: {figure: mean}}, "tail": {group:
+    {figure: mean}}} (module docstring for the figures)."""
+    from bench.sim.matrix import TIMES, WORKLOADS, deployed, parse_cell, trace_window
     from bench.sim.regime import engine_params
     from bench.sim.systems import build
     from skylb.config import BalancerConfig
     system, options, cfg = parse_system(spec)
     params = engine_params()
     name, load = parse_cell(cell)
-    wl = WORKLOADS[name]
+    wl = deployed(WORKLOADS[name], counts)
     full_stop, warmup_s = TIMES[wl.kind]
     stop_at = stop_at or full_stop
     settings = None
@@ -210,15 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", default="dev", choices=("dev", "val"))
     p.add_argument("--stop-at", type=float, default=None, help="simulated seconds of sending (default: the cell's)")
+    p.add_argument("--counts", default=None, metavar="us=N,eu=N,asia=N",
+                   help="replicas per region instead of the cell's (e.g. us=2,eu=4,asia=6)")
     p.add_argument("--by-region", action="store_true",
                    help="also per client region: TTFT and its parts, served at home and abroad")
     p.add_argument("--spread", action="store_true",
                    help="also the engines' running batch per region and how prompt groups spread over replicas")
     args = p.parse_args(argv)
     try:
+        from bench.sim.matrix import parse_counts
+        counts = parse_counts(args.counts) if args.counts else None
         for spec in args.systems:
             print(render(args.cell, spec, run(args.cell, spec, seed=args.seed, split=args.split,
-                                              stop_at=args.stop_at), by_region=args.by_region,
+                                              stop_at=args.stop_at, counts=counts), by_region=args.by_region,
                          spread=args.spread), flush=True)
     except (ValueError, KeyError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
