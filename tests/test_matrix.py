@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -218,6 +219,8 @@ def test_quick_matrix_end_to_end(tmp_path):
     for w, x in cells:
         assert f"| {w} " in report and f"### {w}@{x:g}x" in report
     assert "Provenance: commit" in report and "Check 3" in report
+    # every cell's table gives the mean TTFT beside the P90
+    assert len(re.findall(r"\| system +\| P90 TTFT s +\| mean TTFT s +\| req/s", report)) == len(cells)
     for cell in data["cells"]:  # recompute the ratios from the aggregated results
         rows = {r["system"]: r for r in data["results"] if r["scenario"] == cell_name(cell["workload"], cell["load"])}
         others = [r for s, r in rows.items() if s not in (DEFAULT, "Oracle")]

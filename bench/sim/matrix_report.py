@@ -187,15 +187,17 @@ def _cells_table(cells: Sequence[CellVerdict]) -> str:
 
 
 def _detail(results: Sequence[RunSummary], cells: Sequence[CellVerdict], systems: Sequence[str]) -> list[str]:
-    """Per cell, every system's P90 TTFT, throughput, hit rate and forwarded fraction (mean [min, max])."""
+    """Per cell, every system's P90 and mean TTFT, throughput, hit rate and forwarded fraction (mean [min, max]).
+    The mean beside the P90 shows a tail the P90 does not: a region's clients waiting seconds while most requests
+    do not (bench/results/asymmetric_regions.md)."""
     by = {(r.scenario, r.system): r for r in results}
     lines = ["## Every cell, every system (mean [min, max] over seeds)", ""]
     for v in cells:
         name = f"{v.workload}@{v.load:g}x"
         rows = [by[(name, s)] for s in systems if (name, s) in by]
         lines += [f"### {name}", "", markdown_table(
-            ["system", "P90 TTFT s", "req/s", "prefix hit rate", "forwarded"],
-            [[r.system, spread_text(r, "ttft_p90"), spread_text(r, "throughput_rps"),
+            ["system", "P90 TTFT s", "mean TTFT s", "req/s", "prefix hit rate", "forwarded"],
+            [[r.system, spread_text(r, "ttft_p90"), spread_text(r, "ttft_mean"), spread_text(r, "throughput_rps"),
               spread_text(r, "hit_rate", "{:.1%}"), spread_text(r, "forwarded_frac", "{:.1%}")] for r in rows]), ""]
     return lines
 
