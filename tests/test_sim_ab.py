@@ -76,3 +76,20 @@ def test_a_matrix_cell_runs_on_other_replicas_per_region(monkeypatch):
             assert "replica counts" in str(exc)
         else:
             raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_round_trips_between_regions_scale(monkeypatch):
+    """``RTT_SCALE`` lengthens every round trip between regions: with one balancer in us for every replica, the
+    eu and asia clients' network time in TTFT grows about as much; a scale that is no positive number is refused."""
+    monkeypatch.setitem(__import__("bench.sim.matrix", fromlist=["TIMES"]).TIMES, "open", (20.0, 5.0))
+    near = run_one(("multi_tenant@1x", "SGL", 0))
+    monkeypatch.setenv("RTT_SCALE", "4")
+    far = run_one(("multi_tenant@1x", "SGL", 0))
+    assert 3.0 < far.network_mean / near.network_mean < 4.5
+    monkeypatch.setenv("RTT_SCALE", "0")
+    try:
+        run_one(("multi_tenant@1x", "SGL", 0))
+    except ValueError as exc:
+        assert "RTT_SCALE" in str(exc)
+    else:
+        raise AssertionError("RTT_SCALE=0 was accepted")

@@ -6,7 +6,8 @@ option of the system's policy, a Python literal) or ``+cfg.setting=value`` (a ba
 e.g. ``'SkyLB;SkyLB+placement="predicted-ttft"'``. ``TRACE=path`` replays another Mooncake-format trace in the
 trace scenarios. A scenario may also be a robustness-matrix cell ("multi_tenant@2x"; ``SPLIT=val`` for the
 validation split's trace windows; ``COUNTS=us=2,eu=4,asia=6`` for other replicas per region, bench/sim/matrix.py
-``parse_counts``). Each line gives P90 and P50 TTFT (s), throughput (req/s), prefix hit rate, mean requests queued at
+``parse_counts``). ``RTT_SCALE=3`` multiplies every round trip between regions (bench/sim/cluster.py
+``DEFAULT_RTT_MS``). Each line gives P90 and P50 TTFT (s), throughput (req/s), prefix hit rate, mean requests queued at
 the balancers, mean pending requests per replica, forwarded share and the run's wall time (s).
 
 ``python -m bench.sim.ab --table FILE...``: a Markdown table of such lines (each optionally prefixed by a label
@@ -58,6 +59,12 @@ def run_one(args: tuple[str, str, int]):
         sc = SCENARIOS[sc_name]
         workload, stop_at, warmup_s = sc.make_workload(seed, trace=os.environ.get("TRACE")), sc.stop_at, sc.warmup_s
         counts, extra = dict(sc.deployments[0]), {}
+    if os.environ.get("RTT_SCALE"):  # every round trip between regions x this (within a region: unchanged)
+        from bench.sim.cluster import DEFAULT_RTT_MS, Network
+        scale = float(os.environ["RTT_SCALE"])
+        if not scale > 0:
+            raise ValueError(f"RTT_SCALE={os.environ['RTT_SCALE']!r}: expected a number > 0")
+        extra["network"] = Network(rtt_ms={pair: ms * scale for pair, ms in DEFAULT_RTT_MS.items()})
     t0 = time.perf_counter()
     cluster = build(system, workload, counts, seed=seed, stop_at=stop_at, params=params, settings=base, **extra).run()
     return summarize(cluster, scenario=sc_name, system=spec, layout=system.layout, warmup_s=warmup_s, seed=seed,
