@@ -1,8 +1,8 @@
 """Where a simulated cell's time to first token goes, request by request: a diagnostic for the routing rules.
 
 ``.venv/bin/python -m bench.sim.ttft_parts CELL [--seed 0] [--split dev] [--stop-at S] [--counts us=2,eu=4,asia=6]
-SYSTEM...`` (CELL: a robustness-matrix cell such as ``tot@0.5x``, bench/sim/matrix.py, on its own replicas per
-region or those of ``--counts``; SYSTEM: a key of bench/sim/systems.py ``SYSTEMS``
+[--rtt-scale X] SYSTEM...`` (CELL: a robustness-matrix cell such as ``tot@0.5x``, bench/sim/matrix.py, on its own
+replicas per region or those of ``--counts``, its round trips between regions x ``--rtt-scale``; SYSTEM: a key of bench/sim/systems.py ``SYSTEMS``
 or ``LAYOUT:POLICY`` for one of the oracle's candidates in a layout (``global:skylb-paper``, bench/sim/oracle_gap.py),
 each optionally followed by ``+option=value`` for the ``skylb`` policy's options or ``+cfg.setting=value`` for a
 balancer setting, Python literals). Prints, per system, the requests sent in the measurement window in three groups:
@@ -61,9 +61,9 @@ def parse_system(spec: str):
 
 
 def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: float | None = None,
-        counts: tuple[tuple[str, int], ...] | None = None) -> dict:
+        counts: tuple[tuple[str, int], ...] | None = None, rtt_scale: float = 1.0) -> dict:
     """Run ``spec`` on ``cell`` (on ``counts`` replicas per region instead of the cell's, bench/sim/matrix.py
-    ``deployed``); returns {"p90", "mean", "throughput", "groups": {group: {figure: mean}}, "tail": {group:
+    ``deployed``; every round trip between regions x ``rtt_scale``); returns {"p90", "mean", "throughput", "groups": {group: {figure: mean}}, "tail": {group:
     {figure: mean}}} (module docstring for the figures)."""
     from bench.sim.matrix import TIMES, WORKLOADS, deployed, parse_cell, trace_window
     from bench.sim.regime import engine_params
@@ -79,8 +79,11 @@ def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: flo
     if options or cfg:
         settings = BalancerConfig.model_validate(BalancerConfig().model_dump() | cfg | (
             {"policies": {system.policy: options}} if options else {}))
+    from bench.sim.cluster import DEFAULT_RTT_MS, Network
+    network = Network(rtt_ms={pair: ms * rtt_scale for pair, ms in DEFAULT_RTT_MS.items()})
     cluster = build(system, wl.make(seed, load, trace_window(split, seed), stop_at), dict(wl.counts), seed=seed,
-                    stop_at=stop_at, params=params, settings=settings, replica_params=wl.replica_params(params))
+                    stop_at=stop_at, network=network, params=params, settings=settings,
+                    replica_params=wl.replica_params(params))
     at_arrival: dict[str, tuple[int, float, float, int]] = {}
 
     def arrived(replica, flight) -> None:
@@ -215,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-at", type=float, default=None, help="simulated seconds of sending (default: the cell's)")
     p.add_argument("--counts", default=None, metavar="us=N,eu=N,asia=N",
                    help="replicas per region instead of the cell's (e.g. us=2,eu=4,asia=6)")
+    p.add_argument("--rtt-scale", type=float, default=1.0, metavar="X",
+                   help="every round trip between regions x this (default 1)")
     p.add_argument("--by-region", action="store_true",
                    help="also per client region: TTFT and its parts, served at home and abroad")
     p.add_argument("--spread", action="store_true",
@@ -223,9 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from bench.sim.matrix import parse_counts
         counts = parse_counts(args.counts) if args.counts else None
+        if not args.rtt_scale > 0:
+            raise ValueError(f"--rtt-scale {args.rtt_scale}: expected a number > 0")
         for spec in args.systems:
             print(render(args.cell, spec, run(args.cell, spec, seed=args.seed, split=args.split,
-                                              stop_at=args.stop_at, counts=counts), by_region=args.by_region,
+                                              stop_at=args.stop_at, counts=counts, rtt_scale=args.rtt_scale),
+                         by_region=args.by_region,
                          spread=args.spread), flush=True)
     except (ValueError, KeyError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
