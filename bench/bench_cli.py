@@ -105,6 +105,10 @@ def _add_matrix(sub) -> None:
                         "minute 40; all: both (default dev)")
     m.add_argument("--seeds", type=_seed_list, default=None, metavar="N,N,...",
                    help="seeds (default: the split's)")
+    m.add_argument("--counts", type=_counts, default=None, metavar="us=N,eu=N,asia=N",
+                   help="replicas per region for every workload instead of its own (the same clients; an "
+                        "open-loop workload's 1x stays its own deployment's rate), e.g. us=2,eu=4,asia=6; write "
+                        "the report to another --out than the matrix's own")
     m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="worker processes (default: min(2, CPUs))")
     m.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
@@ -112,6 +116,15 @@ def _add_matrix(sub) -> None:
     m.add_argument("--from-json", type=Path, default=None, metavar="PATH",
                    help="run nothing: rewrite the report and the heat map from the runs saved in PATH (a "
                         "matrix.json this command wrote)")
+
+
+def _counts(text: str) -> tuple[tuple[str, int], ...]:
+    """An argparse type: replicas per region (bench/sim/matrix.py ``parse_counts``)."""
+    from bench.sim.matrix import parse_counts
+    try:
+        return parse_counts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _name_list(known) -> Callable[[str], tuple[str, ...]]:
@@ -570,17 +583,19 @@ def _run_matrix(args: argparse.Namespace) -> int:
         print(f"skylb bench matrix: {', '.join(missing)} need the trace {_default_trace()}, which is missing",
               file=sys.stderr)
         return 2
-    specs = runs_for(workloads, systems, seeds, split=args.split, loads=loads, quick=args.quick)
+    specs = runs_for(workloads, systems, seeds, split=args.split, loads=loads, quick=args.quick, counts=args.counts)
     command = "skylb bench matrix" + (" --quick" if args.quick else "") + "".join(
         f" --{flag} {','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in value)}"
         for flag, value in (("workloads", args.workloads), ("loads", args.loads), ("systems", args.systems),
-                            ("seeds", args.seeds)) if value) + f" --split {args.split}"
+                            ("seeds", args.seeds)) if value) + f" --split {args.split}" + (
+        " --counts " + ",".join(f"{r}={n}" for r, n in args.counts) if args.counts else "")
     prov = provenance(command)  # at the start: the code that ran, even if the checkout changes during the run
     t0 = time.perf_counter()
     runs = run_specs(specs, jobs=max(1, args.jobs), progress=not args.no_progress, runner=execute_run,
                      cost=lambda s: s.cost)
     saved = {"command": command, "provenance": prov, "split": args.split, "seeds": list(seeds),
              "systems": list(systems), "quick": args.quick,
+             "counts": dict(args.counts) if args.counts else None,
              "times": {k: TIMES["quick" if args.quick else k] for k in ("closed", "open", "trace")},
              "wall_s": time.perf_counter() - t0, "jobs": args.jobs, "runs": [r.to_dict() for r in runs]}
     args.out.mkdir(parents=True, exist_ok=True)

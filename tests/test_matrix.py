@@ -257,3 +257,18 @@ def test_matrix_diff_compares_one_systems_seed_means_cell_by_cell(tmp_path, caps
     assert matrix_diff.main([str(before), str(after), "--system", "SGL"]) == 2
     assert matrix_diff.main([str(before), str(after), "--seeds", "1"]) == 0
     assert "| a@2x | 3.00 -> 2.00 |" in capsys.readouterr().out
+
+
+def test_matrix_on_other_replicas_per_region(tmp_path, capsys):
+    """`--counts` runs every cell on other replicas per region, records them in the JSON and says so in the report;
+    a malformed list is refused by the command line with what is wrong."""
+    out = tmp_path / "uneven"
+    assert cli.main(["bench", "matrix", "--quick", "--workloads", "multi_tenant", "--loads", "1", "--systems",
+                     "SkyLB,RR", "--counts", "us=1,eu=1,asia=2", "--out", str(out), "--no-progress"]) == 0
+    data = json.loads((out / "matrix.json").read_text())
+    assert data["counts"] == {"us": 1, "eu": 1, "asia": 2} and data["command"].endswith("--counts us=1,eu=1,asia=2")
+    assert {r["replicas"] for r in data["runs"]} == {4}
+    assert "**Replicas per region.** us 1, eu 1, asia 2" in (out / "matrix.md").read_text()
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "matrix", "--quick", "--counts", "us=1,eu=1", "--out", str(out)])
+    assert "missing asia" in capsys.readouterr().err

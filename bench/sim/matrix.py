@@ -289,6 +289,8 @@ class MatrixRun:
     seed: int
     split: str = "dev"
     quick: bool = False
+    #: Replicas per region instead of the workload's own (``parse_counts``; None: its own).
+    counts: tuple[tuple[str, int], ...] | None = None
 
     @property
     def scenario(self) -> str:
@@ -298,24 +300,26 @@ class MatrixRun:
     @property
     def cost(self) -> float:
         """A rough relative cost, to start the long runs first: replicas x load x (candidates for the oracle)."""
-        replicas = sum(n for _, n in WORKLOADS[self.workload].counts)
+        replicas = sum(n for _, n in (self.counts or WORKLOADS[self.workload].counts))
         return replicas * self.load * max(1, len(SYSTEMS[self.system].candidates))
 
 
 def runs_for(workloads: Sequence[str], systems: Sequence[str], seeds: Sequence[int], *, split: str = "dev",
-             loads: Sequence[float] | None = None, quick: bool = False) -> list[MatrixRun]:
+             loads: Sequence[float] | None = None, quick: bool = False,
+             counts: tuple[tuple[str, int], ...] | None = None) -> list[MatrixRun]:
     """Every run of the matrix: each workload at ``loads`` (default: its own :data:`MatrixWorkload.loads`), each
-    system, each seed. Raises KeyError for an unknown workload or system."""
+    system, each seed; on ``counts`` replicas per region when given (``deployed``). Raises KeyError for an unknown
+    workload or system."""
     for s in systems:
         SYSTEMS[s]  # noqa: B018 (fail early on a misspelt system)
-    return [MatrixRun(w, load, s, seed, split, quick) for w in workloads
+    return [MatrixRun(w, load, s, seed, split, quick, counts) for w in workloads
             for load in (loads or WORKLOADS[w].loads) for s in systems for seed in seeds]
 
 
 def execute_run(spec: MatrixRun) -> RunSummary:
     """Run one simulation of the matrix to completion and summarise it (top level, for worker processes). The
     oracle runs once per candidate policy on the same workload and keeps per figure the best (``best_of``)."""
-    wl = WORKLOADS[spec.workload]
+    wl = deployed(WORKLOADS[spec.workload], spec.counts)
     system = SYSTEMS[spec.system]
     stop_at, warmup = TIMES["quick" if spec.quick else wl.kind]
     t0 = time.perf_counter()

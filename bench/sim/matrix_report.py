@@ -222,6 +222,10 @@ def render_markdown(saved: dict, results: Sequence[RunSummary], *, plot: str | N
              + ".", "",
              f"**Systems.** {', '.join(systems)}. Best other: every system but the default and the oracle; single "
              f"balancers: {', '.join(SINGLES)}.", ""]
+    if saved.get("counts"):
+        lines += [f"**Replicas per region.** {', '.join(f'{r} {n}' for r, n in saved['counts'].items())} for every "
+                  "workload (`--counts`), instead of each workload's own (bench/sim/matrix.py); the clients are "
+                  "the workload's, and an open-loop workload's 1x is its own deployment's rate.", ""]
     lines += _checks_section(cells, mean_single_ratios(results))
     if plot:
         lines += ["## Heat map", "", f"![default P90 over the best other system's]({plot})", ""]
