@@ -90,6 +90,6 @@ def test_round_trips_between_regions_scale(monkeypatch):
     try:
         run_one(("multi_tenant@1x", "SGL", 0))
     except ValueError as exc:
-        assert "RTT_SCALE" in str(exc)
+        assert "round-trip scale" in str(exc)
     else:
         raise AssertionError("RTT_SCALE=0 was accepted")

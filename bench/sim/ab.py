@@ -60,11 +60,8 @@ def run_one(args: tuple[str, str, int]):
         workload, stop_at, warmup_s = sc.make_workload(seed, trace=os.environ.get("TRACE")), sc.stop_at, sc.warmup_s
         counts, extra = dict(sc.deployments[0]), {}
     if os.environ.get("RTT_SCALE"):  # every round trip between regions x this (within a region: unchanged)
-        from bench.sim.cluster import DEFAULT_RTT_MS, Network
-        scale = float(os.environ["RTT_SCALE"])
-        if not scale > 0:
-            raise ValueError(f"RTT_SCALE={os.environ['RTT_SCALE']!r}: expected a number > 0")
-        extra["network"] = Network(rtt_ms={pair: ms * scale for pair, ms in DEFAULT_RTT_MS.items()})
+        from bench.sim.cluster import farther
+        extra["network"] = farther(float(os.environ["RTT_SCALE"]))
     t0 = time.perf_counter()
     cluster = build(system, workload, counts, seed=seed, stop_at=stop_at, params=params, settings=base, **extra).run()
     return summarize(cluster, scenario=sc_name, system=spec, layout=system.layout, warmup_s=warmup_s, seed=seed,

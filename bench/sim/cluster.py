@@ -60,7 +60,7 @@ from skylb.core.kv_hash import request_block_hashes
 from bench.emulator import kv_hash
 from bench.emulator.model import EngineParams, FinishedRequest, make_engine
 
-__all__ = ["Network", "DEFAULT_RTT_MS", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
+__all__ = ["Network", "DEFAULT_RTT_MS", "farther", "BalancerSetup", "Flight", "SimReplica", "SimBalancer", "Cluster"]
 
 #: Round-trip latencies between regions, ms (SkyLB paper §2.1 and §2.3: cross-region latency up to 200 ms).
 DEFAULT_RTT_MS: dict[tuple[str, str], float] = {("us", "eu"): 80.0, ("us", "asia"): 150.0, ("eu", "asia"): 200.0}
@@ -88,6 +88,14 @@ class Network:
             if rtt is None:
                 raise KeyError(f"no round-trip latency between {a!r} and {b!r}")
         return rtt * self.scale / 2000.0
+
+
+def farther(rtt_scale: float) -> Network:
+    """The default network with every round trip between regions x ``rtt_scale`` (within a region unchanged, unlike
+    ``Network.scale``). Raises ValueError unless ``rtt_scale`` > 0."""
+    if not rtt_scale > 0:
+        raise ValueError(f"round-trip scale {rtt_scale!r}: expected a number > 0")
+    return Network(rtt_ms={pair: ms * rtt_scale for pair, ms in DEFAULT_RTT_MS.items()})
 
 
 @dataclass(frozen=True)

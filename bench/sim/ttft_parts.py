@@ -79,8 +79,8 @@ def run(cell: str, spec: str, *, seed: int = 0, split: str = "dev", stop_at: flo
     if options or cfg:
         settings = BalancerConfig.model_validate(BalancerConfig().model_dump() | cfg | (
             {"policies": {system.policy: options}} if options else {}))
-    from bench.sim.cluster import DEFAULT_RTT_MS, Network
-    network = Network(rtt_ms={pair: ms * rtt_scale for pair, ms in DEFAULT_RTT_MS.items()})
+    from bench.sim.cluster import farther
+    network = farther(rtt_scale)
     cluster = build(system, wl.make(seed, load, trace_window(split, seed), stop_at), dict(wl.counts), seed=seed,
                     stop_at=stop_at, network=network, params=params, settings=settings,
                     replica_params=wl.replica_params(params))
@@ -228,8 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from bench.sim.matrix import parse_counts
         counts = parse_counts(args.counts) if args.counts else None
-        if not args.rtt_scale > 0:
-            raise ValueError(f"--rtt-scale {args.rtt_scale}: expected a number > 0")
         for spec in args.systems:
             print(render(args.cell, spec, run(args.cell, spec, seed=args.seed, split=args.split,
                                               stop_at=args.stop_at, counts=counts, rtt_scale=args.rtt_scale),
