@@ -225,7 +225,7 @@ _status = st.builds(
     models=st.none() | st.dictionaries(st.sampled_from(["openai", "ollama"]),
                                        st.dictionaries(st.text(max_size=10), _count, max_size=3), max_size=2),
     wait_ms=_ms, queue_age_ms=_ms, dispatch_rate=_ms, backlog_tokens=_ms, prefill_fixed_ms=_ms,
-    prefill_ms_per_token=_ms)
+    prefill_ms_per_token=_ms, load_per_replica=_ms)
 
 
 @PROPERTY

@@ -513,7 +513,7 @@ def test_status_reports_available_replicas_and_queue():
     router.observe_replica("r0", now=0.0, healthy=True, pending=1)
     s = router.status(0.01)
     assert s == PeerStatus(region="us", available_replicas=0, replicas=3, queue_len=1, models={},
-                           queue_age_ms=2010.0)
+                           queue_age_ms=2010.0, load_per_replica=1.5)  # (1 + 2) waiting over r0 and r1
 
 
 def test_unknown_policy_is_a_clear_error():

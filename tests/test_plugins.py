@@ -20,6 +20,7 @@ from skylb.core.plugins.estimated_wait import EstimatedWait, QueueWait, pick_by_
 from skylb.core.plugins.forward_queued import ForwardQueued
 from skylb.core.plugins.hash_ring import PeerRing, ReplicaRing, SessionKey
 from skylb.core.plugins.hold_for_faster import HoldForFaster, faster
+from skylb.core.plugins.home_new_prefix import HomeNewPrefix
 from skylb.core.plugins.kv_locality import CachedMatch, KVLocality
 from skylb.core.plugins.least_load import LeastLoad
 from skylb.core.plugins.most_room import MostRoom
@@ -704,3 +705,64 @@ def test_predicted_ttft_prices_every_kind_of_candidate_on_one_scale():
     full = _replica("r3", 4, running=4, pending=4)
     full.capacity.limit = 4
     assert rule.decide(_candidates(_req("q2", B), [], busy=[full], queued=1), None) is HOLD  # nothing has room
+
+
+def _home(loc=None, **kw) -> HomeNewPrefix:
+    return HomeNewPrefix(loc or _locality(), **{"ratio": 1.5, "slack": 4.0, "busy_fraction": 0.5, **kw})
+
+
+def test_home_new_prefix_sends_a_new_group_from_a_region_under_pressure_to_the_least_loaded_peer():
+    """Half the local replicas full and 20 requests per replica here against 6 and 8 abroad: a request that matches
+    nothing goes to the least loaded peer (eu, 6 + its 2 forwards since its status over 4 replicas = 6.5)."""
+    rule = _home()
+    free = _replica("r1", running=16)
+    full = [_replica("r2", running=24), _replica("r3", running=20)]
+    free2 = _replica("r4", running=20)
+    peers = [_peer("eu", load_per_replica=6.0, sent_since_probe=2), _peer("asia", load_per_replica=8.0)]
+    c = _candidates(_req("q", A), [free, free2], busy=full, peers=peers, reachable=peers)
+    assert rule.decide(c, None).region == "eu"
+
+
+@pytest.mark.parametrize("case", ["few busy", "small gap", "peer load unknown", "held here", "held abroad",
+                                  "forwarded", "no room here"])
+def test_home_new_prefix_has_no_opinion_otherwise(case):
+    loc = _locality()
+    local = [_replica("r1", running=20), _replica("r2", running=20)]
+    busy = [_replica("r3", running=20), _replica("r4", running=20)]
+    peers = [_peer("eu", load_per_replica=6.0)]
+    request = _req("q", A)
+    if case == "few busy":
+        local, busy = [*local, busy[0]], busy[1:]  # 1 of 4 full: below busy_fraction
+    elif case == "small gap":
+        peers = [_peer("eu", load_per_replica=11.0)]  # 20 <= 1.5 x 11 + 4
+    elif case == "peer load unknown":
+        peers = [_peer("eu")]  # an older peer says nothing of its load
+    elif case == "held here":
+        loc.routed(_req("h", A), replica="r3")
+    elif case == "held abroad":
+        loc.routed(_req("h", A), peer="eu")
+    elif case == "forwarded":
+        request = _req("q", A, forwarded_from="asia")
+    elif case == "no room here":
+        local = []
+    c = _candidates(request, local, busy=busy, peers=peers, reachable=peers)
+    assert _home(loc).decide(c, None) is None
+
+
+def test_home_new_prefix_reads_the_block_index_for_what_is_held_here():
+    """With KV-cache events the prompt's exact match among every local replica decides whether the group is new."""
+    loc = _locality()
+    loc.set_members({"r1", "r2"}, {"eu"})
+    local, busy = [_replica("r1", running=20)], [_replica("r2", running=20)]
+    peers = [_peer("eu", load_per_replica=2.0)]
+    loc.attach_kv_index(_indexed({"r2": 8}, live=("r1", "r2")))
+    held = _req("q", "x", block_hashes=tuple(range(1, 9)), prompt_tokens=128)  # r2's engine holds all 8 blocks
+    assert _home(loc).decide(_candidates(held, local, busy=busy, peers=peers, reachable=peers), None) is None
+    new = _req("n", "y", block_hashes=tuple(range(101, 109)), prompt_tokens=128)
+    assert _home(loc).decide(_candidates(new, local, busy=busy, peers=peers, reachable=peers), None).region == "eu"
+
+
+def test_home_new_prefix_refuses_nonsense_thresholds():
+    for kw in ({"ratio": 1.0}, {"slack": -1.0}, {"busy_fraction": 1.5}):
+        with pytest.raises(ValueError):
+            _home(**kw)

@@ -48,6 +48,31 @@ def test_router_status_tells_peers_what_its_engines_say_of_each_model():
     assert router.status(now=0.0).model_cards == {"m": {"owned_by": "vllm", "created": 5, "max_model_len": 4096}}
 
 
+def test_router_status_tells_peers_its_mean_load_per_usable_replica():
+    """``load_per_replica``: the mean requests in the engines of the healthy, not draining replicas (running +
+    waiting at the probe + sent since, or this balancer's own in flight when more); None with none usable; it
+    round-trips, an older peer's status has none, and a negative or non-finite one is refused."""
+    from skylb.config import BalancerConfig
+    from skylb.core.builder import build_router
+
+    router = build_router("us", BalancerConfig())
+    assert router.status(now=0.0).load_per_replica is None
+    router.set_replicas([("a", "http://a", "vllm"), ("b", "http://b", "vllm"), ("c", "http://c", "vllm")])
+    router.replicas["a"].observe_probe(now=0.0, healthy=True, pending=2, running=6)
+    router.replicas["b"].observe_probe(now=0.0, healthy=True, pending=0, running=1)
+    router.replicas["b"].outstanding = 4  # more of ours in flight than its probe saw
+    router.replicas["c"].observe_probe(now=0.0, healthy=False, error="down")
+    status = router.status(now=0.0)
+    assert status.load_per_replica == 6.0  # (8 + 4) / 2: c is not usable
+    assert decode_status(encode_status(status)).load_per_replica == 6.0
+    raw = {"v": 1, "region": "eu", "available_replicas": 1, "replicas": 1, "queue_len": 0}
+    assert decode_status(msgpack.packb(raw)).load_per_replica is None
+    assert decode_status(msgpack.packb(raw | {"load_per_replica": 3})).load_per_replica == 3
+    for bad in (-1.0, float("inf")):
+        with pytest.raises(ProtocolError, match="load_per_replica"):
+            decode_status(msgpack.packb(raw | {"load_per_replica": bad}))
+
+
 def test_status_of_an_older_peer_has_no_queue_age():
     """A peer that predates the queue age and dispatch rate decodes with both None (it is never forwarded into a
     queue); a negative age is rejected."""

@@ -107,6 +107,8 @@ class _StatusMessage(BaseModel):
     # ways, kept as the prefixes are (_hashes: unsigned 64-bit ints, at most MAX_SUMMARY_BLOCKS).
     blocks: list[Any] | None = None
     block_size: Annotated[int, Field(ge=1)] | None = None
+    # The mean requests in its usable replicas' engines (PeerStatus.load_per_replica); added later, optional both ways.
+    load_per_replica: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 
 
 def encode_status(status: PeerStatus) -> bytes:
@@ -148,7 +150,7 @@ def decode_status(data: bytes) -> PeerStatus:
                       prefill_ms_per_token=msg.prefill_ms_per_token, model_cards=_scalar_cards(msg.model_cards),
                       prefixes=_hashes(msg.prefixes, MAX_STATUS_PREFIXES, newest_last=True),
                       prefix_seq=msg.prefix_seq, blocks=_hashes(msg.blocks, MAX_SUMMARY_BLOCKS),
-                      block_size=msg.block_size)
+                      block_size=msg.block_size, load_per_replica=msg.load_per_replica)
 
 
 def _hashes(hashes: list | None, limit: int, *, newest_last: bool = False) -> tuple[int, ...] | None:

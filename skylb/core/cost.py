@@ -87,7 +87,7 @@ def slot_wait_s(replica: ReplicaState, service_s: float, learn_capacity: bool = 
     if limit is None:
         # No batch size known: the engine's pending requests are the queue (the paper's signal).
         return (replica.pending * service_s) if replica.pending > 0 else 0.0
-    in_engine = max((replica.running or 0) + replica.pending + replica.sent_since_probe, replica.outstanding)
+    in_engine = replica.in_engine
     if in_engine < limit:
         return 0.0
     return (in_engine - limit + 1) * service_s / max(1, limit)

@@ -805,7 +805,8 @@ class Router:
         so a peer knows the model is served here even when all are busy), what those replicas' engines say of each
         model (``peer_card``), and the policy's estimated wait on the best available replica (ms; None without one
         or without an estimate); with a sibling, the prefixes its replicas hold lately (``PeerStatus.prefixes``);
-        following KV-cache events, the region summary of the blocks its replicas hold (``PeerStatus.blocks``)."""
+        following KV-cache events, the region summary of the blocks its replicas hold (``PeerStatus.blocks``); the
+        mean requests in its usable replicas' engines (``PeerStatus.load_per_replica``)."""
         available = self.available_replicas(now)
         available_ids = {r.id for r in available}
         models: dict[str, dict[str, int]] = {}
@@ -828,6 +829,9 @@ class Router:
         held = self.policy.held_blocks()  # with KV-cache events: what the region's engines hold (kv_index.py)
         if held is not None:
             extra = {**extra, "blocks": held[0], "block_size": held[1]}
+        usable = [r.in_engine for r in self.replicas.values() if r.healthy and not r.draining]
+        if usable:
+            extra = {**extra, "load_per_replica": round(sum(usable) / len(usable), 3)}
         return PeerStatus(region=self.region, available_replicas=len(available),
                           replicas=sum(1 for r in self.replicas.values() if not r.draining),
                           queue_len=len(self.queue), models=models,

@@ -153,6 +153,12 @@ class ReplicaState:
         """Requests sent here after the latest probe was sent (so possibly unseen by it)."""
         return len(self.dispatch_times)
 
+    @property
+    def in_engine(self) -> int:
+        """Requests in the engine now, as far as this balancer knows: running and waiting at the latest probe plus
+        those sent since, or this balancer's own in flight there when more (a probe may be stale)."""
+        return max((self.running or 0) + self.pending + len(self.dispatch_times), self.outstanding)
+
     def serves(self, model: str, api: str) -> bool:
         """True when this replica serves ``model`` ("" = any model) in dialect ``api``."""
         return api in self.apis and (not model or (self.models is not None and model in self.models))
@@ -306,6 +312,9 @@ class PeerStatus:
             blocks its replicas hold now, one in ``SUMMARY_STRIDE`` of them, at most ``MAX_SUMMARY_BLOCKS``;
             block_size: their tokens per block. Said only by a balancer following its engines' KV-cache events,
             else None.
+        load_per_replica: the mean over its usable replicas (healthy, not draining) of the requests in each one's
+            engine (``ReplicaState.in_engine``), requests; None when it has none usable or did not say (an older
+            peer). A sender compares it with its own region's (skylb/core/plugins/home_new_prefix.py).
     """
 
     region: str
@@ -324,6 +333,7 @@ class PeerStatus:
     prefix_seq: int | None = None
     blocks: tuple[int, ...] | None = None
     block_size: int | None = None
+    load_per_replica: float | None = None
 
 
 @dataclass
@@ -340,6 +350,8 @@ class PeerState:
         model_cards: model id -> what the peer's engines say of it (``PeerStatus.model_cards``), empty when it did
             not say; ``GET /v1/models`` lists a model only peers serve with these fields.
         wait_s: the peer's estimated wait (s) from its latest status, None when it gave none.
+        load_per_replica: its usable replicas' mean requests in their engines at its latest status
+            (``PeerStatus.load_per_replica``), None when it gave none.
         rtt_s: the round trip to the peer, s: a moving average of status probe round trips (None: not measured).
         queue_age_s: how long the oldest request in its queue had waited at its latest status, s (None: not said).
         dispatch_rate: requests it placed per second at its latest status (None: not said).
@@ -377,6 +389,7 @@ class PeerState:
     ejections: int = 0
     ejected_until: float | None = None
     wait_s: float | None = None
+    load_per_replica: float | None = None
     rtt_s: float | None = None
     queue_age_s: float | None = None
     dispatch_rate: float | None = None
@@ -405,6 +418,8 @@ class PeerState:
             self.models = status.models
             self.model_cards = dict(status.model_cards or {})
             self.wait_s = None if status.wait_ms is None else max(0.0, float(status.wait_ms)) / 1000.0
+            self.load_per_replica = (None if status.load_per_replica is None
+                                     else max(0.0, float(status.load_per_replica)))
             self.queue_age_s = None if status.queue_age_ms is None else max(0.0, float(status.queue_age_ms)) / 1000.0
             self.dispatch_rate = None if status.dispatch_rate is None else max(0.0, float(status.dispatch_rate))
             self.backlog_tokens = None if status.backlog_tokens is None else max(0.0, float(status.backlog_tokens))
