@@ -116,6 +116,10 @@ def _add_matrix(sub) -> None:
     m.add_argument("--from-json", type=Path, default=None, metavar="PATH",
                    help="run nothing: rewrite the report and the heat map from the runs saved in PATH (a "
                         "matrix.json this command wrote)")
+    m.add_argument("--replace-in", type=Path, default=None, metavar="PATH",
+                   help="with --from-json: the report of the matrix saved in PATH with the runs of the systems in "
+                        "--from-json's file replaced by those (same split, seeds and counts), e.g. the default "
+                        "rerun alone after a change to it; both commands are recorded")
 
 
 def _counts(text: str) -> tuple[tuple[str, int], ...]:
@@ -570,8 +574,19 @@ def _run_matrix(args: argparse.Namespace) -> int:
     from bench.sim.matrix import MATRIX_SYSTEMS, QUICK, TIMES, WORKLOADS, execute_run, runs_for, split_seeds
     from bench.sim.matrix_report import write_report
     from bench.sim.scenarios import trace_available
+    if args.replace_in is not None and args.from_json is None:
+        print("skylb bench matrix: --replace-in needs --from-json (the rerun's matrix.json)", file=sys.stderr)
+        return 2
     if args.from_json is not None:
-        print(f"report: {write_report(json.loads(args.from_json.read_text()), args.out)}")
+        saved = json.loads(args.from_json.read_text())
+        if args.replace_in is not None:
+            from bench.sim.matrix_report import replace_systems
+            try:
+                saved = replace_systems(json.loads(args.replace_in.read_text()), saved)
+            except ValueError as exc:
+                print(f"skylb bench matrix: {exc}", file=sys.stderr)
+                return 2
+        print(f"report: {write_report(saved, args.out)}")
         return 0
     quick = QUICK if args.quick else {}
     workloads = args.workloads or quick.get("workloads") or tuple(WORKLOADS)

@@ -230,6 +230,31 @@ def test_quick_matrix_end_to_end(tmp_path):
         assert cell["oracle_ratio"] == pytest.approx(rows[DEFAULT]["ttft_p90"] / rows["Oracle"]["ttft_p90"])
     pytest.importorskip("matplotlib")
     assert (tmp_path / "matrix.png").stat().st_size > 1000 and "![" in report
+    _replace_in(tmp_path, data)
+
+
+def _replace_in(tmp_path, data):
+    """`--from-json RERUN --replace-in SAVED`: the default's runs of a rerun replace the saved ones (ratios follow),
+    every other system's stay, both commands are recorded; a rerun of other seeds is refused."""
+    rerun = {k: data[k] for k in ("split", "seeds", "counts", "systems", "quick", "times", "jobs")} | {
+        "command": "skylb bench matrix --systems SkyLB", "wall_s": 5.0,
+        "provenance": {**data["provenance"], "commit": "abcdef1234", "date": "2026-12-03T17:00:00Z"},
+        "runs": [{**r, "ttft_p90": r["ttft_p90"] * 2} for r in data["runs"] if r["system"] == DEFAULT]}
+    (tmp_path / "rerun.json").write_text(json.dumps(rerun))
+    merged = tmp_path / "merged"
+    assert cli.main(["bench", "matrix", "--from-json", str(tmp_path / "rerun.json"), "--replace-in",
+                     str(tmp_path / "matrix.json"), "--out", str(merged)]) == 0
+    got = json.loads((merged / "matrix.json").read_text())
+    assert len(got["runs"]) == len(data["runs"]) and got["provenance"]["commit"] == "abcdef1234"
+    assert got["command"].startswith("skylb bench matrix --systems SkyLB (5 s, 2026-12-03, at abcdef1); earlier, "
+                                     f"replaced for {DEFAULT}: {data['command']}")
+    before = {(c["workload"], c["load"]): c["p90_ratio"] for c in data["cells"]}
+    for c in got["cells"]:
+        assert c["p90_ratio"] == pytest.approx(2 * before[c["workload"], c["load"]])
+    (tmp_path / "other.json").write_text(json.dumps({**rerun, "seeds": [7]}))
+    assert cli.main(["bench", "matrix", "--from-json", str(tmp_path / "other.json"), "--replace-in",
+                     str(tmp_path / "matrix.json"), "--out", str(merged)]) == 2
+    assert cli.main(["bench", "matrix", "--replace-in", str(tmp_path / "matrix.json"), "--out", str(merged)]) == 2
 
 
 def test_matrix_diff_compares_one_systems_seed_means_cell_by_cell(tmp_path, capsys):

@@ -248,6 +248,29 @@ def _one_x(workloads: Sequence[str]) -> dict[str, str]:
             for w in workloads}
 
 
+def replace_systems(saved: dict, rerun: dict) -> dict:
+    """``saved`` (a matrix.json's content) with the runs of every system in ``rerun`` (another one's) replaced by
+    ``rerun``'s: its provenance becomes the rerun's (the code of the newest runs) and its command records both.
+
+    Raises:
+        ValueError: the two differ in split, seeds or replicas per region, or ``rerun`` has no runs.
+    """
+    for key in ("split", "seeds", "counts"):
+        if saved.get(key) != rerun.get(key):
+            raise ValueError(f"the rerun's {key} ({rerun.get(key)}) is not the saved matrix's ({saved.get(key)})")
+    systems = {r["system"] for r in rerun["runs"]}
+    if not systems:
+        raise ValueError("the rerun has no runs")
+    prov = rerun["provenance"]
+    when = f"{rerun['wall_s']:.0f} s, {prov.get('date', '')[:10]}, at {str(prov.get('commit', ''))[:7]}"
+    merged = {k: v for k, v in saved.items() if k not in ("results", "cells", "checks", "first_loaded")}
+    merged.update(runs=[r for r in saved["runs"] if r["system"] not in systems] + rerun["runs"],
+                  provenance=prov, wall_s=saved["wall_s"] + rerun["wall_s"],
+                  command=f"{rerun['command']} ({when}); earlier, replaced for {', '.join(sorted(systems))}: "
+                          f"{saved['command']}")
+    return merged
+
+
 def write_report(saved: dict, out: Path) -> Path:
     """Write ``out``/matrix.json (``saved`` with the aggregated results, the verdicts and the checks), the heat map
     matrix.png (when matplotlib is installed) and matrix.md; returns the Markdown's path. ``saved``: provenance,
