@@ -15,8 +15,9 @@ own speed, ``decision_times`` ``measured``):
 * Routing decision: a real ``skylb.core.Router`` built by ``skylb.core.build_router`` from the live defaults
   (policy ``skylb``), its replicas and peers filled through ``observe_replica`` / ``observe_peer`` with values
   drawn as a loaded fleet shows them (pending 0-2, running 4-48, KV usage 0.2-0.95; peers with 0-25 available
-  replicas, queues 0-3, waits 0-400 ms, round trips 50-280 ms), and its prefix trie filled by routing
-  :data:`WARM_REQUESTS` prompts of the real Mooncake trace (prompts x1/8, bench/sim/workloads.py ``mooncake``).
+  replicas, queues 0-3, waits 0-400 ms, round trips 50-280 ms, 2-48 requests per replica), and its prefix trie
+  filled by routing :data:`WARM_REQUESTS` prompts of the real Mooncake trace (prompts x1/8,
+  bench/sim/workloads.py ``mooncake``).
   Then, per decision: enqueue one trace prompt, time ``Router.dispatch(now)`` with ``time.perf_counter_ns``,
   release the decision (``Router.finished``); every 100 decisions a probe round re-observes every replica and
   peer (100 decisions per 100 ms probe interval). p50 / p99 per repetition; the report gives the mean with
@@ -89,7 +90,7 @@ def _observe(router, rng: random.Random, now: float, peers: list[str], kv_capaci
         status = PeerStatus(region=region, available_replicas=rng.randint(0, 25), replicas=25,
                             queue_len=rng.randint(0, 3), models={"openai": {MODEL: rng.randint(0, 25)}},
                             wait_ms=rng.uniform(0, 400), queue_age_ms=rng.uniform(0, 500),
-                            dispatch_rate=rng.uniform(5, 60))
+                            dispatch_rate=rng.uniform(5, 60), load_per_replica=rng.uniform(2, 48))
         router.observe_peer(region, now=now, status=status, rtt_s=rng.uniform(0.05, 0.28))
 
 

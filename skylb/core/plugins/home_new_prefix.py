@@ -62,19 +62,19 @@ class HomeNewPrefix:
         """The peer to home ``c.request``'s new prefix group in, or None."""
         if not c.local or not c.peers or not c.request.may_forward:
             return None
+        # Cheapest first: the peers' loads (a few), then the local replicas' (all of them), then the prefix lookups.
+        # A peer that says no load (an older one, or one with no usable replica) is not a candidate.
+        loads = [(p.load_per_replica + p.sent_since_probe / max(1, p.replicas), p)
+                 for p in sorted(c.peers, key=lambda p: p.region) if p.load_per_replica is not None]
+        if not loads:
+            return None
+        best_load, best = min(loads, key=lambda lp: lp[0])  # the first in region order among equals
         busy = c.busy
         replicas = len(c.local) + len(busy)
         if len(busy) < self.busy_fraction * replicas:
             return None
         here = (sum(r.in_engine for r in c.local) + sum(r.in_engine for r in busy)) / replicas
-        best, best_load = None, None
-        for p in sorted(c.peers, key=lambda p: p.region):
-            if p.load_per_replica is None:
-                continue  # an older peer, or one with no usable replica: its load is unknown
-            load = p.load_per_replica + p.sent_since_probe / max(1, p.replicas)
-            if here > self.ratio * load + self.slack and (best_load is None or load < best_load):
-                best, best_load = p, load
-        if best is None or not self._new_group(c):
+        if here <= self.ratio * best_load + self.slack or not self._new_group(c):
             return None
         return best
 
