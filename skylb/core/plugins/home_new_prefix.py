@@ -62,6 +62,8 @@ class HomeNewPrefix:
         """The peer to home ``c.request``'s new prefix group in, or None."""
         if not c.local or not c.peers or not c.request.may_forward:
             return None
+        if len(c.local) > (1.0 - self.busy_fraction) * c.replicas:
+            return None  # too many with room even among all replicas (the usable ones, listed below, are no more)
         # Cheapest first: the peers' loads (a few), then the local replicas' (all of them), then the prefix lookups.
         # A peer that says no load (an older one, or one with no usable replica) is not a candidate.
         loads = [(p.load_per_replica + p.sent_since_probe / max(1, p.replicas), p)
