@@ -21,9 +21,10 @@ since, or this balancer's requests in flight there when larger (``ReplicaState.i
 cache-aware router homes a new prefix on the worker with the smallest radix tree for the same reason
 (sgl-project/sglang ``sgl-router/src/policies/cache_aware.rs``); this is that choice made between regions, by load.
 
-Measured in the simulator (bench/results/home_new_prefix.md): regions of unequal size (2, 4 and 6 replicas) gain
-most (the 150 tenants at 2x, P90 TTFT 1.57 -> 0.81 s); on the matrix's even regions every cell stays within its
-spread.
+Measured in the simulator (bench/results/home_new_prefix.md, seeds 0-2): on regions of 2, 4 and 6 replicas P90 TTFT
+geometric mean 0.949 over the 36 matrix cells (the 150 tenants at 2x 1.57 -> 0.81 s, tool agents at 1x 0.99 ->
+0.39 s); on the matrix's even regions 0.996 (Mixed Tree at 8x 0.81x; two speeds at 0.5x 1.18x, where each request
+starts a group and homing one abroad only adds the round trip).
 """
 
 from __future__ import annotations
