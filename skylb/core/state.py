@@ -155,8 +155,8 @@ class ReplicaState:
 
     @property
     def in_engine(self) -> int:
-        """Requests in the engine now, as far as this balancer knows: running and waiting at the latest probe plus
-        those sent since, or this balancer's own in flight there when more (a probe may be stale)."""
+        """Requests in the engine now, as far as this balancer knows (a count): running and waiting at the latest
+        probe plus those sent since, or this balancer's own in flight there when more (a probe may be stale)."""
         return max((self.running or 0) + self.pending + len(self.dispatch_times), self.outstanding)
 
     def serves(self, model: str, api: str) -> bool:

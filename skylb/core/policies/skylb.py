@@ -247,13 +247,14 @@ class SkyLBOptions(SkyLBPaperOptions):
             replica is above ``home_load_ratio`` x that peer's (its status's ``load_per_replica``) +
             ``home_load_slack`` (skylb/core/plugins/home_new_prefix.py). The group's later requests follow it, so a
             region whose clients outnumber its replicas stops growing groups into its full batches. Measured
-            (bench/results/home_new_prefix.md, seeds 0-2): on regions of 2, 4 and 6 replicas (13 cells) P90 TTFT
-            geometric mean 0.895, throughput +0.9% (150 tenants at 2x 1.57 -> 0.81 s, two speeds at 1x 0.88 ->
-            0.59 s); on the matrix's even regions 0.996 and +0.08% over the 36 development cells (Mixed Tree at 8x
-            0.81x; two speeds at 0.5x 1.17x, 0.27 -> 0.32 s: at low load the round trip is most of a TTFT).
+            (bench/results/home_new_prefix.md, the matrix's 36 cells): on regions of 2, 4 and 6 replicas P90 TTFT
+            geometric mean 0.949, throughput +0.6% (150 tenants at 2x 1.57 -> 0.81 s, tool agents at 1x 0.99 ->
+            0.39 s, two speeds at 1x 0.88 -> 0.63 s); on the matrix's even regions 0.996 and +0.1% (development,
+            seeds 0-2; Mixed Tree at 8x 0.81x; two speeds at 0.5x 1.18x, 0.27 -> 0.32 s: at low load the round
+            trip is most of a TTFT), 0.998 and +0.1% (validation, seeds 3-4).
         home_load_ratio, home_load_slack, home_busy_fraction: the thresholds above (1.5, 4 requests per replica,
-            0.5). Without the busy fraction (0) the uneven regions gain more (0.853) but two speeds at 0.5x lose
-            1.38x on even ones: every request of that workload starts a new group, and at low load each one homed
+            0.5). Without the busy fraction (0) the uneven regions gain more (13 cells: 0.853 against 0.895 with it)
+            but two speeds at 0.5x lose 1.38x on even ones: every request of that workload starts a new group, and at low load each one homed
             abroad only pays the round trip.
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
