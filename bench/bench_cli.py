@@ -578,14 +578,14 @@ def _run_matrix(args: argparse.Namespace) -> int:
         print("skylb bench matrix: --replace-in needs --from-json (the rerun's matrix.json)", file=sys.stderr)
         return 2
     if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
-        if args.replace_in is not None:
-            from bench.sim.matrix_report import replace_systems
-            try:
+        try:
+            saved = json.loads(args.from_json.read_text())
+            if args.replace_in is not None:
+                from bench.sim.matrix_report import replace_systems
                 saved = replace_systems(json.loads(args.replace_in.read_text()), saved)
-            except ValueError as exc:
-                print(f"skylb bench matrix: {exc}", file=sys.stderr)
-                return 2
+        except (OSError, ValueError, KeyError) as exc:  # a missing file, bad JSON, or two matrices that differ
+            print(f"skylb bench matrix: cannot read or combine the saved runs: {exc!r}", file=sys.stderr)
+            return 2
         print(f"report: {write_report(saved, args.out)}")
         return 0
     quick = QUICK if args.quick else {}

@@ -251,9 +251,13 @@ def _replace_in(tmp_path, data):
     before = {(c["workload"], c["load"]): c["p90_ratio"] for c in data["cells"]}
     for c in got["cells"]:
         assert c["p90_ratio"] == pytest.approx(2 * before[c["workload"], c["load"]])
-    (tmp_path / "other.json").write_text(json.dumps({**rerun, "seeds": [7]}))
-    assert cli.main(["bench", "matrix", "--from-json", str(tmp_path / "other.json"), "--replace-in",
-                     str(tmp_path / "matrix.json"), "--out", str(merged)]) == 2
+    assert got["systems"] == data["systems"]
+    for other in ({**rerun, "seeds": [7]}, {**rerun, "quick": not rerun["quick"]}, {**rerun, "runs": []}):
+        (tmp_path / "other.json").write_text(json.dumps(other))
+        assert cli.main(["bench", "matrix", "--from-json", str(tmp_path / "other.json"), "--replace-in",
+                         str(tmp_path / "matrix.json"), "--out", str(merged)]) == 2
+    assert cli.main(["bench", "matrix", "--from-json", str(tmp_path / "rerun.json"), "--replace-in",
+                     str(tmp_path / "missing.json"), "--out", str(merged)]) == 2
     assert cli.main(["bench", "matrix", "--replace-in", str(tmp_path / "matrix.json"), "--out", str(merged)]) == 2
 
 

@@ -253,9 +253,10 @@ def replace_systems(saved: dict, rerun: dict) -> dict:
     ``rerun``'s: its provenance becomes the rerun's (the code of the newest runs) and its command records both.
 
     Raises:
-        ValueError: the two differ in split, seeds or replicas per region, or ``rerun`` has no runs.
+        ValueError: the two differ in split, seeds, replicas per region or simulated time (``--quick``), or
+            ``rerun`` has no runs.
     """
-    for key in ("split", "seeds", "counts"):
+    for key in ("split", "seeds", "counts", "quick", "times"):
         if saved.get(key) != rerun.get(key):
             raise ValueError(f"the rerun's {key} ({rerun.get(key)}) is not the saved matrix's ({saved.get(key)})")
     systems = {r["system"] for r in rerun["runs"]}
@@ -265,6 +266,7 @@ def replace_systems(saved: dict, rerun: dict) -> dict:
     when = f"{rerun['wall_s']:.0f} s, {prov.get('date', '')[:10]}, at {str(prov.get('commit', ''))[:7]}"
     merged = {k: v for k, v in saved.items() if k not in ("results", "cells", "checks", "first_loaded")}
     merged.update(runs=[r for r in saved["runs"] if r["system"] not in systems] + rerun["runs"],
+                  systems=list(dict.fromkeys([*saved.get("systems", []), *sorted(systems)])),
                   provenance=prov, wall_s=saved["wall_s"] + rerun["wall_s"],
                   command=f"{rerun['command']} ({when}); earlier, replaced for {', '.join(sorted(systems))}: "
                           f"{saved['command']}")
