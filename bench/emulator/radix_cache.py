@@ -179,23 +179,23 @@ class RadixCache:
         """
         if num_tokens <= 0 or self.evictable_size == 0:
             return 0
-        leaves = self._leaves()
+        # Heap entries (last access, creation order, node): the nodes' own order (``TreeNode.__lt__``) compared in C.
+        # A locked leaf is never evicted and keeps its parent, so it is left out of the heap from the start.
+        leaves = [(x.last_access, x.nid, x) for x in self._leaves() if x.lock_ref <= 0]
         heapq.heapify(leaves)
         freed = 0
         root = self.root
         while freed < num_tokens and leaves:
-            x = heapq.heappop(leaves)
+            x = heapq.heappop(leaves)[2]
             if x is root:
                 break
-            if x.lock_ref > 0:
-                continue
             size = len(x.key)
             freed += size
             parent = x.parent
             del parent.children[x.key[0]]
             self.evictable_size -= size
-            if not parent.children:
-                heapq.heappush(leaves, parent)
+            if not parent.children and parent.lock_ref <= 0:
+                heapq.heappush(leaves, (parent.last_access, parent.nid, parent))
         self.evicted_tokens += freed
         return freed
 
