@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from skylb.core import AvailabilityRules, Request, Router, make_policy
-from skylb.core.estimate import WaitModel, pace_slowdowns
+from skylb.core.estimate import WaitModel, pace_classes_apart, pace_slowdowns
 from skylb.core.policies import PolicyError
 from skylb.core.rates import DEFAULT_TOKEN_FACTOR, ModelRates, RateBook, ReplicaRates, Usage, prompt_chars
 from skylb.core.state import ReplicaState
@@ -213,6 +213,28 @@ def test_pace_slowdowns_are_the_smaller_ratio_to_the_fastest_and_none_without_a_
     unpaced = ModelRates(time_per_token_s=0.30)
     assert pace_slowdowns([fast, slow, unpaced, None]) == pytest.approx([1.0, 3.0, None, None])
     assert pace_slowdowns([fast, unpaced]) == [None, None]
+
+
+def test_pace_classes_apart_is_true_whenever_a_slowdown_reaches_the_ratio():
+    """The quick test the decision runs before ``pace_slowdowns``: never False when some candidate's slowdown is at
+    least the ratio (so skipping on False changes no decision), over random paces (both ratios, one only, ties at
+    the ratio, too few paced); False for one hardware class."""
+    import random
+    assert not pace_classes_apart([ModelRates(time_per_token_s=0.05, itl_s=0.07), None], 2.5)
+    assert not pace_classes_apart([ModelRates(time_per_token_s=0.05, itl_s=0.07),
+                                   ModelRates(time_per_token_s=0.5, itl_s=0.1)], 2.5)  # slower in one pace only
+    assert pace_classes_apart([ModelRates(time_per_token_s=0.04, itl_s=0.02),
+                               ModelRates(time_per_token_s=0.1, itl_s=0.05)], 2.5)  # exactly 2.5x in both
+    rng = random.Random(7)
+    for _ in range(500):
+        paces = [None if rng.random() < 0.1 else
+                 ModelRates(time_per_token_s=rng.choice((None, rng.uniform(0.01, 0.1), 0.04)),
+                            itl_s=rng.choice((None, rng.uniform(0.01, 0.1), 0.02)))
+                 for _ in range(rng.randint(0, 6))]
+        if any(x is not None and x >= 2.5 for x in pace_slowdowns(paces)):
+            assert pace_classes_apart(paces, 2.5), paces
+    assert not pace_classes_apart([ModelRates(time_per_token_s=rng.uniform(0.04, 0.09), itl_s=rng.uniform(0.02, 0.045))
+                                   for _ in range(200)], 2.5)
 
 
 def test_an_unmeasured_replica_of_a_slower_class_is_priced_at_its_measured_slowdown():

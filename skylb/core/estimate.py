@@ -30,8 +30,8 @@ from skylb.core.rates import ModelRates
 from skylb.core.request import Request
 from skylb.core.state import ReplicaState
 
-__all__ = ["WaitModel", "prompt_tokens", "text_tokens", "kv_wait_s", "pace_slowdowns", "CHARS_PER_TOKEN",
-           "PACE_CLASS_RATIO"]
+__all__ = ["WaitModel", "prompt_tokens", "text_tokens", "kv_wait_s", "pace_slowdowns", "pace_classes_apart",
+           "CHARS_PER_TOKEN", "PACE_CLASS_RATIO"]
 
 #: How many times slower, in time per token and in inter-token latency both, a replica must be than the fastest
 #: candidate to be of a slower class (the stall term's classes, skylb/core/plugins/estimated_ttft.py, and the pricing
@@ -54,6 +54,22 @@ def pace_slowdowns(paces: Sequence[ModelRates | None]) -> list[float | None]:
         return [None] * len(paces)
     return [None if m is None or m.itl_s is None or m.time_per_token_s is None
             else min(m.time_per_token_s / tpt, m.itl_s / itl) for m in paces]
+
+
+def pace_classes_apart(paces: Sequence[ModelRates | None], ratio: float) -> bool:
+    """Whether any of ``paces`` may be of a slower class (:func:`pace_slowdowns` at least ``ratio``): False when
+    fewer than two have both paces, or when the slowest of them is less than ``ratio`` x the fastest in time per
+    token or in inter-token latency, so no slowdown (the smaller of the two ratios) can reach ``ratio``. Two
+    passes and no division per candidate: the common case (one hardware class) costs the decision little."""
+    tpts = [m.time_per_token_s for m in paces if m is not None and m.itl_s is not None
+            and m.time_per_token_s is not None]
+    if len(tpts) < 2:
+        return False
+    itls = [m.itl_s for m in paces if m is not None and m.itl_s is not None and m.time_per_token_s is not None]
+    tpt, itl = min(tpts), min(itls)
+    if tpt <= 0 or itl <= 0:
+        return False
+    return max(tpts) / tpt >= ratio and max(itls) / itl >= ratio
 
 
 #: Characters per token when a request's length is known only as text: about 4 for English BPE vocabularies
@@ -170,7 +186,10 @@ class WaitModel:
                               ratio: float) -> None:
         """Fill in ``rates`` (prefill s/token per replica, None: unmeasured) for the unmeasured replicas of a
         slower class: ``fastest`` x their ``pace_slowdowns`` when at least ``ratio`` (module docstring)."""
-        for i, slowdown in enumerate(pace_slowdowns([r.rates.overall for r in replicas])):
+        paces = [r.rates.overall for r in replicas]
+        if not pace_classes_apart(paces, ratio):
+            return
+        for i, slowdown in enumerate(pace_slowdowns(paces)):
             if rates[i] is None and slowdown is not None and slowdown >= ratio:
                 rates[i] = fastest * slowdown
 
@@ -192,8 +211,10 @@ class WaitModel:
             if r.kv_capacity_tokens is not None and r.kv_usage is not None:
                 cost += kv_wait_s(r, tokens, backlog)
             out.append(cost)
-            if stalls is not None:
-                batch = max((r.running or 0) + r.sent_since_probe, r.outstanding)
+            if stalls is not None:  # the batch: max(running + sent since the probe, outstanding), without calls
+                batch = (r.running or 0) + len(r.dispatch_times)
+                if r.outstanding > batch:
+                    batch = r.outstanding
                 stalls.append(cost + stall_weight * batch * (tokens if tokens > 0 else 0.0) * per_token)
         return out
 

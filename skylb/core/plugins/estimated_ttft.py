@@ -63,7 +63,7 @@ import math
 import weakref
 from collections.abc import Sequence
 
-from skylb.core.estimate import PACE_CLASS_RATIO, WaitModel, pace_slowdowns, prompt_tokens
+from skylb.core.estimate import PACE_CLASS_RATIO, WaitModel, pace_classes_apart, pace_slowdowns, prompt_tokens
 from skylb.core.plugins.estimated_wait import pick_by_estimated_wait
 from skylb.core.plugins.hold_for_faster import faster
 from skylb.core.plugins.prefix_locality import PrefixLocality
@@ -249,7 +249,12 @@ class EstimatedTTFT:
         if not self.speed_ratio or len(candidates) < 2:
             return stalls
         model = request.model
-        slowdowns = pace_slowdowns([c.rates.for_model(model) for c in candidates])
+        # ReplicaRates.for_model written out: one call per candidate was most of this pass at 200 replicas.
+        paces = [m if (m := c.rates.models.get(model)) is not None and m.samples and m.time_per_token_s is not None
+                 else None for c in candidates]
+        if not pace_classes_apart(paces, PACE_CLASS_RATIO):
+            return stalls
+        slowdowns = pace_slowdowns(paces)
         slow = {c.id for c, x in zip(candidates, slowdowns) if x is not None and x >= PACE_CLASS_RATIO}
         if not slow or candidates[costs.index(min(costs))].id in slow:
             return stalls
