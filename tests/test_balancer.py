@@ -20,7 +20,7 @@ FAST = ("--time-scale", "0.2")
 
 
 def _complete(url: str, prompt: str, *, max_tokens: int = 8, headers: dict | None = None, timeout: float = 30):
-    """A streamed /v1/completions call; returns (status, route, served_by, ttft_s, text, done)."""
+    """A streamed /v1/completions call; returns (status, route, served_by, ttft_s, text, done, rule)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     start = time.monotonic()
     with requests.post(f"{url}/v1/completions", json=body, headers=headers or {}, stream=True,
@@ -40,7 +40,7 @@ def _complete(url: str, prompt: str, *, max_tokens: int = 8, headers: dict | Non
                 break
             text += "".join(c.get("text", "") for c in chunk.get("choices", []))
         return (resp.status_code, resp.headers.get("X-SkyLB-Route"), resp.headers.get("X-SkyLB-Served-By"),
-                ttft, text, done)
+                ttft, text, done, resp.headers.get("X-SkyLB-Rule"))
 
 
 @pytest.fixture
@@ -77,6 +77,7 @@ def test_openai_client_streaming_and_non_streaming(one_region):
     assert "".join(c.choices[0].text for c in streamed if c.choices)
     raw = client.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=1)
     assert raw.headers["X-SkyLB-Route"] == "local" and raw.headers["X-SkyLB-Served-By"].startswith("us/us-")
+    assert raw.headers["X-SkyLB-Rule"] == "estimated_ttft"  # the default profile's local pick
 
 
 def test_bad_input_gets_openai_errors_never_500(one_region):
@@ -108,6 +109,8 @@ def test_metrics_and_status_describe_replicas(one_region):
     [count] = [line for line in text.splitlines() if line.startswith("skylb_ttft_seconds_count{")
                and 'route="local"' in line]
     assert float(count.rsplit(" ", 1)[1]) >= 1
+    assert any(line.startswith("skylb_requests_routed_total{") and 'rule="estimated_ttft"' in line
+               for line in text.splitlines())
     status = cluster.status("us")
     assert {r["id"] for r in status["replicas"]} == {"us-0", "us-1"}
     assert status["controller_reachable"] is True
@@ -247,9 +250,10 @@ def test_forwarding_to_the_only_available_peer_pays_the_round_trip(three_regions
     cluster.wait_until(lambda: {p["region"]: p["available"] for p in cluster.status("us")["peers"]}
                        == {"eu": False, "asia": True}, what="only asia available to us")
     results = [_complete(cluster.balancers["us"], f"overflow {i}", max_tokens=4) for i in range(3)]
-    for status, route, served_by, ttft, _, done in results:
+    for status, route, served_by, ttft, _, done, rule in results:
         assert status == 200 and done
         assert route == "peer:asia" and served_by.startswith("asia/")
+        assert rule == "prefix_match"  # no local room: the peer picker (the snapshot match, else the most room)
         assert ttft >= 0.150
     # the status counts each forward once, where it was answered (at the stream's last event, also when the client
     # closes right after reading it); polled (bounded) as the status is read over HTTP while the relays end
@@ -271,10 +275,11 @@ def test_a_forwarded_request_is_never_forwarded_again(three_regions):
     _saturate(replicas["eu"][0], 2, max_tokens=150)  # busy for about 2 s
     cluster.wait_until(lambda: cluster.status("eu")["available_replicas"] == 0, what="eu full")
     assert any(p["available"] for p in cluster.status("eu")["peers"])
-    status, route, served_by, _, _, done = _complete(cluster.balancers["eu"], "from us", max_tokens=2,
-                                                     headers={"X-SkyLB-Forwarded-From": "us",
-                                                              "X-SkyLB-Token": cluster.peer_token})
+    status, route, served_by, _, _, done, rule = _complete(cluster.balancers["eu"], "from us", max_tokens=2,
+                                                           headers={"X-SkyLB-Forwarded-From": "us",
+                                                                    "X-SkyLB-Token": cluster.peer_token})
     assert status == 200 and done and route == "local" and served_by.startswith("eu/")
+    assert rule == "estimated_ttft"  # waited here for room, then the local pick
 
 
 def test_a_forwarded_request_keeps_its_age_in_the_peers_queue(three_regions):
@@ -344,7 +349,7 @@ def test_replica_add_and_remove_while_traffic_flows(procs, tmp_path):
         long_stream.join(timeout=30)
     assert all(r[0] == 200 and r[5] for _, r in log)
     assert not [r for t, r in log if t > removed + 0.5 and r[2] == "us/a"]
-    status, _, served_by, _, text, done = long_result["r"]
+    status, _, served_by, _, text, done, _ = long_result["r"]
     assert status == 200 and done and served_by == "us/a" and len(text.split()) == 250
 
 
@@ -363,7 +368,7 @@ def test_balancer_keeps_serving_on_last_membership_without_controller(procs, tmp
     procs.procs[-1].stop()  # the balancer
     url = cluster.start_balancer("us", ["us"], name="balancer-2")
     cluster.wait_replicas_healthy("us", 1)
-    status, route, _, _, _, done = _complete(url, "after restart")
+    status, route, _, _, _, done, _ = _complete(url, "after restart")
     assert status == 200 and done and route == "local"
     text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
     assert 'skylb_controller_reachable{region="us"} 0.0' in text

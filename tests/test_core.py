@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import pytest
 
@@ -394,7 +395,7 @@ def test_local_replica_preferred_over_peer():
     router.observe_peer("eu", now=0.0, status=PeerStatus("eu", available_replicas=4, replicas=0, queue_len=0))
     router.enqueue(Request("q1", "hi", arrived_at=0.0))
     [d] = router.dispatch(0.01)
-    assert (d.route, d.target) == ("local", "r0")
+    assert (d.route, d.target, d.rule) == ("local", "r0", "estimated_ttft")  # the default profile's local pick
 
 
 def test_forwarding_goes_to_the_only_available_peer():
@@ -406,7 +407,39 @@ def test_forwarding_goes_to_the_only_available_peer():
     router.observe_peer("asia", now=0.0, status=PeerStatus("asia", available_replicas=2, replicas=0, queue_len=0))
     router.enqueue(Request("q1", "a", arrived_at=0.0))
     router.enqueue(Request("q2", "b", arrived_at=0.0))
-    assert [(d.route, d.target) for d in router.dispatch(0.01)] == [("peer", "asia")] * 2
+    assert [(d.route, d.target, d.rule) for d in router.dispatch(0.01)] == [("peer", "asia", "prefix_match")] * 2
+
+
+def test_every_decision_names_the_plugin_that_made_it():
+    """``Decision.rule``: a first rule (the push of a cache hit into its full holder), the peer picker with no local
+    room, ``pinned`` for a pinned request; every registered profile's plugins are named by their modules."""
+    from skylb.core.policies.base import POLICIES
+    from skylb.core.profile import plugin_name
+    router = _router(replicas=2, peers=("eu",))
+    for rid in router.replicas:
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0)
+    router.observe_peer("eu", now=0.0, status=PeerStatus("eu", available_replicas=2, replicas=2, queue_len=0))
+    base = "a tenant's long system prompt. " * 40
+    router.enqueue(Request("q1", base + "first", arrived_at=0.0))
+    [first] = router.dispatch(0.01)
+    holder, other = first.target, next(r for r in router.replicas if r != first.target)
+    router.observe_replica(holder, now=0.02, healthy=True, pending=0, running=4)
+    router.replicas[holder].capacity.limit = 4
+    router.observe_replica(other, now=0.02, healthy=True, pending=0, running=0)
+    router.enqueue(Request("q2", base + "second", arrived_at=0.02))
+    [hit] = router.dispatch(0.03)
+    assert (hit.target, hit.rule) == (holder, "push_to_holder")
+    router.enqueue(Request("q3", "x", arrived_at=0.03, pin=("local", other)))
+    assert router.place_pinned(router.queue[-1], 0.04).rule == "pinned"
+    default = router.policy
+    assert ([plugin_name(p) for p in (*default.first, default.local, *default.then, default.peer, default.no_room)]
+            == ["sibling_holder", "push_to_holder", "home_new_prefix", "estimated_ttft", "prefer_peer",
+                "hold_for_faster", "prefix_match", "forward_queued"])
+    modules = {p.stem for p in (Path(__file__).parents[1] / "skylb" / "core" / "plugins").glob("*.py")}
+    for name in POLICIES:  # each name is a module under skylb/core/plugins/, where a reader finds the rule
+        profile = _router(name).policy
+        plugins = [profile.local, profile.peer, *profile.first, *profile.then, profile.no_room]
+        assert {plugin_name(p) for p in plugins if p is not None} <= modules, name
 
 
 def test_prefix_policy_keeps_locality_and_snapshot_learns_forwards():

@@ -63,7 +63,8 @@ def test_exposition_passes_promtool_check_metrics():
     _, metrics = _metrics()
     metrics.observe_answer("us", "local", "m", "alpha", e2e_s=2.0, ttft_s=0.5,
                            usage=Usage(prompt_tokens=3, output_tokens=4), count_tokens=True)
-    for counter, labels in ((metrics.routed, ("us", "local", "r1")), (metrics.responses, ("us", "200")),
+    for counter, labels in ((metrics.routed, ("us", "local", "r1", "estimated_ttft")),
+                            (metrics.responses, ("us", "200")),
                             (metrics.rejected, ("us", "queue_full", "503")), (metrics.retries, ("us",)),
                             (metrics.retry_budget_exhausted, ("us",)), (metrics.ejections, ("us", "local", "r1"))):
         counter.labels(*labels).inc()

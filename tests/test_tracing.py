@@ -74,6 +74,7 @@ def _check_balancer_spans(spans, region: str, parent_id: str, *, route: str, tar
     queue, routed = _one(mine, name="skylb.queue"), _one(mine, name="skylb.route")
     assert queue.attributes["skylb.queue.wait_s"] >= 0 and queue.end_ns <= routed.start_ns
     assert (routed.attributes["skylb.route"], routed.attributes["skylb.target"]) == (route, target)
+    assert routed.attributes["skylb.rule"]  # the profile's plugin that chose the target
     relay = _one(mine, kind="client")
     assert relay.name == f"chat {MODEL}" and routed.end_ns <= relay.start_ns <= relay.end_ns <= server.end_ns
     assert relay.attributes["gen_ai.operation.name"] == "chat"

@@ -25,7 +25,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-__all__ = ["run_one", "parse_line", "table", "main"]
+__all__ = ["run_one", "run_cluster", "parse_line", "table", "main"]
 
 LINE = re.compile(r"^(?P<label>(?:[A-Z]+ )*)(?P<scenario>\S+)\s+(?P<system>\S+)\s+s(?P<seed>\d+) p90=\s*(?P<p90>[\d.]+) "
                   r"p50=\s*(?P<p50>[\d.]+) thr=\s*(?P<thr>[\d.]+) hit=\s*(?P<hit>[\d.]+)% .*fwd=\s*(?P<fwd>[\d.]+)%")
@@ -35,6 +35,12 @@ def run_one(args: tuple[str, str, int]):
     """Run (scenario, system spec, seed) to completion; returns its bench.sim.metrics.RunSummary. A scenario named
     like a robustness-matrix cell ("multi_tenant@2x", bench/sim/matrix.py) runs that cell: its workload, load,
     replicas and times, trace windows of the split in ``SPLIT`` (dev or val, default dev)."""
+    return run_cluster(args)[1]
+
+
+def run_cluster(args: tuple[str, str, int]):
+    """``run_one``, returning (the finished bench.sim.cluster.Cluster, its RunSummary, the measurement window's
+    start s): the cluster's ``records`` hold every request's flight (its decisions, times and result)."""
     from bench.sim.metrics import summarize
     from bench.sim.regime import engine_params
     from bench.sim.systems import SYSTEMS, build
@@ -64,8 +70,8 @@ def run_one(args: tuple[str, str, int]):
         extra["network"] = farther(float(os.environ["RTT_SCALE"]))
     t0 = time.perf_counter()
     cluster = build(system, workload, counts, seed=seed, stop_at=stop_at, params=params, settings=base, **extra).run()
-    return summarize(cluster, scenario=sc_name, system=spec, layout=system.layout, warmup_s=warmup_s, seed=seed,
-                     wall_s=time.perf_counter() - t0)
+    return cluster, summarize(cluster, scenario=sc_name, system=spec, layout=system.layout, warmup_s=warmup_s,
+                              seed=seed, wall_s=time.perf_counter() - t0), warmup_s
 
 
 def parse_line(line: str) -> dict | None:

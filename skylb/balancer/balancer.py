@@ -162,7 +162,7 @@ class Balancer:
 
     def _count_routed_metrics(self, decision: Decision) -> None:
         metrics = self.metrics
-        metrics.child(metrics.routed, self.region, decision.route, decision.target).inc()
+        metrics.child(metrics.routed, self.region, decision.route, decision.target, decision.rule or "").inc()
         metrics.child(metrics.queue_wait, self.region, decision.request.priority).observe(decision.queued_s)
 
     def forwarded_rate(self, window_s: float = 60.0) -> float:

@@ -156,8 +156,9 @@ class BalancerMetrics:
         self.tenant_label = TenantLabels(tenant_configured)
         self.registry.register(_StateCollector(router, now, controller_reachable, self.tenant_label))
         self.registry.register(gc_pauses.PAUSES)  # the process's own (skylb/gc_pauses.py)
-        self.routed = Counter("skylb_requests_routed", "Requests routed, by route (local or peer) and target "
-                              "(replica id or peer region).", ["region", "route", "target"], registry=self.registry)
+        self.routed = Counter("skylb_requests_routed", "Requests routed, by route (local or peer), target "
+                              "(replica id or peer region) and rule (the routing profile's plugin that chose the "
+                              "target, or pinned).", ["region", "route", "target", "rule"], registry=self.registry)
         self.responses = Counter("skylb_responses", "Responses sent to clients, by HTTP status.",
                                  ["region", "status"], registry=self.registry)
         self.ttft = Histogram("skylb_ttft_seconds", "Time from arrival at this balancer to the first streamed byte "

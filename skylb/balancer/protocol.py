@@ -20,8 +20,8 @@ from skylb.core.held_prefixes import MAX_STATUS_PREFIXES
 from skylb.core.kv_index import MAX_SUMMARY_BLOCKS
 from skylb.tokens import secret_matches
 
-__all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "SERVED_BY_HEADER", "MODEL_HEADER",
-           "LEASE_HEADER",
+__all__ = ["STATUS_PATH", "FORWARDED_FROM", "TOKEN_HEADER", "ROUTE_HEADER", "RULE_HEADER", "SERVED_BY_HEADER",
+           "MODEL_HEADER", "LEASE_HEADER",
            "QUEUE_MS_HEADER",
            "REQUEST_ID_HEADER", "BALANCER_REQUEST_ID_HEADER", "MAX_CLIENT_ID_CHARS", "MAX_STATUS_BYTES",
            "ANSWER_COMPLETE", "ANSWER_USAGE", "answer_complete",
@@ -35,6 +35,9 @@ FORWARDED_FROM = "X-SkyLB-Forwarded-From"
 TOKEN_HEADER = "X-SkyLB-Token"
 #: On responses: ``local`` or ``peer:<region>``, as decided by the balancer the client called.
 ROUTE_HEADER = "X-SkyLB-Route"
+#: On responses: why the balancer the client called chose that route, the plugin of its routing profile that chose
+#: it (``Decision.rule``: ``push_to_holder``, ``prefer_peer``, ``estimated_ttft``... or ``pinned``).
+RULE_HEADER = "X-SkyLB-Rule"
 #: On responses: ``<region>/<replica id>`` of the replica that served the request.
 SERVED_BY_HEADER = "X-SkyLB-Served-By"
 #: On a response: the model that served it (a model group's choice, an Ollama fleet's fallback, else the request's).

@@ -23,7 +23,8 @@ from aiohttp import web
 from skylb.balancer.api import error_response
 from skylb.balancer.framing import FramingError, StreamFramer, stream_kind
 from skylb.balancer.protocol import (ANSWER_COMPLETE, ANSWER_USAGE, BALANCER_REQUEST_ID_HEADER, FORWARDED_FROM, QUEUE_MS_HEADER, REQUEST_ID_HEADER,
-                                     MODEL_HEADER, ROUTE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER, header_value)
+                                     MODEL_HEADER, ROUTE_HEADER, RULE_HEADER, SERVED_BY_HEADER, TOKEN_HEADER,
+                                     header_value)
 from skylb.balancer.translate import StreamTranslator, Translation
 from skylb.balancer.usage import UsageTap, usage_of, usage_of_body
 from skylb.core import Decision
@@ -171,6 +172,8 @@ class Relay:
             route, served_by = f"peer:{decision.target}", upstream.headers.get(SERVED_BY_HEADER, decision.target)
         headers = {ROUTE_HEADER: route, SERVED_BY_HEADER: served_by, BALANCER_REQUEST_ID_HEADER: request_id,
                    QUEUE_MS_HEADER: f"{decision.queued_s * 1000:.1f}"}
+        if decision.rule is not None:
+            headers[RULE_HEADER] = decision.rule
         # What a replica or peer said goes into a header only as printable ASCII (no CR/LF: a split header drops
         # the client's connection after the handler returned); anything else is left out.
         for name, value in ((MODEL_HEADER, decision.request.model),  # the model asked of the target (a fallback's)

@@ -7,7 +7,8 @@ Trace Context, §3.2): a client's, or the relay span of the balancer that forwar
 balancers. Its children, one set per attempt:
 
 * ``skylb.queue``: the wait in the balancer's queue for a routing decision (``skylb.queue.wait_s``);
-* ``skylb.route``: the routing decision (``skylb.route`` local or peer, ``skylb.target`` the replica or region);
+* ``skylb.route``: the routing decision (``skylb.route`` local or peer, ``skylb.target`` the replica or region,
+  ``skylb.rule`` the profile's plugin that chose it);
 * ``{gen_ai.operation.name} {gen_ai.request.model}``, kind CLIENT: the relay to the replica or peer, with the
   attributes of the GenAI semantic conventions' inference span ("Semantic conventions for generative AI client
   inference": ``gen_ai.operation.name``, ``gen_ai.provider.name``, ``gen_ai.request.model``, ``gen_ai.request.stream``,
@@ -174,7 +175,7 @@ class RequestTrace:
         """The routing decision (a skylb.core Decision) came: the queue span ends, the route span records it."""
         self._end("queue", skylb__queue__wait_s=decision.queued_s)
         self._start("route", "skylb.route", skylb__route=decision.route, skylb__target=decision.target,
-                    skylb__policy=policy, skylb__queue__wait_s=decision.queued_s)
+                    skylb__rule=decision.rule, skylb__policy=policy, skylb__queue__wait_s=decision.queued_s)
         self._end("route")
 
     def relay_started(self, decision, *, attempt: int, engine: str | None, stream: bool,

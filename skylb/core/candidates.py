@@ -31,6 +31,7 @@ class Candidates:
         queued: requests in this balancer's queue, this one included.
         replicas: how many local replicas exist (draining ones included).
         dispatch_rate: requests this balancer placed per second lately (None before two placements).
+        rule: set by ``Profile.choose``: the name of the plugin that placed the request or held it (None: none did).
     """
 
     request: Request
@@ -40,6 +41,7 @@ class Candidates:
     queued: int
     replicas: int
     dispatch_rate: float | None = None
+    rule: str | None = None
     _busy: Callable[[], list[ReplicaState]] = field(repr=False, default=list)
     _reachable: Callable[[], list[PeerState]] = field(repr=False, default=list)
     _cache: dict = field(repr=False, default_factory=dict)

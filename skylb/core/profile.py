@@ -16,6 +16,8 @@ SkyLB's third kind of candidate beside local replicas and peer regions: holding 
   holder's full batch; the predicted-TTFT placement that prices every candidate); ``then`` rules may overrule the
   local pick (a faster peer; holding for a faster busy replica); the ``no_room`` rule may forward a request no one
   has room for (first come, first served across regions). A rule answers a target, ``HOLD`` or None (no opinion).
+  Each placement names the plugin that made it (``Candidates.rule``, then ``Decision.rule``: its module's name,
+  ``plugin_name``), so an operator can see why a request went where it went.
 * **Queue order** (``QueueOrder``): which of the first ``lookahead`` queued requests is placed next.
 * **Learners**: what a profile's plugins learn from placements and membership (prefix tries, hash rings, trees);
   ``routed`` and ``set_members`` reach each once.
@@ -40,7 +42,7 @@ from skylb.core.request import Request
 from skylb.core.state import PeerState, ReplicaState
 
 __all__ = ["Profile", "HOLD", "Filter", "ReplicaPicker", "PeerPicker", "Rule", "QueueOrder", "Learner", "Estimator",
-           "Turns"]
+           "Turns", "plugin_name"]
 
 
 class _Hold:
@@ -135,6 +137,12 @@ class Estimator:
         return {}
 
 
+def plugin_name(plugin: object) -> str:
+    """The name a placement gives the plugin that made it: the last part of its class's module, one module per
+    plugin (``push_to_holder``, ``prefer_peer``, ``estimated_ttft``...: skylb/core/plugins/)."""
+    return type(plugin).__module__.rpartition(".")[2]
+
+
 class Profile:
     """One named policy: its plugins, run in the order of the module docstring. Final: compose, do not subclass.
 
@@ -170,27 +178,39 @@ class Profile:
         self.reuse_freed_slots = reuse_freed_slots
         self.replica_trie, self.snapshot_trie = tries if tries is not None else (None, None)
         self.pending_allowance = pending_allowance
+        # The plugins' names, worked out once: ``choose`` gives one to every placement.
+        self._first_names = tuple(plugin_name(r) for r in self.first)
+        self._then_names = tuple(plugin_name(r) for r in self.then)
+        self._local_name, self._peer_name = plugin_name(local), plugin_name(peer)
+        self._no_room_name = plugin_name(no_room) if no_room is not None else None
 
     def __repr__(self) -> str:
         return f"Profile({self.name!r})"
 
     def choose(self, c: Candidates) -> Target | None:
-        """Where ``c.request`` goes now: a local replica, a peer, or None (it stays queued)."""
-        for rule in self.first:
+        """Where ``c.request`` goes now: a local replica, a peer, or None (it stays queued). ``c.rule`` is set to
+        the name of the plugin that answered (``plugin_name``), a hold included."""
+        for rule, name in zip(self.first, self._first_names):
             verdict = rule.decide(c, None)
             if verdict is not None:
+                c.rule = name
                 return None if verdict is HOLD else verdict
         if c.local:
             replica = self.local.pick(c.request, c.local)
-            for rule in self.then:
+            for rule, name in zip(self.then, self._then_names):
                 verdict = rule.decide(c, replica)
                 if verdict is not None:
+                    c.rule = name
                     return None if verdict is HOLD else verdict
+            c.rule = self._local_name
             return replica
         if c.peers:
+            c.rule = self._peer_name
             return self.peer.pick(c.request, c.peers)
         if self.no_room is not None and c.request.may_forward and c.reachable:
             verdict = self.no_room.decide(c, None)
+            if verdict is not None:
+                c.rule = self._no_room_name
             return None if verdict is HOLD else verdict
         return None
 

@@ -38,7 +38,10 @@ from skylb.core.rates import Usage, request_chars
 from skylb.core.request import Request
 from skylb.core.state import AvailabilityRules, PeerState, PeerStatus, ReplicaState, ReplicaTable
 
-__all__ = ["Router", "Decision", "QueueFull"]
+__all__ = ["Router", "Decision", "QueueFull", "PINNED"]
+
+#: ``Decision.rule`` of a request sent to its pinned target (``Router.place_pinned``), past every plugin.
+PINNED = "pinned"
 
 #: ``Router._free_rank`` of a free slot below any batch a request was seen waiting beside: such replicas go first.
 _SURE = 2
@@ -57,6 +60,10 @@ class Decision:
             the same word in the metric label, the log line and the ``X-SkyLB-Route`` header.
         target: the replica id or the peer region; url: the target's base URL.
         queued_s: time the request waited in the queue, s. dispatched_at: when the decision was made, s.
+        rule: why: the name of the profile's plugin that chose the target (skylb/core/profile.py ``plugin_name``:
+            ``push_to_holder``, ``prefer_peer``, ``estimated_ttft``...), or ``PINNED`` ("pinned") for a request
+            sent to its pinned target; the same word in the metric label, the log line and the ``X-SkyLB-Rule``
+            header.
     """
 
     request: Request
@@ -65,6 +72,7 @@ class Decision:
     url: str
     queued_s: float
     dispatched_at: float | None = None
+    rule: str | None = None
 
 
 class Router:
@@ -407,8 +415,8 @@ class Router:
         choice = self.policy.choose(c)
         if choice is None:
             return None
-        return self._to_replica(request, choice, now) if isinstance(choice, ReplicaState) else \
-            self._to_peer(request, choice, now)
+        return self._to_replica(request, choice, now, c.rule) if isinstance(choice, ReplicaState) else \
+            self._to_peer(request, choice, now, c.rule)
 
     def _busy(self, request: Request, local: list[ReplicaState], serving: list[ReplicaState],
               now: float) -> list[ReplicaState]:
@@ -508,9 +516,9 @@ class Router:
             replica.availability_memo = memo
         return memo
 
-    def _to_replica(self, request: Request, replica: ReplicaState, now: float) -> Decision:
-        """Send ``request`` to local ``replica`` at ``now``: count it there (outstanding, prefill backlog, rates,
-        trie, fleet) and return the decision."""
+    def _to_replica(self, request: Request, replica: ReplicaState, now: float, rule: str | None) -> Decision:
+        """Send ``request`` to local ``replica`` at ``now`` by ``rule`` (``Decision.rule``): count it there
+        (outstanding, prefill backlog, rates, trie, fleet) and return the decision."""
         policy = self.policy
         replica.outstanding += 1
         replica.dispatch_times.append(now)
@@ -519,14 +527,15 @@ class Router:
         policy.rates.dispatched(replica.rates, request.id, request.model, request.text, chars=request_chars(request))
         policy.routed(request, replica=replica.id)
         self.fleet.routed(request, replica)
-        return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now)
+        return Decision(request, "local", replica.id, replica.url, now - request.arrived_at, now, rule)
 
-    def _to_peer(self, request: Request, peer: PeerState, now: float) -> Decision:
-        """Forward ``request`` to ``peer`` at ``now``: count it there and return the decision."""
+    def _to_peer(self, request: Request, peer: PeerState, now: float, rule: str | None) -> Decision:
+        """Forward ``request`` to ``peer`` at ``now`` by ``rule`` (``Decision.rule``): count it there and return
+        the decision."""
         peer.outstanding += 1
         peer.sent_since_probe += 1
         self.policy.routed(request, peer=peer.region)
-        return Decision(request, "peer", peer.region, peer.url, now - request.arrived_at, now)
+        return Decision(request, "peer", peer.region, peer.url, now - request.arrived_at, now, rule)
 
     def forward_answered(self, decision: Decision) -> None:
         """The forward ``decision`` gave the client its answer: count it at its peer (``PeerState.forwarded``, the
@@ -571,8 +580,8 @@ class Router:
             return None
         route, target = request.pin
         if route == "local":
-            return self._to_replica(request, self.replicas[target], now)
-        return self._to_peer(request, self.peers[target], now)
+            return self._to_replica(request, self.replicas[target], now, PINNED)
+        return self._to_peer(request, self.peers[target], now, PINNED)
 
     def first_token(self, decision: Decision) -> None:
         """``decision``'s first token came back: its prompt no longer waits for prefill on its replica."""

@@ -65,6 +65,7 @@ class RequestLog:
                     priority=ctx.priority, tenant=ctx.tenant,
                     route=None if decision is None else decision.route,
                     target=None if decision is None else decision.target,
+                    rule=None if decision is None else decision.rule,
                     queued_ms=None if decision is None else round(decision.queued_s * 1000, 1),
                     ttft_ms=None if ctx.ttft_s is None else round(ctx.ttft_s * 1000, 1),
                     e2e_ms=round((e2e_s := time.time() - ctx.started) * 1000, 1), status=status, error=ctx.error)

@@ -1,0 +1,29 @@
+"""bench/sim/rules.py: the simulated requests grouped by the profile's plugin that placed them."""
+
+from __future__ import annotations
+
+from bench.sim.rules import main, rule_table
+from bench.sim.systems import SYSTEMS, build
+from bench.sim.workloads import SimRequest, Workload
+
+
+def test_a_burst_in_one_region_is_split_into_local_picks_and_forwards_by_their_rules():
+    """Eight distinct 400-token prompts within 70 ms at us's one replica: some are placed there by the local pick,
+    the rest, with no room left in us, go to a peer by the peer picker and are placed there by its local pick;
+    every request is counted once and the figures are the requests' own."""
+    requests = [SimRequest(f"r{i}", f"k{i}", [f"w{i}"] * 400, 16, arrival_s=0.01 * i, region="us") for i in range(8)]
+    cluster = build(SYSTEMS["SkyLB"], Workload("burst", "burst", arrivals=requests), {"us": 1, "eu": 1, "asia": 1},
+                    seed=0, stop_at=5.0).run()
+    rows = {r["rule"]: r for r in rule_table(cluster, 0.0)}
+    assert set(rows) == {"estimated_ttft", "prefix_match -> estimated_ttft"}
+    assert sum(r["requests"] for r in rows.values()) == 8 and sum(r["share"] for r in rows.values()) == 1.0
+    forwarded = [f for f in cluster.records if f.peer_decision is not None]
+    assert rows["prefix_match -> estimated_ttft"]["requests"] == len(forwarded) > 0
+    assert all(r["hit_rate"] == 0.0 and 0 < r["p50_s"] <= r["p90_s"] for r in rows.values())  # nothing shared
+    assert sum(r["in_slowest_tenth"] for r in rows.values()) >= 1
+    assert rule_table(cluster, 10.0) == []  # nothing sent in that window
+
+
+def test_the_command_explains_itself_without_arguments(capsys):
+    assert main([]) == 2 and "rule" in capsys.readouterr().err
+    assert main(["--help"]) == 0
