@@ -114,6 +114,7 @@ def test_metrics_and_status_describe_replicas(one_region):
     status = cluster.status("us")
     assert {r["id"] for r in status["replicas"]} == {"us-0", "us-1"}
     assert status["controller_reachable"] is True
+    assert status["placed_by_rule"]["estimated_ttft"] >= 1
 
 
 def _peak_waiting_under_load(cluster, url, replicas, n_requests=16, max_tokens=40):

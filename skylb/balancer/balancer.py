@@ -13,7 +13,7 @@ and model-management handlers read it from the application.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 import aiohttp
@@ -133,6 +133,9 @@ class Balancer:
         #: Generation requests whose handler is running (queued, relaying, or backing off before a retry).
         self.active_requests = 0
         self._forwarded_at: deque[float] = deque(maxlen=10_000)
+        #: Placements since start by the profile's plugin that made them (``Decision.rule``; the status's
+        #: ``placed_by_rule``, as ``skylb_requests_routed_total``'s rule label counts them for Prometheus).
+        self.placed_by_rule: Counter[str] = Counter()
         #: {(api, model): (last seen on a local replica, last seen locally or on a peer)}, balancer clock (s).
         self._models_seen: dict[tuple[str, str], tuple[float | None, float]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -156,6 +159,7 @@ class Balancer:
     def _count_routed(self, decision: Decision) -> None:
         if decision.route != "local":
             self._forwarded_at.append(self.now())
+        self.placed_by_rule[decision.rule or ""] += 1
         self.fleet.routed(decision)
         # The counter and histograms in the loop's next turn: the request goes on to its target first.
         asyncio.get_running_loop().call_soon(self._count_routed_metrics, decision)

@@ -32,7 +32,8 @@ def detailed_status(balancer: Balancer) -> dict:
     ``static_membership`` true, for a balancer started with --replica); ``time`` is when the view was taken (unix
     s), ``kv_usage`` a replica's KV cache use at its latest probe (0-1, None when its engine does not say),
     ``kv_events`` the block index and, per replica with an event endpoint, whether its stream is live
-    (skylb/balancer/kv_routing.py ``KVRouting.status``; None when ``balancer.kv_events`` is off)."""
+    (skylb/balancer/kv_routing.py ``KVRouting.status``; None when ``balancer.kv_events`` is off),
+    ``placed_by_rule`` the placements since start by the profile's plugin that made them (``Decision.rule``)."""
     now, router = balancer.now(), balancer.router
     membership = balancer.membership
     return {
@@ -45,6 +46,7 @@ def detailed_status(balancer: Balancer) -> dict:
         "draining": balancer.draining,
         "in_flight": balancer.in_flight(),
         "forwarded_per_s": balancer.forwarded_rate(),
+        "placed_by_rule": dict(sorted(balancer.placed_by_rule.items())),
         "tries": _tries(router.policy),
         "served_regions": balancer.served_epochs,
         "ollama_fleet": balancer.fleet.status(),
