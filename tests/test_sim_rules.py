@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.sim.rules import main, rule_table
 from bench.sim.systems import SYSTEMS, build
 from bench.sim.workloads import SimRequest, Workload
@@ -24,6 +26,16 @@ def test_a_burst_in_one_region_is_split_into_local_picks_and_forwards_by_their_r
     assert rule_table(cluster, 10.0) == []  # nothing sent in that window
 
 
-def test_the_command_explains_itself_without_arguments(capsys):
-    assert main([]) == 2 and "rule" in capsys.readouterr().err
-    assert main(["--help"]) == 0
+def test_the_command_writes_a_report_with_its_provenance(tmp_path):
+    """``--out-md``: the provenance line, the summary of each run's slowest tenth and its table; bad seeds or no
+    arguments are a usage error (exit 2), never a traceback."""
+    out = tmp_path / "rules.md"
+    assert main(["multi_tenant@0.5x", "SkyLB", "0", "--out-md", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# Placements by rule: SkyLB") and "Provenance: commit" in text
+    assert "| multi_tenant@0.5x s0 |" in text and "### multi_tenant@0.5x SkyLB seed 0" in text
+    assert "estimated_ttft" in text
+    assert main(["multi_tenant@0.5x", "SkyLB", "zero"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2

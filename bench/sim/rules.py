@@ -1,25 +1,33 @@
 """Which plugin of the routing profile placed each request, and how those requests fared (simulated).
 
-``python -m bench.sim.rules CELLS SYSTEM [SEEDS]``: comma-separated scenarios or robustness-matrix cells (as
-``bench.sim.ab`` takes them, with its ``SPLIT``, ``COUNTS`` and ``RTT_SCALE``), one system spec of
-bench/sim/systems.py (``SkyLB``, ``SkyLB+home_new_prefixes=False``...), seeds (default 0). For each run, the requests
-sent in the measurement window grouped by the rule of their decision (``Decision.rule``: the plugin's module name,
-skylb/core/profile.py ``plugin_name``), ``a -> b`` for a request forwarded by rule ``a`` and placed at the peer by
-rule ``b``: how many, their share, mean / P50 / P90 TTFT (s), how many of the run's slowest tenth (TTFT at or above
-its P90) they are, and their prefix hit rate (cached prompt tokens / prompt tokens, the engines' counters). It says
-which rules act on a workload and which of them make its tail, the question to answer before changing one.
+``python -m bench.sim.rules CELLS SYSTEM [SEEDS] [--jobs N] [--out-md PATH]``: comma-separated scenarios or
+robustness-matrix cells (as ``bench.sim.ab`` takes them, with its ``SPLIT``, ``COUNTS`` and ``RTT_SCALE``; ``matrix``
+for every cell of the robustness matrix, bench/sim/matrix.py), one system spec of bench/sim/systems.py (``SkyLB``,
+``SkyLB+home_new_prefixes=False``...), seeds (default 0). For each run, the requests sent in the measurement window
+grouped by the rule of their decision (``Decision.rule``: the plugin's module name, skylb/core/profile.py
+``plugin_name``), ``a -> b`` for a request forwarded by rule ``a`` and placed at the peer by rule ``b``: how many,
+their share, mean / P50 / P90 TTFT (s), how many of the run's slowest tenth (TTFT at or above its P90) they are, and
+their prefix hit rate (cached prompt tokens / prompt tokens, the engines' counters). It says which rules act on a
+workload and which of them make its tail, the question to answer before changing one. With ``--out-md`` the same
+tables go to a report with its provenance (commit, date, command, machine), after a summary of every run: the rule
+chains that make most of its slowest tenth.
+
 :func:`rule_table` ``(cluster, window_start_s) -> list[dict]`` is the same for a finished cluster.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
 
 from bench.replay.report import markdown_table
 
 __all__ = ["rule_table", "main"]
+
+_HEADERS = ["rule", "requests", "share", "mean TTFT s", "P50 s", "P90 s", "in slowest 10%", "hit rate"]
 
 
 def _chain(flight) -> str:
@@ -58,25 +66,79 @@ def rule_table(cluster, window_start_s: float) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print each run's table; returns the exit status (2: usage)."""
+def _run(args: tuple[str, str, int]) -> tuple[str, int, dict, list[dict]]:
+    """One run (cell, system spec, seed): (cell, seed, its headline figures, its rule table)."""
     from bench.sim.ab import run_cluster
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) not in (2, 3) or argv[0] in ("-h", "--help"):
-        print(__doc__, file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    seeds = [int(s) for s in argv[2].split(",")] if len(argv) == 3 else [0]
-    for cell in argv[0].split(","):
-        for seed in seeds:
-            cluster, summary, start = run_cluster((cell, argv[1], seed))
-            print(f"\n{cell} {argv[1]} seed {seed}: P90 TTFT {summary.ttft_p90:.3f} s, {summary.throughput_rps:.2f} "
-                  f"req/s, hit rate {summary.hit_rate:.1%}, forwarded {summary.forwarded_frac:.1%}\n")
-            rows = rule_table(cluster, start)
-            print(markdown_table(["rule", "requests", "share", "mean TTFT s", "P50 s", "P90 s", "in slowest 10%",
-                                  "hit rate"],
-                                 [[r["rule"], r["requests"], f"{r['share']:.1%}", f"{r['mean_s']:.3f}",
-                                   f"{r['p50_s']:.3f}", f"{r['p90_s']:.3f}", r["in_slowest_tenth"],
-                                   f"{r['hit_rate']:.1%}"] for r in rows]))
+    cell, spec, seed = args
+    cluster, summary, start = run_cluster(args)
+    head = {"p90_s": summary.ttft_p90, "rps": summary.throughput_rps, "hit_rate": summary.hit_rate,
+            "forwarded": summary.forwarded_frac}
+    return cell, seed, head, rule_table(cluster, start)
+
+
+def _table(rows: list[dict]) -> str:
+    return markdown_table(_HEADERS, [[r["rule"], r["requests"], f"{r['share']:.1%}", f"{r['mean_s']:.3f}",
+                                      f"{r['p50_s']:.3f}", f"{r['p90_s']:.3f}", r["in_slowest_tenth"],
+                                      f"{r['hit_rate']:.1%}"] for r in rows])
+
+
+def _title(cell: str, spec: str, seed: int, head: dict) -> str:
+    return (f"{cell} {spec} seed {seed}: P90 TTFT {head['p90_s']:.3f} s, {head['rps']:.2f} req/s, hit rate "
+            f"{head['hit_rate']:.1%}, forwarded {head['forwarded']:.1%}")
+
+
+def _tail(rows: list[dict]) -> str:
+    """The rule chains making the slowest tenth, most first, as "rule n (share of the tenth)"."""
+    total = sum(r["in_slowest_tenth"] for r in rows) or 1
+    top = sorted((r for r in rows if r["in_slowest_tenth"]), key=lambda r: -r["in_slowest_tenth"])[:3]
+    return ", ".join(f"{r['rule']} {r['in_slowest_tenth'] / total:.0%}" for r in top)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.sim.rules", description=__doc__.split("\n\n")[0])
+    p.add_argument("cells", help="comma-separated scenarios or matrix cells (workload@load), or 'matrix'")
+    p.add_argument("system", help="a system spec of bench/sim/systems.py, e.g. SkyLB")
+    p.add_argument("seeds", nargs="?", default="0", help="comma-separated seeds (default 0)")
+    p.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
+    p.add_argument("--out-md", default=None, help="write the report here (with its provenance) instead of stdout")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print (or write) each run's table; returns the exit status (2: usage)."""
+    args = build_parser().parse_args(argv)
+    if args.cells == "matrix":
+        from bench.sim.matrix import WORKLOADS, cell_name
+        cells = [cell_name(w, load) for w, wl in WORKLOADS.items() for load in wl.loads]
+    else:
+        cells = args.cells.split(",")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        print(f"seeds are comma-separated integers, not {args.seeds!r}", file=sys.stderr)
+        return 2
+    specs = [(cell, args.system, seed) for cell in cells for seed in seeds]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as ex:
+            runs = list(ex.map(_run, specs))
+    else:
+        runs = [_run(s) for s in specs]
+    if args.out_md is None:
+        for cell, seed, head, rows in runs:
+            print(f"\n{_title(cell, args.system, seed, head)}\n\n{_table(rows)}")
+        return 0
+    from bench.reporting.provenance import provenance, provenance_line
+    lines = [f"# Placements by rule: {args.system}, simulated", "", provenance_line(provenance()), "",
+             "Every number is simulated (bench/sim). Per run, the requests sent in the measurement window by the "
+             "routing profile's plugin that placed them (`Decision.rule`; `a -> b`: forwarded by `a`, placed at "
+             "the peer by `b`); method: bench/sim/rules.py.", "", "## Which rules make each run's slowest tenth", "",
+             markdown_table(["run", "P90 TTFT s", "req/s", "forwarded", "slowest tenth by rule"],
+                            [[f"{cell} s{seed}", f"{h['p90_s']:.2f}", f"{h['rps']:.2f}", f"{h['forwarded']:.1%}",
+                              _tail(rows)] for cell, seed, h, rows in runs]), "", "## Every run", ""]
+    for cell, seed, head, rows in runs:
+        lines += [f"### {_title(cell, args.system, seed, head)}", "", _table(rows), ""]
+    with open(args.out_md, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
     return 0
 
 
