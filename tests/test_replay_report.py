@@ -72,7 +72,8 @@ class FakeBalancer:
         if kind != "bare":
             route = "peer:eu" if kind == "peer" else "local"
             served = "eu" if kind == "peer" else self.region
-            headers |= {"X-SkyLB-Route": route, "X-SkyLB-Served-By": f"{served}/r1"}
+            headers |= {"X-SkyLB-Route": route, "X-SkyLB-Served-By": f"{served}/r1",
+                        "X-SkyLB-Rule": "prefer_peer" if kind == "peer" else "estimated_ttft"}
         resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         await resp.write(b": keep-alive comment\n\n")
@@ -115,8 +116,8 @@ async def test_completed_request_records_ttft_e2e_usage_and_headers(fake):
     assert ok.ok and ok.status == 200 and ok.error is None
     assert FIRST_TOKEN_DELAY_S * 1000 * 0.8 <= ok.ttft_ms <= ok.e2e_ms
     assert (ok.prompt_tokens, ok.cached_tokens, ok.completion_tokens) == (6, 3, 4)
-    assert (ok.route, ok.served_by) == ("local", "us/r1")
-    assert (peer.route, peer.served_by) == ("peer:eu", "eu/r1")
+    assert (ok.route, ok.served_by, ok.rule) == ("local", "us/r1", "estimated_ttft")
+    assert (peer.route, peer.served_by, peer.rule) == ("peer:eu", "eu/r1", "prefer_peer")
     assert result.wall_s >= FIRST_TOKEN_DELAY_S
 
 
@@ -138,7 +139,7 @@ async def test_explicit_model_skips_discovery(fake):
 async def test_missing_headers_are_recorded_as_none(fake):
     """A response without X-SkyLB headers still completes, with route and served_by None."""
     (rec,) = (await replay([req("r1", "bare-1")], {"us": fake.url}, request_timeout_s=5)).records
-    assert rec.ok and rec.route is None and rec.served_by is None
+    assert rec.ok and rec.route is None and rec.served_by is None and rec.rule is None
 
 
 async def test_mid_stream_error_chunk_fails_the_request(fake):
@@ -259,10 +260,11 @@ def test_cli_rejects_bad_options(capsys):
 
 
 def rec(rid: str, region: str, *, ttft: float | None = 100, e2e: float | None = 1000, route: str | None = "local",
-        prompt: int = 100, cached: int | None = 50, out: int | None = 10, error: str | None = None) -> RequestRecord:
+        prompt: int = 100, cached: int | None = 50, out: int | None = 10, error: str | None = None,
+        rule: str | None = None) -> RequestRecord:
     """A handcrafted record."""
     return RequestRecord(id=rid, region=region, ttft_ms=ttft, e2e_ms=e2e, route=route, prompt_tokens=prompt,
-                         cached_tokens=cached, completion_tokens=out, error=error, status=200)  # fmt: skip
+                         cached_tokens=cached, completion_tokens=out, error=error, status=200, rule=rule)  # fmt: skip
 
 
 def test_percentile_interpolates_linearly():
@@ -281,10 +283,10 @@ def test_parse_route():
 def test_report_on_handcrafted_records():
     """Per-region and total counts, percentiles, local vs forwarded TTFT, throughput and hit rate are exact."""
     records = [
-        rec("a", "us", ttft=100, e2e=1000, prompt=100, cached=50),
-        rec("b", "us", ttft=200, e2e=2000, prompt=100, cached=0),
-        rec("c", "us", ttft=900, e2e=3000, route="peer:eu", prompt=200, cached=None),
-        rec("d", "us", error="HTTP 503: full", ttft=None, cached=100),
+        rec("a", "us", ttft=100, e2e=1000, prompt=100, cached=50, rule="estimated_ttft"),
+        rec("b", "us", ttft=200, e2e=2000, prompt=100, cached=0, rule="estimated_ttft"),
+        rec("c", "us", ttft=900, e2e=3000, route="peer:eu", prompt=200, cached=None, rule="prefer_peer"),
+        rec("d", "us", error="HTTP 503: full", ttft=None, cached=100, rule="estimated_ttft"),
         rec("e", "eu", ttft=50, e2e=500, route=None, prompt=100, cached=100, out=20),
     ]
     report = build_report(records, wall_s=10.0)
@@ -300,6 +302,10 @@ def test_report_on_handcrafted_records():
     assert (total["sent"], total["completed"], total["failed"]) == (5, 4, 1)
     assert total["prefix_hit_rate"] == pytest.approx(150 / 500)
     assert report["errors"] == {"HTTP 503: full": 1}
+    assert us["rules"] == {"estimated_ttft": {"completed": 2, "ttft_p90_ms": pytest.approx(190)},
+                           "prefer_peer": {"completed": 1, "ttft_p90_ms": 900}}  # completed requests only
+    assert eu["rules"] == {} and "by rule" not in format_table(build_report(records[4:], wall_s=1.0))
+    assert "estimated_ttft 2 / 190, prefer_peer 1 / 900" in format_table(report)
 
 
 def test_report_table_and_json(tmp_path):

@@ -39,6 +39,7 @@ class RequestRecord:
         error: why it failed (HTTP status and body, an SSE error chunk, a timeout, ...); None when completed.
         route: the ``X-SkyLB-Route`` header of the balancer the client called; None when absent.
         served_by: the ``X-SkyLB-Served-By`` header; None when absent.
+        rule: the ``X-SkyLB-Rule`` header (the routing profile's plugin that chose the route); None when absent.
         response_id: the completion's ``id`` (the engine's request id, which its request log names); None when no
             chunk carried one.
     """
@@ -58,6 +59,7 @@ class RequestRecord:
     route: str | None = None
     served_by: str | None = None
     response_id: str | None = None
+    rule: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -106,6 +108,10 @@ def _stats(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
     ttft_local = [r.ttft_ms for r in done if r.ttft_ms is not None and parse_route(r.route) == ""]
     ttft_fwd = [r.ttft_ms for r in done if r.ttft_ms is not None and parse_route(r.route)]
     e2e = [r.e2e_ms for r in done if r.e2e_ms is not None]
+    by_rule: dict[str, list[float]] = {}
+    for r in done:
+        if r.rule is not None:
+            by_rule.setdefault(r.rule, []).append(r.ttft_ms)
     prompt = sum(r.prompt_tokens for r in done)
     cached = sum(r.cached_tokens or 0 for r in done)
     output = sum(r.completion_tokens or 0 for r in done)
@@ -122,6 +128,8 @@ def _stats(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
         "ttft_p90_ms": percentile(ttft, 90),
         "ttft_p50_local_ms": percentile(ttft_local, 50),
         "ttft_p50_forwarded_ms": percentile(ttft_fwd, 50),
+        "rules": {rule: {"completed": len(times), "ttft_p90_ms": percentile([t for t in times if t is not None], 90)}
+                  for rule, times in sorted(by_rule.items())},
         "e2e_p50_ms": percentile(e2e, 50),
         "e2e_p90_ms": percentile(e2e, 90),
         "throughput_rps": per_s(len(done)),
@@ -140,6 +148,7 @@ def build_report(records: Iterable[RequestRecord], wall_s: float) -> dict[str, A
     Stats of a group: sent / completed / failed; ``local``, ``forwarded`` {peer: n}, ``forwarded_total`` and
     ``route_unknown`` (completed requests by ``X-SkyLB-Route``); ``ttft_p50_ms``, ``ttft_p90_ms``,
     ``ttft_p50_local_ms``, ``ttft_p50_forwarded_ms``, ``e2e_p50_ms``, ``e2e_p90_ms`` (ms, completed requests);
+    ``rules``: {``X-SkyLB-Rule``: {"completed", "ttft_p90_ms"}} over the completed requests that carried one;
     ``throughput_rps`` (completed requests / s), ``output_tokens_per_s``; ``prompt_tokens``, ``cached_tokens``,
     ``output_tokens`` and ``prefix_hit_rate`` (cached / prompt tokens, 0..1). Values with no data are None.
     ``errors``: the 10 most frequent error messages (first 200 characters) with their counts.
@@ -197,6 +206,10 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"prefix hit {'-' if achieved is None else f'{100 * achieved:.1f}%'} of an ideal "
                      f"{100 * ideal:.1f}% (these requests through an infinite cache on one replica: a limit no "
                      "policy can pass)")
+    rules = report["total"].get("rules")
+    if rules:
+        lines.append("by rule (X-SkyLB-Rule), completed / TTFT p90 ms: " + ", ".join(
+            f"{rule} {s['completed']} / {_ms(s['ttft_p90_ms'])}" for rule, s in rules.items()))
     for message, n in report.get("errors", {}).items():
         lines.append(f"  {n} x {message}")
     return "\n".join(lines)

@@ -54,6 +54,7 @@ __all__ = [
 
 ROUTE_HEADER = "X-SkyLB-Route"
 SERVED_BY_HEADER = "X-SkyLB-Served-By"
+RULE_HEADER = "X-SkyLB-Rule"
 SESSION_HEADER = "X-Session-ID"
 #: How much of a failed response's body goes into the record (characters).
 ERROR_BODY_CHARS = 500
@@ -217,6 +218,7 @@ async def send_request(
                 record.status = resp.status
                 record.route = resp.headers.get(ROUTE_HEADER)
                 record.served_by = resp.headers.get(SERVED_BY_HEADER)
+                record.rule = resp.headers.get(RULE_HEADER)
                 if 200 <= resp.status < 300:
                     await _read_response(resp, stream, loop)
                     if stream.error is None and not stream.done:
