@@ -335,7 +335,8 @@ def figures_of(records: list[RequestRecord], wall_s: float, *, duration_s: float
     ``served_unknown`` (completed requests no log line names), ``forwarded_frac`` (SkyLB's own count:
     ``X-SkyLB-Route`` peer:*; None when no response carried the header), ``cpu_s`` ({"system", "replicas", "proxy",
     "clients": CPU s over the replay}), ``cpu_ms_per_request`` (the system's own processes, per completed
-    request), ``cpu_busy_frac`` (all of them / (wall x cores)) and ``region_ttft_p90_ms`` ({client region: ms}).
+    request), ``cpu_busy_frac`` (all of them / (wall x cores)), ``region_ttft_p90_ms`` ({client region: ms}) and
+    ``rules`` ({``X-SkyLB-Rule``: {"completed", "ttft_p90_ms"}}, bench/replay/report.py; empty for other systems).
     """
     f = summarize(records, wall_s)
     done = [r for r in records if r.ok]
@@ -352,8 +353,10 @@ def figures_of(records: list[RequestRecord], wall_s: float, *, duration_s: float
     f["cpu_s"] = dict(cpu)
     f["cpu_ms_per_request"] = 1000 * cpu["system"] / len(done) if done else None
     f["cpu_busy_frac"] = sum(cpu.values()) / (wall_s * (os.cpu_count() or 1)) if wall_s > 0 else None
-    regions = build_report(records, wall_s)["regions"]
+    report = build_report(records, wall_s)
+    regions = report["regions"]
     f["region_ttft_p90_ms"] = {g: regions.get(g, {}).get("ttft_p90_ms") for g in REGIONS}
+    f["rules"] = report["total"]["rules"]  # by X-SkyLB-Rule (SkyLB only): completed requests, TTFT p90
     return f
 
 
