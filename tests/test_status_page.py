@@ -41,7 +41,7 @@ RTT_MS = {"us-eu": 80, "us-asia": 200, "eu-asia": 150}
 #: The page's tables as {table id: {row key: {field: text}}}, read from the DOM the page drew.
 READ_TABLES = """
 const out = {};
-for (const id of ["regions", "replicas", "forwarding", "quotas"]) {
+for (const id of ["regions", "replicas", "forwarding", "rules", "quotas"]) {
   out[id] = {};
   for (const row of document.querySelectorAll(`#${id} tbody tr[data-key]`)) {
     const cells = {};
@@ -228,7 +228,9 @@ def _controller_figures(view: dict) -> dict:
                 for r in view["replicas"]}
     forwarding = {f"{b['region']}>{p['region']}": {"forwarded": str(p["forwarded"]), "queue_len": str(p["queue_len"])}
                   for b in view["balancers"] for p in b["peers"]}
-    return {"regions": regions, "replicas": replicas, "forwarding": forwarding}
+    rules = {f"{b['region']}>{rule}": {"placements": str(n)} for b in view["balancers"]
+             for rule, n in (b["placed_by_rule"] or {}).items()}
+    return {"regions": regions, "replicas": replicas, "forwarding": forwarding, "rules": rules}
 
 
 def _drawn(page: dict, figures: dict) -> dict:
@@ -298,6 +300,7 @@ def test_status_page_in_chromium_matches_the_status_of_its_revision(procs, tmp_p
     assert tables["regions"]["asia"]["balancer_region"] == "eu" and tables["regions"]["asia"]["epoch"] == "1"
     assert tables["regions"]["asia"]["healthy"] == "no" and tables["regions"]["asia"]["state"].startswith("unreach")
     assert tables["forwarding"]["us>eu"]["forwarded"] == "4"
+    assert sum(int(row["placements"]) for key, row in tables["rules"].items() if key.startswith("us>")) >= 4
     assert set(tables["forwarding"]) == {"us>eu", "eu>us"}  # asia's balancer is down
     assert {row["bucket"] for row in tables["quotas"].values()} - {"(no bucket in use)"}
 

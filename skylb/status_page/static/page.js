@@ -5,6 +5,7 @@
 const POLL_MS = 2000;
 const STATUS_URL = "/skylb/v1/status?format=json";
 let previous = null;  // the last snapshot's forwarded counts and time, for the rates
+let previousRules = null;  // the last snapshot's placements by rule and time, for the rates
 
 function fromBalancer(d) {
   // A balancer's own status, in the controller view's shape: its region, the regions it serves, its replicas.
@@ -16,7 +17,8 @@ function fromBalancer(d) {
     regions: Object.entries(served).map(([region, epoch]) => ({region, balancer_region: d.region, epoch})),
     balancers: [{region: d.region, url: location.origin, healthy: true, draining: d.draining, reachable: true,
                  error: null, queue_len: d.queue_len, in_flight: d.in_flight,
-                 available_replicas: d.available_replicas, peers: d.peers, quota: d.quota}],
+                 available_replicas: d.available_replicas, peers: d.peers, quota: d.quota,
+                 placed_by_rule: d.placed_by_rule}],
     replicas: d.replicas.map((r) => ({...r, region: onlyRegion, balancer: location.origin})),
   };
 }
@@ -109,6 +111,24 @@ function drawForwarding(view) {
   previous = {counts, time: view.time};
 }
 
+function drawRules(view) {
+  // Each balancer's placements by the routing profile's plugin that made them (its status's placed_by_rule).
+  const items = view.balancers.flatMap((b) => Object.entries(b.placed_by_rule || {})
+    .map(([rule, n]) => ({region: b.region, rule, n})));
+  const rows = body("rules", items.map((x) => `${x.region}>${x.rule}`), "no placements yet");
+  const counts = {};
+  items.forEach((x, i) => {
+    const row = rows[i], key = `${x.region}>${x.rule}`;
+    counts[key] = x.n;
+    cell(row, "region", x.region);
+    cell(row, "rule", x.rule || "(none)");
+    num(row, "placements", x.n);
+    const before = previousRules && previousRules.counts[key], dt = previousRules ? view.time - previousRules.time : 0;
+    num(row, "rate", before === undefined || dt <= 0 ? null : ((x.n - before) / dt).toFixed(2));
+  });
+  previousRules = {counts, time: view.time};
+}
+
 function drawQuotas(view) {
   const items = view.balancers.filter((b) => b.quota).flatMap((b) => {
     const levels = Object.entries(b.quota.levels || {});
@@ -141,6 +161,7 @@ function draw(view) {
   drawRegions(view);
   drawReplicas(view);
   drawForwarding(view);
+  drawRules(view);
   drawQuotas(view);
 }
 
