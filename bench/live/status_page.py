@@ -91,6 +91,12 @@ def take_screenshot(out: Path, *, settle_s: float = 8.0, width: int = 1500, heig
                 field.send_keys(deployment.admin_token)
                 field.submit()
                 time.sleep(settle_s)  # a few polls: the forwarding rates need two snapshots
+                # The whole page, however many tables it has now: the window grows to the document's height.
+                full = driver.execute_script("return document.documentElement.scrollHeight")
+                if full > height:
+                    driver.set_window_size(width, full + (height - driver.execute_script(
+                        "return window.innerHeight")))
+                    time.sleep(0.5)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 driver.save_screenshot(str(out))
             finally:
