@@ -254,7 +254,8 @@ def test_forwarding_to_the_only_available_peer_pays_the_round_trip(three_regions
     for status, route, served_by, ttft, _, done, rule in results:
         assert status == 200 and done
         assert route == "peer:asia" and served_by.startswith("asia/")
-        assert rule == "prefix_match"  # no local room: the peer picker (the snapshot match, else the most room)
+        # no local room: the peer picker (the snapshot match, else the most room); then asia's local pick
+        assert rule == "prefix_match, estimated_ttft"
         assert ttft >= 0.150
     # the status counts each forward once, where it was answered (at the stream's last event, also when the client
     # closes right after reading it); polled (bounded) as the status is read over HTTP while the relays end

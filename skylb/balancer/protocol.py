@@ -36,7 +36,8 @@ TOKEN_HEADER = "X-SkyLB-Token"
 #: On responses: ``local`` or ``peer:<region>``, as decided by the balancer the client called.
 ROUTE_HEADER = "X-SkyLB-Route"
 #: On responses: why the balancer the client called chose that route, the plugin of its routing profile that chose
-#: it (``Decision.rule``: ``push_to_holder``, ``prefer_peer``, ``estimated_ttft``... or ``pinned``).
+#: it (``Decision.rule``: ``push_to_holder``, ``prefer_peer``, ``estimated_ttft``... or ``pinned``); for a forwarded
+#: request followed by the peer's own, comma-separated (``prefer_peer, push_to_holder``).
 RULE_HEADER = "X-SkyLB-Rule"
 #: On responses: ``<region>/<replica id>`` of the replica that served the request.
 SERVED_BY_HEADER = "X-SkyLB-Served-By"

@@ -173,7 +173,10 @@ class Relay:
         headers = {ROUTE_HEADER: route, SERVED_BY_HEADER: served_by, BALANCER_REQUEST_ID_HEADER: request_id,
                    QUEUE_MS_HEADER: f"{decision.queued_s * 1000:.1f}"}
         if decision.rule is not None:
-            headers[RULE_HEADER] = decision.rule
+            # A forward's rule, then the peer's own (its answer's header): the whole decision, hop by hop.
+            peer_rule = upstream.headers.get(RULE_HEADER) if decision.route != "local" else None
+            headers[RULE_HEADER] = (f"{decision.rule}, {peer_rule}" if peer_rule and header_value(peer_rule)
+                                    else decision.rule)
         # What a replica or peer said goes into a header only as printable ASCII (no CR/LF: a split header drops
         # the client's connection after the handler returned); anything else is left out.
         for name, value in ((MODEL_HEADER, decision.request.model),  # the model asked of the target (a fallback's)
