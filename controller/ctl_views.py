@@ -75,7 +75,8 @@ def system_status(membership: dict, statuses: dict[str, tuple[dict | None, str |
     Shape: ``{"revision", "regions": [{"region", "balancer_region" (whose balancer serves its replicas), "epoch"}],
     "balancers": [{"region", "url", "healthy" (the controller's check), "draining", "state" ("up"; "refused": it
     answered but wants the peer token; "down": no answer), "reachable" (it answered: up or refused), "error",
-    "queue_len", "in_flight", "available_replicas", "forwarded", "forwarded_per_s", "serves" ({region: epoch})}],
+    "queue_len", "in_flight", "available_replicas", "forwarded", "forwarded_per_s", "serves" ({region: epoch}),
+    "placed_by_rule" ({rule: placements since its start})}],
     "replicas": [{"id", "region", "engine", "url", "healthy" (the controller's check), "draining", "balancer" (the
     URL of its owner when a balancer's status lists it, else None), "pending", "running", "outstanding",
     "available", "reason"}]}``;
@@ -91,7 +92,7 @@ def system_status(membership: dict, statuses: dict[str, tuple[dict | None, str |
             "reachable": _state(status, error) != "down", "error": error and str(error),
             **{k: live.get(k) for k in ("queue_len", "in_flight", "available_replicas", "forwarded_per_s")},
             "forwarded": sum(p.get("forwarded", 0) for p in live.get("peers", [])) if status else None,
-            "serves": live.get("served_regions")})
+            "serves": live.get("served_regions"), "placed_by_rule": live.get("placed_by_rule")})
         for r in live.get("replicas", []):
             seen[r["id"]] = (b["url"], r)
     replicas = []
@@ -118,7 +119,8 @@ def _yes(flag: bool) -> str:
 
 
 def status_tables(view: dict) -> str:
-    """``system_status``'s view as text: regions (who serves them), balancers, replicas."""
+    """``system_status``'s view as text: regions (who serves them), balancers, replicas, and each balancer's
+    placements by the routing profile's plugin that made them (``X-SkyLB-Rule``) when any balancer reports them."""
     regions = tabulate([(r["region"], r["balancer_region"] + ("" if r["balancer_region"] == r["region"]
                                                                else "  (failed over)"), r["epoch"])
                         for r in view["regions"]] or [("(no regions)",)],
@@ -138,7 +140,12 @@ def status_tables(view: dict) -> str:
           _dash(r["running"]), _dash(r["outstanding"]), r["url"]) for r in view["replicas"]] or [("(no replicas)",)],
         headers=["REGION", "REPLICA", "ENGINE", "HEALTHY", "DRAINING", "SERVED BY", "AVAILABLE", "PENDING", "RUNNING",
                  "IN FLIGHT", "URL"])
-    return f"revision {view['revision']}\n\n{regions}\n\n{balancers}\n\n{replicas}"
+    text = f"revision {view['revision']}\n\n{regions}\n\n{balancers}\n\n{replicas}"
+    placed = [(b["region"], rule, n) for b in view["balancers"]
+              for rule, n in sorted((b.get("placed_by_rule") or {}).items(), key=lambda kv: -kv[1])]
+    if placed:
+        text += "\n\n" + tabulate(placed, headers=["REGION", "RULE (X-SkyLB-Rule)", "PLACEMENTS"])
+    return text
 
 
 def replica_table(replicas: list[dict]) -> str:

@@ -54,9 +54,8 @@ def system_view(membership: dict, statuses: dict[str, tuple[dict | None, str | N
     """The page's data: ``ctl_views.system_status`` (regions with their assignment and epoch, balancers, replicas)
     plus ``"source": "controller"``, ``"time"`` (``now``, unix s: when the view was taken), each replica's
     ``kv_usage`` (0-1 or None), each balancer's ``peers`` ([{"region", "forwarded" (requests forwarded there since
-    it started), "queue_len", "available"}]), ``quota`` (its quota status: backend, share, waiting, bucket
-    levels; None when unreachable) and ``placed_by_rule`` (its placements since it started by the routing profile's
-    plugin that made them; None when unreachable), and ``quotas`` (the controller's quota document or None)."""
+    it started), "queue_len", "available"}]) and ``quota`` (its quota status: backend, share, waiting, bucket
+    levels; None when unreachable), and ``quotas`` (the controller's quota document or None)."""
     view = system_status(membership, statuses)
     live_replicas = {r["id"]: r for status, _ in statuses.values() if status for r in status.get("replicas", [])}
     for replica in view["replicas"]:
@@ -66,7 +65,6 @@ def system_view(membership: dict, statuses: dict[str, tuple[dict | None, str | N
         balancer["peers"] = [{k: p.get(k) for k in ("region", "forwarded", "queue_len", "available")}
                              for p in status.get("peers", [])]
         balancer["quota"] = status.get("quota")
-        balancer["placed_by_rule"] = status.get("placed_by_rule")
     return {"source": "controller", "time": round(now, 3), **view, "quotas": membership.get("quotas")}
 
 

@@ -37,7 +37,9 @@ def _ctl_status(cluster: Cluster) -> dict:
     assert "REPLICA" in table.stdout and "us-a" in table.stdout and "us-b" in table.stdout
     out = _ctl(cluster, "status", "--json")
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    view = json.loads(out.stdout)
+    assert all("placed_by_rule" in b for b in view["balancers"])
+    return view
 
 
 def test_unhealthy_replica_leaves_the_candidates_and_comes_back(procs, tmp_path):
