@@ -4,8 +4,8 @@
 
 const POLL_MS = 2000;
 const STATUS_URL = "/skylb/v1/status?format=json";
-let previous = null;  // the last snapshot's forwarded counts and time, for the rates
-let previousRules = null;  // the last snapshot's placements by rule and time, for the rates
+// The last snapshot's counters (forwarded per link, placements per rule) and its time, for the rates.
+const previous = {forwarding: null, rules: null};
 
 function fromBalancer(d) {
   // A balancer's own status, in the controller view's shape: its region, the regions it serves, its replicas.
@@ -93,22 +93,35 @@ function drawReplicas(view) {
   });
 }
 
+function rates(table, view) {
+  // Counts a table's rows put by key; a row's rate since the table's last snapshot (null for a new row or the
+  // first snapshot); done() keeps this snapshot's counts for the next one.
+  const before = previous[table], counts = {};
+  const dt = before ? view.time - before.time : 0;
+  return {
+    rate(key, n) {
+      counts[key] = n;
+      const was = before && before.counts[key];
+      return was === undefined || dt <= 0 ? null : ((n - was) / dt).toFixed(2);
+    },
+    done() { previous[table] = {counts, time: view.time}; },
+  };
+}
+
 function drawForwarding(view) {
   const links = view.balancers.flatMap((b) => (b.peers || []).map((p) => ({from: b.region, ...p})));
   const rows = body("forwarding", links.map((l) => `${l.from}>${l.region}`), "no peers");
-  const counts = {};
+  const since = rates("forwarding", view);
   links.forEach((l, i) => {
-    const row = rows[i], key = `${l.from}>${l.region}`;
-    counts[key] = l.forwarded;
+    const row = rows[i];
     cell(row, "from", l.from);
     cell(row, "to", l.region);
     num(row, "forwarded", l.forwarded);
-    const before = previous && previous.counts[key], dt = previous ? view.time - previous.time : 0;
-    num(row, "rate", before === undefined || dt <= 0 ? null : ((l.forwarded - before) / dt).toFixed(2));
+    num(row, "rate", since.rate(`${l.from}>${l.region}`, l.forwarded));
     num(row, "queue_len", l.queue_len);
     flag(row, "available", l.available);
   });
-  previous = {counts, time: view.time};
+  since.done();
 }
 
 function drawRules(view) {
@@ -116,17 +129,15 @@ function drawRules(view) {
   const items = view.balancers.flatMap((b) => Object.entries(b.placed_by_rule || {})
     .map(([rule, n]) => ({region: b.region, rule, n})));
   const rows = body("rules", items.map((x) => `${x.region}>${x.rule}`), "no placements yet");
-  const counts = {};
+  const since = rates("rules", view);
   items.forEach((x, i) => {
-    const row = rows[i], key = `${x.region}>${x.rule}`;
-    counts[key] = x.n;
+    const row = rows[i];
     cell(row, "region", x.region);
     cell(row, "rule", x.rule || "(none)");
     num(row, "placements", x.n);
-    const before = previousRules && previousRules.counts[key], dt = previousRules ? view.time - previousRules.time : 0;
-    num(row, "rate", before === undefined || dt <= 0 ? null : ((x.n - before) / dt).toFixed(2));
+    num(row, "rate", since.rate(`${x.region}>${x.rule}`, x.n));
   });
-  previousRules = {counts, time: view.time};
+  since.done();
 }
 
 function drawQuotas(view) {
