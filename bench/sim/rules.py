@@ -95,6 +95,7 @@ def _tail(rows: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line (module docstring)."""
     p = argparse.ArgumentParser(prog="python -m bench.sim.rules", description=__doc__.split("\n\n")[0])
     p.add_argument("cells", help="comma-separated scenarios or matrix cells (workload@load), or 'matrix'")
     p.add_argument("system", help="a system spec of bench/sim/systems.py, e.g. SkyLB")
