@@ -23,7 +23,7 @@ import sys
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 
-from bench.replay.report import markdown_table
+from bench.replay.report import markdown_table, percentile
 
 __all__ = ["rule_table", "main"]
 
@@ -39,19 +39,14 @@ def _chain(flight) -> str:
     return name
 
 
-def _pct(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0-1) of sorted ``values``, nearest rank (as bench/sim/metrics.py reads P90)."""
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def rule_table(cluster, window_start_s: float) -> list[dict]:
     """One row per rule chain (module docstring) over the requests sent in [``window_start_s``, the cluster's
     ``stop_at``), most requests first: {rule, requests, share, mean_s, p50_s, p90_s, in_slowest_tenth, hit_rate}."""
     sent = [f for f in cluster.records if window_start_s <= f.sent_at < cluster.stop_at and f.result is not None]
     if not sent:
         return []
-    ttft = sorted(f.first_token_at - f.sent_at for f in sent)
-    slow = _pct(ttft, 0.9)
+    # The run's P90 as bench/sim/metrics.py reads it (its ``ttft_p90``): linear between the closest ranks.
+    slow = percentile([f.first_token_at - f.sent_at for f in sent], 90)
     groups = defaultdict(list)
     for f in sent:
         groups[_chain(f)].append(f)
@@ -60,7 +55,8 @@ def rule_table(cluster, window_start_s: float) -> list[dict]:
         times = sorted(f.first_token_at - f.sent_at for f in flights)
         prompt = sum(f.result.prompt_tokens for f in flights)
         rows.append({"rule": name, "requests": len(flights), "share": len(flights) / len(sent),
-                     "mean_s": statistics.fmean(times), "p50_s": _pct(times, 0.5), "p90_s": _pct(times, 0.9),
+                     "mean_s": statistics.fmean(times), "p50_s": percentile(times, 50),
+                     "p90_s": percentile(times, 90),
                      "in_slowest_tenth": sum(t >= slow for t in times),
                      "hit_rate": sum(f.result.cached_tokens for f in flights) / prompt if prompt else 0.0})
     return rows
