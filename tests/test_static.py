@@ -258,7 +258,10 @@ def test_ctl_status_says_a_balancer_refused_for_want_of_the_peer_token(static, t
         assert "DOWN" not in table.stdout
         assert "REFUSED (refused: the status needs the peer token (set $SKYLB_PEER_TOKEN or pass " \
                "--peer-token-file FILE))" in table.stdout
-        rows = {line.split()[0]: line for line in table.stdout.splitlines() if line.startswith(("eu ", "local "))}
+        # the balancers table's rows (the region, then its URL); the regions and rules tables also start with a region
+        rows = {region: line for line in table.stdout.splitlines() for region, url in (("eu", static.eu),
+                                                                                       ("local", static.plain))
+                if line.split()[:2] == [region, url]}
         assert "REFUSED" in rows["eu"] and " up " in rows["local"]
         view = json.loads(ctl("--peer-token-file", str(tmp_path / "peer-token"), "status", "-o", "json").stdout)
         assert {b["region"]: b["state"] for b in view["balancers"]} == {"eu": "up", "local": "up"}
