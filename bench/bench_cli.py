@@ -109,6 +109,11 @@ def _add_matrix(sub) -> None:
                    help="replicas per region for every workload instead of its own (the same clients; an "
                         "open-loop workload's 1x stays its own deployment's rate), e.g. us=2,eu=4,asia=6; write "
                         "the report to another --out than the matrix's own")
+    m.add_argument("--schedule-policy", choices=("lpm", "fcfs"), default=None,
+                   help="the order in which every simulated engine takes its waiting queue instead of the "
+                        "calibrated regime's (bench/sim/regime.yaml): lpm, longest prefix match first (SGLang "
+                        "v0.4.3's default), or fcfs, first come, first served (vLLM's; SGLang's since v0.4.6); the "
+                        "loads stay the regime's; write the report to another --out than the matrix's own")
     m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="worker processes (default: min(2, CPUs))")
     m.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
@@ -598,19 +603,21 @@ def _run_matrix(args: argparse.Namespace) -> int:
         print(f"skylb bench matrix: {', '.join(missing)} need the trace {_default_trace()}, which is missing",
               file=sys.stderr)
         return 2
-    specs = runs_for(workloads, systems, seeds, split=args.split, loads=loads, quick=args.quick, counts=args.counts)
+    specs = runs_for(workloads, systems, seeds, split=args.split, loads=loads, quick=args.quick, counts=args.counts,
+                     schedule_policy=args.schedule_policy)
     command = "skylb bench matrix" + (" --quick" if args.quick else "") + "".join(
         f" --{flag} {','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in value)}"
         for flag, value in (("workloads", args.workloads), ("loads", args.loads), ("systems", args.systems),
                             ("seeds", args.seeds)) if value) + f" --split {args.split}" + (
-        " --counts " + ",".join(f"{r}={n}" for r, n in args.counts) if args.counts else "")
+        " --counts " + ",".join(f"{r}={n}" for r, n in args.counts) if args.counts else "") + (
+        f" --schedule-policy {args.schedule_policy}" if args.schedule_policy else "")
     prov = provenance(command)  # at the start: the code that ran, even if the checkout changes during the run
     t0 = time.perf_counter()
     runs = run_specs(specs, jobs=max(1, args.jobs), progress=not args.no_progress, runner=execute_run,
                      cost=lambda s: s.cost)
     saved = {"command": command, "provenance": prov, "split": args.split, "seeds": list(seeds),
              "systems": list(systems), "quick": args.quick,
-             "counts": dict(args.counts) if args.counts else None,
+             "counts": dict(args.counts) if args.counts else None, "schedule_policy": args.schedule_policy,
              "times": {k: TIMES["quick" if args.quick else k] for k in ("closed", "open", "trace")},
              "wall_s": time.perf_counter() - t0, "jobs": args.jobs, "runs": [r.to_dict() for r in runs]}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -236,7 +236,8 @@ def test_quick_matrix_end_to_end(tmp_path):
 def _replace_in(tmp_path, data):
     """`--from-json RERUN --replace-in SAVED`: the default's runs of a rerun replace the saved ones (ratios follow),
     every other system's stay, both commands are recorded; a rerun of other seeds is refused."""
-    rerun = {k: data[k] for k in ("split", "seeds", "counts", "systems", "quick", "times", "jobs")} | {
+    rerun = {k: data[k] for k in ("split", "seeds", "counts", "schedule_policy", "systems", "quick", "times",
+                                  "jobs")} | {
         "command": "skylb bench matrix --systems SkyLB", "wall_s": 5.0,
         "provenance": {**data["provenance"], "commit": "abcdef1234", "date": "2026-12-03T17:00:00Z"},
         "runs": [{**r, "ttft_p90": r["ttft_p90"] * 2} for r in data["runs"] if r["system"] == DEFAULT]}
@@ -301,3 +302,25 @@ def test_matrix_on_other_replicas_per_region(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "matrix", "--quick", "--counts", "us=1,eu=1", "--out", str(out)])
     assert "missing asia" in capsys.readouterr().err
+
+
+def test_matrix_with_the_engines_in_another_scheduling_order(tmp_path, capsys):
+    """`--schedule-policy fcfs` runs every engine first come, first served instead of the regime's longest prefix
+    match: the same cell at the same offered load gives other waits, the JSON, command and report say which order
+    ran, and a rerun under another order cannot replace the saved runs."""
+    cell = ["bench", "matrix", "--quick", "--workloads", "multi_tenant", "--loads", "3", "--systems", "LL",
+            "--no-progress", "--jobs", "1"]
+    assert cli.main([*cell, "--out", str(tmp_path / "regime")]) == 0
+    assert cli.main([*cell, "--schedule-policy", "fcfs", "--out", str(tmp_path / "fcfs")]) == 0
+    regime_run, fcfs_run = (json.loads((tmp_path / d / "matrix.json").read_text()) for d in ("regime", "fcfs"))
+    assert regime_run["schedule_policy"] is None and fcfs_run["schedule_policy"] == "fcfs"
+    assert fcfs_run["command"].endswith("--schedule-policy fcfs")
+    (a,), (b,) = regime_run["runs"], fcfs_run["runs"]
+    assert a["sent"] == b["sent"] and a["ttft_p90"] != b["ttft_p90"]  # same arrivals, other waits
+    assert "**Engine scheduling.** Every simulated engine takes its waiting queue first come, first served" in (
+        tmp_path / "fcfs" / "matrix.md").read_text()
+    assert cli.main(["bench", "matrix", "--from-json", str(tmp_path / "fcfs" / "matrix.json"), "--replace-in",
+                     str(tmp_path / "regime" / "matrix.json"), "--out", str(tmp_path / "merged")]) == 2
+    with pytest.raises(SystemExit):
+        cli.main([*cell, "--schedule-policy", "random", "--out", str(tmp_path / "x")])
+    assert "invalid choice: 'random'" in capsys.readouterr().err

@@ -291,6 +291,9 @@ class MatrixRun:
     quick: bool = False
     #: Replicas per region instead of the workload's own (``parse_counts``; None: its own).
     counts: tuple[tuple[str, int], ...] | None = None
+    #: The engines' waiting-queue order instead of the regime's ("lpm" or "fcfs", ``EngineParams.schedule_policy``;
+    #: None: the regime's). An open-loop workload's 1x stays the regime's rate, so a cell offers the same load.
+    schedule_policy: str | None = None
 
     @property
     def scenario(self) -> str:
@@ -306,13 +309,17 @@ class MatrixRun:
 
 def runs_for(workloads: Sequence[str], systems: Sequence[str], seeds: Sequence[int], *, split: str = "dev",
              loads: Sequence[float] | None = None, quick: bool = False,
-             counts: tuple[tuple[str, int], ...] | None = None) -> list[MatrixRun]:
+             counts: tuple[tuple[str, int], ...] | None = None,
+             schedule_policy: str | None = None) -> list[MatrixRun]:
     """Every run of the matrix: each workload at ``loads`` (default: its own :data:`MatrixWorkload.loads`), each
-    system, each seed; on ``counts`` replicas per region when given (``deployed``). Raises KeyError for an unknown
-    workload or system."""
+    system, each seed; on ``counts`` replicas per region when given (``deployed``); with the engines' waiting queues
+    in ``schedule_policy`` order when given ("lpm", "fcfs"; None: the regime's). Raises KeyError for an unknown
+    workload or system, ValueError for an unknown ``schedule_policy``."""
     for s in systems:
         SYSTEMS[s]  # noqa: B018 (fail early on a misspelt system)
-    return [MatrixRun(w, load, s, seed, split, quick, counts) for w in workloads
+    if schedule_policy is not None:
+        replace(engine_params(), schedule_policy=schedule_policy)  # EngineParams checks the name
+    return [MatrixRun(w, load, s, seed, split, quick, counts, schedule_policy) for w in workloads
             for load in (loads or WORKLOADS[w].loads) for s in systems for seed in seeds]
 
 
@@ -325,6 +332,8 @@ def execute_run(spec: MatrixRun) -> RunSummary:
     t0 = time.perf_counter()
     workload = wl.make(spec.seed, spec.load, trace_window(spec.split, spec.seed), stop_at)
     params = engine_params()
+    if spec.schedule_policy is not None:
+        params = replace(params, schedule_policy=spec.schedule_policy)
     own = wl.replica_params(params)
     runs = []
     for variant in [replace(system, policy=p) for p in system.candidates] or [system]:

@@ -226,6 +226,11 @@ def render_markdown(saved: dict, results: Sequence[RunSummary], *, plot: str | N
         lines += [f"**Replicas per region.** {', '.join(f'{r} {n}' for r, n in saved['counts'].items())} for every "
                   "workload (`--counts`), instead of each workload's own (bench/sim/matrix.py); the clients are "
                   "the workload's, and an open-loop workload's 1x is its own deployment's rate.", ""]
+    if saved.get("schedule_policy"):
+        order = {"lpm": "longest prefix match first", "fcfs": "first come, first served"}[saved["schedule_policy"]]
+        lines += [f"**Engine scheduling.** Every simulated engine takes its waiting queue {order} "
+                  f"(`--schedule-policy {saved['schedule_policy']}`), instead of the calibrated regime's order "
+                  "(bench/sim/regime.yaml); the loads are the regime's.", ""]
     lines += _checks_section(cells, mean_single_ratios(results))
     if plot:
         lines += ["## Heat map", "", f"![default P90 over the best other system's]({plot})", ""]
@@ -253,10 +258,10 @@ def replace_systems(saved: dict, rerun: dict) -> dict:
     ``rerun``'s: its provenance becomes the rerun's (the code of the newest runs) and its command records both.
 
     Raises:
-        ValueError: the two differ in split, seeds, replicas per region or simulated time (``--quick``), or
-            ``rerun`` has no runs.
+        ValueError: the two differ in split, seeds, replicas per region, engine scheduling or simulated time
+            (``--quick``), or ``rerun`` has no runs.
     """
-    for key in ("split", "seeds", "counts", "quick", "times"):
+    for key in ("split", "seeds", "counts", "schedule_policy", "quick", "times"):
         if saved.get(key) != rerun.get(key):
             raise ValueError(f"the rerun's {key} ({rerun.get(key)}) is not the saved matrix's ({saved.get(key)})")
     systems = {r["system"] for r in rerun["runs"]}
