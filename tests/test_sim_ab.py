@@ -93,3 +93,20 @@ def test_round_trips_between_regions_scale(monkeypatch):
         assert "round-trip scale" in str(exc)
     else:
         raise AssertionError("RTT_SCALE=0 was accepted")
+
+
+def test_a_cell_runs_with_the_engines_in_another_order(monkeypatch):
+    """``SCHEDULE=fcfs`` runs every engine first come, first served: a saturated cell's waits change with the same
+    arrivals; an unknown order is refused with its name."""
+    monkeypatch.setitem(__import__("bench.sim.matrix", fromlist=["TIMES"]).TIMES, "open", (30.0, 0.0))
+    lpm = run_one(("multi_tenant@3x", "LL", 0))
+    monkeypatch.setenv("SCHEDULE", "fcfs")
+    fcfs = run_one(("multi_tenant@3x", "LL", 0))
+    assert lpm.sent == fcfs.sent and lpm.ttft_p90 != fcfs.ttft_p90
+    monkeypatch.setenv("SCHEDULE", "random")
+    try:
+        run_one(("multi_tenant@3x", "LL", 0))
+    except ValueError as exc:
+        assert "random" in str(exc)
+    else:
+        raise AssertionError("SCHEDULE=random was accepted")

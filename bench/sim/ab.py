@@ -7,7 +7,8 @@ e.g. ``'SkyLB;SkyLB+placement="predicted-ttft"'``. ``TRACE=path`` replays anothe
 trace scenarios. A scenario may also be a robustness-matrix cell ("multi_tenant@2x"; ``SPLIT=val`` for the
 validation split's trace windows; ``COUNTS=us=2,eu=4,asia=6`` for other replicas per region, bench/sim/matrix.py
 ``parse_counts``). ``RTT_SCALE=3`` multiplies every round trip between regions (bench/sim/cluster.py
-``DEFAULT_RTT_MS``). Each line gives P90 and P50 TTFT (s), throughput (req/s), prefix hit rate, mean requests queued at
+``DEFAULT_RTT_MS``). ``SCHEDULE=fcfs`` (or ``lpm``) runs every engine's waiting queue in that order instead of the
+calibrated regime's (``EngineParams.schedule_policy``; as ``skylb bench matrix --schedule-policy``). Each line gives P90 and P50 TTFT (s), throughput (req/s), prefix hit rate, mean requests queued at
 the balancers, mean pending requests per replica, forwarded share and the run's wall time (s).
 
 ``python -m bench.sim.ab --table FILE...``: a Markdown table of such lines (each optionally prefixed by a label
@@ -24,6 +25,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 __all__ = ["run_one", "run_cluster", "parse_line", "table", "main"]
 
@@ -53,6 +55,8 @@ def run_cluster(args: tuple[str, str, int]):
     base = (BalancerConfig.model_validate(BalancerConfig().model_dump() | top | {"policies": {system.policy: options}})
             if options or top else None)
     params = engine_params()
+    if os.environ.get("SCHEDULE"):  # EngineParams refuses an unknown order with a ValueError naming it
+        params = replace(params, schedule_policy=os.environ["SCHEDULE"])
     if "@" in sc_name:
         from bench.sim.matrix import TIMES, WORKLOADS, deployed, parse_cell, parse_counts, trace_window
         name, load = parse_cell(sc_name)
