@@ -8,8 +8,9 @@ trace scenarios. A scenario may also be a robustness-matrix cell ("multi_tenant@
 validation split's trace windows; ``COUNTS=us=2,eu=4,asia=6`` for other replicas per region, bench/sim/matrix.py
 ``parse_counts``). ``RTT_SCALE=3`` multiplies every round trip between regions (bench/sim/cluster.py
 ``DEFAULT_RTT_MS``). ``SCHEDULE=fcfs`` (or ``lpm``) runs every engine's waiting queue in that order instead of the
-calibrated regime's (``EngineParams.schedule_policy``; as ``skylb bench matrix --schedule-policy``). Each line gives P90 and P50 TTFT (s), throughput (req/s), prefix hit rate, mean requests queued at
-the balancers, mean pending requests per replica, forwarded share and the run's wall time (s).
+calibrated regime's (``EngineParams.schedule_policy``; as ``skylb bench matrix --schedule-policy``). Each line gives
+P90 and P50 TTFT (s), throughput (req/s), prefix hit rate, mean requests queued at the balancers, mean pending
+requests per replica, forwarded share and the run's wall time (s).
 
 ``python -m bench.sim.ab --table FILE...``: a Markdown table of such lines (each optionally prefixed by a label
 word, e.g. ``VAL``), one row per (label, scenario, system): mean [min, max] over the seeds of P90 TTFT, throughput,
