@@ -128,6 +128,8 @@ async def test_kv_capacity_in_tokens_from_the_emulated_engines_metrics(emulators
     emulator serves them, give the KV cache's size in tokens (the emulator's default cache)."""
     result = await probe(session, engine, emulators[emulator])
     assert result.healthy and result.kv_capacity_tokens == EngineParams().num_blocks * EngineParams().block_size
+    # SGLang reserves up to 4096 output tokens when it admits a request; vLLM admits on the prompt alone.
+    assert result.output_reserve_tokens == (4096 if engine == "sglang" else None)
 
 
 @pytest.mark.parametrize(("engine", "text", "tokens"), [

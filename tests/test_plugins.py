@@ -21,6 +21,7 @@ from skylb.core.plugins.forward_queued import ForwardQueued
 from skylb.core.plugins.hash_ring import PeerRing, ReplicaRing, SessionKey
 from skylb.core.plugins.hold_for_faster import HoldForFaster, faster
 from skylb.core.plugins.home_new_prefix import HomeNewPrefix
+from skylb.core.plugins.kv_admission import KVAdmission
 from skylb.core.plugins.kv_locality import CachedMatch, KVLocality
 from skylb.core.plugins.least_load import LeastLoad
 from skylb.core.plugins.most_room import MostRoom
@@ -489,6 +490,40 @@ def test_engine_pressure_objects_to_a_prefill_backlog_and_a_full_kv_cache():
     assert f.unavailable_reason(r) == "prefill backlog"
     assert f.unavailable_reason(_replica("k", kv_usage=0.97)) == "KV cache full"
     assert EnginePressure(backlog_budget_tokens=0, kv_high_watermark=1).unavailable_reason(r) is None
+
+
+def test_kv_admission_keeps_the_replicas_whose_kv_cache_takes_the_prompt_and_its_reserved_output():
+    """A prompt of 1,000 tokens (4,000 characters). vLLM-like (no output reserve): it fits in 1,200 free tokens.
+    SGLang-like (a reserve clip of 4,096): it needs its max_tokens more, or the clip when it gives none; the cached
+    part of the prompt does not count; an idle replica, or one that reports no KV cache, always takes it."""
+    uncached = {"r": 1000}
+    f = KVAdmission(lambda request, rid: uncached[rid])
+    prompt = "abcd" * 1000
+    vllm = _replica("r", running=3, kv_capacity_tokens=10_000, kv_usage=0.88)  # 1,200 free
+    assert f.admits(_req("q", prompt), vllm)
+    vllm.add_unprefilled("earlier", 500)  # a prompt sent there that has not started takes its share first
+    assert not f.admits(_req("q", prompt), vllm)
+    sglang = _replica("r", running=3, kv_capacity_tokens=10_000, kv_usage=0.7, output_reserve_tokens=4096)
+    assert f.admits(_req("q", prompt, max_tokens=2000), sglang)  # 3,000 free
+    assert not f.admits(_req("q", prompt, max_tokens=2500), sglang)
+    assert not f.admits(_req("q", prompt), sglang)  # no max_tokens: the engine reserves the clip
+    uncached["r"] = 0  # the whole prompt cached there
+    assert f.admits(_req("q", prompt, max_tokens=2500), sglang)
+    uncached["r"] = 1000
+    assert f.admits(_req("q", prompt), _replica("r", running=0, kv_capacity_tokens=10_000, kv_usage=0.99))
+    assert f.admits(_req("q", prompt), _replica("r", running=3))
+
+
+def test_kv_admission_narrows_to_the_admitting_replicas_only_when_some_admit():
+    f = KVAdmission(lambda request, rid: 1000)
+    full = _replica("full", running=3, kv_capacity_tokens=10_000, kv_usage=0.95)
+    room = _replica("room", running=3, kv_capacity_tokens=10_000, kv_usage=0.5)
+    other = _replica("other", running=3, kv_capacity_tokens=10_000, kv_usage=0.96)
+    q = _req("q", "abcd" * 1000)
+    assert f.narrow(q, [full, room], [full]) == ([room], [])
+    assert f.narrow(q, [full, room], [full, room]) == ([room], [room])
+    # None can take it now: all stay (the engine's queue holds it up on one replica, not the balancer's on all).
+    assert f.narrow(q, [full, other], [full]) == ([full, other], [full])
 
 
 def test_push_to_holder_pushes_a_hit_into_its_full_holder_unless_it_is_bounded_or_someone_free_holds_it():

@@ -165,3 +165,29 @@ def test_no_stage_or_feature_module_imports_the_balancer():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             found += [f"{path.name}: {n}" for n in names if n == "skylb.balancer.balancer"]
     assert found == []
+
+
+def test_the_routed_request_carries_the_clients_max_tokens():
+    """The core's Request gets the output limit the client gave (OpenAI ``max_tokens`` times ``n``, Ollama
+    ``num_predict``), which an engine reserving KV cache for output reserves (skylb/core/plugins/kv_admission.py)."""
+    import json
+    from types import SimpleNamespace
+
+    from skylb.balancer.api import parse_ollama, parse_openai
+    from skylb.balancer.stages.route import RouteStage
+
+    def routed(parsed):
+        ctx = SimpleNamespace(request_id="r1", arrived_at=0.0, parsed=parsed, forwarded=False, forwarded_from=None,
+                              route_api="openai", embedding=False, priority="normal", tenant="default", pin=None,
+                              block_hashes=None, prompt_tokens=None)
+        return RouteStage._core_request(SimpleNamespace(), ctx)
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "n": 2}
+    assert routed(parse_openai("/v1/chat/completions", json.dumps(body).encode(),
+                               session_header_value=None)).max_tokens == 600
+    del body["max_tokens"]
+    assert routed(parse_openai("/v1/chat/completions", json.dumps(body).encode(),
+                               session_header_value=None)).max_tokens is None
+    ollama = {"model": "m", "prompt": "hi", "options": {"num_predict": 128}}
+    assert routed(parse_ollama("/api/generate", json.dumps(ollama).encode(),
+                               session_header_value=None)).max_tokens == 128

@@ -263,6 +263,7 @@ class SimBalancer:
         # As skylb/balancer/stages/route.py builds it: no prompt_tokens, the length is estimated from the text.
         self.router.enqueue(Request(id=req.id, text=req.text, arrived_at=self.loop.now,
                                     session_key=req.session_key, forwarded_from=from_region, waited_s=waited,
+                                    max_tokens=req.max_tokens or req.output_tokens,  # what the engine is asked
                                     block_hashes=self.cluster.block_hashes(req) if self.setup.kv_routing else None))
         self.dispatch()
 
@@ -341,17 +342,20 @@ class SimBalancer:
 
     def _sample_replicas(self, replicas: list[SimReplica], back_s: float) -> None:
         snapshot = [(r.id, r.engine.num_waiting, r.engine.num_running, r.engine.kv_usage,
-                     r.engine.params.num_blocks * r.engine.params.block_size) for r in replicas]
+                     r.engine.params.num_blocks * r.engine.params.block_size,
+                     # What the engine adapters say: SGLang reserves output tokens at admission, vLLM does not.
+                     r.engine.params.clip_max_new_tokens if r.engine.params.admission == "sglang" else None)
+                    for r in replicas]
         self.loop.at(self.loop.now + back_s, self._observe_replicas, snapshot)
 
-    def _observe_replicas(self, snapshot: list[tuple[str, int, int, float, int]]) -> None:
+    def _observe_replicas(self, snapshot: list[tuple[str, int, int, float, int, int | None]]) -> None:
         now, router, cap = self.loop.now, self.router, self.setup.max_concurrency
-        for rid, pending, running, kv_usage, kv_tokens in snapshot:
+        for rid, pending, running, kv_usage, kv_tokens, reserve in snapshot:
             if cap:  # no pending metric: derive it from this balancer's own in-flight count, as live
                 pending, running = load_from_outstanding(router.replicas[rid].outstanding, cap)
-                kv_usage = kv_tokens = None
+                kv_usage = kv_tokens = reserve = None
             router.observe_replica(rid, now=now, healthy=True, pending=pending, running=running, kv_usage=kv_usage,
-                                   kv_capacity_tokens=kv_tokens)
+                                   kv_capacity_tokens=kv_tokens, output_reserve_tokens=reserve)
         self.dispatch()
 
     def _sample_peer(self, peer: "SimBalancer", back_s: float) -> None:

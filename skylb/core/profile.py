@@ -6,7 +6,8 @@ SkyLB's third kind of candidate beside local replicas and peer regions: holding 
 
 * **Filters** (``Filter``): the router's own filters run first (serves the model, healthy and fresh, not drained,
   not ejected, Ollama fleet rules, room under selective pushing; skylb/core/candidates.py). A profile adds its own
-  availability clauses (``unavailable_reason``), e.g. a replica's prefill backlog.
+  availability clauses (``unavailable_reason``), e.g. a replica's prefill backlog, and one per-request filter
+  (``Admission``: ``admission``), e.g. room in a replica's KV cache for this request's prompt.
 * **Pickers**: ``local`` (``ReplicaPicker``) chooses among local replicas with room, ``peer`` (``PeerPicker``) among
   peers with room. A picker scores and picks in one step, because every picker in use is lexicographic (a prefix
   match, then load, then turns), which weighted scorers cannot express without changing what they choose.
@@ -41,7 +42,7 @@ from skylb.core.rates import RateBook
 from skylb.core.request import Request
 from skylb.core.state import PeerState, ReplicaState
 
-__all__ = ["Profile", "HOLD", "Filter", "ReplicaPicker", "PeerPicker", "Rule", "QueueOrder", "Learner", "Estimator",
+__all__ = ["Profile", "HOLD", "Filter", "Admission", "ReplicaPicker", "PeerPicker", "Rule", "QueueOrder", "Learner", "Estimator",
            "Turns", "plugin_name"]
 
 
@@ -76,6 +77,14 @@ class Filter(Protocol):
 
     def unavailable_reason(self, replica: ReplicaState) -> str | None:
         """Why ``replica`` takes no request now, a short phrase; None: no objection."""
+
+
+class Admission(Protocol):
+    """Narrows the local candidates to those that can take this request (skylb/core/plugins/kv_admission.py)."""
+
+    def narrow(self, request: Request, local: Sequence[ReplicaState],
+               free: Sequence[ReplicaState]) -> tuple[Sequence[ReplicaState], Sequence[ReplicaState]]:
+        """(candidates, those of them with a free slot) for ``request``."""
 
 
 class ReplicaPicker(Protocol):
@@ -149,7 +158,7 @@ class Profile:
     Args:
         name: the registry name. options: the typed options it was built from.
         local, peer: the pickers. selective: offer only replicas with room (selective pushing) or every usable one.
-        filters, first, then, no_room: see the module docstring. queue: the queue order (None: first come, first
+        filters, admission, first, then, no_room: see the module docstring. queue: the queue order (None: first come, first
         served). lookahead: how many queued requests ``queue`` may choose among. max_bypass: how many times the
         head may be passed over. learners: plugin state told of placements and membership.
         estimator: the prices. rates: the measured replica speeds the router feeds (skylb/core/rates.py).
@@ -161,7 +170,7 @@ class Profile:
     """
 
     def __init__(self, name: str, options: Any, *, local: ReplicaPicker, peer: PeerPicker, selective: bool = True,
-                 filters: Sequence[Filter] = (), first: Sequence[Rule] = (), then: Sequence[Rule] = (),
+                 filters: Sequence[Filter] = (), admission: Admission | None = None, first: Sequence[Rule] = (), then: Sequence[Rule] = (),
                  no_room: Rule | None = None, queue: QueueOrder | None = None, lookahead: int = 0,
                  max_bypass: int = 0, learners: Iterable[Learner] = (), estimator: Estimator | None = None,
                  rates: RateBook | None = None, reuse_freed_slots: bool = True,
@@ -169,6 +178,7 @@ class Profile:
         self.name, self.options = name, options
         self.local, self.peer, self.selective = local, peer, selective
         self.filters, self.first, self.then, self.no_room = tuple(filters), tuple(first), tuple(then), no_room
+        self.admission = admission
         self.queue = queue
         self.queue_lookahead = lookahead if queue is not None else 0
         self.max_bypass = max_bypass

@@ -46,6 +46,9 @@ class Request:
         pin: the one target that may serve it, as ("local", replica id) or ("peer", region), or None (any): a
             follow-up of a stateful answer (OpenAI Responses ``previous_response_id``) must reach the replica that
             holds the state. A pinned request is placed by ``Router.place_pinned``, never through the queue.
+        max_tokens: the most output tokens it may generate, as the client said (OpenAI ``max_completion_tokens``
+            or ``max_tokens`` times ``n``, Ollama ``num_predict``), or None when it did not say: what an engine that
+            reserves KV cache for the output at admission reserves (skylb/core/plugins/kv_admission.py).
     """
 
     id: str
@@ -65,6 +68,7 @@ class Request:
     tenant: str = DEFAULT_TENANT
     cost: float = 1.0
     pin: tuple[str, str] | None = None
+    max_tokens: int | None = None
     #: The prompt's characters as skylb/core/rates.py ``prompt_chars`` counts them, cached by ``request_chars``
     #: (a decision may need them several times, and a long prompt costs a scan each time).
     chars: int | None = field(default=None, repr=False)

@@ -432,7 +432,8 @@ class Router:
         ``request``'s model in its dialect and requests of its kind (serving), those that may take it (with room
         under selective pushing: ``replica_available``, memoized; usable under blind pushing) and, under selective
         pushing, those with a free slot (``AvailabilityRules.has_free_slot``; empty under blind pushing): only those
-        below a batch a request was seen waiting beside (``AvailabilityRules.below_waited_batch``) when any is."""
+        below a batch a request was seen waiting beside (``AvailabilityRules.below_waited_batch``) when any is;
+        with the profile's ``admission`` filter, only those whose KV cache can take ``request`` when any can."""
         model, api, kind = request.model, request.api, request.kind
         serving = self.replicas.serving(model, api)
         if self._kinds_held and any(r.unsupported for r in serving):  # a replica answered 501 for a kind lately
@@ -455,6 +456,9 @@ class Router:
                     free.append(r)
                     if memo[5] == _SURE:
                         sure.append(r)
+        if self.policy.admission is not None and out:  # room for this request's prompt (and output) in KV caches
+            out, picked = self.policy.admission.narrow(request, out, sure or free)
+            return list(out), list(picked), serving
         return out, sure or free, serving
 
     def _with_free_slot(self, replicas: list[ReplicaState]) -> list[ReplicaState]:
@@ -728,7 +732,7 @@ class Router:
     def observe_replica(self, replica_id: str, *, now: float, healthy: bool, pending: int = 0,
                         running: int | None = None, error: str | None = None, slots: int | None = None,
                         probe_sent_at: float | None = None, kv_usage: float | None = None,
-                        kv_capacity_tokens: int | None = None) -> None:
+                        kv_capacity_tokens: int | None = None, output_reserve_tokens: int | None = None) -> None:
         """Record a probe answer for a local replica (ignored if the replica left); see ReplicaState.observe_probe.
         Its availability is worked out now, when the answer arrives, rather than by the next decision: a probe
         round answers for every replica within a few ms, and the decision after it would otherwise check them
@@ -738,7 +742,7 @@ class Router:
             capacity = state.kv_capacity_tokens
             state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error,
                                 slots=slots, probe_sent_at=probe_sent_at, kv_usage=kv_usage,
-                                kv_capacity_tokens=kv_capacity_tokens)
+                                kv_capacity_tokens=kv_capacity_tokens, output_reserve_tokens=output_reserve_tokens)
             if state.kv_capacity_tokens != capacity:  # the prefixes it can hold (PrefixLocality.kv_capacity)
                 self.policy.kv_capacity(replica_id, state.kv_capacity_tokens)
             if self.policy.selective:

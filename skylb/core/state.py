@@ -65,6 +65,8 @@ class ReplicaState:
         kv_usage: the fraction of the engine's KV cache in use (0-1) at the latest probe, when the engine says.
         kv_capacity_tokens: the tokens the engine's KV cache holds in all, when it says (vLLM ``num_gpu_blocks`` x
             ``block_size`` of ``vllm:cache_config_info``, SGLang ``sglang:max_total_num_tokens``).
+        output_reserve_tokens: the most output tokens its engine reserves in the KV cache for a request it admits
+            (SGLang's 4096), or None when it admits on the prompt alone (vLLM) (skylb/engines/base.py ProbeResult).
         unprefilled: request id -> prompt tokens not expected from the prefix cache, for this balancer's requests
             sent here that have not yet produced a first token (the prefill backlog it knows exactly).
         capacity: the admission capacity learned from this replica's probes (skylb/core/capacity.py).
@@ -98,6 +100,7 @@ class ReplicaState:
     ejected_until: float | None = None
     kv_usage: float | None = None
     kv_capacity_tokens: int | None = None
+    output_reserve_tokens: int | None = None
     unprefilled: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``unprefilled``, kept up to date so that reading it is O(1) on every routing decision.
     backlog_tokens: int = field(default=0, repr=False)
@@ -166,7 +169,7 @@ class ReplicaState:
     def observe_probe(self, *, now: float, healthy: bool, pending: int = 0, running: int | None = None,
                       error: str | None = None, slots: int | None = None,
                       probe_sent_at: float | None = None, kv_usage: float | None = None,
-                      kv_capacity_tokens: int | None = None) -> None:
+                      kv_capacity_tokens: int | None = None, output_reserve_tokens: int | None = None) -> None:
         """Record one probe answer received at ``now`` (s).
 
         ``probe_sent_at`` (s): when the probe left; requests dispatched after that may be missing from the answer,
@@ -181,6 +184,7 @@ class ReplicaState:
             self.kv_usage = None if kv_usage is None else min(1.0, max(0.0, float(kv_usage)))
             if kv_capacity_tokens is not None and kv_capacity_tokens > 0:
                 self.kv_capacity_tokens = int(kv_capacity_tokens)
+            self.output_reserve_tokens = output_reserve_tokens
             if running is not None:
                 self.capacity.observe(now, self.pending, running, self.ended)
         self.error = None if healthy else (error or "probe failed")

@@ -31,6 +31,9 @@ class ProbeResult:
             SGLang ``token_usage``), else None.
         kv_capacity_tokens: the tokens the KV cache holds in all, when the engine says (vLLM
             ``cache_config_info``'s ``num_gpu_blocks`` x ``block_size``, SGLang ``max_total_num_tokens``), else None.
+        output_reserve_tokens: the most output tokens the engine reserves in its KV cache for a request it admits,
+            beyond the prompt (SGLang: the request's ``max_tokens`` clipped at 4096); None for an engine that admits
+            on the prompt's blocks alone (vLLM V1) or one that reports no KV cache.
     """
 
     healthy: bool
@@ -41,6 +44,7 @@ class ProbeResult:
     slots: int | None = None
     kv_usage: float | None = None
     kv_capacity_tokens: int | None = None
+    output_reserve_tokens: int | None = None
 
 
 class EngineAdapter:

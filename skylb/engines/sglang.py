@@ -25,6 +25,12 @@ RUNNING = "sglang:num_running_reqs"
 KV_USAGE = "sglang:token_usage"
 #: The KV pool's size in tokens (collector.py: "sglang:max_total_num_tokens"), per rank: the largest is taken.
 KV_CAPACITY = "sglang:max_total_num_tokens"
+#: The most output tokens SGLang reserves in its KV pool for a request it admits (``schedule_policy.py``
+#: ``CLIP_MAX_NEW_TOKENS_ESTIMATION``, env ``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION``, default 4096): ``PrefillAdder``
+#: admits a request only while its prompt plus ``min(max_new_tokens, clip)`` fits beside the running batch's
+#: reservations; a request without ``max_tokens`` gets the rest of the context (``Scheduler.handle_generate_request``),
+#: so the clip.
+OUTPUT_RESERVE_CLIP = 4096
 #: HTTP statuses meaning "this server has no such endpoint" (FastAPI's 404 and 405).
 _ABSENT = (404, 405)
 
@@ -52,7 +58,8 @@ async def _from_metrics(session, url: str, timeout_s: float) -> ProbeResult | st
     running = values.get(RUNNING)
     capacity = kv.get(KV_CAPACITY)
     return ProbeResult(True, pending=int(values[WAITING]), running=None if running is None else int(running),
-                       kv_usage=kv.get(KV_USAGE), kv_capacity_tokens=int(capacity) if capacity else None)
+                       kv_usage=kv.get(KV_USAGE), kv_capacity_tokens=int(capacity) if capacity else None,
+                       output_reserve_tokens=OUTPUT_RESERVE_CLIP)
 
 
 def _sum_ranks(ranks: Any, path: str, *, running_of: Callable[[dict], int | None]) -> ProbeResult | str:

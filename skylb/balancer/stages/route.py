@@ -125,7 +125,8 @@ class RouteStage:
         return Request(id=ctx.request_id, text=parsed.text, arrived_at=ctx.arrived_at, model=parsed.model,
                        session_key=parsed.session_key, forwarded_from=ctx.forwarded_from, api=ctx.route_api,
                        waited_s=waited_s, embedding=ctx.embedding, priority=ctx.priority, tenant=ctx.tenant,
-                       pin=ctx.pin, block_hashes=ctx.block_hashes, prompt_tokens=ctx.prompt_tokens)
+                       pin=ctx.pin, block_hashes=ctx.block_hashes, prompt_tokens=ctx.prompt_tokens,
+                       max_tokens=parsed.max_tokens)
 
     def _place_pinned(self, routed: Request) -> Decision:
         """``routed``'s pinned target, at once (Router.place_pinned); QueueTimeout saying why when it cannot take

@@ -8,6 +8,7 @@ under skylb/core/plugins/ gives its source and its measurements):
 stage                       plugin                                     what it does
 ==========================  =========================================  ================================================
 filter                      ``engine_pressure.EnginePressure``         no request to a prefill backlog or a full KV cache
+per-request filter          ``kv_admission.KVAdmission``               replicas whose KV cache can admit it, when any
 first rule                  ``sibling_holder.ForwardToSiblingHolder``  a prefix a sibling's replica holds goes there
 first rule                  ``push_to_holder.PushToPrefixHolder``      a cache hit goes into its holder's full batch
 first rule                  ``home_new_prefix.HomeNewPrefix``          a new prefix group to a less loaded region
@@ -108,7 +109,10 @@ every candidate by one cost and settles every placement (without the sibling rul
   0.81 s with this rule).
 * A prompt that does not fit in a replica's free KV cache (skylb/core/estimate.py ``kv_wait_s``: its uncached
   tokens against capacity x (1 - usage), where the engine reports both) is priced the replica's measured service
-  time more: the engine would keep it waiting however few requests run.
+  time more: the engine would keep it waiting however few requests run. When some local replicas can admit it
+  now and others cannot (``kv_admission``: its uncached prompt, plus on SGLang the output tokens the engine
+  reserves, against the free KV cache), only those that can are candidates: an engine that cannot admit the request
+  also stops admitting the requests behind it (SGLang until a running request finishes, vLLM's first-come queue).
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ from skylb.core.plugins.estimated_ttft import EstimatedTTFT, PrefillEstimate
 from skylb.core.plugins.forward_queued import ForwardQueued
 from skylb.core.plugins.hold_for_faster import HoldForFaster
 from skylb.core.plugins.home_new_prefix import HomeNewPrefix
+from skylb.core.plugins.kv_admission import KVAdmission
 from skylb.core.plugins.predicted_ttft import PredictedTTFTPlacement
 from skylb.core.plugins.prefer_peer import PreferFasterPeer
 from skylb.core.plugins.prefix_lookahead import PrefixLookahead
@@ -150,6 +155,8 @@ class SkyLBOptions(SkyLBPaperOptions):
         backlog_budget_tokens: a replica with this many of this balancer's prompt tokens not yet prefilled takes
             no more (0: no such clause).
         kv_high_watermark: a replica whose engine reports KV usage at or above this fraction takes no more (1: off).
+        kv_admission: among local replicas, only those whose KV cache can admit the request now, when any can
+            (skylb/core/plugins/kv_admission.py; False: every replica with room, the rule before).
         forward_margin_ms: a peer must beat the best local estimate by this much to get a request a local replica
             could take, ms.
         forward_against: the local estimate a peer is compared with: "cheapest" (default): the least of the local
@@ -272,6 +279,7 @@ class SkyLBOptions(SkyLBPaperOptions):
     prefill_tokens_per_s: float = Field(2000.0, gt=0)
     backlog_budget_tokens: int = Field(2048, ge=0)
     kv_high_watermark: float = Field(0.95, gt=0, le=1)
+    kv_admission: bool = True
     forward_margin_ms: float = Field(50.0, ge=0)
     default_prompt_tokens: int = Field(512, ge=1)
     queue_forward_margin_ms: float = Field(2000.0, ge=0)
@@ -338,12 +346,14 @@ def skylb(options: SkyLBOptions) -> Profile:
                                     busy_fraction=o.home_busy_fraction),)
         then = (prefer, hold) if hold is not None else (prefer,)
         no_room, learners = ForwardQueued(loc, wait, o.queue_forward_margin_ms / 1e3), (loc, local)
+    estimator = PrefillEstimate(wait, loc, ttft.advertised if predicted else None, local)
     return Profile("skylb", o, local=local, peer=SnapshotMatch(loc), filters=(EnginePressure(
                        backlog_budget_tokens=o.backlog_budget_tokens, kv_high_watermark=o.kv_high_watermark),),
+                   admission=KVAdmission(estimator.uncached_tokens) if o.kv_admission else None,
                    first=first, then=then, no_room=no_room,
                    queue=PrefixLookahead(lambda: loc.replica_trie, o.match_threshold), lookahead=o.queue_lookahead,
                    max_bypass=o.max_bypass, learners=learners, rates=rates,
-                   estimator=PrefillEstimate(wait, loc, ttft.advertised if predicted else None, local),
+                   estimator=estimator,
                    tries=(loc.replica_trie, loc.snapshot_trie))
 
 
