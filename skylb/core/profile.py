@@ -42,8 +42,8 @@ from skylb.core.rates import RateBook
 from skylb.core.request import Request
 from skylb.core.state import PeerState, ReplicaState
 
-__all__ = ["Profile", "HOLD", "Filter", "Admission", "ReplicaPicker", "PeerPicker", "Rule", "QueueOrder", "Learner", "Estimator",
-           "Turns", "plugin_name"]
+__all__ = ["Profile", "HOLD", "Filter", "Admission", "ReplicaPicker", "PeerPicker", "Rule", "QueueOrder", "Learner",
+           "Estimator", "Turns", "plugin_name"]
 
 
 class _Hold:
@@ -158,9 +158,9 @@ class Profile:
     Args:
         name: the registry name. options: the typed options it was built from.
         local, peer: the pickers. selective: offer only replicas with room (selective pushing) or every usable one.
-        filters, admission, first, then, no_room: see the module docstring. queue: the queue order (None: first come, first
-        served). lookahead: how many queued requests ``queue`` may choose among. max_bypass: how many times the
-        head may be passed over. learners: plugin state told of placements and membership.
+        filters, admission, first, then, no_room: see the module docstring. queue: the queue order (None: first
+        come, first served). lookahead: how many queued requests ``queue`` may choose among. max_bypass: how many
+        times the head may be passed over. learners: plugin state told of placements and membership.
         estimator: the prices. rates: the measured replica speeds the router feeds (skylb/core/rates.py).
         reuse_freed_slots: a finished request frees its replica's place at once (False: the paper's rule, only a
         probe does). tries: (replica trie, regional snapshot trie) when the profile keeps them (benchmarks read
@@ -170,9 +170,9 @@ class Profile:
     """
 
     def __init__(self, name: str, options: Any, *, local: ReplicaPicker, peer: PeerPicker, selective: bool = True,
-                 filters: Sequence[Filter] = (), admission: Admission | None = None, first: Sequence[Rule] = (), then: Sequence[Rule] = (),
-                 no_room: Rule | None = None, queue: QueueOrder | None = None, lookahead: int = 0,
-                 max_bypass: int = 0, learners: Iterable[Learner] = (), estimator: Estimator | None = None,
+                 filters: Sequence[Filter] = (), admission: Admission | None = None, first: Sequence[Rule] = (),
+                 then: Sequence[Rule] = (), no_room: Rule | None = None, queue: QueueOrder | None = None,
+                 lookahead: int = 0, max_bypass: int = 0, learners: Iterable[Learner] = (), estimator: Estimator | None = None,
                  rates: RateBook | None = None, reuse_freed_slots: bool = True,
                  tries: tuple[PrefixTrie, PrefixTrie] | None = None, pending_allowance: int = 1):
         self.name, self.options = name, options

@@ -24,9 +24,9 @@ report no KV cache, and idle ones (an engine with nothing running admits what fi
 
 Measured (simulated, SGLang engines, bench/results/kv_admission.md): the conversation trace with outputs x6 at 2x,
 P90 TTFT 2.78 -> 2.60 s (one SGLang router: 2.65); the robustness matrix's P90 geometric mean 0.999 (development
-split) and 0.996 (validation), no cell worse. Keeping only the admitting replicas even when none admits (holding
-or forwarding the request) gained more on the conversation trace at real prompt lengths but cost a saturated cell
-21% P90.
+split) and 0.996 (validation); the worst cell, the conversation trace at 1x, 1.05x. Keeping only the admitting
+replicas even when none admits (holding or forwarding the request) gained more on the conversation trace at real
+prompt lengths but cost a saturated cell 21% P90.
 """
 
 from __future__ import annotations
