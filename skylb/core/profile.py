@@ -172,8 +172,8 @@ class Profile:
     def __init__(self, name: str, options: Any, *, local: ReplicaPicker, peer: PeerPicker, selective: bool = True,
                  filters: Sequence[Filter] = (), admission: Admission | None = None, first: Sequence[Rule] = (),
                  then: Sequence[Rule] = (), no_room: Rule | None = None, queue: QueueOrder | None = None,
-                 lookahead: int = 0, max_bypass: int = 0, learners: Iterable[Learner] = (), estimator: Estimator | None = None,
-                 rates: RateBook | None = None, reuse_freed_slots: bool = True,
+                 lookahead: int = 0, max_bypass: int = 0, learners: Iterable[Learner] = (),
+                 estimator: Estimator | None = None, rates: RateBook | None = None, reuse_freed_slots: bool = True,
                  tries: tuple[PrefixTrie, PrefixTrie] | None = None, pending_allowance: int = 1):
         self.name, self.options = name, options
         self.local, self.peer, self.selective = local, peer, selective
