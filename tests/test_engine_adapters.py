@@ -148,6 +148,21 @@ async def test_kv_capacity_from_each_engines_metrics(session, canned, engine, te
     assert result.healthy and result.kv_capacity_tokens == tokens
 
 
+@pytest.mark.parametrize(("text", "ratio"), [
+    ('sglang:num_queue_reqs 0\nsglang:new_token_ratio{tp_rank="0"} 0.31\nsglang:new_token_ratio{tp_rank="1"} 0.4\n',
+     0.4),
+    ("sglang:num_queue_reqs 0\n", 0.098),  # an SGLang that does not export it: the floor its ratio decays to
+])
+async def test_sglang_new_token_ratio_from_its_metrics(session, canned, text, ratio):
+    """The share of the running batch's remaining output SGLang keeps reserved (its ``new_token_ratio``, the
+    fullest rank's), or the floor when it does not say; vLLM reserves none."""
+    canned.answers["/metrics"] = (200, text)
+    result = await probe(session, "sglang", canned.url)
+    assert result.healthy and result.output_reserve_ratio == ratio
+    canned.answers["/metrics"] = (200, "vllm:num_requests_waiting 0\n")
+    assert (await probe(session, "vllm", canned.url)).output_reserve_ratio is None
+
+
 @pytest.mark.parametrize(("emulator", "engine"), METRIC_ENGINES)
 async def test_pending_rises_when_more_requests_than_slots(emulators, session, emulator, engine):
     """With more concurrent requests than the batch has slots, the engine's own signal reads pending > 0."""

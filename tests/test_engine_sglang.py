@@ -286,3 +286,20 @@ def test_kv_tokens_are_conserved_under_random_load():
         finished.update({f.request_id: f.completion_tokens for f in s.finished})
     assert len(finished) == 60 and m.num_running == m.num_waiting == 0
     assert m.available + m.cache.evictable_size == m.capacity and m.kv_usage == 0.0
+
+
+def test_the_sglang_personality_exports_the_schedulers_new_token_ratio():
+    """With the SGLang scheduler model the emulator's /metrics carries ``sglang:new_token_ratio`` (SGLang's gauge),
+    which the balancer's SGLang adapter reads as the share of the running batch's output it keeps reserved; with
+    vLLM's model behind the SGLang personality there is no such ratio to export."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from bench.emulator.personalities.sglang import _SglangCollector
+    from skylb.engines.base import gauges
+    from skylb.engines.sglang import NEW_TOKEN_RATIO
+
+    for params, expected in ((EngineParams(admission="sglang"), 0.7), (EngineParams(), None)):
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_SglangCollector(make_engine(params), "m"))
+        _, highest = gauges(generate_latest(registry).decode(), (), (NEW_TOKEN_RATIO,))
+        assert highest.get(NEW_TOKEN_RATIO) == expected

@@ -514,6 +514,34 @@ def test_kv_admission_keeps_the_replicas_whose_kv_cache_takes_the_prompt_and_its
     assert f.admits(_req("q", prompt), _replica("r", running=3))
 
 
+def test_kv_admission_counts_what_sglang_keeps_reserved_for_the_running_batch():
+    """SGLang admits a request only beside ``new_token_ratio`` x the running requests' remaining outputs
+    (``PrefillAdder``), which its KV usage does not show: 3,000 tokens look free, but this balancer's two requests
+    there ask for 4,000 and 6,000 output tokens (clipped at 4,096), and at a ratio of 0.25 the engine keeps 2,024
+    of them; the engine's other requests (running beyond this balancer's own) count at the same mean. Released
+    when a request finishes; nothing on an engine that reserves nothing or reports no ratio."""
+    f = KVAdmission(lambda request, rid: 1000)
+    q = _req("q", "abcd" * 1000, max_tokens=500)  # needs 1,000 + 500
+    sglang = _replica("r", running=2, kv_capacity_tokens=10_000, kv_usage=0.7, output_reserve_tokens=4096)
+    sglang.output_reserve_ratio = 0.25
+    assert f.admits(q, sglang)
+    sglang.add_reserved("a", 4000)
+    sglang.add_reserved("b", 6000)
+    sglang.outstanding = 2
+    assert sglang.decode_reserve_tokens() == 0.25 * (4000 + 4096)
+    assert not f.admits(q, sglang)  # 3,000 - 2,024 free
+    sglang.running = 4  # two more the engine runs for someone else: 4,048 reserved
+    assert sglang.decode_reserve_tokens() == 2 * 0.25 * (4000 + 4096)
+    sglang.release_reserved("b")
+    sglang.release_reserved("b")  # once only
+    sglang.running = 1
+    sglang.outstanding = 1
+    assert sglang.reserved_tokens == 4000 and f.admits(q, sglang)  # 3,000 - 1,000 free
+    vllm = _replica("v", running=2, kv_capacity_tokens=10_000, kv_usage=0.7)
+    vllm.add_reserved("a", 4000)  # vLLM admits on the prompt alone: nothing is reserved
+    assert vllm.reserved_tokens == 0 and vllm.decode_reserve_tokens() == 0.0
+
+
 def test_kv_admission_narrows_to_the_admitting_replicas_only_when_some_admit():
     f = KVAdmission(lambda request, rid: 1000)
     full = _replica("full", running=3, kv_capacity_tokens=10_000, kv_usage=0.95)

@@ -164,6 +164,27 @@ def test_first_token_and_finish_clear_the_backlog():
     assert router.replicas["r0"].unprefilled == {}
 
 
+def test_output_reservations_follow_requests_on_engines_that_reserve():
+    """On an SGLang replica each request sent there is remembered with its clipped max_tokens until its engine is
+    done with it (last event or end, whichever first: once); a vLLM replica remembers none."""
+    router = _router(n=1, peers=())
+    router.observe_replica("r0", now=0.0, healthy=True, pending=0, running=0, kv_capacity_tokens=36_000,
+                           kv_usage=0.1, output_reserve_tokens=4096, output_reserve_ratio=0.5)
+    router.enqueue(Request("q1", "x" * 400, arrived_at=0.0, max_tokens=100))
+    router.enqueue(Request("q2", "y" * 400, arrived_at=0.0))
+    d1, d2 = router.dispatch(0.01)
+    state = router.replicas["r0"]
+    assert state.reserved == {"q1": 100, "q2": 4096} and state.decode_reserve_tokens() == 0.5 * 4196
+    router.engine_done(d1, 0.5)
+    router.finished(d1, 0.6)
+    assert state.reserved == {"q2": 4096}
+    router.finished(d2, 0.7)
+    assert state.reserved == {} and state.reserved_tokens == 0
+    router.observe_replica("r0", now=1.0, healthy=True, pending=0, running=0, kv_capacity_tokens=36_000,
+                           kv_usage=0.1)  # vLLM-like: no reserve, so no ratio either
+    assert state.output_reserve_ratio is None
+
+
 # -- freed slots ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("policy, expected", [("skylb", ["q2"]), ("skylb-paper", [])])

@@ -343,19 +343,22 @@ class SimBalancer:
     def _sample_replicas(self, replicas: list[SimReplica], back_s: float) -> None:
         snapshot = [(r.id, r.engine.num_waiting, r.engine.num_running, r.engine.kv_usage,
                      r.engine.params.num_blocks * r.engine.params.block_size,
-                     # What the engine adapters say: SGLang reserves output tokens at admission, vLLM does not.
-                     r.engine.params.clip_max_new_tokens if r.engine.params.admission == "sglang" else None)
+                     # What the engine adapters say: SGLang reserves output tokens at admission (and the share of
+                     # the running batch's it keeps, its new_token_ratio gauge), vLLM does not.
+                     r.engine.params.clip_max_new_tokens if r.engine.params.admission == "sglang" else None,
+                     r.engine.new_token_ratio if r.engine.params.admission == "sglang" else None)
                     for r in replicas]
         self.loop.at(self.loop.now + back_s, self._observe_replicas, snapshot)
 
-    def _observe_replicas(self, snapshot: list[tuple[str, int, int, float, int, int | None]]) -> None:
+    def _observe_replicas(self, snapshot: list[tuple[str, int, int, float, int, int | None, float | None]]) -> None:
         now, router, cap = self.loop.now, self.router, self.setup.max_concurrency
-        for rid, pending, running, kv_usage, kv_tokens, reserve in snapshot:
+        for rid, pending, running, kv_usage, kv_tokens, reserve, ratio in snapshot:
             if cap:  # no pending metric: derive it from this balancer's own in-flight count, as live
                 pending, running = load_from_outstanding(router.replicas[rid].outstanding, cap)
-                kv_usage = kv_tokens = reserve = None
+                kv_usage = kv_tokens = reserve = ratio = None
             router.observe_replica(rid, now=now, healthy=True, pending=pending, running=running, kv_usage=kv_usage,
-                                   kv_capacity_tokens=kv_tokens, output_reserve_tokens=reserve)
+                                   kv_capacity_tokens=kv_tokens, output_reserve_tokens=reserve,
+                                   output_reserve_ratio=ratio)
         self.dispatch()
 
     def _sample_peer(self, peer: "SimBalancer", back_s: float) -> None:

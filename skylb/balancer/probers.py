@@ -164,7 +164,8 @@ class Probers:
                                     running=result.running, error=result.error, slots=result.slots,
                                     probe_sent_at=sent_at, kv_usage=result.kv_usage,
                                     kv_capacity_tokens=result.kv_capacity_tokens,
-                                    output_reserve_tokens=result.output_reserve_tokens)
+                                    output_reserve_tokens=result.output_reserve_tokens,
+                                    output_reserve_ratio=result.output_reserve_ratio)
         if self.router.replicas.get(state.id) is state:
             grace = self.backoff.answered(("replica", state.id), sent_at,
                                           foreseen=replica_foreseen(state, outstanding, limit_before))

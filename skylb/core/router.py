@@ -528,6 +528,7 @@ class Router:
         replica.dispatch_times.append(now)
         replica.served += 1
         replica.add_unprefilled(request.id, policy.uncached_tokens(request, replica.id))
+        replica.add_reserved(request.id, request.max_tokens)
         policy.rates.dispatched(replica.rates, request.id, request.model, request.text, chars=request_chars(request))
         policy.routed(request, replica=replica.id)
         self.fleet.routed(request, replica)
@@ -617,6 +618,7 @@ class Router:
 
     def _free_slot(self, state: ReplicaState, decision: Decision, now: float | None) -> None:
         state.outstanding = max(0, state.outstanding - 1)
+        state.release_reserved(decision.request.id)
         if self.policy.reuse_freed_slots and decision.dispatched_at is not None:
             state.slot_freed(decision.dispatched_at, now)
 
@@ -732,7 +734,8 @@ class Router:
     def observe_replica(self, replica_id: str, *, now: float, healthy: bool, pending: int = 0,
                         running: int | None = None, error: str | None = None, slots: int | None = None,
                         probe_sent_at: float | None = None, kv_usage: float | None = None,
-                        kv_capacity_tokens: int | None = None, output_reserve_tokens: int | None = None) -> None:
+                        kv_capacity_tokens: int | None = None, output_reserve_tokens: int | None = None,
+                        output_reserve_ratio: float | None = None) -> None:
         """Record a probe answer for a local replica (ignored if the replica left); see ReplicaState.observe_probe.
         Its availability is worked out now, when the answer arrives, rather than by the next decision: a probe
         round answers for every replica within a few ms, and the decision after it would otherwise check them
@@ -742,7 +745,8 @@ class Router:
             capacity = state.kv_capacity_tokens
             state.observe_probe(now=now, healthy=healthy, pending=pending, running=running, error=error,
                                 slots=slots, probe_sent_at=probe_sent_at, kv_usage=kv_usage,
-                                kv_capacity_tokens=kv_capacity_tokens, output_reserve_tokens=output_reserve_tokens)
+                                kv_capacity_tokens=kv_capacity_tokens, output_reserve_tokens=output_reserve_tokens,
+                                output_reserve_ratio=output_reserve_ratio)
             if state.kv_capacity_tokens != capacity:  # the prefixes it can hold (PrefixLocality.kv_capacity)
                 self.policy.kv_capacity(replica_id, state.kv_capacity_tokens)
             if self.policy.selective:

@@ -67,6 +67,10 @@ class ReplicaState:
             ``block_size`` of ``vllm:cache_config_info``, SGLang ``sglang:max_total_num_tokens``).
         output_reserve_tokens: the most output tokens its engine reserves in the KV cache for a request it admits
             (SGLang's 4096), or None when it admits on the prompt alone (vLLM) (skylb/engines/base.py ProbeResult).
+        output_reserve_ratio: the share of its running requests' remaining output that such an engine keeps reserved
+            against new admissions (SGLang's ``new_token_ratio``), as its probe said; None for other engines.
+        reserved: request id -> the output tokens the engine reserves for it (``max_tokens`` clipped at
+            ``output_reserve_tokens``), for this balancer's requests in flight here, on engines that reserve output.
         unprefilled: request id -> prompt tokens not expected from the prefix cache, for this balancer's requests
             sent here that have not yet produced a first token (the prefill backlog it knows exactly).
         capacity: the admission capacity learned from this replica's probes (skylb/core/capacity.py).
@@ -101,6 +105,10 @@ class ReplicaState:
     kv_usage: float | None = None
     kv_capacity_tokens: int | None = None
     output_reserve_tokens: int | None = None
+    output_reserve_ratio: float | None = None
+    reserved: dict[str, int] = field(default_factory=dict, repr=False)
+    #: The sum of ``reserved``, kept up to date as ``backlog_tokens`` is.
+    reserved_tokens: int = field(default=0, repr=False)
     unprefilled: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``unprefilled``, kept up to date so that reading it is O(1) on every routing decision.
     backlog_tokens: int = field(default=0, repr=False)
@@ -151,6 +159,35 @@ class ReplicaState:
         """Request ``request_id``'s first token came back (or it ended): it no longer waits for prefill here."""
         self.backlog_tokens -= self.unprefilled.pop(request_id, 0)
 
+    def add_reserved(self, request_id: str, max_tokens: int | None) -> None:
+        """Request ``request_id``, asking for at most ``max_tokens`` output tokens (None: no limit), was sent here:
+        on an engine that reserves output (``output_reserve_tokens``), remember what it reserves for it."""
+        clip = self.output_reserve_tokens
+        if clip:
+            tokens = min(max_tokens or clip, clip)
+            self.reserved_tokens += tokens - self.reserved.get(request_id, 0)
+            self.reserved[request_id] = tokens
+
+    def release_reserved(self, request_id: str) -> None:
+        """Request ``request_id`` finished here: its output reservation is released."""
+        if self.reserved:
+            self.reserved_tokens -= self.reserved.pop(request_id, 0)
+
+    def decode_reserve_tokens(self) -> float:
+        """KV-cache tokens the engine keeps reserved for the outputs of the requests it runs, beyond the tokens they
+        hold (``kv_usage``), as far as this balancer can tell: ``output_reserve_ratio`` x the reservations of its own
+        requests here, the engine's other requests (``in_engine`` beyond its own) counted at their mean; 0 on an
+        engine that reserves nothing.
+
+        Source: SGLang's ``PrefillAdder`` (``managers/schedule_policy.py``): a waiting request is admitted only when
+        its prompt and reserve fit in the free and evictable tokens less ``sum(min(max_new_tokens - generated,
+        clip)) x new_token_ratio`` over the running batch. Tokens generated so far are not counted off (the balancer
+        does not follow them), so the figure is high by up to the share already generated."""
+        ratio, own = self.output_reserve_ratio, len(self.reserved)
+        if not ratio or not own:
+            return 0.0
+        return ratio * self.reserved_tokens * max(1.0, self.in_engine / own)
+
     @property
     def sent_since_probe(self) -> int:
         """Requests sent here after the latest probe was sent (so possibly unseen by it)."""
@@ -169,7 +206,8 @@ class ReplicaState:
     def observe_probe(self, *, now: float, healthy: bool, pending: int = 0, running: int | None = None,
                       error: str | None = None, slots: int | None = None,
                       probe_sent_at: float | None = None, kv_usage: float | None = None,
-                      kv_capacity_tokens: int | None = None, output_reserve_tokens: int | None = None) -> None:
+                      kv_capacity_tokens: int | None = None, output_reserve_tokens: int | None = None,
+                      output_reserve_ratio: float | None = None) -> None:
         """Record one probe answer received at ``now`` (s).
 
         ``probe_sent_at`` (s): when the probe left; requests dispatched after that may be missing from the answer,
@@ -185,6 +223,7 @@ class ReplicaState:
             if kv_capacity_tokens is not None and kv_capacity_tokens > 0:
                 self.kv_capacity_tokens = int(kv_capacity_tokens)
             self.output_reserve_tokens = output_reserve_tokens
+            self.output_reserve_ratio = output_reserve_ratio if output_reserve_tokens else None
             if running is not None:
                 self.capacity.observe(now, self.pending, running, self.ended)
         self.error = None if healthy else (error or "probe failed")

@@ -34,6 +34,8 @@ class ProbeResult:
         output_reserve_tokens: the most output tokens the engine reserves in its KV cache for a request it admits,
             beyond the prompt (SGLang: the request's ``max_tokens`` clipped at 4096); None for an engine that admits
             on the prompt's blocks alone (vLLM V1) or one that reports no KV cache.
+        output_reserve_ratio: the share of its running requests' remaining output such an engine keeps reserved
+            against new admissions (SGLang's ``new_token_ratio``, 0-1); None for an engine that reserves none.
     """
 
     healthy: bool
@@ -45,6 +47,7 @@ class ProbeResult:
     kv_usage: float | None = None
     kv_capacity_tokens: int | None = None
     output_reserve_tokens: int | None = None
+    output_reserve_ratio: float | None = None
 
 
 class EngineAdapter:

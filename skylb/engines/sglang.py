@@ -31,6 +31,15 @@ KV_CAPACITY = "sglang:max_total_num_tokens"
 #: reservations; a request without ``max_tokens`` gets the rest of the context (``Scheduler.handle_generate_request``),
 #: so the clip.
 OUTPUT_RESERVE_CLIP = 4096
+#: The share of the running requests' remaining output (``max_new_tokens`` less tokens generated, clipped as above)
+#: that ``PrefillAdder`` keeps reserved (collector.py: "sglang:new_token_ratio: The new token ratio"; recent
+#: releases export it; the fullest rank is taken). It starts at ``init_new_token_ratio`` (0.7), falls towards
+#: ``init x min_new_token_ratio_factor`` over ``new_token_ratio_decay_steps`` decode steps and rises again when the
+#: engine retracts requests for want of KV memory (``global_config.py``, ``Scheduler.update_running_batch``).
+NEW_TOKEN_RATIO = "sglang:new_token_ratio"
+#: The ratio assumed when the engine does not export it: the floor it falls to on a busy engine without retractions
+#: (0.7 x 0.14), so that an older SGLang's reserve is never priced above what it keeps.
+NEW_TOKEN_RATIO_FLOOR = 0.098
 #: HTTP statuses meaning "this server has no such endpoint" (FastAPI's 404 and 405).
 _ABSENT = (404, 405)
 
@@ -50,7 +59,7 @@ async def _from_metrics(session, url: str, timeout_s: float) -> ProbeResult | st
     if answer.status != 200:
         return f"/metrics answered HTTP {answer.status}"
     try:
-        values, kv = gauges(answer.text, (WAITING, RUNNING), (KV_USAGE, KV_CAPACITY))
+        values, kv = gauges(answer.text, (WAITING, RUNNING), (KV_USAGE, KV_CAPACITY, NEW_TOKEN_RATIO))
     except ValueError as exc:
         return f"malformed /metrics: {exc}"[:200]
     if WAITING not in values:
@@ -59,7 +68,8 @@ async def _from_metrics(session, url: str, timeout_s: float) -> ProbeResult | st
     capacity = kv.get(KV_CAPACITY)
     return ProbeResult(True, pending=int(values[WAITING]), running=None if running is None else int(running),
                        kv_usage=kv.get(KV_USAGE), kv_capacity_tokens=int(capacity) if capacity else None,
-                       output_reserve_tokens=OUTPUT_RESERVE_CLIP)
+                       output_reserve_tokens=OUTPUT_RESERVE_CLIP,
+                       output_reserve_ratio=min(1.0, max(0.0, kv.get(NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_FLOOR))))
 
 
 def _sum_ranks(ranks: Any, path: str, *, running_of: Callable[[dict], int | None]) -> ProbeResult | str:

@@ -1,8 +1,9 @@
 """SGLang's HTTP server: the OpenAI API, /metrics (with ``--enable-metrics``), /v1/loads, /get_load, /health.
 
 Sources (sgl-project/sglang, python/sglang/srt): ``metrics/collector.py`` (``sglang:num_queue_reqs`` "The number
-of requests in the waiting queue.", ``sglang:num_running_reqs``, ``sglang:token_usage``, ``sglang:cache_hit_rate``;
-labels ``model_name``, ``engine_type``, ``tp_rank``, ``pp_rank``), ``entrypoints/v1_loads.py`` (``GET /v1/loads``:
+of requests in the waiting queue.", ``sglang:num_running_reqs``, ``sglang:token_usage``, ``sglang:cache_hit_rate``,
+with the SGLang scheduler model ``sglang:new_token_ratio``; labels ``model_name``, ``engine_type``, ``tp_rank``,
+``pp_rank``), ``entrypoints/v1_loads.py`` (``GET /v1/loads``:
 ``{"timestamp", "version", "dp_rank_count", "loads": [{"dp_rank", "num_running_reqs", "num_waiting_reqs",
 "num_used_tokens", "max_total_num_tokens", "token_usage", ...}], "aggregate": {...}}``), ``entrypoints/
 http_server.py`` (legacy ``GET /get_load``: a list of ``{"dp_rank", "num_reqs", "num_waiting_reqs",
@@ -72,6 +73,9 @@ class _SglangCollector:
                         "The number of requests in the waiting queue.", load["waiting"])
         yield self._one(GaugeMetricFamily, "sglang:cache_hit_rate", "The prefix cache hit rate.",
                         load["cache_hit_rate"])
+        ratio = getattr(m, "new_token_ratio", None)  # only the SGLang scheduler model (--admission sglang) has one
+        if ratio is not None:
+            yield self._one(GaugeMetricFamily, "sglang:new_token_ratio", "The new token ratio.", ratio)
         yield self._one(CounterMetricFamily, "sglang:prompt_tokens", "Number of prefill tokens processed.",
                         m.prompt_tokens_total)
         yield self._one(CounterMetricFamily, "sglang:generation_tokens", "Number of generation tokens processed.",

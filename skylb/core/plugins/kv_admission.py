@@ -12,9 +12,12 @@ others behind it:
 
 A replica's free KV cache is ``capacity x (1 - usage)`` at its latest probe (skylb/core/state.py
 ``kv_capacity_tokens``, ``kv_usage``: tokens held by running requests), less the prompt tokens this balancer sent
-there that have not started (``backlog_tokens``). A request needs its uncached prompt tokens there
-(the profile's estimate, ``uncached``) plus, on an engine that reserves output (``output_reserve_tokens``), its
-``max_tokens`` clipped at that figure (the figure itself when the request gives none, as SGLang does).
+there that have not started (``backlog_tokens``), and, on an engine that reserves output, less what it keeps
+reserved for the running requests' outputs (``ReplicaState.decode_reserve_tokens``: SGLang's ``new_token_ratio``,
+from its probe, x the ``max_tokens`` of this balancer's requests there, clipped as below; the engine's other requests
+at their mean). A request needs its uncached prompt tokens there (the profile's estimate, ``uncached``) plus, on
+such an engine (``output_reserve_tokens``), its ``max_tokens`` clipped at that figure (the figure itself when the
+request gives none, as SGLang does).
 
 The filter keeps the candidates that can admit the request now, when at least one can; when none can, it keeps them
 all, and the picker prices the wait for room (skylb/core/estimate.py ``kv_wait_s``). Holding such a request in
@@ -59,7 +62,7 @@ class KVAdmission:
             return True
         clip = replica.output_reserve_tokens
         reserve = min(request.max_tokens or clip, clip) if clip else 0
-        free = capacity * (1.0 - usage) - replica.backlog_tokens
+        free = capacity * (1.0 - usage) - replica.backlog_tokens - replica.decode_reserve_tokens()
         if prompt_tokens(request) + reserve <= free:  # fits uncached: no need to look up its match
             return True
         return self.uncached(request, replica.id) + reserve <= free

@@ -111,8 +111,9 @@ every candidate by one cost and settles every placement (without the sibling rul
   tokens against capacity x (1 - usage), where the engine reports both) is priced the replica's measured service
   time more: the engine would keep it waiting however few requests run. When some local replicas can admit it
   now and others cannot (``kv_admission``: its uncached prompt, plus on SGLang the output tokens the engine
-  reserves, against the free KV cache), only those that can are candidates: an engine that cannot admit the request
-  also stops admitting the requests behind it (SGLang until a running request finishes, vLLM's first-come queue).
+  reserves, against the free KV cache, which on SGLang also leaves out what the engine keeps reserved for its
+  running requests' outputs), only those that can are candidates: an engine that cannot admit the request also
+  stops admitting the requests behind it (SGLang until a running request finishes, vLLM's first-come queue).
 """
 
 from __future__ import annotations
