@@ -309,7 +309,7 @@ class SimBalancer:
     def first_token(self, flight: Flight, decision: Decision) -> None:
         """The first token of ``decision`` passed this balancer: its prompt left the replica's prefill backlog."""
         flight.first_byte_at[self.region] = self.loop.now
-        self.router.first_token(decision)
+        self.router.first_token(decision, self.loop.now)
         self.dispatch()
 
     def release(self, flight: Flight, decision: Decision) -> None:

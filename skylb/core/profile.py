@@ -82,9 +82,9 @@ class Filter(Protocol):
 class Admission(Protocol):
     """Narrows the local candidates to those that can take this request (skylb/core/plugins/kv_admission.py)."""
 
-    def narrow(self, request: Request, local: Sequence[ReplicaState],
-               free: Sequence[ReplicaState]) -> tuple[Sequence[ReplicaState], Sequence[ReplicaState]]:
-        """(candidates, those of them with a free slot) for ``request``."""
+    def narrow(self, request: Request, local: Sequence[ReplicaState], free: Sequence[ReplicaState],
+               now: float | None = None) -> tuple[Sequence[ReplicaState], Sequence[ReplicaState]]:
+        """(candidates, those of them with a free slot) for ``request`` at ``now`` (s)."""
 
 
 class ReplicaPicker(Protocol):

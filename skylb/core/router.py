@@ -457,7 +457,7 @@ class Router:
                     if memo[5] == _SURE:
                         sure.append(r)
         if self.policy.admission is not None and out:  # room for this request's prompt (and output) in KV caches
-            out, picked = self.policy.admission.narrow(request, out, sure or free)
+            out, picked = self.policy.admission.narrow(request, out, sure or free, now)
             return list(out), list(picked), serving
         return out, sure or free, serving
 
@@ -588,12 +588,15 @@ class Router:
             return self._to_replica(request, self.replicas[target], now, PINNED)
         return self._to_peer(request, self.peers[target], now, PINNED)
 
-    def first_token(self, decision: Decision) -> None:
-        """``decision``'s first token came back: its prompt no longer waits for prefill on its replica."""
+    def first_token(self, decision: Decision, now: float | None = None) -> None:
+        """``decision``'s first token came back (at ``now``, s, when given): its prompt no longer waits for prefill
+        on its replica, and from ``now`` it generates (``ReplicaState.reserve_started``)."""
         if decision.route == "local":
             state = self.replicas.get(decision.target)
             if state is not None:
                 state.prefilled(decision.request.id)
+                if now is not None and state.reserved:
+                    state.reserve_started(decision.request.id, now)
 
     def observe_response(self, decision: Decision, usage: Usage, *, ttft_s: float | None, e2e_s: float) -> bool:
         """Learn the replica's speed from ``decision``'s response (skylb/core/rates.py, OllamaRouter §4.3): ``usage``

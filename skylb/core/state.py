@@ -109,6 +109,8 @@ class ReplicaState:
     reserved: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``reserved``, kept up to date as ``backlog_tokens`` is.
     reserved_tokens: int = field(default=0, repr=False)
+    #: request id -> when its first token came back, s, for those of ``reserved`` that have started generating.
+    decoding_since: dict[str, float] = field(default_factory=dict, repr=False)
     unprefilled: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``unprefilled``, kept up to date so that reading it is O(1) on every routing decision.
     backlog_tokens: int = field(default=0, repr=False)
@@ -168,25 +170,47 @@ class ReplicaState:
             self.reserved_tokens += tokens - self.reserved.get(request_id, 0)
             self.reserved[request_id] = tokens
 
+    def reserve_started(self, request_id: str, now: float) -> None:
+        """Request ``request_id``'s first token came back at ``now`` (s): from then on it generates, and the engine's
+        reserve for it shrinks by each token (``decode_reserve_tokens``)."""
+        if request_id in self.reserved:
+            self.decoding_since[request_id] = now
+
     def release_reserved(self, request_id: str) -> None:
         """Request ``request_id`` finished here: its output reservation is released."""
         if self.reserved:
             self.reserved_tokens -= self.reserved.pop(request_id, 0)
+            self.decoding_since.pop(request_id, None)
 
-    def decode_reserve_tokens(self) -> float:
-        """KV-cache tokens the engine keeps reserved for the outputs of the requests it runs, beyond the tokens they
-        hold (``kv_usage``), as far as this balancer can tell: ``output_reserve_ratio`` x the reservations of its own
-        requests here, the engine's other requests (``in_engine`` beyond its own) counted at their mean; 0 on an
-        engine that reserves nothing.
-
-        Source: SGLang's ``PrefillAdder`` (``managers/schedule_policy.py``): a waiting request is admitted only when
-        its prompt and reserve fit in the free and evictable tokens less ``sum(min(max_new_tokens - generated,
-        clip)) x new_token_ratio`` over the running batch. Tokens generated so far are not counted off (the balancer
-        does not follow them), so the figure is high by up to the share already generated."""
+    def decode_reserve_bound(self) -> float:
+        """``decode_reserve_tokens`` before any token generated is counted off: its upper bound, read in O(1)."""
         ratio, own = self.output_reserve_ratio, len(self.reserved)
         if not ratio or not own:
             return 0.0
         return ratio * self.reserved_tokens * max(1.0, self.in_engine / own)
+
+    def decode_reserve_tokens(self, now: float | None = None) -> float:
+        """KV-cache tokens the engine keeps reserved for the outputs of the requests it runs at ``now`` (s), beyond
+        the tokens they hold (``kv_usage``), as far as this balancer can tell: ``output_reserve_ratio`` x what is
+        left of the reservations of its own requests here (each one's clipped ``max_tokens`` less the tokens it has
+        generated since its first token, at the replica's measured inter-token latency, ``ModelRates.itl_s``), the
+        engine's other requests (``in_engine`` beyond its own) counted at their mean; 0 on an engine that reserves
+        nothing. Without ``now`` or a measured latency, nothing is counted off (``decode_reserve_bound``). O(own
+        requests here).
+
+        Source: SGLang's ``PrefillAdder`` (``managers/schedule_policy.py``): a waiting request is admitted only when
+        its prompt and reserve fit in the free and evictable tokens less ``sum(min(max_new_tokens - generated,
+        clip)) x new_token_ratio`` over the running batch."""
+        bound = self.decode_reserve_bound()
+        itl = self.rates.overall.itl_s
+        if not bound or now is None or not itl or not self.decoding_since or self.reserved_tokens <= 0:
+            return bound
+        left = self.reserved_tokens
+        reserved = self.reserved
+        for request_id, since in self.decoding_since.items():
+            tokens = reserved[request_id]
+            left -= min(tokens, max(0.0, now - since) / itl)
+        return bound * left / self.reserved_tokens
 
     @property
     def sent_since_probe(self) -> int:

@@ -157,7 +157,7 @@ class RouteStage:
             ttft_histogram.observe(ttft_s, exemplar)
             if trace is not None:
                 trace.first_chunk(ttft_s, arrived_at=ctx.arrived_at)
-            self.router.first_token(decision)  # its prompt left the replica's prefill backlog
+            self.router.first_token(decision, self.now())  # its prompt left the replica's prefill backlog
             self.fleet.first_byte(decision, ttft_s)
             self.dispatcher.wake()
 

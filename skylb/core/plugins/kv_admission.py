@@ -14,8 +14,8 @@ A replica's free KV cache is ``capacity x (1 - usage)`` at its latest probe (sky
 ``kv_capacity_tokens``, ``kv_usage``: tokens held by running requests), less the prompt tokens this balancer sent
 there that have not started (``backlog_tokens``), and, on an engine that reserves output, less what it keeps
 reserved for the running requests' outputs (``ReplicaState.decode_reserve_tokens``: SGLang's ``new_token_ratio``,
-from its probe, x the ``max_tokens`` of this balancer's requests there, clipped as below; the engine's other requests
-at their mean). A request needs its uncached prompt tokens there (the profile's estimate, ``uncached``) plus, on
+from its probe, x what is left of the ``max_tokens`` of this balancer's requests there, clipped as below, after the
+tokens each has generated at the replica's measured pace; the engine's other requests at their mean). A request needs its uncached prompt tokens there (the profile's estimate, ``uncached``) plus, on
 such an engine (``output_reserve_tokens``), its ``max_tokens`` clipped at that figure (the figure itself when the
 request gives none, as SGLang does).
 
@@ -53,8 +53,9 @@ class KVAdmission:
     def __init__(self, uncached: Callable[[Request, str], int]):
         self.uncached = uncached
 
-    def admits(self, request: Request, replica: ReplicaState) -> bool:
-        """True when ``replica``'s KV cache can take ``request`` now (module docstring), or cannot be judged."""
+    def admits(self, request: Request, replica: ReplicaState, now: float | None = None) -> bool:
+        """True when ``replica``'s KV cache can take ``request`` at ``now`` (s) (module docstring), or cannot be
+        judged."""
         capacity, usage = replica.kv_capacity_tokens, replica.kv_usage
         if capacity is None or usage is None:
             return True
@@ -62,16 +63,20 @@ class KVAdmission:
             return True
         clip = replica.output_reserve_tokens
         reserve = min(request.max_tokens or clip, clip) if clip else 0
-        free = capacity * (1.0 - usage) - replica.backlog_tokens - replica.decode_reserve_tokens()
-        if prompt_tokens(request) + reserve <= free:  # fits uncached: no need to look up its match
+        free = capacity * (1.0 - usage) - replica.backlog_tokens
+        bound = replica.decode_reserve_bound()
+        if prompt_tokens(request) + reserve <= free - bound:  # fits uncached beside the most reserved: no lookups
             return True
-        return self.uncached(request, replica.id) + reserve <= free
+        need = self.uncached(request, replica.id) + reserve
+        if need <= free - bound or need > free:
+            return need <= free
+        return need <= free - replica.decode_reserve_tokens(now)
 
-    def narrow(self, request: Request, local: Sequence[ReplicaState],
-               free: Sequence[ReplicaState]) -> tuple[Sequence[ReplicaState], Sequence[ReplicaState]]:
-        """(``local``, ``free``) narrowed to the replicas that admit ``request``, when any of ``local`` does; else
-        both unchanged. ``free``: those of ``local`` with a free slot."""
-        admitting = [r for r in local if self.admits(request, r)]
+    def narrow(self, request: Request, local: Sequence[ReplicaState], free: Sequence[ReplicaState],
+               now: float | None = None) -> tuple[Sequence[ReplicaState], Sequence[ReplicaState]]:
+        """(``local``, ``free``) narrowed to the replicas that admit ``request`` at ``now`` (s), when any of
+        ``local`` does; else both unchanged. ``free``: those of ``local`` with a free slot."""
+        admitting = [r for r in local if self.admits(request, r, now)]
         if not admitting or len(admitting) == len(local):
             return local, free
         ids = {r.id for r in admitting}
