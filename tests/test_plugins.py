@@ -552,16 +552,21 @@ def test_sglang_reserve_shrinks_by_the_tokens_generated_at_the_replicas_measured
     r.rates.overall.itl_s = 0.01
     for rid in ("a", "b", "c"):
         r.add_reserved(rid, 1000)
-    r.reserve_started("a", 10.0)
-    r.reserve_started("c", 0.0)
-    r.reserve_started("unknown", 10.0)  # not reserved here: ignored
+    r.reserve_started("a", 10.0, 1000)
+    r.reserve_started("c", 0.0, 1000)
+    r.reserve_started("unknown", 10.0, 1000)  # not reserved here: ignored
     assert r.decode_reserve_bound() == r.decode_reserve_tokens() == 0.5 * 3000
     assert r.decode_reserve_tokens(12.0) == pytest.approx(0.5 * (800 + 1000 + 0))
+    # Without a limit SGLang reserves the clip until the last 4,096 tokens: nothing comes off.
+    r.add_reserved("d", None)
+    r.reserve_started("d", 0.0, None)
+    assert r.decode_reserve_tokens(12.0) == pytest.approx(0.5 * (800 + 1000 + 0 + 4096))
+    r.release_reserved("d")
     f = KVAdmission(lambda request, rid: 1000)
     q = _req("q", "abcd" * 1000, max_tokens=800)  # 1,800 tokens: 3,000 free less 900 left reserved, not less 1,500
     assert f.admits(q, r, 12.0) and not f.admits(q, r)
     r.release_reserved("a")
-    assert r.decoding_since == {"c": 0.0}
+    assert r.decoding_since == {"c": (0.0, 1000)}
 
 
 def test_kv_admission_narrows_to_the_admitting_replicas_only_when_some_admit():

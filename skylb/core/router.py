@@ -596,7 +596,7 @@ class Router:
             if state is not None:
                 state.prefilled(decision.request.id)
                 if now is not None and state.reserved:
-                    state.reserve_started(decision.request.id, now)
+                    state.reserve_started(decision.request.id, now, decision.request.max_tokens)
 
     def observe_response(self, decision: Decision, usage: Usage, *, ttft_s: float | None, e2e_s: float) -> bool:
         """Learn the replica's speed from ``decision``'s response (skylb/core/rates.py, OllamaRouter §4.3): ``usage``

@@ -20,6 +20,8 @@ status and metrics.
 
 from __future__ import annotations
 
+import math
+
 from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -109,8 +111,9 @@ class ReplicaState:
     reserved: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``reserved``, kept up to date as ``backlog_tokens`` is.
     reserved_tokens: int = field(default=0, repr=False)
-    #: request id -> when its first token came back, s, for those of ``reserved`` that have started generating.
-    decoding_since: dict[str, float] = field(default_factory=dict, repr=False)
+    #: request id -> (when its first token came back, s; its max_tokens, inf for none), for those of ``reserved``
+    #: that have started generating.
+    decoding_since: dict[str, tuple[float, float]] = field(default_factory=dict, repr=False)
     unprefilled: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``unprefilled``, kept up to date so that reading it is O(1) on every routing decision.
     backlog_tokens: int = field(default=0, repr=False)
@@ -170,11 +173,13 @@ class ReplicaState:
             self.reserved_tokens += tokens - self.reserved.get(request_id, 0)
             self.reserved[request_id] = tokens
 
-    def reserve_started(self, request_id: str, now: float) -> None:
-        """Request ``request_id``'s first token came back at ``now`` (s): from then on it generates, and the engine's
-        reserve for it shrinks by each token (``decode_reserve_tokens``)."""
+    def reserve_started(self, request_id: str, now: float, max_tokens: int | None = None) -> None:
+        """Request ``request_id`` (asking for at most ``max_tokens`` output tokens; None: no limit) had its first
+        token come back at ``now`` (s): from then on it generates, and the engine's reserve for it, its tokens still
+        to come clipped at ``output_reserve_tokens``, shrinks by each token once fewer than the clip are left
+        (``decode_reserve_tokens``)."""
         if request_id in self.reserved:
-            self.decoding_since[request_id] = now
+            self.decoding_since[request_id] = (now, math.inf if max_tokens is None else max_tokens)
 
     def release_reserved(self, request_id: str) -> None:
         """Request ``request_id`` finished here: its output reservation is released."""
@@ -192,8 +197,8 @@ class ReplicaState:
     def decode_reserve_tokens(self, now: float | None = None) -> float:
         """KV-cache tokens the engine keeps reserved for the outputs of the requests it runs at ``now`` (s), beyond
         the tokens they hold (``kv_usage``), as far as this balancer can tell: ``output_reserve_ratio`` x what is
-        left of the reservations of its own requests here (each one's clipped ``max_tokens`` less the tokens it has
-        generated since its first token, at the replica's measured inter-token latency, ``ModelRates.itl_s``), the
+        left of the reservations of its own requests here (each one's ``max_tokens`` less the tokens it has generated
+        since its first token, at the replica's measured inter-token latency ``ModelRates.itl_s``, clipped), the
         engine's other requests (``in_engine`` beyond its own) counted at their mean; 0 on an engine that reserves
         nothing. Without ``now`` or a measured latency, nothing is counted off (``decode_reserve_bound``). O(own
         requests here).
@@ -207,9 +212,10 @@ class ReplicaState:
             return bound
         left = self.reserved_tokens
         reserved = self.reserved
-        for request_id, since in self.decoding_since.items():
-            tokens = reserved[request_id]
-            left -= min(tokens, max(0.0, now - since) / itl)
+        for request_id, (since, max_tokens) in self.decoding_since.items():
+            tokens = reserved[request_id]  # min(max_tokens, clip)
+            still = max(0.0, max_tokens - max(0.0, now - since) / itl)  # its tokens still to come
+            left -= tokens - min(tokens, still)
         return bound * left / self.reserved_tokens
 
     @property
