@@ -31,6 +31,8 @@ def detailed_status(balancer: Balancer) -> dict:
     reason it is unavailable, the policy, and the controller's reachability and membership revision (None, and
     ``static_membership`` true, for a balancer started with --replica); ``time`` is when the view was taken (unix
     s), ``kv_usage`` a replica's KV cache use at its latest probe (0-1, None when its engine does not say),
+    ``kv_reserved_tokens`` the KV tokens an engine that reserves output (SGLang) keeps for its running requests'
+    outputs, as this balancer estimates them (skylb/core/state.py ``decode_reserve_tokens``; None for others),
     ``kv_events`` the block index and, per replica with an event endpoint, whether its stream is live
     (skylb/balancer/kv_routing.py ``KVRouting.status``; None when ``balancer.kv_events`` is off),
     ``placed_by_rule`` the placements since start by the profile's plugin that made them (``Decision.rule``)."""
@@ -59,6 +61,8 @@ def detailed_status(balancer: Balancer) -> dict:
              # --engine auto: the engine detected (skylb/engines/auto.py), once known.
              "engine": (detected_engine(r.url) or r.engine) if r.engine == "auto" else r.engine,
              "running": r.running, "outstanding": r.outstanding, "kv_usage": r.kv_usage, "draining": r.draining,
+             # SGLang: KV tokens it keeps for the running batch's outputs, as this balancer estimates them.
+             "kv_reserved_tokens": round(r.decode_reserve_tokens(now)) if r.output_reserve_ratio else None,
              "served": r.served,
              "admission_capacity": r.slots if r.slots is not None else r.capacity.limit,
              "ejections": r.ejections, "ejected_for_s": _left(r.ejected_until, now),
