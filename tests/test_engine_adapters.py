@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -122,7 +123,7 @@ async def test_idle_replica_is_healthy_with_zero_pending(emulators, session, emu
     assert result.pending == 0 and result.running == 0
 
 
-@pytest.mark.parametrize(("emulator", "engine"), [("vllm", "vllm"), ("sglang", "sglang")])
+@pytest.mark.parametrize(("emulator", "engine"), [("vllm", "vllm"), ("sglang", "sglang"), ("sglang-loads", "sglang")])
 async def test_kv_capacity_in_tokens_from_the_emulated_engines_metrics(emulators, session, emulator, engine):
     """vLLM's ``cache_config_info`` (num_gpu_blocks x block_size) and SGLang's ``max_total_num_tokens``, as the
     emulator serves them, give the KV cache's size in tokens (the emulator's default cache)."""
@@ -146,6 +147,26 @@ async def test_kv_capacity_from_each_engines_metrics(session, canned, engine, te
     canned.answers["/metrics"] = (200, text)
     result = await probe(session, engine, canned.url)
     assert result.healthy and result.kv_capacity_tokens == tokens
+
+
+@pytest.mark.parametrize(("loads", "expected"), [
+    ([{"dp_rank": 0, "num_waiting_reqs": 1, "num_running_reqs": 3, "token_usage": 0.25, "max_total_num_tokens": 9000},
+      {"dp_rank": 1, "num_waiting_reqs": 0, "num_running_reqs": 2, "token_usage": 0.5, "max_total_num_tokens": 9000}],
+     (0.5, 9000, 4096, 0.098)),
+    ([{"dp_rank": 0, "num_waiting_reqs": 0, "num_running_reqs": 0}], (None, None, None, None)),  # an older release
+    ([{"dp_rank": 0, "num_waiting_reqs": 0, "num_running_reqs": 0, "token_usage": "high",
+       "max_total_num_tokens": 9000}], (None, None, None, None)),
+])
+async def test_sglang_kv_cache_from_v1_loads(session, canned, loads, expected):
+    """SGLang without --enable-metrics: /v1/loads gives the KV cache's usage (the fullest rank) and size, and the
+    engine's output reserve with its ratio at the floor (the endpoint does not carry it); a release or an answer
+    without usable KV fields gives none, and still its load."""
+    canned.answers["/metrics"] = (404, "")
+    canned.answers["/v1/loads"] = (200, json.dumps({"loads": loads}))
+    result = await probe(session, "sglang", canned.url)
+    assert result.healthy and result.pending == sum(rank["num_waiting_reqs"] for rank in loads)
+    assert (result.kv_usage, result.kv_capacity_tokens, result.output_reserve_tokens,
+            result.output_reserve_ratio) == expected
 
 
 @pytest.mark.parametrize(("text", "ratio"), [

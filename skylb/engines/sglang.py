@@ -7,11 +7,14 @@ Sources: the SGLang documentation, "Production Metrics"; sgl-project/sglang ``py
 ``tp_rank``, ``pp_rank`` and ``dp_rank`` with data parallelism), ``entrypoints/v1_loads.py`` and
 ``entrypoints/http_server.py`` (``/get_load``). /metrics exists only with ``--enable-metrics``; /v1/loads only in
 recent releases. The source that worked is remembered per URL, so a healthy replica costs one request a probe;
-when it stops answering 200 the others are tried again.
+when it stops answering 200 the others are tried again. KV-cache usage and size come from /metrics
+(``sglang:token_usage``, ``sglang:max_total_num_tokens``) or /v1/loads (``loads[].token_usage``,
+``max_total_num_tokens``: ``managers/io_struct.py`` ``GetLoadsReqOutput``); /get_load has neither.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Awaitable, Callable
 
 from skylb.engines.base import EngineAdapter, ProbeResult, gauges
@@ -102,7 +105,32 @@ async def _from_loads(session, url: str, timeout_s: float) -> ProbeResult | str 
         value = rank.get("num_running_reqs")
         return value if type(value) is int else None
 
-    return _sum_ranks(loads, "/v1/loads", running_of=running_of)
+    result = _sum_ranks(loads, "/v1/loads", running_of=running_of)
+    if isinstance(result, ProbeResult):
+        _kv_from_loads(result, loads if isinstance(loads, list) else [loads])
+    return result
+
+
+def _number(value: Any) -> float | None:
+    """``value`` when it is a finite JSON number (not a bool), else None."""
+    if type(value) in (int, float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _kv_from_loads(result: ProbeResult, ranks: list[dict]) -> None:
+    """Fill ``result``'s KV-cache fields from /v1/loads' ranks (``token_usage``: the fullest rank's;
+    ``max_total_num_tokens``: the largest), as ``/metrics`` gives them, when every rank reports both; the engine's
+    output reserve as there, its ratio at the floor (/v1/loads does not carry ``new_token_ratio``). SGLang serves
+    /metrics only with ``--enable-metrics``; without it, this is where its KV cache is seen."""
+    usages = [_number(rank.get("token_usage")) for rank in ranks]
+    sizes = [_number(rank.get("max_total_num_tokens")) for rank in ranks]
+    if not ranks or None in usages or None in sizes or max(sizes) <= 0:
+        return
+    result.kv_usage = max(usages)
+    result.kv_capacity_tokens = int(max(sizes))
+    result.output_reserve_tokens = OUTPUT_RESERVE_CLIP
+    result.output_reserve_ratio = NEW_TOKEN_RATIO_FLOOR
 
 
 async def _from_get_load(session, url: str, timeout_s: float) -> ProbeResult | str | None:
