@@ -543,30 +543,37 @@ def test_kv_admission_counts_what_sglang_keeps_reserved_for_the_running_batch():
 
 
 def test_sglang_reserve_shrinks_by_the_tokens_generated_at_the_replicas_measured_pace():
-    """A request of 1,000 reserved output tokens that started generating 2 s ago on a replica whose measured
-    inter-token latency is 10 ms has about 200 generated: 800 are left, times the ratio; one that has not started
-    keeps its whole reserve, and one past its reserve keeps none. Without ``now`` nothing is counted off (the
-    bound), and the filter still admits a request that fits only once the progress is counted."""
+    """Requests of 1,000 reserved output tokens on a replica whose measured inter-token latency is 10 ms: one that
+    started generating 2 s ago has about 200 generated, one that started 4 s ago 400, so 1,400 of 2,000 are left,
+    and one that has not started keeps its whole reserve; all times the ratio. The tokens generated are counted in
+    all, never past what the started requests reserve. A request asking for more than the clip (or for no limit)
+    keeps the whole clip. Without ``now`` nothing is counted off (the bound), and the filter admits a request that
+    fits only once the progress is counted."""
     r = _replica("r", running=3, kv_capacity_tokens=10_000, kv_usage=0.7, output_reserve_tokens=4096)
     r.output_reserve_ratio = 0.5
     r.rates.overall.itl_s = 0.01
     for rid in ("a", "b", "c"):
         r.add_reserved(rid, 1000)
     r.reserve_started("a", 10.0, 1000)
-    r.reserve_started("c", 0.0, 1000)
+    r.reserve_started("c", 8.0, 1000)
     r.reserve_started("unknown", 10.0, 1000)  # not reserved here: ignored
     assert r.decode_reserve_bound() == r.decode_reserve_tokens() == 0.5 * 3000
-    assert r.decode_reserve_tokens(12.0) == pytest.approx(0.5 * (800 + 1000 + 0))
-    # Without a limit SGLang reserves the clip until the last 4,096 tokens: nothing comes off.
-    r.add_reserved("d", None)
+    assert r.decode_reserve_tokens(12.0) == pytest.approx(0.5 * (800 + 1000 + 600))
+    assert r.decode_reserve_tokens(100.0) == pytest.approx(0.5 * 1000)  # both started ones past their reserve
+    r.add_reserved("d", None)  # no limit: SGLang reserves the clip until the last 4,096 tokens
     r.reserve_started("d", 0.0, None)
-    assert r.decode_reserve_tokens(12.0) == pytest.approx(0.5 * (800 + 1000 + 0 + 4096))
+    r.add_reserved("e", 5000)
+    r.reserve_started("e", 0.0, 5000)
+    r.running = 5
+    assert r.decode_reserve_tokens(12.0) == pytest.approx(0.5 * (800 + 1000 + 600 + 4096 + 4096))
     r.release_reserved("d")
+    r.release_reserved("e")
+    r.running = 3
     f = KVAdmission(lambda request, rid: 1000)
-    q = _req("q", "abcd" * 1000, max_tokens=800)  # 1,800 tokens: 3,000 free less 900 left reserved, not less 1,500
+    q = _req("q", "abcd" * 1000, max_tokens=800)  # 1,800 tokens: 3,000 free less 1,200 left reserved, not 1,500
     assert f.admits(q, r, 12.0) and not f.admits(q, r)
     r.release_reserved("a")
-    assert r.decoding_since == {"c": (0.0, 1000)}
+    assert r.decoding_since == {"c": 8.0} and r.decoding_tokens == 1000
 
 
 def test_kv_admission_narrows_to_the_admitting_replicas_only_when_some_admit():

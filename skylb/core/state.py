@@ -20,7 +20,6 @@ status and metrics.
 
 from __future__ import annotations
 
-import math
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -111,9 +110,11 @@ class ReplicaState:
     reserved: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``reserved``, kept up to date as ``backlog_tokens`` is.
     reserved_tokens: int = field(default=0, repr=False)
-    #: request id -> (when its first token came back, s; its max_tokens, inf for none), for those of ``reserved``
-    #: that have started generating.
-    decoding_since: dict[str, tuple[float, float]] = field(default_factory=dict, repr=False)
+    #: request id -> when its first token came back, s, for those of ``reserved`` asking for at most the clip that
+    #: have started generating; the sum of those times and of their ``reserved`` (``decode_reserve_tokens``, O(1)).
+    decoding_since: dict[str, float] = field(default_factory=dict, repr=False)
+    decoding_from_s: float = field(default=0.0, repr=False)
+    decoding_tokens: int = field(default=0, repr=False)
     unprefilled: dict[str, int] = field(default_factory=dict, repr=False)
     #: The sum of ``unprefilled``, kept up to date so that reading it is O(1) on every routing decision.
     backlog_tokens: int = field(default=0, repr=False)
@@ -177,18 +178,27 @@ class ReplicaState:
         """Request ``request_id`` (asking for at most ``max_tokens`` output tokens; None: no limit) had its first
         token come back at ``now`` (s): from then on it generates, and the engine's reserve for it, its tokens still
         to come clipped at ``output_reserve_tokens``, shrinks by each token once fewer than the clip are left
-        (``decode_reserve_tokens``)."""
-        if request_id in self.reserved:
-            self.decoding_since[request_id] = (now, math.inf if max_tokens is None else max_tokens)
+        (``decode_reserve_tokens``). Only a request asking for at most the clip is followed: one asking for more (or
+        for no limit) keeps the whole clip reserved for all but its last clip's worth of tokens."""
+        tokens = self.reserved.get(request_id)
+        if tokens is not None and max_tokens is not None and max_tokens <= tokens \
+                and request_id not in self.decoding_since:
+            self.decoding_since[request_id] = now
+            self.decoding_from_s += now
+            self.decoding_tokens += tokens
 
     def release_reserved(self, request_id: str) -> None:
         """Request ``request_id`` finished here: its output reservation is released."""
         if self.reserved:
-            self.reserved_tokens -= self.reserved.pop(request_id, 0)
-            self.decoding_since.pop(request_id, None)
+            tokens = self.reserved.pop(request_id, 0)
+            self.reserved_tokens -= tokens
+            since = self.decoding_since.pop(request_id, None)
+            if since is not None:
+                self.decoding_from_s -= since
+                self.decoding_tokens -= tokens
 
     def decode_reserve_bound(self) -> float:
-        """``decode_reserve_tokens`` before any token generated is counted off: its upper bound, read in O(1)."""
+        """``decode_reserve_tokens`` before any token generated is counted off: its upper bound."""
         ratio, own = self.output_reserve_ratio, len(self.reserved)
         if not ratio or not own:
             return 0.0
@@ -197,26 +207,26 @@ class ReplicaState:
     def decode_reserve_tokens(self, now: float | None = None) -> float:
         """KV-cache tokens the engine keeps reserved for the outputs of the requests it runs at ``now`` (s), beyond
         the tokens they hold (``kv_usage``), as far as this balancer can tell: ``output_reserve_ratio`` x what is
-        left of the reservations of its own requests here (each one's ``max_tokens`` less the tokens it has generated
-        since its first token, at the replica's measured inter-token latency ``ModelRates.itl_s``, clipped), the
-        engine's other requests (``in_engine`` beyond its own) counted at their mean; 0 on an engine that reserves
-        nothing. Without ``now`` or a measured latency, nothing is counted off (``decode_reserve_bound``). O(own
-        requests here).
+        left of the reservations of its own requests here (their ``max_tokens``, clipped, less the tokens generated
+        since each one's first token at the replica's measured inter-token latency ``ModelRates.itl_s``, in all at
+        most what they reserve), the engine's other requests (``in_engine`` beyond its own) counted at their mean;
+        0 on an engine that reserves nothing. Without ``now`` or a measured latency, nothing is counted off
+        (``decode_reserve_bound``). O(1): the tokens generated are counted from the sum of the first tokens' times,
+        so a request that ran past its reserve by the measured pace (it would have ended) is not capped alone.
 
         Source: SGLang's ``PrefillAdder`` (``managers/schedule_policy.py``): a waiting request is admitted only when
         its prompt and reserve fit in the free and evictable tokens less ``sum(min(max_new_tokens - generated,
         clip)) x new_token_ratio`` over the running batch."""
         bound = self.decode_reserve_bound()
         itl = self.rates.overall.itl_s
-        if not bound or now is None or not itl or not self.decoding_since or self.reserved_tokens <= 0:
+        following = len(self.decoding_since)
+        if not bound or now is None or not itl or not following:
             return bound
-        left = self.reserved_tokens
-        reserved = self.reserved
-        for request_id, (since, max_tokens) in self.decoding_since.items():
-            tokens = reserved[request_id]  # min(max_tokens, clip)
-            still = max(0.0, max_tokens - max(0.0, now - since) / itl)  # its tokens still to come
-            left -= tokens - min(tokens, still)
-        return bound * left / self.reserved_tokens
+        generated = (following * now - self.decoding_from_s) / itl
+        if generated <= 0.0:
+            return bound
+        generated = min(generated, self.decoding_tokens)
+        return bound * (self.reserved_tokens - generated) / self.reserved_tokens
 
     @property
     def sent_since_probe(self) -> int:
