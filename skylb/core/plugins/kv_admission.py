@@ -20,7 +20,7 @@ needs its uncached prompt tokens there (the profile's estimate, ``uncached``) pl
 (``output_reserve_tokens``), its ``max_tokens`` clipped at that figure (the figure itself when the request gives
 none, as SGLang does). Measured (simulated, bench/results/decode_reserve.md): the running reserve took the
 long-output variant with first-come engines from 1.13x to 1.06x one SGLang router's P90 TTFT; the matrix's P90
-geometric mean 0.990 (development) and 0.985 (validation), throughput unchanged.
+geometric mean 0.988 (development) and 0.985 (validation), throughput unchanged.
 
 The filter keeps the candidates that can admit the request now, when at least one can; when none can, it keeps them
 all, and the picker prices the wait for room (skylb/core/estimate.py ``kv_wait_s``). Holding such a request in
