@@ -537,6 +537,8 @@ def test_kv_admission_counts_what_sglang_keeps_reserved_for_the_running_batch():
     sglang.running = 1
     sglang.outstanding = 1
     assert sglang.reserved_tokens == 4000 and f.admits(q, sglang)  # 3,000 - 1,000 free
+    sglang.add_reserved("z", 0)  # no positive limit (not one a client can send): the clip, as with none
+    assert sglang.reserved["z"] == 4096
     vllm = _replica("v", running=2, kv_capacity_tokens=10_000, kv_usage=0.7)
     vllm.add_reserved("a", 4000)  # vLLM admits on the prompt alone: nothing is reserved
     assert vllm.reserved_tokens == 0 and vllm.decode_reserve_tokens() == 0.0

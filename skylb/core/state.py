@@ -20,7 +20,6 @@ status and metrics.
 
 from __future__ import annotations
 
-
 from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -170,7 +169,7 @@ class ReplicaState:
         on an engine that reserves output (``output_reserve_tokens``), remember what it reserves for it."""
         clip = self.output_reserve_tokens
         if clip:
-            tokens = min(max_tokens or clip, clip)
+            tokens = min(max_tokens, clip) if max_tokens is not None and max_tokens > 0 else clip
             self.reserved_tokens += tokens - self.reserved.get(request_id, 0)
             self.reserved[request_id] = tokens
 
@@ -220,7 +219,7 @@ class ReplicaState:
         bound = self.decode_reserve_bound()
         itl = self.rates.overall.itl_s
         following = len(self.decoding_since)
-        if not bound or now is None or not itl or not following:
+        if not bound or now is None or not itl or not following or self.reserved_tokens <= 0:
             return bound
         generated = (following * now - self.decoding_from_s) / itl
         if generated <= 0.0:
