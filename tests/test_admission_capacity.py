@@ -4,6 +4,7 @@ import pytest
 
 from skylb.core import AvailabilityRules, Request, Router, make_policy
 from skylb.core.capacity import AdmissionCapacity
+from skylb.core.rates import ModelRates
 
 
 def test_slow_start_then_the_waiting_sample_sets_the_limit():
@@ -286,8 +287,8 @@ def test_a_probe_answer_that_left_before_a_request_ended_does_not_hide_its_free_
 
 def test_a_free_slot_below_a_batch_seen_waiting_goes_before_one_above_it():
     """Two replicas of batch 4, each grown to a limit of 5 by slow start. On r0 a probe then showed a request waiting
-    beside 4 running (so its fifth place may not exist), on r1 nothing waited: r0 with 4 in flight and r1 with 3
-    both count a free slot by their limits; the request goes to r1, though r0 holds its prefix (without the push of
+    beside 4 running (so its fifth place may not exist) and one of the batch ended, on r1 nothing waited: r0 with 4
+    in flight and r1 with 3 both count a free slot by their limits; the request goes to r1, though r0 holds its prefix (without the push of
     cache hits into full batches, which would send it to r0 on purpose)."""
     router = Router(region="us", policy=make_policy("skylb", push_to_prefix_holder=False),
                     rules=AvailabilityRules(pending_allowance=0))
@@ -302,15 +303,89 @@ def test_a_free_slot_below_a_batch_seen_waiting_goes_before_one_above_it():
     for rid in ("r0", "r1"):
         router.replicas[rid].capacity = AdmissionCapacity(limit=4)
         router.observe_replica(rid, now=0.0, healthy=True, pending=0, running=4)
-    router.observe_replica("r0", now=0.1, healthy=True, pending=1, running=3)
+    router.observe_replica("r0", now=0.1, healthy=True, pending=1, running=4)
     router.observe_replica("r1", now=0.1, healthy=True, pending=0, running=3)
     r0, r1 = router.replicas["r0"], router.replicas["r1"]
+    r0.slot_freed(dispatched_at=-5.0, now=0.15)  # one of r0's batch ends: the waiting request takes its place
+    assert (r0.running, r0.pending) == (4, 0)
     assert (r0.capacity.limit, r0.capacity.waited_at, r1.capacity.limit) == (5, 4, 5)
     assert router.rules.has_free_slot(r0) and router.rules.has_free_slot(r1)
     assert not router.rules.below_waited_batch(r0) and router.rules.below_waited_batch(r1)
     router.enqueue(Request("q", shared + "question", arrived_at=0.1))
     [decision] = router.dispatch(0.1)
     assert decision.target == "r1"
+
+
+def _grown_then_turned_over() -> tuple[Router, str]:
+    """Two replicas of batch 4 grown to a limit of 5 by slow start; on r0 one of the batch ended and the request sent
+    to its place waited for the engine's next step (a probe shows 3 running and 1 waiting, then 4 running and nothing
+    waiting, and none of this balancer's requests ended in between); r1 runs 3. r0 holds a long prefix (returned):
+    the policy alone would send a request sharing it there."""
+    router = Router(region="us", policy=make_policy("skylb", push_to_prefix_holder=False),
+                    rules=AvailabilityRules(pending_allowance=0))
+    router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
+    router.set_peers([])
+    shared = "a long shared system prompt " * 200
+    router.observe_replica("r0", now=-1.0, healthy=True, pending=0, running=0)
+    router.enqueue(Request("warm", shared + "warm", arrived_at=-1.0))
+    [warm] = router.dispatch(-1.0)
+    assert warm.target == "r0"
+    router.finished(warm, now=-0.5)
+    for rid in ("r0", "r1"):
+        router.replicas[rid].capacity = AdmissionCapacity(limit=4)
+        router.observe_replica(rid, now=0.0, healthy=True, pending=0, running=4)
+    router.observe_replica("r0", now=0.1, healthy=True, pending=1, running=3)
+    router.observe_replica("r0", now=0.2, healthy=True, pending=0, running=4)
+    router.observe_replica("r1", now=0.2, healthy=True, pending=0, running=3)
+    return router, shared
+
+
+def test_a_request_waiting_for_its_place_in_the_old_batch_leaves_the_place_above_it_untried():
+    """The wait on r0 ends slow start's claim but proves nothing of a fifth place (``untried_at``): with 4 in flight
+    on r0 and 3 on r1 the request goes to r1's sure slot, though r0 holds its prefix. (Read as proven, r0's fifth
+    place took such a request live, which waited 4 s for its batch to turn over: bench/results/concurrency.md.) A
+    probe showing r0 running 5 tries the place; a request waiting past the old batch is judged as before
+    (``waited_at``)."""
+    router, shared = _grown_then_turned_over()
+    r0, r1 = router.replicas["r0"], router.replicas["r1"]
+    capacity = r0.capacity
+    assert (capacity.limit, capacity.waited_at, capacity.full_at, capacity.untried_at) == (5, None, None, 4)
+    assert router.rules.has_free_slot(r0) and not router.rules.below_waited_batch(r0)
+    assert router.rules.below_waited_batch(r1)
+    router.enqueue(Request("q", shared + "question", arrived_at=0.2))
+    [decision] = router.dispatch(0.2)
+    assert decision.target == "r1"
+    router.observe_replica("r0", now=0.3, healthy=True, pending=0, running=5)
+    assert capacity.untried_at is None
+    capacity = AdmissionCapacity(limit=4)
+    capacity.observe(0.0, pending=0, running=4)
+    capacity.observe(0.1, pending=2, running=3)  # one waits past the old batch of 4
+    assert (capacity.grown_from, capacity.waited_at) == (None, 4)
+
+
+def test_an_untried_place_is_tried_when_its_batch_turns_over_fast_or_the_sure_slot_is_on_a_slower_class():
+    """The untried place above r0's batch of 4 goes first (with r0's prefix) when a wrong guess would cost little: a
+    request's measured time in the engine (``ModelRates.service_s``) over the batch under ``settle_s``; or when r1,
+    the replica with the sure slot, is measured ``PACE_CLASS_RATIO`` times slower in time per token and in
+    inter-token latency (a CPU host beside a GPU host)."""
+    for r0_rates, r1_rates, expected in (
+            (ModelRates(service_s=1.2, samples=3), None, "r0"),  # 1.2 s / 4 = 0.3 s a turnover
+            (ModelRates(service_s=4.6, samples=3), None, "r1"),  # 1.15 s: the live run's batches
+            (ModelRates(time_per_token_s=0.001, itl_s=0.02, samples=3),
+             ModelRates(time_per_token_s=0.004, itl_s=0.08, samples=3), "r0"),
+            (ModelRates(time_per_token_s=0.001, itl_s=0.02, samples=3),
+             ModelRates(time_per_token_s=0.0015, itl_s=0.03, samples=3), "r1")):
+        router, shared = _grown_then_turned_over()
+        request = Request("q", shared + "question", arrived_at=0.2)
+        for rid, rates in (("r0", r0_rates), ("r1", r1_rates)):
+            if rates is not None:
+                replica = router.replicas[rid]
+                replica.rates.models[request.model] = rates
+                replica.rates.overall = rates
+                replica.availability_memo = None  # rates change in place; the next probe would clear it
+        router.enqueue(request)
+        [decision] = router.dispatch(0.2)
+        assert decision.target == expected, (r0_rates, r1_rates)
 
 
 def test_a_batch_seen_waiting_stays_ranked_last_after_nothing_waits_until_the_engine_runs_more():

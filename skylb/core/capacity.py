@@ -86,6 +86,14 @@ class AdmissionCapacity:
             pending allowance do not read it. Measured: bench/results/concurrency.md.
         ended_at_wait: the replica's count of this balancer's requests ended there (``ReplicaState.ended``) when
             ``waited_at`` was set.
+        in_old_batch: the requests waiting when ``waited_at`` was set fit beside the running ones in the batch slow
+            start grew from (running + pending <= ``grown_from``): one of that batch ended and the request sent to
+            its place waited for the engine's next step.
+        untried_at: the ``waited_at`` of such a wait that a probe with nothing waiting ended, with none of this
+            balancer's requests ended since: the waiting request took the place in the old batch, so the place above
+            it was never tried (read as proven, it took a request live that waited 4 s for its batch of 4 to turn
+            over, bench/results/concurrency.md). Ended as ``full_at`` is; read only by the ranking of free slots,
+            which weighs it by the batch's turnover (skylb/core/state.py ``below_waited_batch``).
     """
 
     limit: int = 2
@@ -101,6 +109,8 @@ class AdmissionCapacity:
     ceiling: int | None = None
     full_at: int | None = None
     ended_at_wait: int = 0
+    in_old_batch: bool = False
+    untried_at: int | None = None
 
     def state_ceiling(self, ceiling: int | None) -> None:
         """Take ``ceiling`` (requests, >= 1; None: no bound stated) as the engine's batch bound: before any request
@@ -114,7 +124,7 @@ class AdmissionCapacity:
         if ceiling is None:
             return
         self.limit = min(self.limit, ceiling) if self.saturated else ceiling
-        self.trial_from = self.grown_from = self.waited_at = self.full_at = None
+        self.trial_from = self.grown_from = self.waited_at = self.full_at = self.untried_at = None
 
     @property
     def proven_limit(self) -> int:
@@ -139,15 +149,23 @@ class AdmissionCapacity:
         ``ended``: how many of this balancer's requests have ended on the replica so far (None: not counted, and
         ``full_at`` is never set)."""
         if self.waited_at is not None and (running > self.waited_at or pending == 0):
-            if running <= self.waited_at and ended is not None and ended > self.ended_at_wait:
-                self.full_at = self.waited_at  # nothing waits, but the engine never ran more: maybe no room above
+            if running <= self.waited_at and ended is not None:
+                if ended > self.ended_at_wait:
+                    self.full_at = self.waited_at  # nothing waits, but the engine never ran more: maybe no room above
+                elif self.in_old_batch:
+                    self.untried_at = self.waited_at  # it took a place in the old batch: the one above is untried
             self.waited_at = None  # the batch grew past it, or nothing waits: the room is the engine's
         if self.full_at is not None and (running > self.full_at or self.limit <= self.full_at):
             self.full_at = None  # the engine ran more, or the limit is back at that batch
+        if self.untried_at is not None and (running > self.untried_at or self.limit <= self.untried_at):
+            self.untried_at = None
         if self.grown_from is not None and (running > self.grown_from or pending > 0):
             if running <= self.grown_from:
                 self.waited_at = self.grown_from  # waiting beside the old batch: maybe for a step, maybe a slot
                 self.ended_at_wait = ended or 0
+                # The waiting requests fit in the old batch (one of it ended, its successor waits for a step):
+                # however it ends, the place above that batch was not tried.
+                self.in_old_batch = running + pending <= self.grown_from
             self.grown_from = None  # proven by a larger batch, or the growth ends here (waiting is being judged)
         if self.trial_from is not None:
             if running > self.trial_from:
@@ -163,7 +181,7 @@ class AdmissionCapacity:
                 self.limit = self._capped(max(1, self.streak_running, self.limit // 2))
                 self.saturated = True
                 self.held_since = now
-                self.waited_at = self.full_at = None  # the limit is measured now
+                self.waited_at = self.full_at = self.untried_at = None  # the limit is measured now
             return
         self.waiting_since = None
         if running < self.limit or (self.ceiling is not None and self.limit >= self.ceiling):

@@ -609,9 +609,20 @@ class AvailabilityRules:
         slot, those below such a batch go first (Router._local_candidates): measured live, 4 replicas of batch 4
         under 16 closed-loop streams, two replicas each had a "free" slot by a limit of 5 and the full one took the
         request, which waited 4 s for its batch to turn over; later, the same with the waiting cleared by a probe
-        that showed nothing waiting after a request of the batch ended (bench/results/concurrency.md)."""
+        that showed nothing waiting after a request of the batch ended (bench/results/concurrency.md). Also the
+        batch whose place above was left untried (``AdmissionCapacity.untried_at``) while a request's measured time
+        there (``ModelRates.service_s``, every model together; unmeasured counts as long) is at least ``settle_s``
+        times that batch."""
         capacity = r.capacity
         waited = capacity.waited_at if capacity.waited_at is not None else capacity.full_at
+        if waited is None and capacity.untried_at is not None:
+            # A request sent to a place that does not exist waits for the batch's next turnover: about a request's
+            # time in the engine over the batch (a batch of 4 streaming 64 tokens: over a second). Under
+            # ``settle_s``, a wait the capacity learner itself takes for a step's, the place is worth trying
+            # (simulated batches of 53-154 did, and ranking them last cost P90 TTFT 1.06-1.13x in saturated cells).
+            service_s = r.rates.overall.service_s
+            if service_s is None or service_s >= capacity.settle_s * capacity.untried_at:
+                waited = capacity.untried_at
         return (waited is None or not self.learn_capacity or r.slots is not None or r.running is None
                 or max(r.running + r.pending + r.sent_since_probe, r.outstanding) < waited)
 
