@@ -316,12 +316,12 @@ def test_a_free_slot_below_a_batch_seen_waiting_goes_before_one_above_it():
     assert decision.target == "r1"
 
 
-def _grown_then_turned_over() -> tuple[Router, str]:
+def _grown_then_turned_over(**options) -> tuple[Router, str]:
     """Two replicas of batch 4 grown to a limit of 5 by slow start; on r0 one of the batch ended and the request sent
     to its place waited for the engine's next step (a probe shows 3 running and 1 waiting, then 4 running and nothing
     waiting, and none of this balancer's requests ended in between); r1 runs 3. r0 holds a long prefix (returned):
-    the policy alone would send a request sharing it there."""
-    router = Router(region="us", policy=make_policy("skylb", push_to_prefix_holder=False),
+    the policy alone would send a request sharing it there. ``options``: more of the policy's options."""
+    router = Router(region="us", policy=make_policy("skylb", push_to_prefix_holder=False, **options),
                     rules=AvailabilityRules(pending_allowance=0))
     router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
     router.set_peers([])
@@ -345,13 +345,17 @@ def test_a_request_waiting_for_its_place_in_the_old_batch_leaves_the_place_above
     on r0 and 3 on r1 the request goes to r1's sure slot, though r0 holds its prefix. (Read as proven, r0's fifth
     place took such a request live, which waited 4 s for its batch to turn over: bench/results/concurrency.md.) A
     probe showing r0 running 5 tries the place; a request waiting past the old batch is judged as before
-    (``waited_at``)."""
+    (``waited_at``). Without ``untried_last`` the place counts as sure, as before (the request goes to r0)."""
+    router, shared = _grown_then_turned_over(untried_last=False)
+    router.enqueue(Request("q", shared + "question", arrived_at=0.2))
+    [decision] = router.dispatch(0.2)
+    assert decision.target == "r0"
     router, shared = _grown_then_turned_over()
     r0, r1 = router.replicas["r0"], router.replicas["r1"]
     capacity = r0.capacity
     assert (capacity.limit, capacity.waited_at, capacity.full_at, capacity.untried_at) == (5, None, None, 4)
-    assert router.rules.has_free_slot(r0) and not router.rules.below_waited_batch(r0)
-    assert router.rules.below_waited_batch(r1)
+    assert router.rules.has_free_slot(r0) and not router.rules.below_waited_batch(r0, untried=True)
+    assert router.rules.below_waited_batch(r0) and router.rules.below_waited_batch(r1, untried=True)
     router.enqueue(Request("q", shared + "question", arrived_at=0.2))
     [decision] = router.dispatch(0.2)
     assert decision.target == "r1"

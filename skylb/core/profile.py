@@ -166,7 +166,10 @@ class Profile:
         probe does). tries: (replica trie, regional snapshot trie) when the profile keeps them (benchmarks read
         them). pending_allowance: requests that may wait in a replica's own queue beyond its learned admission
         capacity when the balancer's settings leave it unset (skylb/core/capacity.py); the paper's policies keep
-        0, their rule being that no request waits in an engine (SkyLB paper §3.3).
+        0, their rule being that no request waits in an engine (SkyLB paper §3.3). untried_last: free slots at
+        a place above a batch that a turnover left untried (skylb/core/capacity.py ``untried_at``) go after the
+        sure ones while that batch turns over slowly, and a sure slot on a replica of a slower pace class does not
+        go before a doubtful one (skylb/core/router.py ``Router._sure_first``); False: both as before them.
     """
 
     def __init__(self, name: str, options: Any, *, local: ReplicaPicker, peer: PeerPicker, selective: bool = True,
@@ -174,7 +177,8 @@ class Profile:
                  then: Sequence[Rule] = (), no_room: Rule | None = None, queue: QueueOrder | None = None,
                  lookahead: int = 0, max_bypass: int = 0, learners: Iterable[Learner] = (),
                  estimator: Estimator | None = None, rates: RateBook | None = None, reuse_freed_slots: bool = True,
-                 tries: tuple[PrefixTrie, PrefixTrie] | None = None, pending_allowance: int = 1):
+                 tries: tuple[PrefixTrie, PrefixTrie] | None = None, pending_allowance: int = 1,
+                 untried_last: bool = False):
         self.name, self.options = name, options
         self.local, self.peer, self.selective = local, peer, selective
         self.filters, self.first, self.then, self.no_room = tuple(filters), tuple(first), tuple(then), no_room
@@ -188,6 +192,7 @@ class Profile:
         self.reuse_freed_slots = reuse_freed_slots
         self.replica_trie, self.snapshot_trie = tries if tries is not None else (None, None)
         self.pending_allowance = pending_allowance
+        self.untried_last = untried_last
         # The plugins' names, worked out once: ``choose`` gives one to every placement.
         self._first_names = tuple(plugin_name(r) for r in self.first)
         self._then_names = tuple(plugin_name(r) for r in self.then)

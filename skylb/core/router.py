@@ -479,15 +479,15 @@ class Router:
                     sure.append(r)
         return self._sure_first(model, sure, free)
 
-    @staticmethod
-    def _sure_first(model: str, sure: list[ReplicaState], free: list[ReplicaState]) -> list[ReplicaState]:
+    def _sure_first(self, model: str, sure: list[ReplicaState], free: list[ReplicaState]) -> list[ReplicaState]:
         """The replicas of ``free`` (those with a free slot) that go first: ``sure`` (those below every batch a
         request was seen waiting beside, ``AvailabilityRules.below_waited_batch``), unless every one of them is
         measured to be of a slower class (``PACE_CLASS_RATIO``, skylb/core/estimate.py) than one of the others:
         a doubtful place on a replica several times faster is worth its risk (simulated, replicas of two speeds 4x
         apart at half load: P90 TTFT 1.23x over 12 seeds when the slow replicas' sure places went first,
-        bench/results/untried_place.md); ``free`` when none is sure."""
-        if not sure or len(sure) == len(free):
+        bench/results/untried_place.md); ``free`` when none is sure. Without the profile's ``untried_last``,
+        ``sure`` whenever any is."""
+        if not sure or len(sure) == len(free) or not self.policy.untried_last:
             return sure or free
         # ReplicaRates.for_model written out, as in the estimate's pace classes.
         paces = [m if (m := r.rates.models.get(model)) is not None and m.samples and m.time_per_token_s is not None
@@ -504,7 +504,7 @@ class Router:
         waiting beside; ``_SURE`` (2): one below any such batch (``AvailabilityRules.below_waited_batch``)."""
         if not self.rules.has_free_slot(replica):
             return 0
-        return _SURE if self.rules.below_waited_batch(replica) else 1
+        return _SURE if self.rules.below_waited_batch(replica, untried=self.policy.untried_last) else 1
 
     def _availability_token(self) -> object:
         """An object that stays the same while every router-wide input of ``replica_unavailable_reason`` does (the

@@ -600,7 +600,7 @@ class AvailabilityRules:
                  r.capacity.proven_limit if self.learn_capacity and r.running is not None else None)
         return limit is None or max(r.running + r.pending + r.sent_since_probe, r.outstanding) < limit
 
-    def below_waited_batch(self, r: ReplicaState) -> bool:
+    def below_waited_batch(self, r: ReplicaState, untried: bool = False) -> bool:
         """True unless ``r``'s load (as in ``has_free_slot``) has reached the batch a probe last showed a request
         waiting beside after slow start grew the limit past it (``AdmissionCapacity.waited_at``): until a probe
         shows the engine running more, the place above that batch is counted as proven but may not exist (the
@@ -610,12 +610,13 @@ class AvailabilityRules:
         under 16 closed-loop streams, two replicas each had a "free" slot by a limit of 5 and the full one took the
         request, which waited 4 s for its batch to turn over; later, the same with the waiting cleared by a probe
         that showed nothing waiting after a request of the batch ended (bench/results/concurrency.md). Also the
-        batch whose place above was left untried (``AdmissionCapacity.untried_at``) while a request's measured time
+        batch whose place above was left untried (``AdmissionCapacity.untried_at``), with ``untried`` (the profile's
+        ``untried_last``), while a request's measured time
         there (``ModelRates.service_s``, every model together; unmeasured counts as long) is at least ``settle_s``
         times that batch."""
         capacity = r.capacity
         waited = capacity.waited_at if capacity.waited_at is not None else capacity.full_at
-        if waited is None and capacity.untried_at is not None:
+        if waited is None and untried and capacity.untried_at is not None:
             # A request sent to a place that does not exist waits for the batch's next turnover: about a request's
             # time in the engine over the batch (a batch of 4 streaming 64 tokens: over a second). Under
             # ``settle_s``, a wait the capacity learner itself takes for a step's, the place is worth trying

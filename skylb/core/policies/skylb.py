@@ -158,6 +158,11 @@ class SkyLBOptions(SkyLBPaperOptions):
         kv_high_watermark: a replica whose engine reports KV usage at or above this fraction takes no more (1: off).
         kv_admission: among local replicas, only those whose KV cache can admit the request now, when any can
             (skylb/core/plugins/kv_admission.py; False: every replica with room, the rule before).
+        untried_last: a free slot above a batch whose place above was left untried by a turnover goes after the
+            sure free slots while that batch turns over slower than ``settle_s`` (a request sent there may wait a
+            whole turnover: skylb/core/capacity.py ``untried_at``), and a sure slot on a replica measured of a
+            slower pace class does not go before a doubtful one (False: the rule before;
+            bench/results/untried_place.md).
         forward_margin_ms: a peer must beat the best local estimate by this much to get a request a local replica
             could take, ms.
         forward_against: the local estimate a peer is compared with: "cheapest" (default): the least of the local
@@ -281,6 +286,7 @@ class SkyLBOptions(SkyLBPaperOptions):
     backlog_budget_tokens: int = Field(2048, ge=0)
     kv_high_watermark: float = Field(0.95, gt=0, le=1)
     kv_admission: bool = True
+    untried_last: bool = True
     forward_margin_ms: float = Field(50.0, ge=0)
     default_prompt_tokens: int = Field(512, ge=1)
     queue_forward_margin_ms: float = Field(2000.0, ge=0)
@@ -354,7 +360,7 @@ def skylb(options: SkyLBOptions) -> Profile:
                    first=first, then=then, no_room=no_room,
                    queue=PrefixLookahead(lambda: loc.replica_trie, o.match_threshold), lookahead=o.queue_lookahead,
                    max_bypass=o.max_bypass, learners=learners, rates=rates,
-                   estimator=estimator,
+                   estimator=estimator, untried_last=o.untried_last,
                    tries=(loc.replica_trie, loc.snapshot_trie))
 
 
