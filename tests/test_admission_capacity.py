@@ -285,16 +285,15 @@ def test_a_probe_answer_that_left_before_a_request_ended_does_not_hide_its_free_
     assert r.running == 3 and r.freed == []
 
 
-def test_a_free_slot_below_a_batch_seen_waiting_goes_before_one_above_it():
-    """Two replicas of batch 4, each grown to a limit of 5 by slow start. On r0 a probe then showed a request waiting
-    beside 4 running (so its fifth place may not exist) and one of the batch ended, on r1 nothing waited: r0 with 4
-    in flight and r1 with 3 both count a free slot by their limits; the request goes to r1, though r0 holds its prefix (without the push of
-    cache hits into full batches, which would send it to r0 on purpose)."""
-    router = Router(region="us", policy=make_policy("skylb", push_to_prefix_holder=False),
+def _grown_to_five(**options) -> tuple[Router, str]:
+    """Two replicas of batch 4 (r0, r1), each grown to a limit of 5 by slow start (a probe at 0.0 showing 4 running);
+    r0 holds a long prefix (returned): the policy alone would send a request sharing it there (without the push of
+    cache hits into full batches, which would send it to r0 on purpose). ``options``: more of the policy's options."""
+    router = Router(region="us", policy=make_policy("skylb", push_to_prefix_holder=False, **options),
                     rules=AvailabilityRules(pending_allowance=0))
     router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
     router.set_peers([])
-    shared = "a long shared system prompt " * 200  # r0 holds it: the policy alone would send the requests there
+    shared = "a long shared system prompt " * 200
     router.observe_replica("r0", now=-1.0, healthy=True, pending=0, running=0)
     router.enqueue(Request("warm", shared + "warm", arrived_at=-1.0))
     [warm] = router.dispatch(-1.0)
@@ -303,6 +302,14 @@ def test_a_free_slot_below_a_batch_seen_waiting_goes_before_one_above_it():
     for rid in ("r0", "r1"):
         router.replicas[rid].capacity = AdmissionCapacity(limit=4)
         router.observe_replica(rid, now=0.0, healthy=True, pending=0, running=4)
+    return router, shared
+
+
+def test_a_free_slot_below_a_batch_seen_waiting_goes_before_one_above_it():
+    """On r0 a probe showed a request waiting beside 4 running (so its fifth place may not exist) and one of the
+    batch ended, on r1 nothing waited: r0 with 4 in flight and r1 with 3 both count a free slot by their limits;
+    the request goes to r1, though r0 holds its prefix."""
+    router, shared = _grown_to_five()
     router.observe_replica("r0", now=0.1, healthy=True, pending=1, running=4)
     router.observe_replica("r1", now=0.1, healthy=True, pending=0, running=3)
     r0, r1 = router.replicas["r0"], router.replicas["r1"]
@@ -317,23 +324,10 @@ def test_a_free_slot_below_a_batch_seen_waiting_goes_before_one_above_it():
 
 
 def _grown_then_turned_over(**options) -> tuple[Router, str]:
-    """Two replicas of batch 4 grown to a limit of 5 by slow start; on r0 one of the batch ended and the request sent
-    to its place waited for the engine's next step (a probe shows 3 running and 1 waiting, then 4 running and nothing
-    waiting, and none of this balancer's requests ended in between); r1 runs 3. r0 holds a long prefix (returned):
-    the policy alone would send a request sharing it there. ``options``: more of the policy's options."""
-    router = Router(region="us", policy=make_policy("skylb", push_to_prefix_holder=False, **options),
-                    rules=AvailabilityRules(pending_allowance=0))
-    router.set_replicas([("r0", "http://r0", "vllm"), ("r1", "http://r1", "vllm")])
-    router.set_peers([])
-    shared = "a long shared system prompt " * 200
-    router.observe_replica("r0", now=-1.0, healthy=True, pending=0, running=0)
-    router.enqueue(Request("warm", shared + "warm", arrived_at=-1.0))
-    [warm] = router.dispatch(-1.0)
-    assert warm.target == "r0"
-    router.finished(warm, now=-0.5)
-    for rid in ("r0", "r1"):
-        router.replicas[rid].capacity = AdmissionCapacity(limit=4)
-        router.observe_replica(rid, now=0.0, healthy=True, pending=0, running=4)
+    """``_grown_to_five``, then on r0 one of the batch ended and the request sent to its place waited for the
+    engine's next step (a probe shows 3 running and 1 waiting, then 4 running and nothing waiting, and none of this
+    balancer's requests ended in between); r1 runs 3."""
+    router, shared = _grown_to_five(**options)
     router.observe_replica("r0", now=0.1, healthy=True, pending=1, running=3)
     router.observe_replica("r0", now=0.2, healthy=True, pending=0, running=4)
     router.observe_replica("r1", now=0.2, healthy=True, pending=0, running=3)
