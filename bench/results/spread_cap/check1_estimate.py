@@ -6,8 +6,12 @@ and on throughput, P90 within 1.15x the oracle's; bench/sim/matrix_report.py). A
 Run from the repository root: ``python bench/results/spread_cap/check1_estimate.py BASE.txt VARIANT.txt``.
 """
 import json
+import os
 import re
 import sys
+
+sys.path.insert(0, os.getcwd())
+from bench.sim.matrix_report import ORACLE_LIMIT, P90_TOLERANCE, THROUGHPUT_TOLERANCE  # noqa: E402
 
 LINE = re.compile(r"^(\S+)\s+\S+\s+s\d+ p90=\s*([\d.]+) .*thr=\s*([\d.]+)")
 
@@ -31,7 +35,8 @@ for c in d["cells"]:
     if name in base and name in variant:
         p90 *= variant[name][0] / base[name][0]
         thr *= variant[name][1] / base[name][1]
-    ok = p90 <= 1.03 * best_p90 and thr >= best_thr / 1.03 and p90 <= 1.15 * oracle
+    ok = (p90 / best_p90 <= 1 + P90_TOLERANCE and thr / best_thr >= 1 - THROUGHPUT_TOLERANCE
+          and p90 / oracle <= ORACLE_LIMIT)
     met += ok
     if not ok:
         missed.append(f"{name} (P90 {p90 / best_p90:.2f}x best other, {p90 / oracle:.2f}x oracle; "

@@ -6,7 +6,11 @@ Run from the repository root: ``python bench/results/spread_cap/oracle_candidate
 """
 import collections
 import json
+import os
 import sys
+
+sys.path.insert(0, os.getcwd())
+from bench.sim.matrix_report import ORACLE_LIMIT, THROUGHPUT_TOLERANCE  # noqa: E402
 
 cells = sys.argv[1].split(",")
 d = json.load(open("bench/results/matrix.json"))
@@ -35,7 +39,7 @@ for cell in cells:
     for name in runs[0]["candidates"]:
         p90 = sum(r["candidates"][name]["ttft_p90"] for r in runs) / len(runs)
         thr = sum(r["candidates"][name]["throughput_rps"] for r in runs) / len(runs)
-        if p90 <= 1.15 * oracle_p90 and thr >= 0.97 * best_other_thr:
+        if p90 <= ORACLE_LIMIT * oracle_p90 and thr >= (1 - THROUGHPUT_TOLERANCE) * best_other_thr:
             ok.append(name)
-    print(f"{cell:18} oracle P90 {oracle_p90:.3f} (x1.15 {1.15 * oracle_p90:.3f}), best other throughput "
-          f"{best_other_thr:.2f} (x0.97 {0.97 * best_other_thr:.2f}): both met by {', '.join(ok) or 'none'}")
+    print(f"{cell:18} oracle P90 {oracle_p90:.3f} (x{ORACLE_LIMIT} {ORACLE_LIMIT * oracle_p90:.3f}), best other throughput "
+          f"{best_other_thr:.2f} (x{1 - THROUGHPUT_TOLERANCE:g} {(1 - THROUGHPUT_TOLERANCE) * best_other_thr:.2f}): both met by {', '.join(ok) or 'none'}")

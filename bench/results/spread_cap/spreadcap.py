@@ -4,8 +4,12 @@ For a request whose prompt is held (``PrefixLocality.held_fractions`` over the l
 ones) at least at the locality's threshold, within SC_DELTA of the best holding, by two or more local replicas, only
 the local replicas with room and no request of this balancer sent since their latest probe stay candidates (the
 busy ones are kept, so the default's push of a cache hit cannot go to a capped holder either); none left: the
-request stays queued. SC_IDLE=1 also drops the replicas with a request waiting in the engine at their probe. SC_OCC gates the cap on the mean batch occupancy over the region's usable replicas
-((running + pending + sent since the probe) / learned admission limit) being below it (default: no gate).
+request stays queued. SC_LOOSE=1 counts the other replicas within SC_DELTA of the best whatever their holding
+(below the threshold too: the form that reaches the oracle on the light trees). SC_KEY=unprefilled keeps the
+replicas with no request of this balancer awaiting its first token instead. SC_IDLE=1 also drops the replicas with a
+request waiting in the engine at their probe (the paper's rule). SC_OCC gates the cap on the mean batch occupancy
+over the region's usable replicas ((running + pending + sent since the probe) / learned admission limit) being below
+it (default: no gate).
 
 Run from the repository root: ``SC_DELTA=0.7 SC_OCC=0.5 python bench/results/spread_cap/spreadcap.py CELLS SkyLB 0 2``
 (the arguments of ``python -m bench.sim.ab``).
@@ -19,9 +23,9 @@ from skylb.core.profile import Profile  # noqa: E402
 
 DELTA = float(os.environ.get("SC_DELTA", "0.7"))
 OCC = float(os.environ.get("SC_OCC", "inf"))
-KEY = os.environ.get("SC_KEY", "sent")  # "sent": no request sent since the probe; "unprefilled": none awaiting its first token
+KEY = os.environ.get("SC_KEY", "sent")
 IDLE = os.environ.get("SC_IDLE") == "1"
-LOOSE = os.environ.get("SC_LOOSE") == "1"  # count replicas within DELTA of the best even below the threshold  # also nothing waiting in the engine at its probe (the paper's rule)
+LOOSE = os.environ.get("SC_LOOSE") == "1"
 _choose = Profile.choose
 
 
