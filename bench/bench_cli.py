@@ -16,6 +16,7 @@ the same worker processes and writes matrix.md, matrix.json and matrix.png to --
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import os
@@ -114,6 +115,12 @@ def _add_matrix(sub) -> None:
                         "calibrated regime's (bench/sim/regime.yaml): lpm, longest prefix match first (SGLang "
                         "v0.4.3's default), or fcfs, first come, first served (vLLM's; SGLang's since v0.4.6); the "
                         "loads stay the regime's; write the report to another --out than the matrix's own")
+    m.add_argument("--option", type=_policy_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the default's routing policy (skylb/core/policies/skylb.py), applied wherever "
+                        "that policy runs (SkyLB, RegionLocal, the oracle's candidate); VALUE a Python literal "
+                        "(100, 0.5, False, 'own'), else a string; repeatable. To judge a candidate default without "
+                        "a code change: --systems SkyLB,RegionLocal --option ... --out DIR, then --from-json "
+                        "DIR/matrix.json --replace-in bench/results/matrix.json --out DIR2")
     m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="worker processes (default: min(2, CPUs))")
     m.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
@@ -125,6 +132,17 @@ def _add_matrix(sub) -> None:
                    help="with --from-json: the report of the matrix saved in PATH with the runs of the systems in "
                         "--from-json's file replaced by those (same split, seeds and counts), e.g. the default "
                         "rerun alone after a change to it; both commands are recorded")
+
+
+def _policy_option(text: str) -> tuple[str, object]:
+    """An argparse type: KEY=VALUE, VALUE a Python literal when it parses as one, else the string itself."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key.strip(), value
 
 
 def _counts(text: str) -> tuple[tuple[str, int], ...]:
@@ -603,14 +621,21 @@ def _run_matrix(args: argparse.Namespace) -> int:
         print(f"skylb bench matrix: {', '.join(missing)} need the trace {_default_trace()}, which is missing",
               file=sys.stderr)
         return 2
-    specs = runs_for(workloads, systems, seeds, split=args.split, loads=loads, quick=args.quick, counts=args.counts,
-                     schedule_policy=args.schedule_policy)
+    from skylb.core.policies import PolicyError
+    options = dict(args.option)
+    try:
+        specs = runs_for(workloads, systems, seeds, split=args.split, loads=loads, quick=args.quick,
+                         counts=args.counts, schedule_policy=args.schedule_policy, options=options)
+    except PolicyError as exc:
+        print(f"skylb bench matrix: --option: {exc}", file=sys.stderr)
+        return 2
     command = "skylb bench matrix" + (" --quick" if args.quick else "") + "".join(
         f" --{flag} {','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in value)}"
         for flag, value in (("workloads", args.workloads), ("loads", args.loads), ("systems", args.systems),
                             ("seeds", args.seeds)) if value) + f" --split {args.split}" + (
         " --counts " + ",".join(f"{r}={n}" for r, n in args.counts) if args.counts else "") + (
-        f" --schedule-policy {args.schedule_policy}" if args.schedule_policy else "")
+        f" --schedule-policy {args.schedule_policy}" if args.schedule_policy else "") + "".join(
+        f" --option {k}={v!r}" for k, v in sorted(options.items()))
     prov = provenance(command)  # at the start: the code that ran, even if the checkout changes during the run
     t0 = time.perf_counter()
     runs = run_specs(specs, jobs=max(1, args.jobs), progress=not args.no_progress, runner=execute_run,
@@ -618,6 +643,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     saved = {"command": command, "provenance": prov, "split": args.split, "seeds": list(seeds),
              "systems": list(systems), "quick": args.quick,
              "counts": dict(args.counts) if args.counts else None, "schedule_policy": args.schedule_policy,
+             "options": options or None,
              "times": {k: TIMES["quick" if args.quick else k] for k in ("closed", "open", "trace")},
              "wall_s": time.perf_counter() - t0, "jobs": args.jobs, "runs": [r.to_dict() for r in runs]}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -324,3 +324,21 @@ def test_matrix_with_the_engines_in_another_scheduling_order(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main([*cell, "--schedule-policy", "random", "--out", str(tmp_path / "x")])
     assert "invalid choice: 'random'" in capsys.readouterr().err
+
+
+def test_matrix_with_an_option_of_the_default_policy(tmp_path, capsys):
+    """`--option KEY=VALUE` runs the default's policy with that option (a literal value): the same cell gives other
+    figures, the JSON, command and report record it, and an option the policy does not declare is refused with the
+    ones it does."""
+    cell = ["bench", "matrix", "--quick", "--workloads", "multi_tenant", "--loads", "2", "--systems", "SkyLB",
+            "--no-progress", "--jobs", "1"]
+    assert cli.main([*cell, "--out", str(tmp_path / "as_is")]) == 0
+    assert cli.main([*cell, "--option", "push_to_prefix_holder=False", "--out", str(tmp_path / "no_push")]) == 0
+    as_is, no_push = (json.loads((tmp_path / d / "matrix.json").read_text()) for d in ("as_is", "no_push"))
+    assert as_is["options"] is None and no_push["options"] == {"push_to_prefix_holder": False}
+    assert no_push["command"].endswith("--option push_to_prefix_holder=False")
+    (a,), (b,) = as_is["runs"], no_push["runs"]
+    assert a["sent"] == b["sent"] and (a["ttft_p90"], a["hit_rate"]) != (b["ttft_p90"], b["hit_rate"])
+    assert "`push_to_prefix_holder=False` (`--option`)" in (tmp_path / "no_push" / "matrix.md").read_text()
+    assert cli.main([*cell, "--option", "no_such_option=1", "--out", str(tmp_path / "x")]) == 2
+    assert "no_such_option" in capsys.readouterr().err

@@ -294,6 +294,9 @@ class MatrixRun:
     #: The engines' waiting-queue order instead of the regime's ("lpm" or "fcfs", ``EngineParams.schedule_policy``;
     #: None: the regime's). An open-loop workload's 1x stays the regime's rate, so a cell offers the same load.
     schedule_policy: str | None = None
+    #: Options of the default's routing policy (name, value), applied wherever that policy runs (the default,
+    #: RegionLocal, the oracle's candidate of it): a candidate default judged on the matrix without a code change.
+    options: tuple[tuple[str, object], ...] = ()
 
     @property
     def scenario(self) -> str:
@@ -310,17 +313,33 @@ class MatrixRun:
 def runs_for(workloads: Sequence[str], systems: Sequence[str], seeds: Sequence[int], *, split: str = "dev",
              loads: Sequence[float] | None = None, quick: bool = False,
              counts: tuple[tuple[str, int], ...] | None = None,
-             schedule_policy: str | None = None) -> list[MatrixRun]:
+             schedule_policy: str | None = None,
+             options: Mapping[str, object] | None = None) -> list[MatrixRun]:
     """Every run of the matrix: each workload at ``loads`` (default: its own :data:`MatrixWorkload.loads`), each
     system, each seed; on ``counts`` replicas per region when given (``deployed``); with the engines' waiting queues
-    in ``schedule_policy`` order when given ("lpm", "fcfs"; None: the regime's). Raises KeyError for an unknown
-    workload or system, ValueError for an unknown ``schedule_policy``."""
+    in ``schedule_policy`` order when given ("lpm", "fcfs"; None: the regime's); with ``options`` of the default's
+    policy wherever it runs (:attr:`MatrixRun.options`). Raises KeyError for an unknown workload or system,
+    ValueError for an unknown ``schedule_policy``, skylb.core.policies.PolicyError for an option the default's
+    policy does not declare or a bad value."""
     for s in systems:
         SYSTEMS[s]  # noqa: B018 (fail early on a misspelt system)
     if schedule_policy is not None:
         replace(engine_params(), schedule_policy=schedule_policy)  # EngineParams checks the name
-    return [MatrixRun(w, load, s, seed, split, quick, counts, schedule_policy) for w in workloads
+    if options:
+        from skylb.core.policies import policy_options
+        policy_options(SYSTEMS[DEFAULT].policy, options)  # fail before any run
+    chosen = tuple(sorted((options or {}).items()))
+    return [MatrixRun(w, load, s, seed, split, quick, counts, schedule_policy, chosen) for w in workloads
             for load in (loads or WORKLOADS[w].loads) for s in systems for seed in seeds]
+
+
+def _with_options(policy: str, options: tuple[tuple[str, object], ...]):
+    """The live defaults with ``options`` for ``policy`` when it is the default's policy, else None (the defaults
+    as they are)."""
+    if not options or policy != SYSTEMS[DEFAULT].policy:
+        return None
+    from skylb.config import BalancerConfig
+    return BalancerConfig.model_validate(BalancerConfig().model_dump() | {"policies": {policy: dict(options)}})
 
 
 def execute_run(spec: MatrixRun) -> RunSummary:
@@ -339,7 +358,7 @@ def execute_run(spec: MatrixRun) -> RunSummary:
     for variant in [replace(system, policy=p) for p in system.candidates] or [system]:
         t1 = time.perf_counter()
         cluster = build(variant, workload, dict(wl.counts), seed=spec.seed, stop_at=stop_at, params=params,
-                        replica_params=own).run()
+                        replica_params=own, settings=_with_options(variant.policy, spec.options)).run()
         runs.append(summarize(cluster, scenario=spec.scenario, system=spec.system, layout=system.layout,
                               warmup_s=warmup, seed=spec.seed, wall_s=time.perf_counter() - t1))
     if not system.candidates:

@@ -231,6 +231,10 @@ def render_markdown(saved: dict, results: Sequence[RunSummary], *, plot: str | N
         lines += [f"**Engine scheduling.** Every simulated engine takes its waiting queue {order} "
                   f"(`--schedule-policy {saved['schedule_policy']}`), instead of the calibrated regime's order "
                   "(bench/sim/regime.yaml); the loads are the regime's.", ""]
+    if saved.get("options"):
+        given = ", ".join(f"`{k}={v!r}`" for k, v in sorted(saved["options"].items()))
+        lines += [f"**Policy options.** The default's routing policy ran with {given} (`--option`), wherever it "
+                  "ran in the runs of that command; the other runs are as the command line of each says.", ""]
     lines += _checks_section(cells, mean_single_ratios(results))
     if plot:
         lines += ["## Heat map", "", f"![default P90 over the best other system's]({plot})", ""]
@@ -275,6 +279,8 @@ def replace_systems(saved: dict, rerun: dict) -> dict:
                   provenance=prov, wall_s=saved["wall_s"] + rerun["wall_s"],
                   command=f"{rerun['command']} ({when}); earlier, replaced for {', '.join(sorted(systems))}: "
                           f"{saved['command']}")
+    if rerun.get("options"):  # the default's policy options of the rerun (``--option``); the rest kept its runs
+        merged["options"] = rerun["options"]
     return merged
 
 
