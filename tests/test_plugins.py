@@ -35,6 +35,7 @@ from skylb.core.plugins.round_robin import RoundRobin
 from skylb.core.plugins.scoring import loads_imbalanced
 from skylb.core.plugins.sglang_tree import SGLangTree
 from skylb.core.plugins.sibling_holder import ForwardToSiblingHolder
+from skylb.core.plugins.spread_cap import SpreadCap, mean_occupancy
 from skylb.core.predicted_ttft import PredictedTTFT
 from skylb.core.prefill_model import PrefillLine
 from skylb.core.profile import HOLD, Turns
@@ -865,3 +866,65 @@ def test_home_new_prefix_refuses_nonsense_thresholds():
     for kw in ({"ratio": 1.0}, {"slack": -1.0}, {"busy_fraction": 1.5}):
         with pytest.raises(ValueError):
             _home(**kw)
+
+
+def _burst(sent: tuple[str, ...] = ("r1",), running: int = 1, limit: int = 8):
+    """Two replicas with room that both hold prefix A (a tree's parent prompt sent to both), a third that holds
+    nothing, and one full replica; those named in ``sent`` were sent a request since their probe."""
+    loc = _locality()
+    loc.routed(_req("p1", A), replica="r1")
+    loc.routed(_req("p2", A), replica="r2")
+    local = [_replica(rid, running=running) for rid in ("r1", "r2", "r3")]
+    full = _replica("r4", running=limit)
+    for r in (*local, full):
+        r.capacity.limit = limit
+    for r in local:
+        if r.id in sent:
+            r.dispatch_times.append(0.0)
+    return loc, local, full
+
+
+def test_spread_cap_sends_a_branch_to_a_holder_not_sent_anything_since_its_probe_and_holds_when_none_is_left():
+    """r1 took the burst's previous branch: the next goes among the replicas sent nothing since their probe (the
+    other holder r2, and r3), and with every replica with room just sent one it waits for a probe."""
+    loc, local, full = _burst()
+    rule = SpreadCap(loc, below_occupancy=0.5, delta=0.7)
+    c = _candidates(_req("b2", A + "branch two"), local, busy=[full])
+    assert rule.decide(c, None) is None
+    assert [r.id for r in c.local] == ["r2", "r3"]
+    loc, local, full = _burst(sent=("r1", "r2", "r3"))
+    c = _candidates(_req("b3", A + "branch three"), local, busy=[full])
+    assert SpreadCap(loc, below_occupancy=0.5, delta=0.7).decide(c, None) is HOLD
+
+
+@pytest.mark.parametrize("case", ["one holder", "not held", "region busy", "off"])
+def test_spread_cap_has_no_opinion_and_keeps_the_candidates_otherwise(case):
+    loc, local, full = _burst(running=6 if case == "region busy" else 1)
+    gate, text = 0.5, A + "branch two"
+    if case == "one holder":
+        loc = _locality()
+        loc.routed(_req("p1", A), replica="r1")
+    elif case == "not held":
+        text = B
+    elif case == "off":
+        gate = 0.0
+    c = _candidates(_req("q", text), local, busy=[full])
+    assert SpreadCap(loc, below_occupancy=gate, delta=0.7).decide(c, None) is None
+    assert c.local == local
+
+
+def test_spread_cap_occupancy_counts_running_pending_and_sent_over_the_learned_limit():
+    a, b = _replica("a", running=2, pending=1), _replica("b", running=0)
+    a.capacity.limit = b.capacity.limit = 4
+    a.dispatch_times.append(0.0)
+    assert mean_occupancy([a, b]) == pytest.approx((4 / 4 + 0 / 4) / 2)
+    assert mean_occupancy([]) == 0.0
+
+
+def test_spread_cap_is_the_default_profiles_first_rule_and_refuses_nonsense():
+    from skylb.core.policies.base import make_policy
+    assert isinstance(make_policy("skylb").first[0], SpreadCap)
+    assert not any(isinstance(r, SpreadCap) for r in make_policy("skylb", spread_cap_below_occupancy=0).first)
+    for kw in ({"below_occupancy": -1.0, "delta": 0.7}, {"below_occupancy": 0.5, "delta": 1.5}):
+        with pytest.raises(ValueError):
+            SpreadCap(_locality(), **kw)

@@ -9,6 +9,7 @@ stage                       plugin                                     what it d
 ==========================  =========================================  ================================================
 filter                      ``engine_pressure.EnginePressure``         no request to a prefill backlog or a full KV cache
 per-request filter          ``kv_admission.KVAdmission``               replicas whose KV cache can admit it, when any
+first rule                  ``spread_cap.SpreadCap``                   a burst behind one prefix spread, region light
 first rule                  ``sibling_holder.ForwardToSiblingHolder``  a prefix a sibling's replica holds goes there
 first rule                  ``push_to_holder.PushToPrefixHolder``      a cache hit goes into its holder's full batch
 first rule                  ``home_new_prefix.HomeNewPrefix``          a new prefix group to a less loaded region
@@ -107,6 +108,11 @@ every candidate by one cost and settles every placement (without the sibling rul
   each group in its clients' region, so a region whose clients outnumber its replicas grew its groups into full
   batches (regions of 2, 4 and 6 replicas, 150 tenants at 2x: P90 TTFT 1.57 s against one SGLang router's 0.48;
   0.81 s with this rule).
+* A burst behind one prefix is spread while the region is light (``spread_cap_below_occupancy``): a request whose
+  prompt two or more local replicas hold goes, while the region's mean batch occupancy is below 0.5, only to a
+  replica with room that this balancer has sent nothing since its latest probe (else it waits for the next probe),
+  so a tree's branches do not queue behind each other's prefill on the one replica the estimate, read between
+  probes, keeps finding cheapest (skylb/core/plugins/spread_cap.py).
 * A prompt that does not fit in a replica's free KV cache (skylb/core/estimate.py ``kv_wait_s``: its uncached
   tokens against capacity x (1 - usage), where the engine reports both) is priced the replica's measured service
   time more: the engine would keep it waiting however few requests run. When some local replicas can admit it
@@ -136,6 +142,7 @@ from skylb.core.plugins.prefix_lookahead import PrefixLookahead
 from skylb.core.plugins.prefix_match import SnapshotMatch
 from skylb.core.plugins.push_to_holder import PushToPrefixHolder
 from skylb.core.plugins.sibling_holder import ForwardToSiblingHolder
+from skylb.core.plugins.spread_cap import SpreadCap
 from skylb.core.policies.base import OPTIONS_CONFIG, register
 from skylb.core.policies.skylb_paper import SkyLBPaperOptions, prefix_locality
 from skylb.core.predicted_ttft import LearningRateBook, PredictedTTFT
@@ -269,6 +276,17 @@ class SkyLBOptions(SkyLBPaperOptions):
             0.5). Without the busy fraction (0) the uneven regions gain more (13 cells: 0.853 against 0.895 with it)
             but two speeds at 0.5x lose 1.38x on even ones: every request of that workload starts a new group, and at low load each one homed
             abroad only pays the round trip.
+        spread_cap_below_occupancy: while the region's mean batch occupancy ((running + pending + sent since the
+            probe) / learned admission limit, over its usable replicas) is below this, a request whose prompt two or
+            more local replicas hold goes only to a replica with room that this balancer sent nothing since its
+            latest probe, else waits here for the next probe (skylb/core/plugins/spread_cap.py: a tree's branches
+            are spread instead of queued behind each other's prefill on their holder). 0: off. 0.5 chosen among 0.5
+            and 0.7 and no gate on the development split and judged on the validation split and with first-come
+            engines (bench/results/option_sweep.md): P90 TTFT geometric mean 0.989 / 0.994 / 0.989, throughput
+            0.996-0.997, check 1 20 / 22 / 19 cells against 20 / 22 / 18 without it. Only with ``placement:
+            estimate``.
+        spread_cap_delta: another replica's holding counts toward "two or more hold it" when within this fraction
+            of the prompt of the best holding (0.7).
         balance_abs_threshold: as in ``skylb-paper``, but 8 rather than the prototype's 32: with 4 replicas of
             about 20 outstanding requests each, a gap of 32 never triggers the load guard, and prefix affinity
             piled sessions and popular prompts onto one replica (simulated Arena and WildChat, seeds 0-1: variance
@@ -312,6 +330,8 @@ class SkyLBOptions(SkyLBPaperOptions):
     home_load_ratio: float = Field(1.5, gt=1)
     home_load_slack: float = Field(4.0, ge=0)
     home_busy_fraction: float = Field(0.5, ge=0, le=1)
+    spread_cap_below_occupancy: float = Field(0.5, ge=0)
+    spread_cap_delta: float = Field(0.7, ge=0, le=1)
 
 
 def skylb(options: SkyLBOptions) -> Profile:
@@ -348,6 +368,8 @@ def skylb(options: SkyLBOptions) -> Profile:
         sibling = ForwardToSiblingHolder(locality=loc, estimate=local, prefer=prefer,
                                          push_when_busy=o.push_to_prefix_holder)
         first = (sibling, push) if o.push_to_prefix_holder else (sibling,)
+        if o.spread_cap_below_occupancy > 0:  # first: it narrows the local candidates every other rule sees
+            first = (SpreadCap(loc, below_occupancy=o.spread_cap_below_occupancy, delta=o.spread_cap_delta),) + first
         if o.home_new_prefixes:
             first += (HomeNewPrefix(loc, ratio=o.home_load_ratio, slack=o.home_load_slack,
                                     busy_fraction=o.home_busy_fraction),)
