@@ -433,7 +433,7 @@ def test_every_decision_names_the_plugin_that_made_it():
     assert router.place_pinned(router.queue[-1], 0.04).rule == "pinned"
     default = router.policy
     assert ([plugin_name(p) for p in (*default.first, default.local, *default.then, default.peer, default.no_room)]
-            == ["sibling_holder", "push_to_holder", "home_new_prefix", "estimated_ttft", "prefer_peer",
+            == ["spread_cap", "sibling_holder", "push_to_holder", "home_new_prefix", "estimated_ttft", "prefer_peer",
                 "hold_for_faster", "prefix_match", "forward_queued"])
     modules = {p.stem for p in (Path(__file__).parents[1] / "skylb" / "core" / "plugins").glob("*.py")}
     for name in POLICIES:  # each name is a module under skylb/core/plugins/, where a reader finds the rule
