@@ -892,6 +892,9 @@ def test_spread_cap_sends_a_branch_to_a_holder_not_sent_anything_since_its_probe
     c = _candidates(_req("b2", A + "branch two"), local, busy=[full])
     assert rule.decide(c, None) is None
     assert [r.id for r in c.local] == ["r2", "r3"]
+    assert [r.probe_wanted for r in local] == [True, False, False]  # r1's next probe lifts the cap: asked for
+    local[0].observe_probe(now=0.1, healthy=True, running=2, probe_sent_at=0.05)  # it saw the request sent at 0
+    assert not local[0].probe_wanted and local[0].sent_since_probe == 0
     loc, local, full = _burst(sent=("r1", "r2", "r3"))
     c = _candidates(_req("b3", A + "branch three"), local, busy=[full])
     assert SpreadCap(loc, below_occupancy=0.5, delta=0.7).decide(c, None) is HOLD

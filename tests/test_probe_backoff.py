@@ -98,3 +98,34 @@ def test_a_backed_off_target_stays_fresh_for_its_grace_and_no_longer():
     assert rules.peer_unavailable_reason(peer, now=1.5) == "status stale"
     peer.stale_grace_s = 0.7
     assert rules.peer_unavailable_reason(peer, now=1.5) is None
+
+
+def test_a_replica_a_rule_waits_on_is_probed_at_the_next_round_whatever_its_backoff():
+    """Two replicas backed off to 8 intervals; the one marked ``probe_wanted`` (the spread cap waits on its probe)
+    is probed at the next round, the other not until its interval has passed."""
+    import asyncio
+
+    from skylb.balancer.probers import Probers
+    from skylb.core.policies.base import make_policy
+    from skylb.core.router import Router
+
+    router = Router(region="us", policy=make_policy("skylb"))
+    router.set_replicas([("a", "http://a", "vllm"), ("b", "http://b", "vllm")])
+    probed = []
+
+    async def run():
+        probers = Probers(router, None, now=lambda: 10.0, on_round=lambda: None, interval_s=0.1, timeout_s=1.0,
+                          peer_token=None, max_backoff=8)
+
+        async def record(state):
+            probed.append(state.id)
+
+        probers._probe_replica = record  # what is probed, not how: no network here
+        for rid in ("a", "b"):
+            for t in (9.0, 9.2, 9.6):
+                probers.backoff.answered(("replica", rid), sent_at=t, foreseen=True)
+        router.replicas["a"].probe_wanted = True
+        await probers.probe_replicas()
+
+    asyncio.run(run())
+    assert probed == ["a"]

@@ -143,9 +143,14 @@ class Probers:
             log.error("probe_failed", exc_info=task.exception())
 
     async def probe_replicas(self) -> None:
-        """One round over the local replicas: load signal, health, and (every ``models_refresh_s``) the models."""
+        """One round over the local replicas: load signal, health, and (every ``models_refresh_s``) the models. A
+        replica a routing rule waits on (``ReplicaState.probe_wanted``) is probed in this round, whatever its
+        backoff."""
         for gone in set(self._models_read_at) - set(self.router.replicas):
             del self._models_read_at[gone]
+        for state in self.router.replicas.values():
+            if state.probe_wanted:  # a rule waits on this probe (ReplicaState.probe_wanted): no backoff
+                self.backoff.reset(("replica", state.id))
         await self._round("replica", [(("replica", r.id), lambda r=r: self._probe_replica(r))
                            for r in list(self.router.replicas.values())])
 

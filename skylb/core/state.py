@@ -126,6 +126,10 @@ class ReplicaState:
     #: Seconds its probe stays fresh beyond the rules' ``stale_after_s``: the time its probe interval is longer than
     #: the base one while the balancer's adaptive probing backs off (skylb/balancer/probe_backoff.py); 0 otherwise.
     stale_grace_s: float = 0.0
+    #: A routing rule waits on this replica's next probe (the spread cap, skylb/core/plugins/spread_cap.py: it
+    #: lifts when a probe has seen the requests sent here): the balancer probes it at the next round whatever its
+    #: adaptive probing's interval. Cleared by a probe that leaves nothing sent since it.
+    probe_wanted: bool = False
     #: The router's memo of this replica's availability (skylb/core/router.py ``Router._available``): (the
     #: router's settings token, ``probed_at``, the capacity's limit, ``sent_since_probe``, the reason or None,
     #: whether it has a free slot). Any write to another field clears it.
@@ -270,6 +274,8 @@ class ReplicaState:
         cutoff = now if probe_sent_at is None else probe_sent_at
         while self.dispatch_times and self.dispatch_times[0] < cutoff:
             self.dispatch_times.popleft()
+        if self.probe_wanted and not self.dispatch_times:
+            self.probe_wanted = False
         # Requests the answer may still count that finished after the probe left (their last event came in while it
         # was on its way): their places are free, as slot_freed said when they finished.
         if self.freed:

@@ -16,9 +16,12 @@ batch occupancy over its usable replicas, (running + pending + sent since the pr
 below ``below_occupancy``), only the replicas with room to which this balancer has sent nothing since their latest
 probe stay candidates; the full ones are left out too, so the push of a cache hit into its holder's batch
 (push_to_holder.py) cannot reach a holder that was just sent a request either. With none left the request waits in
-this balancer's queue until a probe shows where the burst's requests went (``HOLD``). Under load the gate is shut:
-spreading a burst then stalls more decodes than it saves prefill waits (closed-loop trees, per
-``bench.sim.ttft_parts``: time per output token 85 -> 90 ms at 1x when spread), and the rule has no opinion.
+this balancer's queue until a probe shows where the burst's requests went (``HOLD``). The capped replicas are
+marked ``probe_wanted``, so a balancer whose adaptive probing has lengthened their interval (up to 8 probe
+intervals where its answers are foreseen: skylb/balancer/probe_backoff.py) probes them at its next round, and the
+cap lasts at most about one probe interval, as in the simulator, which probes every replica every interval. Under
+load the gate is shut: spreading a burst then stalls more decodes than it saves prefill waits (closed-loop trees,
+per ``bench.sim.ttft_parts``: time per output token 85 -> 90 ms at 1x when spread), and the rule has no opinion.
 
 Measured (simulated, the robustness matrix's 36 cells, SkyLB and RegionLocal rerun, bench/results/option_sweep.md):
 gated at occupancy 0.5 against no rule, check 1 met in 20 / 22 / 19 cells on the development split, the validation
@@ -84,7 +87,12 @@ class SpreadCap:
             return None
         if mean_occupancy(pool) >= self.below_occupancy:
             return None
-        free = [r for r in c.local if not r.sent_since_probe]
+        free = []
+        for r in c.local:
+            if not r.sent_since_probe:
+                free.append(r)
+            elif not r.probe_wanted:  # the cap lifts at its next probe: ask for one at the next round
+                r.probe_wanted = True
         if not free:
             return HOLD
         c.local = free
