@@ -118,7 +118,8 @@ def _coordination(data: dict[str, Any]) -> list[str]:
         p99 = [r["p99_us"] / 1000 for r in reps]
         kv = shape.get("kv_capacity_tokens")
         out.append(f"{shape['replicas']} replicas and {shape['peers']} peers"
-                   + (f" (KV caches of {kv:,} tokens)" if kv else "") + ": decision p50 "
+                   + (f" (KV caches of {kv:,} tokens)" if kv else "")
+                   + (" (replicas measured)" if shape.get("measured") else "") + ": decision p50 "
                    f"{sum(p50) / len(p50):.2f} ms [{min(p50):.2f}, {max(p50):.2f}], p99 {sum(p99) / len(p99):.2f} ms "
                    f"[{min(p99):.2f}, {max(p99):.2f}], one peer status {shape['status']['bytes']} bytes, probes "
                    f"{shape['probes']['total']['requests_per_s']:.0f} requests/s "
