@@ -183,6 +183,32 @@ def test_check2_is_also_judged_on_the_oracles_figures():
     (v,) = verdicts(loaded)
     text = "\n".join(_checks_section([v], {}))
     assert "The oracle's own figures meet check 2 in 1 of those 1 cells (w@2x)" in text
+    assert "its P90 is 0.40-0.40x and its throughput 1.15-1.15x (below 1.12x in 0 of the 1)" in text
+
+
+def test_check1_is_judged_on_each_oracle_candidate_alone():
+    """One candidate rule must meet check 1's P90 and throughput lines at once: where the oracle's best P90 and best
+    throughput come from different rules and neither rule reaches the other's figure, no rule meets it."""
+    def oracle(candidates):
+        s = _summary("w@1x", "Oracle", min(p for p, _ in candidates.values()),
+                     max(t for _, t in candidates.values()))
+        s.candidates = {name: {"ttft_p90": p, "throughput_rps": t} for name, (p, t) in candidates.items()}
+        return s
+    rows = [_summary("w@1x", "SkyLB", 0.4, 30.0), _summary("w@1x", "CH", 0.45, 34.0)]
+    # spreading: the oracle's P90 (0.30 s) but 0.92x the best other's throughput; concentrating: the throughput but
+    # 1.43x the oracle's P90
+    (v,) = verdicts(rows + [oracle({"skylb-paper": (0.30, 31.3), "skylb": (0.43, 35.0)})])
+    assert v.oracle_check1 == []
+    text = "\n".join(_checks_section([v], {}))
+    assert v.check1_rules == []
+    assert "met by at least one rule in 0 of 1 cells (by the oracle's candidates in 0, the default in 0); by none in 1 (w@1x)" in text
+    (v,) = verdicts(rows + [oracle({"skylb-paper": (0.30, 33.2), "skylb": (0.43, 35.0)})])
+    assert v.oracle_check1 == ["skylb-paper"]  # 0.976x the best other's throughput: within 3%
+    assert v.check1_rules == ["Oracle/skylb-paper"]
+    (v,) = verdicts([rows[0], _summary("w@1x", "CH", 0.33, 34.0), oracle({"skylb": (0.30, 35.0)})])
+    assert v.check1_rules == ["CH", "Oracle/skylb"]  # another system meets it alone: a rule reaches both lines
+    (v,) = verdicts(rows)
+    assert v.oracle_check1 is None
 
 
 def test_check3_and_first_loaded_load():

@@ -14,8 +14,10 @@ over seeds with [min, max], bench/sim/metrics.py ``aggregate``). Per cell, on th
   is below 1.
 
 A check that does not apply (no oracle run, no single balancer at 2 s) is "n/a", never met. Check 2's clauses are
-also judged on the oracle's own figures (``oracle_check2``), to tell how far the check is attainable by placement
-at all in each cell.
+also judged on the oracle's own figures (``oracle_check2``), and check 1's on every rule run alone
+(``check1_rules``: each system and each of the oracle's candidate rules, with the oracle's fresh view and free
+network, must meet the P90 and the throughput lines at once on its own figures, where the oracle takes each figure
+from its best candidate), to tell how far each check is attainable by placement at all in each cell.
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ class CellVerdict:
 
     ``best_p90`` / ``best_tput``: the best other system on P90 (lowest) and on throughput (highest);
     ``single_p90`` / ``single_tput``: the same among the single balancers. ``oracle_check2``: check 2's clauses on
-    the oracle's P90 and throughput instead of the default's (None: check 2 does not apply or no oracle ran).
+    the oracle's P90 and throughput instead of the default's (None: check 2 does not apply or no oracle ran);
+    ``oracle_single_p90_ratio`` / ``oracle_single_tput_ratio``: the oracle's P90 and throughput over the best single
+    balancer's where check 2 applies. ``oracle_check1``: the oracle's candidate rules whose own figures (means over
+    seeds) meet check 1 in this cell, sorted (None: no oracle candidates ran). ``check1_rules``: every rule whose own
+    figures meet check 1 here: the systems by name (the default included) and the oracle's candidates as
+    "Oracle/<policy>" (None: no oracle ran).
     """
 
     workload: str
@@ -69,6 +76,10 @@ class CellVerdict:
     check1_parts: dict[str, bool | None] = field(default_factory=dict)
     check2: bool | None = None
     oracle_check2: bool | None = None
+    oracle_single_p90_ratio: float | None = None
+    oracle_single_tput_ratio: float | None = None
+    oracle_check1: list[str] | None = None
+    check1_rules: list[str] | None = None
 
     def to_dict(self) -> dict:
         """A JSON-ready dict."""
@@ -93,16 +104,26 @@ def _verdict(workload: str, load: float, rows: dict[str, RunSummary]) -> CellVer
     st = max(singles, key=lambda r: r.throughput_rps) if singles else None
     sp_ratio = sky.ttft_p90 / sp.ttft_p90 if sp else None
     st_ratio = sky.throughput_rps / st.throughput_rps if st else None
-    check2 = oracle_check2 = None
+    check2 = oracle_check2 = orc_p90_ratio = orc_tput_ratio = None
     if sp is not None and sp.ttft_p90 >= LOADED_P90_S:
         check2 = sp_ratio <= LOADED_P90_RATIO and st_ratio >= LOADED_THROUGHPUT_RATIO
         if orc is not None:
-            oracle_check2 = (orc.ttft_p90 / sp.ttft_p90 <= LOADED_P90_RATIO
-                             and orc.throughput_rps / st.throughput_rps >= LOADED_THROUGHPUT_RATIO)
+            orc_p90_ratio, orc_tput_ratio = orc.ttft_p90 / sp.ttft_p90, orc.throughput_rps / st.throughput_rps
+            oracle_check2 = orc_p90_ratio <= LOADED_P90_RATIO and orc_tput_ratio >= LOADED_THROUGHPUT_RATIO
+    oracle_check1 = check1_rules = None
+    if orc is not None:
+        def alone(p90: float, tput: float) -> bool:
+            return (p90 <= (1 + P90_TOLERANCE) * best_p.ttft_p90 and p90 <= ORACLE_LIMIT * orc.ttft_p90
+                    and tput >= (1 - THROUGHPUT_TOLERANCE) * best_t.throughput_rps)
+        oracle_check1 = sorted(n for n, c in orc.candidates.items() if alone(c["ttft_p90"], c["throughput_rps"]))
+        check1_rules = [s for s, r in rows.items() if s != "Oracle" and alone(r.ttft_p90, r.throughput_rps)]
+        check1_rules = sorted(check1_rules) + [f"Oracle/{n}" for n in oracle_check1]
+        oracle_check1 = oracle_check1 if orc.candidates else None
     return CellVerdict(workload, load, sky.ttft_p90, sky.throughput_rps, best_p.system, p90_ratio, best_t.system,
                        tput_ratio, oracle_ratio, sp.system if sp else None, sp.ttft_p90 if sp else None, sp_ratio,
                        st.system if st else None, st_ratio,
-                       all(v for v in parts.values() if v is not None), parts, check2, oracle_check2)
+                       all(v for v in parts.values() if v is not None), parts, check2, oracle_check2,
+                       orc_p90_ratio, orc_tput_ratio, oracle_check1, check1_rules)
 
 
 def verdicts(results: Sequence[RunSummary]) -> list[CellVerdict]:
@@ -161,11 +182,27 @@ def _checks_section(cells: Sequence[CellVerdict], singles: dict[str, float]) -> 
         na = sum(x is None for x in values)
         lines.append(f"- Check {n} ({name}): met in {met} of {met + len(missed)} cells"
                      + (f", {na} n/a" if na else "") + (f"; missed in {', '.join(missed)}" if missed else "") + ".")
+    ruled = [v for v in cells if v.check1_rules is not None]
+    if ruled:
+        none = [f"{v.workload}@{v.load:g}x" for v in ruled if not v.check1_rules]
+        lines.append(f"- Check 1 by one rule alone (every system, and each of the oracle's candidate rules with the "
+                     f"oracle's fresh view and free network, judged on its own figures): met by at least one rule in "
+                     f"{len(ruled) - len(none)} of {len(ruled)} cells (by the oracle's candidates in "
+                     f"{sum(bool(v.oracle_check1) for v in ruled)}, the default in {sum(v.check1 for v in ruled)}); "
+                     f"by none in {len(none)}" + (f" ({', '.join(none)})" if none else "")
+                     + ". The oracle takes its P90 and its throughput from whichever candidate is best at each; in "
+                     "the cells met by none, no rule run here reaches both lines at once.")
     judged = [v for v in cells if v.oracle_check2 is not None]
     if judged:
         met = [f"{v.workload}@{v.load:g}x" for v in judged if v.oracle_check2]
+        p90s = [v.oracle_single_p90_ratio for v in judged]
+        tputs = [v.oracle_single_tput_ratio for v in judged]
+        short = sum(x < LOADED_THROUGHPUT_RATIO for x in tputs)
         lines.append(f"- The oracle's own figures meet check 2 in {len(met)} of those {len(judged)} cells"
-                     + (f" ({', '.join(met)})" if met else "") + ": how far placement alone can reach it.")
+                     + (f" ({', '.join(met)})" if met else "") + ": how far placement alone can reach it. Over the "
+                     f"best single balancer's, its P90 is {min(p90s):.2f}-{max(p90s):.2f}x and its throughput "
+                     f"{min(tputs):.2f}-{max(tputs):.2f}x (below {LOADED_THROUGHPUT_RATIO:g}x in {short} of the "
+                     f"{len(judged)}).")
     ok = bool(singles) and all(x < 1.0 for x in singles.values())
     lines.append("- Check 3 (mean over cells of the default's P90 over each single balancer's, below 1 for every "
                  "one): " + ", ".join(f"{s} {x:.2f}x" for s, x in singles.items()) + f": {_mark(ok)}."
