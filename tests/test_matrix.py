@@ -207,6 +207,9 @@ def test_check1_is_judged_on_each_oracle_candidate_alone():
     assert v.check1_rules == ["Oracle/skylb-paper"]
     (v,) = verdicts([rows[0], _summary("w@1x", "CH", 0.33, 34.0), oracle({"skylb": (0.30, 35.0)})])
     assert v.check1_rules == ["CH", "Oracle/skylb"]  # another system meets it alone: a rule reaches both lines
+    text = "\n".join(_checks_section([v], {}))
+    assert "Of the default's 1 missed cells, another system (a balancer that can be deployed) meets check 1 alone " \
+           "in 1: w@1x (CH); only an oracle candidate (its fresh global view and free network) in 0." in text
     (v,) = verdicts(rows)
     assert v.oracle_check1 is None
 

@@ -192,6 +192,16 @@ def _checks_section(cells: Sequence[CellVerdict], singles: dict[str, float]) -> 
                      f"by none in {len(none)}" + (f" ({', '.join(none)})" if none else "")
                      + ". The oracle takes its P90 and its throughput from whichever candidate is best at each; in "
                      "the cells met by none, no rule run here reaches both lines at once.")
+        missed = [v for v in ruled if not v.check1]
+        deployable = [f"{v.workload}@{v.load:g}x ({', '.join(r for r in v.check1_rules if '/' not in r)})"
+                      for v in missed if any("/" not in r for r in v.check1_rules)]
+        oracle_only = [f"{v.workload}@{v.load:g}x" for v in missed
+                       if v.check1_rules and all("/" in r for r in v.check1_rules)]
+        lines.append(f"- Of the default's {len(missed)} missed cells, another system (a balancer that can be "
+                     f"deployed) meets check 1 alone in {len(deployable)}"
+                     + (f": {', '.join(deployable)}" if deployable else "")
+                     + f"; only an oracle candidate (its fresh global view and free network) in {len(oracle_only)}"
+                     + (f": {', '.join(oracle_only)}" if oracle_only else "") + ".")
     judged = [v for v in cells if v.oracle_check2 is not None]
     if judged:
         met = [f"{v.workload}@{v.load:g}x" for v in judged if v.oracle_check2]
