@@ -42,6 +42,8 @@ P90_TOLERANCE = THROUGHPUT_TOLERANCE = 0.03
 ORACLE_LIMIT = 1.15
 #: Check 2: where the best single balancer's P90 TTFT is at least 2 s: <= 0.5x its P90, >= 1.12x its throughput.
 LOADED_P90_S, LOADED_P90_RATIO, LOADED_THROUGHPUT_RATIO = 2.0, 0.5, 1.12
+#: How an oracle candidate is named among ``CellVerdict.check1_rules`` (systems go by their own names).
+ORACLE_RULE = "Oracle/"
 
 
 @dataclass
@@ -117,7 +119,7 @@ def _verdict(workload: str, load: float, rows: dict[str, RunSummary]) -> CellVer
                     and tput >= (1 - THROUGHPUT_TOLERANCE) * best_t.throughput_rps)
         oracle_check1 = sorted(n for n, c in orc.candidates.items() if alone(c["ttft_p90"], c["throughput_rps"]))
         check1_rules = [s for s, r in rows.items() if s != "Oracle" and alone(r.ttft_p90, r.throughput_rps)]
-        check1_rules = sorted(check1_rules) + [f"Oracle/{n}" for n in oracle_check1]
+        check1_rules = sorted(check1_rules) + [ORACLE_RULE + n for n in oracle_check1]
         oracle_check1 = oracle_check1 if orc.candidates else None
     return CellVerdict(workload, load, sky.ttft_p90, sky.throughput_rps, best_p.system, p90_ratio, best_t.system,
                        tput_ratio, oracle_ratio, sp.system if sp else None, sp.ttft_p90 if sp else None, sp_ratio,
@@ -193,10 +195,9 @@ def _checks_section(cells: Sequence[CellVerdict], singles: dict[str, float]) -> 
                      + ". The oracle takes its P90 and its throughput from whichever candidate is best at each; in "
                      "the cells met by none, no rule run here reaches both lines at once.")
         missed = [v for v in ruled if not v.check1]
-        deployable = [f"{v.workload}@{v.load:g}x ({', '.join(r for r in v.check1_rules if '/' not in r)})"
-                      for v in missed if any("/" not in r for r in v.check1_rules)]
-        oracle_only = [f"{v.workload}@{v.load:g}x" for v in missed
-                       if v.check1_rules and all("/" in r for r in v.check1_rules)]
+        by = [(v, [r for r in v.check1_rules if not r.startswith(ORACLE_RULE)]) for v in missed]
+        deployable = [f"{v.workload}@{v.load:g}x ({', '.join(systems)})" for v, systems in by if systems]
+        oracle_only = [f"{v.workload}@{v.load:g}x" for v, systems in by if v.check1_rules and not systems]
         lines.append(f"- Of the default's {len(missed)} missed cells, another system (a balancer that can be "
                      f"deployed) meets check 1 alone in {len(deployable)}"
                      + (f": {', '.join(deployable)}" if deployable else "")
